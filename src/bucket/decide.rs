@@ -1,0 +1,121 @@
+//! One request's decision over all the bucket instances it touches: all or nothing.
+
+use super::{refill, BucketState, Limit, MICRO};
+
+/// What one request descriptor asks of one bucket instance.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DemandKind {
+    /// Take this many micro-tokens if the whole request is admitted.
+    Consume(u64),
+    /// A non-consuming check (a descriptor `hits_addend` explicitly set to 0): passes when one
+    /// more token is there beyond what this request consumes from the same instance.
+    Check,
+    /// Give this many micro-tokens back, never above capacity (`is_negative_hits: true` in the
+    /// RLS proto). Always applied, whatever the decision; always answered OK.
+    Refund(u64),
+}
+
+/// One descriptor's demand on one bucket instance.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Demand {
+    /// Index of the instance in the `states` and `limits` given to [`decide`].
+    pub instance: usize,
+    /// What is asked.
+    pub kind: DemandKind,
+    /// `false` in shadow mode: the demand is evaluated and counted but never denies.
+    pub enforced: bool,
+}
+
+/// What a decision did to one bucket instance.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InstanceOutcome {
+    /// The state refilled to `now`, before this request took or gave anything.
+    pub before: BucketState,
+    /// The state after this decision.
+    pub after: BucketState,
+    /// Micro-tokens this request's consuming demands asked of the instance, added up.
+    pub consumed_ut: u64,
+    /// Whether `after` must be written back (tokens were taken or given). When `false` the
+    /// stored state is left as it was, so flooring in [`refill`] loses nothing.
+    pub changed: bool,
+}
+
+/// The decision for one request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Decision {
+    /// Whether any enforced demand failed; then nothing was consumed anywhere.
+    pub denied: bool,
+    /// Per demand, in the order given: whether it would pass on its own terms.
+    pub passed: Vec<bool>,
+    /// Per instance, in the order given.
+    pub instances: Vec<InstanceOutcome>,
+}
+
+/// Decides one request at `now_us` over `states` (one per bucket instance, each with the limit
+/// in force in `limits`), applying `demands`.
+///
+/// - The consuming demands on one instance add up; the instance can serve them iff it holds
+///   that many micro-tokens after refill.
+/// - The request is denied iff some enforced demand fails. A denied request consumes nothing
+///   anywhere; an admitted one consumes from every instance that can serve it (a shadow
+///   instance that cannot keeps its tokens).
+/// - Refunds apply afterwards in every case, capped at capacity.
+///
+/// # Panics
+/// When `limits` and `states` differ in length or a demand names an instance out of range:
+/// both are built by the caller from the same list.
+pub fn decide(now_us: u64, states: &[BucketState], limits: &[Limit], demands: &[Demand]) -> Decision {
+    assert_eq!(states.len(), limits.len(), "one limit per bucket state");
+    let mut consumed = vec![0u64; states.len()];
+    let mut refunded = vec![0u64; states.len()];
+    for d in demands {
+        match d.kind {
+            DemandKind::Consume(n) => consumed[d.instance] = consumed[d.instance].saturating_add(n),
+            DemandKind::Refund(n) => refunded[d.instance] = refunded[d.instance].saturating_add(n),
+            DemandKind::Check => {}
+        }
+    }
+    let before: Vec<BucketState> = states.iter().zip(limits).map(|(s, l)| refill(*s, l, now_us)).collect();
+    let passed: Vec<bool> = demands
+        .iter()
+        .map(|d| {
+            let held = before[d.instance].tokens_ut;
+            match d.kind {
+                DemandKind::Consume(_) => held >= consumed[d.instance],
+                DemandKind::Check => held >= consumed[d.instance].saturating_add(MICRO),
+                DemandKind::Refund(_) => true,
+            }
+        })
+        .collect();
+    let denied = demands.iter().zip(&passed).any(|(d, ok)| d.enforced && !ok);
+    let instances = before
+        .iter()
+        .zip(limits)
+        .enumerate()
+        .map(|(i, (b, limit))| {
+            let mut tokens = b.tokens_ut;
+            let take = !denied && consumed[i] > 0 && tokens >= consumed[i];
+            if take {
+                tokens -= consumed[i];
+            }
+            let give = refunded[i] > 0 && tokens < limit.capacity_ut;
+            if give {
+                tokens = tokens.saturating_add(refunded[i]).min(limit.capacity_ut);
+            }
+            InstanceOutcome {
+                before: *b,
+                after: BucketState {
+                    tokens_ut: tokens,
+                    updated_us: b.updated_us,
+                },
+                consumed_ut: consumed[i],
+                changed: take || give,
+            }
+        })
+        .collect();
+    Decision {
+        denied,
+        passed,
+        instances,
+    }
+}

@@ -1,0 +1,17 @@
+//! Rules configuration: the YAML model, validation, and compilation into a [`RuleSet`].
+//!
+//! Two schemas load side by side, node by node: tollgate's own (`buckets:` with named
+//! token buckets, `bucket:` / `token_bucket:` on descriptors) and envoyproxy/ratelimit's
+//! (`rate_limit: {unit, requests_per_unit, ...}`), which loads unchanged.
+//!
+//! [`RuleSet`]: crate::rules::RuleSet
+
+mod compile;
+mod error;
+mod load;
+mod model;
+mod refill;
+
+pub use error::{ConfigError, ConfigErrors};
+pub use load::{load_rules, rule_files};
+pub use refill::{parse_duration_us, parse_refill, Refill};

@@ -1,0 +1,92 @@
+//! The rules YAML as written. Both schemas share these structs; `deny_unknown_fields` makes a
+//! misspelt field an error in either.
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+
+/// One rules file: one domain.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RulesFile {
+    pub domain: String,
+    /// Named token-bucket policies that descriptors reference with `bucket:`.
+    #[serde(default)]
+    pub buckets: BTreeMap<String, BucketSpec>,
+    #[serde(default)]
+    pub descriptors: Vec<DescriptorSpec>,
+}
+
+/// A token bucket: `capacity` whole tokens, refilled at `refill` (`10/s`, `600/1m`, `1/250ms`).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BucketSpec {
+    pub capacity: u64,
+    pub refill: String,
+}
+
+/// One node of the descriptor tree.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DescriptorSpec {
+    pub key: String,
+    /// Exact value, or a pattern with `*`; absent means "any value" (one instance per value).
+    pub value: Option<String>,
+    /// The bucket name for an inline limit (`token_bucket` or `rate_limit` in tollgate's
+    /// schema); defaults to the node's path.
+    pub name: Option<String>,
+    /// Reference to a policy in the file's `buckets:`.
+    pub bucket: Option<String>,
+    /// An inline token bucket.
+    pub token_bucket: Option<BucketSpec>,
+    /// envoyproxy/ratelimit's limit.
+    pub rate_limit: Option<RateLimitSpec>,
+    #[serde(default)]
+    pub unlimited: bool,
+    #[serde(default)]
+    pub shadow_mode: bool,
+    /// Bucket names this rule replaces when both match one request.
+    pub replaces: Option<Vec<ReplaceSpec>>,
+    #[serde(default)]
+    pub descriptors: Vec<DescriptorSpec>,
+    /// envoyproxy/ratelimit fields tollgate accepts and ignores; `tollgate check` lists them.
+    pub detailed_metric: Option<serde_yaml::Value>,
+    pub value_to_metric: Option<serde_yaml::Value>,
+    pub share_threshold: Option<serde_yaml::Value>,
+}
+
+impl DescriptorSpec {
+    /// The envoyproxy/ratelimit fields set on this node that have no effect in tollgate.
+    pub fn ignored_fields(&self) -> Vec<&'static str> {
+        let mut out = Vec::new();
+        if self.detailed_metric.is_some() {
+            out.push("detailed_metric");
+        }
+        if self.value_to_metric.is_some() {
+            out.push("value_to_metric");
+        }
+        if self.share_threshold.is_some() {
+            out.push("share_threshold");
+        }
+        out
+    }
+}
+
+/// envoyproxy/ratelimit's `rate_limit` block.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RateLimitSpec {
+    pub unit: Option<String>,
+    pub requests_per_unit: Option<u64>,
+    #[serde(default)]
+    pub unlimited: bool,
+    pub name: Option<String>,
+    pub replaces: Option<Vec<ReplaceSpec>>,
+}
+
+/// `replaces: [{name: ...}]`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReplaceSpec {
+    pub name: String,
+}

@@ -1,0 +1,265 @@
+//! The decision path, independent of gRPC: a `RateLimitRequest` in, a `RateLimitResponse` out.
+//!
+//! 1. validate the request (bounds and required fields, DESIGN 1.4);
+//! 2. per descriptor, find the rule ([`crate::matcher`]) or the Envoy `limit` override;
+//! 3. drop rules that another matched rule `replaces`;
+//! 4. build the distinct bucket instances and the demands on them (`hits_addend`);
+//! 5. let the store decide all of them atomically;
+//! 6. turn the decision into statuses and headers ([`crate::response`]).
+
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+
+use crate::bucket::{DemandKind, Limit, Rate, MICRO};
+use crate::matcher::{find_rule, instance_key};
+use crate::response::{build_response, Target};
+use crate::rules::{BucketPolicy, ReportedLimit, Rule, RuleSet, UNITS};
+use crate::settings::{HeaderSettings, RequestLimits};
+use crate::store::{BucketRef, Store, StoreError};
+
+/// The bucket name reported for Envoy `limit` overrides.
+pub const OVERRIDE_BUCKET: &str = "override";
+
+/// Why a request got no decision.
+#[derive(Debug, thiserror::Error)]
+pub enum LimitError {
+    /// The request is malformed; answered `INVALID_ARGUMENT`.
+    #[error("{0}")]
+    InvalidRequest(String),
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// Limiter behaviour that is not rules.
+#[derive(Clone, Copy, Debug)]
+pub struct LimiterOptions {
+    /// Request bounds.
+    pub limits: RequestLimits,
+    /// Response headers to add.
+    pub headers: HeaderSettings,
+    /// Global shadow mode.
+    pub shadow_mode: bool,
+    /// Honour Envoy's per-descriptor `limit` override.
+    pub overrides: bool,
+}
+
+/// Rules plus a store: decides requests.
+pub struct Limiter<S> {
+    rules: ArcSwap<RuleSet>,
+    store: S,
+    options: LimiterOptions,
+}
+
+/// What one descriptor was matched to, before the store is asked.
+struct Matched {
+    policy: BucketPolicy,
+    shadow: bool,
+    replaces: Vec<usize>,
+    bucket_index: Option<usize>,
+}
+
+impl<S: Store> Limiter<S> {
+    /// A limiter over `rules` and `store`.
+    pub fn new(rules: RuleSet, store: S, options: LimiterOptions) -> Limiter<S> {
+        Limiter {
+            rules: ArcSwap::from_pointee(rules),
+            store,
+            options,
+        }
+    }
+
+    /// The store.
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// The rules in force.
+    pub fn rules(&self) -> Arc<RuleSet> {
+        self.rules.load_full()
+    }
+
+    /// Replaces the rules in force; requests already being decided finish on the old ones.
+    pub fn swap_rules(&self, rules: RuleSet) {
+        self.rules.store(Arc::new(rules));
+    }
+
+    /// Decides one request.
+    ///
+    /// Errors: [`LimitError::InvalidRequest`] for an empty domain, a descriptor with no
+    /// entries, an entry with an empty key, more descriptors or entries than the configured
+    /// maximum, or an override with an unknown unit; [`LimitError::Store`] when the store fails.
+    pub async fn should_rate_limit(&self, req: &RateLimitRequest) -> Result<RateLimitResponse, LimitError> {
+        validate(req, &self.options.limits)?;
+        let rules = self.rules.load();
+        let domain = rules.domain(&req.domain);
+        let mut matched: Vec<Option<Matched>> = Vec::with_capacity(req.descriptors.len());
+        for d in &req.descriptors {
+            let m = match (&d.limit, self.options.overrides) {
+                (Some(o), true) => Some(Matched {
+                    policy: override_policy(o.requests_per_unit, o.unit)?,
+                    shadow: false,
+                    replaces: Vec::new(),
+                    bucket_index: None,
+                }),
+                _ => domain.and_then(|dom| match find_rule(dom, &d.entries) {
+                    Some(Rule::Limited {
+                        bucket,
+                        shadow,
+                        replaces,
+                    }) => Some(Matched {
+                        policy: dom.buckets[*bucket].clone(),
+                        shadow: *shadow,
+                        replaces: replaces.clone(),
+                        bucket_index: Some(*bucket),
+                    }),
+                    _ => None,
+                }),
+            };
+            matched.push(m);
+        }
+        drop_replaced(&mut matched);
+
+        let mut buckets: Vec<BucketRef> = Vec::new();
+        let mut targets: Vec<Option<Target>> = Vec::with_capacity(matched.len());
+        let mut demands = Vec::new();
+        for (d, m) in req.descriptors.iter().zip(matched) {
+            let Some(m) = m else {
+                targets.push(None);
+                continue;
+            };
+            let mut key = String::new();
+            instance_key(&mut key, &req.domain, &m.policy.name, &d.entries);
+            if m.bucket_index.is_none() {
+                key.push_str(&format!(
+                    "#{}/{}",
+                    m.policy.reported.requests_per_unit,
+                    m.policy.reported.unit.as_str_name()
+                ));
+            }
+            let instance = match buckets.iter().position(|b| b.key == key) {
+                Some(i) => i,
+                None => {
+                    buckets.push(BucketRef {
+                        key,
+                        limit: m.policy.limit,
+                    });
+                    buckets.len() - 1
+                }
+            };
+            let kind = demand_kind(d, req.hits_addend);
+            demands.push(crate::bucket::Demand {
+                instance,
+                kind,
+                enforced: !(m.shadow || self.options.shadow_mode),
+            });
+            targets.push(Some(Target {
+                policy: m.policy,
+                instance,
+                demand: demands.len() - 1,
+                kind,
+                shadow: m.shadow || self.options.shadow_mode,
+            }));
+        }
+        if buckets.is_empty() {
+            return Ok(build_response(&targets, None, &self.options.headers));
+        }
+        let applied = self.store.apply(&buckets, &demands).await?;
+        Ok(build_response(&targets, Some(&applied), &self.options.headers))
+    }
+}
+
+/// `hits_addend`: the descriptor's own (a wrapped `UInt64Value`, so an explicit 0 is a
+/// non-consuming check) when present, else the request's, where 0 means 1 (proto3 cannot
+/// tell 0 from unset and Envoy sends 0). `is_negative_hits` turns it into a refund.
+fn demand_kind(d: &RateLimitDescriptor, request_hits: u32) -> DemandKind {
+    let hits = match &d.hits_addend {
+        Some(v) => v.value,
+        None => u64::from(request_hits.max(1)),
+    };
+    let micro = hits.saturating_mul(MICRO);
+    match (d.is_negative_hits, hits) {
+        (true, _) => DemandKind::Refund(micro),
+        (false, 0) => DemandKind::Check,
+        (false, _) => DemandKind::Consume(micro),
+    }
+}
+
+/// Envoy's `RateLimitOverride`: a bucket of `requests_per_unit` refilled that many per unit.
+fn override_policy(requests_per_unit: u32, unit: i32) -> Result<BucketPolicy, LimitError> {
+    let (unit, unit_us) = Unit::try_from(unit)
+        .ok()
+        .and_then(|u| UNITS.iter().find(|(x, _)| *x == u).copied())
+        .ok_or_else(|| LimitError::InvalidRequest(format!("descriptor limit override has unknown unit {unit}")))?;
+    let rpu = u64::from(requests_per_unit).min(crate::bucket::MAX_CAPACITY);
+    let limit = if rpu == 0 {
+        Limit::new(0, Rate::ZERO)
+    } else {
+        Limit::new(
+            rpu,
+            Rate::per(rpu, unit_us).map_err(|e| LimitError::InvalidRequest(e.to_string()))?,
+        )
+    };
+    Ok(BucketPolicy {
+        name: OVERRIDE_BUCKET.to_owned(),
+        limit,
+        reported: ReportedLimit {
+            requests_per_unit,
+            unit,
+        },
+    })
+}
+
+/// `replaces`: a matched rule drops every other matched rule whose bucket it names.
+fn drop_replaced(matched: &mut [Option<Matched>]) {
+    let replaced: Vec<usize> = matched
+        .iter()
+        .flatten()
+        .flat_map(|m| m.replaces.iter().copied())
+        .collect();
+    if replaced.is_empty() {
+        return;
+    }
+    for m in matched.iter_mut() {
+        if m.as_ref()
+            .and_then(|m| m.bucket_index)
+            .is_some_and(|b| replaced.contains(&b))
+        {
+            *m = None;
+        }
+    }
+}
+
+fn validate(req: &RateLimitRequest, limits: &RequestLimits) -> Result<(), LimitError> {
+    let invalid = |msg: String| Err(LimitError::InvalidRequest(msg));
+    if req.domain.is_empty() {
+        return invalid("domain must not be empty".into());
+    }
+    if req.descriptors.len() > limits.max_descriptors {
+        return invalid(format!(
+            "{} descriptors exceed the maximum of {}",
+            req.descriptors.len(),
+            limits.max_descriptors
+        ));
+    }
+    for (i, d) in req.descriptors.iter().enumerate() {
+        if d.entries.is_empty() {
+            return invalid(format!("descriptor {i} has no entries"));
+        }
+        if d.entries.len() > limits.max_entries {
+            return invalid(format!(
+                "descriptor {i} has {} entries, more than the maximum of {}",
+                d.entries.len(),
+                limits.max_entries
+            ));
+        }
+        if let Some(j) = d.entries.iter().position(|e| e.key.is_empty()) {
+            return invalid(format!("descriptor {i} entry {j} has an empty key"));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,87 @@
+//! The `tollgate` command line: `serve` and `check`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use tollgate::settings::{LogFormat, Settings};
+use tracing_subscriber::EnvFilter;
+
+#[derive(Parser)]
+#[command(
+    name = "tollgate",
+    version,
+    about = "An exact token-bucket rate-limit service for Envoy"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve Envoy's RateLimitService (gRPC) and the HTTP health endpoints.
+    Serve {
+        /// Settings file (YAML). Without it, config/tollgate.yaml is read if it exists.
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
+    /// Validate rules and print the compiled descriptor tree; exit 1 on any error.
+    Check {
+        /// A rules file or a directory of rules files.
+        #[arg(long, default_value = "config/rules")]
+        rules: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Check { rules } => match tollgate::config::load_rules(&rules) {
+            Ok(set) => {
+                print!("{}", tollgate::check::render(&set));
+                ExitCode::SUCCESS
+            }
+            Err(errors) => {
+                eprintln!("{errors}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::Serve { config } => {
+            let settings = match Settings::load(config.as_deref()) {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("invalid settings: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            init_logging(&settings);
+            let runtime = match tokio::runtime::Runtime::new() {
+                Ok(rt) => rt,
+                Err(e) => {
+                    eprintln!("cannot start the runtime: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            match runtime.block_on(tollgate::server::serve(settings)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    tracing::error!("{e:#}");
+                    eprintln!("tollgate: {e:#}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}
+
+fn init_logging(settings: &Settings) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(&settings.log.level));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match settings.log.format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder.init(),
+    }
+}

@@ -1,0 +1,213 @@
+//! From a decision to a `RateLimitResponse`: statuses in request order and the headers Envoy
+//! forwards to the client (DESIGN 1.4).
+
+use envoy_types::pb::envoy::config::core::v3::HeaderValue;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{Code, DescriptorStatus, RateLimit};
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
+use envoy_types::pb::google::protobuf::Duration;
+
+use crate::bucket::{time_to_full_us, time_until_us, DemandKind, MICRO};
+use crate::rules::BucketPolicy;
+use crate::settings::HeaderSettings;
+use crate::store::Applied;
+
+/// A descriptor that matched a bucket.
+#[derive(Clone, Debug)]
+pub struct Target {
+    /// The policy in force.
+    pub policy: BucketPolicy,
+    /// Index of the bucket instance in the store request.
+    pub instance: usize,
+    /// Index of the descriptor's demand in the store request.
+    pub demand: usize,
+    /// What the descriptor asked of the bucket.
+    pub kind: DemandKind,
+    /// Shadow mode (the rule's or the global switch).
+    pub shadow: bool,
+}
+
+/// One descriptor's verdict, before it becomes a `DescriptorStatus`.
+struct Verdict<'a> {
+    policy: &'a BucketPolicy,
+    over: bool,
+    remaining_ut: u64,
+    until_full_us: Option<u64>,
+    /// For a denied enforced descriptor: the wait until the same demand would pass.
+    retry_after_us: Option<u64>,
+}
+
+/// Builds the response. `targets` has one entry per request descriptor (`None`: no limit
+/// applies); `applied` is the store's decision, absent when no descriptor matched a bucket.
+pub fn build_response(
+    targets: &[Option<Target>],
+    applied: Option<&Applied>,
+    headers: &HeaderSettings,
+) -> RateLimitResponse {
+    let verdicts: Vec<Option<Verdict<'_>>> = targets
+        .iter()
+        .map(|t| {
+            let t = t.as_ref()?;
+            let applied = applied.expect("a matched descriptor has a decision");
+            let out = &applied.decision.instances[t.instance];
+            let limit = &t.policy.limit;
+            let passed = applied.decision.passed[t.demand];
+            let need = match t.kind {
+                DemandKind::Check => out.consumed_ut.saturating_add(MICRO),
+                _ => out.consumed_ut,
+            };
+            Some(Verdict {
+                policy: &t.policy,
+                over: !passed && !t.shadow,
+                remaining_ut: out.after.tokens_ut,
+                until_full_us: time_to_full_us(out.after.tokens_ut, limit),
+                retry_after_us: if passed {
+                    None
+                } else {
+                    time_until_us(out.before.tokens_ut, need, limit)
+                },
+            })
+        })
+        .collect();
+    let denied = verdicts.iter().flatten().any(|v| v.over);
+    let statuses = verdicts
+        .iter()
+        .map(|v| match v {
+            None => DescriptorStatus {
+                code: Code::Ok as i32,
+                ..Default::default()
+            },
+            Some(v) => DescriptorStatus {
+                code: if v.over { Code::OverLimit } else { Code::Ok } as i32,
+                current_limit: Some(RateLimit {
+                    name: v.policy.name.clone(),
+                    requests_per_unit: v.policy.reported.requests_per_unit,
+                    unit: v.policy.reported.unit as i32,
+                }),
+                limit_remaining: whole_tokens(v.remaining_ut),
+                duration_until_reset: v.until_full_us.map(duration),
+                ..Default::default()
+            },
+        })
+        .collect();
+    let mut response_headers_to_add = Vec::new();
+    if denied && headers.retry_after {
+        if let Some(wait) = retry_after_us(&verdicts) {
+            response_headers_to_add.push(header("retry-after", ceil_seconds(wait).to_string()));
+        }
+    }
+    let per_bucket = lowest_per_bucket(&verdicts);
+    if headers.ratelimit && !per_bucket.is_empty() {
+        let policy: Vec<String> = per_bucket.iter().map(|v| policy_item(v)).collect();
+        let state: Vec<String> = per_bucket.iter().map(|v| state_item(v)).collect();
+        response_headers_to_add.push(header("ratelimit-policy", policy.join(", ")));
+        response_headers_to_add.push(header("ratelimit", state.join(", ")));
+    }
+    if headers.x_ratelimit {
+        if let Some(v) = per_bucket.iter().min_by_key(|v| v.remaining_ut) {
+            response_headers_to_add.push(header("x-ratelimit-limit", v.policy.limit.capacity().to_string()));
+            response_headers_to_add.push(header(
+                "x-ratelimit-remaining",
+                whole_tokens(v.remaining_ut).to_string(),
+            ));
+            response_headers_to_add.push(header(
+                "x-ratelimit-reset",
+                v.until_full_us.map_or(0, ceil_seconds).to_string(),
+            ));
+        }
+    }
+    RateLimitResponse {
+        overall_code: if denied { Code::OverLimit } else { Code::Ok } as i32,
+        statuses,
+        response_headers_to_add,
+        ..Default::default()
+    }
+}
+
+/// The largest wait among the denied descriptors; `None` if any of them can never pass (a
+/// wait that cannot succeed would mislead the client).
+fn retry_after_us(verdicts: &[Option<Verdict<'_>>]) -> Option<u64> {
+    let mut longest = 0;
+    for v in verdicts.iter().flatten().filter(|v| v.over) {
+        longest = longest.max(v.retry_after_us?);
+    }
+    Some(longest)
+}
+
+/// One verdict per bucket name, in request order of first appearance: the one with the fewest
+/// tokens left when several instances share a name.
+fn lowest_per_bucket<'v, 'a>(verdicts: &'v [Option<Verdict<'a>>]) -> Vec<&'v Verdict<'a>> {
+    let mut out: Vec<&Verdict<'_>> = Vec::new();
+    for v in verdicts.iter().flatten() {
+        match out.iter_mut().find(|o| o.policy.name == v.policy.name) {
+            Some(o) if v.remaining_ut < o.remaining_ut => *o = v,
+            Some(_) => {}
+            None => out.push(v),
+        }
+    }
+    out
+}
+
+/// A `RateLimit-Policy` item: `"name";q=<capacity>;w=<seconds to fill from empty>`
+/// (draft-ietf-httpapi-ratelimit-headers-10 section 4). `w` is left out for a bucket that
+/// never refills.
+fn policy_item(v: &Verdict<'_>) -> String {
+    let mut item = format!("{};q={}", sf_string(&v.policy.name), v.policy.limit.capacity());
+    if let Some(fill) = v
+        .policy
+        .limit
+        .time_to_fill_us()
+        .filter(|_| !v.policy.limit.rate.is_zero())
+    {
+        item.push_str(&format!(";w={}", ceil_seconds(fill)));
+    }
+    item
+}
+
+/// A `RateLimit` item: `"name";r=<whole tokens left>;t=<seconds until full, rounded up>`
+/// (draft-ietf-httpapi-ratelimit-headers-10 section 5). `t` is left out for a bucket that
+/// never refills.
+fn state_item(v: &Verdict<'_>) -> String {
+    let mut item = format!("{};r={}", sf_string(&v.policy.name), whole_tokens(v.remaining_ut));
+    if let Some(t) = v.until_full_us {
+        item.push_str(&format!(";t={}", ceil_seconds(t)));
+    }
+    item
+}
+
+/// A structured-field String (RFC 8941 section 3.3.3): quoted, with `"` and `\` escaped.
+/// Bucket names are printable ASCII, checked at load.
+fn sf_string(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        if c == '"' || c == '\\' {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out.push('"');
+    out
+}
+
+fn header(key: &str, value: String) -> HeaderValue {
+    HeaderValue {
+        key: key.to_owned(),
+        value,
+        ..Default::default()
+    }
+}
+
+fn whole_tokens(ut: u64) -> u32 {
+    u32::try_from(ut / MICRO).unwrap_or(u32::MAX)
+}
+
+fn ceil_seconds(us: u64) -> u64 {
+    us.div_ceil(1_000_000)
+}
+
+fn duration(us: u64) -> Duration {
+    Duration {
+        seconds: i64::try_from(us / 1_000_000).unwrap_or(i64::MAX),
+        nanos: ((us % 1_000_000) * 1000) as i32,
+    }
+}

@@ -1,0 +1,287 @@
+//! The compiled rule set: per domain, a tree of descriptor nodes and the named bucket policies
+//! they point at. Built by [`crate::config`], walked by [`crate::matcher`], swapped whole.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
+
+use crate::bucket::Limit;
+
+/// All loaded domains.
+#[derive(Debug, Default)]
+pub struct RuleSet {
+    /// Domains by name.
+    pub domains: HashMap<String, Domain>,
+    /// The files the rules came from, in load order.
+    pub files: Vec<PathBuf>,
+}
+
+impl RuleSet {
+    /// The domain named `name`, if loaded.
+    pub fn domain(&self, name: &str) -> Option<&Domain> {
+        self.domains.get(name)
+    }
+}
+
+/// One domain: its descriptor tree and bucket policies.
+#[derive(Debug)]
+pub struct Domain {
+    /// The `domain` field of the file.
+    pub name: String,
+    /// The file that declared it.
+    pub file: PathBuf,
+    /// Bucket policies; [`Rule::Limited`] points into this by index.
+    pub buckets: Vec<BucketPolicy>,
+    /// Node arena; [`Level`] refers to nodes by index.
+    pub nodes: Vec<Node>,
+    /// The first level of the tree.
+    pub root: Level,
+    /// Things `tollgate check` should tell the operator that are not errors, such as
+    /// envoyproxy/ratelimit fields without effect here: `(rule path, note)`.
+    pub notes: Vec<(String, String)>,
+}
+
+/// A named token-bucket policy.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BucketPolicy {
+    /// What operators see: `current_limit.name`, the `RateLimit-Policy` item, metrics labels.
+    pub name: String,
+    /// Capacity and refill.
+    pub limit: Limit,
+    /// `current_limit` as sent to Envoy (DESIGN 1.4).
+    pub reported: ReportedLimit,
+}
+
+/// `DescriptorStatus.current_limit`: requests per unit, as Envoy understands a limit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReportedLimit {
+    /// `RateLimit.requests_per_unit`.
+    pub requests_per_unit: u32,
+    /// `RateLimit.unit`.
+    pub unit: Unit,
+}
+
+/// Envoy's fixed-length units, in microseconds; MONTH and YEAR as envoyproxy/ratelimit counts
+/// them (30 and 365 days).
+pub const UNITS: [(Unit, u64); 7] = [
+    (Unit::Second, 1_000_000),
+    (Unit::Minute, 60_000_000),
+    (Unit::Hour, 3_600_000_000),
+    (Unit::Day, 86_400_000_000),
+    (Unit::Week, 7 * 86_400_000_000),
+    (Unit::Month, 30 * 86_400_000_000),
+    (Unit::Year, 365 * 86_400_000_000),
+];
+
+impl ReportedLimit {
+    /// How a [`Limit`] is reported (DESIGN 1.4): when its time to fill from empty is exactly
+    /// one unit, `capacity` per that unit; otherwise the refill rate in the first of SECOND,
+    /// MINUTE, HOUR, DAY, WEEK, MONTH, YEAR in which it is a whole number (1 per 250 ms is 4
+    /// per SECOND), else per YEAR rounded down. Saturates at `u32::MAX`. A zero rate reports 0 per SECOND.
+    pub fn of(limit: &Limit) -> ReportedLimit {
+        let sat = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
+        if limit.rate.is_zero() {
+            return ReportedLimit {
+                requests_per_unit: 0,
+                unit: Unit::Second,
+            };
+        }
+        if let Some(fill) = limit.time_to_fill_us() {
+            if let Some((unit, _)) = UNITS.iter().find(|(_, us)| *us == fill) {
+                return ReportedLimit {
+                    requests_per_unit: sat(limit.capacity()),
+                    unit: *unit,
+                };
+            }
+        }
+        for (unit, us) in &UNITS {
+            if let Some(n) = limit.rate.whole_tokens_per(*us).filter(|n| *n > 0) {
+                return ReportedLimit {
+                    requests_per_unit: sat(n),
+                    unit: *unit,
+                };
+            }
+        }
+        let per_year = u128::from(limit.rate.num()) * u128::from(UNITS[6].1)
+            / (u128::from(limit.rate.den()) * u128::from(crate::bucket::MICRO));
+        ReportedLimit {
+            requests_per_unit: sat(u64::try_from(per_year).unwrap_or(u64::MAX)),
+            unit: Unit::Year,
+        }
+    }
+}
+
+/// One node of a descriptor tree.
+#[derive(Debug)]
+pub struct Node {
+    /// The node's path: keys and values joined with `.`, e.g. `api_key.path=/upload`.
+    pub path: String,
+    /// The next level.
+    pub children: Level,
+    /// What applies when a descriptor's last entry lands here; `None` means no limit.
+    pub rule: Option<Rule>,
+}
+
+/// What a node does to a request that ends on it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Rule {
+    /// `unlimited: true`: never limited, no bucket touched.
+    Unlimited,
+    /// A token bucket.
+    Limited {
+        /// Index into [`Domain::buckets`].
+        bucket: usize,
+        /// `shadow_mode: true`: evaluated and counted, never denies.
+        shadow: bool,
+        /// Bucket indices this rule replaces when both match one request.
+        replaces: Vec<usize>,
+    },
+}
+
+/// The children of one node (or the root): how one descriptor entry is matched.
+#[derive(Debug, Default)]
+pub struct Level {
+    /// `key` -> `value` -> node, for exact values.
+    pub exact: HashMap<String, HashMap<String, usize>>,
+    /// `(key, pattern, node)` for values with `*`, in config order.
+    pub wildcard: Vec<(String, Pattern, usize)>,
+    /// `key` -> node, for nodes with no value (any value).
+    pub any: HashMap<String, usize>,
+}
+
+impl Level {
+    /// The node an entry `(key, value)` leads to: the exact value first, then wildcard patterns
+    /// in config order, then the key-only default (DESIGN 1.1).
+    pub fn find(&self, key: &str, value: &str) -> Option<usize> {
+        if let Some(node) = self.exact.get(key).and_then(|values| values.get(value)) {
+            return Some(*node);
+        }
+        if let Some((_, _, node)) = self
+            .wildcard
+            .iter()
+            .find(|(k, pattern, _)| k == key && pattern.matches(value))
+        {
+            return Some(*node);
+        }
+        self.any.get(key).copied()
+    }
+
+    /// Whether the level has no children.
+    pub fn is_empty(&self) -> bool {
+        self.exact.is_empty() && self.wildcard.is_empty() && self.any.is_empty()
+    }
+}
+
+/// A value pattern where `*` matches any run of characters (possibly empty).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Pattern {
+    /// The literal pieces between stars; the first is a prefix, the last a suffix.
+    pieces: Vec<String>,
+}
+
+impl Pattern {
+    /// A pattern from its text; `None` when it has no `*` (an exact value).
+    pub fn parse(text: &str) -> Option<Pattern> {
+        text.contains('*').then(|| Pattern {
+            pieces: text.split('*').map(str::to_owned).collect(),
+        })
+    }
+
+    /// Whether `value` matches: the first piece is a prefix, the last a suffix, and the middle
+    /// pieces occur in order, without overlapping, in between.
+    pub fn matches(&self, value: &str) -> bool {
+        let (first, rest) = self.pieces.split_first().expect("a pattern has two pieces at least");
+        let (last, middle) = rest.split_last().expect("a pattern has two pieces at least");
+        if value.len() < first.len() + last.len()
+            || !value.starts_with(first.as_str())
+            || !value.ends_with(last.as_str())
+        {
+            return false;
+        }
+        let mut inner = &value[first.len()..value.len() - last.len()];
+        for piece in middle {
+            match inner.find(piece.as_str()) {
+                Some(at) => inner = &inner[at + piece.len()..],
+                None => return false,
+            }
+        }
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bucket::Rate;
+
+    #[test]
+    fn patterns() {
+        let p = |t| Pattern::parse(t).unwrap();
+        assert!(p("*").matches(""));
+        assert!(p("/api/*").matches("/api/v1"));
+        assert!(!p("/api/*").matches("/apx/v1"));
+        assert!(p("*.png").matches("a.png"));
+        assert!(p("a*b*c").matches("abc"));
+        assert!(p("a*b*c").matches("aXbYc"));
+        assert!(!p("a*b*c").matches("acb"));
+        assert!(!p("ab*ba").matches("aba"), "prefix and suffix must not overlap");
+        assert!(p("*x*x*").matches("xx"));
+        assert!(!p("*x*x*").matches("x"));
+        assert!(Pattern::parse("plain").is_none());
+    }
+
+    #[test]
+    fn reported_limits() {
+        let rl = |cap, tokens, period_us| ReportedLimit::of(&Limit::new(cap, Rate::per(tokens, period_us).unwrap()));
+        assert_eq!(
+            rl(10, 10, 60_000_000),
+            ReportedLimit {
+                requests_per_unit: 10,
+                unit: Unit::Minute
+            }
+        );
+        assert_eq!(
+            rl(7, 1, 250_000),
+            ReportedLimit {
+                requests_per_unit: 4,
+                unit: Unit::Second
+            }
+        );
+        assert_eq!(
+            rl(100, 10, 1_000_000),
+            ReportedLimit {
+                requests_per_unit: 10,
+                unit: Unit::Second
+            }
+        );
+        assert_eq!(
+            rl(5, 1, 90_000_000),
+            ReportedLimit {
+                requests_per_unit: 40,
+                unit: Unit::Hour
+            }
+        );
+        assert_eq!(
+            rl(5, 1, 7 * 86_400_000_000),
+            ReportedLimit {
+                requests_per_unit: 1,
+                unit: Unit::Week
+            }
+        );
+        assert_eq!(
+            rl(5, 7, 3 * 1_000_000),
+            ReportedLimit {
+                requests_per_unit: 140,
+                unit: Unit::Minute
+            }
+        );
+        assert_eq!(
+            ReportedLimit::of(&Limit::new(0, Rate::ZERO)),
+            ReportedLimit {
+                requests_per_unit: 0,
+                unit: Unit::Second
+            }
+        );
+    }
+}

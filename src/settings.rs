@@ -1,0 +1,233 @@
+//! Server settings: built-in defaults, then a YAML file, then `TOLLGATE_*` environment
+//! variables (nested keys with `__`, e.g. `TOLLGATE_HEADERS__RETRY_AFTER=false`).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use figment::providers::{Env, Format, Serialized, Yaml};
+use figment::Figment;
+use serde::{Deserialize, Serialize};
+
+/// All server settings. Every field has a default, so an empty file is valid.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Settings {
+    /// gRPC listener for `RateLimitService` and `grpc.health.v1` (Envoy's convention: 8081).
+    pub grpc_addr: SocketAddr,
+    /// HTTP listener for `/healthz` and `/readyz`.
+    pub http_addr: SocketAddr,
+    /// A rules file, or a directory of `*.yaml` rules files; relative to the working directory.
+    pub rules: PathBuf,
+    /// Where bucket state lives.
+    pub backend: Backend,
+    /// Logging.
+    pub log: LogSettings,
+    /// Bounds on a request; beyond them it is answered `INVALID_ARGUMENT`.
+    pub limits: RequestLimits,
+    /// Which headers go into `response_headers_to_add`.
+    pub headers: HeaderSettings,
+    /// Global shadow mode: evaluate and count every rule, never answer `OVER_LIMIT`.
+    pub shadow_mode: bool,
+    /// Honour per-descriptor `limit` overrides sent by Envoy (`RateLimitOverride`).
+    pub overrides: bool,
+    /// The memory backend.
+    pub memory: MemorySettings,
+}
+
+/// The backend keeping bucket state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// In-process: each replica enforces its own limits; a restart refills every bucket.
+    Memory,
+}
+
+/// Log output.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogSettings {
+    /// `text` or `json`.
+    pub format: LogFormat,
+    /// A `tracing` filter such as `info` or `tollgate=debug`; `RUST_LOG` wins when set.
+    pub level: String,
+}
+
+/// Log line format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Bounds on one `RateLimitRequest`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RequestLimits {
+    /// Most descriptors in one request.
+    pub max_descriptors: usize,
+    /// Most entries in one descriptor.
+    pub max_entries: usize,
+}
+
+/// Response headers tollgate asks Envoy to add (`response_headers_to_add`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HeaderSettings {
+    /// `Retry-After: <seconds>` on `OVER_LIMIT` (RFC 9110 section 10.2.3).
+    pub retry_after: bool,
+    /// `RateLimit-Policy` and `RateLimit` (draft-ietf-httpapi-ratelimit-headers-10).
+    pub ratelimit: bool,
+    /// The older `X-RateLimit-Limit`, `-Remaining`, `-Reset` triple.
+    pub x_ratelimit: bool,
+}
+
+/// The memory backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MemorySettings {
+    /// Lock shards; more shards, less contention.
+    pub shards: usize,
+    /// Most buckets held; beyond it the bucket closest to full is evicted (and counted).
+    pub max_buckets: usize,
+    /// Seconds between sweeps that drop buckets which have refilled to full.
+    pub sweep_interval_seconds: u64,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            grpc_addr: SocketAddr::from(([0, 0, 0, 0], 8081)),
+            http_addr: SocketAddr::from(([0, 0, 0, 0], 8080)),
+            rules: PathBuf::from("config/rules"),
+            backend: Backend::Memory,
+            log: LogSettings::default(),
+            limits: RequestLimits::default(),
+            headers: HeaderSettings::default(),
+            shadow_mode: false,
+            overrides: true,
+            memory: MemorySettings::default(),
+        }
+    }
+}
+
+impl Default for LogSettings {
+    fn default() -> Self {
+        LogSettings {
+            format: LogFormat::Text,
+            level: "info".into(),
+        }
+    }
+}
+
+impl Default for RequestLimits {
+    fn default() -> Self {
+        RequestLimits {
+            max_descriptors: 64,
+            max_entries: 32,
+        }
+    }
+}
+
+impl Default for HeaderSettings {
+    fn default() -> Self {
+        HeaderSettings {
+            retry_after: true,
+            ratelimit: true,
+            x_ratelimit: false,
+        }
+    }
+}
+
+impl Default for MemorySettings {
+    fn default() -> Self {
+        MemorySettings {
+            shards: 64,
+            max_buckets: 1_000_000,
+            sweep_interval_seconds: 10,
+        }
+    }
+}
+
+/// The settings file read when `--config` is not given, if it exists.
+pub const DEFAULT_SETTINGS_FILE: &str = "config/tollgate.yaml";
+
+/// Top-level settings keys; only these are read from `TOLLGATE_*`, so unrelated variables
+/// with the same prefix are not mistaken for settings.
+const KEYS: [&str; 10] = [
+    "grpc_addr",
+    "http_addr",
+    "rules",
+    "backend",
+    "log",
+    "limits",
+    "headers",
+    "shadow_mode",
+    "overrides",
+    "memory",
+];
+
+impl Settings {
+    /// Loads settings: defaults, then `file` (which must exist when given; otherwise
+    /// [`DEFAULT_SETTINGS_FILE`] if it exists), then the environment.
+    ///
+    /// Errors: an unreadable file, a missing `--config` file, bad YAML, an unknown key, or a
+    /// value of the wrong type, each naming the key and where it came from.
+    pub fn load(file: Option<&Path>) -> Result<Settings, Box<figment::Error>> {
+        let mut figment = Figment::from(Serialized::defaults(Settings::default()));
+        match file {
+            Some(path) => {
+                if !path.is_file() {
+                    let missing = format!("settings file {} does not exist", path.display());
+                    return Err(Box::new(figment::Error::from(missing)));
+                }
+                figment = figment.merge(Yaml::file_exact(path));
+            }
+            None => figment = figment.merge(Yaml::file(DEFAULT_SETTINGS_FILE)),
+        }
+        figment
+            .merge(Env::prefixed("TOLLGATE_").split("__").filter(|k| {
+                let top = k.as_str().split('.').next().unwrap_or_default();
+                KEYS.iter().any(|known| known.eq_ignore_ascii_case(top))
+            }))
+            .extract()
+            .map_err(Box::new)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::result_large_err)] // figment::Jail's closures return figment::Error
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_file_then_env() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file("t.yaml", "grpc_addr: 127.0.0.1:9000\nheaders: {x_ratelimit: true}\n")?;
+            jail.set_env("TOLLGATE_HEADERS__RETRY_AFTER", "false");
+            jail.set_env("TOLLGATE_ENVOY_BIN", "/not/a/setting");
+            let s = Settings::load(Some(Path::new("t.yaml"))).map_err(|e| e.to_string())?;
+            assert_eq!(s.grpc_addr, SocketAddr::from(([127, 0, 0, 1], 9000)));
+            assert!(s.headers.x_ratelimit);
+            assert!(!s.headers.retry_after);
+            assert!(s.headers.ratelimit);
+            assert_eq!(s.http_addr, Settings::default().http_addr);
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn unknown_keys_and_missing_files_are_errors() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file("t.yaml", "grpc_adr: 127.0.0.1:9000\n")?;
+            let err = Settings::load(Some(Path::new("t.yaml"))).unwrap_err().to_string();
+            assert!(err.contains("grpc_adr"), "{err}");
+            assert!(Settings::load(Some(Path::new("nope.yaml"))).is_err());
+            // Without --config, a missing default file means built-in defaults.
+            assert_eq!(Settings::load(None).map_err(|e| e.to_string())?, Settings::default());
+            Ok(())
+        });
+    }
+}
