@@ -1,0 +1,175 @@
+//! The gRPC service in-process on a loopback port: exact admission under 64 concurrent
+//! callers, INVALID_ARGUMENT for malformed requests, and health.
+
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use tokio::net::TcpListener;
+use tollgate::clock::SystemClock;
+use tollgate::limiter::{Limiter, LimiterOptions};
+use tollgate::settings::Settings;
+use tollgate::store::MemoryStore;
+use tonic::transport::Channel;
+
+const RULES: &str = r#"
+domain: grpc_test
+buckets:
+  hourly: {capacity: 100, refill: 100/1h}
+descriptors:
+  - key: user
+    bucket: hourly
+"#;
+
+/// Starts the service on a free loopback port; returns its address. The server lives as long
+/// as the test's runtime.
+async fn start() -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("rules.yaml");
+    std::fs::write(&file, RULES).unwrap();
+    let rules = tollgate::config::load_rules(&file).unwrap();
+    let store = MemoryStore::new(64, 10_000, Arc::new(SystemClock));
+    let options = LimiterOptions::from_settings(&Settings::default());
+    let limiter = Arc::new(Limiter::new(rules, store, options));
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(tollgate::server::serve_grpc(listener, limiter, std::future::pending()));
+    format!("http://{addr}")
+}
+
+fn request(domain: &str, entries: &[(&str, &str)]) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: domain.into(),
+        descriptors: vec![RateLimitDescriptor {
+            entries: entries
+                .iter()
+                .map(|(k, v)| Entry {
+                    key: (*k).into(),
+                    value: (*v).into(),
+                })
+                .collect(),
+            ..Default::default()
+        }],
+        hits_addend: 0,
+    }
+}
+
+async fn client(addr: &str) -> RateLimitServiceClient<Channel> {
+    RateLimitServiceClient::connect(addr.to_owned()).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_four_concurrent_callers_get_exactly_capacity() {
+    let addr = start().await;
+    let mut channels = Vec::new();
+    for _ in 0..4 {
+        channels.push(client(&addr).await);
+    }
+    let mut tasks = Vec::new();
+    for i in 0..64 {
+        let mut c = channels[i % 4].clone();
+        tasks.push(tokio::spawn(async move {
+            let mut ok = 0u32;
+            for _ in 0..8 {
+                let resp = c
+                    .should_rate_limit(request("grpc_test", &[("user", "alice")]))
+                    .await
+                    .unwrap();
+                if resp.get_ref().overall_code == Code::Ok as i32 {
+                    ok += 1;
+                }
+            }
+            ok
+        }));
+    }
+    let mut admitted = 0;
+    for t in tasks {
+        admitted += t.await.unwrap();
+    }
+    assert_eq!(admitted, 100, "64 x 8 = 512 requests on a bucket of 100");
+    // Another user has their own bucket.
+    let resp = channels[0]
+        .should_rate_limit(request("grpc_test", &[("user", "bob")]))
+        .await
+        .unwrap();
+    assert_eq!(resp.get_ref().overall_code, Code::Ok as i32);
+    assert_eq!(resp.get_ref().statuses[0].limit_remaining, 99);
+}
+
+#[tokio::test]
+async fn malformed_requests_get_invalid_argument_and_the_server_keeps_serving() {
+    let addr = start().await;
+    let mut c = client(&addr).await;
+    let no_entries = RateLimitRequest {
+        domain: "grpc_test".into(),
+        descriptors: vec![RateLimitDescriptor::default()],
+        hits_addend: 0,
+    };
+    let too_many = RateLimitRequest {
+        domain: "grpc_test".into(),
+        descriptors: vec![request("grpc_test", &[("user", "x")]).descriptors[0].clone(); 65],
+        hits_addend: 0,
+    };
+    let deep: Vec<(&str, &str)> = vec![("user", "x"); 33];
+    let cases = [
+        (request("", &[("user", "x")]), "domain"),
+        (no_entries, "no entries"),
+        (request("grpc_test", &[("", "x")]), "empty key"),
+        (too_many, "65 descriptors"),
+        (request("grpc_test", &deep), "33 entries"),
+    ];
+    for (req, expected) in cases {
+        let status = c.should_rate_limit(req).await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::InvalidArgument);
+        assert!(
+            status.message().contains(expected),
+            "{:?} should mention {expected}",
+            status.message()
+        );
+    }
+    // Still serving, and the malformed requests consumed nothing.
+    let resp = c
+        .should_rate_limit(request("grpc_test", &[("user", "x")]))
+        .await
+        .unwrap();
+    assert_eq!(resp.get_ref().statuses[0].limit_remaining, 99);
+    // Unknown domain and an empty descriptor list are not errors.
+    let resp = c
+        .should_rate_limit(request("elsewhere", &[("user", "x")]))
+        .await
+        .unwrap();
+    assert_eq!(resp.get_ref().overall_code, Code::Ok as i32);
+    let empty = RateLimitRequest {
+        domain: "grpc_test".into(),
+        ..Default::default()
+    };
+    let resp = c.should_rate_limit(empty).await.unwrap();
+    assert_eq!(resp.get_ref().overall_code, Code::Ok as i32);
+    assert!(resp.get_ref().statuses.is_empty());
+}
+
+#[tokio::test]
+async fn health_reports_serving() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+    let addr = start().await;
+    let channel = Channel::from_shared(addr).unwrap().connect().await.unwrap();
+    let mut health = HealthClient::new(channel);
+    for service in ["", "envoy.service.ratelimit.v3.RateLimitService"] {
+        let resp = health
+            .check(HealthCheckRequest {
+                service: service.into(),
+            })
+            .await
+            .unwrap();
+        assert_eq!(
+            resp.get_ref().status,
+            ServingStatus::Serving as i32,
+            "service {service:?}"
+        );
+    }
+}
