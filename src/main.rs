@@ -67,7 +67,6 @@ fn main() -> ExitCode {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     tracing::error!("{e:#}");
-                    eprintln!("tollgate: {e:#}");
                     ExitCode::FAILURE
                 }
             }
