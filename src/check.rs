@@ -27,7 +27,7 @@ fn render_domain(out: &mut String, d: &Domain) {
         let _ = writeln!(out, "    {}: {}", b.name, describe(b));
     }
     let _ = writeln!(out, "  descriptors:");
-    render_level(out, d, &d.root, 2);
+    render_level(out, d, &d.root, 2, "");
     if !d.notes.is_empty() {
         let _ = writeln!(out, "  notes:");
         for (rule, note) in &d.notes {
@@ -36,7 +36,7 @@ fn render_domain(out: &mut String, d: &Domain) {
     }
 }
 
-fn render_level(out: &mut String, d: &Domain, level: &Level, depth: usize) {
+fn render_level(out: &mut String, d: &Domain, level: &Level, depth: usize, parent: &str) {
     // Print in matching order: exact values, then wildcards in config order, then defaults.
     let mut exact: Vec<usize> = level.exact.values().flat_map(|v| v.values().copied()).collect();
     exact.sort_by(|a, b| d.nodes[*a].path.cmp(&d.nodes[*b].path));
@@ -45,7 +45,11 @@ fn render_level(out: &mut String, d: &Domain, level: &Level, depth: usize) {
     any.sort_by(|a, b| d.nodes[*a].path.cmp(&d.nodes[*b].path));
     for id in exact.into_iter().chain(wildcard).chain(any) {
         let node = &d.nodes[id];
-        let step = node.path.rsplit('.').next().unwrap_or(&node.path);
+        // The node's own `key=value`: its path minus the parent's (a value may contain `.`).
+        let step = match node.path.strip_prefix(parent) {
+            Some(rest) if !parent.is_empty() => rest.strip_prefix('.').unwrap_or(rest),
+            _ => &node.path,
+        };
         let rule = match &node.rule {
             None => "(no limit)".to_owned(),
             Some(Rule::Unlimited) => "unlimited".to_owned(),
@@ -66,7 +70,7 @@ fn render_level(out: &mut String, d: &Domain, level: &Level, depth: usize) {
             }
         };
         let _ = writeln!(out, "{:indent$}{step}  {rule}", "", indent = depth * 2);
-        render_level(out, d, &node.children, depth + 1);
+        render_level(out, d, &node.children, depth + 1, &node.path);
     }
 }
 

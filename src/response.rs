@@ -6,7 +6,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{Code, 
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
 use envoy_types::pb::google::protobuf::Duration;
 
-use crate::bucket::{time_to_full_us, time_until_us, DemandKind, MICRO};
+use crate::bucket::{wait_us, DemandKind, MICRO};
 use crate::rules::BucketPolicy;
 use crate::settings::HeaderSettings;
 use crate::store::Applied;
@@ -55,15 +55,19 @@ pub fn build_response(
                 DemandKind::Check => out.consumed_ut.saturating_add(MICRO),
                 _ => out.consumed_ut,
             };
+            // Waits run from the state the store keeps, not from the one refilled to now: its
+            // refill is floored (overstating a wait by up to a micro-token's refill time) and
+            // it cannot tell a clock that stepped back (understating it).
+            let kept = out.kept();
             Some(Verdict {
                 policy: &t.policy,
                 over: !passed && !t.shadow,
                 remaining_ut: out.after.tokens_ut,
-                until_full_us: time_to_full_us(out.after.tokens_ut, limit),
+                until_full_us: wait_us(kept, limit.capacity_ut, limit, applied.now_us),
                 retry_after_us: if passed {
                     None
                 } else {
-                    time_until_us(out.before.tokens_ut, need, limit)
+                    wait_us(kept, need, limit, applied.now_us)
                 },
             })
         })

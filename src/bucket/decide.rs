@@ -29,6 +29,8 @@ pub struct Demand {
 /// What a decision did to one bucket instance.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct InstanceOutcome {
+    /// The state as given, before refill: what stays stored when `changed` is `false`.
+    pub stored: BucketState,
     /// The state refilled to `now`, before this request took or gave anything.
     pub before: BucketState,
     /// The state after this decision.
@@ -38,6 +40,19 @@ pub struct InstanceOutcome {
     /// Whether `after` must be written back (tokens were taken or given). When `false` the
     /// stored state is left as it was, so flooring in [`refill`] loses nothing.
     pub changed: bool,
+}
+
+impl InstanceOutcome {
+    /// The state the store keeps after this decision: `after` when it changed, else `stored`.
+    /// Waits are measured from it ([`super::wait_us`]), so they count refill that flooring
+    /// left out of `before`.
+    pub fn kept(&self) -> BucketState {
+        if self.changed {
+            self.after
+        } else {
+            self.stored
+        }
+    }
 }
 
 /// The decision for one request.
@@ -103,6 +118,7 @@ pub fn decide(now_us: u64, states: &[BucketState], limits: &[Limit], demands: &[
                 tokens = tokens.saturating_add(refunded[i]).min(limit.capacity_ut);
             }
             InstanceOutcome {
+                stored: states[i],
                 before: *b,
                 after: BucketState {
                     tokens_ut: tokens,

@@ -107,5 +107,18 @@ pub fn time_until_us(tokens_ut: u64, need_ut: u64, limit: &Limit) -> Option<u64>
     limit.rate.time_to_earn(need_ut.saturating_sub(tokens_ut))
 }
 
+/// Microseconds from `now_us` until a bucket stored as `state` holds `need_ut`, by the
+/// arithmetic of [`refill`]: the exact instant, since the refill that flooring leaves out of a
+/// state refilled to `now_us` still counts. `None` when that can never happen (more than the
+/// capacity, or a zero rate with too few tokens).
+pub fn wait_us(state: BucketState, need_ut: u64, limit: &Limit, now_us: u64) -> Option<u64> {
+    if need_ut > limit.capacity_ut {
+        return None;
+    }
+    let tokens = state.tokens_ut.min(limit.capacity_ut);
+    let earn = limit.rate.time_to_earn(need_ut.saturating_sub(tokens))?;
+    Some(state.updated_us.saturating_add(earn).saturating_sub(now_us))
+}
+
 #[cfg(test)]
 mod tests;

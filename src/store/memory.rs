@@ -136,7 +136,8 @@ impl MemoryStore {
                     map.remove(&b.key);
                 }
                 wait => {
-                    let full_at_us = wait.map_or(u64::MAX, |w| now.saturating_add(w));
+                    // From the state's own time: after a clock step back it is ahead of `now`.
+                    let full_at_us = wait.map_or(u64::MAX, |w| out.after.updated_us.saturating_add(w));
                     let entry = Entry {
                         state: out.after,
                         full_at_us,

@@ -1,0 +1,979 @@
+//! The decision path through the public API (DESIGN 1.1, 1.2, 1.4): a `RateLimitRequest` in,
+//! a `RateLimitResponse` out, with the memory store on a manual clock.
+
+use std::io::Write;
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{Entry, RateLimitOverride};
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::r#type::v3::RateLimitUnit;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{Code, DescriptorStatus};
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf::{Duration, UInt64Value};
+use tollgate::clock::ManualClock;
+use tollgate::config::load_rules;
+use tollgate::limiter::{LimitError, Limiter, LimiterOptions, OVERRIDE_BUCKET};
+use tollgate::settings::{HeaderSettings, RequestLimits};
+use tollgate::store::MemoryStore;
+
+const T0: u64 = 1_700_000_000_000_000;
+const OK: i32 = Code::Ok as i32;
+const OVER: i32 = Code::OverLimit as i32;
+
+struct Harness {
+    limiter: Limiter<MemoryStore>,
+    clock: ManualClock,
+}
+
+fn options() -> LimiterOptions {
+    LimiterOptions {
+        limits: RequestLimits::default(),
+        headers: HeaderSettings::default(),
+        shadow_mode: false,
+        overrides: true,
+    }
+}
+
+fn harness_with(yaml: &str, options: LimiterOptions) -> Harness {
+    let mut file = tempfile::Builder::new().suffix(".yaml").tempfile().unwrap();
+    file.write_all(yaml.as_bytes()).unwrap();
+    let rules = load_rules(file.path()).unwrap_or_else(|e| panic!("rules should load: {e}"));
+    let clock = ManualClock::new(T0);
+    let store = MemoryStore::new(4, 10_000, Arc::new(clock.clone()));
+    Harness {
+        limiter: Limiter::new(rules, store, options),
+        clock,
+    }
+}
+
+fn harness(yaml: &str) -> Harness {
+    harness_with(yaml, options())
+}
+
+impl Harness {
+    async fn ask(&self, req: &RateLimitRequest) -> RateLimitResponse {
+        self.limiter
+            .should_rate_limit(req)
+            .await
+            .unwrap_or_else(|e| panic!("request should be decided: {e}"))
+    }
+
+    async fn invalid(&self, req: &RateLimitRequest) -> String {
+        match self.limiter.should_rate_limit(req).await {
+            Err(LimitError::InvalidRequest(msg)) => msg,
+            other => panic!("expected InvalidRequest, got {other:?}"),
+        }
+    }
+
+    fn advance_ms(&self, ms: u64) {
+        self.clock.advance_us(ms * 1000);
+    }
+}
+
+fn desc(pairs: &[(&str, &str)]) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        entries: pairs
+            .iter()
+            .map(|(k, v)| Entry {
+                key: (*k).to_owned(),
+                value: (*v).to_owned(),
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+/// A descriptor with its own `hits_addend`.
+fn hits(pairs: &[(&str, &str)], n: u64) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        hits_addend: Some(UInt64Value { value: n }),
+        ..desc(pairs)
+    }
+}
+
+fn refund(pairs: &[(&str, &str)], n: u64) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        is_negative_hits: true,
+        ..hits(pairs, n)
+    }
+}
+
+fn with_override(pairs: &[(&str, &str)], requests_per_unit: u32, unit: i32) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        limit: Some(RateLimitOverride {
+            requests_per_unit,
+            unit,
+        }),
+        ..desc(pairs)
+    }
+}
+
+fn req(domain: &str, descriptors: Vec<RateLimitDescriptor>) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: domain.to_owned(),
+        descriptors,
+        hits_addend: 0,
+    }
+}
+
+fn one(pairs: &[(&str, &str)]) -> RateLimitRequest {
+    req("d", vec![desc(pairs)])
+}
+
+fn header<'a>(resp: &'a RateLimitResponse, name: &str) -> Option<&'a str> {
+    let mut found = resp
+        .response_headers_to_add
+        .iter()
+        .filter(|h| h.key.eq_ignore_ascii_case(name));
+    let first = found.next().map(|h| h.value.as_str());
+    assert!(found.next().is_none(), "header {name} sent twice");
+    first
+}
+
+/// `(name, requests_per_unit, unit)` of a status's `current_limit`.
+fn limit_of(s: &DescriptorStatus) -> Option<(&str, u32, Unit)> {
+    s.current_limit
+        .as_ref()
+        .map(|l| (l.name.as_str(), l.requests_per_unit, Unit::try_from(l.unit).unwrap()))
+}
+
+fn dur(us: u64) -> Option<Duration> {
+    Some(Duration {
+        seconds: (us / 1_000_000) as i64,
+        nanos: ((us % 1_000_000) * 1000) as i32,
+    })
+}
+
+/// The memory-store key of the instance of bucket `v` for the descriptor `k=v` in domain `d`.
+fn instance(v: &str) -> String {
+    let mut key = String::new();
+    let entries = desc(&[("k", v)]).entries;
+    tollgate::matcher::instance_key(&mut key, "d", v, &entries);
+    key
+}
+
+/// `(code, limit_remaining)` per status.
+fn codes(resp: &RateLimitResponse) -> Vec<(i32, u32)> {
+    resp.statuses.iter().map(|s| (s.code, s.limit_remaining)).collect()
+}
+
+const BASIC: &str = "domain: d
+descriptors:
+  - key: k
+    value: a
+    name: a
+    token_bucket: {capacity: 5, refill: 5/1m}
+  - key: k
+    value: b
+    name: b
+    token_bucket: {capacity: 1, refill: 1/1m}
+  - key: k
+    value: c
+    name: c
+    token_bucket: {capacity: 3, refill: 3/1m}
+  - key: per_key
+    name: per_key
+    token_bucket: {capacity: 3, refill: 3/1m}
+  - key: free
+    unlimited: true
+";
+
+// ---- replaces -------------------------------------------------------------------------
+
+const REPLACES: &str = "domain: d
+descriptors:
+  - key: api_key
+    rate_limit:
+      name: per_key
+      unit: minute
+      requests_per_unit: 10
+      replaces: [{name: per_ip}]
+  - key: remote_address
+    rate_limit: {name: per_ip, unit: minute, requests_per_unit: 5}
+";
+
+#[tokio::test]
+async fn replaced_descriptor_answers_ok_without_a_limit_and_its_bucket_is_untouched() {
+    let h = harness(REPLACES);
+    let both = req(
+        "d",
+        vec![desc(&[("api_key", "k1")]), desc(&[("remote_address", "10.0.0.1")])],
+    );
+    for round in 0..3u32 {
+        let resp = h.ask(&both).await;
+        assert_eq!(resp.overall_code, OK);
+        assert_eq!(limit_of(&resp.statuses[0]), Some(("per_key", 10, Unit::Minute)));
+        assert_eq!(resp.statuses[0].limit_remaining, 9 - round);
+        let replaced = &resp.statuses[1];
+        assert_eq!(replaced.code, OK);
+        assert_eq!(replaced.current_limit, None);
+        assert_eq!(replaced.limit_remaining, 0);
+        assert_eq!(replaced.duration_until_reset, None);
+        assert_eq!(header(&resp, "ratelimit-policy"), Some("\"per_key\";q=10;w=60"));
+    }
+    // per_ip was never touched: alone, the same address starts from a full bucket.
+    assert_eq!(h.limiter.store().len(), 1, "only per_key holds state");
+    let resp = h.ask(&one(&[("remote_address", "10.0.0.1")])).await;
+    assert_eq!(limit_of(&resp.statuses[0]), Some(("per_ip", 5, Unit::Minute)));
+    assert_eq!(resp.statuses[0].limit_remaining, 4);
+    // Replacement needs both rules to match one request: an api_key alone changes nothing else.
+    let resp = h.ask(&one(&[("api_key", "k2")])).await;
+    assert_eq!(resp.statuses[0].limit_remaining, 9);
+}
+
+#[tokio::test]
+async fn replaces_in_tollgate_schema_on_the_descriptor() {
+    let h = harness(
+        "domain: d
+buckets:
+  per_ip: {capacity: 1, refill: 1/1m}
+  per_key: {capacity: 2, refill: 2/1m}
+descriptors:
+  - key: remote_address
+    bucket: per_ip
+  - key: api_key
+    bucket: per_key
+    replaces: [{name: per_ip}]
+",
+    );
+    let both = req("d", vec![desc(&[("remote_address", "ip")]), desc(&[("api_key", "k")])]);
+    // per_ip (capacity 1) would deny the second request; it is replaced, so per_key decides.
+    for remaining in [1, 0] {
+        let resp = h.ask(&both).await;
+        assert_eq!(resp.overall_code, OK);
+        assert_eq!(codes(&resp), vec![(OK, 0), (OK, remaining)]);
+        assert_eq!(resp.statuses[0].current_limit, None);
+    }
+    assert_eq!(h.ask(&both).await.overall_code, OVER);
+}
+
+// ---- overrides ------------------------------------------------------------------------
+
+#[tokio::test]
+async fn override_applies_without_a_matching_rule_and_for_an_unknown_domain() {
+    let h = harness(BASIC);
+    for domain in ["d", "unknown-domain"] {
+        let r = req(
+            domain,
+            vec![with_override(
+                &[("nothing", "matches")],
+                2,
+                RateLimitUnit::Minute as i32,
+            )],
+        );
+        for remaining in [1, 0] {
+            let resp = h.ask(&r).await;
+            assert_eq!(resp.overall_code, OK, "{domain}");
+            let s = &resp.statuses[0];
+            assert_eq!(limit_of(s), Some((OVERRIDE_BUCKET, 2, Unit::Minute)));
+            assert_eq!(s.limit_remaining, remaining);
+        }
+        let resp = h.ask(&r).await;
+        assert_eq!(resp.overall_code, OVER, "{domain}");
+        assert_eq!(resp.statuses[0].code, OVER);
+        // 2 per minute: one token every 30 s.
+        assert_eq!(header(&resp, "retry-after"), Some("30"));
+        assert_eq!(header(&resp, "ratelimit-policy"), Some("\"override\";q=2;w=60"));
+    }
+}
+
+#[tokio::test]
+async fn override_replaces_the_matching_rule_and_can_be_turned_off() {
+    let r = req("d", vec![with_override(&[("k", "a")], 1, RateLimitUnit::Hour as i32)]);
+    let h = harness(BASIC);
+    let resp = h.ask(&r).await;
+    assert_eq!(limit_of(&resp.statuses[0]), Some(("override", 1, Unit::Hour)));
+    assert_eq!(
+        h.ask(&r).await.overall_code,
+        OVER,
+        "the override (1/h), not rule a (5/min)"
+    );
+    // The override's instance is its own: rule `a` is still full.
+    assert_eq!(h.ask(&one(&[("k", "a")])).await.statuses[0].limit_remaining, 4);
+
+    let h = harness_with(
+        BASIC,
+        LimiterOptions {
+            overrides: false,
+            ..options()
+        },
+    );
+    let resp = h.ask(&r).await;
+    assert_eq!(limit_of(&resp.statuses[0]), Some(("a", 5, Unit::Minute)));
+    assert_eq!(resp.statuses[0].limit_remaining, 4);
+    assert_eq!(h.ask(&r).await.overall_code, OK);
+    // Off, an override on an unmatched descriptor or an unknown domain limits nothing, and its
+    // unit is not even read.
+    for domain in ["d", "unknown-domain"] {
+        for unit in [RateLimitUnit::Second as i32, 0, 99] {
+            let r = req(domain, vec![with_override(&[("x", "y")], 0, unit)]);
+            let resp = h.ask(&r).await;
+            assert_eq!(resp.overall_code, OK);
+            assert_eq!(resp.statuses[0].current_limit, None);
+        }
+    }
+}
+
+#[tokio::test]
+async fn override_with_an_unknown_unit_is_invalid() {
+    let h = harness(BASIC);
+    for unit in [RateLimitUnit::Unknown as i32, 99, -1] {
+        let r = req("d", vec![desc(&[("k", "a")]), with_override(&[("k", "a")], 10, unit)]);
+        let msg = h.invalid(&r).await;
+        assert!(msg.contains("unit"), "{msg}");
+    }
+    // Nothing was consumed by the rejected requests.
+    assert!(h.limiter.store().is_empty());
+}
+
+#[tokio::test]
+async fn override_of_zero_denies_without_retry_after() {
+    let h = harness(BASIC);
+    let r = req(
+        "other",
+        vec![with_override(&[("x", "y")], 0, RateLimitUnit::Second as i32)],
+    );
+    let resp = h.ask(&r).await;
+    assert_eq!(resp.overall_code, OVER);
+    assert_eq!(limit_of(&resp.statuses[0]), Some(("override", 0, Unit::Second)));
+    assert_eq!(header(&resp, "retry-after"), None);
+}
+
+// ---- unknown domain, empty and unmatched descriptors ----------------------------------
+
+#[tokio::test]
+async fn unknown_domain_is_ok_with_one_status_per_descriptor() {
+    let h = harness(BASIC);
+    let r = req(
+        "nope",
+        vec![desc(&[("k", "a")]), desc(&[("k", "b")]), desc(&[("x", "1")])],
+    );
+    let resp = h.ask(&r).await;
+    assert_eq!(resp.overall_code, OK);
+    assert_eq!(resp.statuses.len(), 3);
+    for s in &resp.statuses {
+        assert_eq!(s.code, OK);
+        assert_eq!(s.current_limit, None);
+    }
+    assert!(resp.response_headers_to_add.is_empty());
+    assert!(h.limiter.store().is_empty());
+}
+
+#[tokio::test]
+async fn empty_descriptor_list_is_ok() {
+    let h = harness(BASIC);
+    for domain in ["d", "nope"] {
+        let resp = h.ask(&req(domain, vec![])).await;
+        assert_eq!(resp.overall_code, OK);
+        assert!(resp.statuses.is_empty());
+        assert!(resp.response_headers_to_add.is_empty());
+    }
+}
+
+#[tokio::test]
+async fn unmatched_and_unlimited_descriptors_are_ok_in_request_order() {
+    let h = harness(BASIC);
+    let r = req(
+        "d",
+        vec![desc(&[("free", "x")]), desc(&[("k", "b")]), desc(&[("k", "zzz")])],
+    );
+    let resp = h.ask(&r).await;
+    assert_eq!(codes(&resp), vec![(OK, 0), (OK, 0), (OK, 0)]);
+    assert_eq!(resp.statuses[0].current_limit, None);
+    assert_eq!(limit_of(&resp.statuses[1]), Some(("b", 1, Unit::Minute)));
+    assert_eq!(resp.statuses[2].current_limit, None);
+    let resp = h.ask(&r).await;
+    assert_eq!(resp.overall_code, OVER);
+    assert_eq!(codes(&resp), vec![(OK, 0), (OVER, 0), (OK, 0)]);
+}
+
+// ---- hits_addend ----------------------------------------------------------------------
+
+#[tokio::test]
+async fn request_hits_addend_zero_means_one() {
+    let h = harness(BASIC);
+    for remaining in [2, 1, 0] {
+        let resp = h.ask(&one(&[("k", "c")])).await;
+        assert_eq!(codes(&resp), vec![(OK, remaining)]);
+    }
+    assert_eq!(h.ask(&one(&[("k", "c")])).await.overall_code, OVER);
+
+    let h = harness(BASIC);
+    let r = RateLimitRequest {
+        hits_addend: 2,
+        ..one(&[("k", "c")])
+    };
+    assert_eq!(codes(&h.ask(&r).await), vec![(OK, 1)]);
+    let resp = h.ask(&r).await;
+    assert_eq!(codes(&resp), vec![(OVER, 1)], "2 asked, 1 left: denied, nothing taken");
+    // A descriptor's own hits_addend wins over the request's.
+    let r = RateLimitRequest {
+        hits_addend: 2,
+        ..req("d", vec![hits(&[("k", "c")], 1)])
+    };
+    assert_eq!(codes(&h.ask(&r).await), vec![(OK, 0)]);
+}
+
+#[tokio::test]
+async fn descriptor_hits_addend_zero_is_a_check_that_changes_nothing() {
+    let h = harness(BASIC);
+    let check = RateLimitRequest {
+        hits_addend: 3, // ignored: the descriptor's explicit 0 wins
+        ..req("d", vec![hits(&[("k", "c")], 0)])
+    };
+    // On a full bucket: OK, full, and no state is created.
+    let resp = h.ask(&check).await;
+    assert_eq!(codes(&resp), vec![(OK, 3)]);
+    assert_eq!(resp.statuses[0].duration_until_reset, dur(0));
+    assert!(h.limiter.store().is_empty());
+    // Empty the bucket, then check: OVER_LIMIT, with the wait for one token.
+    let r = RateLimitRequest {
+        hits_addend: 3,
+        ..one(&[("k", "c")])
+    };
+    assert_eq!(codes(&h.ask(&r).await), vec![(OK, 0)]);
+    h.advance_ms(1_000);
+    let before = h.limiter.store().len();
+    let resp = h.ask(&check).await;
+    assert_eq!(resp.overall_code, OVER);
+    assert_eq!(codes(&resp), vec![(OVER, 0)]);
+    // 3 per minute: a token every 20 s, one second of it has passed.
+    assert_eq!(header(&resp, "retry-after"), Some("19"));
+    assert_eq!(h.limiter.store().len(), before);
+    // The check consumed nothing: after 19 s a real hit passes and takes the only token.
+    h.advance_ms(19_000);
+    assert_eq!(codes(&h.ask(&check).await), vec![(OK, 1)]);
+    assert_eq!(codes(&h.ask(&check).await), vec![(OK, 1)]);
+    assert_eq!(codes(&h.ask(&one(&[("k", "c")])).await), vec![(OK, 0)]);
+    assert_eq!(h.ask(&one(&[("k", "c")])).await.overall_code, OVER);
+}
+
+#[tokio::test]
+async fn a_check_sees_what_the_same_request_consumes() {
+    let h = harness(BASIC);
+    // Capacity 3: consume 3 and check the same instance in one request: the check fails (no
+    // fourth token) and denies the request, so nothing is consumed.
+    let r = req("d", vec![hits(&[("k", "c")], 3), hits(&[("k", "c")], 0)]);
+    let resp = h.ask(&r).await;
+    assert_eq!(resp.overall_code, OVER);
+    assert_eq!(codes(&resp), vec![(OK, 3), (OVER, 3)]);
+    let r = req("d", vec![hits(&[("k", "c")], 2), hits(&[("k", "c")], 0)]);
+    assert_eq!(codes(&h.ask(&r).await), vec![(OK, 1), (OK, 1)]);
+}
+
+#[tokio::test]
+async fn descriptor_hits_above_capacity_are_denied_without_retry_after() {
+    let h = harness(BASIC);
+    for n in [4, 1_000_000_000_000, u64::MAX] {
+        let r = req("d", vec![hits(&[("k", "c")], n)]);
+        let resp = h.ask(&r).await;
+        assert_eq!(resp.overall_code, OVER, "{n}");
+        assert_eq!(codes(&resp), vec![(OVER, 3)]);
+        assert_eq!(header(&resp, "retry-after"), None, "{n} can never pass");
+        assert!(header(&resp, "ratelimit").is_some());
+    }
+    assert!(h.limiter.store().is_empty(), "nothing consumed");
+    // Exactly the capacity is admissible.
+    assert_eq!(
+        codes(&h.ask(&req("d", vec![hits(&[("k", "c")], 3)])).await),
+        vec![(OK, 0)]
+    );
+}
+
+#[tokio::test]
+async fn two_descriptors_on_one_instance_add_up() {
+    let h = harness(BASIC);
+    let r = req("d", vec![hits(&[("k", "c")], 2), hits(&[("k", "c")], 2)]);
+    let resp = h.ask(&r).await;
+    assert_eq!(resp.overall_code, OVER, "2 + 2 > 3");
+    assert_eq!(codes(&resp), vec![(OVER, 3), (OVER, 3)]);
+    assert!(h.limiter.store().is_empty());
+    let r = req("d", vec![desc(&[("k", "c")]), desc(&[("k", "c")])]);
+    assert_eq!(codes(&h.ask(&r).await), vec![(OK, 1), (OK, 1)]);
+    // Different values of a key-only node are different instances: they do not add up.
+    let r = req("d", vec![hits(&[("per_key", "x")], 3), hits(&[("per_key", "y")], 3)]);
+    assert_eq!(codes(&h.ask(&r).await), vec![(OK, 0), (OK, 0)]);
+}
+
+// ---- all or nothing -------------------------------------------------------------------
+
+#[tokio::test]
+async fn a_denied_request_consumes_nothing_anywhere() {
+    let h = harness(BASIC);
+    // a: 5 -> 3; b: 1 -> 0.
+    h.ask(&req("d", vec![hits(&[("k", "a")], 2)])).await;
+    h.ask(&one(&[("k", "b")])).await;
+    let states = || ["a", "b"].map(|v| h.limiter.store().peek(&instance(v)));
+    let before = states();
+    assert!(before.iter().all(Option::is_some));
+    let both = req("d", vec![desc(&[("k", "a")]), desc(&[("k", "b")])]);
+    for _ in 0..3 {
+        let resp = h.ask(&both).await;
+        assert_eq!(resp.overall_code, OVER);
+        // a would have passed: OK, with its unchanged remaining; b is over.
+        assert_eq!(codes(&resp), vec![(OK, 3), (OVER, 0)]);
+        assert_eq!(limit_of(&resp.statuses[0]), Some(("a", 5, Unit::Minute)));
+        assert_eq!(limit_of(&resp.statuses[1]), Some(("b", 1, Unit::Minute)));
+    }
+    h.advance_ms(1_000);
+    let resp = h.ask(&both).await;
+    assert_eq!(codes(&resp), vec![(OK, 3), (OVER, 0)]);
+    assert_eq!(states(), before, "stored states untouched");
+    assert_eq!(codes(&h.ask(&one(&[("k", "a")])).await), vec![(OK, 2)]);
+}
+
+// ---- shadow mode ----------------------------------------------------------------------
+
+#[tokio::test]
+async fn shadow_rule_never_denies_but_consumes_while_it_has_tokens() {
+    let h = harness(
+        "domain: d
+descriptors:
+  - key: shadow
+    name: shadow
+    shadow_mode: true
+    token_bucket: {capacity: 2, refill: 2/1m}
+  - key: enforced
+    name: enforced
+    token_bucket: {capacity: 5, refill: 5/1m}
+",
+    );
+    let r = req("d", vec![desc(&[("shadow", "x")]), desc(&[("enforced", "x")])]);
+    let expected_shadow = [1, 0, 0, 0];
+    for (i, shadow_left) in expected_shadow.into_iter().enumerate() {
+        let resp = h.ask(&r).await;
+        assert_eq!(resp.overall_code, OK, "round {i}");
+        assert_eq!(resp.statuses[0].code, OK);
+        assert_eq!(resp.statuses[0].limit_remaining, shadow_left);
+        assert_eq!(limit_of(&resp.statuses[0]), Some(("shadow", 2, Unit::Minute)));
+        // The shadow bucket running dry does not stop the enforced one from consuming.
+        assert_eq!(resp.statuses[1].limit_remaining, 4 - i as u32);
+        assert_eq!(header(&resp, "retry-after"), None);
+    }
+    // A refilled shadow token is consumed again (it models enforcement).
+    h.advance_ms(30_000);
+    let resp = h.ask(&one(&[("shadow", "x")])).await;
+    assert_eq!(codes(&resp), vec![(OK, 0)]);
+}
+
+#[tokio::test]
+async fn global_shadow_mode_never_denies() {
+    let h = harness_with(
+        BASIC,
+        LimiterOptions {
+            shadow_mode: true,
+            ..options()
+        },
+    );
+    let r = req("d", vec![desc(&[("k", "b")]), desc(&[("k", "a")])]);
+    assert_eq!(codes(&h.ask(&r).await), vec![(OK, 0), (OK, 4)]);
+    for a_left in [3, 2] {
+        let resp = h.ask(&r).await;
+        assert_eq!(resp.overall_code, OK);
+        assert_eq!(codes(&resp), vec![(OK, 0), (OK, a_left)]);
+        assert_eq!(header(&resp, "retry-after"), None);
+    }
+    // Even a demand that can never pass is not denied.
+    let resp = h.ask(&req("d", vec![hits(&[("k", "c")], 100)])).await;
+    assert_eq!(codes(&resp), vec![(OK, 3)]);
+}
+
+// ---- refunds --------------------------------------------------------------------------
+
+#[tokio::test]
+async fn negative_hits_refund_up_to_capacity_and_answer_ok() {
+    let h = harness(BASIC);
+    assert_eq!(
+        codes(&h.ask(&req("d", vec![hits(&[("k", "a")], 5)])).await),
+        vec![(OK, 0)]
+    );
+    let resp = h.ask(&req("d", vec![refund(&[("k", "a")], 2)])).await;
+    assert_eq!(codes(&resp), vec![(OK, 2)]);
+    assert_eq!(limit_of(&resp.statuses[0]), Some(("a", 5, Unit::Minute)));
+    // Capped at capacity; the full bucket is then the same as no bucket.
+    let resp = h.ask(&req("d", vec![refund(&[("k", "a")], 1_000)])).await;
+    assert_eq!(codes(&resp), vec![(OK, 5)]);
+    assert_eq!(resp.statuses[0].duration_until_reset, dur(0));
+    assert!(h.limiter.store().is_empty());
+    // A refund on a full bucket stays full; a huge one does not overflow.
+    let resp = h.ask(&req("d", vec![refund(&[("k", "a")], u64::MAX)])).await;
+    assert_eq!(codes(&resp), vec![(OK, 5)]);
+    // Without its own hits_addend a refund gives back the request's (0 meaning 1).
+    h.ask(&req("d", vec![hits(&[("k", "a")], 3)])).await;
+    let r = RateLimitDescriptor {
+        is_negative_hits: true,
+        ..desc(&[("k", "a")])
+    };
+    assert_eq!(codes(&h.ask(&req("d", vec![r.clone()])).await), vec![(OK, 3)]);
+    let resp = h
+        .ask(&RateLimitRequest {
+            hits_addend: 2,
+            ..req("d", vec![r])
+        })
+        .await;
+    assert_eq!(codes(&resp), vec![(OK, 5)]);
+}
+
+#[tokio::test]
+async fn refunds_apply_even_in_a_denied_request_and_take_no_part_in_the_decision() {
+    let h = harness(BASIC);
+    h.ask(&req("d", vec![hits(&[("k", "a")], 5)])).await;
+    h.ask(&one(&[("k", "b")])).await;
+    // b is over: the request is denied, yet a's refund applies and answers OK.
+    let r = req("d", vec![refund(&[("k", "a")], 2), desc(&[("k", "b")])]);
+    let resp = h.ask(&r).await;
+    assert_eq!(resp.overall_code, OVER);
+    assert_eq!(codes(&resp), vec![(OK, 2), (OVER, 0)]);
+    // A refund does not make a consume on the same bucket admissible.
+    let r = req("d", vec![refund(&[("k", "b")], 1), desc(&[("k", "b")])]);
+    let resp = h.ask(&r).await;
+    assert_eq!(resp.overall_code, OVER);
+    assert_eq!(codes(&resp), vec![(OK, 1), (OVER, 1)]);
+    assert_eq!(codes(&h.ask(&one(&[("k", "b")])).await), vec![(OK, 0)]);
+}
+
+// ---- requests_per_unit: 0 -------------------------------------------------------------
+
+#[tokio::test]
+async fn requests_per_unit_zero_always_denies_without_retry_after() {
+    let h = harness(
+        "domain: d
+descriptors:
+  - key: client
+    value: blocked
+    rate_limit: {unit: minute, requests_per_unit: 0}
+",
+    );
+    let r = one(&[("client", "blocked")]);
+    for _ in 0..3 {
+        let resp = h.ask(&r).await;
+        assert_eq!(resp.overall_code, OVER);
+        assert_eq!(codes(&resp), vec![(OVER, 0)]);
+        assert_eq!(limit_of(&resp.statuses[0]), Some(("client=blocked", 0, Unit::Minute)));
+        assert_eq!(header(&resp, "retry-after"), None);
+        assert_eq!(header(&resp, "ratelimit-policy"), Some("\"client=blocked\";q=0"));
+        h.advance_ms(3_600_000);
+    }
+    // A check is over too; other clients are not limited.
+    assert_eq!(
+        h.ask(&req("d", vec![hits(&[("client", "blocked")], 0)]))
+            .await
+            .overall_code,
+        OVER
+    );
+    assert_eq!(h.ask(&one(&[("client", "ok")])).await.overall_code, OK);
+}
+
+// ---- current_limit and duration_until_reset -------------------------------------------
+
+#[tokio::test]
+async fn current_limit_and_duration_until_reset() {
+    let h = harness(
+        "domain: d
+descriptors:
+  - key: envoy
+    rate_limit: {unit: minute, requests_per_unit: 10}
+  - key: fine
+    name: fine
+    token_bucket: {capacity: 7, refill: 1/250ms}
+  - key: burst
+    name: burst
+    token_bucket: {capacity: 100, refill: 10/s}
+  - key: hourly
+    name: hourly
+    token_bucket: {capacity: 24, refill: 24/1d}
+",
+    );
+    // (key, current_limit, capacity, time until full after one hit)
+    type Case = (&'static str, (&'static str, u32, Unit), u32, u64);
+    let cases: &[Case] = &[
+        // 10 per minute: a token every 6 s.
+        ("envoy", ("envoy", 10, Unit::Minute), 10, 6_000_000),
+        // time to fill (1.75 s) is not a unit: the rate, 4 per second.
+        ("fine", ("fine", 4, Unit::Second), 7, 250_000),
+        ("burst", ("burst", 10, Unit::Second), 100, 100_000),
+        // time to fill is exactly one day: capacity per day.
+        ("hourly", ("hourly", 24, Unit::Day), 24, 3_600_000_000),
+    ];
+    for (key, limit, capacity, until_full) in cases {
+        let resp = h.ask(&one(&[(key, "x")])).await;
+        let s = &resp.statuses[0];
+        assert_eq!(limit_of(s), Some(*limit), "{key}");
+        assert_eq!(s.limit_remaining, capacity - 1, "{key}");
+        assert_eq!(s.duration_until_reset, dur(*until_full), "{key}");
+    }
+    // Time passes: the wait shrinks by as much.
+    h.advance_ms(1_500);
+    let resp = h.ask(&req("d", vec![hits(&[("envoy", "x")], 0)])).await;
+    assert_eq!(resp.statuses[0].limit_remaining, 9);
+    assert_eq!(resp.statuses[0].duration_until_reset, dur(4_500_000));
+    let resp = h.ask(&req("d", vec![hits(&[("envoy", "x")], 3)])).await;
+    assert_eq!(resp.statuses[0].limit_remaining, 6);
+    assert_eq!(resp.statuses[0].duration_until_reset, dur(22_500_000));
+}
+
+// ---- Retry-After ----------------------------------------------------------------------
+
+#[tokio::test]
+async fn retry_after_is_the_exact_wait_rounded_up() {
+    let h = harness(
+        "domain: d
+descriptors:
+  - key: k
+    name: slow
+    token_bucket: {capacity: 2, refill: 2/3s}
+",
+    );
+    let r = one(&[("k", "x")]);
+    h.ask(&r).await;
+    h.ask(&r).await;
+    // One token every 1.5 s.
+    let resp = h.ask(&r).await;
+    assert_eq!(resp.overall_code, OVER);
+    assert_eq!(header(&resp, "retry-after"), Some("2"));
+    h.clock.advance_us(1_499_999);
+    let resp = h.ask(&r).await;
+    assert_eq!(resp.overall_code, OVER, "1 µs early");
+    assert_eq!(header(&resp, "retry-after"), Some("1"));
+    h.clock.advance_us(1);
+    let resp = h.ask(&r).await;
+    assert_eq!(resp.overall_code, OK, "exactly on time");
+    assert_eq!(header(&resp, "retry-after"), None);
+    // Asking for both tokens: the wait is for the whole demand (3 s).
+    let resp = h.ask(&req("d", vec![hits(&[("k", "x")], 2)])).await;
+    assert_eq!(header(&resp, "retry-after"), Some("3"));
+}
+
+/// A clock that steps backwards counts as zero elapsed time: the wait runs from when the
+/// bucket was last updated, so a client retrying after Retry-After is not turned away.
+#[tokio::test]
+async fn retry_after_counts_a_clock_that_stepped_back() {
+    let h = harness(BASIC);
+    h.advance_ms(10_000);
+    assert_eq!(h.ask(&one(&[("k", "b")])).await.overall_code, OK);
+    h.clock.set_us(T0);
+    let resp = h.ask(&one(&[("k", "b")])).await;
+    assert_eq!(resp.overall_code, OVER);
+    // b's token is due at T0 + 10 s + 60 s.
+    assert_eq!(header(&resp, "retry-after"), Some("70"));
+    assert_eq!(resp.statuses[0].duration_until_reset, dur(70_000_000));
+    h.advance_ms(69_999);
+    assert_eq!(h.ask(&one(&[("k", "b")])).await.overall_code, OVER);
+    h.advance_ms(1);
+    assert_eq!(h.ask(&one(&[("k", "b")])).await.overall_code, OK);
+}
+
+/// After the clock steps back, a bucket written meanwhile is full only when its refill from
+/// its last update says so: the memory store's sweep must not drop it earlier (that would
+/// hand out tokens the bucket has not earned).
+#[tokio::test]
+async fn sweep_after_a_clock_step_back_keeps_buckets_that_are_not_full() {
+    let h = harness(BASIC);
+    h.advance_ms(10_000);
+    assert_eq!(codes(&h.ask(&one(&[("k", "a")])).await), vec![(OK, 4)]);
+    h.clock.set_us(T0);
+    // No time has elapsed since T0 + 10 s as far as the bucket is concerned.
+    let resp = h.ask(&one(&[("k", "a")])).await;
+    assert_eq!(codes(&resp), vec![(OK, 3)]);
+    // Two tokens at one per 12 s: full at T0 + 10 s + 24 s.
+    assert_eq!(resp.statuses[0].duration_until_reset, dur(34_000_000));
+    h.advance_ms(30_000);
+    h.limiter.store().sweep();
+    // At T0 + 30 s it holds 3 + 20/12 tokens: 3 left after one more hit, not 4.
+    assert_eq!(codes(&h.ask(&one(&[("k", "a")])).await), vec![(OK, 3)]);
+}
+
+#[tokio::test]
+async fn retry_after_is_the_largest_among_denied_descriptors() {
+    let h = harness(BASIC);
+    // a (5/min, a token every 12 s) and b (1/min, 60 s) both empty.
+    h.ask(&req("d", vec![hits(&[("k", "a")], 5), desc(&[("k", "b")])]))
+        .await;
+    h.advance_ms(1_000);
+    let r = req("d", vec![desc(&[("k", "a")]), desc(&[("k", "b")]), desc(&[("k", "c")])]);
+    let resp = h.ask(&r).await;
+    assert_eq!(codes(&resp), vec![(OVER, 0), (OVER, 0), (OK, 3)]);
+    // b's token is due exactly 60 s after it was taken: 59 s from now, though the refill of
+    // the last second (1/60 token) is not a whole number of micro-tokens.
+    assert_eq!(header(&resp, "retry-after"), Some("59"));
+    assert_eq!(resp.statuses[1].duration_until_reset, dur(59_000_000));
+    assert_eq!(resp.statuses[0].duration_until_reset, dur(59_000_000));
+    let r = req("d", vec![desc(&[("k", "b")]), desc(&[("k", "a")])]);
+    assert_eq!(header(&h.ask(&r).await, "retry-after"), Some("59"));
+    // When a denied descriptor can never pass, no Retry-After at all.
+    let r = req("d", vec![desc(&[("k", "a")]), hits(&[("k", "c")], 4)]);
+    let resp = h.ask(&r).await;
+    assert_eq!(resp.overall_code, OVER);
+    assert_eq!(header(&resp, "retry-after"), None);
+}
+
+#[tokio::test]
+async fn retry_after_header_can_be_turned_off() {
+    let h = harness_with(
+        BASIC,
+        LimiterOptions {
+            headers: HeaderSettings {
+                retry_after: false,
+                ratelimit: false,
+                x_ratelimit: false,
+            },
+            ..options()
+        },
+    );
+    h.ask(&one(&[("k", "b")])).await;
+    let resp = h.ask(&one(&[("k", "b")])).await;
+    assert_eq!(resp.overall_code, OVER);
+    assert!(resp.response_headers_to_add.is_empty());
+}
+
+// ---- RateLimit-Policy / RateLimit -----------------------------------------------------
+
+#[tokio::test]
+async fn ratelimit_headers_syntax() {
+    let h = harness(
+        "domain: d
+descriptors:
+  - key: api_key
+    rate_limit: {name: per_key, unit: minute, requests_per_unit: 10}
+  - key: upload
+    name: 'up\"load'
+    token_bucket: {capacity: 5, refill: 1/2500ms}
+",
+    );
+    let r = req("d", vec![desc(&[("api_key", "k")]), desc(&[("upload", "u")])]);
+    let resp = h.ask(&r).await;
+    assert_eq!(resp.overall_code, OK);
+    assert_eq!(
+        header(&resp, "ratelimit-policy"),
+        Some("\"per_key\";q=10;w=60, \"up\\\"load\";q=5;w=13")
+    );
+    assert_eq!(
+        header(&resp, "ratelimit"),
+        Some("\"per_key\";r=9;t=6, \"up\\\"load\";r=4;t=3")
+    );
+    // 3 s later per_key holds 9.5 tokens; taking 9 leaves 0.5, full again in 57 s.
+    h.advance_ms(3_000);
+    let resp = h.ask(&req("d", vec![hits(&[("api_key", "k")], 9)])).await;
+    assert_eq!(header(&resp, "ratelimit"), Some("\"per_key\";r=0;t=57"));
+    // On a 429 as well; `t` counts down, and one more token comes in 3 s.
+    h.advance_ms(1_000);
+    let resp = h.ask(&one(&[("api_key", "k")])).await;
+    assert_eq!(resp.overall_code, OVER);
+    assert_eq!(header(&resp, "ratelimit-policy"), Some("\"per_key\";q=10;w=60"));
+    assert_eq!(header(&resp, "ratelimit"), Some("\"per_key\";r=0;t=56"));
+    assert_eq!(header(&resp, "retry-after"), Some("2"));
+}
+
+#[tokio::test]
+async fn ratelimit_headers_list_a_bucket_once_with_its_lowest_instance() {
+    let h = harness(BASIC);
+    h.ask(&req("d", vec![hits(&[("per_key", "y")], 2)])).await;
+    let r = req("d", vec![desc(&[("per_key", "x")]), desc(&[("per_key", "y")])]);
+    let resp = h.ask(&r).await;
+    assert_eq!(codes(&resp), vec![(OK, 2), (OK, 0)]);
+    assert_eq!(header(&resp, "ratelimit-policy"), Some("\"per_key\";q=3;w=60"));
+    assert_eq!(header(&resp, "ratelimit"), Some("\"per_key\";r=0;t=60"));
+}
+
+// ---- invalid requests -----------------------------------------------------------------
+
+#[tokio::test]
+async fn malformed_requests_are_invalid() {
+    let h = harness(BASIC);
+    let msg = h.invalid(&req("", vec![desc(&[("k", "a")])])).await;
+    assert!(msg.contains("domain"), "{msg}");
+    let msg = h.invalid(&req("d", vec![desc(&[("k", "a")]), desc(&[])])).await;
+    assert!(msg.contains("descriptor 1 has no entries"), "{msg}");
+    let msg = h.invalid(&req("d", vec![desc(&[("k", "a"), ("", "v")])])).await;
+    assert!(msg.contains("descriptor 0 entry 1 has an empty key"), "{msg}");
+    // An empty value is fine.
+    assert_eq!(h.ask(&one(&[("k", "")])).await.overall_code, OK);
+
+    let max = RequestLimits::default();
+    let r = req("d", (0..=max.max_descriptors).map(|_| desc(&[("k", "a")])).collect());
+    let msg = h.invalid(&r).await;
+    assert!(
+        msg.contains(&format!("exceed the maximum of {}", max.max_descriptors)),
+        "{msg}"
+    );
+    let ok = req("d", (0..max.max_descriptors).map(|_| desc(&[("x", "a")])).collect());
+    assert_eq!(h.ask(&ok).await.statuses.len(), max.max_descriptors);
+
+    let long: Vec<(String, String)> = (0..=max.max_entries)
+        .map(|i| (format!("k{i}"), "v".to_owned()))
+        .collect();
+    let pairs: Vec<(&str, &str)> = long.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let msg = h.invalid(&req("d", vec![desc(&pairs)])).await;
+    assert!(
+        msg.contains(&format!("more than the maximum of {}", max.max_entries)),
+        "{msg}"
+    );
+    assert_eq!(h.ask(&req("d", vec![desc(&pairs[1..])])).await.overall_code, OK);
+    // Rejected requests consumed nothing, even from descriptors before the bad one.
+    assert!(h.limiter.store().is_empty());
+
+    let h = harness_with(
+        BASIC,
+        LimiterOptions {
+            limits: RequestLimits {
+                max_descriptors: 1,
+                max_entries: 1,
+            },
+            ..options()
+        },
+    );
+    let msg = h
+        .invalid(&req("d", vec![desc(&[("k", "a")]), desc(&[("k", "b")])]))
+        .await;
+    assert!(msg.contains("2 descriptors exceed the maximum of 1"), "{msg}");
+    let msg = h.invalid(&req("d", vec![desc(&[("k", "a"), ("x", "y")])])).await;
+    assert!(
+        msg.contains("descriptor 0 has 2 entries, more than the maximum of 1"),
+        "{msg}"
+    );
+}
+
+// ---- the repository's example rules ---------------------------------------------------
+
+#[tokio::test]
+async fn repository_example_rules_decide_as_documented() {
+    let rules = load_rules(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/rules")).unwrap();
+    let clock = ManualClock::new(T0);
+    let h = Harness {
+        limiter: Limiter::new(rules, MemoryStore::new(4, 10_000, Arc::new(clock.clone())), options()),
+        clock,
+    };
+    // edge: uploads per key, 5 then one every 12 s; the api key's own bucket also counts.
+    let upload = req(
+        "edge",
+        vec![
+            desc(&[("api_key", "k"), ("path", "/upload")]),
+            desc(&[("api_key", "k")]),
+        ],
+    );
+    for left in (0..5).rev() {
+        let resp = h.ask(&upload).await;
+        assert_eq!(resp.overall_code, OK);
+        assert_eq!(limit_of(&resp.statuses[0]), Some(("uploads_per_key", 5, Unit::Minute)));
+        assert_eq!(resp.statuses[0].limit_remaining, left);
+        assert_eq!(limit_of(&resp.statuses[1]), Some(("per_api_key", 60, Unit::Minute)));
+    }
+    let resp = h.ask(&upload).await;
+    assert_eq!(resp.overall_code, OVER);
+    assert_eq!(header(&resp, "retry-after"), Some("12"));
+    assert_eq!(resp.statuses[1].limit_remaining, 55, "denied: per_api_key untouched");
+    // Static paths are never limited; legacy (envoyproxy schema) blocks a client outright.
+    assert_eq!(
+        h.ask(&req("edge", vec![desc(&[("path", "/static/app.js")])]))
+            .await
+            .statuses[0]
+            .current_limit,
+        None
+    );
+    let blocked = req("legacy", vec![desc(&[("database", "default"), ("client", "blocked")])]);
+    assert_eq!(h.ask(&blocked).await.overall_code, OVER);
+    let resp = h.ask(&req("legacy", vec![desc(&[("database", "users")])])).await;
+    assert_eq!(limit_of(&resp.statuses[0]), Some(("database=users", 500, Unit::Second)));
+    assert_eq!(resp.statuses[0].limit_remaining, 499);
+}
