@@ -114,9 +114,13 @@ const INVALID: &[Invalid] = &[
     inv(
         "unlimited_with_limit_envoy.yaml",
         Some("api_key"),
-        &["`unlimited: true` cannot be combined with a limit"],
+        &["`unlimited: true` with a `unit`"],
     ),
-    inv("unlimited_with_unit.yaml", Some("api_key"), &["`unlimited: true`"]),
+    inv(
+        "unlimited_with_unit.yaml",
+        Some("api_key"),
+        &["`unlimited: true` with a `unit`"],
+    ),
     inv(
         "replaces_self.yaml",
         Some("api_key"),

@@ -237,7 +237,20 @@ impl<'a> DomainBuilder<'a> {
     fn rule(&mut self, spec: &DescriptorSpec, path: &str) -> Option<Rule> {
         let rl = spec.rate_limit.as_ref();
         let unlimited = spec.unlimited || rl.is_some_and(|r| r.unlimited);
-        let rl_limit = rl.filter(|r| r.requests_per_unit.is_some() || r.unit.is_some() || !r.unlimited);
+        // envoyproxy/ratelimit rejects a unit on an unlimited rate_limit but ignores a count.
+        if let Some(r) = rl.filter(|r| r.unlimited) {
+            if r.unit.is_some() {
+                self.error(
+                    path,
+                    "`unlimited: true` with a `unit`: an unlimited rate_limit has no unit",
+                );
+                return None;
+            }
+            if r.requests_per_unit.is_some() {
+                self.note(path, "`requests_per_unit` has no effect on an unlimited rate_limit");
+            }
+        }
+        let rl_limit = rl.filter(|r| !r.unlimited);
         let sources = [spec.bucket.is_some(), spec.token_bucket.is_some(), rl_limit.is_some()];
         let count = sources.iter().filter(|s| **s).count();
         if count > 1 {
