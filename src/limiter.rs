@@ -7,6 +7,7 @@
 //! 5. let the store decide all of them atomically;
 //! 6. turn the decision into statuses and headers ([`crate::response`]).
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
@@ -56,10 +57,11 @@ pub struct Limiter<S> {
 }
 
 /// What one descriptor was matched to, before the store is asked.
-struct Matched {
-    policy: BucketPolicy,
+/// Policies are borrowed from the rules in force, so the hot path copies no names.
+struct Matched<'r> {
+    policy: Cow<'r, BucketPolicy>,
     shadow: bool,
-    replaces: Vec<usize>,
+    replaces: &'r [usize],
     bucket_index: Option<usize>,
 }
 
@@ -101,9 +103,9 @@ impl<S: Store> Limiter<S> {
         for d in &req.descriptors {
             let m = match (&d.limit, self.options.overrides) {
                 (Some(o), true) => Some(Matched {
-                    policy: override_policy(o.requests_per_unit, o.unit)?,
+                    policy: Cow::Owned(override_policy(o.requests_per_unit, o.unit)?),
                     shadow: false,
-                    replaces: Vec::new(),
+                    replaces: &[],
                     bucket_index: None,
                 }),
                 _ => domain.and_then(|dom| match find_rule(dom, &d.entries) {
@@ -112,9 +114,9 @@ impl<S: Store> Limiter<S> {
                         shadow,
                         replaces,
                     }) => Some(Matched {
-                        policy: dom.buckets[*bucket].clone(),
+                        policy: Cow::Borrowed(&dom.buckets[*bucket]),
                         shadow: *shadow,
-                        replaces: replaces.clone(),
+                        replaces,
                         bucket_index: Some(*bucket),
                     }),
                     _ => None,

@@ -1,6 +1,8 @@
 //! From a decision to a `RateLimitResponse`: statuses in request order and the headers Envoy
 //! forwards to the client (DESIGN 1.4).
 
+use std::borrow::Cow;
+
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{Code, DescriptorStatus, RateLimit};
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
@@ -13,9 +15,9 @@ use crate::store::Applied;
 
 /// A descriptor that matched a bucket.
 #[derive(Clone, Debug)]
-pub struct Target {
-    /// The policy in force.
-    pub policy: BucketPolicy,
+pub struct Target<'r> {
+    /// The policy in force, borrowed from the rules where it can be.
+    pub policy: Cow<'r, BucketPolicy>,
     /// Index of the bucket instance in the store request.
     pub instance: usize,
     /// Index of the descriptor's demand in the store request.
@@ -39,7 +41,7 @@ struct Verdict<'a> {
 /// Builds the response. `targets` has one entry per request descriptor (`None`: no limit
 /// applies); `applied` is the store's decision, absent when no descriptor matched a bucket.
 pub fn build_response(
-    targets: &[Option<Target>],
+    targets: &[Option<Target<'_>>],
     applied: Option<&Applied>,
     headers: &HeaderSettings,
 ) -> RateLimitResponse {
@@ -60,7 +62,7 @@ pub fn build_response(
             // it cannot tell a clock that stepped back (understating it).
             let kept = out.kept();
             Some(Verdict {
-                policy: &t.policy,
+                policy: t.policy.as_ref(),
                 over: !passed && !t.shadow,
                 remaining_ut: out.after.tokens_ut,
                 until_full_us: wait_us(kept, limit.capacity_ut, limit, applied.now_us),
