@@ -1,1 +1,544 @@
-fn main() {}
+//! `tollgate-loadgen`: a gRPC load generator for `envoy.service.ratelimit.v3.RateLimitService`,
+//! and a no-op `RateLimitService` on the same server stack as `tollgate serve`, so that the two
+//! can be measured side by side (see `benches/README.md` and `scripts/bench-compare`).
+//!
+//! - `run`: drives `--concurrency` request loops over `--connections` HTTP/2 channels, then
+//!   reports throughput, response codes, latency percentiles and the CPU time each
+//!   `--server-pid` (and the load generator itself) spent per request in the measured window.
+//! - `noop`: answers every request `OK`, one `OK` status per descriptor, nothing else.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::{Args, Parser, Subcommand};
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{Code, DescriptorStatus};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::{
+    RateLimitService, RateLimitServiceServer,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use hdrhistogram::Histogram;
+use tokio::net::TcpListener;
+use tonic::transport::server::TcpIncoming;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Request, Response, Status};
+
+#[derive(Parser)]
+#[command(
+    name = "tollgate-loadgen",
+    version,
+    about = "Load generator and no-op server for Envoy's RateLimitService"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Drive ShouldRateLimit calls at a server and report throughput, latency and CPU/request.
+    Run(RunArgs),
+    /// Serve a RateLimitService that answers OK to everything, on tollgate's server stack.
+    Noop {
+        /// Address to listen on for gRPC.
+        #[arg(long, default_value = "127.0.0.1:8081")]
+        listen: SocketAddr,
+    },
+}
+
+#[derive(Args, Clone)]
+struct RunArgs {
+    /// The server, e.g. http://127.0.0.1:8081.
+    #[arg(long)]
+    target: String,
+    /// Concurrent request loops; each has one call in flight at a time.
+    #[arg(long, default_value_t = 64)]
+    concurrency: usize,
+    /// HTTP/2 connections the loops are spread over.
+    #[arg(long, default_value_t = 4)]
+    connections: usize,
+    /// Length of the measured window (`10s`, `500ms`, `1m`).
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    duration: Duration,
+    /// Load before the measured window, not counted (`0s` for none).
+    #[arg(long, default_value = "2s", value_parser = parse_duration)]
+    warmup: Duration,
+    /// The request domain.
+    #[arg(long, default_value = "bench")]
+    domain: String,
+    /// The descriptor entry key.
+    #[arg(long, default_value = "k")]
+    key: String,
+    /// Distinct entry values ("0" .. keys-1), cycled through in turn.
+    #[arg(long, default_value_t = 1000)]
+    keys: usize,
+    /// The request's hits_addend (0 means 1 to the server).
+    #[arg(long, default_value_t = 0)]
+    hits_addend: u32,
+    /// A server process whose CPU time in the measured window is reported (repeatable).
+    #[arg(long = "server-pid")]
+    server_pids: Vec<u32>,
+    /// Print one JSON object instead of the human summary.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Parses `<number><unit>` with unit `ms`, `s` or `m`; the number may have a fraction.
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let number: f64 = number
+        .parse()
+        .map_err(|_| format!("bad duration `{text}`: expected a number and a unit (ms, s, m), like 10s"))?;
+    let secs = match unit {
+        "ms" => number / 1000.0,
+        "s" | "" => number,
+        "m" => number * 60.0,
+        _ => return Err(format!("bad duration `{text}`: unknown unit `{unit}` (ms, s, m)")),
+    };
+    Duration::try_from_secs_f64(secs).map_err(|e| format!("bad duration `{text}`: {e}"))
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = match cli.command {
+        Command::Run(args) => runtime.block_on(run(args)),
+        Command::Noop { listen } => runtime.block_on(noop(listen)),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tollgate-loadgen: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+// ---------------------------------------------------------------------------------------------
+// noop
+
+/// Answers OK, with one OK status per descriptor, and nothing else.
+struct Noop;
+
+#[tonic::async_trait]
+impl RateLimitService for Noop {
+    async fn should_rate_limit(
+        &self,
+        request: Request<RateLimitRequest>,
+    ) -> Result<Response<RateLimitResponse>, Status> {
+        let req = request.into_inner();
+        let statuses = req
+            .descriptors
+            .iter()
+            .map(|_| DescriptorStatus {
+                code: Code::Ok as i32,
+                ..Default::default()
+            })
+            .collect();
+        Ok(Response::new(RateLimitResponse {
+            overall_code: Code::Ok as i32,
+            statuses,
+            ..Default::default()
+        }))
+    }
+}
+
+/// The same stack as `tollgate::server::serve_grpc`: grpc health plus the service, TCP_NODELAY
+/// on the accepted sockets, serving until SIGINT or SIGTERM.
+async fn noop(listen: SocketAddr) -> Result<(), BoxError> {
+    let listener = TcpListener::bind(listen)
+        .await
+        .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
+    let (health_reporter, health) = tonic_health::server::health_reporter();
+    health_reporter.set_serving::<RateLimitServiceServer<Noop>>().await;
+    // As in serve_grpc: `Server::tcp_nodelay` is ignored for a caller-supplied incoming stream,
+    // so TCP_NODELAY is set on the accepted sockets by `TcpIncoming`.
+    tonic::transport::Server::builder()
+        .add_service(health)
+        .add_service(RateLimitServiceServer::new(Noop))
+        .serve_with_incoming_shutdown(TcpIncoming::from(listener).with_nodelay(Some(true)), shutdown_signal())
+        .await?;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term => {}
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// run
+
+const WARMUP: u8 = 0;
+const MEASURE: u8 = 1;
+const STOP: u8 = 2;
+
+/// What one request loop saw in the measured window.
+struct LoopStats {
+    latency_us: Histogram<u64>,
+    ok: u64,
+    over_limit: u64,
+    unknown_code: u64,
+    errors: BTreeMap<String, u64>,
+    first_error: Option<String>,
+}
+
+impl LoopStats {
+    fn new() -> LoopStats {
+        LoopStats {
+            latency_us: Histogram::new_with_bounds(1, 60_000_000, 3).expect("valid histogram bounds"),
+            ok: 0,
+            over_limit: 0,
+            unknown_code: 0,
+            errors: BTreeMap::new(),
+            first_error: None,
+        }
+    }
+
+    fn merge(&mut self, other: LoopStats) {
+        self.latency_us.add(&other.latency_us).expect("same histogram bounds");
+        self.ok += other.ok;
+        self.over_limit += other.over_limit;
+        self.unknown_code += other.unknown_code;
+        for (code, n) in other.errors {
+            *self.errors.entry(code).or_default() += n;
+        }
+        if self.first_error.is_none() {
+            self.first_error = other.first_error;
+        }
+    }
+
+    fn error_count(&self) -> u64 {
+        self.errors.values().sum()
+    }
+}
+
+async fn connect(target: &str) -> Result<Channel, BoxError> {
+    let endpoint = Endpoint::from_shared(target.to_owned())
+        .map_err(|e| format!("bad target `{target}`: {e}"))?
+        .tcp_nodelay(true)
+        .connect_timeout(Duration::from_secs(2));
+    // The server may still be starting: retry for a few seconds.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match endpoint.connect().await {
+            Ok(ch) => return Ok(ch),
+            Err(e) if Instant::now() >= deadline => return Err(format!("cannot connect to {target}: {e}").into()),
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+}
+
+fn request_for(args: &RunArgs, i: usize) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: args.domain.clone(),
+        descriptors: vec![RateLimitDescriptor {
+            entries: vec![Entry {
+                key: args.key.clone(),
+                value: i.to_string(),
+            }],
+            ..Default::default()
+        }],
+        hits_addend: args.hits_addend,
+    }
+}
+
+async fn request_loop(
+    mut client: RateLimitServiceClient<Channel>,
+    requests: Arc<Vec<RateLimitRequest>>,
+    next: Arc<AtomicUsize>,
+    phase: Arc<AtomicU8>,
+) -> LoopStats {
+    let mut stats = LoopStats::new();
+    loop {
+        let p = phase.load(Ordering::Relaxed);
+        if p == STOP {
+            return stats;
+        }
+        let i = next.fetch_add(1, Ordering::Relaxed) % requests.len();
+        let req = requests[i].clone();
+        let started = Instant::now();
+        let result = client.should_rate_limit(req).await;
+        let elapsed = started.elapsed();
+        // A call counts when it completes inside the measured window.
+        if phase.load(Ordering::Relaxed) != MEASURE {
+            continue;
+        }
+        match result {
+            Ok(resp) => {
+                let us = u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX).max(1);
+                stats.latency_us.saturating_record(us);
+                match Code::try_from(resp.get_ref().overall_code) {
+                    Ok(Code::Ok) => stats.ok += 1,
+                    Ok(Code::OverLimit) => stats.over_limit += 1,
+                    _ => stats.unknown_code += 1,
+                }
+            }
+            Err(status) => {
+                *stats.errors.entry(format!("{:?}", status.code())).or_default() += 1;
+                if stats.first_error.is_none() {
+                    stats.first_error = Some(status.to_string());
+                }
+            }
+        }
+    }
+}
+
+/// Clock ticks per second for `/proc/PID/stat` (`getconf CLK_TCK`; 100 if that fails).
+fn clock_ticks() -> u64 {
+    std::process::Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.trim().parse().ok())
+        .filter(|&t| t > 0)
+        .unwrap_or(100)
+}
+
+/// utime + stime of a process (all its threads), in clock ticks. `pid` is a number or `self`.
+fn cpu_ticks(pid: &str) -> Result<u64, String> {
+    let path = format!("/proc/{pid}/stat");
+    let stat = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {path}: {e}"))?;
+    // The command name (field 2) is in parentheses and may hold spaces: fields resume after
+    // the last ')', starting at field 3 (state); utime and stime are fields 14 and 15.
+    let rest = stat
+        .rsplit_once(')')
+        .map(|(_, r)| r)
+        .ok_or_else(|| format!("unexpected {path}"))?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let field = |n: usize| -> Result<u64, String> {
+        fields
+            .get(n - 3)
+            .and_then(|f| f.parse().ok())
+            .ok_or_else(|| format!("unexpected {path}: no field {n}"))
+    };
+    Ok(field(14)? + field(15)?)
+}
+
+struct CpuReading {
+    name: String,
+    pid: Option<u32>,
+    ticks: u64,
+}
+
+fn read_cpu(pids: &[u32]) -> Result<Vec<CpuReading>, String> {
+    let mut out = Vec::with_capacity(pids.len() + 1);
+    out.push(CpuReading {
+        name: "loadgen".into(),
+        pid: None,
+        ticks: cpu_ticks("self")?,
+    });
+    for &pid in pids {
+        out.push(CpuReading {
+            name: format!("server {pid}"),
+            pid: Some(pid),
+            ticks: cpu_ticks(&pid.to_string())?,
+        });
+    }
+    Ok(out)
+}
+
+async fn run(args: RunArgs) -> Result<(), BoxError> {
+    if args.concurrency == 0 || args.connections == 0 || args.keys == 0 {
+        return Err("--concurrency, --connections and --keys must be at least 1".into());
+    }
+    if args.duration.is_zero() {
+        return Err("--duration must be longer than zero".into());
+    }
+    let clk_tck = clock_ticks();
+    let mut channels = Vec::with_capacity(args.connections);
+    for _ in 0..args.connections {
+        channels.push(connect(&args.target).await?);
+    }
+    let requests = Arc::new((0..args.keys).map(|i| request_for(&args, i)).collect::<Vec<_>>());
+    let next = Arc::new(AtomicUsize::new(0));
+    let phase = Arc::new(AtomicU8::new(WARMUP));
+    let loops: Vec<_> = (0..args.concurrency)
+        .map(|i| {
+            let client = RateLimitServiceClient::new(channels[i % channels.len()].clone());
+            tokio::spawn(request_loop(client, requests.clone(), next.clone(), phase.clone()))
+        })
+        .collect();
+
+    tokio::time::sleep(args.warmup).await;
+    let cpu_before = read_cpu(&args.server_pids)?;
+    let started = Instant::now();
+    phase.store(MEASURE, Ordering::Relaxed);
+    tokio::time::sleep(args.duration).await;
+    phase.store(STOP, Ordering::Relaxed);
+    let window = started.elapsed();
+    let cpu_after = read_cpu(&args.server_pids)?;
+
+    let mut stats = LoopStats::new();
+    let drain_deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    for handle in loops {
+        let abort = handle.abort_handle();
+        match tokio::time::timeout_at(drain_deadline, handle).await {
+            Ok(Ok(s)) => stats.merge(s),
+            Ok(Err(e)) => return Err(format!("a request loop failed: {e}").into()),
+            Err(_) => abort.abort(), // a call hung past the window; its counts are lost
+        }
+    }
+
+    let report = Report::new(&args, window, clk_tck, &stats, &cpu_before, &cpu_after);
+    if args.json {
+        println!("{}", report.json);
+    } else {
+        print!("{}", report.human);
+    }
+    Ok(())
+}
+
+struct Report {
+    json: serde_json::Value,
+    human: String,
+}
+
+impl Report {
+    fn new(
+        args: &RunArgs,
+        window: Duration,
+        clk_tck: u64,
+        stats: &LoopStats,
+        before: &[CpuReading],
+        after: &[CpuReading],
+    ) -> Report {
+        use serde_json::json;
+        use std::fmt::Write;
+
+        let errors = stats.error_count();
+        let requests = stats.ok + stats.over_limit + stats.unknown_code + errors;
+        let secs = window.as_secs_f64();
+        let throughput = requests as f64 / secs;
+        let h = &stats.latency_us;
+        let pct = |q: f64| if h.is_empty() { 0 } else { h.value_at_quantile(q) };
+        let (p50, p90, p99, p999) = (pct(0.50), pct(0.90), pct(0.99), pct(0.999));
+        let per_req = |cpu_s: f64| {
+            if requests == 0 {
+                None
+            } else {
+                Some(cpu_s * 1e6 / requests as f64)
+            }
+        };
+        let cpu: Vec<(String, Option<u32>, f64, Option<f64>)> = before
+            .iter()
+            .zip(after)
+            .map(|(b, a)| {
+                let cpu_s = a.ticks.saturating_sub(b.ticks) as f64 / clk_tck as f64;
+                (b.name.clone(), b.pid, cpu_s, per_req(cpu_s))
+            })
+            .collect();
+        let (_, _, client_cpu_s, client_per_req) = cpu[0].clone();
+        let servers: Vec<_> = cpu[1..]
+            .iter()
+            .map(|(_, pid, cpu_s, us)| {
+                json!({
+                    "pid": pid,
+                    "cpu_s": cpu_s,
+                    "cpu_us_per_req": us,
+                    "cpu_utilisation": cpu_s / secs,
+                })
+            })
+            .collect();
+        let json = json!({
+            "target": args.target,
+            "concurrency": args.concurrency,
+            "connections": args.connections,
+            "keys": args.keys,
+            "hits_addend": args.hits_addend,
+            "warmup_s": args.warmup.as_secs_f64(),
+            "duration_s": secs,
+            "requests": requests,
+            "throughput_rps": throughput,
+            "ok": stats.ok,
+            "over_limit": stats.over_limit,
+            "unknown_code": stats.unknown_code,
+            "errors": errors,
+            "error_codes": stats.errors,
+            "first_error": stats.first_error,
+            "latency_us": {
+                "p50": p50,
+                "p90": p90,
+                "p99": p99,
+                "p999": p999,
+                "min": h.min(),
+                "max": h.max(),
+                "mean": h.mean(),
+            },
+            "clk_tck": clk_tck,
+            "client": {
+                "cpu_s": client_cpu_s,
+                "cpu_us_per_req": client_per_req,
+                "cpu_utilisation": client_cpu_s / secs,
+            },
+            "servers": servers,
+        });
+
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "target {}  concurrency {}  connections {}  keys {}  window {:.2}s",
+            args.target, args.concurrency, args.connections, args.keys, secs
+        );
+        let _ = writeln!(
+            s,
+            "requests {requests}  throughput {throughput:.0} req/s  ok {}  over_limit {}  unknown {}  errors {errors}",
+            stats.ok, stats.over_limit, stats.unknown_code
+        );
+        for (code, n) in &stats.errors {
+            let _ = writeln!(s, "  error {code}: {n}");
+        }
+        if let Some(e) = &stats.first_error {
+            let _ = writeln!(s, "  first error: {e}");
+        }
+        let _ = writeln!(
+            s,
+            "latency us  p50 {p50}  p90 {p90}  p99 {p99}  p99.9 {p999}  max {}",
+            h.max()
+        );
+        for (name, _, cpu_s, us) in &cpu {
+            let us = us.map_or("-".to_owned(), |u| format!("{u:.2}"));
+            let _ = writeln!(
+                s,
+                "cpu {name}: {cpu_s:.2}s ({:.0}% of one core), {us} us/request",
+                100.0 * cpu_s / secs
+            );
+        }
+        Report { json, human: s }
+    }
+}
