@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::{
+    RateLimitService, RateLimitServiceServer,
+};
 use tokio::net::TcpListener;
 use tonic::transport::server::TcpIncoming;
 
@@ -94,22 +96,32 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Serves `RateLimitService` and `grpc.health.v1` on `listener` until `shutdown` completes.
+/// Serves tollgate's `RateLimitService` and `grpc.health.v1` on `listener` until `shutdown`
+/// completes.
 pub async fn serve_grpc<S: Store>(
     listener: TcpListener,
     limiter: Arc<Limiter<S>>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
+    serve_rate_limit_service(listener, RateLimitGrpc::new(limiter), shutdown).await
+}
+
+/// Serves any `RateLimitService` implementation, and `grpc.health.v1` reporting it serving, on
+/// `listener` until `shutdown` completes. This is the whole gRPC stack; the load generator's
+/// no-op server uses it too, so measurements compare decision paths and nothing else.
+pub async fn serve_rate_limit_service<T: RateLimitService>(
+    listener: TcpListener,
+    service: T,
+    shutdown: impl Future<Output = ()> + Send,
+) -> anyhow::Result<()> {
     let (health_reporter, health) = tonic_health::server::health_reporter();
-    health_reporter
-        .set_serving::<RateLimitServiceServer<RateLimitGrpc<S>>>()
-        .await;
+    health_reporter.set_serving::<RateLimitServiceServer<T>>().await;
     // TCP_NODELAY must be set on the accepted sockets here: tonic ignores `Server::tcp_nodelay`
     // for a caller-supplied incoming stream. With Nagle on, a response written in two pieces
     // waits for Envoy's delayed ACK (~40 ms), past Envoy's default 20 ms filter timeout.
     tonic::transport::Server::builder()
         .add_service(health)
-        .add_service(RateLimitServiceServer::new(RateLimitGrpc::new(limiter)))
+        .add_service(RateLimitServiceServer::new(service))
         .serve_with_incoming_shutdown(TcpIncoming::from(listener).with_nodelay(Some(true)), shutdown)
         .await
         .context("gRPC server failed")
@@ -127,7 +139,8 @@ fn spawn_sweeper(store: MemoryStore, every: Duration) {
     });
 }
 
-async fn shutdown_signal() {
+/// Completes on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
     };

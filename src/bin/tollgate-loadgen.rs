@@ -19,13 +19,10 @@ use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descri
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{Code, DescriptorStatus};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::{
-    RateLimitService, RateLimitServiceServer,
-};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use hdrhistogram::Histogram;
 use tokio::net::TcpListener;
-use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Response, Status};
 
@@ -161,43 +158,14 @@ impl RateLimitService for Noop {
     }
 }
 
-/// The same stack as `tollgate::server::serve_grpc`: grpc health plus the service, TCP_NODELAY
-/// on the accepted sockets, serving until SIGINT or SIGTERM.
+/// Serves [`Noop`] on exactly tollgate's gRPC stack (`tollgate::server::serve_rate_limit_service`)
+/// until SIGINT or SIGTERM.
 async fn noop(listen: SocketAddr) -> Result<(), BoxError> {
     let listener = TcpListener::bind(listen)
         .await
         .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
-    let (health_reporter, health) = tonic_health::server::health_reporter();
-    health_reporter.set_serving::<RateLimitServiceServer<Noop>>().await;
-    // As in serve_grpc: `Server::tcp_nodelay` is ignored for a caller-supplied incoming stream,
-    // so TCP_NODELAY is set on the accepted sockets by `TcpIncoming`.
-    tonic::transport::Server::builder()
-        .add_service(health)
-        .add_service(RateLimitServiceServer::new(Noop))
-        .serve_with_incoming_shutdown(TcpIncoming::from(listener).with_nodelay(Some(true)), shutdown_signal())
-        .await?;
+    tollgate::server::serve_rate_limit_service(listener, Noop, tollgate::server::shutdown_signal()).await?;
     Ok(())
-}
-
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {}
-        _ = term => {}
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
