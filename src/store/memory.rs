@@ -3,7 +3,9 @@
 //! A bucket that has refilled to full is the same as no bucket, so full buckets are not kept:
 //! a decision that leaves a bucket full removes it, and a periodic sweep drops buckets whose
 //! refill has reached full since. Memory is therefore bounded by active (not full) buckets,
-//! and by `max_buckets` beyond that.
+//! and by `max_buckets` beyond that: at the cap, the bucket closest to full among a small
+//! sample is evicted (DESIGN.md suggests least recently used; closest to full is chosen
+//! because evicting it over-admits least).
 
 use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
@@ -156,19 +158,27 @@ impl MemoryStore {
     }
 }
 
-/// Keeps a shard under its cap before an insert: first drop what is full by now; if that is
-/// not enough, evict the bucket closest to full (the least over-admission) and count it.
+/// How many entries [`make_room`] looks at to choose a victim.
+const EVICTION_SAMPLE: usize = 16;
+
+/// Keeps a shard under its cap before an insert: evicts the bucket closest to full (the least
+/// possible over-admission) among a sample of [`EVICTION_SAMPLE`] entries, so the cost stays
+/// constant however large the shard (a flood of new keys must not make every request scan it).
+/// Evicting a bucket that is not yet full is counted.
 fn make_room(map: &mut Shard, cap: usize, now: u64, stats: &MemoryStoreStats) {
-    if map.len() < cap {
-        return;
-    }
-    map.retain(|_, e| e.full_at_us > now);
     while map.len() >= cap {
-        let Some(victim) = map.iter().min_by_key(|(_, e)| e.full_at_us).map(|(k, _)| k.clone()) else {
+        let Some((victim, full_at)) = map
+            .iter()
+            .take(EVICTION_SAMPLE)
+            .min_by_key(|(_, e)| e.full_at_us)
+            .map(|(k, e)| (k.clone(), e.full_at_us))
+        else {
             return;
         };
         map.remove(&victim);
-        stats.evicted_not_full.fetch_add(1, Ordering::Relaxed);
+        if full_at > now {
+            stats.evicted_not_full.fetch_add(1, Ordering::Relaxed);
+        }
     }
 }
 

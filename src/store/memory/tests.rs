@@ -106,3 +106,22 @@ fn a_denied_request_writes_nothing() {
     assert!(store.apply_now(&b, &[consume(0, 1)]).decision.denied);
     assert_eq!(store.peek("a").unwrap(), before);
 }
+
+#[test]
+fn at_the_cap_each_insert_evicts_one_and_only_unfull_evictions_count() {
+    let clock = ManualClock::new(0);
+    let store = MemoryStore::new(1, 1000, Arc::new(clock.clone()));
+    for i in 0..1000 {
+        store.apply_now(&[bucket(&format!("k{i}"), 10, 3600)], &[consume(0, 1)]);
+    }
+    assert_eq!(store.len(), 1000);
+    store.apply_now(&[bucket("new", 10, 3600)], &[consume(0, 1)]);
+    assert_eq!(store.len(), 1000);
+    assert!(store.peek("new").is_some());
+    assert_eq!(store.stats().evicted_not_full.load(Ordering::Relaxed), 1);
+    // Once every held bucket has refilled to full, evicting one loses nothing: not counted.
+    clock.advance_us(1_000_000);
+    store.apply_now(&[bucket("newer", 10, 3600)], &[consume(0, 1)]);
+    assert_eq!(store.len(), 1000);
+    assert_eq!(store.stats().evicted_not_full.load(Ordering::Relaxed), 1);
+}
