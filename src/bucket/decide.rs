@@ -76,6 +76,20 @@ pub struct Decision {
 ///   instance that cannot keeps its tokens).
 /// - Refunds apply afterwards in every case, capped at capacity.
 ///
+/// ```
+/// use tollgate::bucket::{decide, BucketState, Demand, DemandKind, Limit, Rate, MICRO};
+/// // Two buckets: 5 tokens refilled 5 per second, and an empty one refilled 1 per hour.
+/// let per_second = Limit::new(5, Rate::per(5, 1_000_000).unwrap());
+/// let hourly = Limit::new(1, Rate::per(1, 3_600_000_000).unwrap());
+/// let states = [BucketState::full(&per_second, 0), BucketState { tokens_ut: 0, updated_us: 0 }];
+/// let one = |instance| Demand { instance, kind: DemandKind::Consume(MICRO), enforced: true };
+/// let d = decide(1_000, &states, &[per_second, hourly], &[one(0), one(1)]);
+/// assert!(d.denied);
+/// assert_eq!(d.passed, vec![true, false]);
+/// // All or nothing: the bucket that could have served keeps its tokens.
+/// assert_eq!(d.instances[0].after.tokens_ut, 5 * MICRO);
+/// ```
+///
 /// # Panics
 /// When `limits` and `states` differ in length or a demand names an instance out of range:
 /// both are built by the caller from the same list.

@@ -45,6 +45,12 @@ pub fn parse_duration_us(text: &str) -> Result<u64, String> {
 }
 
 /// Parses a refill rate `<tokens>/<duration>`, e.g. `10/s`, `600/1m`, `1/250ms`.
+///
+/// ```
+/// use tollgate::config::{parse_refill, Refill};
+/// assert_eq!(parse_refill("600/1m"), Ok(Refill { tokens: 600, period_us: 60_000_000 }));
+/// assert!(parse_refill("10 per second").is_err());
+/// ```
 pub fn parse_refill(text: &str) -> Result<Refill, String> {
     let expected = "expected `<tokens>/<duration>` like 10/s, 600/1m or 1/250ms";
     let Some((tokens, period)) = text.split_once('/') else {
