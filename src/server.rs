@@ -6,9 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::{
-    RateLimitService, RateLimitServiceServer,
-};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use tokio::net::TcpListener;
 use tonic::transport::server::TcpIncoming;
 
@@ -19,6 +17,7 @@ use crate::limiter::{Limiter, LimiterOptions};
 use crate::service::RateLimitGrpc;
 use crate::settings::{Backend, Settings};
 use crate::store::{MemoryStore, Store};
+use crate::wire::RateLimitServer;
 
 impl LimiterOptions {
     /// The limiter options in `settings`.
@@ -115,13 +114,13 @@ pub async fn serve_rate_limit_service<T: RateLimitService>(
     shutdown: impl Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
     let (health_reporter, health) = tonic_health::server::health_reporter();
-    health_reporter.set_serving::<RateLimitServiceServer<T>>().await;
+    health_reporter.set_serving::<RateLimitServer<T>>().await;
     // TCP_NODELAY must be set on the accepted sockets here: tonic ignores `Server::tcp_nodelay`
     // for a caller-supplied incoming stream. With Nagle on, a response written in two pieces
     // waits for Envoy's delayed ACK (~40 ms), past Envoy's default 20 ms filter timeout.
     tonic::transport::Server::builder()
         .add_service(health)
-        .add_service(RateLimitServiceServer::new(service))
+        .add_service(RateLimitServer::new(service))
         .serve_with_incoming_shutdown(TcpIncoming::from(listener).with_nodelay(Some(true)), shutdown)
         .await
         .context("gRPC server failed")

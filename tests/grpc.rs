@@ -173,3 +173,83 @@ async fn health_reports_serving() {
         );
     }
 }
+
+/// The request's shape with its strings as raw bytes, to send what Envoy sends when a header
+/// holds bytes that are not UTF-8.
+#[derive(Clone, PartialEq, prost::Message)]
+struct RawRequest {
+    #[prost(bytes = "vec", tag = "1")]
+    domain: Vec<u8>,
+    #[prost(message, repeated, tag = "2")]
+    descriptors: Vec<RawDescriptor>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct RawDescriptor {
+    #[prost(message, repeated, tag = "1")]
+    entries: Vec<RawEntry>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct RawEntry {
+    #[prost(bytes = "vec", tag = "1")]
+    key: Vec<u8>,
+    #[prost(bytes = "vec", tag = "2")]
+    value: Vec<u8>,
+}
+
+/// Field 1 as a number where the proto has a string: not a `RateLimitRequest` at all.
+#[derive(Clone, PartialEq, prost::Message)]
+struct NotARequest {
+    #[prost(uint64, tag = "1")]
+    domain: u64,
+}
+
+async fn raw_call<M: prost::Message + Send + Sync + 'static>(
+    addr: &str,
+    msg: M,
+) -> Result<envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse, tonic::Status> {
+    use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
+    let channel = Channel::from_shared(addr.to_owned()).unwrap().connect().await.unwrap();
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.unwrap();
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static(
+        "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+    );
+    let codec = tonic_prost::ProstCodec::<M, RateLimitResponse>::default();
+    grpc.unary(tonic::Request::new(msg), path, codec)
+        .await
+        .map(|r| r.into_inner())
+}
+
+/// A header value with bytes that are not UTF-8 must be limited like any other value: the
+/// stock codec answered INTERNAL, which Envoy treats as a failed check and lets through.
+#[tokio::test]
+async fn values_that_are_not_utf8_are_still_limited() {
+    let addr = start().await;
+    let raw = |value: &[u8]| RawRequest {
+        domain: b"grpc_test".to_vec(),
+        descriptors: vec![RawDescriptor {
+            entries: vec![RawEntry {
+                key: b"user".to_vec(),
+                value: value.to_vec(),
+            }],
+        }],
+    };
+    let first = raw_call(&addr, raw(b"\xff\xfe")).await.expect("decided, not an error");
+    assert_eq!(first.overall_code, Code::Ok as i32);
+    assert_eq!(first.statuses[0].limit_remaining, 99);
+    let second = raw_call(&addr, raw(b"\xff\xfe")).await.unwrap();
+    assert_eq!(
+        second.statuses[0].limit_remaining, 98,
+        "the same bytes hit the same bucket"
+    );
+}
+
+#[tokio::test]
+async fn a_message_that_is_not_a_request_is_invalid_argument() {
+    let addr = start().await;
+    let status = raw_call(&addr, NotARequest { domain: 7 }).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    assert!(status.message().contains("malformed RateLimitRequest"), "{status:?}");
+}
