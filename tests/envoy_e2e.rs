@@ -363,13 +363,27 @@ async fn envoy_enforces_tollgate_buckets_and_forwards_its_headers() {
         assert_unlimited(&reply, &format!("/unmatched request {i}"));
     }
 
+    // A key whose bytes are not UTF-8 (HTTP allows them; Envoy copies them into the descriptor)
+    // is limited like any other, rather than failing the check and so failing open.
+    let odd_key = reqwest::header::HeaderValue::from_bytes(b"caf\xe9\xff").expect("obs-text is a valid header value");
+    for k in 1..=CAPACITY + 1 {
+        let response = client
+            .get(&limited)
+            .header("x-api-key", odd_key.clone())
+            .send()
+            .await
+            .expect("GET /limited with a non-UTF-8 key");
+        let expected = if k <= CAPACITY { 200 } else { 429 };
+        assert_eq!(response.status().as_u16(), expected, "request {k} with a non-UTF-8 key");
+    }
+
     // Every check got an answer: none failed open, nothing else was denied.
-    let calls = CAPACITY + 1 + 1 + 1 + 3 * CAPACITY;
+    let calls = CAPACITY + 1 + 1 + 1 + 3 * CAPACITY + CAPACITY + 1;
     tokio::task::block_in_place(|| {
         assert_eq!(envoy.stat("cluster.upstream.ratelimit.error"), 0);
         assert_eq!(envoy.stat("cluster.upstream.ratelimit.failure_mode_allowed"), 0);
-        assert_eq!(envoy.stat("cluster.upstream.ratelimit.over_limit"), 1);
-        assert_eq!(envoy.stat("cluster.upstream.ratelimit.ok"), calls - 1);
+        assert_eq!(envoy.stat("cluster.upstream.ratelimit.over_limit"), 2);
+        assert_eq!(envoy.stat("cluster.upstream.ratelimit.ok"), calls - 2);
     });
 }
 
