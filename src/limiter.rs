@@ -15,7 +15,7 @@ use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescript
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 
-use crate::bucket::{DemandKind, Limit, Rate, MICRO};
+use crate::bucket::{DemandKind, Limit, Rate, MAX_CAPACITY, MICRO};
 use crate::matcher::{find_rule, instance_key};
 use crate::response::{build_response, Target};
 use crate::rules::{BucketPolicy, ReportedLimit, Rule, RuleSet, UNITS};
@@ -101,7 +101,8 @@ impl<S: Store> Limiter<S> {
         let domain = rules.domain(&req.domain);
         let mut matched: Vec<Option<Matched>> = Vec::with_capacity(req.descriptors.len());
         for d in &req.descriptors {
-            let m = match (&d.limit, self.options.overrides) {
+            // As in envoyproxy/ratelimit, an unknown domain is OK before overrides are looked at.
+            let m = match (&d.limit, self.options.overrides && domain.is_some()) {
                 (Some(o), true) => Some(Matched {
                     policy: Cow::Owned(override_policy(o.requests_per_unit, o.unit)?),
                     shadow: false,
@@ -192,25 +193,30 @@ fn demand_kind(d: &RateLimitDescriptor, request_hits: u32) -> DemandKind {
 }
 
 /// Envoy's `RateLimitOverride`: a bucket of `requests_per_unit` refilled that many per unit.
+///
+/// Overrides come from Envoy's configuration, not from a rules file tollgate could reject, so
+/// one beyond the bounds every backend computes exactly is brought within them and reported as
+/// applied: above [`MAX_CAPACITY`] it is capped, and a count too fine for its unit (only large
+/// counts per MONTH or YEAR) is rounded down to a multiple of 1,000, which is always exact.
 fn override_policy(requests_per_unit: u32, unit: i32) -> Result<BucketPolicy, LimitError> {
     let (unit, unit_us) = Unit::try_from(unit)
         .ok()
         .and_then(|u| UNITS.iter().find(|(x, _)| *x == u).copied())
         .ok_or_else(|| LimitError::InvalidRequest(format!("descriptor limit override has unknown unit {unit}")))?;
-    let rpu = u64::from(requests_per_unit).min(crate::bucket::MAX_CAPACITY);
-    let limit = if rpu == 0 {
-        Limit::new(0, Rate::ZERO)
-    } else {
-        Limit::new(
-            rpu,
-            Rate::per(rpu, unit_us).map_err(|e| LimitError::InvalidRequest(e.to_string()))?,
-        )
+    let mut rpu = u64::from(requests_per_unit).min(MAX_CAPACITY);
+    let rate = match Rate::per(rpu, unit_us) {
+        _ if rpu == 0 => Rate::ZERO,
+        Ok(rate) => rate,
+        Err(_) => {
+            rpu = rpu / 1000 * 1000;
+            Rate::per(rpu, unit_us).map_err(|e| LimitError::InvalidRequest(e.to_string()))?
+        }
     };
     Ok(BucketPolicy {
         name: OVERRIDE_BUCKET.to_owned(),
-        limit,
+        limit: Limit::new(rpu, rate),
         reported: ReportedLimit {
-            requests_per_unit,
+            requests_per_unit: u32::try_from(rpu).unwrap_or(u32::MAX),
             unit,
         },
     })

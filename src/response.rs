@@ -65,7 +65,10 @@ pub fn build_response(
                 policy: t.policy.as_ref(),
                 over: !passed && !t.shadow,
                 remaining_ut: out.after.tokens_ut,
-                until_full_us: wait_us(kept, limit.capacity_ut, limit, applied.now_us),
+                // A bucket that never refills (requests_per_unit: 0) has no reset to announce.
+                until_full_us: (!limit.rate.is_zero())
+                    .then(|| wait_us(kept, limit.capacity_ut, limit, applied.now_us))
+                    .flatten(),
                 retry_after_us: if passed {
                     None
                 } else {

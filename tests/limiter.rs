@@ -251,30 +251,38 @@ descriptors:
 // ---- overrides ------------------------------------------------------------------------
 
 #[tokio::test]
-async fn override_applies_without_a_matching_rule_and_for_an_unknown_domain() {
+async fn override_applies_without_a_matching_rule_but_not_for_an_unknown_domain() {
     let h = harness(BASIC);
-    for domain in ["d", "unknown-domain"] {
-        let r = req(
+    let override_on = |domain| {
+        req(
             domain,
             vec![with_override(
                 &[("nothing", "matches")],
                 2,
                 RateLimitUnit::Minute as i32,
             )],
-        );
-        for remaining in [1, 0] {
-            let resp = h.ask(&r).await;
-            assert_eq!(resp.overall_code, OK, "{domain}");
-            let s = &resp.statuses[0];
-            assert_eq!(limit_of(s), Some((OVERRIDE_BUCKET, 2, Unit::Minute)));
-            assert_eq!(s.limit_remaining, remaining);
-        }
+        )
+    };
+    let r = override_on("d");
+    for remaining in [1, 0] {
         let resp = h.ask(&r).await;
-        assert_eq!(resp.overall_code, OVER, "{domain}");
-        assert_eq!(resp.statuses[0].code, OVER);
-        // 2 per minute: one token every 30 s.
-        assert_eq!(header(&resp, "retry-after"), Some("30"));
-        assert_eq!(header(&resp, "ratelimit-policy"), Some("\"override\";q=2;w=60"));
+        assert_eq!(resp.overall_code, OK);
+        let s = &resp.statuses[0];
+        assert_eq!(limit_of(s), Some((OVERRIDE_BUCKET, 2, Unit::Minute)));
+        assert_eq!(s.limit_remaining, remaining);
+    }
+    let resp = h.ask(&r).await;
+    assert_eq!(resp.overall_code, OVER);
+    assert_eq!(resp.statuses[0].code, OVER);
+    // 2 per minute: one token every 30 s.
+    assert_eq!(header(&resp, "retry-after"), Some("30"));
+    assert_eq!(header(&resp, "ratelimit-policy"), Some("\"override\";q=2;w=60"));
+    // As in envoyproxy/ratelimit, an unknown domain is OK before any override is looked at.
+    let unknown = override_on("unknown-domain");
+    for _ in 0..3 {
+        let resp = h.ask(&unknown).await;
+        assert_eq!(resp.overall_code, OK);
+        assert_eq!(resp.statuses[0].current_limit, None);
     }
 }
 
@@ -330,14 +338,44 @@ async fn override_with_an_unknown_unit_is_invalid() {
 #[tokio::test]
 async fn override_of_zero_denies_without_retry_after() {
     let h = harness(BASIC);
-    let r = req(
-        "other",
-        vec![with_override(&[("x", "y")], 0, RateLimitUnit::Second as i32)],
-    );
+    let r = req("d", vec![with_override(&[("x", "y")], 0, RateLimitUnit::Second as i32)]);
     let resp = h.ask(&r).await;
     assert_eq!(resp.overall_code, OVER);
     assert_eq!(limit_of(&resp.statuses[0]), Some(("override", 0, Unit::Second)));
     assert_eq!(header(&resp, "retry-after"), None);
+    // A bucket that never refills announces no reset: `t=0` would tell clients to retry now.
+    assert_eq!(resp.statuses[0].duration_until_reset, None);
+    assert_eq!(header(&resp, "ratelimit"), Some("\"override\";r=0"));
+}
+
+#[tokio::test]
+async fn overrides_beyond_the_exact_bounds_are_brought_within_them_and_reported_as_applied() {
+    let h = harness(BASIC);
+    // Above the capacity bound: capped at 1,000,000,000, and reported so.
+    let r = req(
+        "d",
+        vec![with_override(&[("x", "big")], u32::MAX, RateLimitUnit::Second as i32)],
+    );
+    let resp = h.ask(&r).await;
+    assert_eq!(resp.overall_code, OK);
+    assert_eq!(
+        limit_of(&resp.statuses[0]),
+        Some(("override", 1_000_000_000, Unit::Second))
+    );
+    assert_eq!(header(&resp, "ratelimit-policy"), Some("\"override\";q=1000000000;w=1"));
+    // Too fine a rate per year to compute exactly: rounded down to a multiple of 1,000.
+    let r = req(
+        "d",
+        vec![with_override(
+            &[("x", "yearly")],
+            999_999_937,
+            RateLimitUnit::Year as i32,
+        )],
+    );
+    let resp = h.ask(&r).await;
+    assert_eq!(resp.overall_code, OK);
+    assert_eq!(limit_of(&resp.statuses[0]), Some(("override", 999_999_000, Unit::Year)));
+    assert_eq!(resp.statuses[0].limit_remaining, 999_998_999);
 }
 
 // ---- unknown domain, empty and unmatched descriptors ----------------------------------
