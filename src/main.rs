@@ -56,6 +56,9 @@ fn main() -> ExitCode {
                 }
             };
             init_logging(&settings);
+            for name in tollgate::settings::unknown_env_vars() {
+                tracing::warn!(variable = %name, "environment variable names no setting; ignored");
+            }
             let runtime = match tokio::runtime::Runtime::new() {
                 Ok(rt) => rt,
                 Err(e) => {

@@ -37,6 +37,12 @@ impl LimiterOptions {
 /// cannot bind.
 pub async fn serve(settings: Settings) -> anyhow::Result<()> {
     let rules = load_rules(&settings.rules).map_err(|e| anyhow::anyhow!("invalid rules:\n{e}"))?;
+    if rules.files.is_empty() {
+        tracing::warn!(
+            path = %settings.rules.display(),
+            "no rules files found (*.yaml, *.yml): nothing will be limited"
+        );
+    }
     tracing::info!(
         path = %settings.rules.display(),
         domains = rules.domains.len(),

@@ -197,6 +197,21 @@ impl Settings {
     }
 }
 
+/// `TOLLGATE_*` environment variables that name no setting (a misspelt
+/// `TOLLGATE_GRPC_ADR`, say). They are ignored, since other tools share the prefix; `serve`
+/// logs a warning for each so a typo does not pass unseen.
+pub fn unknown_env_vars() -> Vec<String> {
+    std::env::vars_os()
+        .filter_map(|(name, _)| name.into_string().ok())
+        .filter(|name| {
+            name.strip_prefix("TOLLGATE_").is_some_and(|rest| {
+                let top = rest.split("__").next().unwrap_or_default();
+                !KEYS.iter().any(|known| known.eq_ignore_ascii_case(top))
+            })
+        })
+        .collect()
+}
+
 #[cfg(test)]
 #[allow(clippy::result_large_err)] // figment::Jail's closures return figment::Error
 mod tests {
@@ -208,6 +223,13 @@ mod tests {
             jail.create_file("t.yaml", "grpc_addr: 127.0.0.1:9000\nheaders: {x_ratelimit: true}\n")?;
             jail.set_env("TOLLGATE_HEADERS__RETRY_AFTER", "false");
             jail.set_env("TOLLGATE_ENVOY_BIN", "/not/a/setting");
+            jail.set_env("TOLLGATE_GRPC_ADR", "127.0.0.1:1");
+            let unknown = unknown_env_vars();
+            assert!(unknown.contains(&"TOLLGATE_GRPC_ADR".to_owned()), "{unknown:?}");
+            assert!(
+                !unknown.iter().any(|v| v.starts_with("TOLLGATE_HEADERS")),
+                "{unknown:?}"
+            );
             let s = Settings::load(Some(Path::new("t.yaml"))).map_err(|e| e.to_string())?;
             assert_eq!(s.grpc_addr, SocketAddr::from(([127, 0, 0, 1], 9000)));
             assert!(s.headers.x_ratelimit);
