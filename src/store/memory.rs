@@ -4,14 +4,24 @@
 //! a decision that leaves a bucket full removes it, and a periodic sweep drops buckets whose
 //! refill has reached full since. Memory is therefore bounded by active (not full) buckets,
 //! and by `max_buckets` beyond that: at the cap, the bucket closest to full among a small
-//! sample is evicted (DESIGN.md suggests least recently used; closest to full is chosen
-//! because evicting it over-admits least).
+//! random sample of the shard is evicted (DESIGN.md suggests least recently used; closest to
+//! full is chosen because evicting it over-admits least).
+//!
+//! Each bucket also costs a bounded amount of memory, whatever the size of its key: a key of
+//! up to [`MAX_VERBATIM_KEY`] (128) bytes is kept as it is, a longer one (a client can send
+//! header values of tens of KiB) as a 17-byte digest, a 128-bit keyed hash (see
+//! [`MemoryStore::stored_key`]). With a 64-bit allocator a held bucket takes its map entry
+//! (48 bytes: the hash, a boxed key and the state), its index slot (9 bytes, at most 7/8 of
+//! the slots used) and its key's heap block (32 bytes for a digest, at most 144 for a 128-byte
+//! key): about 90 to 200 bytes, up to about 260 right after a shard's table has doubled. A
+//! million buckets therefore take at most about 260 MB.
 
 use std::collections::hash_map::RandomState;
-use std::collections::HashMap;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+
+use indexmap::IndexMap;
 
 use super::{Applied, BucketRef, Store, StoreError};
 use crate::bucket::{decide, time_to_full_us, BucketState, Demand};
@@ -24,7 +34,36 @@ struct Entry {
     full_at_us: u64,
 }
 
-type Shard = HashMap<String, Entry>;
+/// One shard: stored key (see [`MemoryStore::stored_key`]) to bucket. An `IndexMap` so that
+/// eviction can pick entries at random positions in constant time.
+type Shard = IndexMap<Box<[u8]>, Entry>;
+
+/// The longest key kept as it is; longer keys are stored as a digest.
+const MAX_VERBATIM_KEY: usize = 128;
+
+/// The first byte of a stored digest. It never occurs in UTF-8 text, so a digest never equals
+/// a key kept as it is (an instance key starts with an ASCII digit anyway).
+const DIGEST_TAG: u8 = 0xFF;
+
+/// The length of a stored digest: the tag and 128 bits of hash.
+const DIGEST_LEN: usize = 17;
+
+/// The form a key is stored and looked up in.
+enum StoredKey<'a> {
+    /// A key of at most [`MAX_VERBATIM_KEY`] bytes, as it is.
+    Verbatim(&'a [u8]),
+    /// [`DIGEST_TAG`] and a 128-bit keyed hash of a longer key.
+    Digest([u8; DIGEST_LEN]),
+}
+
+impl StoredKey<'_> {
+    fn as_bytes(&self) -> &[u8] {
+        match self {
+            StoredKey::Verbatim(key) => key,
+            StoredKey::Digest(digest) => digest,
+        }
+    }
+}
 
 /// Counters a memory store keeps about itself.
 #[derive(Debug, Default)]
@@ -42,7 +81,12 @@ pub struct MemoryStore {
 
 struct Inner {
     shards: Vec<Mutex<Shard>>,
+    /// Picks a key's shard, and seeds the eviction sample.
     hasher: RandomState,
+    /// Two separately keyed hashers whose outputs make a long key's digest.
+    digest: [RandomState; 2],
+    /// Counts eviction samples drawn: hashed with `hasher`, a fresh seed for each.
+    samples: AtomicU64,
     per_shard_cap: usize,
     clock: Arc<dyn Clock>,
     stats: MemoryStoreStats,
@@ -55,8 +99,10 @@ impl MemoryStore {
         let shards = shards.max(1);
         MemoryStore {
             inner: Arc::new(Inner {
-                shards: (0..shards).map(|_| Mutex::new(HashMap::new())).collect(),
+                shards: (0..shards).map(|_| Mutex::new(IndexMap::new())).collect(),
                 hasher: RandomState::new(),
+                digest: [RandomState::new(), RandomState::new()],
+                samples: AtomicU64::new(0),
                 per_shard_cap: max_buckets.div_ceil(shards).max(1),
                 clock,
                 stats: MemoryStoreStats::default(),
@@ -81,8 +127,9 @@ impl MemoryStore {
 
     /// The state held for `key`, if any (a missing bucket is a full one).
     pub fn peek(&self, key: &str) -> Option<BucketState> {
-        let shard = self.shard_of(key);
-        lock(&self.inner.shards[shard]).get(key).map(|e| e.state)
+        let key = self.stored_key(key);
+        let shard = self.shard_of(&key);
+        lock(&self.inner.shards[shard]).get(key.as_bytes()).map(|e| e.state)
     }
 
     /// Drops every bucket that is full by now. Locks one shard at a time, so decisions on
@@ -99,14 +146,39 @@ impl MemoryStore {
         dropped
     }
 
-    fn shard_of(&self, key: &str) -> usize {
-        (self.inner.hasher.hash_one(key) % self.inner.shards.len() as u64) as usize
+    /// The lengths of the stored keys, for tests to check that they are bounded.
+    #[cfg(test)]
+    pub(crate) fn stored_key_lens(&self) -> Vec<usize> {
+        let lens = |s| lock(s).keys().map(|k| k.len()).collect::<Vec<_>>();
+        self.inner.shards.iter().flat_map(lens).collect()
+    }
+
+    /// The form `key` is stored in: as it is up to [`MAX_VERBATIM_KEY`] bytes, else as
+    /// [`DIGEST_TAG`] followed by two 64-bit SipHashes of it under two different random keys
+    /// drawn when the store is made. Those keys are unknown to clients, so a client cannot aim
+    /// its key at another client's bucket (and by chance, two of `n` long keys collide with
+    /// probability about `n^2 / 2^129`).
+    fn stored_key<'a>(&self, key: &'a str) -> StoredKey<'a> {
+        if key.len() <= MAX_VERBATIM_KEY {
+            return StoredKey::Verbatim(key.as_bytes());
+        }
+        let mut digest = [0; DIGEST_LEN];
+        digest[0] = DIGEST_TAG;
+        for (out, hasher) in digest[1..].chunks_exact_mut(8).zip(&self.inner.digest) {
+            out.copy_from_slice(&hasher.hash_one(key.as_bytes()).to_le_bytes());
+        }
+        StoredKey::Digest(digest)
+    }
+
+    fn shard_of(&self, key: &StoredKey<'_>) -> usize {
+        (self.inner.hasher.hash_one(key.as_bytes()) % self.inner.shards.len() as u64) as usize
     }
 
     /// Decides synchronously; [`Store::apply`] wraps this.
     pub fn apply_now(&self, buckets: &[BucketRef], demands: &[Demand]) -> Applied {
-        let mut shard_ids: Vec<usize> = buckets.iter().map(|b| self.shard_of(&b.key)).collect();
-        let bucket_shards = shard_ids.clone();
+        let keys: Vec<StoredKey<'_>> = buckets.iter().map(|b| self.stored_key(&b.key)).collect();
+        let bucket_shards: Vec<usize> = keys.iter().map(|k| self.shard_of(k)).collect();
+        let mut shard_ids = bucket_shards.clone();
         shard_ids.sort_unstable();
         shard_ids.dedup();
         // Locks are taken in ascending shard order, so two requests never wait on each other
@@ -118,24 +190,26 @@ impl MemoryStore {
         let limits: Vec<_> = buckets.iter().map(|b| b.limit).collect();
         let states: Vec<BucketState> = buckets
             .iter()
+            .zip(&keys)
             .zip(&bucket_shards)
-            .map(|(b, &s)| {
+            .map(|((b, key), &s)| {
                 guards[guard_of(s)]
                     .1
-                    .get(&b.key)
+                    .get(key.as_bytes())
                     .map(|e| e.state)
                     .unwrap_or_else(|| BucketState::full(&b.limit, now))
             })
             .collect();
         let decision = decide(now, &states, &limits, demands);
-        for ((b, &s), out) in buckets.iter().zip(&bucket_shards).zip(&decision.instances) {
+        let outcomes = buckets.iter().zip(&keys).zip(&bucket_shards).zip(&decision.instances);
+        for (((b, key), &s), out) in outcomes {
             if !out.changed {
                 continue;
             }
             let map = &mut guards[guard_of(s)].1;
             match time_to_full_us(out.after.tokens_ut, &b.limit) {
                 Some(0) => {
-                    map.remove(&b.key);
+                    map.swap_remove(key.as_bytes());
                 }
                 wait => {
                     // From the state's own time: after a clock step back it is ahead of `now`.
@@ -144,11 +218,11 @@ impl MemoryStore {
                         state: out.after,
                         full_at_us,
                     };
-                    if let Some(slot) = map.get_mut(&b.key) {
+                    if let Some(slot) = map.get_mut(key.as_bytes()) {
                         *slot = entry;
                     } else {
-                        make_room(map, self.inner.per_shard_cap, now, &self.inner.stats);
-                        map.insert(b.key.clone(), entry);
+                        self.inner.make_room(map, now);
+                        map.insert(Box::from(key.as_bytes()), entry);
                     }
                 }
             }
@@ -158,27 +232,51 @@ impl MemoryStore {
     }
 }
 
-/// How many entries [`make_room`] looks at to choose a victim.
+/// How many entries [`Inner::make_room`] looks at to choose a victim.
 const EVICTION_SAMPLE: usize = 16;
 
-/// Keeps a shard under its cap before an insert: evicts the bucket closest to full (the least
-/// possible over-admission) among a sample of [`EVICTION_SAMPLE`] entries, so the cost stays
-/// constant however large the shard (a flood of new keys must not make every request scan it).
-/// Evicting a bucket that is not yet full is counted.
-fn make_room(map: &mut Shard, cap: usize, now: u64, stats: &MemoryStoreStats) {
-    while map.len() >= cap {
-        let Some((victim, full_at)) = map
-            .iter()
-            .take(EVICTION_SAMPLE)
-            .min_by_key(|(_, e)| e.full_at_us)
-            .map(|(k, e)| (k.clone(), e.full_at_us))
-        else {
-            return;
-        };
-        map.remove(&victim);
-        if full_at > now {
-            stats.evicted_not_full.fetch_add(1, Ordering::Relaxed);
+impl Inner {
+    /// Keeps a shard under its cap before an insert: evicts the bucket closest to full (the
+    /// least possible over-admission) among [`EVICTION_SAMPLE`] entries drawn at random from
+    /// the whole shard (all of them in a shard this small), so the cost stays constant however
+    /// large the shard (a flood of new keys must not make every request scan it) and no part
+    /// of the shard is favoured. Evicting a bucket that is not yet full is counted.
+    fn make_room(&self, map: &mut Shard, now: u64) {
+        while map.len() >= self.per_shard_cap {
+            let len = map.len();
+            let full_at = |i: usize| map.get_index(i).map_or(u64::MAX, |(_, e)| e.full_at_us);
+            let victim = if len <= EVICTION_SAMPLE {
+                (0..len).min_by_key(|&i| full_at(i))
+            } else {
+                let mut rng = SplitMix64(self.hasher.hash_one(self.samples.fetch_add(1, Ordering::Relaxed)));
+                (0..EVICTION_SAMPLE).map(|_| rng.below(len)).min_by_key(|&i| full_at(i))
+            };
+            let Some((_, evicted)) = victim.and_then(|i| map.swap_remove_index(i)) else {
+                return;
+            };
+            if evicted.full_at_us > now {
+                self.stats.evicted_not_full.fetch_add(1, Ordering::Relaxed);
+            }
         }
+    }
+}
+
+/// A small, fast generator for the eviction sample (SplitMix64), seeded by a keyed hash: the
+/// positions it gives are not predictable from outside and cover the shard uniformly.
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// A position below `n`, uniform but for a bias below `n / 2^64`.
+    fn below(&mut self, n: usize) -> usize {
+        ((u128::from(self.next()) * n as u128) >> 64) as usize
     }
 }
 

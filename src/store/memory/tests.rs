@@ -125,3 +125,116 @@ fn at_the_cap_each_insert_evicts_one_and_only_unfull_evictions_count() {
     assert_eq!(store.len(), 1000);
     assert_eq!(store.stats().evicted_not_full.load(Ordering::Relaxed), 1);
 }
+
+/// The eviction sample covers the whole shard: with the shard at its cap, a quarter of it
+/// freshly drained buckets inserted first (far from full) and the rest nearly full, thousands
+/// of new keys evict nearly-full buckets only. Sampling always the same region of the table
+/// (the first entries in table order) ends up evicting the drained buckets there, handing
+/// their clients a fresh full bucket, while most of the shard is never looked at.
+#[test]
+fn eviction_samples_the_whole_shard_and_spares_drained_buckets() {
+    let clock = ManualClock::new(0);
+    let store = MemoryStore::new(1, 1000, Arc::new(clock));
+    // Drained: empty, full again in 10 s. Nearly full: one token short, full in 1 s.
+    for i in 0..250 {
+        store.apply_now(&[bucket(&format!("drained{i}"), 10, 3600)], &[consume(0, 10)]);
+    }
+    for i in 0..750 {
+        store.apply_now(&[bucket(&format!("nearly{i}"), 10, 3600)], &[consume(0, 1)]);
+    }
+    assert_eq!(store.len(), 1000);
+    for i in 0..5000 {
+        store.apply_now(&[bucket(&format!("new{i}"), 10, 3600)], &[consume(0, 1)]);
+    }
+    assert_eq!(store.len(), 1000);
+    assert_eq!(store.stats().evicted_not_full.load(Ordering::Relaxed), 5000);
+    let drained_kept = (0..250)
+        .filter(|i| store.peek(&format!("drained{i}")).is_some())
+        .count();
+    let nearly_kept = (0..750).filter(|i| store.peek(&format!("nearly{i}")).is_some()).count();
+    // A sample of 16 is all drained with probability 0.25^16 per insert: never in practice.
+    assert_eq!(drained_kept, 250, "drained buckets were evicted");
+    // Ties among the equally near full are broken by sample order, so each eviction takes one
+    // of the 750 at random: an original one survives 5000 with probability about e^-6.7.
+    assert!(
+        nearly_kept < 75,
+        "{nearly_kept} of 750 nearly-full buckets were never evicted"
+    );
+}
+
+/// An instance key of `len` bytes, shaped like one ([`crate::matcher::instance_key`]), ending
+/// with `last`.
+fn long_key(len: usize, last: char) -> String {
+    let prefix = "6:domain4:rule3:key";
+    let n = (1..len)
+        .rev()
+        .find(|n| prefix.len() + n.to_string().len() + 1 + n == len)
+        .expect("a key this long");
+    let key = format!("{prefix}{n}:{}{last}", "v".repeat(n - 1));
+    assert_eq!(key.len(), len);
+    key
+}
+
+#[test]
+fn long_keys_differing_in_one_byte_are_different_buckets() {
+    let clock = ManualClock::new(0);
+    let store = MemoryStore::new(4, 100, Arc::new(clock));
+    let (a, b) = (long_key(60_000, 'a'), long_key(60_000, 'b'));
+    assert!(
+        !store
+            .apply_now(&[bucket(&a, 2, 3600)], &[consume(0, 2)])
+            .decision
+            .denied
+    );
+    assert_eq!(store.peek(&a).unwrap().tokens_ut, 0);
+    assert_eq!(store.peek(&b), None, "b is untouched, so full");
+    assert!(
+        !store
+            .apply_now(&[bucket(&b, 2, 3600)], &[consume(0, 1)])
+            .decision
+            .denied
+    );
+    assert_eq!(store.peek(&b).unwrap().tokens_ut, MICRO);
+    assert_eq!(store.len(), 2);
+    assert!(
+        store
+            .apply_now(&[bucket(&a, 2, 3600)], &[consume(0, 1)])
+            .decision
+            .denied
+    );
+}
+
+#[test]
+fn a_long_key_finds_its_bucket_again() {
+    let clock = ManualClock::new(0);
+    let store = MemoryStore::new(4, 100, Arc::new(clock.clone()));
+    let key = long_key(10_000, 'x');
+    let b = [bucket(&key, 3, 3600)];
+    store.apply_now(&b, &[consume(0, 2)]);
+    assert_eq!(store.peek(&key).unwrap().tokens_ut, MICRO);
+    store.apply_now(&b, &[consume(0, 1)]);
+    assert_eq!(store.peek(&key).unwrap().tokens_ut, 0);
+    assert!(store.apply_now(&b, &[consume(0, 1)]).decision.denied);
+    assert_eq!(store.len(), 1);
+    // Refilled to full by time: the sweep drops it like any other.
+    clock.advance_us(2_999_999);
+    assert_eq!(store.sweep(), 0);
+    clock.advance_us(1);
+    assert_eq!(store.sweep(), 1);
+    assert!(store.is_empty());
+    assert_eq!(store.peek(&key), None);
+}
+
+#[test]
+fn stored_keys_are_bounded() {
+    let clock = ManualClock::new(0);
+    let store = MemoryStore::new(1, 100, Arc::new(clock));
+    for (i, len) in [24, 128, 129, 1000, 60_000].into_iter().enumerate() {
+        store.apply_now(&[bucket(&long_key(len, 'z'), 10, 3600)], &[consume(0, 1)]);
+        assert_eq!(store.len(), i + 1);
+    }
+    let mut lens = store.stored_key_lens();
+    lens.sort_unstable();
+    // Up to 128 bytes a key is kept as it is; longer, as a tag byte and a 128-bit digest.
+    assert_eq!(lens, [17, 17, 17, 24, 128]);
+}
