@@ -98,15 +98,6 @@ pub fn time_to_full_us(tokens_ut: u64, limit: &Limit) -> Option<u64> {
     limit.rate.time_to_earn(limit.capacity_ut.saturating_sub(tokens_ut))
 }
 
-/// Microseconds until a bucket holding `tokens_ut` holds `need_ut`; `None` when that can never
-/// happen (more than the capacity, or a zero rate with too few tokens).
-pub fn time_until_us(tokens_ut: u64, need_ut: u64, limit: &Limit) -> Option<u64> {
-    if need_ut > limit.capacity_ut {
-        return None;
-    }
-    limit.rate.time_to_earn(need_ut.saturating_sub(tokens_ut))
-}
-
 /// Microseconds from `now_us` until a bucket stored as `state` holds `need_ut`, by the
 /// arithmetic of [`refill`]: the exact instant, since the refill that flooring leaves out of a
 /// state refilled to `now_us` still counts. `None` when that can never happen (more than the
@@ -116,7 +107,11 @@ pub fn wait_us(state: BucketState, need_ut: u64, limit: &Limit, now_us: u64) -> 
         return None;
     }
     let tokens = state.tokens_ut.min(limit.capacity_ut);
-    let earn = limit.rate.time_to_earn(need_ut.saturating_sub(tokens))?;
+    if tokens >= need_ut {
+        // Already there, even if the clock now reads before `updated_us`.
+        return Some(0);
+    }
+    let earn = limit.rate.time_to_earn(need_ut - tokens)?;
     Some(state.updated_us.saturating_add(earn).saturating_sub(now_us))
 }
 

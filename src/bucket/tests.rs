@@ -106,7 +106,7 @@ fn more_than_capacity_is_never_admissible() {
     let d = decide(0, &[s], &[l], &one(DemandKind::Consume(6 * MICRO)));
     assert!(d.denied);
     assert_eq!(d.instances[0].after.tokens_ut, 5 * MICRO);
-    assert_eq!(time_until_us(5 * MICRO, 6 * MICRO, &l), None);
+    assert_eq!(wait_us(s, 6 * MICRO, &l, 0), None);
     // Saturating: u64::MAX hits is just "too many".
     let d = decide(0, &[s], &[l], &one(DemandKind::Consume(u64::MAX)));
     assert!(d.denied);
@@ -209,7 +209,7 @@ fn zero_rate_zero_capacity_denies_forever() {
     let s = BucketState::full(&l, 0);
     let d = decide(u64::MAX, &[s], &[l], &one(DemandKind::Consume(MICRO)));
     assert!(d.denied);
-    assert_eq!(time_until_us(0, MICRO, &l), None);
+    assert_eq!(wait_us(s, MICRO, &l, u64::MAX), None);
     assert_eq!(time_to_full_us(0, &l), Some(0));
 }
 
@@ -271,7 +271,8 @@ proptest! {
     }
 
     /// retry-after is exact: one microsecond earlier the same request is still denied, at the
-    /// reported instant it passes; and it agrees with the model's (n - tokens) / rate.
+    /// reported instant it passes; and it agrees with the model's (n - tokens) / rate, counted
+    /// from the stored state's time (so also after a clock stepped back).
     #[test]
     fn retry_after_is_exact(
         capacity in 1u64..1000,
@@ -279,19 +280,27 @@ proptest! {
         period_ms in 1u64..3_600_000,
         tokens_ut in 0u64..1_000_000_000,
         n in 1u64..1000,
+        updated_us in 0u64..10_000_000,
+        now_us in 0u64..20_000_000,
     ) {
         let period_us = period_ms * 1000;
         let l = limit(capacity, per, period_us);
-        let s = BucketState { tokens_ut: tokens_ut.min(l.capacity_ut), updated_us: 0 };
+        // `now_us` may be before `updated_us`: a clock that stepped back.
+        let s = BucketState { tokens_ut: tokens_ut.min(l.capacity_ut), updated_us };
         let need = n * MICRO;
-        match time_until_us(s.tokens_ut, need, &l) {
+        match wait_us(s, need, &l, now_us) {
             None => prop_assert!(need > l.capacity_ut),
-            Some(0) => prop_assert!(s.tokens_ut >= need),
             Some(wait) => {
-                prop_assert!(refill(s, &l, wait).tokens_ut >= need);
-                prop_assert!(refill(s, &l, wait - 1).tokens_ut < need);
-                let model = (need - s.tokens_ut) as f64 / MICRO as f64 / (per as f64 / period_us as f64);
-                prop_assert!((wait as f64 - model).abs() <= 1.0 + model * 1e-9);
+                let at = now_us + wait;
+                prop_assert!(refill(s, &l, at).tokens_ut >= need);
+                if wait > 0 {
+                    prop_assert!(refill(s, &l, at - 1).tokens_ut < need);
+                }
+                // The model: the deficit over the rate, counted from the state's own time.
+                let deficit = need.saturating_sub(s.tokens_ut) as f64 / MICRO as f64;
+                let model_at = updated_us as f64 + deficit / (per as f64 / period_us as f64);
+                let expected = if deficit == 0.0 { 0.0 } else { (model_at - now_us as f64).max(0.0) };
+                prop_assert!((wait as f64 - expected).abs() <= 1.0 + expected * 1e-9, "{} vs {}", wait, expected);
             }
         }
     }
