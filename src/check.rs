@@ -14,9 +14,6 @@ pub fn render(rules: &RuleSet) -> String {
     for name in names {
         render_domain(&mut out, &rules.domains[name]);
     }
-    if rules.domains.is_empty() {
-        out.push_str("no rules files found\n");
-    }
     out
 }
 
@@ -63,7 +60,13 @@ fn render_level(out: &mut String, d: &Domain, level: &Level, depth: usize, paren
                     s.push_str(" [shadow]");
                 }
                 if !replaces.is_empty() {
-                    let names: Vec<&str> = replaces.iter().map(|r| d.buckets[*r].name.as_str()).collect();
+                    // Several buckets may carry one envoyproxy/ratelimit name: show each name once.
+                    let mut names: Vec<&str> = Vec::new();
+                    for name in replaces.iter().map(|r| d.buckets[*r].name.as_str()) {
+                        if !names.contains(&name) {
+                            names.push(name);
+                        }
+                    }
                     let _ = write!(s, " [replaces {}]", names.join(", "));
                 }
                 s

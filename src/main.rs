@@ -38,6 +38,10 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Check { rules } => match tollgate::config::load_rules(&rules) {
+            Ok(set) if set.is_empty() => {
+                eprintln!("{}", tollgate::config::ConfigError::no_rules_files(&rules));
+                ExitCode::FAILURE
+            }
             Ok(set) => {
                 print!("{}", tollgate::check::render(&set));
                 ExitCode::SUCCESS

@@ -18,6 +18,13 @@ pub struct RuleSet {
 }
 
 impl RuleSet {
+    /// Whether no rules file was found (an empty directory, or one whose files are all hidden
+    /// or not `*.yaml` / `*.yml`): almost always a mistyped path. `tollgate check` fails on it
+    /// with [`crate::config::ConfigError::no_rules_files`].
+    pub fn is_empty(&self) -> bool {
+        self.files.is_empty()
+    }
+
     /// The domain named `name`, if loaded.
     pub fn domain(&self, name: &str) -> Option<&Domain> {
         self.domains.get(name)
@@ -78,7 +85,10 @@ impl ReportedLimit {
     /// How a [`Limit`] is reported (DESIGN 1.4): when its time to fill from empty is exactly
     /// one unit, `capacity` per that unit; otherwise the refill rate in the first of SECOND,
     /// MINUTE, HOUR, DAY, WEEK, MONTH, YEAR in which it is a whole number (1 per 250 ms is 4
-    /// per SECOND), else per YEAR rounded down. Saturates at `u32::MAX`. A zero rate reports 0 per SECOND.
+    /// per SECOND), else per YEAR rounded down, but at least 1: Envoy and clients read 0 as
+    /// "blocks everything", which a bucket that refills does not (1 per 400 days is reported as
+    /// 1 per YEAR). Saturates at `u32::MAX`. Only a zero rate (which denies every request)
+    /// reports 0, per SECOND.
     pub fn of(limit: &Limit) -> ReportedLimit {
         let sat = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
         if limit.rate.is_zero() {
@@ -106,7 +116,7 @@ impl ReportedLimit {
         let per_year = u128::from(limit.rate.num()) * u128::from(UNITS[6].1)
             / (u128::from(limit.rate.den()) * u128::from(crate::bucket::MICRO));
         ReportedLimit {
-            requests_per_unit: sat(u64::try_from(per_year).unwrap_or(u64::MAX)),
+            requests_per_unit: sat(u64::try_from(per_year).unwrap_or(u64::MAX)).max(1),
             unit: Unit::Year,
         }
     }
@@ -274,6 +284,22 @@ mod tests {
             ReportedLimit {
                 requests_per_unit: 140,
                 unit: Unit::Minute
+            }
+        );
+        // Slower than one per year: still 1 per YEAR, never the 0 that means "blocks everything".
+        assert_eq!(
+            rl(1, 1, 400 * 86_400_000_000),
+            ReportedLimit {
+                requests_per_unit: 1,
+                unit: Unit::Year
+            }
+        );
+        // Whole per YEAR only when exact: 3 per 2 years is reported as 1 per YEAR (floor).
+        assert_eq!(
+            rl(1, 3, 2 * 365 * 86_400_000_000),
+            ReportedLimit {
+                requests_per_unit: 1,
+                unit: Unit::Year
             }
         );
         assert_eq!(

@@ -99,7 +99,48 @@ const INVALID: &[Invalid] = &[
     inv(
         "too_fine_rate.yaml",
         Some("api_key"),
-        &["refill `999999937/3650d`", "too fine a rate"],
+        &[
+            "refill `999999937/3650d` cannot be computed exactly on every backend",
+            "use a token count that is a multiple of 1000",
+        ],
+    ),
+    inv(
+        "too_fine_rate_envoy.yaml",
+        Some("api_key"),
+        &["999999937 per year cannot be computed exactly on every backend; use a count that is a multiple of 1000, or a shorter unit"],
+    ),
+    inv(
+        "fill_too_slow.yaml",
+        Some("buckets.glacial"),
+        &[
+            "takes 1000000000 days (about 2739726 years) to fill from empty",
+            "more than the maximum of 10 years",
+        ],
+    ),
+    inv(
+        "duplicate_bucket.yaml",
+        None,
+        &["buckets: bucket `b` is declared twice", "line 4 column 3"],
+    ),
+    inv(
+        "reserved_bucket_name.yaml",
+        Some("buckets.override"),
+        &["the bucket name `override` is reserved for Envoy's per-descriptor limit overrides"],
+    ),
+    inv(
+        "reserved_rate_limit_name.yaml",
+        Some("override"),
+        &["the bucket name `override` is reserved", "give the rate_limit a `name`"],
+    ),
+    inv(
+        "replaces_unknown_unlimited.yaml",
+        Some("api_key"),
+        &["`replaces` names unknown bucket `per_ipp`", "buckets in this file: [per_ip]"],
+    ),
+    inv(
+        "replaces_unknown_no_limit.yaml",
+        Some("api_key"),
+        &["`replaces` names unknown bucket `per_ipp`"],
     ),
     inv(
         "unlimited_with_bucket.yaml",
@@ -324,4 +365,121 @@ fn missing_path_is_an_error() {
         stderr.contains(&format!("{}: cannot read rules", path.display())),
         "{stderr}"
     );
+}
+
+/// envoyproxy/ratelimit's `rate_limit.name` is a label: two different limits may carry one name
+/// (each keeps its limit), and `replaces` names all of them. A `replaces` on an unlimited rule
+/// naming a known bucket is only a note.
+#[test]
+fn envoyproxy_names_are_labels() {
+    let out = check(&fixtures().join("valid/envoyproxy_duplicate_names.yaml"));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    for e in [
+        "    per_client: capacity 10, refill 10.000000 tokens/s, full from empty in 1.000s (reported as 10 per second)\n    \
+         per_client: capacity 100, refill 1.666667 tokens/s, full from empty in 60.000s (reported as 100 per minute)\n    \
+         per_tenant:",
+        "tenant  -> bucket per_tenant [replaces per_client]\n",
+        "internal: `replaces` has no effect on an unlimited rule",
+    ] {
+        assert!(stdout.contains(e), "missing {e:?} in:\n{stdout}");
+    }
+    // `user` declares the same name and limit as `remote_address`: one policy, listed once.
+    assert_eq!(stdout.matches("    per_client: ").count(), 2, "{stdout}");
+}
+
+/// YAML merge keys are expanded: the merged fields apply, the node's own fields win, merges
+/// nest, and a number in a `value` is still the text written.
+#[test]
+fn merge_keys_are_expanded() {
+    let out = check(&fixtures().join("valid/merge_keys.yaml"));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    for e in [
+        "remote_address: capacity 60, refill 1.000000 tokens/s, full from empty in 60.000s (reported as 60 per minute)",
+        "api_key: capacity 10, refill 0.166667 tokens/s, full from empty in 60.000s (reported as 10 per minute)",
+        "per_tenant: capacity 10, refill 0.166667 tokens/s, full from empty in 60.000s (reported as 10 per minute)",
+        "status=404: capacity 60, refill 0.016667 tokens/s, full from empty in 3600.000s (reported as 60 per hour)",
+    ] {
+        assert!(stdout.contains(e), "missing {e:?} in:\n{stdout}");
+    }
+}
+
+/// A file with merge keys still rejects a misspelt field, naming where it is.
+#[test]
+fn merge_keys_keep_unknown_fields_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("rules.yaml");
+    std::fs::write(
+        &file,
+        "domain: m\ndescriptors:\n  - key: a\n    rate_limit: &r {unit: minute, requests_per_unit: 5}\n  \
+         - key: b\n    rate_limit: {<<: *r, burst: 3}\n",
+    )
+    .unwrap();
+    let out = check(&file);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("descriptors[1].rate_limit: unknown field `burst`") && stderr.contains("merge keys"),
+        "{stderr}"
+    );
+}
+
+/// A directory without rules files is a mistake (a mistyped path, a missing mount): exit 1,
+/// naming the path, on stderr. Hidden files and other extensions do not count.
+#[test]
+fn directory_without_rules_files_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("README.txt"), "not rules").unwrap();
+    std::fs::write(dir.path().join(".hidden.yaml"), "domain: hidden\n").unwrap();
+    let out = check(dir.path());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "stderr: {stderr}");
+    assert!(out.stdout.is_empty(), "{}", String::from_utf8_lossy(&out.stdout));
+    assert!(
+        stderr.starts_with(&format!("{}: no rules files found", dir.path().display())),
+        "{stderr}"
+    );
+}
+
+/// `.YAML` and `.Yml` are rules files too; hidden entries are still skipped.
+#[test]
+fn rules_file_extensions_are_case_insensitive() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("A.YAML"), "domain: upper\n").unwrap();
+    std::fs::write(dir.path().join("b.Yml"), "domain: mixed\n").unwrap();
+    std::fs::write(dir.path().join(".hidden.YAML"), "not: [valid\n").unwrap();
+    let out = check(dir.path());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        stdout.contains("domain mixed (") && stdout.contains("domain upper ("),
+        "{stdout}"
+    );
+}
+
+/// The example under "### Tollgate's schema" in README.md checks clean, so it cannot rot.
+#[test]
+fn readme_schema_example_checks_clean() {
+    let readme = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).unwrap();
+    let section = readme
+        .split_once("### Tollgate's schema")
+        .expect("README.md has a \"### Tollgate's schema\" section")
+        .1;
+    let block = section
+        .split_once("```yaml\n")
+        .and_then(|(_, rest)| rest.split_once("```"))
+        .expect("the section has a ```yaml block")
+        .0;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("readme.yaml");
+    std::fs::write(&file, block).unwrap();
+    let out = check(&file);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "README example:\n{block}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("domain "));
 }

@@ -27,13 +27,48 @@ pub enum RateError {
     #[error("the refill period must be longer than zero")]
     ZeroPeriod,
     /// `num * den` would reach 2^53 even in lowest terms, so the backends could not agree.
-    #[error("{tokens} tokens per {period_us} µs is too fine a rate to compute exactly (num x den must stay below 2^53 micro-tokens)")]
+    /// Any count that is a multiple of 1000, up to 10^9, works over any of Envoy's units (a second
+    /// up to a year of 365 days).
+    #[error("{} cannot be computed exactly on every backend; use a count that is a multiple of 1000, or a shorter {}", describe_rate(*tokens, *period_us), if is_envoy_unit(*period_us) { "unit" } else { "period" })]
     TooFine {
         /// Tokens per period, as given.
         tokens: u64,
         /// The period in microseconds, as given.
         period_us: u64,
     },
+}
+
+/// Envoy's units by name, in microseconds (a month of 30 days, a year of 365), for messages.
+const UNIT_NAMES: [(&str, u64); 7] = [
+    ("second", 1_000_000),
+    ("minute", 60_000_000),
+    ("hour", 3_600_000_000),
+    ("day", 86_400_000_000),
+    ("week", 604_800_000_000),
+    ("month", 2_592_000_000_000),
+    ("year", 31_536_000_000_000),
+];
+
+fn is_envoy_unit(period_us: u64) -> bool {
+    UNIT_NAMES.iter().any(|(_, us)| *us == period_us)
+}
+
+/// `999999937 per year`, or `7 per 3650d` for a period that is not one of Envoy's units.
+fn describe_rate(tokens: u64, period_us: u64) -> String {
+    if let Some((name, _)) = UNIT_NAMES.iter().find(|(_, us)| *us == period_us) {
+        return format!("{tokens} per {name}");
+    }
+    let units = [
+        ("d", 86_400_000_000),
+        ("h", 3_600_000_000),
+        ("m", 60_000_000),
+        ("s", 1_000_000),
+        ("ms", 1_000),
+    ];
+    match units.iter().find(|(_, us)| period_us.is_multiple_of(*us)) {
+        Some((suffix, us)) => format!("{tokens} per {}{suffix}", period_us / us),
+        None => format!("{tokens} per {period_us}µs"),
+    }
 }
 
 fn gcd(mut a: u64, mut b: u64) -> u64 {
@@ -163,6 +198,62 @@ mod tests {
         assert_eq!(Rate::per(1, 0), Err(RateError::ZeroPeriod));
         // 1 token per 2^53 + 1 µs cannot reduce below the bound.
         assert!(matches!(Rate::per(1, (1 << 53) + 1), Err(RateError::TooFine { .. })));
+    }
+
+    /// What the `TooFine` message advises: any multiple of 1000 tokens up to 10^9 (the largest
+    /// capacity) is exact over each of Envoy's units, from a second to a year. Exhaustive.
+    #[test]
+    fn multiples_of_1000_are_exact_for_every_envoy_unit() {
+        for (name, unit_us) in UNIT_NAMES {
+            for k in 1..=1_000_000u64 {
+                assert!(Rate::per(1000 * k, unit_us).is_ok(), "{} per {name}", 1000 * k);
+            }
+        }
+        // And a count that is not one can fail: the message is not advice for nothing.
+        assert!(Rate::per(999_999_937, 31_536_000_000_000).is_err());
+    }
+
+    /// The advice compile.rs gives for a refill string: a multiple of 1000 tokens (up to 10^9)
+    /// over whole minutes, hours or days. With T = 1000k tokens and a period of n units of U µs,
+    /// num * den = T * 10^6 * n * U / g^2 where g = gcd(T * 10^6, n * U) >= gcd(10^9, U): at most
+    /// 150 k n for minutes, 90 k n for hours, 2160 k n for days, below 2^53 for k <= 10^6 and
+    /// any period up to a century. Checked here at the extremes, with prime counts and periods
+    /// (which share no factor, the worst case).
+    #[test]
+    fn multiples_of_1000_are_exact_over_whole_minutes_hours_and_days() {
+        let century_days = 36_525u64;
+        for (unit_us, max_n) in [
+            (60_000_000u64, century_days * 1440),
+            (3_600_000_000, century_days * 24),
+            (86_400_000_000, century_days),
+        ] {
+            let g0 = gcd(1_000_000_000, unit_us);
+            let bound = u128::from(1_000_000_000u64) * u128::from(MICRO) * u128::from(max_n) * u128::from(unit_us)
+                / (u128::from(g0) * u128::from(g0));
+            assert!(bound < u128::from(EXACT_LIMIT), "bound {bound} for {unit_us} µs units");
+            for n in [1, 7, 9_973, 36_523, max_n - 1, max_n] {
+                for k in [1u64, 7, 999_983, 1_000_000] {
+                    assert!(
+                        Rate::per(1000 * k, n * unit_us).is_ok(),
+                        "{} per {n} x {unit_us} µs",
+                        1000 * k
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn too_fine_speaks_to_an_operator() {
+        let e = Rate::per(999_999_937, 31_536_000_000_000).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "999999937 per year cannot be computed exactly on every backend; use a count that is a multiple \
+             of 1000, or a shorter unit"
+        );
+        let e = Rate::per(999_999_937, 3650 * 86_400_000_000).unwrap_err().to_string();
+        assert!(e.starts_with("999999937 per 3650d cannot"), "{e}");
+        assert!(e.ends_with("or a shorter period"), "{e}");
     }
 
     #[test]

@@ -1,12 +1,20 @@
 //! Validation and compilation of parsed rules files into a [`RuleSet`].
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 use super::model::{BucketSpec, DescriptorSpec, RulesFile};
 use super::{parse_refill, ConfigError};
-use crate::bucket::{Limit, Rate, MAX_CAPACITY};
+use crate::bucket::{Limit, Rate, RateError, MAX_CAPACITY};
+use crate::limiter::OVERRIDE_BUCKET;
 use crate::rules::{BucketPolicy, Domain, Level, Node, Pattern, ReportedLimit, Rule, RuleSet, UNITS};
+
+const DAY_US: u64 = 86_400_000_000;
+
+/// The longest time a bucket may take to fill from empty: 10 years of 365 days. Slower buckets
+/// are almost certainly a mistake (`capacity: 1000000000, refill: 1/d`), and every wait and
+/// reset time then stays far from saturating.
+const MAX_FILL_US: u64 = 10 * 365 * DAY_US;
 
 /// Compiles parsed files into one rule set, or every problem found.
 pub(super) fn compile(files: Vec<(PathBuf, RulesFile)>) -> Result<RuleSet, Vec<ConfigError>> {
@@ -49,12 +57,20 @@ struct PendingReplaces {
     node: usize,
     path: String,
     names: Vec<String>,
+    /// Set on a rule that cannot replace anything (unlimited, or without a limit): the names are
+    /// still checked, then this note says the `replaces` has no effect.
+    no_effect: Option<&'static str>,
 }
 
 struct DomainBuilder<'a> {
     file: &'a Path,
     buckets: Vec<BucketPolicy>,
+    /// Buckets declared in tollgate's schema (`buckets:`, `token_bucket` with its name), which
+    /// `bucket:` references and where a name is one bucket. An envoyproxy/ratelimit
+    /// `rate_limit.name` is only a label and is not here (see [`DomainBuilder::add_label`]).
     by_name: HashMap<String, usize>,
+    /// Names under `buckets:` that were rejected, so references to them are not also reported.
+    rejected: HashSet<String>,
     nodes: Vec<Node>,
     notes: Vec<(String, String)>,
     replaces: Vec<PendingReplaces>,
@@ -67,6 +83,7 @@ impl<'a> DomainBuilder<'a> {
             file,
             buckets: Vec::new(),
             by_name: HashMap::new(),
+            rejected: HashSet::new(),
             nodes: Vec::new(),
             notes: Vec::new(),
             replaces: Vec::new(),
@@ -87,10 +104,16 @@ impl<'a> DomainBuilder<'a> {
             let rule = format!("buckets.{name}");
             if let Err(reason) = check_bucket_name(&name) {
                 self.error(&rule, reason);
+                self.rejected.insert(name);
                 continue;
             }
-            if let Some(limit) = self.token_bucket(&rule, &spec) {
-                self.add_policy(&rule, name, limit, None);
+            match self.token_bucket(&rule, &spec) {
+                Some(limit) => {
+                    self.add_policy(&rule, name, limit);
+                }
+                None => {
+                    self.rejected.insert(name);
+                }
             }
         }
         let mut root = Level::default();
@@ -143,19 +166,49 @@ impl<'a> DomainBuilder<'a> {
                 return None;
             }
         };
-        match Rate::per(refill.tokens, refill.period_us) {
-            Ok(rate) => Some(Limit::new(spec.capacity, rate)),
+        let rate = match Rate::per(refill.tokens, refill.period_us) {
+            Ok(rate) => rate,
+            Err(RateError::TooFine { .. }) => {
+                self.error(
+                    rule,
+                    format!(
+                        "refill `{}` cannot be computed exactly on every backend; use a token count that is a \
+                         multiple of 1000 with a period in whole minutes, hours or days, or a shorter period",
+                        spec.refill
+                    ),
+                );
+                return None;
+            }
             Err(e) => {
                 self.error(rule, format!("refill `{}`: {e}", spec.refill));
-                None
+                return None;
             }
+        };
+        let limit = Limit::new(spec.capacity, rate);
+        // Exact, without the saturation of `time_to_fill_us`: capacity * den / num, rounded up.
+        let fill_us = (u128::from(limit.capacity_ut) * u128::from(rate.den())).div_ceil(u128::from(rate.num()));
+        if fill_us > u128::from(MAX_FILL_US) {
+            let days = fill_us.div_ceil(u128::from(DAY_US));
+            self.error(
+                rule,
+                format!(
+                    "capacity {} at refill `{}` takes {days} days (about {} years) to fill from empty, more than \
+                     the maximum of 10 years ({} days); raise the refill or lower the capacity",
+                    spec.capacity,
+                    spec.refill,
+                    days / 365,
+                    MAX_FILL_US / DAY_US
+                ),
+            );
+            return None;
         }
+        Some(limit)
     }
 
-    /// Registers a policy under `name`; a second declaration of the same name must be
-    /// identical (then both rules share the bucket).
-    fn add_policy(&mut self, rule: &str, name: String, limit: Limit, reported: Option<ReportedLimit>) -> Option<usize> {
-        let reported = reported.unwrap_or_else(|| ReportedLimit::of(&limit));
+    /// Registers a tollgate-schema policy under `name`; a second declaration of the same name
+    /// must be identical (then both rules share the bucket).
+    fn add_policy(&mut self, rule: &str, name: String, limit: Limit) -> Option<usize> {
+        let reported = ReportedLimit::of(&limit);
         if let Some(&idx) = self.by_name.get(&name) {
             let existing = &self.buckets[idx];
             if existing.limit == limit && existing.reported == reported {
@@ -174,6 +227,23 @@ impl<'a> DomainBuilder<'a> {
         });
         self.by_name.insert(name, self.buckets.len() - 1);
         Some(self.buckets.len() - 1)
+    }
+
+    /// Registers an envoyproxy/ratelimit limit named `name`. There a `rate_limit.name` is a label
+    /// (what `replaces` refers to), not an identity: a policy with the same name and the same
+    /// limit is shared, and a different limit gets a policy of its own under the same name. Two
+    /// such policies never share an instance: an instance key holds the request's entries, and
+    /// one list of entries reaches one node.
+    fn add_label(&mut self, name: String, limit: Limit, reported: ReportedLimit) -> usize {
+        if let Some(idx) = self
+            .buckets
+            .iter()
+            .position(|b| b.name == name && b.limit == limit && b.reported == reported)
+        {
+            return idx;
+        }
+        self.buckets.push(BucketPolicy { name, limit, reported });
+        self.buckets.len() - 1
     }
 
     fn node(&mut self, spec: &DescriptorSpec, parent: &str, level: &mut Level) {
@@ -237,9 +307,10 @@ impl<'a> DomainBuilder<'a> {
     fn rule(&mut self, spec: &DescriptorSpec, path: &str) -> Option<Rule> {
         let rl = spec.rate_limit.as_ref();
         let unlimited = spec.unlimited || rl.is_some_and(|r| r.unlimited);
-        // envoyproxy/ratelimit rejects a unit on an unlimited rate_limit but ignores a count.
+        // envoyproxy/ratelimit rejects a unit on an unlimited rate_limit but ignores a count; an
+        // empty `unit: ""` is no unit there.
         if let Some(r) = rl.filter(|r| r.unlimited) {
-            if r.unit.is_some() {
+            if r.unit.as_deref().is_some_and(|u| !u.is_empty()) {
                 self.error(
                     path,
                     "`unlimited: true` with a `unit`: an unlimited rate_limit has no unit",
@@ -276,9 +347,7 @@ impl<'a> DomainBuilder<'a> {
                 self.error(path, "`unlimited: true` cannot be combined with a limit");
                 return None;
             }
-            if !replaces.is_empty() {
-                self.note(path, "`replaces` has no effect on an unlimited rule");
-            }
+            self.pending_replaces(path, replaces, Some("`replaces` has no effect on an unlimited rule"));
             return Some(Rule::Unlimited);
         }
         if spec.name.is_some() && (spec.bucket.is_some() || rl.is_some()) {
@@ -293,6 +362,8 @@ impl<'a> DomainBuilder<'a> {
         let bucket = if let Some(name) = &spec.bucket {
             match self.by_name.get(name) {
                 Some(&idx) => idx,
+                // The bucket's own error is reported; an "unknown bucket" here would only add noise.
+                None if self.rejected.contains(name) => return None,
                 None => {
                     let mut known: Vec<&str> = self.by_name.keys().map(String::as_str).collect();
                     known.sort_unstable();
@@ -310,7 +381,7 @@ impl<'a> DomainBuilder<'a> {
                 return None;
             }
             let limit = self.token_bucket(path, tb)?;
-            self.add_policy(path, name, limit, None)?
+            self.add_policy(path, name, limit)?
         } else if let Some(rl) = rl_limit {
             let name = rl.name.clone().unwrap_or_else(|| path.to_owned());
             if let Err(reason) = check_bucket_name(&name) {
@@ -318,28 +389,37 @@ impl<'a> DomainBuilder<'a> {
                 return None;
             }
             let (limit, reported) = self.envoy_limit(path, rl.unit.as_deref(), rl.requests_per_unit)?;
-            self.add_policy(path, name, limit, Some(reported))?
+            self.add_label(name, limit, reported)
         } else {
             if spec.shadow_mode {
                 self.note(path, "`shadow_mode` has no effect on a rule without a limit");
             }
-            if !replaces.is_empty() {
-                self.note(path, "`replaces` has no effect on a rule without a limit");
-            }
+            self.pending_replaces(
+                path,
+                replaces,
+                Some("`replaces` has no effect on a rule without a limit"),
+            );
             return None;
         };
-        if !replaces.is_empty() {
-            self.replaces.push(PendingReplaces {
-                node: self.nodes.len(),
-                path: path.to_owned(),
-                names: replaces,
-            });
-        }
+        self.pending_replaces(path, replaces, None);
         Some(Rule::Limited {
             bucket,
             shadow: spec.shadow_mode,
             replaces: Vec::new(),
         })
+    }
+
+    /// Records the `replaces` of the node being built (the next in `nodes`), resolved once every
+    /// bucket of the file is known.
+    fn pending_replaces(&mut self, path: &str, names: Vec<String>, no_effect: Option<&'static str>) {
+        if !names.is_empty() {
+            self.replaces.push(PendingReplaces {
+                node: self.nodes.len(),
+                path: path.to_owned(),
+                names,
+                no_effect,
+            });
+        }
     }
 
     /// envoyproxy/ratelimit's `{unit, requests_per_unit}`: N per unit is a bucket of capacity N
@@ -387,6 +467,17 @@ impl<'a> DomainBuilder<'a> {
         }
         match Rate::per(rpu, unit_us) {
             Ok(rate) => Some((Limit::new(rpu, rate), reported)),
+            Err(RateError::TooFine { .. }) => {
+                let unit = unit.as_str_name().to_lowercase();
+                self.error(
+                    path,
+                    format!(
+                        "{rpu} per {unit} cannot be computed exactly on every backend; use a count that is a \
+                         multiple of 1000, or a shorter unit"
+                    ),
+                );
+                None
+            }
             Err(e) => {
                 self.error(path, e.to_string());
                 None
@@ -394,22 +485,49 @@ impl<'a> DomainBuilder<'a> {
         }
     }
 
+    /// Resolves every `replaces` to bucket indices: a name stands for every bucket that carries it
+    /// (several, for an envoyproxy/ratelimit name given to different limits). A name no bucket
+    /// carries is an error, on any rule.
     fn resolve_replaces(&mut self) {
         let pending = std::mem::take(&mut self.replaces);
         for p in &pending {
-            let Some(Rule::Limited { bucket: own, .. }) = self.nodes[p.node].rule.clone() else {
-                continue;
+            let own = match &self.nodes[p.node].rule {
+                Some(Rule::Limited { bucket, .. }) => Some(*bucket),
+                _ => None,
             };
             let mut resolved = Vec::new();
+            let mut unknown = false;
             for name in &p.names {
-                match self.by_name.get(name) {
-                    Some(&idx) if idx == own => {
-                        self.error(&p.path, format!("`replaces` names the rule's own bucket `{name}`"))
-                    }
-                    Some(&idx) => resolved.push(idx),
-                    None => self.error(&p.path, format!("`replaces` names unknown bucket `{name}`")),
+                let named: Vec<usize> = (0..self.buckets.len())
+                    .filter(|&i| self.buckets[i].name == *name)
+                    .collect();
+                if named.is_empty() && self.rejected.contains(name) {
+                    // The bucket's own error is reported already.
+                    unknown = true;
+                } else if named.is_empty() {
+                    unknown = true;
+                    let mut known: Vec<&str> = self.buckets.iter().map(|b| b.name.as_str()).collect();
+                    known.sort_unstable();
+                    known.dedup();
+                    let reason = format!(
+                        "`replaces` names unknown bucket `{name}`; buckets in this file: [{}]",
+                        known.join(", ")
+                    );
+                    self.error(&p.path, reason);
+                } else if own.is_some_and(|own| self.buckets[own].name == *name) {
+                    self.error(&p.path, format!("`replaces` names the rule's own bucket `{name}`"));
+                } else {
+                    resolved.extend(named);
                 }
             }
+            if let Some(note) = p.no_effect {
+                if !unknown {
+                    self.note(&p.path, note);
+                }
+                continue;
+            }
+            resolved.sort_unstable();
+            resolved.dedup();
             if let Some(Rule::Limited { replaces, .. }) = &mut self.nodes[p.node].rule {
                 *replaces = resolved;
             }
@@ -437,7 +555,7 @@ impl<'a> DomainBuilder<'a> {
 /// A path from `start` back to itself through `edges`, if there is one.
 fn find_cycle(start: usize, edges: &HashMap<usize, Vec<usize>>) -> Option<Vec<usize>> {
     let mut stack = vec![(start, vec![start])];
-    let mut seen = std::collections::HashSet::new();
+    let mut seen = HashSet::new();
     while let Some((at, path)) = stack.pop() {
         for &next in edges.get(&at).into_iter().flatten() {
             if next == start {
@@ -455,10 +573,16 @@ fn find_cycle(start: usize, edges: &HashMap<usize, Vec<usize>>) -> Option<Vec<us
     None
 }
 
-/// Bucket names are shown in headers and metrics: non-empty printable ASCII.
+/// Bucket names are shown in headers and metrics: non-empty printable ASCII, and not
+/// `override`, the name under which Envoy's per-descriptor limit overrides are reported.
 fn check_bucket_name(name: &str) -> Result<(), String> {
     if name.is_empty() {
         return Err("a bucket name must not be empty".into());
+    }
+    if name == OVERRIDE_BUCKET {
+        return Err(format!(
+            "the bucket name `{OVERRIDE_BUCKET}` is reserved for Envoy's per-descriptor limit overrides"
+        ));
     }
     if !name.bytes().all(|b| (0x20..=0x7e).contains(&b)) {
         return Err(format!(

@@ -25,6 +25,15 @@ impl ConfigError {
         }
     }
 
+    /// `path` holds no rules file (see [`crate::config::rule_files`]): a directory with no
+    /// `*.yaml` / `*.yml` file directly inside, other than hidden ones.
+    pub fn no_rules_files(path: impl Into<PathBuf>) -> ConfigError {
+        ConfigError::file(
+            path,
+            "no rules files found (expected *.yaml or *.yml files directly inside; hidden entries are skipped)",
+        )
+    }
+
     /// A problem with one rule of a file.
     pub fn rule(file: impl Into<PathBuf>, rule: impl Into<String>, reason: impl Into<String>) -> ConfigError {
         ConfigError {

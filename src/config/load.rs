@@ -8,8 +8,10 @@ use super::{ConfigError, ConfigErrors};
 use crate::rules::RuleSet;
 
 /// The rules files at `path`: the file itself, or the `*.yaml` / `*.yml` files directly inside a
-/// directory, sorted by name. Hidden entries (`.foo`, and Kubernetes ConfigMap `..data`
-/// folders) are skipped, so a mounted ConfigMap is read once through its top-level links.
+/// directory (in any case: `.YAML` too), sorted by name. Hidden entries (`.foo`, and Kubernetes
+/// ConfigMap `..data` folders) are skipped, so a mounted ConfigMap is read once through its
+/// top-level links. An empty list is not an error here; `tollgate check` rejects it (see
+/// [`RuleSet::is_empty`]).
 pub fn rule_files(path: &Path) -> Result<Vec<PathBuf>, ConfigError> {
     let meta = std::fs::metadata(path).map_err(|e| ConfigError::file(path, format!("cannot read rules: {e}")))?;
     if meta.is_file() {
@@ -22,7 +24,9 @@ pub fn rule_files(path: &Path) -> Result<Vec<PathBuf>, ConfigError> {
         let p = entry.path();
         let name = entry.file_name();
         let name = name.to_string_lossy();
-        let yaml = name.ends_with(".yaml") || name.ends_with(".yml");
+        let yaml = p
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("yaml") || e.eq_ignore_ascii_case("yml"));
         if name.starts_with('.') || !yaml || !p.is_file() {
             continue;
         }
@@ -44,9 +48,9 @@ pub fn load_rules(path: &Path) -> Result<RuleSet, ConfigErrors> {
         match std::fs::read_to_string(&file) {
             Err(e) => errors.push(ConfigError::file(&file, format!("cannot read: {e}"))),
             Ok(text) if text.trim().is_empty() => errors.push(ConfigError::file(&file, "the file is empty")),
-            Ok(text) => match serde_yaml::from_str::<RulesFile>(&text) {
+            Ok(text) => match parse(&text) {
                 Ok(rules) => parsed.push((file, rules)),
-                Err(e) => errors.push(ConfigError::file(&file, format!("invalid rules: {e}"))),
+                Err(reason) => errors.push(ConfigError::file(&file, format!("invalid rules: {reason}"))),
             },
         }
     }
@@ -57,5 +61,54 @@ pub fn load_rules(path: &Path) -> Result<RuleSet, ConfigErrors> {
             errors.append(&mut more);
             Err(ConfigErrors(errors))
         }
+    }
+}
+
+/// How many levels of merge keys within merge keys are expanded.
+const MAX_MERGE_DEPTH: usize = 32;
+
+/// Parses one rules file. YAML merge keys (`<<: *anchor`, which envoyproxy/ratelimit's YAML
+/// library supports) are expanded first; only text containing `<<` takes that path, so the errors
+/// of every other file keep serde's line and column.
+fn parse(text: &str) -> Result<RulesFile, String> {
+    if !text.contains("<<") {
+        return serde_yaml::from_str(text).map_err(|e| e.to_string());
+    }
+    let mut value: serde_yaml::Value = serde_yaml::from_str(text).map_err(|e| e.to_string())?;
+    // `apply_merge` expands one level: a merged mapping that itself holds `<<` brings that key
+    // back. Repeat until none is left (each pass removes one level of a finite document).
+    let mut passes = 0;
+    while has_merge_key(&value) {
+        passes += 1;
+        if passes > MAX_MERGE_DEPTH {
+            return Err(format!("merge keys `<<` nested more than {MAX_MERGE_DEPTH} deep"));
+        }
+        value.apply_merge().map_err(|e| format!("merge key `<<`: {e}"))?;
+    }
+    // Deserialize through text again, not from the `Value`, which would refuse a number where a
+    // string is expected: `value: 404` then reads as "404", as in a file without merge keys (a
+    // number written unusually, like `0x1F`, comes back in its plain form, "31"). Positions in
+    // that text are not the file's, so they are left out.
+    let expanded = serde_yaml::to_string(&value).map_err(|e| e.to_string())?;
+    serde_yaml::from_str(&expanded).map_err(|e| {
+        let message = e.to_string();
+        let message = match e.location() {
+            Some(at) => {
+                let suffix = format!(" at line {} column {}", at.line(), at.column());
+                message.strip_suffix(&suffix).unwrap_or(&message).to_owned()
+            }
+            None => message,
+        };
+        format!("{message} (after expanding merge keys `<<`)")
+    })
+}
+
+/// Whether a mapping anywhere in `value` still has a `<<` key.
+fn has_merge_key(value: &serde_yaml::Value) -> bool {
+    match value {
+        serde_yaml::Value::Mapping(m) => m.contains_key("<<") || m.values().any(has_merge_key),
+        serde_yaml::Value::Sequence(s) => s.iter().any(has_merge_key),
+        serde_yaml::Value::Tagged(t) => has_merge_key(&t.value),
+        _ => false,
     }
 }

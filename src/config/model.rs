@@ -2,7 +2,9 @@
 //! misspelt field an error in either.
 
 use std::collections::BTreeMap;
+use std::fmt;
 
+use serde::de::{Deserializer, Error as _, MapAccess, Visitor};
 use serde::Deserialize;
 
 /// One rules file: one domain.
@@ -10,11 +12,40 @@ use serde::Deserialize;
 #[serde(deny_unknown_fields)]
 pub struct RulesFile {
     pub domain: String,
-    /// Named token-bucket policies that descriptors reference with `bucket:`.
-    #[serde(default)]
+    /// Named token-bucket policies that descriptors reference with `bucket:`. A name given twice
+    /// is an error (a plain map would keep the last one silently).
+    #[serde(default, deserialize_with = "unique_buckets")]
     pub buckets: BTreeMap<String, BucketSpec>,
     #[serde(default)]
     pub descriptors: Vec<DescriptorSpec>,
+}
+
+/// The `buckets:` map, rejecting a name that appears twice.
+fn unique_buckets<'de, D: Deserializer<'de>>(deserializer: D) -> Result<BTreeMap<String, BucketSpec>, D::Error> {
+    struct Unique;
+    impl<'de> Visitor<'de> for Unique {
+        type Value = BTreeMap<String, BucketSpec>;
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a map from bucket names to buckets")
+        }
+
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            let mut out = BTreeMap::new();
+            while let Some(name) = map.next_key::<String>()? {
+                let spec: BucketSpec = map.next_value()?;
+                if out.contains_key(&name) {
+                    // serde_yaml appends the map's position: "... in the map at line 4 column 3".
+                    return Err(A::Error::custom(format!(
+                        "bucket `{name}` is declared twice (a bucket name must be unique) in the map"
+                    )));
+                }
+                out.insert(name, spec);
+            }
+            Ok(out)
+        }
+    }
+    deserializer.deserialize_map(Unique)
 }
 
 /// A token bucket: `capacity` whole tokens, refilled at `refill` (`10/s`, `600/1m`, `1/250ms`).

@@ -1,0 +1,101 @@
+//! envoyproxy/ratelimit's `rate_limit.name` is a label, not an identity (DESIGN 1.1, "their files
+//! load unchanged"): through the limiter, two different limits under one name each keep their
+//! own limit, and `replaces` drops every bucket of that name.
+
+use std::io::Write;
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{Code, DescriptorStatus};
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use tollgate::clock::ManualClock;
+use tollgate::config::load_rules;
+use tollgate::limiter::{Limiter, LimiterOptions};
+use tollgate::settings::{HeaderSettings, RequestLimits};
+use tollgate::store::MemoryStore;
+
+const RULES: &str = "domain: d
+descriptors:
+  - key: remote_address
+    rate_limit: {name: per_client, unit: second, requests_per_unit: 10}
+  - key: api_key
+    rate_limit: {name: per_client, unit: minute, requests_per_unit: 100}
+  - key: tenant
+    rate_limit:
+      name: per_tenant
+      unit: hour
+      requests_per_unit: 1000
+      replaces: [{name: per_client}]
+";
+
+fn limiter() -> Limiter<MemoryStore> {
+    let mut file = tempfile::Builder::new().suffix(".yaml").tempfile().unwrap();
+    file.write_all(RULES.as_bytes()).unwrap();
+    let rules = load_rules(file.path()).unwrap_or_else(|e| panic!("rules should load: {e}"));
+    let clock = ManualClock::new(1_700_000_000_000_000);
+    let store = MemoryStore::new(4, 10_000, Arc::new(clock));
+    let options = LimiterOptions {
+        limits: RequestLimits::default(),
+        headers: HeaderSettings::default(),
+        shadow_mode: false,
+        overrides: true,
+    };
+    Limiter::new(rules, store, options)
+}
+
+fn desc(key: &str, value: &str) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        entries: vec![Entry {
+            key: key.to_owned(),
+            value: value.to_owned(),
+        }],
+        ..Default::default()
+    }
+}
+
+fn req(descriptors: Vec<RateLimitDescriptor>) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: "d".to_owned(),
+        descriptors,
+        hits_addend: 0,
+    }
+}
+
+fn limit_of(s: &DescriptorStatus) -> Option<(&str, u32, Unit)> {
+    s.current_limit
+        .as_ref()
+        .map(|l| (l.name.as_str(), l.requests_per_unit, Unit::try_from(l.unit).unwrap()))
+}
+
+#[tokio::test]
+async fn one_name_two_limits_each_keeps_its_own() {
+    let l = limiter();
+    let resp = l
+        .should_rate_limit(&req(vec![desc("remote_address", "x"), desc("api_key", "x")]))
+        .await
+        .unwrap();
+    assert_eq!(resp.overall_code, Code::Ok as i32);
+    assert_eq!(limit_of(&resp.statuses[0]), Some(("per_client", 10, Unit::Second)));
+    assert_eq!(resp.statuses[0].limit_remaining, 9);
+    assert_eq!(limit_of(&resp.statuses[1]), Some(("per_client", 100, Unit::Minute)));
+    assert_eq!(resp.statuses[1].limit_remaining, 99);
+}
+
+#[tokio::test]
+async fn replaces_drops_every_bucket_of_the_name() {
+    let l = limiter();
+    let all = req(vec![
+        desc("remote_address", "x"),
+        desc("api_key", "x"),
+        desc("tenant", "t"),
+    ]);
+    let resp = l.should_rate_limit(&all).await.unwrap();
+    assert_eq!(resp.overall_code, Code::Ok as i32);
+    assert_eq!(limit_of(&resp.statuses[0]), None, "per_client (10/s) is replaced");
+    assert_eq!(limit_of(&resp.statuses[1]), None, "per_client (100/min) is replaced");
+    assert_eq!(limit_of(&resp.statuses[2]), Some(("per_tenant", 1000, Unit::Hour)));
+    assert_eq!(resp.statuses[2].limit_remaining, 999);
+    assert_eq!(l.store().len(), 1, "only per_tenant holds state");
+}
