@@ -16,7 +16,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_li
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 
 use crate::bucket::{DemandKind, Limit, Rate, MAX_CAPACITY, MICRO};
-use crate::matcher::{find_rule, instance_key};
+use crate::matcher::{find_node, instance_key, shared_patterns};
 use crate::response::{build_response, Target};
 use crate::rules::{BucketPolicy, ReportedLimit, Rule, RuleSet, UNITS};
 use crate::settings::{HeaderSettings, RequestLimits};
@@ -63,6 +63,8 @@ struct Matched<'r> {
     shadow: bool,
     replaces: &'r [usize],
     bucket_index: Option<usize>,
+    /// Per entry, the `share_threshold` pattern standing for its value (usually empty).
+    shared: Vec<Option<&'r str>>,
 }
 
 impl<S: Store> Limiter<S> {
@@ -108,19 +110,24 @@ impl<S: Store> Limiter<S> {
                     shadow: false,
                     replaces: &[],
                     bucket_index: None,
+                    shared: Vec::new(),
                 }),
-                _ => domain.and_then(|dom| match find_rule(dom, &d.entries) {
-                    Some(Rule::Limited {
-                        bucket,
-                        shadow,
-                        replaces,
-                    }) => Some(Matched {
-                        policy: Cow::Borrowed(&dom.buckets[*bucket]),
-                        shadow: *shadow,
-                        replaces,
-                        bucket_index: Some(*bucket),
-                    }),
-                    _ => None,
+                _ => domain.and_then(|dom| {
+                    let node = find_node(dom, &d.entries)?;
+                    match &dom.nodes[node].rule {
+                        Some(Rule::Limited {
+                            bucket,
+                            shadow,
+                            replaces,
+                        }) => Some(Matched {
+                            policy: Cow::Borrowed(&dom.buckets[*bucket]),
+                            shadow: *shadow,
+                            replaces,
+                            bucket_index: Some(*bucket),
+                            shared: shared_patterns(dom, node, d.entries.len()),
+                        }),
+                        _ => None,
+                    }
                 }),
             };
             matched.push(m);
@@ -136,7 +143,7 @@ impl<S: Store> Limiter<S> {
                 continue;
             };
             let mut key = String::new();
-            instance_key(&mut key, &req.domain, &m.policy.name, &d.entries);
+            instance_key(&mut key, &req.domain, &m.policy.name, &d.entries, &m.shared);
             if m.bucket_index.is_none() {
                 key.push_str(&format!(
                     "#{}/{}",

@@ -9,27 +9,59 @@ use crate::rules::{Domain, Rule};
 /// a rule, gives `None` (no limit). Matching does not backtrack: a dead end below an exact
 /// match does not fall back to a wildcard or default sibling, as in envoyproxy/ratelimit.
 pub fn find_rule<'a>(domain: &'a Domain, entries: &[Entry]) -> Option<&'a Rule> {
+    find_node(domain, entries).and_then(|id| domain.nodes[id].rule.as_ref())
+}
+
+/// The node (an index into [`Domain::nodes`]) the last entry reaches, as in [`find_rule`].
+pub fn find_node(domain: &Domain, entries: &[Entry]) -> Option<usize> {
     let mut level = &domain.root;
     let mut node = None;
     for entry in entries {
         let id = level.find(&entry.key, &entry.value)?;
-        let n = &domain.nodes[id];
-        level = &n.children;
-        node = Some(n);
+        level = &domain.nodes[id].children;
+        node = Some(id);
     }
-    node.and_then(|n| n.rule.as_ref())
+    node
+}
+
+/// Per entry of a descriptor that reached `last` (a node `depth` levels down), the wildcard
+/// pattern that stands for its value in the instance key when the node on that level has
+/// `share_threshold: true` (envoyproxy/ratelimit), else `None`. Empty when the domain shares
+/// nothing, which is the common case and costs nothing.
+pub fn shared_patterns(domain: &Domain, last: usize, depth: usize) -> Vec<Option<&str>> {
+    if !domain.has_shared {
+        return Vec::new();
+    }
+    let mut out = vec![None; depth];
+    let mut at = Some(last);
+    for slot in out.iter_mut().rev() {
+        let Some(id) = at else { break };
+        *slot = domain.nodes[id].shared_pattern.as_deref();
+        at = domain.nodes[id].parent;
+    }
+    out
 }
 
 /// Appends the identity of a bucket instance to `out`: the domain, the bucket name and the
 /// request descriptor's entries, each part length-prefixed so that no value (whatever bytes it
-/// holds) can forge another instance's key.
-pub fn instance_key(out: &mut String, domain: &str, bucket: &str, entries: &[Entry]) {
+/// holds) can forge another instance's key. An entry whose node shares its bucket
+/// (`shared[i]` is a pattern, see [`shared_patterns`]) contributes the pattern, marked with
+/// `*` where a value's length would stand, so all matching values share one instance.
+pub fn instance_key(out: &mut String, domain: &str, bucket: &str, entries: &[Entry], shared: &[Option<&str>]) {
     use std::fmt::Write;
     for part in [domain, bucket] {
         let _ = write!(out, "{}:{part}", part.len());
     }
-    for e in entries {
-        let _ = write!(out, "{}:{}{}:{}", e.key.len(), e.key, e.value.len(), e.value);
+    for (i, e) in entries.iter().enumerate() {
+        let _ = write!(out, "{}:{}", e.key.len(), e.key);
+        match shared.get(i).copied().flatten() {
+            Some(pattern) => {
+                let _ = write!(out, "*{}:{pattern}", pattern.len());
+            }
+            None => {
+                let _ = write!(out, "{}:{}", e.value.len(), e.value);
+            }
+        }
     }
 }
 

@@ -44,6 +44,8 @@ pub struct Domain {
     pub nodes: Vec<Node>,
     /// The first level of the tree.
     pub root: Level,
+    /// Whether any node has a [`Node::shared_pattern`]; when not, instance keys skip the walk.
+    pub has_shared: bool,
     /// Things `tollgate check` should tell the operator that are not errors, such as
     /// envoyproxy/ratelimit fields without effect here: `(rule path, note)`.
     pub notes: Vec<(String, String)>,
@@ -131,6 +133,11 @@ pub struct Node {
     pub children: Level,
     /// What applies when a descriptor's last entry lands here; `None` means no limit.
     pub rule: Option<Rule>,
+    /// The node one level up; `None` at the first level.
+    pub parent: Option<usize>,
+    /// `share_threshold: true` on a wildcard node: the pattern, which stands in the bucket
+    /// instance key for the value, so every matching value shares one bucket.
+    pub shared_pattern: Option<String>,
 }
 
 /// What a node does to a request that ends on it.

@@ -331,7 +331,6 @@ fn envoyproxy_schema_loads_and_lists_ignored_fields() {
         "notes:",
         "remote_address: `detailed_metric` is accepted for envoyproxy/ratelimit compatibility and has no effect",
         "api_key: `value_to_metric` is accepted for envoyproxy/ratelimit compatibility and has no effect",
-        "path=/api/*: `share_threshold` is accepted for envoyproxy/ratelimit compatibility and has no effect",
         "legacy: `requests_per_unit` is missing: read as 0, which denies every request",
     ];
     for e in expected {

@@ -149,7 +149,7 @@ fn dur(us: u64) -> Option<Duration> {
 fn instance(v: &str) -> String {
     let mut key = String::new();
     let entries = desc(&[("k", v)]).entries;
-    tollgate::matcher::instance_key(&mut key, "d", v, &entries);
+    tollgate::matcher::instance_key(&mut key, "d", v, &entries, &[]);
     key
 }
 
@@ -1014,4 +1014,40 @@ async fn repository_example_rules_decide_as_documented() {
     let resp = h.ask(&req("legacy", vec![desc(&[("database", "users")])])).await;
     assert_eq!(limit_of(&resp.statuses[0]), Some(("database=users", 500, Unit::Second)));
     assert_eq!(resp.statuses[0].limit_remaining, 499);
+}
+
+// ---- share_threshold (envoyproxy/ratelimit) -------------------------------------------
+
+const SHARED: &str = "domain: d
+descriptors:
+  - key: path
+    value: files/*
+    share_threshold: true
+    rate_limit: {unit: minute, requests_per_unit: 2}
+    descriptors:
+      - key: user
+        rate_limit: {unit: minute, requests_per_unit: 2}
+  - key: path
+    value: images/*
+    rate_limit: {unit: minute, requests_per_unit: 2}
+";
+
+#[tokio::test]
+async fn share_threshold_makes_every_matching_value_share_one_bucket() {
+    let h = harness(SHARED);
+    let code = |resp: RateLimitResponse| resp.overall_code;
+    // files/*: one bucket for all files.
+    assert_eq!(code(h.ask(&one(&[("path", "files/a")])).await), OK);
+    assert_eq!(code(h.ask(&one(&[("path", "files/b")])).await), OK);
+    assert_eq!(code(h.ask(&one(&[("path", "files/c")])).await), OVER);
+    // images/* has no share_threshold: one bucket per image.
+    for image in ["images/a", "images/b", "images/c"] {
+        assert_eq!(code(h.ask(&one(&[("path", image)])).await), OK, "{image}");
+    }
+    // Below a shared level, the next entry still splits: per user, across all files.
+    let per_user = |file, user| one(&[("path", file), ("user", user)]);
+    assert_eq!(code(h.ask(&per_user("files/a", "u1")).await), OK);
+    assert_eq!(code(h.ask(&per_user("files/b", "u1")).await), OK);
+    assert_eq!(code(h.ask(&per_user("files/c", "u1")).await), OVER);
+    assert_eq!(code(h.ask(&per_user("files/c", "u2")).await), OK);
 }

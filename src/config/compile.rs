@@ -118,12 +118,14 @@ impl<'a> DomainBuilder<'a> {
         }
         let mut root = Level::default();
         for spec in descriptors {
-            self.node(spec, "", &mut root);
+            self.node(spec, "", None, &mut root);
         }
         self.nodes.push(Node {
             path: String::new(),
             children: root,
             rule: None,
+            parent: None,
+            shared_pattern: None,
         });
         self.resolve_replaces();
     }
@@ -138,6 +140,7 @@ impl<'a> DomainBuilder<'a> {
             name: name.to_owned(),
             file: self.file.to_owned(),
             buckets: self.buckets,
+            has_shared: nodes.iter().any(|n| n.shared_pattern.is_some()),
             nodes,
             root,
             notes: self.notes,
@@ -246,7 +249,7 @@ impl<'a> DomainBuilder<'a> {
         self.buckets.len() - 1
     }
 
-    fn node(&mut self, spec: &DescriptorSpec, parent: &str, level: &mut Level) {
+    fn node(&mut self, spec: &DescriptorSpec, parent: &str, parent_id: Option<usize>, level: &mut Level) {
         let value = spec.value.as_deref().filter(|v| !v.is_empty());
         let step = match value {
             Some(v) => format!("{}={v}", spec.key),
@@ -291,14 +294,25 @@ impl<'a> DomainBuilder<'a> {
                 "duplicate descriptor: the same key and value appear twice at this level",
             );
         }
+        let shared_pattern = match value {
+            Some(v) if spec.share_threshold && v.contains('*') => Some(v.to_owned()),
+            _ => {
+                if spec.share_threshold {
+                    self.note(&path, "`share_threshold` has no effect on a value without `*`");
+                }
+                None
+            }
+        };
         self.nodes.push(Node {
             path: path.clone(),
             children: Level::default(),
             rule,
+            parent: parent_id,
+            shared_pattern,
         });
         let mut children = Level::default();
         for child in &spec.descriptors {
-            self.node(child, &path, &mut children);
+            self.node(child, &path, Some(id), &mut children);
         }
         self.nodes[id].children = children;
     }

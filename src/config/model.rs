@@ -83,7 +83,10 @@ pub struct DescriptorSpec {
     /// envoyproxy/ratelimit fields tollgate accepts and ignores; `tollgate check` lists them.
     pub detailed_metric: Option<serde_yaml::Value>,
     pub value_to_metric: Option<serde_yaml::Value>,
-    pub share_threshold: Option<serde_yaml::Value>,
+    /// envoyproxy/ratelimit: on a wildcard value, every matching value shares one bucket
+    /// instead of one bucket per value.
+    #[serde(default)]
+    pub share_threshold: bool,
 }
 
 impl DescriptorSpec {
@@ -95,9 +98,6 @@ impl DescriptorSpec {
         }
         if self.value_to_metric.is_some() {
             out.push("value_to_metric");
-        }
-        if self.share_threshold.is_some() {
-            out.push("share_threshold");
         }
         out
     }

@@ -33,7 +33,7 @@ fn matched(set: &RuleSet, pairs: &[(&str, &str)]) -> Option<String> {
 
 fn key(domain: &str, bucket: &str, pairs: &[(&str, &str)]) -> String {
     let mut out = String::new();
-    instance_key(&mut out, domain, bucket, &entries(pairs));
+    instance_key(&mut out, domain, bucket, &entries(pairs), &[]);
     out
 }
 
@@ -311,7 +311,7 @@ fn instances_differ_per_value_of_a_key_only_node() {
     );
     // Appending to an existing key builds the same identity after the prefix.
     let mut out = String::from("prefix|");
-    instance_key(&mut out, "d", "per_key", &a);
+    instance_key(&mut out, "d", "per_key", &a, &[]);
     assert_eq!(out, format!("prefix|{}", key("d", "per_key", &[("api_key", "alice")])));
 }
 
