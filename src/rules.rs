@@ -183,11 +183,6 @@ impl Level {
         }
         self.any.get(key).copied()
     }
-
-    /// Whether the level has no children.
-    pub fn is_empty(&self) -> bool {
-        self.exact.is_empty() && self.wildcard.is_empty() && self.any.is_empty()
-    }
 }
 
 /// A value pattern where `*` matches any run of characters (possibly empty).

@@ -37,7 +37,7 @@ impl LimiterOptions {
 /// cannot bind.
 pub async fn serve(settings: Settings) -> anyhow::Result<()> {
     let rules = load_rules(&settings.rules).map_err(|e| anyhow::anyhow!("invalid rules:\n{e}"))?;
-    if rules.files.is_empty() {
+    if rules.is_empty() {
         tracing::warn!(
             path = %settings.rules.display(),
             "no rules files found (*.yaml, *.yml): nothing will be limited"
