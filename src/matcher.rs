@@ -48,21 +48,25 @@ pub fn shared_patterns(domain: &Domain, last: usize, depth: usize) -> Vec<Option
 /// (`shared[i]` is a pattern, see [`shared_patterns`]) contributes the pattern, marked with
 /// `*` where a value's length would stand, so all matching values share one instance.
 pub fn instance_key(out: &mut String, domain: &str, bucket: &str, entries: &[Entry], shared: &[Option<&str>]) {
-    use std::fmt::Write;
-    for part in [domain, bucket] {
-        let _ = write!(out, "{}:{part}", part.len());
-    }
+    push_part(out, domain);
+    push_part(out, bucket);
     for (i, e) in entries.iter().enumerate() {
-        let _ = write!(out, "{}:{}", e.key.len(), e.key);
+        push_part(out, &e.key);
         match shared.get(i).copied().flatten() {
             Some(pattern) => {
-                let _ = write!(out, "*{}:{pattern}", pattern.len());
+                out.push('*');
+                push_part(out, pattern);
             }
-            None => {
-                let _ = write!(out, "{}:{}", e.value.len(), e.value);
-            }
+            None => push_part(out, &e.value),
         }
     }
+}
+
+/// `<length>:<part>`: on every decision, so without the formatting machinery.
+fn push_part(out: &mut String, part: &str) {
+    out.push_str(itoa::Buffer::new().format(part.len()));
+    out.push(':');
+    out.push_str(part);
 }
 
 #[cfg(test)]

@@ -106,10 +106,19 @@ pub fn build_response(
     }
     let per_bucket = lowest_per_bucket(&verdicts);
     if headers.ratelimit && !per_bucket.is_empty() {
-        let policy: Vec<String> = per_bucket.iter().map(|v| policy_item(v)).collect();
-        let state: Vec<String> = per_bucket.iter().map(|v| state_item(v)).collect();
-        response_headers_to_add.push(header("ratelimit-policy", policy.join(", ")));
-        response_headers_to_add.push(header("ratelimit", state.join(", ")));
+        // Built in place, item after item: this runs on every decision.
+        let mut policy = String::with_capacity(48 * per_bucket.len());
+        let mut state = String::with_capacity(48 * per_bucket.len());
+        for (i, v) in per_bucket.iter().enumerate() {
+            if i > 0 {
+                policy.push_str(", ");
+                state.push_str(", ");
+            }
+            push_policy_item(&mut policy, v);
+            push_state_item(&mut state, v);
+        }
+        response_headers_to_add.push(header("ratelimit-policy", policy));
+        response_headers_to_add.push(header("ratelimit", state));
     }
     if headers.x_ratelimit {
         if let Some(v) = per_bucket.iter().min_by_key(|v| v.remaining_ut) {
@@ -156,37 +165,40 @@ fn lowest_per_bucket<'v, 'a>(verdicts: &'v [Option<Verdict<'a>>]) -> Vec<&'v Ver
     out
 }
 
-/// A `RateLimit-Policy` item: `"name";q=<capacity>;w=<seconds to fill from empty>`
+/// Appends a `RateLimit-Policy` item: `"name";q=<capacity>;w=<seconds to fill from empty>`
 /// (draft-ietf-httpapi-ratelimit-headers-10 section 4). `w` is left out for a bucket that
 /// never refills.
-fn policy_item(v: &Verdict<'_>) -> String {
-    let mut item = format!("{};q={}", sf_string(&v.policy.name), v.policy.limit.capacity());
+fn push_policy_item(out: &mut String, v: &Verdict<'_>) {
+    push_sf_string(out, &v.policy.name);
+    out.push_str(";q=");
+    out.push_str(itoa::Buffer::new().format(v.policy.limit.capacity()));
     if let Some(fill) = v
         .policy
         .limit
         .time_to_fill_us()
         .filter(|_| !v.policy.limit.rate.is_zero())
     {
-        item.push_str(&format!(";w={}", ceil_seconds(fill)));
+        out.push_str(";w=");
+        out.push_str(itoa::Buffer::new().format(ceil_seconds(fill)));
     }
-    item
 }
 
-/// A `RateLimit` item: `"name";r=<whole tokens left>;t=<seconds until full, rounded up>`
-/// (draft-ietf-httpapi-ratelimit-headers-10 section 5). `t` is left out for a bucket that
+/// Appends a `RateLimit` item: `"name";r=<whole tokens left>;t=<seconds until full, rounded
+/// up>` (draft-ietf-httpapi-ratelimit-headers-10 section 5). `t` is left out for a bucket that
 /// never refills.
-fn state_item(v: &Verdict<'_>) -> String {
-    let mut item = format!("{};r={}", sf_string(&v.policy.name), whole_tokens(v.remaining_ut));
+fn push_state_item(out: &mut String, v: &Verdict<'_>) {
+    push_sf_string(out, &v.policy.name);
+    out.push_str(";r=");
+    out.push_str(itoa::Buffer::new().format(whole_tokens(v.remaining_ut)));
     if let Some(t) = v.until_full_us {
-        item.push_str(&format!(";t={}", ceil_seconds(t)));
+        out.push_str(";t=");
+        out.push_str(itoa::Buffer::new().format(ceil_seconds(t)));
     }
-    item
 }
 
-/// A structured-field String (RFC 8941 section 3.3.3): quoted, with `"` and `\` escaped.
-/// Bucket names are printable ASCII, checked at load.
-fn sf_string(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
+/// Appends a structured-field String (RFC 8941 section 3.3.3): quoted, with `"` and `\`
+/// escaped. Bucket names are printable ASCII, checked at load.
+fn push_sf_string(out: &mut String, s: &str) {
     out.push('"');
     for c in s.chars() {
         if c == '"' || c == '\\' {
@@ -195,7 +207,6 @@ fn sf_string(s: &str) -> String {
         out.push(c);
     }
     out.push('"');
-    out
 }
 
 fn header(key: &str, value: String) -> HeaderValue {
