@@ -13,6 +13,7 @@ pub mod limiter;
 pub mod matcher;
 pub mod response;
 pub mod rules;
+pub mod schedule;
 pub mod server;
 pub mod service;
 pub mod settings;
