@@ -1,55 +1,16 @@
 //! Smoke test for `tollgate-loadgen`: a one-second `run` against its own `noop` server and
 //! against `tollgate serve` with the benchmark rules.
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+mod support;
+
+use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use support::{free_port, wait_until, ChildGuard, Tollgate};
 
 const LOADGEN: &str = env!("CARGO_BIN_EXE_tollgate-loadgen");
-const TOLLGATE: &str = env!("CARGO_BIN_EXE_tollgate");
-
-/// Kills and reaps the child when dropped, so a failed assertion leaves no server behind.
-struct KillOnDrop(Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_addr() -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
-    listener.local_addr().expect("local address")
-}
-
-fn wait_until(what: &str, child: &mut KillOnDrop, mut ready: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !ready() {
-        if let Ok(Some(status)) = child.0.try_wait() {
-            panic!("{what} exited early: {status}");
-        }
-        assert!(Instant::now() < deadline, "{what} did not come up within 10s");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn healthz_ok(addr: SocketAddr) -> bool {
-    let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_millis(200)) else {
-        return false;
-    };
-    let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
-    if s.write_all(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
-        .is_err()
-    {
-        return false;
-    }
-    let mut response = String::new();
-    let _ = s.read_to_string(&mut response);
-    response.starts_with("HTTP/1.1 200")
-}
 
 fn run_loadgen(grpc: SocketAddr, server_pid: u32) -> serde_json::Value {
     let out = Command::new(LOADGEN)
@@ -78,50 +39,29 @@ fn check_report(report: &serde_json::Value) {
 
 #[test]
 fn loadgen_against_noop() {
-    let grpc = free_addr();
-    let mut server = KillOnDrop(
-        Command::new(LOADGEN)
-            .arg("noop")
-            .arg("--listen")
-            .arg(grpc.to_string())
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("spawn tollgate-loadgen noop"),
+    let dir = tempfile::tempdir().expect("temp dir");
+    let grpc = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let mut server = ChildGuard::spawn(
+        "tollgate-loadgen noop",
+        Command::new(LOADGEN).arg("noop").arg("--listen").arg(grpc.to_string()),
+        &dir.path().join("noop.log"),
     );
-    wait_until("tollgate-loadgen noop", &mut server, || {
-        TcpStream::connect_timeout(&grpc, Duration::from_millis(200)).is_ok()
-    });
-    let report = run_loadgen(grpc, server.0.id());
+    wait_until(&mut server, || {
+        TcpStream::connect_timeout(&grpc, Duration::from_millis(200)).ok()
+    })
+    .unwrap_or_else(|why| panic!("noop server did not start: {why}"));
+    let report = run_loadgen(grpc, server.id());
     check_report(&report);
     assert_eq!(report["ok"], report["requests"], "{report}");
 }
 
 #[test]
 fn loadgen_against_tollgate() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let (grpc, http) = (free_addr(), free_addr());
-    let rules = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/rules/bench.yaml");
-    let settings = dir.path().join("tollgate.yaml");
-    std::fs::write(
-        &settings,
-        format!(
-            "grpc_addr: {grpc}\nhttp_addr: {http}\nrules: {:?}\nlog: {{level: warn}}\n",
-            rules
-        ),
-    )
-    .expect("write settings");
-    let mut server = KillOnDrop(
-        Command::new(TOLLGATE)
-            .arg("serve")
-            .arg("--config")
-            .arg(&settings)
-            .env_remove("RUST_LOG")
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("spawn tollgate serve"),
-    );
-    wait_until("tollgate serve", &mut server, || healthz_ok(http));
-    let report = run_loadgen(grpc, server.0.id());
+    let tollgate = Tollgate::builder()
+        .rules_path(Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/rules/bench.yaml"))
+        .settings("log: {level: warn}")
+        .start();
+    let report = run_loadgen(tollgate.grpc_addr, tollgate.process.id());
     check_report(&report);
     assert!(report["ok"].as_u64().unwrap_or(0) > 0, "{report}");
 }

@@ -138,7 +138,7 @@ impl Drop for ChildGuard {
 
 /// Polls `ready` every 20 ms until it returns `Some`, `process` exits, or [`STARTUP_TIMEOUT`]
 /// passes. `Err` carries why it gave up.
-fn wait_until<T>(process: &mut ChildGuard, mut ready: impl FnMut() -> Option<T>) -> Result<T, String> {
+pub fn wait_until<T>(process: &mut ChildGuard, mut ready: impl FnMut() -> Option<T>) -> Result<T, String> {
     let deadline = Instant::now() + STARTUP_TIMEOUT;
     loop {
         if let Some(v) = ready() {
