@@ -17,8 +17,9 @@ use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimit
 
 use crate::bucket::{DemandKind, Limit, Rate, MAX_CAPACITY, MICRO};
 use crate::matcher::{find_node, instance_key, shared_patterns};
-use crate::response::{build_response, Target};
+use crate::response::{build_response, Part, Target};
 use crate::rules::{BucketPolicy, ReportedLimit, Rule, RuleSet, UNITS};
+use crate::schedule::Plan;
 use crate::settings::{HeaderSettings, RequestLimits};
 use crate::store::{BucketRef, Store, StoreError};
 
@@ -60,6 +61,8 @@ pub struct Limiter<S> {
 /// Policies are borrowed from the rules in force, so the hot path copies no names.
 struct Matched<'r> {
     policy: Cow<'r, BucketPolicy>,
+    /// The calendar quota the rule also carries, if any.
+    quota: Option<&'r BucketPolicy>,
     shadow: bool,
     replaces: &'r [usize],
     bucket_index: Option<usize>,
@@ -107,6 +110,7 @@ impl<S: Store> Limiter<S> {
             let m = match (&d.limit, self.options.overrides && domain.is_some()) {
                 (Some(o), true) => Some(Matched {
                     policy: Cow::Owned(override_policy(o.requests_per_unit, o.unit)?),
+                    quota: None,
                     shadow: false,
                     replaces: &[],
                     bucket_index: None,
@@ -117,10 +121,12 @@ impl<S: Store> Limiter<S> {
                     match &dom.nodes[node].rule {
                         Some(Rule::Limited {
                             bucket,
+                            quota,
                             shadow,
                             replaces,
                         }) => Some(Matched {
                             policy: Cow::Borrowed(&dom.buckets[*bucket]),
+                            quota: quota.map(|q| &dom.buckets[q]),
                             shadow: *shadow,
                             replaces,
                             bucket_index: Some(*bucket),
@@ -151,28 +157,26 @@ impl<S: Store> Limiter<S> {
                     m.policy.reported.unit.as_str_name()
                 ));
             }
-            let instance = match buckets.iter().position(|b| b.key == key) {
-                Some(i) => i,
-                None => {
-                    buckets.push(BucketRef {
-                        key,
-                        limit: m.policy.limit,
-                    });
-                    buckets.len() - 1
-                }
-            };
             let kind = demand_kind(d, req.hits_addend);
-            demands.push(crate::bucket::Demand {
-                instance,
-                kind,
-                enforced: !(m.shadow || self.options.shadow_mode),
+            let shadow = m.shadow || self.options.shadow_mode;
+            let (instance, demand) = add_demand(&mut buckets, &mut demands, key, &m.policy.plan, kind, shadow);
+            let quota = m.quota.map(|policy| {
+                let mut key = String::new();
+                instance_key(&mut key, &req.domain, &policy.name, &d.entries, &m.shared);
+                let (instance, demand) = add_demand(&mut buckets, &mut demands, key, &policy.plan, kind, shadow);
+                Part {
+                    policy,
+                    instance,
+                    demand,
+                }
             });
             targets.push(Some(Target {
                 policy: m.policy,
                 instance,
-                demand: demands.len() - 1,
+                demand,
                 kind,
-                shadow: m.shadow || self.options.shadow_mode,
+                shadow,
+                quota,
             }));
         }
         if buckets.is_empty() {
@@ -181,6 +185,34 @@ impl<S: Store> Limiter<S> {
         let applied = self.store.apply(&buckets, &demands).await?;
         Ok(build_response(&targets, Some(&applied), &self.options.headers))
     }
+}
+
+/// Adds a demand of `kind` on the instance `key` (shared with an earlier descriptor of the
+/// request that reached the same instance); returns the indices of the instance and the demand.
+fn add_demand(
+    buckets: &mut Vec<BucketRef>,
+    demands: &mut Vec<crate::bucket::Demand>,
+    key: String,
+    plan: &crate::schedule::Plan,
+    kind: DemandKind,
+    shadow: bool,
+) -> (usize, usize) {
+    let instance = match buckets.iter().position(|b| b.key == key) {
+        Some(i) => i,
+        None => {
+            buckets.push(BucketRef {
+                key,
+                plan: plan.clone(),
+            });
+            buckets.len() - 1
+        }
+    };
+    demands.push(crate::bucket::Demand {
+        instance,
+        kind,
+        enforced: !shadow,
+    });
+    (instance, demands.len() - 1)
 }
 
 /// `hits_addend`: the descriptor's own (a wrapped `UInt64Value`, so an explicit 0 is a
@@ -221,7 +253,7 @@ fn override_policy(requests_per_unit: u32, unit: i32) -> Result<BucketPolicy, Li
     };
     Ok(BucketPolicy {
         name: OVERRIDE_BUCKET.to_owned(),
-        limit: Limit::new(rpu, rate),
+        plan: Plan::Fixed(Limit::new(rpu, rate)),
         reported: ReportedLimit {
             requests_per_unit: u32::try_from(rpu).unwrap_or(u32::MAX),
             unit,

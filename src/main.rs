@@ -43,7 +43,8 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
             Ok(set) => {
-                print!("{}", tollgate::check::render(&set));
+                let now = tollgate::clock::Clock::now_us(&tollgate::clock::SystemClock);
+                print!("{}", tollgate::check::render(&set, now));
                 ExitCode::SUCCESS
             }
             Err(errors) => {

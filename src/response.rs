@@ -8,8 +8,8 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{Code, 
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
 use envoy_types::pb::google::protobuf::Duration;
 
-use crate::bucket::{wait_us, DemandKind, MICRO};
-use crate::rules::BucketPolicy;
+use crate::bucket::{DemandKind, Limit, MICRO};
+use crate::rules::{BucketPolicy, ReportedLimit};
 use crate::settings::HeaderSettings;
 use crate::store::Applied;
 
@@ -26,11 +26,33 @@ pub struct Target<'r> {
     pub kind: DemandKind,
     /// Shadow mode (the rule's or the global switch).
     pub shadow: bool,
+    /// The calendar quota the descriptor must also pass, when its rule has one beside a token
+    /// bucket: decided as a second instance with the same demand.
+    pub quota: Option<Part<'r>>,
 }
 
-/// One descriptor's verdict, before it becomes a `DescriptorStatus`.
+/// A second bucket instance one descriptor asks of (a quota beside a token bucket).
+#[derive(Clone, Debug)]
+pub struct Part<'r> {
+    /// The quota's policy.
+    pub policy: &'r BucketPolicy,
+    /// Index of the bucket instance in the store request.
+    pub instance: usize,
+    /// Index of the demand in the store request.
+    pub demand: usize,
+}
+
+/// One bucket's verdict for one descriptor, before it becomes a `DescriptorStatus`.
 struct Verdict<'a> {
+    /// Index of the request descriptor.
+    descriptor: usize,
     policy: &'a BucketPolicy,
+    /// The limit in force at the decision.
+    limit: Limit,
+    /// `current_limit` at the decision.
+    reported: ReportedLimit,
+    /// `w`: microseconds to give back a whole capacity (see [`crate::schedule::Plan::window_us`]).
+    window_us: Option<u64>,
     over: bool,
     remaining_ut: u64,
     until_full_us: Option<u64>,
@@ -45,58 +67,42 @@ pub fn build_response(
     applied: Option<&Applied>,
     headers: &HeaderSettings,
 ) -> RateLimitResponse {
-    let verdicts: Vec<Option<Verdict<'_>>> = targets
+    let mut verdicts: Vec<Verdict<'_>> = Vec::with_capacity(targets.len());
+    for (descriptor, t) in targets.iter().enumerate() {
+        let Some(t) = t else { continue };
+        let applied = applied.expect("a matched descriptor has a decision");
+        verdicts.push(verdict(
+            descriptor, &t.policy, t.instance, t.demand, t.kind, t.shadow, applied,
+        ));
+        if let Some(q) = &t.quota {
+            verdicts.push(verdict(
+                descriptor, q.policy, q.instance, q.demand, t.kind, t.shadow, applied,
+            ));
+        }
+    }
+    let denied = verdicts.iter().any(|v| v.over);
+    let statuses = targets
         .iter()
-        .map(|t| {
-            let t = t.as_ref()?;
-            let applied = applied.expect("a matched descriptor has a decision");
-            let out = &applied.decision.instances[t.instance];
-            let limit = &t.policy.limit;
-            let passed = applied.decision.passed[t.demand];
-            let need = match t.kind {
-                DemandKind::Check => out.consumed_ut.saturating_add(MICRO),
-                _ => out.consumed_ut,
-            };
-            // Waits run from the state the store keeps, not from the one refilled to now: its
-            // refill is floored (overstating a wait by up to a micro-token's refill time) and
-            // it cannot tell a clock that stepped back (understating it).
-            let kept = out.kept();
-            Some(Verdict {
-                policy: t.policy.as_ref(),
-                over: !passed && !t.shadow,
-                remaining_ut: out.after.tokens_ut,
-                // A bucket that never refills (requests_per_unit: 0) has no reset to announce.
-                until_full_us: (!limit.rate.is_zero())
-                    .then(|| wait_us(kept, limit.capacity_ut, limit, applied.now_us))
-                    .flatten(),
-                retry_after_us: if passed {
-                    None
-                } else {
-                    wait_us(kept, need, limit, applied.now_us)
+        .enumerate()
+        .map(
+            |(descriptor, t)| match t.as_ref().and_then(|_| status_verdict(&verdicts, descriptor)) {
+                None => DescriptorStatus {
+                    code: Code::Ok as i32,
+                    ..Default::default()
                 },
-            })
-        })
-        .collect();
-    let denied = verdicts.iter().flatten().any(|v| v.over);
-    let statuses = verdicts
-        .iter()
-        .map(|v| match v {
-            None => DescriptorStatus {
-                code: Code::Ok as i32,
-                ..Default::default()
+                Some(v) => DescriptorStatus {
+                    code: if v.over { Code::OverLimit } else { Code::Ok } as i32,
+                    current_limit: Some(RateLimit {
+                        name: v.policy.name.clone(),
+                        requests_per_unit: v.reported.requests_per_unit,
+                        unit: v.reported.unit as i32,
+                    }),
+                    limit_remaining: whole_tokens(v.remaining_ut),
+                    duration_until_reset: v.until_full_us.map(duration),
+                    ..Default::default()
+                },
             },
-            Some(v) => DescriptorStatus {
-                code: if v.over { Code::OverLimit } else { Code::Ok } as i32,
-                current_limit: Some(RateLimit {
-                    name: v.policy.name.clone(),
-                    requests_per_unit: v.policy.reported.requests_per_unit,
-                    unit: v.policy.reported.unit as i32,
-                }),
-                limit_remaining: whole_tokens(v.remaining_ut),
-                duration_until_reset: v.until_full_us.map(duration),
-                ..Default::default()
-            },
-        })
+        )
         .collect();
     let mut response_headers_to_add = Vec::new();
     if denied && headers.retry_after {
@@ -122,7 +128,7 @@ pub fn build_response(
     }
     if headers.x_ratelimit {
         if let Some(v) = per_bucket.iter().min_by_key(|v| v.remaining_ut) {
-            response_headers_to_add.push(header("x-ratelimit-limit", v.policy.limit.capacity().to_string()));
+            response_headers_to_add.push(header("x-ratelimit-limit", v.limit.capacity().to_string()));
             response_headers_to_add.push(header(
                 "x-ratelimit-remaining",
                 whole_tokens(v.remaining_ut).to_string(),
@@ -141,11 +147,65 @@ pub fn build_response(
     }
 }
 
+/// One bucket's verdict for the descriptor `descriptor`, from the store's decision.
+fn verdict<'a>(
+    descriptor: usize,
+    policy: &'a BucketPolicy,
+    instance: usize,
+    demand: usize,
+    kind: DemandKind,
+    shadow: bool,
+    applied: &Applied,
+) -> Verdict<'a> {
+    let out = &applied.decision.instances[instance];
+    let now = applied.now_us;
+    let plan = &policy.plan;
+    let passed = applied.decision.passed[demand];
+    let need = match kind {
+        DemandKind::Check => out.consumed_ut.saturating_add(MICRO),
+        _ => out.consumed_ut,
+    };
+    // Waits run from the state the store keeps, not from the one refilled to now: its refill
+    // is floored (overstating a wait by up to a micro-token's refill time) and it cannot tell a
+    // clock that stepped back (understating it).
+    let kept = out.kept();
+    Verdict {
+        descriptor,
+        policy,
+        limit: plan.limit_at(now),
+        reported: policy.reported_at(now),
+        window_us: plan.window_us(now),
+        over: !passed && !shadow,
+        remaining_ut: out.after.tokens_ut,
+        until_full_us: plan.reset_in_us(kept, now),
+        retry_after_us: if passed { None } else { plan.wait_us(kept, need, now) },
+    }
+}
+
+/// The verdict a descriptor's status reports: its only one, or with a token bucket and a
+/// quota, the denying one when one denies, else the one with fewer tokens left (DESIGN 1.4).
+fn status_verdict<'v, 'a>(verdicts: &'v [Verdict<'a>], descriptor: usize) -> Option<&'v Verdict<'a>> {
+    let mut own = verdicts.iter().filter(|v| v.descriptor == descriptor);
+    let first = own.next()?;
+    Some(own.fold(first, |best, v| {
+        let better = match (v.over, best.over) {
+            (true, false) => true,
+            (false, true) => false,
+            _ => v.remaining_ut < best.remaining_ut,
+        };
+        if better {
+            v
+        } else {
+            best
+        }
+    }))
+}
+
 /// The largest wait among the denied descriptors; `None` if any of them can never pass (a
 /// wait that cannot succeed would mislead the client).
-fn retry_after_us(verdicts: &[Option<Verdict<'_>>]) -> Option<u64> {
+fn retry_after_us(verdicts: &[Verdict<'_>]) -> Option<u64> {
     let mut longest = 0;
-    for v in verdicts.iter().flatten().filter(|v| v.over) {
+    for v in verdicts.iter().filter(|v| v.over) {
         longest = longest.max(v.retry_after_us?);
     }
     Some(longest)
@@ -153,9 +213,9 @@ fn retry_after_us(verdicts: &[Option<Verdict<'_>>]) -> Option<u64> {
 
 /// One verdict per bucket name, in request order of first appearance: the one with the fewest
 /// tokens left when several instances share a name.
-fn lowest_per_bucket<'v, 'a>(verdicts: &'v [Option<Verdict<'a>>]) -> Vec<&'v Verdict<'a>> {
+fn lowest_per_bucket<'v, 'a>(verdicts: &'v [Verdict<'a>]) -> Vec<&'v Verdict<'a>> {
     let mut out: Vec<&Verdict<'_>> = Vec::new();
-    for v in verdicts.iter().flatten() {
+    for v in verdicts {
         match out.iter_mut().find(|o| o.policy.name == v.policy.name) {
             Some(o) if v.remaining_ut < o.remaining_ut => *o = v,
             Some(_) => {}
@@ -166,18 +226,13 @@ fn lowest_per_bucket<'v, 'a>(verdicts: &'v [Option<Verdict<'a>>]) -> Vec<&'v Ver
 }
 
 /// Appends a `RateLimit-Policy` item: `"name";q=<capacity>;w=<seconds to fill from empty>`
-/// (draft-ietf-httpapi-ratelimit-headers-10 section 4). `w` is left out for a bucket that
-/// never refills.
+/// (draft-ietf-httpapi-ratelimit-headers-10 section 4), by the limit in force now; for a quota
+/// `w` is its current period. `w` is left out for a bucket that never refills.
 fn push_policy_item(out: &mut String, v: &Verdict<'_>) {
     push_sf_string(out, &v.policy.name);
     out.push_str(";q=");
-    out.push_str(itoa::Buffer::new().format(v.policy.limit.capacity()));
-    if let Some(fill) = v
-        .policy
-        .limit
-        .time_to_fill_us()
-        .filter(|_| !v.policy.limit.rate.is_zero())
-    {
+    out.push_str(itoa::Buffer::new().format(v.limit.capacity()));
+    if let Some(fill) = v.window_us {
         out.push_str(";w=");
         out.push_str(itoa::Buffer::new().format(ceil_seconds(fill)));
     }

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 
 use crate::bucket::Limit;
+use crate::schedule::Plan;
 
 /// All loaded domains.
 #[derive(Debug, Default)]
@@ -51,15 +52,38 @@ pub struct Domain {
     pub notes: Vec<(String, String)>,
 }
 
-/// A named token-bucket policy.
+/// A named bucket policy: a token bucket (constant or scheduled) or a calendar quota.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BucketPolicy {
     /// What operators see: `current_limit.name`, the `RateLimit-Policy` item, metrics labels.
     pub name: String,
-    /// Capacity and refill.
-    pub limit: Limit,
-    /// `current_limit` as sent to Envoy (DESIGN 1.4).
+    /// Capacity and refill, and how they change over time.
+    pub plan: Plan,
+    /// `current_limit` as sent to Envoy for the base limit (DESIGN 1.4); a policy whose limit
+    /// varies is reported by the limit in force ([`BucketPolicy::reported_at`]).
     pub reported: ReportedLimit,
+}
+
+impl BucketPolicy {
+    /// A policy with a constant limit, reported as [`ReportedLimit::of`] it.
+    pub fn fixed(name: String, limit: Limit) -> BucketPolicy {
+        BucketPolicy {
+            name,
+            plan: Plan::Fixed(limit),
+            reported: ReportedLimit::of(&limit),
+        }
+    }
+
+    /// `current_limit` at `now_us`: the precomputed one for a constant limit; for a scheduled
+    /// one, [`ReportedLimit::of`] the limit in force; for a quota, its allowance per the Envoy
+    /// unit nearest its current period ([`ReportedLimit::quota`]).
+    pub fn reported_at(&self, now_us: u64) -> ReportedLimit {
+        match &self.plan {
+            Plan::Fixed(_) => self.reported,
+            Plan::Scheduled(s) => ReportedLimit::of(&s.limit_at(now_us)),
+            Plan::Quota(q) => ReportedLimit::quota(q.limit().capacity(), self.plan.window_us(now_us)),
+        }
+    }
 }
 
 /// `DescriptorStatus.current_limit`: requests per unit, as Envoy understands a limit.
@@ -89,11 +113,11 @@ impl ReportedLimit {
     /// MINUTE, HOUR, DAY, WEEK, MONTH, YEAR in which it is a whole number (1 per 250 ms is 4
     /// per SECOND), else per YEAR rounded down, but at least 1: Envoy and clients read 0 as
     /// "blocks everything", which a bucket that refills does not (1 per 400 days is reported as
-    /// 1 per YEAR). Saturates at `u32::MAX`. Only a zero rate (which denies every request)
-    /// reports 0, per SECOND.
+    /// 1 per YEAR). Saturates at `u32::MAX`. Only a limit that denies every request (a zero
+    /// rate, or a zero capacity such as a maintenance window's) reports 0, per SECOND.
     pub fn of(limit: &Limit) -> ReportedLimit {
         let sat = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
-        if limit.rate.is_zero() {
+        if limit.rate.is_zero() || limit.capacity_ut == 0 {
             return ReportedLimit {
                 requests_per_unit: 0,
                 unit: Unit::Second,
@@ -124,6 +148,34 @@ impl ReportedLimit {
     }
 }
 
+impl ReportedLimit {
+    /// How a quota of `allowance` tokens per period of `period_us` is reported: the allowance
+    /// per the Envoy unit whose length is nearest the period (by ratio, so a month of 28 to 31
+    /// days is a MONTH and a day of 23 or 25 hours around a DST change is a DAY). Envoy has no
+    /// unit for other periods (every two weeks, say): the nearest is the honest approximation.
+    /// Without a period (no edge within the horizon) the unit is YEAR.
+    pub fn quota(allowance: u64, period_us: Option<u64>) -> ReportedLimit {
+        let unit = period_us.map_or(Unit::Year, |period| {
+            let ratio = |unit_us: u64| {
+                let (a, b) = (period.max(1) as f64, unit_us as f64);
+                if a > b {
+                    a / b
+                } else {
+                    b / a
+                }
+            };
+            UNITS
+                .iter()
+                .min_by(|a, b| ratio(a.1).total_cmp(&ratio(b.1)))
+                .map_or(Unit::Year, |(unit, _)| *unit)
+        });
+        ReportedLimit {
+            requests_per_unit: u32::try_from(allowance).unwrap_or(u32::MAX),
+            unit,
+        }
+    }
+}
+
 /// One node of a descriptor tree.
 #[derive(Debug)]
 pub struct Node {
@@ -145,10 +197,13 @@ pub struct Node {
 pub enum Rule {
     /// `unlimited: true`: never limited, no bucket touched.
     Unlimited,
-    /// A token bucket.
+    /// A token bucket, a quota, or both.
     Limited {
         /// Index into [`Domain::buckets`].
         bucket: usize,
+        /// A calendar quota the request must also pass (all or nothing), when the policy has a
+        /// token bucket and a quota: index into [`Domain::buckets`].
+        quota: Option<usize>,
         /// `shadow_mode: true`: evaluated and counted, never denies.
         shadow: bool,
         /// Bucket indices this rule replaces when both match one request.

@@ -3,6 +3,10 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use chrono::{DateTime, Datelike, Timelike, Weekday};
+use chrono_tz::Tz;
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
@@ -222,6 +226,147 @@ const INVALID: &[Invalid] = &[
         "conflicting_bucket_name.yaml",
         Some("remote_address"),
         &["bucket `shared` is already declared with a different limit"],
+    ),
+    // Schedules and quotas (DESIGN 1.3): an entry's problem names the entry.
+    inv(
+        "schedule_bad_cron_hour.yaml",
+        Some("buckets.per_key.schedule[0]"),
+        &["cron `* 25 * * *` is invalid: 25 is out of range for the hour field (0-23)"],
+    ),
+    inv(
+        "schedule_bad_cron_word.yaml",
+        Some("buckets.per_key.schedule[0]"),
+        &["cron `bogus` has 1 fields", "use five (minute hour day-of-month month day-of-week)"],
+    ),
+    inv(
+        "schedule_six_fields.yaml",
+        Some("buckets.per_key.schedule[0]"),
+        &["cron `0 * 9-17 * * MON-FRI` has six fields", "seconds are not supported"],
+    ),
+    inv(
+        "schedule_cron_last.yaml",
+        Some("buckets.per_key.schedule[0]"),
+        &["cron `* * L * *` uses the L, W or # extension, which is not supported"],
+    ),
+    inv(
+        "schedule_cron_weekday.yaml",
+        Some("buckets.per_key.schedule[0]"),
+        &["cron `* * 15W * *` uses the L, W or # extension"],
+    ),
+    inv(
+        "schedule_cron_hash.yaml",
+        Some("buckets.per_key.schedule[0]"),
+        &["cron `* * * * MON#1` uses the L, W or # extension"],
+    ),
+    inv(
+        "schedule_unknown_timezone.yaml",
+        Some("buckets.per_key.schedule[0]"),
+        &["unknown timezone `Mars/Olympus`", "use an IANA name"],
+    ),
+    inv(
+        "schedule_scale_with_capacity.yaml",
+        Some("buckets.per_key.schedule[0]"),
+        &["either scale or capacity and/or refill, not both"],
+    ),
+    inv(
+        "schedule_zero_scale.yaml",
+        Some("buckets.per_key.schedule[0]"),
+        &["scale must be a positive number, not 0"],
+    ),
+    inv(
+        "schedule_negative_scale.yaml",
+        Some("buckets.per_key.schedule[1]"),
+        &["scale must be a positive number, not -1"],
+    ),
+    inv(
+        "schedule_no_effect.yaml",
+        Some("buckets.per_key.schedule[0]"),
+        &["must set scale, or capacity and/or refill"],
+    ),
+    inv(
+        "schedule_bad_refill.yaml",
+        Some("buckets.per_key.schedule[0]"),
+        &["bad refill `10/1w`", "bad duration `1w`"],
+    ),
+    inv(
+        "schedule_unknown_field.yaml",
+        None,
+        &["buckets.per_key.schedule[0]", "unknown field `timzone`", "line 9"],
+    ),
+    inv(
+        "schedule_on_quota_only.yaml",
+        Some("buckets.monthly"),
+        &["`schedule` changes a token bucket's capacity and refill, and this bucket has none"],
+    ),
+    inv(
+        "schedule_on_unlimited.yaml",
+        Some("api_key"),
+        &["`schedule` on an unlimited rule"],
+    ),
+    inv(
+        "schedule_with_bucket_reference.yaml",
+        Some("api_key"),
+        &["`schedule` on a rule that references bucket `per_key`", "declare it on the bucket under `buckets:`"],
+    ),
+    inv(
+        "schedule_without_limit.yaml",
+        Some("api_key"),
+        &["`schedule` changes a limit, and this rule has none"],
+    ),
+    inv(
+        "schedule_given_twice.yaml",
+        Some("tenant"),
+        &["`schedule` is given twice (on the rule and in `token_bucket`)"],
+    ),
+    inv(
+        "capacity_without_refill.yaml",
+        Some("buckets.per_key"),
+        &["`capacity` without `refill`: a token bucket needs both"],
+    ),
+    inv(
+        "quota_with_refill.yaml",
+        Some("buckets.monthly"),
+        &["a quota does not refill between its resets", "remove `refill` from `quota`"],
+    ),
+    inv(
+        "quota_refill_without_capacity.yaml",
+        Some("buckets.monthly"),
+        &["a quota does not refill between its resets", "`refill` needs a `capacity` too"],
+    ),
+    inv(
+        "quota_on_unlimited.yaml",
+        Some("api_key"),
+        &["`unlimited: true` cannot be combined with a quota"],
+    ),
+    inv(
+        "quota_with_bucket_reference.yaml",
+        Some("api_key"),
+        &["`quota` on a rule that references bucket `per_key`", "declare it on the bucket under `buckets:`"],
+    ),
+    inv(
+        "quota_zero_limit.yaml",
+        Some("buckets.monthly"),
+        &["quota: a quota's limit must be at least 1 token"],
+    ),
+    inv(
+        "quota_bad_reset.yaml",
+        Some("plan"),
+        &["quota: cron `0 0 32 * *` is invalid: 32 is out of range for the day-of-month field (1-31)"],
+    ),
+    inv(
+        "quota_never_resets.yaml",
+        Some("buckets.yearly"),
+        &["quota: reset `0 0 30 FEB *` matches no day, so the quota would never reset"],
+    ),
+    inv(
+        "schedule_backwards_range.yaml",
+        Some("buckets.per_key.schedule[0]"),
+        &["range `22-6` in the hour field runs backwards", "write `22-23,0-6`"],
+    ),
+    inv(
+        "schedule_nickname.yaml",
+        Some("buckets.per_key.schedule[0]"),
+        &["nicknames such as `@daily` are not supported"],
     ),
 ];
 
@@ -481,4 +626,250 @@ fn readme_schema_example_checks_clean() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(String::from_utf8_lossy(&out.stdout).starts_with("domain "));
+}
+
+/// A scheduled bucket of `valid/schedules.yaml` as the preview must show it: its base, its
+/// entries, and which entry (`Some(i)`) or the base (`None`) is in force at any instant, read in
+/// `tz`, the first entry's zone, in which the preview shows instants.
+struct Scheduled {
+    name: &'static str,
+    tz: Tz,
+    base: &'static str,
+    entries: &'static [&'static str],
+    active: fn(&DateTime<Tz>) -> Option<usize>,
+}
+
+const TB_100_10: &str = "capacity 100, refill 10.000000 tokens/s, full from empty in 10.000s";
+
+const SCHEDULED: &[Scheduled] = &[
+    Scheduled {
+        name: "business_hours",
+        tz: chrono_tz::America::New_York,
+        base: TB_100_10,
+        entries: &["`* 9-17 * * MON-FRI` (America/New_York) scale 0.5: capacity 50, refill 5.000000 tokens/s, full from empty in 10.000s"],
+        active: |t| (t.weekday().num_days_from_monday() < 5 && (9..=17).contains(&t.hour())).then_some(0),
+    },
+    Scheduled {
+        name: "weekend",
+        tz: chrono_tz::UTC,
+        base: TB_100_10,
+        entries: &["`* * * * SAT,SUN` (UTC) set: capacity 200, refill 10.000000 tokens/s, full from empty in 20.000s"],
+        active: |t| (t.weekday().num_days_from_monday() >= 5).then_some(0),
+    },
+    Scheduled {
+        name: "maintenance",
+        tz: chrono_tz::Europe::Berlin,
+        base: TB_100_10,
+        entries: &["`* 4-5 * * SUN` (Europe/Berlin) set: denies every request"],
+        active: |t| (t.weekday() == Weekday::Sun && (4..=5).contains(&t.hour())).then_some(0),
+    },
+    Scheduled {
+        name: "per_key",
+        tz: chrono_tz::UTC,
+        base: TB_100_10,
+        entries: &[
+            "`* * * * SAT,SUN` (UTC) set: capacity 300, refill 30.000000 tokens/s, full from empty in 10.000s",
+            "`* 0-5 * * *` (UTC) set: capacity 100, refill 20.000000 tokens/s, full from empty in 5.000s",
+        ],
+        active: |t| {
+            if t.weekday().num_days_from_monday() >= 5 {
+                Some(0)
+            } else {
+                (t.hour() <= 5).then_some(1)
+            }
+        },
+    },
+    Scheduled {
+        name: "tenant",
+        tz: chrono_tz::Europe::Berlin,
+        base: "capacity 10, refill 1.000000 tokens/s, full from empty in 10.000s",
+        entries: &["`* 9-17 * * MON-FRI` (Europe/Berlin) set: capacity 10, refill 2.000000 tokens/s, full from empty in 5.000s"],
+        active: |t| (t.weekday().num_days_from_monday() < 5 && (9..=17).contains(&t.hour())).then_some(0),
+    },
+    Scheduled {
+        name: "legacy",
+        tz: chrono_tz::UTC,
+        base: "capacity 10, refill 0.166667 tokens/s, full from empty in 60.000s",
+        entries: &["`* 0-5 * * *` (UTC) scale 2: capacity 20, refill 0.333333 tokens/s, full from empty in 60.000s"],
+        active: |t| (t.hour() <= 5).then_some(0),
+    },
+];
+
+/// The header line of bucket `name` in `check` output and the lines indented under it.
+fn bucket_block<'a>(stdout: &'a str, name: &str) -> Vec<&'a str> {
+    let header = format!("    {name}: ");
+    let mut lines = stdout.lines().skip_while(|l| !l.starts_with(&header));
+    match lines.next() {
+        Some(first) => std::iter::once(first)
+            .chain(lines.take_while(|l| l.starts_with("      ")))
+            .collect(),
+        None => Vec::new(),
+    }
+}
+
+/// An instant as the preview prints it (`2026-12-01T00:00:00+01:00 CET`), checked to be shown
+/// in `tz`, as Unix seconds.
+fn preview_instant(text: &str, tz: Tz) -> i64 {
+    let rfc3339 = text.split_whitespace().next().unwrap_or_default();
+    let t = DateTime::parse_from_rfc3339(rfc3339).unwrap_or_else(|e| panic!("instant {text:?}: {e}"));
+    let in_tz = t.with_timezone(&tz).format("%Y-%m-%dT%H:%M:%S%:z %Z").to_string();
+    assert_eq!(text, in_tz, "instant not shown in {tz}");
+    t.timestamp()
+}
+
+/// `schedule[i]` or `base` as the preview names who gives the limit.
+fn by_index(by: &str) -> Option<usize> {
+    if by == "base" {
+        return None;
+    }
+    let i = by
+        .strip_prefix("schedule[")
+        .and_then(|s| s.strip_suffix(']'))
+        .unwrap_or_else(|| panic!("bad `by {by}`"));
+    Some(i.parse().unwrap())
+}
+
+/// `valid/schedules.yaml` checks clean and its preview shows, for each scheduled bucket, the
+/// base, each entry, the limit now and by whom, and exactly the upcoming changes of limit; for
+/// each quota its last and next reset. `now` is the real clock, so every assertion is one that
+/// holds at any time: who is in force is worked out here from the local time of each instant.
+#[test]
+fn schedules_preview_base_entries_now_and_changes() {
+    let before = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs() as i64;
+    let out = check(&fixtures().join("valid/schedules.yaml"));
+    let after = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs() as i64;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    for s in SCHEDULED {
+        let block = bucket_block(&stdout, s.name);
+        let ctx = format!("bucket {}:\n{}", s.name, block.join("\n"));
+        assert_eq!(
+            block.first().copied(),
+            Some(format!("    {}: base {}", s.name, s.base).as_str()),
+            "{ctx}"
+        );
+        for (i, e) in s.entries.iter().enumerate() {
+            assert_eq!(
+                block.get(1 + i).copied(),
+                Some(format!("      schedule[{i}]: {e}").as_str()),
+                "{ctx}"
+            );
+        }
+        // The text of the limit each entry (or the base) puts in force.
+        let limit_of = |by: Option<usize>| match by {
+            None => s.base,
+            Some(i) => s.entries[i].split_once(": ").unwrap().1,
+        };
+        let now_line = block.get(1 + s.entries.len()).copied().unwrap_or_default();
+        let (now_text, rest) = now_line
+            .strip_prefix("      now (")
+            .and_then(|l| l.split_once("): "))
+            .unwrap_or_else(|| panic!("no `now` line after the entries: {ctx}"));
+        let now = preview_instant(now_text, s.tz);
+        assert!(
+            (before..=after).contains(&now),
+            "now {now_text} is not the clock: {ctx}"
+        );
+        let (limit, by) = rest
+            .split_once(" (reported as ")
+            .unwrap()
+            .0
+            .rsplit_once(" by ")
+            .unwrap();
+        let at = |t: i64| (s.active)(&DateTime::from_timestamp(t, 0).unwrap().with_timezone(&s.tz));
+        assert_eq!(by_index(by), at(now), "wrong entry in force now: {ctx}");
+        assert_eq!(limit, limit_of(at(now)), "{ctx}");
+        // Every following line is a change: strictly later, within the 62-day horizon, a
+        // different limit from the one before.
+        let changes: Vec<(i64, Option<usize>)> = block[2 + s.entries.len()..]
+            .iter()
+            .map(|l| {
+                let (t, rest) = l
+                    .strip_prefix("      from ")
+                    .and_then(|l| l.split_once(": "))
+                    .unwrap_or_else(|| panic!("not a `from` line: {l:?} in {ctx}"));
+                let (limit, by) = rest.rsplit_once(" by ").unwrap();
+                let by = by_index(by);
+                assert_eq!(limit, limit_of(by), "{ctx}");
+                (preview_instant(t, s.tz), by)
+            })
+            .collect();
+        assert!(
+            (2..=4).contains(&changes.len()),
+            "a weekly or daily window changes at least twice in 62 days: {ctx}"
+        );
+        let last = changes.last().unwrap().0;
+        assert!(last <= now + 62 * 86_400, "{ctx}");
+        // Walking every minute from now to the last change listed finds exactly those changes.
+        let mut expected = Vec::new();
+        let mut current = at(now);
+        let mut t = now - now.rem_euclid(60) + 60;
+        while t <= last {
+            if at(t) != current {
+                current = at(t);
+                expected.push((t, current));
+            }
+            t += 60;
+        }
+        assert_eq!(changes, expected, "{ctx}");
+    }
+
+    // Quotas: the last reset is not after now and the next is after it, both in the quota's zone.
+    for (name, line, period) in [
+        (
+            "monthly",
+            "quota of 1000 tokens, reset at `0 0 1 * *` (Europe/Berlin), no refill in between",
+            "1000 per month",
+        ),
+        (
+            "per_key.quota",
+            "quota of 10000 tokens, reset at `0 0 1 * *` (Europe/Berlin), no refill in between",
+            "10000 per month",
+        ),
+        (
+            "plan",
+            "quota of 5 tokens, reset at `0 0 * * *` (UTC), no refill in between",
+            "5 per day",
+        ),
+    ] {
+        let block = bucket_block(&stdout, name);
+        let ctx = format!("quota {name}:\n{}", block.join("\n"));
+        assert_eq!(block.len(), 2, "{ctx}");
+        assert_eq!(block[0], format!("    {name}: {line}"), "{ctx}");
+        let (last, next) = block[1]
+            .strip_prefix("      last reset ")
+            .and_then(|l| l.strip_suffix(&format!(" (reported as {period})")))
+            .and_then(|l| l.split_once(", next reset "))
+            .unwrap_or_else(|| panic!("no reset line: {ctx}"));
+        let tz = if name == "plan" {
+            chrono_tz::UTC
+        } else {
+            chrono_tz::Europe::Berlin
+        };
+        let (last_s, next_s) = (preview_instant(last, tz), preview_instant(next, tz));
+        assert!(last_s <= after && next_s > before, "{ctx}");
+        if name == "plan" {
+            assert!(last.ends_with("T00:00:00+00:00 UTC"), "{ctx}");
+            assert_eq!(next_s - last_s, 86_400, "{ctx}");
+        } else {
+            // Berlin midnight on the 1st, in winter or summer time, one calendar month apart.
+            for reset in [last, next] {
+                assert!(
+                    reset.ends_with("-01T00:00:00+01:00 CET") || reset.ends_with("-01T00:00:00+02:00 CEST"),
+                    "{ctx}"
+                );
+            }
+            let month = |t: &str| t[..4].parse::<u32>().unwrap() * 12 + t[5..7].parse::<u32>().unwrap();
+            assert_eq!(month(next), month(last) + 1, "{ctx}");
+        }
+    }
+
+    for e in [
+        "    api_key  -> bucket per_key and quota per_key.quota\n",
+        "    legacy  -> bucket legacy\n",
+        "    plan  -> bucket plan\n",
+        "    tenant  -> bucket tenant\n",
+    ] {
+        assert!(stdout.contains(e), "missing {e:?} in:\n{stdout}");
+    }
 }

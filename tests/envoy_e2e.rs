@@ -511,3 +511,163 @@ fn shipped_envoy_config_is_valid() {
         panic!("envoy --mode validate rejects {}:\n{e}", config.display());
     }
 }
+
+/// Schedules through Envoy: two buckets with the same base (10 tokens, 10 per second, full from
+/// empty in 1 s) and the same window effect (2 tokens, one every 10 s: full from empty in 20 s).
+/// `peak`'s window, `* * * * *`, is active at every minute, so the real clock tollgate reads is
+/// always inside it; `off_peak`'s, `* * 31 2 *` (31 February), is never active. `/limited` with
+/// key `base` reaches `off_peak`, any other key `peak` (the exact value is tried first).
+const SCHEDULED_RULES: &str = r#"
+domain: e2e
+buckets:
+  peak:
+    capacity: 10
+    refill: 10/s
+    schedule:
+      - cron: "* * * * *"
+        capacity: 2
+        refill: 1/10s
+  off_peak:
+    capacity: 10
+    refill: 10/s
+    schedule:
+      - cron: "* * 31 2 *"
+        capacity: 2
+        refill: 1/10s
+descriptors:
+  - key: api_key
+    value: base
+    bucket: off_peak
+  - key: api_key
+    bucket: peak
+"#;
+/// The capacity the active window puts in force.
+const SCHEDULED_CAPACITY: u64 = 2;
+/// Microseconds to earn one token at the window's rate (1 per 10 s).
+const SCHEDULED_TOKEN_US: u64 = 10_000_000;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_headers_follow_the_active_schedule_window() {
+    let Some(envoy_bin) = envoy_or_skip("envoy_headers_follow_the_active_schedule_window") else {
+        return;
+    };
+    let upstream = start_upstream().await;
+    let tollgate = tokio::task::block_in_place(|| Tollgate::start(&[("e2e.yaml", SCHEDULED_RULES)]));
+    let bootstrap = BOOTSTRAP
+        .replace("@UPSTREAM_PORT@", &upstream.port().to_string())
+        .replace("@RATELIMIT_PORT@", &tollgate.grpc_addr.port().to_string());
+    let envoy = tokio::task::block_in_place(|| Envoy::start(&envoy_bin, &bootstrap));
+    let limited = format!("http://{}/limited", envoy.listener("ingress"));
+    let client = client();
+
+    // A fresh key on `peak` starts full at the window's capacity (2, not the base's 10) and
+    // every admitted request takes one token; the third finds less than one.
+    let start = Instant::now();
+    let mut admitted = Vec::new();
+    for k in 1..=SCHEDULED_CAPACITY {
+        let reply = get(&client, &limited, Some("carol"), start).await;
+        assert_eq!(
+            reply.status,
+            200,
+            "request {k} of {SCHEDULED_CAPACITY}:\n{}",
+            reply.dump()
+        );
+        assert_eq!(reply.header("x-upstream"), Some("yes"));
+        admitted.push(reply);
+    }
+    let denied = get(&client, &limited, Some("carol"), start).await;
+    eprintln!("first admitted response:\n{}", admitted[0].dump());
+    eprintln!("denied response:\n{}", denied.dump());
+    if admitted[0].header("ratelimit-policy").is_none() {
+        let errors = tokio::task::block_in_place(|| envoy.stat("cluster.upstream.ratelimit.error"));
+        panic!(
+            "no tollgate headers on a limited route (cluster.upstream.ratelimit.error = {errors}):\n{}",
+            admitted[0].dump()
+        );
+    }
+    // Waits here are whole seconds (10 s a token), so a wait shortened by the time elapsed since
+    // the first decision still rounds up to the same whole second as long as less than a second
+    // has passed: then each expected range below is one exact value.
+    assert!(
+        denied.at < Duration::from_secs(1),
+        "three requests took {:?}: this machine is too slow for the exact assertions below",
+        denied.at
+    );
+
+    for (k, reply) in (1..).zip(&admitted) {
+        let left = SCHEDULED_CAPACITY - k;
+        // q is the window's capacity and w its time to fill from empty (2 tokens x 10 s), not the
+        // base's `q=10;w=1`.
+        assert_eq!(
+            reply.required("ratelimit-policy"),
+            r#""peak";q=2;w=20"#,
+            "request {k}:\n{}",
+            reply.dump()
+        );
+        let state = reply.required("ratelimit");
+        assert_eq!(sf_item(state).0, "peak");
+        assert_eq!(param(state, "r"), left, "request {k}: {state}");
+        // k tokens missing, minus what refilled since the first decision: 10 s, then 20 s.
+        let t = param(state, "t");
+        let expected = ceil_secs_range(k * SCHEDULED_TOKEN_US, reply.at);
+        assert_eq!(expected, k * 10..=k * 10, "request {k}: reply after {:?}", reply.at);
+        assert!(
+            expected.contains(&t),
+            "request {k}: {state}, expected t in {expected:?}"
+        );
+        // Envoy's DRAFT_VERSION_03 headers, from `current_limit` and `limit_remaining`: the
+        // window's rate in the first unit where it is whole (1 per 10 s is 6 per minute).
+        assert_eq!(reply.required("x-ratelimit-limit"), r#"6, 6;w=60;name="peak""#);
+        assert_eq!(reply.number("x-ratelimit-remaining"), left, "request {k}");
+        assert!(
+            reply.header("retry-after").is_none(),
+            "retry-after on a 200:\n{}",
+            reply.dump()
+        );
+    }
+
+    // The third request: 429 without reaching the upstream. One token is missing and comes at
+    // the window's rate, one per 10 s (at the base's 10 per second it would be 1 s): 10 s minus
+    // the time since the first decision (under a second), rounded up, is exactly 10.
+    assert_eq!(denied.status, 429, "{}", denied.dump());
+    assert_eq!(denied.header("x-envoy-ratelimited"), Some("true"));
+    assert_eq!(denied.header("x-upstream"), None);
+    let retry_after = denied.number("retry-after");
+    let expected = ceil_secs_range(SCHEDULED_TOKEN_US, denied.at);
+    assert!(
+        expected.contains(&retry_after),
+        "retry-after {retry_after}, expected {expected:?} (one token every {SCHEDULED_TOKEN_US} us, {:?} elapsed)",
+        denied.at
+    );
+    assert_eq!(retry_after, 10, "{}", denied.dump());
+    assert_eq!(denied.required("ratelimit-policy"), r#""peak";q=2;w=20"#);
+    let state = denied.required("ratelimit");
+    assert_eq!(sf_item(state).0, "peak");
+    assert_eq!(param(state, "r"), 0, "{state}");
+    let expected = ceil_secs_range(SCHEDULED_CAPACITY * SCHEDULED_TOKEN_US, denied.at);
+    assert!(
+        expected.contains(&param(state, "t")),
+        "{state}, expected t in {expected:?}"
+    );
+    assert_eq!(param(state, "t"), 20, "{state}");
+    assert_eq!(denied.number("x-ratelimit-remaining"), 0);
+
+    // `off_peak`'s window never opens: the base limit applies and is what the headers show.
+    let base = get(&client, &limited, Some("base"), start).await;
+    eprintln!("off-peak response:\n{}", base.dump());
+    assert_eq!(base.status, 200, "{}", base.dump());
+    assert_eq!(base.required("ratelimit-policy"), r#""off_peak";q=10;w=1"#);
+    let state = base.required("ratelimit");
+    assert_eq!(param(state, "r"), 9, "{state}");
+    // One token missing at 10 per second: 100 ms, rounded up.
+    assert_eq!(param(state, "t"), 1, "{state}");
+    assert_eq!(base.required("x-ratelimit-limit"), r#"10, 10;w=1;name="off_peak""#);
+    assert_eq!(base.number("x-ratelimit-remaining"), 9);
+
+    tokio::task::block_in_place(|| {
+        assert_eq!(envoy.stat("cluster.upstream.ratelimit.error"), 0);
+        assert_eq!(envoy.stat("cluster.upstream.ratelimit.failure_mode_allowed"), 0);
+        assert_eq!(envoy.stat("cluster.upstream.ratelimit.over_limit"), 1);
+        assert_eq!(envoy.stat("cluster.upstream.ratelimit.ok"), SCHEDULED_CAPACITY + 1);
+    });
+}

@@ -1,102 +1,31 @@
 //! The decision path through the public API (DESIGN 1.1, 1.2, 1.4): a `RateLimitRequest` in,
 //! a `RateLimitResponse` out, with the memory store on a manual clock.
 
-use std::io::Write;
+mod harness;
+
 use std::sync::Arc;
 
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{Entry, RateLimitOverride};
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::r#type::v3::RateLimitUnit;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{Code, DescriptorStatus};
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
-use envoy_types::pb::google::protobuf::{Duration, UInt64Value};
+use envoy_types::pb::google::protobuf::Duration;
+use harness::{desc, header, hits, limit_of, one, options, refund, req, Harness, OK, OVER};
 use tollgate::clock::ManualClock;
 use tollgate::config::load_rules;
-use tollgate::limiter::{LimitError, Limiter, LimiterOptions, OVERRIDE_BUCKET};
+use tollgate::limiter::{Limiter, LimiterOptions, OVERRIDE_BUCKET};
 use tollgate::settings::{HeaderSettings, RequestLimits};
 use tollgate::store::MemoryStore;
 
 const T0: u64 = 1_700_000_000_000_000;
-const OK: i32 = Code::Ok as i32;
-const OVER: i32 = Code::OverLimit as i32;
-
-struct Harness {
-    limiter: Limiter<MemoryStore>,
-    clock: ManualClock,
-}
-
-fn options() -> LimiterOptions {
-    LimiterOptions {
-        limits: RequestLimits::default(),
-        headers: HeaderSettings::default(),
-        shadow_mode: false,
-        overrides: true,
-    }
-}
 
 fn harness_with(yaml: &str, options: LimiterOptions) -> Harness {
-    let mut file = tempfile::Builder::new().suffix(".yaml").tempfile().unwrap();
-    file.write_all(yaml.as_bytes()).unwrap();
-    let rules = load_rules(file.path()).unwrap_or_else(|e| panic!("rules should load: {e}"));
-    let clock = ManualClock::new(T0);
-    let store = MemoryStore::new(4, 10_000, Arc::new(clock.clone()));
-    Harness {
-        limiter: Limiter::new(rules, store, options),
-        clock,
-    }
+    harness::harness_at(yaml, options, T0)
 }
 
 fn harness(yaml: &str) -> Harness {
     harness_with(yaml, options())
-}
-
-impl Harness {
-    async fn ask(&self, req: &RateLimitRequest) -> RateLimitResponse {
-        self.limiter
-            .should_rate_limit(req)
-            .await
-            .unwrap_or_else(|e| panic!("request should be decided: {e}"))
-    }
-
-    async fn invalid(&self, req: &RateLimitRequest) -> String {
-        match self.limiter.should_rate_limit(req).await {
-            Err(LimitError::InvalidRequest(msg)) => msg,
-            other => panic!("expected InvalidRequest, got {other:?}"),
-        }
-    }
-
-    fn advance_ms(&self, ms: u64) {
-        self.clock.advance_us(ms * 1000);
-    }
-}
-
-fn desc(pairs: &[(&str, &str)]) -> RateLimitDescriptor {
-    RateLimitDescriptor {
-        entries: pairs
-            .iter()
-            .map(|(k, v)| Entry {
-                key: (*k).to_owned(),
-                value: (*v).to_owned(),
-            })
-            .collect(),
-        ..Default::default()
-    }
-}
-
-/// A descriptor with its own `hits_addend`.
-fn hits(pairs: &[(&str, &str)], n: u64) -> RateLimitDescriptor {
-    RateLimitDescriptor {
-        hits_addend: Some(UInt64Value { value: n }),
-        ..desc(pairs)
-    }
-}
-
-fn refund(pairs: &[(&str, &str)], n: u64) -> RateLimitDescriptor {
-    RateLimitDescriptor {
-        is_negative_hits: true,
-        ..hits(pairs, n)
-    }
 }
 
 fn with_override(pairs: &[(&str, &str)], requests_per_unit: u32, unit: i32) -> RateLimitDescriptor {
@@ -107,35 +36,6 @@ fn with_override(pairs: &[(&str, &str)], requests_per_unit: u32, unit: i32) -> R
         }),
         ..desc(pairs)
     }
-}
-
-fn req(domain: &str, descriptors: Vec<RateLimitDescriptor>) -> RateLimitRequest {
-    RateLimitRequest {
-        domain: domain.to_owned(),
-        descriptors,
-        hits_addend: 0,
-    }
-}
-
-fn one(pairs: &[(&str, &str)]) -> RateLimitRequest {
-    req("d", vec![desc(pairs)])
-}
-
-fn header<'a>(resp: &'a RateLimitResponse, name: &str) -> Option<&'a str> {
-    let mut found = resp
-        .response_headers_to_add
-        .iter()
-        .filter(|h| h.key.eq_ignore_ascii_case(name));
-    let first = found.next().map(|h| h.value.as_str());
-    assert!(found.next().is_none(), "header {name} sent twice");
-    first
-}
-
-/// `(name, requests_per_unit, unit)` of a status's `current_limit`.
-fn limit_of(s: &DescriptorStatus) -> Option<(&str, u32, Unit)> {
-    s.current_limit
-        .as_ref()
-        .map(|l| (l.name.as_str(), l.requests_per_unit, Unit::try_from(l.unit).unwrap()))
 }
 
 fn dur(us: u64) -> Option<Duration> {

@@ -3,16 +3,21 @@
 
 use std::sync::Arc;
 
+use chrono::DateTime;
+
 use serde::Deserialize;
 use tollgate::bucket::{Demand, DemandKind, Limit, Rate, MICRO};
 use tollgate::clock::ManualClock;
 use tollgate::config::parse_refill;
+use tollgate::schedule::{Plan, Quota, Schedule, ScheduleEntry};
 use tollgate::store::{BucketRef, MemoryStore};
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Case {
     name: String,
+    /// When step 0 happens (RFC 3339); a fixed instant in 2023 when absent.
+    start: Option<String>,
     buckets: Vec<BucketSpec>,
     steps: Vec<Step>,
 }
@@ -20,8 +25,28 @@ struct Case {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct BucketSpec {
-    capacity: u64,
-    refill: String,
+    capacity: Option<u64>,
+    refill: Option<String>,
+    schedule: Option<Vec<EntrySpec>>,
+    quota: Option<QuotaSpec>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EntrySpec {
+    cron: String,
+    timezone: Option<String>,
+    scale: Option<f64>,
+    capacity: Option<u64>,
+    refill: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct QuotaSpec {
+    limit: u64,
+    reset: String,
+    timezone: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -46,12 +71,34 @@ struct DemandSpec {
     shadow: bool,
 }
 
-fn limit(spec: &BucketSpec) -> Limit {
-    if spec.refill == "none" {
-        return Limit::new(spec.capacity, Rate::ZERO);
+fn rate(refill: &str) -> Rate {
+    if refill == "none" {
+        return Rate::ZERO;
     }
-    let r = parse_refill(&spec.refill).unwrap();
-    Limit::new(spec.capacity, Rate::per(r.tokens, r.period_us).unwrap())
+    let r = parse_refill(refill).unwrap();
+    Rate::per(r.tokens, r.period_us).unwrap()
+}
+
+/// The bucket's plan: a quota, or a token bucket with or without a schedule.
+fn plan(spec: &BucketSpec) -> Plan {
+    if let Some(q) = &spec.quota {
+        return Plan::Quota(Arc::new(Quota::new(q.limit, &q.reset, q.timezone.as_deref()).unwrap()));
+    }
+    let base = Limit::new(
+        spec.capacity.expect("a token bucket has a capacity"),
+        rate(spec.refill.as_deref().expect("a token bucket has a refill")),
+    );
+    let Some(entries) = &spec.schedule else {
+        return Plan::Fixed(base);
+    };
+    let entries = entries
+        .iter()
+        .map(|e| {
+            let refill = e.refill.as_deref().map(rate);
+            ScheduleEntry::new(&e.cron, e.timezone.as_deref(), e.scale, e.capacity, refill).unwrap()
+        })
+        .collect();
+    Plan::Scheduled(Arc::new(Schedule::new(base, entries).unwrap()))
 }
 
 fn demand(d: &DemandSpec) -> Demand {
@@ -76,11 +123,13 @@ fn cases() -> Vec<Case> {
 
 #[test]
 fn memory_store_matches_the_shared_vectors() {
-    const START: u64 = 1_700_000_000_000_000;
     let cases = cases();
     assert!(cases.len() >= 6);
     for case in cases {
-        let clock = ManualClock::new(START);
+        let start = case.start.as_deref().map_or(1_700_000_000_000_000, |t| {
+            DateTime::parse_from_rfc3339(t).unwrap().timestamp_micros() as u64
+        });
+        let clock = ManualClock::new(start);
         let store = MemoryStore::new(8, 1000, Arc::new(clock.clone()));
         let buckets: Vec<BucketRef> = case
             .buckets
@@ -88,11 +137,11 @@ fn memory_store_matches_the_shared_vectors() {
             .enumerate()
             .map(|(i, b)| BucketRef {
                 key: format!("{}#{i}", case.name),
-                limit: limit(b),
+                plan: plan(b),
             })
             .collect();
         for (n, step) in case.steps.iter().enumerate() {
-            clock.set_us(START + step.at_us);
+            clock.set_us(start + step.at_us);
             let demands: Vec<Demand> = step.demands.iter().map(demand).collect();
             let applied = store.apply_now(&buckets, &demands);
             let at = format!("case `{}` step {n}", case.name);

@@ -1,6 +1,6 @@
 //! One request's decision over all the bucket instances it touches: all or nothing.
 
-use super::{refill, BucketState, Limit, MICRO};
+use super::{BucketState, Refilling, MICRO};
 
 /// What one request descriptor asks of one bucket instance.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -18,7 +18,7 @@ pub enum DemandKind {
 /// One descriptor's demand on one bucket instance.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Demand {
-    /// Index of the instance in the `states` and `limits` given to [`decide`].
+    /// Index of the instance in the `states` and `plans` given to [`decide`].
     pub instance: usize,
     /// What is asked.
     pub kind: DemandKind,
@@ -66,8 +66,9 @@ pub struct Decision {
     pub instances: Vec<InstanceOutcome>,
 }
 
-/// Decides one request at `now_us` over `states` (one per bucket instance, each with the limit
-/// in force in `limits`), applying `demands`.
+/// Decides one request at `now_us` over `states` (one per bucket instance, each brought forward
+/// to `now_us` by its entry in `plans`: a constant [`super::Limit`], or a schedule or quota),
+/// applying `demands`.
 ///
 /// - The consuming demands on one instance add up; the instance can serve them iff it holds
 ///   that many micro-tokens after refill.
@@ -91,10 +92,10 @@ pub struct Decision {
 /// ```
 ///
 /// # Panics
-/// When `limits` and `states` differ in length or a demand names an instance out of range:
+/// When `plans` and `states` differ in length or a demand names an instance out of range:
 /// both are built by the caller from the same list.
-pub fn decide(now_us: u64, states: &[BucketState], limits: &[Limit], demands: &[Demand]) -> Decision {
-    assert_eq!(states.len(), limits.len(), "one limit per bucket state");
+pub fn decide<P: Refilling>(now_us: u64, states: &[BucketState], plans: &[P], demands: &[Demand]) -> Decision {
+    assert_eq!(states.len(), plans.len(), "one plan per bucket state");
     let mut consumed = vec![0u64; states.len()];
     let mut refunded = vec![0u64; states.len()];
     for d in demands {
@@ -104,7 +105,7 @@ pub fn decide(now_us: u64, states: &[BucketState], limits: &[Limit], demands: &[
             DemandKind::Check => {}
         }
     }
-    let before: Vec<BucketState> = states.iter().zip(limits).map(|(s, l)| refill(*s, l, now_us)).collect();
+    let before: Vec<BucketState> = states.iter().zip(plans).map(|(s, p)| p.refill_to(*s, now_us)).collect();
     let passed: Vec<bool> = demands
         .iter()
         .map(|d| {
@@ -119,17 +120,18 @@ pub fn decide(now_us: u64, states: &[BucketState], limits: &[Limit], demands: &[
     let denied = demands.iter().zip(&passed).any(|(d, ok)| d.enforced && !ok);
     let instances = before
         .iter()
-        .zip(limits)
+        .zip(plans)
         .enumerate()
-        .map(|(i, (b, limit))| {
+        .map(|(i, (b, plan))| {
             let mut tokens = b.tokens_ut;
             let take = !denied && consumed[i] > 0 && tokens >= consumed[i];
             if take {
                 tokens -= consumed[i];
             }
-            let give = refunded[i] > 0 && tokens < limit.capacity_ut;
+            let capacity = plan.capacity_ut_at(now_us);
+            let give = refunded[i] > 0 && tokens < capacity;
             if give {
-                tokens = tokens.saturating_add(refunded[i]).min(limit.capacity_ut);
+                tokens = tokens.saturating_add(refunded[i]).min(capacity);
             }
             InstanceOutcome {
                 stored: states[i],

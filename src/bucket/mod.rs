@@ -56,6 +56,38 @@ impl Limit {
     }
 }
 
+/// How a bucket's limit acts over time: [`decide`] brings each state forward with it and caps
+/// refunds at the capacity it gives. A constant [`Limit`] is one; a schedule or a quota
+/// ([`crate::schedule::Plan`]) is another.
+pub trait Refilling {
+    /// The state brought forward to `now_us` (trimmed to the capacity in force, refilled or
+    /// reset as the limit says). Must never move `updated_us` back.
+    fn refill_to(&self, state: BucketState, now_us: u64) -> BucketState;
+
+    /// The capacity in force at `now_us`, in micro-tokens.
+    fn capacity_ut_at(&self, now_us: u64) -> u64;
+}
+
+impl Refilling for Limit {
+    fn refill_to(&self, state: BucketState, now_us: u64) -> BucketState {
+        refill(state, self, now_us)
+    }
+
+    fn capacity_ut_at(&self, _now_us: u64) -> u64 {
+        self.capacity_ut
+    }
+}
+
+impl<T: Refilling + ?Sized> Refilling for &T {
+    fn refill_to(&self, state: BucketState, now_us: u64) -> BucketState {
+        (**self).refill_to(state, now_us)
+    }
+
+    fn capacity_ut_at(&self, now_us: u64) -> u64 {
+        (**self).capacity_ut_at(now_us)
+    }
+}
+
 /// The stored state of one bucket instance.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct BucketState {

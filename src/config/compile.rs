@@ -2,12 +2,14 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-use super::model::{BucketSpec, DescriptorSpec, RulesFile};
+use super::model::{BucketSpec, DescriptorSpec, QuotaSpec, RulesFile, ScheduleEntrySpec};
 use super::{parse_refill, ConfigError};
 use crate::bucket::{Limit, Rate, RateError, MAX_CAPACITY};
 use crate::limiter::OVERRIDE_BUCKET;
 use crate::rules::{BucketPolicy, Domain, Level, Node, Pattern, ReportedLimit, Rule, RuleSet, UNITS};
+use crate::schedule::{Plan, Quota, Schedule, ScheduleEntry, ScheduleError};
 
 const DAY_US: u64 = 86_400_000_000;
 
@@ -53,6 +55,18 @@ pub(super) fn compile(files: Vec<(PathBuf, RulesFile)>) -> Result<RuleSet, Vec<C
     }
 }
 
+/// A bucket spec compiled: a token bucket (constant or scheduled), a quota, or both.
+struct Compiled {
+    bucket: Option<Plan>,
+    quota: Option<Arc<Quota>>,
+}
+
+/// The name under which the quota of a policy that also has a token bucket is reported and
+/// stored: `<name>.quota`.
+fn quota_name(name: &str) -> String {
+    format!("{name}.quota")
+}
+
 struct PendingReplaces {
     node: usize,
     path: String,
@@ -69,6 +83,8 @@ struct DomainBuilder<'a> {
     /// `bucket:` references and where a name is one bucket. An envoyproxy/ratelimit
     /// `rate_limit.name` is only a label and is not here (see [`DomainBuilder::add_label`]).
     by_name: HashMap<String, usize>,
+    /// A policy with a token bucket and a quota: the token bucket's index to the quota's.
+    companions: HashMap<usize, usize>,
     /// Names under `buckets:` that were rejected, so references to them are not also reported.
     rejected: HashSet<String>,
     nodes: Vec<Node>,
@@ -83,6 +99,7 @@ impl<'a> DomainBuilder<'a> {
             file,
             buckets: Vec::new(),
             by_name: HashMap::new(),
+            companions: HashMap::new(),
             rejected: HashSet::new(),
             nodes: Vec::new(),
             notes: Vec::new(),
@@ -107,13 +124,11 @@ impl<'a> DomainBuilder<'a> {
                 self.rejected.insert(name);
                 continue;
             }
-            match self.token_bucket(&rule, &spec) {
-                Some(limit) => {
-                    self.add_policy(&rule, name, limit);
-                }
-                None => {
-                    self.rejected.insert(name);
-                }
+            let registered = self
+                .bucket_spec(&rule, &spec)
+                .and_then(|compiled| self.register(&rule, name.clone(), compiled));
+            if registered.is_none() {
+                self.rejected.insert(name);
             }
         }
         let mut root = Level::default();
@@ -147,74 +162,235 @@ impl<'a> DomainBuilder<'a> {
         })
     }
 
-    fn token_bucket(&mut self, rule: &str, spec: &BucketSpec) -> Option<Limit> {
-        if spec.capacity == 0 {
+    /// A bucket spec: its token bucket (with its schedule) and its quota, each validated.
+    fn bucket_spec(&mut self, rule: &str, spec: &BucketSpec) -> Option<Compiled> {
+        let quota = match &spec.quota {
+            Some(q) => Some(self.quota(rule, q)?),
+            None => None,
+        };
+        let token = match (spec.capacity, &spec.refill) {
+            (Some(capacity), Some(refill)) => Some(self.limit(rule, capacity, refill)?),
+            (None, None) => None,
+            (Some(_), None) => {
+                self.error(rule, "`capacity` without `refill`: a token bucket needs both");
+                return None;
+            }
+            (None, Some(_)) if quota.is_some() => {
+                self.error(
+                    rule,
+                    "a quota does not refill between its resets: `refill` needs a `capacity` too, for a token \
+                     bucket beside the quota",
+                );
+                return None;
+            }
+            (None, Some(_)) => {
+                self.error(rule, "`refill` without `capacity`: a token bucket needs both");
+                return None;
+            }
+        };
+        let schedule = spec.schedule.as_deref().unwrap_or_default();
+        let bucket = match token {
+            Some(limit) => Some(self.scheduled(rule, limit, schedule)?),
+            None if !schedule.is_empty() => {
+                self.error(
+                    rule,
+                    "`schedule` changes a token bucket's capacity and refill, and this bucket has none (a quota \
+                     resets on its own `reset` cron)",
+                );
+                return None;
+            }
+            None if quota.is_none() => {
+                self.error(
+                    rule,
+                    "a bucket needs `capacity` and `refill` (a token bucket), a `quota`, or both",
+                );
+                return None;
+            }
+            None => None,
+        };
+        Some(Compiled { bucket, quota })
+    }
+
+    /// A token bucket's limit: `capacity` whole tokens refilled at `refill`.
+    fn limit(&mut self, rule: &str, capacity: u64, refill: &str) -> Option<Limit> {
+        if capacity == 0 {
             self.error(rule, "capacity must be at least 1 token");
             return None;
         }
-        if spec.capacity > MAX_CAPACITY {
+        if capacity > MAX_CAPACITY {
             self.error(
                 rule,
-                format!(
-                    "capacity {} is above the maximum of {MAX_CAPACITY} tokens",
-                    spec.capacity
-                ),
+                format!("capacity {capacity} is above the maximum of {MAX_CAPACITY} tokens"),
             );
             return None;
         }
-        let refill = match parse_refill(&spec.refill) {
+        let rate = self.rate(rule, refill)?;
+        let limit = Limit::new(capacity, rate);
+        self.check_fill(rule, &limit, refill, "").then_some(limit)
+    }
+
+    /// A refill string as an exact rate.
+    fn rate(&mut self, rule: &str, refill: &str) -> Option<Rate> {
+        let parsed = match parse_refill(refill) {
             Ok(r) => r,
             Err(reason) => {
                 self.error(rule, reason);
                 return None;
             }
         };
-        let rate = match Rate::per(refill.tokens, refill.period_us) {
-            Ok(rate) => rate,
+        match Rate::per(parsed.tokens, parsed.period_us) {
+            Ok(rate) => Some(rate),
             Err(RateError::TooFine { .. }) => {
                 self.error(
                     rule,
                     format!(
-                        "refill `{}` cannot be computed exactly on every backend; use a token count that is a \
-                         multiple of 1000 with a period in whole minutes, hours or days, or a shorter period",
-                        spec.refill
+                        "refill `{refill}` cannot be computed exactly on every backend; use a token count that is a \
+                         multiple of 1000 with a period in whole minutes, hours or days, or a shorter period"
                     ),
                 );
-                return None;
+                None
             }
             Err(e) => {
-                self.error(rule, format!("refill `{}`: {e}", spec.refill));
+                self.error(rule, format!("refill `{refill}`: {e}"));
+                None
+            }
+        }
+    }
+
+    /// Whether `limit` fills from empty within [`MAX_FILL_US`]; records the error if not.
+    /// `refill` and `context` (`""`, or where in a schedule) are for the message.
+    fn check_fill(&mut self, rule: &str, limit: &Limit, refill: &str, context: &str) -> bool {
+        let rate = limit.rate;
+        if rate.is_zero() || limit.capacity_ut == 0 {
+            return true;
+        }
+        // Exact, without the saturation of `time_to_fill_us`: capacity * den / num, rounded up.
+        let fill_us = (u128::from(limit.capacity_ut) * u128::from(rate.den())).div_ceil(u128::from(rate.num()));
+        if fill_us <= u128::from(MAX_FILL_US) {
+            return true;
+        }
+        let days = fill_us.div_ceil(u128::from(DAY_US));
+        self.error(
+            rule,
+            format!(
+                "{context}capacity {} at refill `{refill}` takes {days} days (about {} years) to fill from empty, \
+                 more than the maximum of 10 years ({} days); raise the refill or lower the capacity",
+                limit.capacity(),
+                days / 365,
+                MAX_FILL_US / DAY_US
+            ),
+        );
+        false
+    }
+
+    /// `base` under the schedule `entries`: a constant plan when there are none.
+    fn scheduled(&mut self, rule: &str, base: Limit, entries: &[ScheduleEntrySpec]) -> Option<Plan> {
+        if entries.is_empty() {
+            return Some(Plan::Fixed(base));
+        }
+        let mut built = Vec::with_capacity(entries.len());
+        let mut ok = true;
+        for (i, e) in entries.iter().enumerate() {
+            let refill = match &e.refill {
+                Some(text) => match self.rate(&format!("{rule}.schedule[{i}]"), text) {
+                    Some(rate) => Some(rate),
+                    None => {
+                        ok = false;
+                        continue;
+                    }
+                },
+                None => None,
+            };
+            match ScheduleEntry::new(&e.cron, e.timezone.as_deref(), e.scale, e.capacity, refill) {
+                Ok(entry) => built.push(entry),
+                Err(reason) => {
+                    self.error(&format!("{rule}.schedule[{i}]"), reason.to_string());
+                    ok = false;
+                }
+            }
+        }
+        if !ok {
+            return None;
+        }
+        let schedule = match Schedule::new(base, built) {
+            Ok(s) => s,
+            Err(reason) => {
+                let at = match reason {
+                    ScheduleError::ScaledCapacityTooLarge { entry, .. }
+                    | ScheduleError::InexactScaledRate { entry, .. } => {
+                        format!("{rule}.schedule[{entry}]")
+                    }
+                    _ => rule.to_owned(),
+                };
+                self.error(&at, reason.to_string());
                 return None;
             }
         };
-        let limit = Limit::new(spec.capacity, rate);
-        // Exact, without the saturation of `time_to_fill_us`: capacity * den / num, rounded up.
-        let fill_us = (u128::from(limit.capacity_ut) * u128::from(rate.den())).div_ceil(u128::from(rate.num()));
-        if fill_us > u128::from(MAX_FILL_US) {
-            let days = fill_us.div_ceil(u128::from(DAY_US));
+        for (i, e) in entries.iter().enumerate() {
+            let limit = *schedule.entry_limit(i).expect("one limit per entry");
+            let refill = e.refill.clone().unwrap_or_else(|| "(scaled)".to_owned());
+            if !self.check_fill(rule, &limit, &refill, &format!("schedule[{i}]: ")) {
+                return None;
+            }
+        }
+        Some(Plan::Scheduled(Arc::new(schedule)))
+    }
+
+    /// A quota block; a `refill` in it is rejected (a quota does not drip).
+    fn quota(&mut self, rule: &str, q: &QuotaSpec) -> Option<Arc<Quota>> {
+        if q.refill.is_some() {
             self.error(
                 rule,
-                format!(
-                    "capacity {} at refill `{}` takes {days} days (about {} years) to fill from empty, more than \
-                     the maximum of 10 years ({} days); raise the refill or lower the capacity",
-                    spec.capacity,
-                    spec.refill,
-                    days / 365,
-                    MAX_FILL_US / DAY_US
-                ),
+                "a quota does not refill between its resets: remove `refill` from `quota` (for a token bucket \
+                 beside the quota, give the bucket `capacity` and `refill`)",
             );
             return None;
         }
-        Some(limit)
+        match Quota::new(q.limit, &q.reset, q.timezone.as_deref()) {
+            Ok(quota) => Some(Arc::new(quota)),
+            Err(reason) => {
+                self.error(rule, format!("quota: {reason}"));
+                None
+            }
+        }
+    }
+
+    /// Registers a compiled tollgate-schema bucket under `name`: the token bucket (or the quota
+    /// alone) under `name`, and a quota beside a token bucket under `<name>.quota`. Returns the
+    /// index of the first and, when there are both, of the quota.
+    fn register(&mut self, rule: &str, name: String, compiled: Compiled) -> Option<(usize, Option<usize>)> {
+        match compiled {
+            Compiled {
+                bucket: Some(plan),
+                quota: Some(quota),
+            } => {
+                let bucket = self.add_policy(rule, name.clone(), plan)?;
+                let quota = self.add_policy(rule, quota_name(&name), Plan::Quota(quota))?;
+                self.companions.insert(bucket, quota);
+                Some((bucket, Some(quota)))
+            }
+            Compiled {
+                bucket: Some(plan),
+                quota: None,
+            } => Some((self.add_policy(rule, name, plan)?, None)),
+            Compiled {
+                bucket: None,
+                quota: Some(quota),
+            } => Some((self.add_policy(rule, name, Plan::Quota(quota))?, None)),
+            Compiled {
+                bucket: None,
+                quota: None,
+            } => None,
+        }
     }
 
     /// Registers a tollgate-schema policy under `name`; a second declaration of the same name
     /// must be identical (then both rules share the bucket).
-    fn add_policy(&mut self, rule: &str, name: String, limit: Limit) -> Option<usize> {
-        let reported = ReportedLimit::of(&limit);
+    fn add_policy(&mut self, rule: &str, name: String, plan: Plan) -> Option<usize> {
+        let reported = reported_base(&plan);
         if let Some(&idx) = self.by_name.get(&name) {
             let existing = &self.buckets[idx];
-            if existing.limit == limit && existing.reported == reported {
+            if existing.plan == plan && existing.reported == reported {
                 return Some(idx);
             }
             self.error(
@@ -225,7 +401,7 @@ impl<'a> DomainBuilder<'a> {
         }
         self.buckets.push(BucketPolicy {
             name: name.clone(),
-            limit,
+            plan,
             reported,
         });
         self.by_name.insert(name, self.buckets.len() - 1);
@@ -237,15 +413,15 @@ impl<'a> DomainBuilder<'a> {
     /// limit is shared, and a different limit gets a policy of its own under the same name. Two
     /// such policies never share an instance: an instance key holds the request's entries, and
     /// one list of entries reaches one node.
-    fn add_label(&mut self, name: String, limit: Limit, reported: ReportedLimit) -> usize {
+    fn add_label(&mut self, name: String, plan: Plan, reported: ReportedLimit) -> usize {
         if let Some(idx) = self
             .buckets
             .iter()
-            .position(|b| b.name == name && b.limit == limit && b.reported == reported)
+            .position(|b| b.name == name && b.plan == plan && b.reported == reported)
         {
             return idx;
         }
-        self.buckets.push(BucketPolicy { name, limit, reported });
+        self.buckets.push(BucketPolicy { name, plan, reported });
         self.buckets.len() - 1
     }
 
@@ -357,12 +533,40 @@ impl<'a> DomainBuilder<'a> {
             (None, None) => Vec::new(),
         };
         if unlimited {
+            if spec.schedule.is_some() {
+                self.error(
+                    path,
+                    "`schedule` on an unlimited rule: an unlimited rule has no limit for a schedule to change",
+                );
+                return None;
+            }
+            if spec.quota.is_some() {
+                self.error(path, "`unlimited: true` cannot be combined with a quota");
+                return None;
+            }
             if count > 0 {
                 self.error(path, "`unlimited: true` cannot be combined with a limit");
                 return None;
             }
             self.pending_replaces(path, replaces, Some("`replaces` has no effect on an unlimited rule"));
             return Some(Rule::Unlimited);
+        }
+        if let Some(name) = &spec.bucket {
+            let field = match (spec.schedule.is_some(), spec.quota.is_some()) {
+                (true, true) => Some("`schedule` and `quota`"),
+                (true, false) => Some("`schedule`"),
+                (false, true) => Some("`quota`"),
+                (false, false) => None,
+            };
+            if let Some(field) = field {
+                self.error(
+                    path,
+                    format!(
+                        "{field} on a rule that references bucket `{name}`: declare it on the bucket under `buckets:`"
+                    ),
+                );
+                return None;
+            }
         }
         if spec.name.is_some() && (spec.bucket.is_some() || rl.is_some()) {
             let why = if spec.bucket.is_some() {
@@ -373,9 +577,9 @@ impl<'a> DomainBuilder<'a> {
             self.error(path, why);
             return None;
         }
-        let bucket = if let Some(name) = &spec.bucket {
+        let (bucket, quota) = if let Some(name) = &spec.bucket {
             match self.by_name.get(name) {
-                Some(&idx) => idx,
+                Some(&idx) => (idx, self.companions.get(&idx).copied()),
                 // The bucket's own error is reported; an "unknown bucket" here would only add noise.
                 None if self.rejected.contains(name) => return None,
                 None => {
@@ -388,14 +592,36 @@ impl<'a> DomainBuilder<'a> {
                     return None;
                 }
             }
-        } else if let Some(tb) = &spec.token_bucket {
+        } else if spec.token_bucket.is_some() || (spec.quota.is_some() && rl_limit.is_none()) {
+            // An inline token bucket, a quota alone, or both; the rule's `schedule` and `quota`
+            // join the inline bucket's own (given twice is an error).
+            let mut merged = spec.token_bucket.clone().unwrap_or(BucketSpec {
+                capacity: None,
+                refill: None,
+                schedule: None,
+                quota: None,
+            });
+            for (field, twice) in [
+                ("schedule", merged.schedule.is_some() && spec.schedule.is_some()),
+                ("quota", merged.quota.is_some() && spec.quota.is_some()),
+            ] {
+                if twice {
+                    self.error(
+                        path,
+                        format!("`{field}` is given twice (on the rule and in `token_bucket`)"),
+                    );
+                    return None;
+                }
+            }
+            merged.schedule = merged.schedule.or_else(|| spec.schedule.clone());
+            merged.quota = merged.quota.or_else(|| spec.quota.clone());
             let name = spec.name.clone().unwrap_or_else(|| path.to_owned());
             if let Err(reason) = check_bucket_name(&name) {
                 self.error(path, format!("{reason}; give the rule a `name`"));
                 return None;
             }
-            let limit = self.token_bucket(path, tb)?;
-            self.add_policy(path, name, limit)?
+            let compiled = self.bucket_spec(path, &merged)?;
+            self.register(path, name, compiled)?
         } else if let Some(rl) = rl_limit {
             let name = rl.name.clone().unwrap_or_else(|| path.to_owned());
             if let Err(reason) = check_bucket_name(&name) {
@@ -403,7 +629,24 @@ impl<'a> DomainBuilder<'a> {
                 return None;
             }
             let (limit, reported) = self.envoy_limit(path, rl.unit.as_deref(), rl.requests_per_unit)?;
-            self.add_label(name, limit, reported)
+            let plan = self.scheduled(path, limit, spec.schedule.as_deref().unwrap_or_default())?;
+            let bucket = self.add_label(name.clone(), plan, reported);
+            let quota = match &spec.quota {
+                Some(q) => {
+                    let quota = Plan::Quota(self.quota(path, q)?);
+                    let reported = reported_base(&quota);
+                    Some(self.add_label(quota_name(&name), quota, reported))
+                }
+                None => None,
+            };
+            (bucket, quota)
+        } else if spec.schedule.is_some() {
+            self.error(
+                path,
+                "`schedule` changes a limit, and this rule has none: add `token_bucket` or `rate_limit`, or \
+                 reference a bucket",
+            );
+            return None;
         } else {
             if spec.shadow_mode {
                 self.note(path, "`shadow_mode` has no effect on a rule without a limit");
@@ -418,6 +661,7 @@ impl<'a> DomainBuilder<'a> {
         self.pending_replaces(path, replaces, None);
         Some(Rule::Limited {
             bucket,
+            quota,
             shadow: spec.shadow_mode,
             replaces: Vec::new(),
         })
@@ -585,6 +829,15 @@ fn find_cycle(start: usize, edges: &HashMap<usize, Vec<usize>>) -> Option<Vec<us
         }
     }
     None
+}
+
+/// `current_limit` for a policy's base limit; a quota's depends on its period and is worked out
+/// per decision ([`BucketPolicy::reported_at`]).
+fn reported_base(plan: &Plan) -> ReportedLimit {
+    match plan {
+        Plan::Quota(q) => ReportedLimit::quota(q.limit().capacity(), None),
+        _ => ReportedLimit::of(&plan.base()),
+    }
 }
 
 /// Bucket names are shown in headers and metrics: non-empty printable ASCII, and not

@@ -48,12 +48,41 @@ fn unique_buckets<'de, D: Deserializer<'de>>(deserializer: D) -> Result<BTreeMap
     deserializer.deserialize_map(Unique)
 }
 
-/// A token bucket: `capacity` whole tokens, refilled at `refill` (`10/s`, `600/1m`, `1/250ms`).
+/// A bucket policy: a token bucket of `capacity` whole tokens refilled at `refill` (`10/s`,
+/// `600/1m`, `1/250ms`), optionally changed by `schedule` windows; a calendar `quota`; or a
+/// token bucket and a quota together (a request must pass both).
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct BucketSpec {
-    pub capacity: u64,
-    pub refill: String,
+    pub capacity: Option<u64>,
+    pub refill: Option<String>,
+    /// Windows that change the token bucket's limit while active; the first active one wins.
+    pub schedule: Option<Vec<ScheduleEntrySpec>>,
+    pub quota: Option<QuotaSpec>,
+}
+
+/// One schedule window (DESIGN 1.3): a five-field `cron` in `timezone` (IANA, default UTC), and
+/// either `scale` or absolute `capacity` and/or `refill`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScheduleEntrySpec {
+    pub cron: String,
+    pub timezone: Option<String>,
+    pub scale: Option<f64>,
+    pub capacity: Option<u64>,
+    pub refill: Option<String>,
+}
+
+/// A calendar quota (DESIGN 1.3): `limit` tokens, handed back whole at each edge of the `reset`
+/// cron in `timezone`. `refill` is read only to reject it with a clear reason: a quota does not
+/// drip.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QuotaSpec {
+    pub limit: u64,
+    pub reset: String,
+    pub timezone: Option<String>,
+    pub refill: Option<serde_yaml::Value>,
 }
 
 /// One node of the descriptor tree.
@@ -72,6 +101,10 @@ pub struct DescriptorSpec {
     pub token_bucket: Option<BucketSpec>,
     /// envoyproxy/ratelimit's limit.
     pub rate_limit: Option<RateLimitSpec>,
+    /// Schedule windows for the rule's inline limit (`token_bucket` or `rate_limit`).
+    pub schedule: Option<Vec<ScheduleEntrySpec>>,
+    /// A calendar quota: alone, or beside the rule's inline limit.
+    pub quota: Option<QuotaSpec>,
     #[serde(default)]
     pub unlimited: bool,
     #[serde(default)]

@@ -17,8 +17,8 @@ const ALL_HOURS: u32 = (1 << 24) - 1;
 /// change back would be missed). Checked for every zone chrono-tz has, from 1970 to 2100 at
 /// 15-minute resolution: the two closest changes are 7 days apart (America/Boa_Vista, 2000).
 const OFFSET_PROBE_S: i64 = 6 * 3600;
-/// The last second searched for a change: 9999-12-31T23:59:59Z.
-const LAST_SEARCHED_S: i64 = 253_402_300_799;
+/// The last second searched for a change (or a quota's reset edge): 9999-12-31T23:59:59Z.
+pub(super) const LAST_SEARCHED_S: i64 = 253_402_300_799;
 /// The largest scale factor accepted.
 pub const MAX_SCALE: f64 = 1_000_000.0;
 
@@ -62,11 +62,7 @@ pub enum Effect {
 #[derive(Clone)]
 pub struct ScheduleEntry {
     pattern: String,
-    cron: Cron,
-    minutes: u64,
-    hours: u32,
-    first_hour: u32,
-    first_minute: u32,
+    cron: CronPattern,
     timezone: Tz,
     effect: Effect,
     /// `Some(active)` when the pattern matches every minute or none at all.
@@ -90,13 +86,8 @@ impl ScheduleEntry {
         capacity: Option<u64>,
         refill: Option<Rate>,
     ) -> Result<ScheduleEntry, ScheduleError> {
-        let parsed = parse_cron(cron)?;
-        let timezone = match timezone {
-            None => Tz::UTC,
-            Some(name) => name
-                .parse::<Tz>()
-                .map_err(|_| ScheduleError::UnknownTimezone(name.to_string()))?,
-        };
+        let parsed = CronPattern::parse(cron)?;
+        let timezone = parse_timezone(timezone)?;
         let effect = match (scale, capacity, refill) {
             (Some(_), Some(_), _) | (Some(_), _, Some(_)) => return Err(ScheduleError::ScaleWithAbsolute),
             (None, None, None) => return Err(ScheduleError::NoEffect),
@@ -110,55 +101,22 @@ impl ScheduleEntry {
                 Effect::Set { capacity, refill }
             }
         };
-        let mut minutes = 0u64;
-        for m in 0..60u32 {
-            if parsed.pattern.minute_match(m).unwrap_or(false) {
-                minutes |= 1 << m;
-            }
-        }
-        let mut hours = 0u32;
-        for h in 0..24u32 {
-            if parsed.pattern.hour_match(h).unwrap_or(false) {
-                hours |= 1 << h;
-            }
-        }
-        if minutes == 0 || hours == 0 {
-            return Err(ScheduleError::BadCron {
-                cron: cron.to_string(),
-                reason: "it matches no minute or no hour".to_string(),
-            });
-        }
-        let mut entry = ScheduleEntry {
-            pattern: cron.trim().to_string(),
-            cron: parsed,
-            minutes,
-            hours,
-            first_hour: hours.trailing_zeros(),
-            first_minute: minutes.trailing_zeros(),
-            timezone,
-            effect,
-            constant: None,
-        };
-        // Which days match depends only on the month, the day of the month, whether February
-        // has a 29th, and the weekday, and eight years from 2024 (two leap years) have every
-        // combination: a pattern that matches none of those days matches none ever.
-        let days = (0..8 * 366)
-            .filter_map(|d| NaiveDate::from_ymd_opt(2024, 1, 1)?.checked_add_days(chrono::Days::new(d)))
-            .filter(|d| d.year() < 2032);
-        let (mut any, mut all) = (false, true);
-        for d in days {
-            let ok = entry.day_ok(d);
-            any |= ok;
-            all &= ok;
-        }
-        entry.constant = if !any {
+        parsed.require_some_minute(cron)?;
+        let (any, all) = parsed.day_coverage();
+        let constant = if !any {
             Some(false)
-        } else if all && minutes == ALL_MINUTES && hours == ALL_HOURS {
+        } else if all && parsed.every_minute_of_day() {
             Some(true)
         } else {
             None
         };
-        Ok(entry)
+        Ok(ScheduleEntry {
+            pattern: cron.trim().to_string(),
+            cron: parsed,
+            timezone,
+            effect,
+            constant,
+        })
     }
 
     /// The cron pattern as given (trimmed).
@@ -209,6 +167,7 @@ impl ScheduleEntry {
             let from = floor_minute(utc_naive(cur + offset)?) + Duration::minutes(1);
             let until = utc_naive(limit_s + 1 + offset)?;
             let candidate = self
+                .cron
                 .find_local(from, until, !was)
                 .map(|m| m.and_utc().timestamp() - offset);
             // ...is the answer unless the offset changes first (or at that very second).
@@ -226,18 +185,119 @@ impl ScheduleEntry {
 
     /// Whether the pattern matches a local wall-clock time (its minute; seconds ignored).
     pub(crate) fn matches(&self, local: NaiveDateTime) -> bool {
+        self.cron.matches(local)
+    }
+
+    /// The local wall-clock time at `s` seconds since the epoch.
+    fn local_at(&self, s: i64) -> Option<NaiveDateTime> {
+        local_at(self.timezone, s)
+    }
+
+    /// The zone's UTC offset at `s`, in seconds (local minus UTC).
+    fn offset_at(&self, s: i64) -> Option<i64> {
+        offset_at(self.timezone, s)
+    }
+
+    /// The first second in `(s, limit_s]` at which the offset is no longer `offset`.
+    fn next_offset_change(&self, s: i64, offset: i64, limit_s: i64) -> Option<i64> {
+        let mut lo = s;
+        while lo < limit_s {
+            let hi = lo.saturating_add(OFFSET_PROBE_S).min(limit_s);
+            if self.offset_at(hi) != Some(offset) {
+                return Some(bisect_offset_change(self.timezone, lo, hi, offset));
+            }
+            lo = hi;
+        }
+        None
+    }
+}
+
+/// A parsed five-field cron pattern, matched against local wall-clock minutes. Schedule
+/// entries and quota resets (DESIGN 1.3) share it, so both read a pattern the same way. The
+/// minute and hour fields are kept as bit masks so that searches skip whole hours and days.
+#[derive(Clone)]
+pub(super) struct CronPattern {
+    cron: Cron,
+    minutes: u64,
+    hours: u32,
+    first_hour: u32,
+    first_minute: u32,
+}
+
+impl CronPattern {
+    /// Checks the shape of the pattern (see [`parse_cron`]) and parses it. A pattern that
+    /// parses can still match no minute at all; see [`CronPattern::require_some_minute`].
+    pub(super) fn parse(cron: &str) -> Result<CronPattern, ScheduleError> {
+        let parsed = parse_cron(cron)?;
+        let mut minutes = 0u64;
+        for m in 0..60u32 {
+            if parsed.pattern.minute_match(m).unwrap_or(false) {
+                minutes |= 1 << m;
+            }
+        }
+        let mut hours = 0u32;
+        for h in 0..24u32 {
+            if parsed.pattern.hour_match(h).unwrap_or(false) {
+                hours |= 1 << h;
+            }
+        }
+        Ok(CronPattern {
+            cron: parsed,
+            minutes,
+            hours,
+            first_hour: hours.trailing_zeros(),
+            first_minute: minutes.trailing_zeros(),
+        })
+    }
+
+    /// Rejects a pattern whose minute or hour field matches nothing. Separate from
+    /// [`CronPattern::parse`] so that callers keep their order of validation.
+    pub(super) fn require_some_minute(&self, cron: &str) -> Result<(), ScheduleError> {
+        if self.minutes == 0 || self.hours == 0 {
+            return Err(ScheduleError::BadCron {
+                cron: cron.to_string(),
+                reason: "it matches no minute or no hour".to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Whether the day fields match some day, and whether they match every day.
+    pub(super) fn day_coverage(&self) -> (bool, bool) {
+        // Which days match depends only on the month, the day of the month, whether February
+        // has a 29th, and the weekday, and eight years from 2024 (two leap years) have every
+        // combination: a pattern that matches none of those days matches none ever.
+        let days = (0..8 * 366)
+            .filter_map(|d| NaiveDate::from_ymd_opt(2024, 1, 1)?.checked_add_days(chrono::Days::new(d)))
+            .filter(|d| d.year() < 2032);
+        let (mut any, mut all) = (false, true);
+        for d in days {
+            let ok = self.day_ok(d);
+            any |= ok;
+            all &= ok;
+        }
+        (any, all)
+    }
+
+    /// Whether the minute and hour fields match every minute of a day.
+    pub(super) fn every_minute_of_day(&self) -> bool {
+        self.minutes == ALL_MINUTES && self.hours == ALL_HOURS
+    }
+
+    /// Whether the pattern matches a local wall-clock time (its minute; seconds ignored).
+    pub(super) fn matches(&self, local: NaiveDateTime) -> bool {
         self.minutes & (1 << local.minute()) != 0 && self.hours & (1 << local.hour()) != 0 && self.day_ok(local.date())
     }
 
     /// Whether the day fields (day of month, month, day of week, combined as cron does) match.
-    fn day_ok(&self, date: NaiveDate) -> bool {
+    pub(super) fn day_ok(&self, date: NaiveDate) -> bool {
         date.and_hms_opt(self.first_hour, self.first_minute, 0)
             .is_some_and(|probe| self.cron.is_time_matching(&probe).unwrap_or(false))
     }
 
     /// The first local minute in `[from, until)` (from on a minute mark) at which the pattern's
     /// match is `want`.
-    fn find_local(&self, from: NaiveDateTime, until: NaiveDateTime, want: bool) -> Option<NaiveDateTime> {
+    pub(super) fn find_local(&self, from: NaiveDateTime, until: NaiveDateTime, want: bool) -> Option<NaiveDateTime> {
         let mut m = from;
         while m < until {
             let date = m.date();
@@ -249,7 +309,7 @@ impl ScheduleEntry {
                 }
                 return Some(m);
             }
-            if !want && self.hours == ALL_HOURS && self.minutes == ALL_MINUTES {
+            if !want && self.every_minute_of_day() {
                 m = next_day;
                 continue;
             }
@@ -278,42 +338,27 @@ impl ScheduleEntry {
         None
     }
 
-    /// The local wall-clock time at `s` seconds since the epoch.
-    fn local_at(&self, s: i64) -> Option<NaiveDateTime> {
-        Some(
-            DateTime::from_timestamp(s, 0)?
-                .with_timezone(&self.timezone)
-                .naive_local(),
-        )
-    }
-
-    /// The zone's UTC offset at `s`, in seconds (local minus UTC).
-    fn offset_at(&self, s: i64) -> Option<i64> {
-        let utc = DateTime::from_timestamp(s, 0)?.naive_utc();
-        Some(i64::from(
-            self.timezone.offset_from_utc_datetime(&utc).fix().local_minus_utc(),
-        ))
-    }
-
-    /// The first second in `(s, limit_s]` at which the offset is no longer `offset`.
-    fn next_offset_change(&self, s: i64, offset: i64, limit_s: i64) -> Option<i64> {
-        let mut lo = s;
-        while lo < limit_s {
-            let hi = lo.saturating_add(OFFSET_PROBE_S).min(limit_s);
-            if self.offset_at(hi) != Some(offset) {
-                // offset_at(lo) == offset, offset_at(hi) != offset: bisect to the second.
-                let mut hi = hi;
-                while hi - lo > 1 {
-                    let mid = lo + (hi - lo) / 2;
-                    if self.offset_at(mid) == Some(offset) {
-                        lo = mid;
-                    } else {
-                        hi = mid;
-                    }
-                }
-                return Some(hi);
+    /// The last local minute in `[until, from]` (from on a minute mark) that the pattern
+    /// matches: [`CronPattern::find_local`] run backwards, skipping whole days and hours.
+    pub(super) fn find_local_back(&self, from: NaiveDateTime, until: NaiveDateTime) -> Option<NaiveDateTime> {
+        let mut m = from;
+        while m >= until {
+            let date = m.date();
+            if !self.day_ok(date) {
+                m = date.and_hms_opt(0, 0, 0)? - Duration::minutes(1);
+                continue;
             }
-            lo = hi;
+            let hour = m.hour();
+            let hour_start = date.and_hms_opt(hour, 0, 0)?;
+            if self.hours & (1 << hour) != 0 {
+                // The minutes of this hour up to and including m's.
+                let bits = self.minutes & ((2u64 << m.minute()) - 1);
+                if bits != 0 {
+                    let found = hour_start + Duration::minutes(i64::from(63 - bits.leading_zeros()));
+                    return (found >= until).then_some(found);
+                }
+            }
+            m = hour_start - Duration::minutes(1);
         }
         None
     }
@@ -329,17 +374,53 @@ impl std::fmt::Debug for ScheduleEntry {
     }
 }
 
+/// The local wall-clock time in `tz` at `s` seconds since the epoch.
+pub(super) fn local_at(tz: Tz, s: i64) -> Option<NaiveDateTime> {
+    Some(DateTime::from_timestamp(s, 0)?.with_timezone(&tz).naive_local())
+}
+
+/// The UTC offset of `tz` at `s`, in seconds (local minus UTC).
+pub(super) fn offset_at(tz: Tz, s: i64) -> Option<i64> {
+    let utc = DateTime::from_timestamp(s, 0)?.naive_utc();
+    Some(i64::from(tz.offset_from_utc_datetime(&utc).fix().local_minus_utc()))
+}
+
+/// The first second in `(lo, hi]` whose offset is not `offset`, given that `lo` has `offset` and
+/// `hi` does not; exact as long as the offset changes only once in between.
+pub(super) fn bisect_offset_change(tz: Tz, mut lo: i64, mut hi: i64, offset: i64) -> i64 {
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if offset_at(tz, mid) == Some(offset) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    hi
+}
+
+/// An IANA zone name, or UTC when none is given.
+pub(super) fn parse_timezone(name: Option<&str>) -> Result<Tz, ScheduleError> {
+    match name {
+        None => Ok(Tz::UTC),
+        Some(name) => name
+            .parse::<Tz>()
+            .map_err(|_| ScheduleError::UnknownTimezone(name.to_string())),
+    }
+}
+
 /// Whole seconds of an instant in microseconds (it fits an `i64` for every `u64`).
-fn secs(t_us: u64) -> i64 {
+pub(super) fn secs(t_us: u64) -> i64 {
     (t_us / MICRO) as i64
 }
 
 /// The naive date-time `s` seconds after the epoch.
-fn utc_naive(s: i64) -> Option<NaiveDateTime> {
+pub(super) fn utc_naive(s: i64) -> Option<NaiveDateTime> {
     Some(DateTime::from_timestamp(s, 0)?.naive_utc())
 }
 
-fn floor_minute(t: NaiveDateTime) -> NaiveDateTime {
+/// `t` with its seconds dropped.
+pub(super) fn floor_minute(t: NaiveDateTime) -> NaiveDateTime {
     t.with_second(0).and_then(|t| t.with_nanosecond(0)).unwrap_or(t)
 }
 
@@ -363,6 +444,67 @@ const MONTH_NAMES: [&str; 12] = [
 ];
 const DAY_NAMES: [&str; 7] = ["SUN", "MON", "TUE", "WED", "THU", "FRI", "SAT"];
 const FIELD_NAMES: [&str; 5] = ["minute", "hour", "day-of-month", "month", "day-of-week"];
+/// The values each field allows (day-of-week 7 is Sunday, as 0).
+const FIELD_BOUNDS: [(u32, u32); 5] = [(0, 59), (0, 23), (1, 31), (1, 12), (0, 7)];
+
+/// Checks the values, ranges and steps of field `i` (already known to hold only digits, names
+/// and `* , - /`), so that the error names the field and what it allows rather than passing on
+/// the parser's terse one.
+fn check_bounds(i: usize, field: &str) -> Result<(), String> {
+    let (lo, hi) = FIELD_BOUNDS[i];
+    let name = FIELD_NAMES[i];
+    let value = |v: &str| -> Result<u32, String> {
+        let upper = v.to_ascii_uppercase();
+        let named = match i {
+            3 => MONTH_NAMES.iter().position(|n| *n == upper).map(|p| p as u32 + 1),
+            4 => DAY_NAMES.iter().position(|n| *n == upper).map(|p| p as u32),
+            _ => None,
+        };
+        let n = match named {
+            Some(n) => n,
+            None => v
+                .parse::<u32>()
+                .map_err(|_| format!("`{v}` is not a value of the {name} field"))?,
+        };
+        if n < lo || n > hi {
+            return Err(format!("{n} is out of range for the {name} field ({lo}-{hi})"));
+        }
+        Ok(n)
+    };
+    for item in field.split(',') {
+        let (range, step) = match item.split_once('/') {
+            Some((range, step)) => (range, Some(step)),
+            None => (item, None),
+        };
+        if let Some(step) = step {
+            match step.parse::<u32>() {
+                Ok(n) if n >= 1 => {}
+                _ => {
+                    return Err(format!(
+                        "step `/{step}` in the {name} field must be a whole number of at least 1"
+                    ))
+                }
+            }
+        }
+        if range == "*" {
+            continue;
+        }
+        match range.split_once('-') {
+            Some((a, b)) => {
+                let (a, b) = (value(a)?, value(b)?);
+                if a > b {
+                    return Err(format!(
+                        "range `{range}` in the {name} field runs backwards; ranges do not wrap around (write `{a}-{hi},{lo}-{b}`)"
+                    ));
+                }
+            }
+            None => {
+                value(range)?;
+            }
+        }
+    }
+    Ok(())
+}
 
 /// Checks the pattern's shape (five fields, only digits, `* , - /` and the month and weekday
 /// names where they belong) before croner parses it, so that croner's own extensions never
@@ -372,6 +514,11 @@ fn parse_cron(cron: &str) -> Result<Cron, ScheduleError> {
         cron: cron.to_string(),
         reason,
     };
+    if let Some(nickname) = cron.split_whitespace().next().filter(|w| w.starts_with('@')) {
+        return Err(bad(format!(
+            "nicknames such as `{nickname}` are not supported; write the five fields (`0 0 * * *` is daily)"
+        )));
+    }
     let fields: Vec<&str> = cron.split_whitespace().collect();
     match fields.len() {
         5 => {}
@@ -415,6 +562,7 @@ fn parse_cron(cron: &str) -> Result<Cron, ScheduleError> {
             }
             return Err(bad(format!("unknown name `{token}` in the {} field", FIELD_NAMES[i])));
         }
+        check_bounds(i, field).map_err(bad)?;
     }
     CronParser::builder()
         .seconds(Seconds::Disallowed)

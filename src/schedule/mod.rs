@@ -11,8 +11,16 @@
 //! Units are those of the bucket core: microseconds since the Unix epoch, micro-tokens.
 
 mod entry;
+mod plan;
+mod quota;
 
 pub use entry::{Effect, ScheduleEntry, MAX_SCALE};
+pub use plan::Plan;
+pub use quota::{Quota, QUOTA_HORIZON_US};
+
+use std::sync::Arc;
+
+use arc_swap::ArcSwapOption;
 
 use crate::bucket::{refill, wait_us, BucketState, Limit, Rate, MAX_CAPACITY, MICRO};
 
@@ -66,11 +74,30 @@ pub enum ScheduleError {
     /// Neither `scale` nor an absolute value.
     #[error("a schedule entry must set scale, or capacity and/or refill")]
     NoEffect,
-    /// An absolute or scaled capacity above [`MAX_CAPACITY`] whole tokens.
+    /// An absolute capacity above [`MAX_CAPACITY`] whole tokens.
     #[error("capacity {0} tokens is above the maximum of 1000000000")]
     CapacityTooLarge(u64),
+    /// A scaled capacity above [`MAX_CAPACITY`] whole tokens.
+    #[error("the capacity scaled by {millionths}/1000000 is {capacity} tokens, above the maximum of 1000000000")]
+    ScaledCapacityTooLarge {
+        /// Index of the entry in the schedule.
+        entry: usize,
+        /// The scale in millionths.
+        millionths: u64,
+        /// The scaled capacity in whole tokens.
+        capacity: u64,
+    },
+    /// A quota's `limit` of 0.
+    #[error("a quota's limit must be at least 1 token")]
+    QuotaLimitZero,
+    /// A quota's `limit` above [`MAX_CAPACITY`].
+    #[error("a quota's limit of {0} tokens is above the maximum of 1000000000")]
+    QuotaLimitTooLarge(u64),
+    /// A quota reset pattern that matches no day, so the quota would never reset.
+    #[error("reset `{0}` matches no day, so the quota would never reset")]
+    NeverResets(String),
     /// The scaled refill rate cannot be represented exactly (see [`crate::bucket::RateError`]).
-    #[error("entry {entry}: the refill rate scaled by {millionths}/1000000 cannot be computed exactly; use a simpler scale or an absolute refill")]
+    #[error("the refill rate scaled by {millionths}/1000000 cannot be computed exactly; use a simpler scale or an absolute refill")]
     InexactScaledRate {
         /// Index of the entry in the schedule.
         entry: usize,
@@ -81,11 +108,50 @@ pub enum ScheduleError {
 
 /// A base limit and the entries that override it while active, with each entry's limit worked
 /// out once.
-#[derive(Clone, Debug)]
+///
+/// Evaluating windows means timezone lookups and cron matching (about 100 ns an entry), and
+/// finding the next change means searching ahead, while decisions on a bucket mostly fall
+/// within one stretch of constant limit. So the schedule remembers the latest such stretch it
+/// found (a [`Segment`]) and answers [`Schedule::limit_at`] and [`Schedule::next_limit_change`]
+/// inside it without evaluating anything. The cache only ever moves forward in time and is a
+/// pure optimisation: every answer is the one the search gives (tested).
 pub struct Schedule {
     base: Limit,
     entries: Vec<ScheduleEntry>,
     limits: Vec<Limit>,
+    segment: ArcSwapOption<Segment>,
+}
+
+/// A stretch of time `[start_us, end_us)` over which the limit is `limit`. When `changes_at_end`
+/// the limit differs at `end_us`; otherwise none of `(start_us, end_us]` changes it (the search
+/// stopped at its horizon).
+#[derive(Clone, Copy, Debug)]
+struct Segment {
+    start_us: u64,
+    end_us: u64,
+    changes_at_end: bool,
+    limit: Limit,
+}
+
+impl Clone for Schedule {
+    fn clone(&self) -> Schedule {
+        Schedule {
+            base: self.base,
+            entries: self.entries.clone(),
+            limits: self.limits.clone(),
+            segment: ArcSwapOption::empty(),
+        }
+    }
+}
+
+impl std::fmt::Debug for Schedule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Schedule")
+            .field("base", &self.base)
+            .field("entries", &self.entries)
+            .field("limits", &self.limits)
+            .finish()
+    }
 }
 
 impl Schedule {
@@ -103,7 +169,12 @@ impl Schedule {
             .enumerate()
             .map(|(i, e)| entry_limit(&base, e.effect(), i))
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(Schedule { base, entries, limits })
+        Ok(Schedule {
+            base,
+            entries,
+            limits,
+            segment: ArcSwapOption::empty(),
+        })
     }
 
     /// The limit when no entry is active.
@@ -128,7 +199,47 @@ impl Schedule {
 
     /// The limit in force at `t_us`: the first active entry's, else the base.
     pub fn limit_at(&self, t_us: u64) -> Limit {
+        match self.segment_at(t_us) {
+            Some(seg) => seg.limit,
+            None => self.search_limit_at(t_us),
+        }
+    }
+
+    fn search_limit_at(&self, t_us: u64) -> Limit {
         self.active_entry(t_us).map_or(self.base, |i| self.limits[i])
+    }
+
+    /// The cached segment holding `t_us`, after moving the cache forward to the segment that
+    /// starts at `t_us` when `t_us` lies beyond the cached one (or nothing is cached). `None`
+    /// for an instant before the cached segment, which the caller searches for directly.
+    fn segment_at(&self, t_us: u64) -> Option<Segment> {
+        if self.entries.is_empty() {
+            return None;
+        }
+        if let Some(seg) = self.segment.load().as_deref() {
+            if seg.start_us <= t_us && t_us < seg.end_us {
+                return Some(*seg);
+            }
+            if t_us < seg.start_us {
+                return None;
+            }
+        }
+        let limit = self.search_limit_at(t_us);
+        let (end_us, changes_at_end) = match self.search_limit_change(t_us, DEFAULT_HORIZON_US) {
+            Some(end) => (end, true),
+            None => (t_us.saturating_add(DEFAULT_HORIZON_US), false),
+        };
+        if end_us <= t_us {
+            return None;
+        }
+        let seg = Segment {
+            start_us: t_us,
+            end_us,
+            changes_at_end,
+            limit,
+        };
+        self.segment.store(Some(Arc::new(seg)));
+        Some(seg)
     }
 
     /// The first instant in `(t_us, t_us + horizon_us]` at which some entry's activity changes,
@@ -152,12 +263,25 @@ impl Schedule {
     /// from its value at `t_us`: [`Schedule::next_boundary`] with the boundaries that change
     /// nothing (a shadowed entry, or an entry with the same limit) skipped.
     pub fn next_limit_change(&self, t_us: u64, horizon_us: u64) -> Option<u64> {
+        if let Some(seg) = self.segment_at(t_us) {
+            let end = t_us.saturating_add(horizon_us);
+            if seg.changes_at_end {
+                return (seg.end_us <= end).then_some(seg.end_us);
+            }
+            if end <= seg.end_us {
+                return None;
+            }
+        }
+        self.search_limit_change(t_us, horizon_us)
+    }
+
+    fn search_limit_change(&self, t_us: u64, horizon_us: u64) -> Option<u64> {
         let end = t_us.saturating_add(horizon_us);
-        let limit = self.limit_at(t_us);
+        let limit = self.search_limit_at(t_us);
         let mut cur = t_us;
         loop {
             let b = self.next_boundary(cur, end - cur)?;
-            if self.limit_at(b) != limit {
+            if self.search_limit_at(b) != limit {
                 return Some(b);
             }
             cur = b;
@@ -177,7 +301,11 @@ fn entry_limit(base: &Limit, effect: Effect, i: usize) -> Result<Limit, Schedule
             let capacity_ut = u64::try_from(capacity)
                 .ok()
                 .filter(|c| *c <= MAX_CAPACITY * MICRO)
-                .ok_or(ScheduleError::CapacityTooLarge((capacity / u128::from(MICRO)) as u64))?;
+                .ok_or(ScheduleError::ScaledCapacityTooLarge {
+                    entry: i,
+                    millionths,
+                    capacity: u64::try_from(capacity / u128::from(MICRO)).unwrap_or(u64::MAX),
+                })?;
             let inexact = ScheduleError::InexactScaledRate { entry: i, millionths };
             let rate = if base.rate.is_zero() {
                 Rate::ZERO
@@ -203,6 +331,10 @@ fn entry_limit(base: &Limit, effect: Effect, i: usize) -> Result<Limit, Schedule
 /// over-admission, and [`wait_until_us`] follows exactly the same arithmetic. Boundaries that
 /// leave the limit as it was are not segment ends and do not floor.
 ///
+/// A bucket full at a change of limit is full under the next limit too ([`cross`]): raising a
+/// capacity grants nothing at once to a bucket that is not full, and a full one is the same as
+/// a missing one, which starts full at the capacity in force (DESIGN 1.3).
+///
 /// Walks every change of limit in between, so callers should not bring a state forward over months
 /// of minute-by-minute windows (an idle bucket is full and can be dropped instead).
 pub fn refill_scheduled(state: BucketState, schedule: &Schedule, now_us: u64) -> BucketState {
@@ -218,11 +350,28 @@ pub fn refill_scheduled(state: BucketState, schedule: &Schedule, now_us: u64) ->
             .flatten()
         {
             Some(b) => {
-                st = refill(st, &limit, b);
+                st = cross(st, &limit, b);
                 cur = b;
             }
             None => return refill(st, &limit, now_us),
         }
+    }
+}
+
+/// The state at a change of limit at `b_us`, refilled under the `limit` that ends there. A
+/// bucket full at that instant stays full under the next limit, whatever its capacity: a full
+/// bucket is the same as no bucket (a store may drop it at any time, and a missing bucket
+/// starts full at the capacity in force), so a raised capacity finds it full rather than
+/// holding the old capacity. Held as `u64::MAX`, which the next segment trims to its capacity.
+fn cross(state: BucketState, limit: &Limit, b_us: u64) -> BucketState {
+    let st = refill(state, limit, b_us);
+    if st.tokens_ut >= limit.capacity_ut {
+        BucketState {
+            tokens_ut: u64::MAX,
+            ..st
+        }
+    } else {
+        st
     }
 }
 
@@ -249,26 +398,72 @@ pub fn wait_until_us(
         return wait_us(state, need_ut, &schedule.base, now_us);
     }
     let end = now_us.saturating_add(horizon_us);
+    first_instant(state, schedule, now_us, end, |limit| {
+        (need_ut <= limit.capacity_ut).then_some(need_ut)
+    })
+    .map(|at| at - now_us)
+}
+
+/// The first instant from `state.updated_us` (and within `horizon_us` of it) at which the
+/// bucket stored as `state` is full under the schedule: it holds the capacity in force at that
+/// instant. A window that lowers the capacity below the tokens held makes the bucket full at
+/// once (it is trimmed); one that raises it makes it full later. `None` when that does not
+/// happen within the horizon (a zero rate, or a capacity that keeps rising out of reach).
+pub fn full_at_us(state: BucketState, schedule: &Schedule, horizon_us: u64) -> Option<u64> {
+    let end = state.updated_us.saturating_add(horizon_us);
+    first_instant(state, schedule, state.updated_us, end, |limit| Some(limit.capacity_ut))
+}
+
+/// The first instant from `now_us` (within `horizon_us` of it) at which the bucket stored as
+/// `state` is full under a positive capacity: [`full_at_us`] for a bucket that can admit, and
+/// for one inside a zero-capacity window (full, but admitting nothing) the end of that window.
+/// What `duration_until_reset` announces.
+pub fn reopen_at_us(state: BucketState, schedule: &Schedule, now_us: u64, horizon_us: u64) -> Option<u64> {
+    let end = now_us.saturating_add(horizon_us);
+    first_instant(state, schedule, now_us, end, |limit| {
+        (limit.capacity_ut > 0).then_some(limit.capacity_ut)
+    })
+}
+
+/// The first instant `t` in `[not_before, end]` at which the bucket stored as `state`, brought
+/// forward by [`refill_scheduled`], holds `need(limit_at(t))` micro-tokens (`need` gives `None`
+/// where a limit can never satisfy it).
+///
+/// Segment by segment from `state.updated_us`: the instant the tokens would suffice if the
+/// segment's limit held on is worked out first, and boundaries are searched for only up to
+/// it, so the cost grows with the changes of limit crossed, not with the horizon.
+fn first_instant(
+    state: BucketState,
+    schedule: &Schedule,
+    not_before: u64,
+    end: u64,
+    need: impl Fn(&Limit) -> Option<u64>,
+) -> Option<u64> {
     let mut st = state;
     let mut cur = state.updated_us;
     loop {
         let limit = schedule.limit_at(cur);
-        let boundary = schedule.next_limit_change(cur, end.saturating_sub(cur));
-        let segment_end = boundary.unwrap_or(end.saturating_add(1));
-        if need_ut <= limit.capacity_ut {
+        let candidate = need(&limit).and_then(|n| {
             let tokens = st.tokens_ut.min(limit.capacity_ut);
-            if let Some(earn) = limit.rate.time_to_earn(need_ut.saturating_sub(tokens)) {
-                // Tokens never fall within a segment, so from the first instant they suffice
-                // they do up to its end.
-                let at = cur.saturating_add(earn).max(now_us);
-                if at < segment_end {
-                    return Some(at - now_us);
-                }
+            // Tokens never fall within a segment, so from the first instant they suffice they
+            // do up to its end.
+            limit
+                .rate
+                .time_to_earn(n.saturating_sub(tokens))
+                .map(|earn| cur.saturating_add(earn).max(not_before))
+        });
+        let search_to = candidate.unwrap_or(end).min(end);
+        let boundary = (search_to > cur)
+            .then(|| schedule.next_limit_change(cur, search_to - cur))
+            .flatten();
+        match (boundary, candidate) {
+            (Some(b), _) => {
+                st = cross(st, &limit, b);
+                cur = b;
             }
+            (None, Some(at)) if at <= end => return Some(at),
+            (None, _) => return None,
         }
-        let b = boundary?;
-        st = refill(st, &limit, b);
-        cur = b;
     }
 }
 

@@ -228,7 +228,8 @@ fn assert_exact_wait(state: BucketState, need: u64, s: &Schedule, now: u64, wait
 }
 
 /// A window with a lower capacity trims the bucket at its start; one with a higher capacity
-/// grants nothing at once. A need above the window's capacity waits for the window to end.
+/// grants nothing at once to a bucket that is not full, while a full one stays full (it is the
+/// same as no bucket). A need above the window's capacity waits for the window to end.
 #[test]
 fn trims_at_a_lower_capacity_and_waits_out_the_window() {
     let small = ScheduleEntry::new("* 9 * * *", None, None, Some(10), None).unwrap();
@@ -245,14 +246,30 @@ fn trims_at_a_lower_capacity_and_waits_out_the_window() {
     );
     let at_930 = refill_scheduled(full, &s, utc(2026, 6, 1, 9, 30));
     assert_eq!(at_930.tokens_ut, 10 * MICRO);
-    // At 10:00 the capacity is 100 again but the bucket holds 10; 10 more take 10 s.
+    // Full under 10 when the window closes, so full under 100 after it.
     let now = utc(2026, 6, 1, 9, 30);
-    let wait = 30 * MIN + 10 * MICRO;
-    assert_eq!(wait_until_us(full, 20 * MICRO, &s, now, DEFAULT_HORIZON_US), Some(wait));
-    assert_exact_wait(full, 20 * MICRO, &s, now, wait);
-    assert_eq!(refill_scheduled(full, &s, utc(2026, 6, 1, 10, 0)).tokens_ut, 10 * MICRO);
+    assert_eq!(
+        refill_scheduled(full, &s, utc(2026, 6, 1, 10, 0)).tokens_ut,
+        100 * MICRO
+    );
+    assert_eq!(
+        wait_until_us(full, 20 * MICRO, &s, now, DEFAULT_HORIZON_US),
+        Some(30 * MIN)
+    );
+    assert_exact_wait(full, 20 * MICRO, &s, now, 30 * MIN);
     // Within the window, 5 tokens are there already.
     assert_eq!(wait_until_us(full, 5 * MICRO, &s, now, DEFAULT_HORIZON_US), Some(0));
+    // Emptied 2 s before the window closes, a bucket holds 2 tokens at 10:00 and refills from
+    // there: 18 s more for 20.
+    let emptied = BucketState {
+        tokens_ut: 0,
+        updated_us: utc(2026, 6, 1, 10, 0) - 2 * MICRO,
+    };
+    assert_eq!(
+        refill_scheduled(emptied, &s, utc(2026, 6, 1, 10, 0)).tokens_ut,
+        2 * MICRO
+    );
+    assert_exact_wait(emptied, 20 * MICRO, &s, emptied.updated_us, 20 * MICRO);
 }
 
 #[test]
@@ -322,7 +339,30 @@ fn validation_errors() {
             err(bad)
         );
     }
-    assert!(matches!(err("@daily"), ScheduleError::FieldCount { found: 1, .. }));
+    // Reasons that name the field and what it allows.
+    for (bad, reason) in [
+        (
+            "@daily",
+            "nicknames such as `@daily` are not supported; write the five fields (`0 0 * * *` is daily)",
+        ),
+        ("* 24 * * *", "24 is out of range for the hour field (0-23)"),
+        ("0 0 0 * *", "0 is out of range for the day-of-month field (1-31)"),
+        (
+            "* 22-6 * * *",
+            "range `22-6` in the hour field runs backwards; ranges do not wrap around (write `22-23,0-6`)",
+        ),
+        (
+            "* * * DEC-JAN *",
+            "range `DEC-JAN` in the month field runs backwards; ranges do not wrap around (write `12-12,1-1`)",
+        ),
+        (
+            "*/0 * * * *",
+            "step `/0` in the minute field must be a whole number of at least 1",
+        ),
+        ("* * * * 8", "8 is out of range for the day-of-week field (0-7)"),
+    ] {
+        assert_eq!(err(bad).to_string(), format!("cron `{bad}` is invalid: {reason}"));
+    }
     assert_eq!(
         err("0 0 9 * * MON").to_string(),
         "cron `0 0 9 * * MON` has six fields; use five (minute hour day-of-month month day-of-week): seconds are not \
@@ -377,10 +417,14 @@ fn validation_errors() {
     assert!(new(None, None, Some(Rate::ZERO)).is_ok());
     // Scaled limits are checked against the base.
     let big = new(Some(2.0), None, None).unwrap();
-    assert!(matches!(
+    assert_eq!(
         Schedule::new(Limit::new(MAX_CAPACITY, per_s(1)), vec![big]).unwrap_err(),
-        ScheduleError::CapacityTooLarge(_)
-    ));
+        ScheduleError::ScaledCapacityTooLarge {
+            entry: 0,
+            millionths: 2_000_000,
+            capacity: 2 * MAX_CAPACITY
+        }
+    );
     let odd = new(Some(0.999_999), None, None).unwrap();
     assert_eq!(
         Schedule::new(Limit::new(10, Rate::per(1, 999_999_937).unwrap()), vec![odd]).unwrap_err(),
@@ -551,4 +595,205 @@ fn constant_and_rare_patterns() {
     assert_eq!(leap.next_change(t, t + DEFAULT_HORIZON_US), None);
     let daily = entry("* 9-17 * * *", "America/New_York");
     assert_eq!(daily.next_change(t, u64::MAX), Some(utc(2026, 6, 1, 13, 0))); // 09:00 EDT
+}
+
+/// A minute-by-minute model of a scheduled token bucket, written independently of
+/// [`refill_scheduled`] and [`wait_until_us`]: the limit of each UTC minute is read off
+/// croner's matcher on the local minute (every zone in [`ZONES`] has whole-minute offsets and
+/// changes, so the limit is constant within a UTC minute), and tokens are kept as an anchor
+/// (micro-tokens at an instant) that moves only where the implementation writes: at a change of
+/// limit (floored there, then trimmed to the new capacity) and at an admitted request.
+struct Reference {
+    crons: Vec<(croner::Cron, &'static str, Limit)>,
+    base: Limit,
+    tokens: u64,
+    anchor: u64,
+    limit: Limit,
+}
+
+impl Reference {
+    fn limit_of_minute(&self, m: u64) -> Limit {
+        self.crons
+            .iter()
+            .find(|(c, z, _)| reference_active(c, z, m))
+            .map_or(self.base, |(_, _, l)| *l)
+    }
+
+    /// Tokens at `t` under the current limit, from the anchor: trimmed, then
+    /// `floor(elapsed * num / den)` more, never above capacity.
+    fn tokens_at(&self, t: u64) -> u64 {
+        let cap = self.limit.capacity_ut;
+        let held = self.tokens.min(cap);
+        let earned =
+            u128::from(t - self.anchor) * u128::from(self.limit.rate.num()) / u128::from(self.limit.rate.den());
+        (u128::from(held) + earned).min(u128::from(cap)) as u64
+    }
+
+    /// Moves the model to `t`, minute mark by minute mark, re-anchoring at each change of limit.
+    fn advance(&mut self, t: u64) {
+        let mut m = self.anchor - self.anchor % MIN + MIN;
+        while m <= t {
+            let next = self.limit_of_minute(m);
+            if next != self.limit {
+                let held = self.tokens_at(m);
+                // A full bucket is no bucket: it is full under the next limit too.
+                self.tokens = if held >= self.limit.capacity_ut {
+                    next.capacity_ut
+                } else {
+                    held.min(next.capacity_ut)
+                };
+                self.anchor = m;
+                self.limit = next;
+            }
+            m += MIN;
+        }
+    }
+
+    /// The first instant from `t` at which `need` micro-tokens are there, searched minute by
+    /// minute up to `end` on a copy of the model.
+    fn wait(&self, t: u64, need: u64, end: u64) -> Option<u64> {
+        let mut model = Reference {
+            crons: self.crons.clone(),
+            ..*self
+        };
+        let mut from = t;
+        loop {
+            let seg_end = from - from % MIN + MIN;
+            if need <= model.limit.capacity_ut {
+                let held = model.tokens.min(model.limit.capacity_ut);
+                let rate = model.limit.rate;
+                let at = if held >= need {
+                    Some(model.anchor)
+                } else if rate.is_zero() {
+                    None
+                } else {
+                    let missing = u128::from(need - held);
+                    let earn = (missing * u128::from(rate.den())).div_ceil(u128::from(rate.num()));
+                    Some(model.anchor + earn as u64)
+                };
+                if let Some(at) = at.map(|a| a.max(from)) {
+                    if at < seg_end && at <= end {
+                        return Some(at);
+                    }
+                }
+            }
+            if seg_end > end {
+                return None;
+            }
+            model.advance(seg_end);
+            from = seg_end;
+        }
+    }
+}
+
+impl Clone for Reference {
+    fn clone(&self) -> Reference {
+        Reference {
+            crons: self.crons.clone(),
+            ..*self
+        }
+    }
+}
+
+/// Patterns that change often (minute ranges, steps and lists in most hours), so that request
+/// streams of an hour or two cross many boundaries; a third are the general [`pattern`]s.
+fn busy_pattern() -> impl Strategy<Value = String> {
+    let busy = (
+        field(0, 59, &[], 0),
+        prop_oneof![3 => Just("*".to_string()), 1 => field(0, 23, &[], 0)],
+        prop_oneof![3 => Just("*".to_string()), 1 => field(0, 7, &["SUN", "MON", "TUE", "WED", "THU", "FRI", "SAT", "SUN"], 0)],
+    )
+        .prop_map(|(mi, h, dow)| format!("{mi} {h} * * {dow}"));
+    prop_oneof![2 => busy, 1 => pattern()]
+}
+
+/// A schedule entry for the model test: a pattern, a zone, and either a scale (in tenths) or an
+/// absolute capacity and refill (tokens per minute).
+fn model_entries() -> impl Strategy<Value = Vec<(String, usize, Option<u64>, u64, u64)>> {
+    prop::collection::vec(
+        (
+            busy_pattern(),
+            0..ZONES.len(),
+            prop::option::of(1..40u64),
+            0..30u64,
+            1..20u64,
+        ),
+        1..4,
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// A scheduled bucket decided request by request ([`refill_scheduled`], admission, write
+    /// only when admitted) against the minute-by-minute [`Reference`]: the same admissions, the
+    /// same tokens, and for each denial the same wait ([`wait_until_us`]).
+    #[test]
+    fn scheduled_bucket_matches_a_minute_by_minute_reference(
+        spec in model_entries(),
+        base_cap in 1..40u64,
+        base_per_min in 1..20u64,
+        start in instant(),
+        requests in prop::collection::vec((0..(5 * MIN), 1..12u64), 1..32),
+    ) {
+        let parser = CronParser::builder().seconds(Seconds::Disallowed).year(Year::Disallowed).build();
+        let base = Limit::new(base_cap, per_min(base_per_min));
+        let entries: Vec<ScheduleEntry> = spec
+            .iter()
+            .map(|(p, z, scale, cap, per_min_)| match scale {
+                Some(tenths) => ScheduleEntry::new(p, Some(ZONES[*z]), Some(*tenths as f64 / 10.0), None, None),
+                None => ScheduleEntry::new(p, Some(ZONES[*z]), None, Some(*cap), Some(per_min(*per_min_))),
+            }
+            .unwrap())
+            .collect();
+        let s = Schedule::new(base, entries).unwrap();
+        let crons = spec
+            .iter()
+            .enumerate()
+            .map(|(i, (p, z, ..))| (parser.parse(p).unwrap(), ZONES[*z], *s.entry_limit(i).unwrap()))
+            .collect();
+        let mut model = Reference { crons, base, tokens: 0, anchor: start, limit: base };
+        model.limit = model.limit_of_minute(start - start % MIN);
+        model.tokens = model.limit.capacity_ut;
+        let mut state = BucketState::full(&s.limit_at(start), start);
+        let mut t = start;
+        for (gap, n) in requests {
+            t += gap;
+            let need = n * MICRO;
+            model.advance(t);
+            let want_tokens = model.tokens_at(t);
+            let now = refill_scheduled(state, &s, t);
+            prop_assert_eq!(now.tokens_ut, want_tokens, "tokens at {}", t);
+            if now.tokens_ut >= need {
+                state = BucketState { tokens_ut: now.tokens_ut - need, updated_us: now.updated_us };
+                model.tokens = want_tokens - need;
+                model.anchor = t;
+            } else {
+                let horizon = 2 * HOUR;
+                let got = wait_until_us(state, need, &s, t, horizon).map(|w| t + w);
+                prop_assert_eq!(got, model.wait(t, need, t + horizon), "wait at {} for {}", t, need);
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// The segment cache changes no answer: a schedule asked a stream of questions (mostly
+    /// forward in time, some back) answers each as the uncached search does.
+    #[test]
+    fn the_segment_cache_changes_no_answer(
+        spec in entries(),
+        start in instant(),
+        steps in prop::collection::vec((0..(3 * HOUR), any::<bool>(), 1..(3 * 86_400 * MICRO)), 1..30),
+    ) {
+        let (s, _) = build(&spec);
+        let mut t = start;
+        for (step, back, horizon) in steps {
+            t = if back { t.saturating_sub(step / 2) } else { t + step };
+            prop_assert_eq!(s.limit_at(t), s.search_limit_at(t), "limit at {}", t);
+            prop_assert_eq!(s.next_limit_change(t, horizon), s.search_limit_change(t, horizon), "change after {}", t);
+        }
+    }
 }

@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use indexmap::IndexMap;
 
 use super::{Applied, BucketRef, Store, StoreError};
-use crate::bucket::{decide, time_to_full_us, BucketState, Demand};
+use crate::bucket::{decide, BucketState, Demand};
 use crate::clock::Clock;
 
 struct Entry {
@@ -187,7 +187,7 @@ impl MemoryStore {
             shard_ids.iter().map(|&i| (i, lock(&self.inner.shards[i]))).collect();
         let now = self.inner.clock.now_us();
         let guard_of = |shard: usize| shard_ids.binary_search(&shard).expect("shard was locked");
-        let limits: Vec<_> = buckets.iter().map(|b| b.limit).collect();
+        let plans: Vec<_> = buckets.iter().map(|b| &b.plan).collect();
         let states: Vec<BucketState> = buckets
             .iter()
             .zip(&keys)
@@ -196,24 +196,26 @@ impl MemoryStore {
                 guards[guard_of(s)]
                     .1
                     .get(key.as_bytes())
+                    // A bucket full by now is the same as none, swept or not.
+                    .filter(|e| e.full_at_us > now)
                     .map(|e| e.state)
-                    .unwrap_or_else(|| BucketState::full(&b.limit, now))
+                    .unwrap_or_else(|| BucketState::full(&b.plan.limit_at(now), now))
             })
             .collect();
-        let decision = decide(now, &states, &limits, demands);
+        let decision = decide(now, &states, &plans, demands);
         let outcomes = buckets.iter().zip(&keys).zip(&bucket_shards).zip(&decision.instances);
         for (((b, key), &s), out) in outcomes {
             if !out.changed {
                 continue;
             }
             let map = &mut guards[guard_of(s)].1;
-            match time_to_full_us(out.after.tokens_ut, &b.limit) {
-                Some(0) => {
+            // From the state's own time: after a clock step back it is ahead of `now`.
+            match b.plan.full_at_us(out.after) {
+                Some(at) if at <= out.after.updated_us => {
                     map.swap_remove(key.as_bytes());
                 }
-                wait => {
-                    // From the state's own time: after a clock step back it is ahead of `now`.
-                    let full_at_us = wait.map_or(u64::MAX, |w| out.after.updated_us.saturating_add(w));
+                full_at => {
+                    let full_at_us = full_at.unwrap_or(u64::MAX);
                     let entry = Entry {
                         state: out.after,
                         full_at_us,

@@ -8,15 +8,17 @@ use std::future::Future;
 
 pub use memory::{MemoryStore, MemoryStoreStats};
 
-use crate::bucket::{Decision, Demand, Limit};
+use crate::bucket::{Decision, Demand};
+use crate::schedule::Plan;
 
 /// One bucket instance a request touches.
 #[derive(Clone, Debug)]
 pub struct BucketRef {
     /// The instance identity, from [`crate::matcher::instance_key`].
     pub key: String,
-    /// The limit in force for it now.
-    pub limit: Limit,
+    /// Its limit and how the limit changes over time; the store evaluates it at its own clock's
+    /// now (DESIGN 1.5).
+    pub plan: Plan,
 }
 
 /// A store's answer: the decision and the instant, by the store's clock, it was taken at.

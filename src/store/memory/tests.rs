@@ -3,13 +3,14 @@ use std::sync::Arc;
 use super::*;
 use crate::bucket::{DemandKind, Limit, Rate, MICRO};
 use crate::clock::ManualClock;
+use crate::schedule::Plan;
 
 const HOUR_US: u64 = 3_600_000_000;
 
 fn bucket(key: &str, capacity: u64, per_hour: u64) -> BucketRef {
     BucketRef {
         key: key.to_owned(),
-        limit: Limit::new(capacity, Rate::per(per_hour, HOUR_US).unwrap()),
+        plan: Plan::Fixed(Limit::new(capacity, Rate::per(per_hour, HOUR_US).unwrap())),
     }
 }
 
