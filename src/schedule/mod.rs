@@ -113,13 +113,16 @@ pub enum ScheduleError {
 /// finding the next change means searching ahead, while decisions on a bucket mostly fall
 /// within one stretch of constant limit. So the schedule remembers the latest such stretch it
 /// found (a [`Segment`]) and answers [`Schedule::limit_at`] and [`Schedule::next_limit_change`]
-/// inside it without evaluating anything. The cache only ever moves forward in time and is a
+/// inside it without evaluating anything (it keeps two, so a wait that looks into the next
+/// stretch does not evict the current one). The cache only ever moves forward in time and is a
 /// pure optimisation: every answer is the one the search gives (tested).
 pub struct Schedule {
     base: Limit,
     entries: Vec<ScheduleEntry>,
     limits: Vec<Limit>,
-    segment: ArcSwapOption<Segment>,
+    /// The latest two stretches of constant limit found, latest first: a wait that crosses
+    /// into the next stretch caches it without evicting the one that holds now.
+    segments: ArcSwapOption<[Option<Segment>; 2]>,
 }
 
 /// A stretch of time `[start_us, end_us)` over which the limit is `limit`. When `changes_at_end`
@@ -139,7 +142,7 @@ impl Clone for Schedule {
             base: self.base,
             entries: self.entries.clone(),
             limits: self.limits.clone(),
-            segment: ArcSwapOption::empty(),
+            segments: ArcSwapOption::empty(),
         }
     }
 }
@@ -173,7 +176,7 @@ impl Schedule {
             base,
             entries,
             limits,
-            segment: ArcSwapOption::empty(),
+            segments: ArcSwapOption::empty(),
         })
     }
 
@@ -216,13 +219,14 @@ impl Schedule {
         if self.entries.is_empty() {
             return None;
         }
-        if let Some(seg) = self.segment.load().as_deref() {
-            if seg.start_us <= t_us && t_us < seg.end_us {
-                return Some(*seg);
-            }
-            if t_us < seg.start_us {
-                return None;
-            }
+        let cached = self.segments.load().as_deref().copied().unwrap_or([None; 2]);
+        if let Some(seg) = cached.iter().flatten().find(|s| s.start_us <= t_us && t_us < s.end_us) {
+            return Some(*seg);
+        }
+        // Only ever cache forward: an instant before both cached stretches (a bucket last
+        // updated long ago) is searched for directly.
+        if cached.iter().flatten().count() == 2 && cached.iter().flatten().all(|s| t_us < s.start_us) {
+            return None;
         }
         let limit = self.search_limit_at(t_us);
         let (end_us, changes_at_end) = match self.search_limit_change(t_us, DEFAULT_HORIZON_US) {
@@ -238,7 +242,10 @@ impl Schedule {
             changes_at_end,
             limit,
         };
-        self.segment.store(Some(Arc::new(seg)));
+        // Keep the two latest stretches, latest first.
+        let mut all = [Some(seg), cached[0], cached[1]];
+        all.sort_by_key(|s| std::cmp::Reverse(s.map(|s| s.start_us)));
+        self.segments.store(Some(Arc::new([all[0], all[1]])));
         Some(seg)
     }
 

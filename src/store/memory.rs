@@ -29,8 +29,9 @@ use crate::clock::Clock;
 
 struct Entry {
     state: BucketState,
-    /// When the bucket will be full again, by the limit of its last decision: the sweep drops
-    /// it from then on.
+    /// When the bucket will be full again, by the plan of its last decision
+    /// ([`crate::schedule::Plan::full_at_us`]): from then on it reads as absent and the sweep
+    /// drops it.
     full_at_us: u64,
 }
 
