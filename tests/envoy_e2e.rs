@@ -186,6 +186,23 @@ fn ceil_secs(us: u64) -> u64 {
 /// The range a value "`us` minus the time that passed between two decisions" can take, rounded
 /// up to seconds, when at most `elapsed` passed: `[ceil(us - elapsed), ceil(us)]`. Elapsed time
 /// only ever shortens a wait, so this is the only slack the assertions allow.
+/// A 429 that Envoy answered itself (the upstream never saw it) whose `retry-after` is the wait
+/// for one token arriving every `token_us`, minus whatever refilled since the first decision,
+/// rounded up. Returns the `retry-after`.
+fn assert_denied_waiting_one_token(denied: &Reply, token_us: u64) -> u64 {
+    assert_eq!(denied.status, 429, "{}", denied.dump());
+    assert_eq!(denied.header("x-envoy-ratelimited"), Some("true"));
+    assert_eq!(denied.header("x-upstream"), None);
+    let retry_after = denied.number("retry-after");
+    let expected = ceil_secs_range(token_us, denied.at);
+    assert!(
+        expected.contains(&retry_after),
+        "retry-after {retry_after}, expected {expected:?} (one token every {token_us} us, {:?} elapsed)",
+        denied.at
+    );
+    retry_after
+}
+
 fn ceil_secs_range(us: u64, elapsed: Duration) -> std::ops::RangeInclusive<u64> {
     let elapsed_us = u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX);
     ceil_secs(us.saturating_sub(elapsed_us))..=ceil_secs(us)
@@ -324,17 +341,7 @@ async fn envoy_enforces_tollgate_buckets_and_forwards_its_headers() {
     }
 
     // The sixth request finds less than one token: 429, never reaching the upstream.
-    assert_eq!(denied.status, 429, "{}", denied.dump());
-    assert_eq!(denied.header("x-envoy-ratelimited"), Some("true"));
-    assert_eq!(denied.header("x-upstream"), None);
-    // One token is missing, minus whatever refilled since the first decision; rounded up.
-    let retry_after = denied.number("retry-after");
-    let expected = ceil_secs_range(TOKEN_US, denied.at);
-    assert!(
-        expected.contains(&retry_after),
-        "retry-after {retry_after}, expected {expected:?} (one token every {TOKEN_US} us, {:?} elapsed)",
-        denied.at
-    );
+    let retry_after = assert_denied_waiting_one_token(&denied, TOKEN_US);
     assert_eq!(denied.number("x-ratelimit-remaining"), 0);
     assert_eq!(denied.required("ratelimit-policy"), r#""per_key";q=5;w=12"#);
     let state = denied.required("ratelimit");
@@ -629,16 +636,7 @@ async fn envoy_headers_follow_the_active_schedule_window() {
     // The third request: 429 without reaching the upstream. One token is missing and comes at
     // the window's rate, one per 10 s (at the base's 10 per second it would be 1 s): 10 s minus
     // the time since the first decision (under a second), rounded up, is exactly 10.
-    assert_eq!(denied.status, 429, "{}", denied.dump());
-    assert_eq!(denied.header("x-envoy-ratelimited"), Some("true"));
-    assert_eq!(denied.header("x-upstream"), None);
-    let retry_after = denied.number("retry-after");
-    let expected = ceil_secs_range(SCHEDULED_TOKEN_US, denied.at);
-    assert!(
-        expected.contains(&retry_after),
-        "retry-after {retry_after}, expected {expected:?} (one token every {SCHEDULED_TOKEN_US} us, {:?} elapsed)",
-        denied.at
-    );
+    let retry_after = assert_denied_waiting_one_token(&denied, SCHEDULED_TOKEN_US);
     assert_eq!(retry_after, 10, "{}", denied.dump());
     assert_eq!(denied.required("ratelimit-policy"), r#""peak";q=2;w=20"#);
     let state = denied.required("ratelimit");

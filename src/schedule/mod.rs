@@ -476,3 +476,19 @@ fn first_instant(
 
 #[cfg(test)]
 mod tests;
+
+/// Helpers the schedule and quota tests share.
+#[cfg(test)]
+pub(crate) mod testing {
+    use chrono::NaiveDate;
+
+    use crate::bucket::MICRO;
+
+    /// A UTC instant in microseconds.
+    pub(crate) fn utc(y: i32, mo: u32, d: u32, h: u32, mi: u32) -> u64 {
+        let t = NaiveDate::from_ymd_opt(y, mo, d)
+            .and_then(|d| d.and_hms_opt(h, mi, 0))
+            .expect("a valid date and time");
+        t.and_utc().timestamp() as u64 * MICRO
+    }
+}

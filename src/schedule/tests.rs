@@ -1,21 +1,13 @@
-use chrono::{DateTime, NaiveDate, TimeZone, Timelike};
+use chrono::{DateTime, TimeZone, Timelike};
 use chrono_tz::Tz;
 use croner::parser::{CronParser, Seconds, Year};
 use proptest::prelude::*;
 
 use super::*;
+use crate::schedule::testing::utc;
 
 const MIN: u64 = 60 * MICRO;
 const HOUR: u64 = 60 * MIN;
-
-/// A UTC instant in microseconds.
-fn utc(y: i32, mo: u32, d: u32, h: u32, mi: u32) -> u64 {
-    let t = NaiveDate::from_ymd_opt(y, mo, d)
-        .unwrap()
-        .and_hms_opt(h, mi, 0)
-        .unwrap();
-    t.and_utc().timestamp() as u64 * MICRO
-}
 
 fn per_s(tokens: u64) -> Rate {
     Rate::per(tokens, MICRO).unwrap()

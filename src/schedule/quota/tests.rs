@@ -1,23 +1,15 @@
-use chrono::{DateTime, LocalResult, NaiveDate, NaiveDateTime, Offset, TimeZone};
+use chrono::{DateTime, LocalResult, NaiveDateTime, Offset, TimeZone};
 use chrono_tz::Tz;
 use croner::parser::{CronParser, Seconds, Year};
 use proptest::prelude::*;
 
 use super::*;
+use crate::schedule::testing::utc;
 
 const SEC: u64 = MICRO;
 const MIN: u64 = 60 * SEC;
 const HOUR: u64 = 60 * MIN;
 const DAY: u64 = 24 * HOUR;
-
-/// A UTC instant in microseconds.
-fn utc(y: i32, mo: u32, d: u32, h: u32, mi: u32) -> u64 {
-    let t = NaiveDate::from_ymd_opt(y, mo, d)
-        .unwrap()
-        .and_hms_opt(h, mi, 0)
-        .unwrap();
-    t.and_utc().timestamp() as u64 * MICRO
-}
 
 fn quota(limit: u64, reset: &str, tz: &str) -> Quota {
     Quota::new(limit, reset, Some(tz)).unwrap()
