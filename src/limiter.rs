@@ -93,6 +93,7 @@ impl<S: Store> Limiter<S> {
     /// Replaces the rules in force; requests already being decided finish on the old ones.
     pub fn swap_rules(&self, rules: RuleSet) {
         self.rules.store(Arc::new(rules));
+        self.store.rules_changed();
     }
 
     /// Decides one request.

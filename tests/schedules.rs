@@ -414,3 +414,64 @@ descriptors:
     assert_eq!(resp.statuses[1].code, OVER);
     assert_eq!(retry_after(&resp), None);
 }
+
+fn fixed(capacity: u64, refill: &str) -> String {
+    format!("domain: d\nbuckets:\n  b: {{capacity: {capacity}, refill: {refill}}}\ndescriptors:\n  - {{key: k, bucket: b}}\n")
+}
+
+/// Whole tokens `key=x` holds, by a non-consuming check.
+async fn remaining(h: &Harness, key: &str) -> u32 {
+    h.ask(&req("d", vec![hits(&[(key, "x")], 0)])).await.statuses[0].limit_remaining
+}
+
+/// A reload applies to a bucket that was not full when it happened, even after the old rules
+/// would have made it full: a raised capacity grants nothing at once, a lowered refill is not
+/// bypassed, and a quota whose reset changed never resets at an edge of the old pattern.
+/// (These went wrong when the store read a bucket as absent once it would have been full by
+/// the old rules.)
+#[tokio::test]
+async fn a_reload_governs_buckets_that_were_not_full_when_it_happened() {
+    let t0 = utc(2026, 6, 1, 12, 0);
+    let h = harness(&fixed(10, "10/m"), t0);
+    assert_eq!(admitted(&h, "k", "x", 10).await, 10);
+    h.clock.set_us(t0 + 30 * S);
+    h.limiter.swap_rules(harness::rules(&fixed(100, "10/m")));
+    h.clock.set_us(t0 + 60 * S);
+    assert_eq!(remaining(&h, "k").await, 10, "5 held at the reload, 5 refilled since");
+    assert_eq!(admitted(&h, "k", "x", 200).await, 10);
+    // Swept or not: the sweep must not drop it either.
+    h.clock.set_us(t0 + 90 * S);
+    h.limiter.store().sweep();
+    assert_eq!(remaining(&h, "k").await, 5);
+
+    let h = harness(&fixed(10, "10/m"), t0);
+    assert_eq!(admitted(&h, "k", "x", 10).await, 10);
+    h.clock.set_us(t0 + S);
+    h.limiter.swap_rules(harness::rules(&fixed(10, "1/h")));
+    h.clock.set_us(t0 + 61 * S);
+    h.limiter.store().sweep();
+    assert_eq!(
+        admitted(&h, "k", "x", 20).await,
+        0,
+        "1 per hour since the last decision"
+    );
+
+    let quota = |reset: &str| {
+        format!("domain: d\nbuckets:\n  b: {{quota: {{limit: 3, reset: \"{reset}\"}}}}\ndescriptors:\n  - {{key: k, bucket: b}}\n")
+    };
+    let h = harness(&quota("0 0 * * *"), utc(2026, 6, 10, 12, 0));
+    assert_eq!(admitted(&h, "k", "x", 3).await, 3);
+    h.limiter.swap_rules(harness::rules(&quota("0 0 1 * *")));
+    h.clock.set_us(utc(2026, 6, 11, 0, 0));
+    h.limiter.store().sweep();
+    assert_eq!(admitted(&h, "k", "x", 5).await, 0, "no monthly edge on 11 June");
+    h.clock.set_us(utc(2026, 7, 1, 0, 0));
+    assert_eq!(admitted(&h, "k", "x", 5).await, 3);
+
+    // A bucket already full when the rules change is the same as a new one.
+    let h = harness(&fixed(10, "10/m"), t0);
+    assert_eq!(admitted(&h, "k", "x", 10).await, 10);
+    h.clock.set_us(t0 + 120 * S);
+    h.limiter.swap_rules(harness::rules(&fixed(100, "10/m")));
+    assert_eq!(admitted(&h, "k", "x", 200).await, 100);
+}

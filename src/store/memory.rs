@@ -21,6 +21,7 @@ use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use arc_swap::ArcSwap;
 use indexmap::IndexMap;
 
 use super::{Applied, BucketRef, Store, StoreError};
@@ -91,6 +92,41 @@ struct Inner {
     per_shard_cap: usize,
     clock: Arc<dyn Clock>,
     stats: MemoryStoreStats,
+    /// When the rules were last replaced (see [`Store::rules_changed`]).
+    reloads: ArcSwap<Reloads>,
+}
+
+/// The instants (by the store's clock) the rules were replaced at, the latest
+/// [`MAX_RELOADS_KEPT`] of them, ascending.
+#[derive(Default)]
+struct Reloads {
+    at_us: Vec<u64>,
+    /// The latest instant forgotten to stay within [`MAX_RELOADS_KEPT`] (0: none).
+    forgotten_until_us: u64,
+}
+
+/// How many reload instants are remembered.
+const MAX_RELOADS_KEPT: usize = 64;
+
+impl Reloads {
+    /// Whether a bucket written at `written_us`, to be full at `full_at_us` under the rules of
+    /// that write, reads as absent at `now_us`. A full bucket is the same as none, so it is
+    /// absent once full, but only by the rules it was written under: if the rules were replaced
+    /// before it was full, the new rules decide from its state (a raised capacity grants nothing
+    /// at once, a lowered refill is not bypassed). When the reloads after the write are no
+    /// longer all remembered, it is kept (deciding from its state never over-admits).
+    fn forgotten(&self, written_us: u64, full_at_us: u64, now_us: u64) -> bool {
+        // A reload at the very microsecond of the write counts as after it (it may have been):
+        // the bucket is then decided by its state, which never over-admits.
+        if self.at_us.last().is_none_or(|last| *last < written_us) {
+            return full_at_us <= now_us;
+        }
+        if written_us <= self.forgotten_until_us {
+            return false;
+        }
+        let first_after = self.at_us[self.at_us.partition_point(|r| *r < written_us)];
+        full_at_us <= first_after.min(now_us)
+    }
 }
 
 impl MemoryStore {
@@ -107,6 +143,7 @@ impl MemoryStore {
                 per_shard_cap: max_buckets.div_ceil(shards).max(1),
                 clock,
                 stats: MemoryStoreStats::default(),
+                reloads: ArcSwap::from_pointee(Reloads::default()),
             }),
         }
     }
@@ -134,14 +171,17 @@ impl MemoryStore {
     }
 
     /// Drops every bucket that is full by now. Locks one shard at a time, so decisions on
-    /// other shards go on meanwhile.
+    /// other shards go on meanwhile. A bucket written before the rules were replaced is dropped
+    /// only if it was full by the replacement; otherwise it stays until it is decided on again
+    /// (or evicted), since only the rules can tell whether it is full under the new ones.
     pub fn sweep(&self) -> usize {
         let now = self.inner.clock.now_us();
+        let reloads = self.inner.reloads.load();
         let mut dropped = 0;
         for shard in &self.inner.shards {
             let mut map = lock(shard);
             let before = map.len();
-            map.retain(|_, e| e.full_at_us > now);
+            map.retain(|_, e| !reloads.forgotten(e.state.updated_us, e.full_at_us, now));
             dropped += before - map.len();
         }
         dropped
@@ -187,6 +227,7 @@ impl MemoryStore {
         let mut guards: Vec<(usize, MutexGuard<'_, Shard>)> =
             shard_ids.iter().map(|&i| (i, lock(&self.inner.shards[i]))).collect();
         let now = self.inner.clock.now_us();
+        let reloads = self.inner.reloads.load();
         let guard_of = |shard: usize| shard_ids.binary_search(&shard).expect("shard was locked");
         let plans: Vec<_> = buckets.iter().map(|b| &b.plan).collect();
         let states: Vec<BucketState> = buckets
@@ -198,7 +239,7 @@ impl MemoryStore {
                     .1
                     .get(key.as_bytes())
                     // A bucket full by now is the same as none, swept or not.
-                    .filter(|e| e.full_at_us > now)
+                    .filter(|e| !reloads.forgotten(e.state.updated_us, e.full_at_us, now))
                     .map(|e| e.state)
                     .unwrap_or_else(|| BucketState::full(&b.plan.limit_at(now), now))
             })
@@ -292,6 +333,22 @@ fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
 impl Store for MemoryStore {
     async fn apply(&self, buckets: &[BucketRef], demands: &[Demand]) -> Result<Applied, StoreError> {
         Ok(self.apply_now(buckets, demands))
+    }
+
+    fn rules_changed(&self) {
+        let now = self.inner.clock.now_us();
+        self.inner.reloads.rcu(|old| {
+            let mut at_us = old.at_us.clone();
+            at_us.push(now.max(at_us.last().copied().unwrap_or(0)));
+            let mut forgotten_until_us = old.forgotten_until_us;
+            if at_us.len() > MAX_RELOADS_KEPT {
+                forgotten_until_us = at_us.remove(0);
+            }
+            Reloads {
+                at_us,
+                forgotten_until_us,
+            }
+        });
     }
 }
 

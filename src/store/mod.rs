@@ -47,4 +47,8 @@ pub trait Store: Send + Sync + 'static {
         buckets: &[BucketRef],
         demands: &[Demand],
     ) -> impl Future<Output = Result<Applied, StoreError>> + Send;
+
+    /// Told when the rules in force are replaced, so that what a store remembers about a bucket
+    /// under the old rules (such as when it would be full) is not applied under the new ones.
+    fn rules_changed(&self) {}
 }

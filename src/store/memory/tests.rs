@@ -239,3 +239,39 @@ fn stored_keys_are_bounded() {
     // Up to 128 bytes a key is kept as it is; longer, as a tag byte and a 128-bit digest.
     assert_eq!(lens, [17, 17, 17, 24, 128]);
 }
+
+/// Which buckets read as absent around reloads, including when old reloads were forgotten.
+#[test]
+fn forgotten_around_reloads() {
+    let none = Reloads::default();
+    assert!(none.forgotten(100, 200, 200), "full by now, no reload since");
+    assert!(!none.forgotten(100, 201, 200));
+    let one = Reloads {
+        at_us: vec![150],
+        forgotten_until_us: 0,
+    };
+    assert!(one.forgotten(100, 150, 300), "full by the reload");
+    assert!(
+        !one.forgotten(100, 151, 300),
+        "not full by the reload: the new rules decide"
+    );
+    assert!(
+        one.forgotten(150, 160, 300) == one.forgotten(150, 160, 150),
+        "a reload at the write counts as after it"
+    );
+    assert!(!one.forgotten(150, 160, 300));
+    assert!(
+        one.forgotten(151, 160, 300),
+        "written after the reload: its own full time"
+    );
+    let truncated = Reloads {
+        at_us: vec![500, 600],
+        forgotten_until_us: 400,
+    };
+    assert!(
+        !truncated.forgotten(300, 301, 1000),
+        "a forgotten reload may lie after the write"
+    );
+    assert!(truncated.forgotten(450, 500, 1000));
+    assert!(!truncated.forgotten(450, 501, 1000));
+}
