@@ -25,6 +25,9 @@ enum Command {
         /// Settings file (YAML). Without it, config/tollgate.yaml is read if it exists.
         #[arg(long)]
         config: Option<PathBuf>,
+        /// A rules file or a directory of rules files; overrides the `rules` setting.
+        #[arg(long)]
+        rules: Option<PathBuf>,
     },
     /// Validate rules and print the compiled descriptor tree; exit 1 on any error.
     Check {
@@ -52,14 +55,17 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
-        Command::Serve { config } => {
-            let settings = match Settings::load(config.as_deref()) {
+        Command::Serve { config, rules } => {
+            let mut settings = match Settings::load(config.as_deref()) {
                 Ok(s) => s,
                 Err(e) => {
                     eprintln!("invalid settings: {e}");
                     return ExitCode::FAILURE;
                 }
             };
+            if let Some(rules) = rules {
+                settings.rules = rules;
+            }
             init_logging(&settings);
             for name in tollgate::settings::unknown_env_vars() {
                 tracing::warn!(variable = %name, "environment variable names no setting; ignored");

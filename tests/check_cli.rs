@@ -354,6 +354,31 @@ const INVALID: &[Invalid] = &[
         &["quota: cron `0 0 32 * *` is invalid: 32 is out of range for the day-of-month field (1-31)"],
     ),
     inv(
+        "replaces_quota_companion.yaml",
+        Some("j"),
+        &["`replaces` names `metered.quota`, the quota of bucket `metered`", "so name `metered`"],
+    ),
+    inv(
+        "schedule_never_active.yaml",
+        Some("buckets.per_key.schedule[0]"),
+        &["cron `* * 30 FEB *` matches no day, so the window would never be active"],
+    ),
+    inv(
+        "schedule_scale_below_one_token.yaml",
+        Some("buckets.tiny.schedule[0]"),
+        &["scale 0.5 leaves a capacity of 500000 micro-tokens, less than one token", "use `capacity: 0`"],
+    ),
+    inv(
+        "schedule_on_blocked_rule.yaml",
+        Some("client=blocked"),
+        &["`schedule` on a rule with `requests_per_unit: 0`"],
+    ),
+    inv(
+        "quota_companion_name_taken.yaml",
+        Some("buckets.metered.quota"),
+        &["bucket `metered.quota` is the name of bucket `metered`'s quota", "rename one of them"],
+    ),
+    inv(
         "quota_never_resets.yaml",
         Some("buckets.yearly"),
         &["quota: reset `0 0 30 FEB *` matches no day, so the quota would never reset"],
@@ -872,4 +897,25 @@ fn schedules_preview_base_entries_now_and_changes() {
     ] {
         assert!(stdout.contains(e), "missing {e:?} in:\n{stdout}");
     }
+}
+
+/// `tollgate serve --rules PATH` serves those rules instead of the `rules` setting: an invalid
+/// file given that way stops it at start with the same file, rule and reason as `check`.
+#[test]
+fn serve_takes_rules_from_the_flag() {
+    let fixture = fixtures().join("invalid/schedule_nickname.yaml");
+    let out = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["serve", "--rules"])
+        .arg(&fixture)
+        .env("NO_COLOR", "1")
+        .env("RUST_LOG", "error")
+        .output()
+        .expect("run tollgate serve");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let expected = format!(
+        "{}: rule `buckets.per_key.schedule[0]`: cron `@daily` is invalid",
+        fixture.display()
+    );
+    assert!(stderr.contains(&expected), "expected {expected:?} in:\n{stderr}");
 }

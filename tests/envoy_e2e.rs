@@ -522,8 +522,9 @@ fn shipped_envoy_config_is_valid() {
 /// Schedules through Envoy: two buckets with the same base (10 tokens, 10 per second, full from
 /// empty in 1 s) and the same window effect (2 tokens, one every 10 s: full from empty in 20 s).
 /// `peak`'s window, `* * * * *`, is active at every minute, so the real clock tollgate reads is
-/// always inside it; `off_peak`'s, `* * 31 2 *` (31 February), is never active. `/limited` with
-/// key `base` reaches `off_peak`, any other key `peak` (the exact value is tried first).
+/// always inside it; `off_peak`'s, `* @OTHER_HOUR@ * * *`, is the hour twelve hours from now
+/// (UTC), so it is not active while the test runs. `/limited` with key `base` reaches
+/// `off_peak`, any other key `peak` (the exact value is tried first).
 const SCHEDULED_RULES: &str = r#"
 domain: e2e
 buckets:
@@ -538,7 +539,7 @@ buckets:
     capacity: 10
     refill: 10/s
     schedule:
-      - cron: "* * 31 2 *"
+      - cron: "* @OTHER_HOUR@ * * *"
         capacity: 2
         refill: 1/10s
 descriptors:
@@ -559,7 +560,14 @@ async fn envoy_headers_follow_the_active_schedule_window() {
         return;
     };
     let upstream = start_upstream().await;
-    let tollgate = tokio::task::block_in_place(|| Tollgate::start(&[("e2e.yaml", SCHEDULED_RULES)]));
+    let hour_now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("a clock after 1970")
+        .as_secs()
+        / 3600
+        % 24;
+    let rules = SCHEDULED_RULES.replace("@OTHER_HOUR@", &((hour_now + 12) % 24).to_string());
+    let tollgate = tokio::task::block_in_place(|| Tollgate::start(&[("e2e.yaml", rules.as_str())]));
     let bootstrap = BOOTSTRAP
         .replace("@UPSTREAM_PORT@", &upstream.port().to_string())
         .replace("@RATELIMIT_PORT@", &tollgate.grpc_addr.port().to_string());

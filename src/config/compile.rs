@@ -226,7 +226,7 @@ impl<'a> DomainBuilder<'a> {
         }
         let rate = self.rate(rule, refill)?;
         let limit = Limit::new(capacity, rate);
-        self.check_fill(rule, &limit, refill, "").then_some(limit)
+        self.check_fill(rule, &limit, refill).then_some(limit)
     }
 
     /// A refill string as an exact rate.
@@ -258,8 +258,8 @@ impl<'a> DomainBuilder<'a> {
     }
 
     /// Whether `limit` fills from empty within [`MAX_FILL_US`]; records the error if not.
-    /// `refill` and `context` (`""`, or where in a schedule) are for the message.
-    fn check_fill(&mut self, rule: &str, limit: &Limit, refill: &str, context: &str) -> bool {
+    /// `refill` is for the message.
+    fn check_fill(&mut self, rule: &str, limit: &Limit, refill: &str) -> bool {
         let rate = limit.rate;
         if rate.is_zero() || limit.capacity_ut == 0 {
             return true;
@@ -273,7 +273,7 @@ impl<'a> DomainBuilder<'a> {
         self.error(
             rule,
             format!(
-                "{context}capacity {} at refill `{refill}` takes {days} days (about {} years) to fill from empty, \
+                "capacity {} at refill `{refill}` takes {days} days (about {} years) to fill from empty, \
                  more than the maximum of 10 years ({} days); raise the refill or lower the capacity",
                 limit.capacity(),
                 days / 365,
@@ -317,6 +317,7 @@ impl<'a> DomainBuilder<'a> {
             Err(reason) => {
                 let at = match reason {
                     ScheduleError::ScaledCapacityTooLarge { entry, .. }
+                    | ScheduleError::ScaledBelowOneToken { entry, .. }
                     | ScheduleError::InexactScaledRate { entry, .. } => {
                         format!("{rule}.schedule[{entry}]")
                     }
@@ -329,7 +330,7 @@ impl<'a> DomainBuilder<'a> {
         for (i, e) in entries.iter().enumerate() {
             let limit = *schedule.entry_limit(i).expect("one limit per entry");
             let refill = e.refill.clone().unwrap_or_else(|| "(scaled)".to_owned());
-            if !self.check_fill(rule, &limit, &refill, &format!("schedule[{i}]: ")) {
+            if !self.check_fill(&format!("{rule}.schedule[{i}]"), &limit, &refill) {
                 return None;
             }
         }
@@ -365,7 +366,18 @@ impl<'a> DomainBuilder<'a> {
                 quota: Some(quota),
             } => {
                 let bucket = self.add_policy(rule, name.clone(), plan)?;
-                let quota = self.add_policy(rule, quota_name(&name), Plan::Quota(quota))?;
+                let companion = quota_name(&name);
+                if self.by_name.contains_key(&companion) {
+                    self.error(
+                        rule,
+                        format!(
+                            "the quota of bucket `{name}` is named `{companion}`, which is already a bucket of this \
+                             file; rename one of them"
+                        ),
+                    );
+                    return None;
+                }
+                let quota = self.add_policy(rule, companion, Plan::Quota(quota))?;
                 self.companions.insert(bucket, quota);
                 Some((bucket, Some(quota)))
             }
@@ -384,6 +396,14 @@ impl<'a> DomainBuilder<'a> {
         }
     }
 
+    /// The name of the bucket whose quota policy `idx` is, if it is one.
+    fn companion_of(&self, idx: usize) -> Option<&str> {
+        self.companions
+            .iter()
+            .find(|(_, q)| **q == idx)
+            .map(|(b, _)| self.buckets[*b].name.as_str())
+    }
+
     /// Registers a tollgate-schema policy under `name`; a second declaration of the same name
     /// must be identical (then both rules share the bucket).
     fn add_policy(&mut self, rule: &str, name: String, plan: Plan) -> Option<usize> {
@@ -393,10 +413,14 @@ impl<'a> DomainBuilder<'a> {
             if existing.plan == plan && existing.reported == reported {
                 return Some(idx);
             }
-            self.error(
-                rule,
-                format!("bucket `{name}` is already declared with a different limit"),
-            );
+            let reason = match self.companion_of(idx) {
+                Some(owner) => format!(
+                    "bucket `{name}` is the name of bucket `{owner}`'s quota (a quota beside a token bucket is \
+                     named `<bucket>.quota`); rename one of them"
+                ),
+                None => format!("bucket `{name}` is already declared with a different limit"),
+            };
+            self.error(rule, reason);
             return None;
         }
         self.buckets.push(BucketPolicy {
@@ -629,13 +653,23 @@ impl<'a> DomainBuilder<'a> {
                 return None;
             }
             let (limit, reported) = self.envoy_limit(path, rl.unit.as_deref(), rl.requests_per_unit)?;
+            if limit.rate.is_zero() && spec.schedule.is_some() {
+                self.error(
+                    path,
+                    "`schedule` on a rule with `requests_per_unit: 0`, which blocks every request: give it a \
+                     positive limit, and a window with `capacity: 0` where it should block",
+                );
+                return None;
+            }
             let plan = self.scheduled(path, limit, spec.schedule.as_deref().unwrap_or_default())?;
             let bucket = self.add_label(name.clone(), plan, reported);
             let quota = match &spec.quota {
                 Some(q) => {
                     let quota = Plan::Quota(self.quota(path, q)?);
                     let reported = reported_base(&quota);
-                    Some(self.add_label(quota_name(&name), quota, reported))
+                    let idx = self.add_label(quota_name(&name), quota, reported);
+                    self.companions.insert(bucket, idx);
+                    Some(idx)
                 }
                 None => None,
             };
@@ -774,6 +808,12 @@ impl<'a> DomainBuilder<'a> {
                     self.error(&p.path, reason);
                 } else if own.is_some_and(|own| self.buckets[own].name == *name) {
                     self.error(&p.path, format!("`replaces` names the rule's own bucket `{name}`"));
+                } else if let Some(owner) = named.iter().find_map(|&i| self.companion_of(i)) {
+                    let reason = format!(
+                        "`replaces` names `{name}`, the quota of bucket `{owner}`: a token bucket and its quota \
+                         are replaced together, so name `{owner}`"
+                    );
+                    self.error(&p.path, reason);
                 } else {
                     resolved.extend(named);
                 }

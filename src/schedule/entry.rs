@@ -103,9 +103,10 @@ impl ScheduleEntry {
         };
         parsed.require_some_minute(cron)?;
         let (any, all) = parsed.day_coverage();
-        let constant = if !any {
-            Some(false)
-        } else if all && parsed.every_minute_of_day() {
+        if !any {
+            return Err(ScheduleError::NeverActive(cron.trim().to_string()));
+        }
+        let constant = if all && parsed.every_minute_of_day() {
             Some(true)
         } else {
             None
@@ -164,7 +165,7 @@ impl ScheduleEntry {
         loop {
             // With the offset at `cur` held, the first local minute of the other activity...
             let offset = self.offset_at(cur)?;
-            let from = floor_minute(utc_naive(cur + offset)?) + Duration::minutes(1);
+            let from = floor_minute(utc_naive(cur + offset)?).checked_add_signed(Duration::minutes(1))?;
             let until = utc_naive(limit_s + 1 + offset)?;
             let candidate = self
                 .cron
@@ -315,7 +316,7 @@ impl CronPattern {
             }
             let hour = m.hour();
             let hour_start = date.and_hms_opt(hour, 0, 0)?;
-            let next_hour = hour_start + Duration::hours(1);
+            let next_hour = hour_start.checked_add_signed(Duration::hours(1))?;
             if self.hours & (1 << hour) == 0 {
                 if want {
                     m = next_hour;
@@ -330,7 +331,7 @@ impl CronPattern {
             };
             let rest = bits >> m.minute();
             if rest != 0 {
-                let found = m + Duration::minutes(i64::from(rest.trailing_zeros()));
+                let found = m.checked_add_signed(Duration::minutes(i64::from(rest.trailing_zeros())))?;
                 return (found < until).then_some(found);
             }
             m = next_hour;
@@ -345,7 +346,7 @@ impl CronPattern {
         while m >= until {
             let date = m.date();
             if !self.day_ok(date) {
-                m = date.and_hms_opt(0, 0, 0)? - Duration::minutes(1);
+                m = date.and_hms_opt(0, 0, 0)?.checked_sub_signed(Duration::minutes(1))?;
                 continue;
             }
             let hour = m.hour();
@@ -354,11 +355,12 @@ impl CronPattern {
                 // The minutes of this hour up to and including m's.
                 let bits = self.minutes & ((2u64 << m.minute()) - 1);
                 if bits != 0 {
-                    let found = hour_start + Duration::minutes(i64::from(63 - bits.leading_zeros()));
+                    let found =
+                        hour_start.checked_add_signed(Duration::minutes(i64::from(63 - bits.leading_zeros())))?;
                     return (found >= until).then_some(found);
                 }
             }
-            m = hour_start - Duration::minutes(1);
+            m = hour_start.checked_sub_signed(Duration::minutes(1))?;
         }
         None
     }
@@ -489,12 +491,25 @@ fn check_bounds(i: usize, field: &str) -> Result<(), String> {
         if range == "*" {
             continue;
         }
+        if step.is_some() && !range.contains('-') {
+            return Err(format!(
+                "`{item}` in the {name} field: a step needs `*` or a range before it (`*/{s}`, `{range}-{hi}/{s}`)",
+                s = step.unwrap_or_default()
+            ));
+        }
         match range.split_once('-') {
             Some((a, b)) => {
                 let (a, b) = (value(a)?, value(b)?);
                 if a > b {
+                    let span = |x: u32, y: u32| if x == y { x.to_string() } else { format!("{x}-{y}") };
+                    // Sunday is 7 as well as 0, so a weekday range up to Sunday needs no wrap.
+                    let instead = if i == 4 && b == 0 {
+                        span(a, 7)
+                    } else {
+                        format!("{},{}", span(a, hi), span(lo, b))
+                    };
                     return Err(format!(
-                        "range `{range}` in the {name} field runs backwards; ranges do not wrap around (write `{a}-{hi},{lo}-{b}`)"
+                        "range `{range}` in the {name} field runs backwards; ranges do not wrap around (write `{instead}`)"
                     ));
                 }
             }

@@ -31,6 +31,13 @@ use crate::bucket::{refill, wait_us, BucketState, Limit, Rate, MAX_CAPACITY, MIC
 /// day searched per entry (and a few offset probes per day), not one per minute.
 pub const DEFAULT_HORIZON_US: u64 = 62 * 86_400 * MICRO;
 
+/// How many changes of limit a look ahead (a wait, a time until full) walks at most, within
+/// [`DEFAULT_HORIZON_US`]. Each costs a search for the next change, so a bucket that fills
+/// slowly under windows that change every few minutes would otherwise walk tens of thousands
+/// on every decision. Past it the answer is "not within the horizon": no retry-after, no reset
+/// time, and a store keeps the bucket until it is decided on again or evicted.
+pub const MAX_CHANGES_AHEAD: usize = 256;
+
 /// Why a schedule entry or schedule was rejected. The messages name the reason; the config
 /// loader adds the file and the rule.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -86,6 +93,19 @@ pub enum ScheduleError {
         millionths: u64,
         /// The scaled capacity in whole tokens.
         capacity: u64,
+    },
+    /// A window whose pattern matches no day (`* * 30 FEB *`): it would never be active.
+    #[error("cron `{0}` matches no day, so the window would never be active")]
+    NeverActive(String),
+    /// A scale that leaves a capacity above zero but below one token: no request could pass.
+    #[error("scale {scale} leaves a capacity of {capacity_ut} micro-tokens, less than one token, so no request could pass; use `capacity: 0` for a window that denies everything")]
+    ScaledBelowOneToken {
+        /// Index of the entry in the schedule.
+        entry: usize,
+        /// The scale as a decimal.
+        scale: String,
+        /// The scaled capacity in micro-tokens.
+        capacity_ut: u64,
     },
     /// A quota's `limit` of 0.
     #[error("a quota's limit must be at least 1 token")]
@@ -313,6 +333,13 @@ fn entry_limit(base: &Limit, effect: Effect, i: usize) -> Result<Limit, Schedule
                     millionths,
                     capacity: u64::try_from(capacity / u128::from(MICRO)).unwrap_or(u64::MAX),
                 })?;
+            if capacity_ut > 0 && capacity_ut < MICRO {
+                return Err(ScheduleError::ScaledBelowOneToken {
+                    entry: i,
+                    scale: (millionths as f64 / 1e6).to_string(),
+                    capacity_ut,
+                });
+            }
             let inexact = ScheduleError::InexactScaledRate { entry: i, millionths };
             let rate = if base.rate.is_zero() {
                 Rate::ZERO
@@ -358,6 +385,13 @@ pub fn refill_scheduled(state: BucketState, schedule: &Schedule, now_us: u64) ->
         {
             Some(b) => {
                 st = cross(st, &limit, b);
+                if st.tokens_ut == u64::MAX {
+                    // Full, so full under every later limit too: no need to walk on.
+                    return BucketState {
+                        tokens_ut: schedule.limit_at(now_us).capacity_ut,
+                        updated_us: st.updated_us.max(now_us),
+                    };
+                }
                 cur = b;
             }
             None => return refill(st, &limit, now_us),
@@ -448,7 +482,7 @@ fn first_instant(
 ) -> Option<u64> {
     let mut st = state;
     let mut cur = state.updated_us;
-    loop {
+    for _ in 0..=MAX_CHANGES_AHEAD {
         let limit = schedule.limit_at(cur);
         let candidate = need(&limit).and_then(|n| {
             let tokens = st.tokens_ut.min(limit.capacity_ut);
@@ -472,6 +506,7 @@ fn first_instant(
             (None, _) => return None,
         }
     }
+    None
 }
 
 #[cfg(test)]

@@ -245,10 +245,10 @@ impl Quota {
         // minute's is too: a minute the clocks skipped would have to occur again after `s`,
         // which no zone does (offset changes are a week apart and shorter than that).
         let mut from = floor_minute(self.high_water(s)?);
-        let until = floor_minute(self.high_water(limit_s)?) + Duration::minutes(1);
+        let until = floor_minute(self.high_water(limit_s)?).checked_add_signed(Duration::minutes(1))?;
         loop {
             let local = self.cron.find_local(from, until, true)?;
-            from = local + Duration::minutes(1);
+            from = local.checked_add_signed(Duration::minutes(1))?;
             match self.edge_of(local) {
                 Some(edge) if edge > s => {
                     return (edge <= limit_s).then(|| edge as u64 * MICRO);
@@ -268,10 +268,11 @@ impl Quota {
         // An edge at or after `floor_s` comes from a local minute no earlier than the local
         // time at `floor_s` less the longest step back of the clocks.
         let mut from = floor_minute(self.high_water(s)?);
-        let until = floor_minute(local_at(self.timezone, floor_s)?) - Duration::seconds(OVERLAP_SLACK_S);
+        let until =
+            floor_minute(local_at(self.timezone, floor_s)?).checked_sub_signed(Duration::seconds(OVERLAP_SLACK_S))?;
         loop {
             let local = self.cron.find_local_back(from, until)?;
-            from = local - Duration::minutes(1);
+            from = local.checked_sub_signed(Duration::minutes(1))?;
             match self.edge_of(local) {
                 Some(edge) if edge <= s => {
                     return (edge >= floor_s).then(|| edge as u64 * MICRO);

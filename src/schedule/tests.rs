@@ -345,7 +345,15 @@ fn validation_errors() {
         ),
         (
             "* * * DEC-JAN *",
-            "range `DEC-JAN` in the month field runs backwards; ranges do not wrap around (write `12-12,1-1`)",
+            "range `DEC-JAN` in the month field runs backwards; ranges do not wrap around (write `12,1`)",
+        ),
+        (
+            "* * * * MON-SUN",
+            "range `MON-SUN` in the day-of-week field runs backwards; ranges do not wrap around (write `1-7`)",
+        ),
+        (
+            "1/5 * * * *",
+            "`1/5` in the minute field: a step needs `*` or a range before it (`*/5`, `1-59/5`)",
         ),
         (
             "*/0 * * * *",
@@ -480,7 +488,10 @@ fn pattern() -> impl Strategy<Value = String> {
 }
 
 fn entries() -> impl Strategy<Value = Vec<(String, usize, u64)>> {
-    prop::collection::vec((pattern(), 0..ZONES.len(), 1..50u64), 1..4)
+    prop::collection::vec(
+        (pattern(), 0..ZONES.len(), 1..50u64).prop_filter("ever active", |(p, z, _)| ever_active(p, *z)),
+        1..4,
+    )
 }
 
 /// Instants from 2024 to 2028, half of them within a day of a DST change in New York,
@@ -507,6 +518,15 @@ fn reference_active(cron: &croner::Cron, zone: &str, t_us: u64) -> bool {
     let local = tz.from_utc_datetime(&utc_time).naive_local();
     let local = local.date().and_hms_opt(local.hour(), local.minute(), 0).unwrap();
     cron.is_time_matching(&local).unwrap()
+}
+
+/// Whether a generated pattern matches some day in the zone: one that matches none is rejected
+/// (the window would never be active), so the generated schedules leave it out.
+fn ever_active(pattern: &str, zone: usize) -> bool {
+    !matches!(
+        ScheduleEntry::new(pattern, Some(ZONES[zone]), Some(1.0), None, None),
+        Err(ScheduleError::NeverActive(_))
+    )
 }
 
 fn build(spec: &[(String, usize, u64)]) -> (Schedule, Vec<croner::Cron>) {
@@ -575,9 +595,10 @@ proptest! {
 #[test]
 fn constant_and_rare_patterns() {
     let t = utc(2026, 6, 1, 12, 0);
-    let never = entry("* * 30 FEB *", "Europe/Berlin");
-    assert!(!never.is_active(t));
-    assert_eq!(never.next_change(t, u64::MAX), None);
+    assert_eq!(
+        ScheduleEntry::new("* * 30 FEB *", Some("Europe/Berlin"), Some(0.5), None, None).unwrap_err(),
+        ScheduleError::NeverActive("* * 30 FEB *".to_string())
+    );
     let always = entry("* * * * *", "Europe/Berlin");
     assert!(always.is_active(t));
     assert_eq!(always.next_change(t, u64::MAX), None);
@@ -709,7 +730,8 @@ fn model_entries() -> impl Strategy<Value = Vec<(String, usize, Option<u64>, u64
             prop::option::of(1..40u64),
             0..30u64,
             1..20u64,
-        ),
+        )
+            .prop_filter("ever active", |(p, z, ..)| ever_active(p, *z)),
         1..4,
     )
 }
@@ -738,7 +760,12 @@ proptest! {
             }
             .unwrap())
             .collect();
-        let s = Schedule::new(base, entries).unwrap();
+        // A scale that leaves less than a token of capacity is rejected at load.
+        let s = match Schedule::new(base, entries) {
+            Ok(s) => s,
+            Err(ScheduleError::ScaledBelowOneToken { .. }) => return Ok(()),
+            Err(e) => panic!("{e}"),
+        };
         let crons = spec
             .iter()
             .enumerate()
@@ -787,5 +814,48 @@ proptest! {
             prop_assert_eq!(s.limit_at(t), s.search_limit_at(t), "limit at {}", t);
             prop_assert_eq!(s.next_limit_change(t, horizon), s.search_limit_change(t, horizon), "change after {}", t);
         }
+    }
+}
+
+/// A look ahead walks at most [`MAX_CHANGES_AHEAD`] changes of limit: under a window that
+/// toggles every minute, a wait 100 changes away is found, one 400 changes away is not (a
+/// decision would otherwise walk every change up to the horizon).
+#[test]
+fn look_ahead_is_bounded_in_changes() {
+    let toggling = ScheduleEntry::new("*/2 * * * *", None, None, None, Some(per_min(2))).unwrap();
+    let s = Schedule::new(Limit::new(1000, per_min(1)), vec![toggling]).unwrap();
+    let now = utc(2026, 6, 1, 12, 1);
+    let empty = BucketState {
+        tokens_ut: 0,
+        updated_us: now,
+    };
+    // 3 tokens per 2 minutes: 150 tokens take 100 minutes, 100 changes.
+    assert_eq!(
+        wait_until_us(empty, 150 * MICRO, &s, now, DEFAULT_HORIZON_US),
+        Some(100 * MIN)
+    );
+    assert_exact_wait(empty, 150 * MICRO, &s, now, 100 * MIN);
+    assert_eq!(wait_until_us(empty, 600 * MICRO, &s, now, DEFAULT_HORIZON_US), None);
+    assert_eq!(full_at_us(empty, &s, DEFAULT_HORIZON_US), None);
+    // Bringing a state forward is never bounded: it is what admission rests on.
+    assert_eq!(refill_scheduled(empty, &s, now + 400 * MIN).tokens_ut, 600 * MICRO);
+}
+
+/// At the last instants chrono can represent, windows and waits answer without panicking.
+#[test]
+fn no_panic_at_the_end_of_representable_time() {
+    let last_s = chrono::NaiveDateTime::MAX.and_utc().timestamp() as u64;
+    let small = ScheduleEntry::new("* 12 * * *", None, None, Some(5), None).unwrap();
+    let s = Schedule::new(Limit::new(10, per_s(1)), vec![small]).unwrap();
+    for t in [last_s * MICRO - 30 * MICRO, last_s * MICRO, u64::MAX] {
+        let st = BucketState {
+            tokens_ut: 0,
+            updated_us: t,
+        };
+        assert!([5 * MICRO, 10 * MICRO].contains(&s.limit_at(t).capacity_ut));
+        let _ = s.next_limit_change(t, u64::MAX);
+        assert!(refill_scheduled(st, &s, t).tokens_ut <= 10 * MICRO);
+        let _ = wait_until_us(st, 3 * MICRO, &s, t, DEFAULT_HORIZON_US);
+        let _ = full_at_us(st, &s, DEFAULT_HORIZON_US);
     }
 }
