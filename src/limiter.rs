@@ -252,14 +252,14 @@ fn override_policy(requests_per_unit: u32, unit: i32) -> Result<BucketPolicy, Li
             Rate::per(rpu, unit_us).map_err(|e| LimitError::InvalidRequest(e.to_string()))?
         }
     };
-    Ok(BucketPolicy {
-        name: OVERRIDE_BUCKET.to_owned(),
-        plan: Plan::Fixed(Limit::new(rpu, rate)),
-        reported: ReportedLimit {
+    Ok(BucketPolicy::new(
+        OVERRIDE_BUCKET.to_owned(),
+        Plan::Fixed(Limit::new(rpu, rate)),
+        ReportedLimit {
             requests_per_unit: u32::try_from(rpu).unwrap_or(u32::MAX),
             unit,
         },
-    })
+    ))
 }
 
 /// `replaces`: a matched rule drops every other matched rule whose bucket it names.

@@ -62,16 +62,31 @@ pub struct BucketPolicy {
     /// `current_limit` as sent to Envoy for the base limit (DESIGN 1.4); a policy whose limit
     /// varies is reported by the limit in force ([`BucketPolicy::reported_at`]).
     pub reported: ReportedLimit,
+    /// For a scheduled policy, [`ReportedLimit::of`] each entry's limit, worked out once.
+    entry_reported: Vec<ReportedLimit>,
 }
 
 impl BucketPolicy {
-    /// A policy with a constant limit, reported as [`ReportedLimit::of`] it.
-    pub fn fixed(name: String, limit: Limit) -> BucketPolicy {
+    /// A policy named `name` following `plan`, reported to Envoy as `reported` when its base
+    /// limit is in force.
+    pub fn new(name: String, plan: Plan, reported: ReportedLimit) -> BucketPolicy {
+        let entry_reported = match &plan {
+            Plan::Scheduled(s) => (0..s.entries().len())
+                .filter_map(|i| s.entry_limit(i).map(ReportedLimit::of))
+                .collect(),
+            _ => Vec::new(),
+        };
         BucketPolicy {
             name,
-            plan: Plan::Fixed(limit),
-            reported: ReportedLimit::of(&limit),
+            plan,
+            reported,
+            entry_reported,
         }
+    }
+
+    /// A policy with a constant limit, reported as [`ReportedLimit::of`] it.
+    pub fn fixed(name: String, limit: Limit) -> BucketPolicy {
+        BucketPolicy::new(name, Plan::Fixed(limit), ReportedLimit::of(&limit))
     }
 
     /// `current_limit` at `now_us`: the precomputed one for a constant limit; for a scheduled
@@ -80,7 +95,10 @@ impl BucketPolicy {
     pub fn reported_at(&self, now_us: u64) -> ReportedLimit {
         match &self.plan {
             Plan::Fixed(_) => self.reported,
-            Plan::Scheduled(s) => ReportedLimit::of(&s.limit_at(now_us)),
+            Plan::Scheduled(s) => s
+                .limit_entry_at(now_us)
+                .and_then(|i| self.entry_reported.get(i).copied())
+                .unwrap_or(self.reported),
             Plan::Quota(q) => ReportedLimit::quota(q.limit().capacity(), self.plan.window_us(now_us)),
         }
     }

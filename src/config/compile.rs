@@ -423,11 +423,7 @@ impl<'a> DomainBuilder<'a> {
             self.error(rule, reason);
             return None;
         }
-        self.buckets.push(BucketPolicy {
-            name: name.clone(),
-            plan,
-            reported,
-        });
+        self.buckets.push(BucketPolicy::new(name.clone(), plan, reported));
         self.by_name.insert(name, self.buckets.len() - 1);
         Some(self.buckets.len() - 1)
     }
@@ -445,7 +441,7 @@ impl<'a> DomainBuilder<'a> {
         {
             return idx;
         }
-        self.buckets.push(BucketPolicy { name, plan, reported });
+        self.buckets.push(BucketPolicy::new(name, plan, reported));
         self.buckets.len() - 1
     }
 

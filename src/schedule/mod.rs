@@ -154,6 +154,9 @@ struct Segment {
     end_us: u64,
     changes_at_end: bool,
     limit: Limit,
+    /// The entry active at `start_us` (`None`: the base). Later in the stretch another entry
+    /// with the same limit may be the active one.
+    entry: Option<usize>,
 }
 
 impl Clone for Schedule {
@@ -228,6 +231,17 @@ impl Schedule {
         }
     }
 
+    /// An entry whose limit is in force at `t_us` (`None`: the base's is), answered from the
+    /// cache when it can be: the first active entry, or another with the same limit. For what
+    /// depends only on the limit (how it is reported); [`Schedule::active_entry`] says which
+    /// entry is active.
+    pub fn limit_entry_at(&self, t_us: u64) -> Option<usize> {
+        match self.segment_at(t_us) {
+            Some(seg) => seg.entry,
+            None => self.active_entry(t_us),
+        }
+    }
+
     fn search_limit_at(&self, t_us: u64) -> Limit {
         self.active_entry(t_us).map_or(self.base, |i| self.limits[i])
     }
@@ -239,16 +253,22 @@ impl Schedule {
         if self.entries.is_empty() {
             return None;
         }
-        let cached = self.segments.load().as_deref().copied().unwrap_or([None; 2]);
-        if let Some(seg) = cached.iter().flatten().find(|s| s.start_us <= t_us && t_us < s.end_us) {
-            return Some(*seg);
-        }
+        let cached = match self.segments.load().as_deref() {
+            Some(segs) => {
+                if let Some(seg) = segs.iter().flatten().find(|s| s.start_us <= t_us && t_us < s.end_us) {
+                    return Some(*seg);
+                }
+                *segs
+            }
+            None => [None; 2],
+        };
         // Only ever cache forward: an instant before both cached stretches (a bucket last
         // updated long ago) is searched for directly.
         if cached.iter().flatten().count() == 2 && cached.iter().flatten().all(|s| t_us < s.start_us) {
             return None;
         }
-        let limit = self.search_limit_at(t_us);
+        let entry = self.active_entry(t_us);
+        let limit = entry.map_or(self.base, |i| self.limits[i]);
         let (end_us, changes_at_end) = match self.search_limit_change(t_us, DEFAULT_HORIZON_US) {
             Some(end) => (end, true),
             None => (t_us.saturating_add(DEFAULT_HORIZON_US), false),
@@ -261,6 +281,7 @@ impl Schedule {
             end_us,
             changes_at_end,
             limit,
+            entry,
         };
         // Keep the two latest stretches, latest first.
         let mut all = [Some(seg), cached[0], cached[1]];
