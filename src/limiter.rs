@@ -15,7 +15,7 @@ use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescript
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 
-use crate::bucket::{DemandKind, Limit, Rate, MAX_CAPACITY, MICRO};
+use crate::bucket::{Demand, DemandKind, Limit, Rate, MAX_CAPACITY, MICRO};
 use crate::matcher::{find_node, instance_key, shared_patterns};
 use crate::response::{build_response, Part, Target};
 use crate::rules::{BucketPolicy, ReportedLimit, Rule, RuleSet, UNITS};
@@ -192,9 +192,9 @@ impl<S: Store> Limiter<S> {
 /// request that reached the same instance); returns the indices of the instance and the demand.
 fn add_demand(
     buckets: &mut Vec<BucketRef>,
-    demands: &mut Vec<crate::bucket::Demand>,
+    demands: &mut Vec<Demand>,
     key: String,
-    plan: &crate::schedule::Plan,
+    plan: &Plan,
     kind: DemandKind,
     shadow: bool,
 ) -> (usize, usize) {
@@ -208,7 +208,7 @@ fn add_demand(
             buckets.len() - 1
         }
     };
-    demands.push(crate::bucket::Demand {
+    demands.push(Demand {
         instance,
         kind,
         enforced: !shadow,

@@ -51,8 +51,6 @@ struct Verdict<'a> {
     limit: Limit,
     /// `current_limit` at the decision.
     reported: ReportedLimit,
-    /// `w`: microseconds to give back a whole capacity (see [`crate::schedule::Plan::window_us`]).
-    window_us: Option<u64>,
     over: bool,
     remaining_ut: u64,
     until_full_us: Option<u64>,
@@ -111,7 +109,10 @@ pub fn build_response(
         }
     }
     let per_bucket = lowest_per_bucket(&verdicts);
-    if headers.ratelimit && !per_bucket.is_empty() {
+    if let Some(now_us) = applied
+        .map(|a| a.now_us)
+        .filter(|_| headers.ratelimit && !per_bucket.is_empty())
+    {
         // Built in place, item after item: this runs on every decision.
         let mut policy = String::with_capacity(48 * per_bucket.len());
         let mut state = String::with_capacity(48 * per_bucket.len());
@@ -120,7 +121,7 @@ pub fn build_response(
                 policy.push_str(", ");
                 state.push_str(", ");
             }
-            push_policy_item(&mut policy, v);
+            push_policy_item(&mut policy, v, now_us);
             push_state_item(&mut state, v);
         }
         response_headers_to_add.push(header("ratelimit-policy", policy));
@@ -174,7 +175,6 @@ fn verdict<'a>(
         policy,
         limit: plan.limit_at(now),
         reported: policy.reported_at(now),
-        window_us: plan.window_us(now),
         over: !passed && !shadow,
         remaining_ut: out.after.tokens_ut,
         until_full_us: plan.reset_in_us(kept, now),
@@ -228,11 +228,11 @@ fn lowest_per_bucket<'v, 'a>(verdicts: &'v [Verdict<'a>]) -> Vec<&'v Verdict<'a>
 /// Appends a `RateLimit-Policy` item: `"name";q=<capacity>;w=<seconds to fill from empty>`
 /// (draft-ietf-httpapi-ratelimit-headers-10 section 4), by the limit in force now; for a quota
 /// `w` is its current period. `w` is left out for a bucket that never refills.
-fn push_policy_item(out: &mut String, v: &Verdict<'_>) {
+fn push_policy_item(out: &mut String, v: &Verdict<'_>, now_us: u64) {
     push_sf_string(out, &v.policy.name);
     out.push_str(";q=");
     out.push_str(itoa::Buffer::new().format(v.limit.capacity()));
-    if let Some(fill) = v.window_us {
+    if let Some(fill) = v.policy.plan.window_us(now_us) {
         out.push_str(";w=");
         out.push_str(itoa::Buffer::new().format(ceil_seconds(fill)));
     }

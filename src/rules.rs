@@ -84,11 +84,6 @@ impl BucketPolicy {
         }
     }
 
-    /// A policy with a constant limit, reported as [`ReportedLimit::of`] it.
-    pub fn fixed(name: String, limit: Limit) -> BucketPolicy {
-        BucketPolicy::new(name, Plan::Fixed(limit), ReportedLimit::of(&limit))
-    }
-
     /// `current_limit` at `now_us`: the precomputed one for a constant limit; for a scheduled
     /// one, [`ReportedLimit::of`] the limit in force; for a quota, its allowance per the Envoy
     /// unit nearest its current period ([`ReportedLimit::quota`]).

@@ -41,11 +41,6 @@ impl Plan {
         }
     }
 
-    /// Whether the limit can change with the time of day or the calendar.
-    pub fn varies(&self) -> bool {
-        !matches!(self, Plan::Fixed(_))
-    }
-
     /// Microseconds from `now_us` until the bucket stored as `state` holds `need_ut`, by the
     /// same arithmetic as [`Refilling::refill_to`]: the exact retry-after (DESIGN 1.4).
     /// `Some(0)` when it holds them already; `None` when nothing within the horizon admits it:
