@@ -16,6 +16,9 @@ pub struct RuleSet {
     pub domains: HashMap<String, Domain>,
     /// The files the rules came from, in load order.
     pub files: Vec<PathBuf>,
+    /// Which successful load this is: 1 for the rules read at start, one more for each reload
+    /// that took effect (0: not loaded by a server, as in `tollgate check`).
+    pub generation: u64,
 }
 
 impl RuleSet {

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 pub struct Settings {
     /// gRPC listener for `RateLimitService` and `grpc.health.v1` (Envoy's convention: 8081).
     pub grpc_addr: SocketAddr,
-    /// HTTP listener for `/healthz` and `/readyz`.
+    /// HTTP listener for `/healthz`, `/readyz`, `/metrics` and `/config`.
     pub http_addr: SocketAddr,
     /// A rules file, or a directory of `*.yaml` rules files; relative to the working directory.
     pub rules: PathBuf,
@@ -32,6 +32,63 @@ pub struct Settings {
     pub overrides: bool,
     /// The memory backend.
     pub memory: MemorySettings,
+    /// The bucket admin API (peek, refund, reset).
+    pub admin: AdminSettings,
+    /// Reloading the rules when their files change.
+    pub reload: ReloadSettings,
+    /// Graceful shutdown on SIGTERM / SIGINT.
+    pub shutdown: ShutdownSettings,
+    /// Prometheus metrics.
+    pub metrics: MetricsSettings,
+}
+
+/// The bucket admin API: its own listener, because it changes limits' state.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdminSettings {
+    /// Whether the admin listener runs at all.
+    pub enabled: bool,
+    /// Its address; keep it on loopback (or a network only operators reach).
+    pub addr: SocketAddr,
+    /// When set, every admin request must carry `Authorization: Bearer <token>`.
+    /// Redacted in `/config`.
+    pub token: Option<String>,
+}
+
+/// Watching the rules path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ReloadSettings {
+    /// Watch the rules path (inotify and the like) and reload when it changes.
+    pub watch: bool,
+    /// Quiet time after the last file event before reloading, in milliseconds, so an editor's
+    /// or ConfigMap's several writes become one reload.
+    pub debounce_ms: u64,
+    /// Also compare the rules files' contents every this many seconds (0: never), for
+    /// filesystems whose changes raise no events (some network and overlay mounts).
+    pub poll_seconds: u64,
+}
+
+/// Graceful shutdown.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ShutdownSettings {
+    /// Seconds between the signal and closing the listeners, during which `/readyz` and
+    /// gRPC health report not serving while requests are still answered, so load balancers
+    /// stop sending first.
+    pub drain_seconds: u64,
+    /// Seconds after closing the listeners that in-flight requests have to finish; then the
+    /// process exits anyway.
+    pub timeout_seconds: u64,
+}
+
+/// Prometheus metrics.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsSettings {
+    /// An admitted decision is counted `near_limit` when the bucket has used at least this
+    /// fraction of its capacity (0 < ratio <= 1).
+    pub near_limit_ratio: f64,
 }
 
 /// The backend keeping bucket state.
@@ -109,7 +166,46 @@ impl Default for Settings {
             shadow_mode: false,
             overrides: true,
             memory: MemorySettings::default(),
+            admin: AdminSettings::default(),
+            reload: ReloadSettings::default(),
+            shutdown: ShutdownSettings::default(),
+            metrics: MetricsSettings::default(),
         }
+    }
+}
+
+impl Default for AdminSettings {
+    fn default() -> Self {
+        AdminSettings {
+            enabled: true,
+            addr: SocketAddr::from(([127, 0, 0, 1], 8082)),
+            token: None,
+        }
+    }
+}
+
+impl Default for ReloadSettings {
+    fn default() -> Self {
+        ReloadSettings {
+            watch: true,
+            debounce_ms: 200,
+            poll_seconds: 10,
+        }
+    }
+}
+
+impl Default for ShutdownSettings {
+    fn default() -> Self {
+        ShutdownSettings {
+            drain_seconds: 2,
+            timeout_seconds: 10,
+        }
+    }
+}
+
+impl Default for MetricsSettings {
+    fn default() -> Self {
+        MetricsSettings { near_limit_ratio: 0.8 }
     }
 }
 
@@ -156,7 +252,7 @@ pub const DEFAULT_SETTINGS_FILE: &str = "config/tollgate.yaml";
 
 /// Top-level settings keys; only these are read from `TOLLGATE_*`, so unrelated variables
 /// with the same prefix are not mistaken for settings.
-const KEYS: [&str; 10] = [
+const KEYS: [&str; 14] = [
     "grpc_addr",
     "http_addr",
     "rules",
@@ -167,6 +263,10 @@ const KEYS: [&str; 10] = [
     "shadow_mode",
     "overrides",
     "memory",
+    "admin",
+    "reload",
+    "shutdown",
+    "metrics",
 ];
 
 impl Settings {

@@ -160,8 +160,10 @@ pub struct Tollgate {
     pub process: ChildGuard,
     /// `RateLimitService` and `grpc.health.v1`.
     pub grpc_addr: SocketAddr,
-    /// `/healthz`, `/readyz`.
+    /// `/healthz`, `/readyz`, `/metrics`, `/config`.
     pub http_addr: SocketAddr,
+    /// The bucket admin API.
+    pub admin_addr: SocketAddr,
     /// Holds `tollgate.yaml`, `rules/` (unless another rules path was given) and the log.
     pub dir: TempDir,
 }
@@ -190,7 +192,8 @@ impl TollgateBuilder {
     }
 
     /// Extra top-level settings YAML appended to the generated `tollgate.yaml` (anything but
-    /// `grpc_addr`, `http_addr` and `rules`, which the builder writes).
+    /// `grpc_addr`, `http_addr`, `admin` and `rules`, which the builder writes; admin
+    /// settings go in with `TOLLGATE_ADMIN__TOKEN` and the like through [`Self::env`]).
     pub fn settings(mut self, yaml: &str) -> Self {
         self.settings.push_str(yaml);
         self.settings.push('\n');
@@ -231,10 +234,14 @@ impl TollgateBuilder {
             let http_port = std::iter::repeat_with(free_port)
                 .find(|p| *p != grpc_port)
                 .expect("an endless iterator");
+            let admin_port = std::iter::repeat_with(free_port)
+                .find(|p| *p != grpc_port && *p != http_port)
+                .expect("an endless iterator");
             let grpc_addr = SocketAddr::from(([127, 0, 0, 1], grpc_port));
             let http_addr = SocketAddr::from(([127, 0, 0, 1], http_port));
+            let admin_addr = SocketAddr::from(([127, 0, 0, 1], admin_port));
             let settings = format!(
-                "grpc_addr: {grpc_addr}\nhttp_addr: {http_addr}\nrules: {}\n{}",
+                "grpc_addr: {grpc_addr}\nhttp_addr: {http_addr}\nadmin: {{addr: {admin_addr}}}\nrules: {}\n{}",
                 yaml_str(&rules.to_string_lossy()),
                 self.settings
             );
@@ -264,6 +271,7 @@ impl TollgateBuilder {
                         process,
                         grpc_addr,
                         http_addr,
+                        admin_addr,
                         dir,
                     }
                 }
