@@ -24,7 +24,6 @@ use tollgate::clock::ManualClock;
 use tollgate::config::load_rules;
 use tollgate::limiter::{Limiter, LimiterOptions};
 use tollgate::schedule::{refill_scheduled, wait_until_us, Schedule, ScheduleEntry, DEFAULT_HORIZON_US};
-use tollgate::settings::{HeaderSettings, RequestLimits};
 use tollgate::store::MemoryStore;
 
 /// Wednesday 2026-12-02 12:00 in New York (17:00 UTC): the weekday window `* 9-17 * * MON-FRI`
@@ -110,12 +109,7 @@ fn limiter(rules: &std::path::Path, start_us: u64) -> (Limiter<MemoryStore>, Man
     let rules = load_rules(rules).unwrap_or_else(|e| panic!("the benchmark rules should load: {e}"));
     let clock = ManualClock::new(start_us);
     let store = MemoryStore::new(64, 1_000_000, Arc::new(clock.clone()));
-    let options = LimiterOptions {
-        limits: RequestLimits::default(),
-        headers: HeaderSettings::default(),
-        shadow_mode: false,
-        overrides: true,
-    };
+    let options = LimiterOptions::from_settings(&tollgate::settings::Settings::default());
     (Limiter::new(rules, store, options), clock)
 }
 

@@ -1,13 +1,19 @@
-//! The plain HTTP side: `/healthz` (the process is up) and `/readyz` (rules are loaded and the
-//! service is accepting requests).
+//! The public HTTP port: `/healthz` (the process is up), `/readyz` (rules are loaded, the
+//! backend answers, and the server is not shutting down), `/metrics` (Prometheus text format)
+//! and `/config` (the rules in force as JSON, secrets redacted). Nothing here changes state;
+//! the bucket admin API has its own listener ([`crate::admin`]).
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use axum::Router;
+use axum::{Json, Router};
+use metrics_exporter_prometheus::PrometheusHandle;
 
 /// Shared readiness flag: set once serving, cleared when shutting down.
 #[derive(Clone, Debug, Default)]
@@ -25,18 +31,73 @@ impl Readiness {
     }
 }
 
+/// Whether the backend answers: `Ok(())`, or why not (shown by `/readyz`).
+pub type BackendCheck = Arc<dyn Fn() -> Pin<Box<dyn Future<Output = Result<(), String>> + Send>> + Send + Sync>;
+
+/// What the HTTP routes read.
+#[derive(Clone)]
+pub struct HttpState {
+    /// Cleared while shutting down.
+    pub ready: Readiness,
+    /// Asked by `/readyz` on each call.
+    pub backend: BackendCheck,
+    /// Renders `/metrics`; absent when no recorder is installed (then `/metrics` is 404).
+    pub metrics: Option<PrometheusHandle>,
+    /// Brings gauges read at scrape time (such as the memory store's size) up to date.
+    pub refresh: Arc<dyn Fn() + Send + Sync>,
+    /// The `/config` document.
+    pub config: Arc<dyn Fn() -> serde_json::Value + Send + Sync>,
+}
+
+impl HttpState {
+    /// A state that is ready, with a backend that always answers, no metrics and an empty
+    /// `/config` (for tests of the routes).
+    pub fn basic(ready: Readiness) -> HttpState {
+        HttpState {
+            ready,
+            backend: Arc::new(|| Box::pin(async { Ok(()) })),
+            metrics: None,
+            refresh: Arc::new(|| {}),
+            config: Arc::new(|| serde_json::json!({})),
+        }
+    }
+}
+
 /// The HTTP routes.
-pub fn router(ready: Readiness) -> Router {
+pub fn router(state: HttpState) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
-        .with_state(ready)
+        .route("/metrics", get(metrics))
+        .route("/config", get(config))
+        .with_state(state)
 }
 
-async fn readyz(State(ready): State<Readiness>) -> (StatusCode, &'static str) {
-    if ready.get() {
-        (StatusCode::OK, "ready\n")
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+async fn readyz(State(state): State<HttpState>) -> (StatusCode, String) {
+    if !state.ready.get() {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not ready: shutting down or starting\n".into(),
+        );
     }
+    match (state.backend)().await {
+        Ok(()) => (StatusCode::OK, "ready\n".into()),
+        Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: backend: {why}\n")),
+    }
+}
+
+async fn metrics(State(state): State<HttpState>) -> Response {
+    let Some(handle) = &state.metrics else {
+        return (StatusCode::NOT_FOUND, "metrics are not enabled\n").into_response();
+    };
+    (state.refresh)();
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        handle.render(),
+    )
+        .into_response()
+}
+
+async fn config(State(state): State<HttpState>) -> Json<serde_json::Value> {
+    Json((state.config)())
 }

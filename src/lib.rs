@@ -4,13 +4,17 @@
 //! The crate is a library so the core can be tested and benchmarked without gRPC; the
 //! `tollgate` binary in `main.rs` is a thin CLI over it. See `ARCHITECTURE.md` for the map.
 
+pub mod admin;
 pub mod bucket;
 pub mod check;
 pub mod clock;
 pub mod config;
+pub mod config_view;
 pub mod http;
 pub mod limiter;
 pub mod matcher;
+pub mod metrics;
+pub mod reload;
 pub mod response;
 pub mod rules;
 pub mod schedule;

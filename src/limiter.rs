@@ -6,19 +6,24 @@
 //! 4. build the distinct bucket instances and the demands on them (`hits_addend`);
 //! 5. let the store decide all of them atomically;
 //! 6. turn the decision into statuses and headers ([`crate::response`]).
+//!
+//! [`Limiter::resolve`] runs steps 2 and 4 alone, for one descriptor, so that the admin API
+//! ([`crate::admin`]) addresses exactly the bucket instances a request would.
 
 use std::borrow::Cow;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 
 use crate::bucket::{Demand, DemandKind, Limit, Rate, MAX_CAPACITY, MICRO};
-use crate::matcher::{find_node, instance_key, shared_patterns};
+use crate::matcher::{find_node, find_rule, instance_key, shared_patterns};
+use crate::metrics::{count_decisions, DecisionCounters};
 use crate::response::{build_response, Part, Target};
-use crate::rules::{BucketPolicy, ReportedLimit, Rule, RuleSet, UNITS};
+use crate::rules::{BucketPolicy, Domain, ReportedLimit, Rule, RuleSet, UNITS};
 use crate::schedule::Plan;
 use crate::settings::{HeaderSettings, RequestLimits};
 use crate::store::{BucketRef, Store, StoreError};
@@ -37,6 +42,40 @@ pub enum LimitError {
     Store(#[from] StoreError),
 }
 
+/// Why a descriptor addresses no bucket ([`Limiter::resolve`]).
+#[derive(Debug, thiserror::Error)]
+pub enum ResolveError {
+    /// The domain or descriptor is malformed (empty domain, no entries, an empty key, more
+    /// entries than the configured maximum), as a request would be.
+    #[error("{0}")]
+    Invalid(String),
+    /// No rules are loaded for the domain.
+    #[error("unknown domain {0:?}")]
+    UnknownDomain(String),
+    /// The descriptor reaches no rule of the domain: a request with it is not limited.
+    #[error("no rule of domain {0:?} matches the descriptor")]
+    NoRule(String),
+    /// The descriptor reaches a rule with `unlimited: true`, which has no bucket. Holds the
+    /// rule's path in the descriptor tree.
+    #[error("rule {0} is unlimited: it has no bucket")]
+    Unlimited(String),
+}
+
+/// The bucket instances one descriptor reaches, found by [`Limiter::resolve`].
+#[derive(Clone, Debug)]
+pub struct Resolved {
+    /// The path of the rule in the domain's descriptor tree (`user`, `api_key.path=/upload`).
+    pub rule: String,
+    /// Whether the rule is evaluated in shadow mode (its own `shadow_mode` or the global one).
+    pub shadow: bool,
+    /// The instances, as the store is asked for them: the rule's bucket, then its calendar
+    /// quota when the rule has one beside a token bucket.
+    pub buckets: Vec<BucketRef>,
+    /// Per instance, in the same order, its policy: the bucket name and plan, and how its
+    /// limit is reported to Envoy ([`BucketPolicy::reported_at`]).
+    pub policies: Vec<BucketPolicy>,
+}
+
 /// Limiter behaviour that is not rules.
 #[derive(Clone, Copy, Debug)]
 pub struct LimiterOptions {
@@ -48,6 +87,8 @@ pub struct LimiterOptions {
     pub shadow_mode: bool,
     /// Honour Envoy's per-descriptor `limit` override.
     pub overrides: bool,
+    /// Decisions are counted `near_limit` from this fraction of the capacity used.
+    pub near_limit_ratio: f64,
 }
 
 /// Rules plus a store: decides requests.
@@ -55,6 +96,8 @@ pub struct Limiter<S> {
     rules: ArcSwap<RuleSet>,
     store: S,
     options: LimiterOptions,
+    /// [`crate::metrics::UNKNOWN_DOMAIN`].
+    unknown_domain: metrics::Counter,
 }
 
 /// What one descriptor was matched to, before the store is asked.
@@ -68,6 +111,57 @@ struct Matched<'r> {
     bucket_index: Option<usize>,
     /// Per entry, the `share_threshold` pattern standing for its value (usually empty).
     shared: Vec<Option<&'r str>>,
+    /// Where the bucket's and the quota's decisions are counted.
+    counters: &'r DecisionCounters,
+    quota_counters: &'r DecisionCounters,
+}
+
+impl<'r> Matched<'r> {
+    /// What a descriptor that ends on `node` (`depth` entries down) of `dom` is decided by;
+    /// `None` for a node without a rule or with `unlimited: true`.
+    fn at(dom: &'r Domain, node: usize, depth: usize) -> Option<Matched<'r>> {
+        match &dom.nodes[node].rule {
+            Some(Rule::Limited {
+                bucket,
+                quota,
+                shadow,
+                replaces,
+            }) => Some(Matched {
+                policy: Cow::Borrowed(&dom.buckets[*bucket]),
+                quota: quota.map(|q| &dom.buckets[q]),
+                shadow: *shadow,
+                replaces,
+                bucket_index: Some(*bucket),
+                shared: shared_patterns(dom, node, depth),
+                counters: dom.counters_of(*bucket),
+                quota_counters: quota.map_or(DecisionCounters::noop(), |q| dom.counters_of(q)),
+            }),
+            _ => None,
+        }
+    }
+
+    /// The instance key of the rule's bucket for a descriptor with `entries` in `domain`. An
+    /// override's key also carries its limit (`#<requests_per_unit>/<UNIT>`), so overrides of
+    /// different limits never share an instance.
+    fn bucket_key(&self, domain: &str, entries: &[Entry]) -> String {
+        let mut key = String::new();
+        instance_key(&mut key, domain, &self.policy.name, entries, &self.shared);
+        if self.bucket_index.is_none() {
+            key.push_str(&format!(
+                "#{}/{}",
+                self.policy.reported.requests_per_unit,
+                self.policy.reported.unit.as_str_name()
+            ));
+        }
+        key
+    }
+
+    /// The instance key of the rule's quota `policy` for a descriptor with `entries`.
+    fn quota_key(&self, domain: &str, policy: &BucketPolicy, entries: &[Entry]) -> String {
+        let mut key = String::new();
+        instance_key(&mut key, domain, &policy.name, entries, &self.shared);
+        key
+    }
 }
 
 impl<S: Store> Limiter<S> {
@@ -77,6 +171,7 @@ impl<S: Store> Limiter<S> {
             rules: ArcSwap::from_pointee(rules),
             store,
             options,
+            unknown_domain: metrics::counter!(crate::metrics::UNKNOWN_DOMAIN),
         }
     }
 
@@ -105,6 +200,9 @@ impl<S: Store> Limiter<S> {
         validate(req, &self.options.limits)?;
         let rules = self.rules.load();
         let domain = rules.domain(&req.domain);
+        if domain.is_none() {
+            self.unknown_domain.increment(1);
+        }
         let mut matched: Vec<Option<Matched>> = Vec::with_capacity(req.descriptors.len());
         for d in &req.descriptors {
             // As in envoyproxy/ratelimit, an unknown domain is OK before overrides are looked at.
@@ -116,26 +214,10 @@ impl<S: Store> Limiter<S> {
                     replaces: &[],
                     bucket_index: None,
                     shared: Vec::new(),
+                    counters: domain.map_or(DecisionCounters::noop(), |d| &d.override_counters),
+                    quota_counters: DecisionCounters::noop(),
                 }),
-                _ => domain.and_then(|dom| {
-                    let node = find_node(dom, &d.entries)?;
-                    match &dom.nodes[node].rule {
-                        Some(Rule::Limited {
-                            bucket,
-                            quota,
-                            shadow,
-                            replaces,
-                        }) => Some(Matched {
-                            policy: Cow::Borrowed(&dom.buckets[*bucket]),
-                            quota: quota.map(|q| &dom.buckets[q]),
-                            shadow: *shadow,
-                            replaces,
-                            bucket_index: Some(*bucket),
-                            shared: shared_patterns(dom, node, d.entries.len()),
-                        }),
-                        _ => None,
-                    }
-                }),
+                _ => domain.and_then(|dom| Matched::at(dom, find_node(dom, &d.entries)?, d.entries.len())),
             };
             matched.push(m);
         }
@@ -149,26 +231,18 @@ impl<S: Store> Limiter<S> {
                 targets.push(None);
                 continue;
             };
-            let mut key = String::new();
-            instance_key(&mut key, &req.domain, &m.policy.name, &d.entries, &m.shared);
-            if m.bucket_index.is_none() {
-                key.push_str(&format!(
-                    "#{}/{}",
-                    m.policy.reported.requests_per_unit,
-                    m.policy.reported.unit.as_str_name()
-                ));
-            }
+            let key = m.bucket_key(&req.domain, &d.entries);
             let kind = demand_kind(d, req.hits_addend);
             let shadow = m.shadow || self.options.shadow_mode;
             let (instance, demand) = add_demand(&mut buckets, &mut demands, key, &m.policy.plan, kind, shadow);
             let quota = m.quota.map(|policy| {
-                let mut key = String::new();
-                instance_key(&mut key, &req.domain, &policy.name, &d.entries, &m.shared);
+                let key = m.quota_key(&req.domain, policy, &d.entries);
                 let (instance, demand) = add_demand(&mut buckets, &mut demands, key, &policy.plan, kind, shadow);
                 Part {
                     policy,
                     instance,
                     demand,
+                    counters: m.quota_counters,
                 }
             });
             targets.push(Some(Target {
@@ -178,13 +252,65 @@ impl<S: Store> Limiter<S> {
                 kind,
                 shadow,
                 quota,
+                counters: m.counters,
             }));
         }
         if buckets.is_empty() {
             return Ok(build_response(&targets, None, &self.options.headers));
         }
         let applied = self.store.apply(&buckets, &demands).await?;
+        count_decisions(&targets, &applied, self.options.near_limit_ratio);
         Ok(build_response(&targets, Some(&applied), &self.options.headers))
+    }
+
+    /// The bucket instances a request descriptor with `entries` in `domain` reaches under the
+    /// rules in force, by the same matching and instance keys as [`Self::should_rate_limit`]
+    /// (wildcards, `share_threshold`, a quota beside a token bucket as `<name>.quota`): what the
+    /// admin API peeks at, refunds and resets. Touches no bucket.
+    ///
+    /// Envoy `limit` overrides are not addressable: their buckets exist only for the requests
+    /// that carry them, so a descriptor here is always matched against the rules (`replaces`,
+    /// which drops a rule only when another matches in the same request, does not apply
+    /// either).
+    ///
+    /// Errors: [`ResolveError::Invalid`] for an empty domain or key, no entries or more than
+    /// the configured maximum; [`ResolveError::UnknownDomain`], [`ResolveError::NoRule`] and
+    /// [`ResolveError::Unlimited`] when the descriptor addresses no bucket.
+    pub fn resolve(&self, domain: &str, entries: &[Entry]) -> Result<Resolved, ResolveError> {
+        if domain.is_empty() {
+            return Err(ResolveError::Invalid("domain must not be empty".into()));
+        }
+        check_entries(entries, &self.options.limits).map_err(|e| ResolveError::Invalid(format!("descriptor {e}")))?;
+        let rules = self.rules.load();
+        let dom = rules
+            .domain(domain)
+            .ok_or_else(|| ResolveError::UnknownDomain(domain.to_owned()))?;
+        let no_rule = || ResolveError::NoRule(domain.to_owned());
+        let node = find_node(dom, entries).ok_or_else(no_rule)?;
+        let Some(m) = Matched::at(dom, node, entries.len()) else {
+            return Err(match find_rule(dom, entries) {
+                Some(Rule::Unlimited) => ResolveError::Unlimited(dom.nodes[node].path.clone()),
+                _ => no_rule(),
+            });
+        };
+        let mut policies = vec![m.policy.clone().into_owned()];
+        let mut buckets = vec![BucketRef {
+            key: m.bucket_key(domain, entries),
+            plan: m.policy.plan.clone(),
+        }];
+        if let Some(quota) = m.quota {
+            buckets.push(BucketRef {
+                key: m.quota_key(domain, quota, entries),
+                plan: quota.plan.clone(),
+            });
+            policies.push(quota.clone());
+        }
+        Ok(Resolved {
+            rule: dom.nodes[node].path.clone(),
+            shadow: m.shadow || self.options.shadow_mode,
+            buckets,
+            policies,
+        })
     }
 }
 
@@ -295,19 +421,29 @@ fn validate(req: &RateLimitRequest, limits: &RequestLimits) -> Result<(), LimitE
         ));
     }
     for (i, d) in req.descriptors.iter().enumerate() {
-        if d.entries.is_empty() {
-            return invalid(format!("descriptor {i} has no entries"));
+        if let Err(e) = check_entries(&d.entries, limits) {
+            return invalid(format!("descriptor {i} {e}"));
         }
-        if d.entries.len() > limits.max_entries {
-            return invalid(format!(
-                "descriptor {i} has {} entries, more than the maximum of {}",
-                d.entries.len(),
-                limits.max_entries
-            ));
-        }
-        if let Some(j) = d.entries.iter().position(|e| e.key.is_empty()) {
-            return invalid(format!("descriptor {i} entry {j} has an empty key"));
-        }
+    }
+    Ok(())
+}
+
+/// Whether a descriptor's `entries` are acceptable: at least one, at most the maximum, no
+/// empty key. The error completes "descriptor ...".
+#[inline]
+fn check_entries(entries: &[Entry], limits: &RequestLimits) -> Result<(), String> {
+    if entries.is_empty() {
+        return Err("has no entries".into());
+    }
+    if entries.len() > limits.max_entries {
+        return Err(format!(
+            "has {} entries, more than the maximum of {}",
+            entries.len(),
+            limits.max_entries
+        ));
+    }
+    if let Some(j) = entries.iter().position(|e| e.key.is_empty()) {
+        return Err(format!("entry {j} has an empty key"));
     }
     Ok(())
 }

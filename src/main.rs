@@ -1,9 +1,12 @@
-//! The `tollgate` command line: `serve` and `check`.
+//! The `tollgate` command line: `serve`, `check`, and `bucket` (a client of a running
+//! server's admin API).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
+use tollgate::admin::{BucketRequest, BucketsResponse, DescriptorEntry, ErrorResponse, Operation};
 use tollgate::settings::{LogFormat, Settings};
 use tracing_subscriber::EnvFilter;
 
@@ -35,11 +38,77 @@ enum Command {
         #[arg(long, default_value = "config/rules")]
         rules: PathBuf,
     },
+    /// Look at or fix one client's buckets on a running server, through its admin API; prints
+    /// the server's JSON answer, or exits 1 with its error.
+    Bucket {
+        #[command(subcommand)]
+        action: BucketAction,
+    },
+}
+
+#[derive(Subcommand)]
+enum BucketAction {
+    /// Show the buckets a descriptor reaches, changing nothing.
+    Peek {
+        #[command(flatten)]
+        target: BucketTarget,
+        /// The tokens a request would ask for: shows when they would be there [default: 1].
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        hits: Option<u64>,
+    },
+    /// Give tokens back to the buckets a descriptor reaches, never above their capacity.
+    Refund {
+        #[command(flatten)]
+        target: BucketTarget,
+        /// Whole tokens to give back to each bucket.
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        tokens: u64,
+    },
+    /// Make the buckets a descriptor reaches full again.
+    Reset {
+        #[command(flatten)]
+        target: BucketTarget,
+    },
+}
+
+/// Which buckets, and where the admin API is.
+#[derive(Args)]
+struct BucketTarget {
+    /// The rate-limit domain.
+    #[arg(long)]
+    domain: String,
+    /// A descriptor entry, in order; repeat for each entry. The value may contain `=`.
+    #[arg(long = "entry", value_name = "KEY=VALUE", required = true, value_parser = parse_entry)]
+    entries: Vec<DescriptorEntry>,
+    /// The admin API: host:port or http://host:port.
+    #[arg(
+        long,
+        value_name = "ADDR",
+        env = "TOLLGATE_ADMIN__ADDR",
+        default_value = "127.0.0.1:8082"
+    )]
+    admin: String,
+    /// The admin bearer token, if the server requires one.
+    #[arg(long, env = "TOLLGATE_ADMIN__TOKEN", hide_env_values = true)]
+    token: Option<String>,
+}
+
+/// `key=value`, split at the first `=`.
+fn parse_entry(text: &str) -> Result<DescriptorEntry, String> {
+    match text.split_once('=') {
+        Some(("", _)) => Err("the key must not be empty".into()),
+        Some((key, value)) => Ok(DescriptorEntry {
+            key: key.to_owned(),
+            value: value.to_owned(),
+        }),
+        None => Err(format!("expected KEY=VALUE, got {text:?}")),
+    }
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Bucket { action } => bucket(action),
         Command::Check { rules } => match tollgate::config::load_rules(&rules) {
             Ok(set) if set.is_empty() => {
                 eprintln!("{}", tollgate::config::ConfigError::no_rules_files(&rules));
@@ -86,6 +155,120 @@ fn main() -> ExitCode {
             }
         }
     }
+}
+
+/// `tollgate bucket ...`: one request to the admin API.
+fn bucket(action: BucketAction) -> ExitCode {
+    let (op, target, hits, tokens) = match action {
+        BucketAction::Peek { target, hits } => (Operation::Peek, target, hits, None),
+        BucketAction::Refund { target, tokens } => (Operation::Refund, target, None, Some(tokens)),
+        BucketAction::Reset { target } => (Operation::Reset, target, None, None),
+    };
+    let request = BucketRequest {
+        domain: target.domain,
+        descriptor: target.entries,
+        hits,
+        tokens,
+    };
+    let base = if target.admin.contains("://") {
+        target.admin.trim_end_matches('/').to_owned()
+    } else {
+        format!("http://{}", target.admin)
+    };
+    let url = format!("{base}{}", op.path());
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(admin_call(&url, &request, target.token.as_deref())) {
+        Ok(answer) => {
+            println!("{answer}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("tollgate bucket {}: {e}", op.name());
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// POSTs `request` to `url`; the answer pretty-printed, or what went wrong.
+async fn admin_call(url: &str, request: &BucketRequest, token: Option<&str>) -> Result<String, String> {
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .connect_timeout(Duration::from_secs(5))
+        .timeout(Duration::from_secs(30))
+        .build()
+        .map_err(|e| format!("cannot make an HTTP client: {}", error_chain(&e)))?;
+    let body = serde_json::to_vec(request).map_err(|e| e.to_string())?;
+    let mut call = client
+        .post(url)
+        .header(reqwest::header::CONTENT_TYPE, "application/json")
+        .body(body);
+    if let Some(token) = token {
+        call = call.bearer_auth(token);
+    }
+    let response = call.send().await.map_err(|e| {
+        // reqwest's own message repeats the URL; the innermost cause says what happened.
+        let cause = if e.is_timeout() {
+            "timed out".to_owned()
+        } else {
+            root_cause(&e)
+        };
+        format!(
+            "cannot reach the admin API at {url}: {cause} (is `tollgate serve` running there \
+             with the admin API enabled? see --admin and the admin.addr setting)"
+        )
+    })?;
+    let status = response.status();
+    let text = response
+        .text()
+        .await
+        .map_err(|e| format!("reading the answer from {url}: {}", error_chain(&e)))?;
+    if !status.is_success() {
+        let message = serde_json::from_str::<ErrorResponse>(&text)
+            .map(|e| e.error)
+            .unwrap_or_else(|_| text.trim().to_owned());
+        return Err(format!("{message} (HTTP {status})"));
+    }
+    let not_json = |_| format!("the admin API answered {status} with something other than JSON: {text}");
+    let json: serde_json::Value = serde_json::from_str(&text).map_err(not_json)?;
+    // In the documented field order when the answer is exactly a `BucketsResponse`; any other
+    // JSON (a newer server may answer more fields) as it is, keys sorted.
+    let typed = serde_json::from_value::<BucketsResponse>(json.clone())
+        .ok()
+        .filter(|answer| serde_json::to_value(answer).ok().as_ref() == Some(&json));
+    let pretty = match typed {
+        Some(answer) => serde_json::to_string_pretty(&answer),
+        None => serde_json::to_string_pretty(&json),
+    };
+    pretty.map_err(|e| e.to_string())
+}
+
+/// An error and its sources, `: `-separated, each said once.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut next = Some(e);
+    while let Some(e) = next {
+        let text = e.to_string();
+        if !parts.iter().any(|p| p.contains(&text)) {
+            parts.push(text);
+        }
+        next = e.source();
+    }
+    parts.join(": ")
+}
+
+/// The innermost source of an error, such as `Connection refused (os error 111)`.
+fn root_cause(e: &dyn std::error::Error) -> String {
+    let mut e = e;
+    while let Some(source) = e.source() {
+        e = source;
+    }
+    e.to_string()
 }
 
 fn init_logging(settings: &Settings) {

@@ -9,6 +9,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
 use envoy_types::pb::google::protobuf::Duration;
 
 use crate::bucket::{DemandKind, Limit, MICRO};
+use crate::metrics::DecisionCounters;
 use crate::rules::{BucketPolicy, ReportedLimit};
 use crate::settings::HeaderSettings;
 use crate::store::Applied;
@@ -29,6 +30,8 @@ pub struct Target<'r> {
     /// The calendar quota the descriptor must also pass, when its rule has one beside a token
     /// bucket: decided as a second instance with the same demand.
     pub quota: Option<Part<'r>>,
+    /// Where the decision is counted.
+    pub counters: &'r DecisionCounters,
 }
 
 /// A second bucket instance one descriptor asks of (a quota beside a token bucket).
@@ -40,6 +43,8 @@ pub struct Part<'r> {
     pub instance: usize,
     /// Index of the demand in the store request.
     pub demand: usize,
+    /// Where the quota's decision is counted.
+    pub counters: &'r DecisionCounters,
 }
 
 /// One bucket's verdict for one descriptor, before it becomes a `DescriptorStatus`.
@@ -276,7 +281,9 @@ fn whole_tokens(ut: u64) -> u32 {
     u32::try_from(ut / MICRO).unwrap_or(u32::MAX)
 }
 
-fn ceil_seconds(us: u64) -> u64 {
+/// Microseconds as whole seconds, rounded up, as `Retry-After` and the `RateLimit` headers
+/// give them (a client that waits that long is never early).
+pub fn ceil_seconds(us: u64) -> u64 {
     us.div_ceil(1_000_000)
 }
 

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 
 use crate::bucket::Limit;
+use crate::metrics::DecisionCounters;
 use crate::schedule::Plan;
 
 /// All loaded domains.
@@ -19,6 +20,14 @@ pub struct RuleSet {
     /// Which successful load this is: 1 for the rules read at start, one more for each reload
     /// that took effect (0: not loaded by a server, as in `tollgate check`).
     pub generation: u64,
+}
+
+impl Domain {
+    /// The decision counters of bucket `index` (no-ops before
+    /// [`crate::metrics::register_rules`] ran).
+    pub fn counters_of(&self, index: usize) -> &DecisionCounters {
+        self.counters.get(index).unwrap_or_else(|| DecisionCounters::noop())
+    }
 }
 
 impl RuleSet {
@@ -53,6 +62,11 @@ pub struct Domain {
     /// Things `tollgate check` should tell the operator that are not errors, such as
     /// envoyproxy/ratelimit fields without effect here: `(rule path, note)`.
     pub notes: Vec<(String, String)>,
+    /// Per bucket (same index as `buckets`), its decision counters; empty until
+    /// [`crate::metrics::register_rules`] fills it.
+    pub counters: Vec<DecisionCounters>,
+    /// The decision counters of Envoy `limit` overrides in this domain.
+    pub override_counters: DecisionCounters,
 }
 
 /// A named bucket policy: a token bucket (constant or scheduled) or a calendar quota.
@@ -271,6 +285,11 @@ impl Pattern {
         })
     }
 
+    /// The pattern as written, stars included (`/api/*`).
+    pub fn text(&self) -> String {
+        self.pieces.join("*")
+    }
+
     /// Whether `value` matches: the first piece is a prefix, the last a suffix, and the middle
     /// pieces occur in order, without overlapping, in between.
     pub fn matches(&self, value: &str) -> bool {
@@ -312,6 +331,9 @@ mod tests {
         assert!(p("*x*x*").matches("xx"));
         assert!(!p("*x*x*").matches("x"));
         assert!(Pattern::parse("plain").is_none());
+        for text in ["*", "/api/*", "a*b*c", "*x*x*", "**"] {
+            assert_eq!(p(text).text(), text);
+        }
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! the gRPC and HTTP listeners until a shutdown signal.
 
 use std::future::Future;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -9,14 +10,17 @@ use anyhow::Context;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use tokio::net::TcpListener;
 use tonic::transport::server::TcpIncoming;
+use tonic_health::pb::health_server::{Health, HealthServer};
+use tonic_health::ServingStatus;
 
 use crate::clock::SystemClock;
-use crate::config::load_rules;
-use crate::http::{router, Readiness};
+use crate::config_view::config_json;
+use crate::http::{router, HttpState, Readiness};
 use crate::limiter::{Limiter, LimiterOptions};
+use crate::reload::{load_initial, Reloader};
 use crate::service::RateLimitGrpc;
 use crate::settings::{Backend, Settings};
-use crate::store::{MemoryStore, Store};
+use crate::store::{MemoryStore, Metered, Store};
 use crate::wire::RateLimitServer;
 
 impl LimiterOptions {
@@ -27,16 +31,26 @@ impl LimiterOptions {
             headers: settings.headers,
             shadow_mode: settings.shadow_mode,
             overrides: settings.overrides,
+            near_limit_ratio: settings.metrics.near_limit_ratio,
         }
     }
 }
 
-/// Runs tollgate with `settings` until SIGINT or SIGTERM.
+/// Runs tollgate with `settings` until SIGINT or SIGTERM, then shuts down gracefully: reports
+/// not ready (`/readyz` 503, gRPC health `NOT_SERVING`) for `shutdown.drain_seconds` while
+/// still answering, then stops accepting and gives in-flight requests
+/// `shutdown.timeout_seconds` to finish. A second signal skips the wait.
 ///
-/// Errors: invalid rules (every problem, with file, rule and reason), or a listener that
-/// cannot bind.
+/// Errors: invalid settings or rules (every problem, with file, rule and reason), or a listener
+/// that cannot bind.
 pub async fn serve(settings: Settings) -> anyhow::Result<()> {
-    let rules = load_rules(&settings.rules).map_err(|e| anyhow::anyhow!("invalid rules:\n{e}"))?;
+    settings
+        .validate()
+        .map_err(|e| anyhow::anyhow!("invalid settings: {e}"))?;
+    // Before the rules, so their decision counters register with it.
+    let prometheus = crate::metrics::install()?;
+    tokio::spawn(crate::metrics::run_upkeep(prometheus.clone(), Duration::from_secs(5)));
+    let (rules, fingerprint) = load_initial(&settings.rules).map_err(|e| anyhow::anyhow!("invalid rules:\n{e}"))?;
     if rules.is_empty() {
         tracing::warn!(
             path = %settings.rules.display(),
@@ -47,6 +61,7 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
         path = %settings.rules.display(),
         domains = rules.domains.len(),
         files = rules.files.len(),
+        generation = rules.generation,
         "rules loaded"
     );
     let Backend::Memory = settings.backend;
@@ -59,7 +74,13 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
         store.clone(),
         Duration::from_secs(settings.memory.sweep_interval_seconds.max(1)),
     );
-    let limiter = Arc::new(Limiter::new(rules, store, LimiterOptions::from_settings(&settings)));
+    let limiter = Arc::new(Limiter::new(
+        rules,
+        Metered::new(store.clone(), "memory"),
+        LimiterOptions::from_settings(&settings),
+    ));
+    let reloader = Reloader::new(limiter.clone(), settings.rules.clone(), fingerprint);
+    let reload_task = reloader.spawn(settings.reload);
 
     let grpc = TcpListener::bind(settings.grpc_addr)
         .await
@@ -67,38 +88,139 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
     let http = TcpListener::bind(settings.http_addr)
         .await
         .with_context(|| format!("cannot listen for HTTP on {}", settings.http_addr))?;
-    tracing::info!(grpc = %settings.grpc_addr, http = %settings.http_addr, "listening");
+    let admin = match settings.admin.enabled {
+        true => Some(
+            TcpListener::bind(settings.admin.addr)
+                .await
+                .with_context(|| format!("cannot listen for the admin API on {}", settings.admin.addr))?,
+        ),
+        false => None,
+    };
+    tracing::info!(
+        grpc = %settings.grpc_addr,
+        http = %settings.http_addr,
+        admin = %admin.as_ref().map_or("disabled".to_owned(), |_| settings.admin.addr.to_string()),
+        admin_token = settings.admin.token.is_some(),
+        "listening"
+    );
+    if admin.is_some() && settings.admin.token.is_none() && !settings.admin.addr.ip().is_loopback() {
+        tracing::warn!(
+            addr = %settings.admin.addr,
+            "the bucket admin API listens beyond loopback without a token: anyone who reaches it can reset limits"
+        );
+    }
 
     let ready = Readiness::default();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let http_task = {
+    let stopped = move || {
         let mut stop = stop_rx.clone();
-        let app = router(ready.clone());
-        tokio::spawn(async move {
-            axum::serve(http, app)
-                .with_graceful_shutdown(async move {
-                    let _ = stop.wait_for(|s| *s).await;
-                })
-                .await
-        })
+        async move {
+            let _ = stop.wait_for(|s| *s).await;
+        }
     };
+    let http_state = {
+        let config_limiter = limiter.clone();
+        let config_settings = settings.clone();
+        let gauges = store.clone();
+        let buckets = metrics::gauge!(crate::metrics::MEMORY_BUCKETS);
+        let evicted = metrics::counter!(crate::metrics::MEMORY_EVICTED_NOT_FULL);
+        HttpState {
+            ready: ready.clone(),
+            backend: Arc::new(|| Box::pin(async { Ok(()) })),
+            metrics: Some(prometheus),
+            refresh: Arc::new(move || {
+                buckets.set(gauges.len() as f64);
+                evicted.absolute(gauges.stats().evicted_not_full.load(Ordering::Relaxed));
+            }),
+            config: Arc::new(move || config_json(&config_limiter.rules(), &config_settings)),
+        }
+    };
+    let mut tasks = tokio::task::JoinSet::new();
+    {
+        let stop = stopped();
+        let app = router(http_state);
+        tasks.spawn(async move {
+            axum::serve(http, app)
+                .with_graceful_shutdown(stop)
+                .await
+                .context("HTTP server failed")
+        });
+    }
+    if let Some(admin) = admin {
+        let stop = stopped();
+        let app = crate::admin::router(limiter.clone(), settings.admin.token.clone());
+        tasks.spawn(async move {
+            axum::serve(admin, app)
+                .with_graceful_shutdown(stop)
+                .await
+                .context("admin server failed")
+        });
+    }
+    let (health_reporter, health) = tonic_health::server::health_reporter();
+    health_reporter
+        .set_serving::<RateLimitServer<RateLimitGrpc<Metered<MemoryStore>>>>()
+        .await;
+    {
+        let stop = stopped();
+        let service = RateLimitGrpc::new(limiter.clone());
+        tasks.spawn(serve_rate_limit_service_with_health(grpc, service, health, stop));
+    }
     ready.set(true);
-    let mut stop = stop_rx;
-    let grpc_result = serve_grpc(grpc, limiter, async move {
-        let _ = stop.wait_for(|s| *s).await;
-    });
-    tokio::pin!(grpc_result);
-    tokio::select! {
-        r = &mut grpc_result => r?,
-        _ = shutdown_signal() => {
-            tracing::info!("shutting down");
-            ready.set(false);
-            let _ = stop_tx.send(true);
-            grpc_result.await?;
+
+    let failed = tokio::select! {
+        // A listener ended by itself: that is an error (or a bug); shut the rest down.
+        Some(done) = tasks.join_next() => Some(done),
+        _ = shutdown_signal() => None,
+    };
+    ready.set(false);
+    health_reporter
+        .set_not_serving::<RateLimitServer<RateLimitGrpc<Metered<MemoryStore>>>>()
+        .await;
+    health_reporter.set_service_status("", ServingStatus::NotServing).await;
+    if failed.is_none() && settings.shutdown.drain_seconds > 0 {
+        tracing::info!(
+            drain_seconds = settings.shutdown.drain_seconds,
+            "shutting down: not ready; still answering while load balancers move away"
+        );
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_secs(settings.shutdown.drain_seconds)) => {}
+            _ = shutdown_signal() => tracing::info!("second signal: skipping the drain"),
         }
     }
-    let _ = http_task.await;
-    Ok(())
+    tracing::info!(
+        timeout_seconds = settings.shutdown.timeout_seconds,
+        "closing the listeners; finishing requests in flight"
+    );
+    reload_task.abort();
+    let _ = stop_tx.send(true);
+    let deadline = Duration::from_secs(settings.shutdown.timeout_seconds);
+    let mut result = match failed {
+        Some(done) => done.context("a listener task panicked")?,
+        None => Ok(()),
+    };
+    let finish = async {
+        while let Some(done) = tasks.join_next().await {
+            if let Err(e) = done.context("a listener task panicked").and_then(|r| r) {
+                tracing::error!("{e:#}");
+            }
+        }
+    };
+    tokio::select! {
+        _ = finish => tracing::info!("all requests in flight answered; bye"),
+        _ = tokio::time::sleep(deadline) => {
+            tracing::warn!(?deadline, "requests still in flight at the shutdown deadline; exiting anyway");
+            tasks.abort_all();
+        }
+        _ = shutdown_signal() => {
+            tracing::warn!("another signal: exiting without waiting for requests in flight");
+            tasks.abort_all();
+        }
+    }
+    if let Err(e) = &result {
+        tracing::error!("{e:#}");
+        result = Err(anyhow::anyhow!("a listener stopped unexpectedly"));
+    }
+    result
 }
 
 /// Serves tollgate's `RateLimitService` and `grpc.health.v1` on `listener` until `shutdown`
@@ -121,6 +243,17 @@ pub async fn serve_rate_limit_service<T: RateLimitService>(
 ) -> anyhow::Result<()> {
     let (health_reporter, health) = tonic_health::server::health_reporter();
     health_reporter.set_serving::<RateLimitServer<T>>().await;
+    serve_rate_limit_service_with_health(listener, service, health, shutdown).await
+}
+
+/// [`serve_rate_limit_service`] with a health service the caller keeps the reporter of (to
+/// report `NOT_SERVING` while shutting down).
+pub async fn serve_rate_limit_service_with_health<T: RateLimitService>(
+    listener: TcpListener,
+    service: T,
+    health: HealthServer<impl Health>,
+    shutdown: impl Future<Output = ()> + Send,
+) -> anyhow::Result<()> {
     // TCP_NODELAY must be set on the accepted sockets here: tonic ignores `Server::tcp_nodelay`
     // for a caller-supplied incoming stream. With Nagle on, a response written in two pieces
     // waits for Envoy's delayed ACK (~40 ms), past Envoy's default 20 ms filter timeout.

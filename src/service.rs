@@ -1,23 +1,31 @@
 //! The gRPC `envoy.service.ratelimit.v3.RateLimitService`.
 
 use std::sync::Arc;
+use std::time::Instant;
 
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use tonic::{Request, Response, Status};
 
 use crate::limiter::{LimitError, Limiter};
+use crate::metrics::RequestMetrics;
 use crate::store::Store;
 
-/// `ShouldRateLimit` over a [`Limiter`].
+/// `ShouldRateLimit` over a [`Limiter`], counted in [`crate::metrics::REQUESTS`] and timed in
+/// [`crate::metrics::REQUEST_DURATION`].
 pub struct RateLimitGrpc<S> {
     limiter: Arc<Limiter<S>>,
+    metrics: RequestMetrics,
 }
 
 impl<S> RateLimitGrpc<S> {
     /// Serves `limiter`.
     pub fn new(limiter: Arc<Limiter<S>>) -> Self {
-        RateLimitGrpc { limiter }
+        RateLimitGrpc {
+            limiter,
+            metrics: RequestMetrics::new(),
+        }
     }
 }
 
@@ -27,17 +35,29 @@ impl<S: Store> RateLimitService for RateLimitGrpc<S> {
         &self,
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
+        let started = Instant::now();
         let req = request.into_inner();
-        match self.limiter.should_rate_limit(&req).await {
-            Ok(resp) => Ok(Response::new(resp)),
+        let answer = match self.limiter.should_rate_limit(&req).await {
+            Ok(resp) => {
+                if resp.overall_code == Code::OverLimit as i32 {
+                    self.metrics.over_limit.increment(1);
+                } else {
+                    self.metrics.ok.increment(1);
+                }
+                Ok(Response::new(resp))
+            }
             Err(LimitError::InvalidRequest(msg)) => {
+                self.metrics.invalid.increment(1);
                 tracing::debug!(domain = %req.domain, %msg, "invalid request");
                 Err(Status::invalid_argument(msg))
             }
             Err(LimitError::Store(e)) => {
+                self.metrics.unavailable.increment(1);
                 tracing::warn!(error = %e, "backend failed");
                 Err(Status::unavailable(e.to_string()))
             }
-        }
+        };
+        self.metrics.duration.record(started.elapsed().as_secs_f64());
+        answer
     }
 }

@@ -297,6 +297,22 @@ impl Settings {
     }
 }
 
+impl Settings {
+    /// Checks what types alone cannot.
+    ///
+    /// Errors: `metrics.near_limit_ratio` outside `(0, 1]`; `shutdown.timeout_seconds` of 0.
+    pub fn validate(&self) -> Result<(), String> {
+        let ratio = self.metrics.near_limit_ratio;
+        if !(ratio > 0.0 && ratio <= 1.0) {
+            return Err(format!("metrics.near_limit_ratio must be in (0, 1], not {ratio}"));
+        }
+        if self.shutdown.timeout_seconds == 0 {
+            return Err("shutdown.timeout_seconds must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
 /// `TOLLGATE_*` environment variables that name no setting (a misspelt
 /// `TOLLGATE_GRPC_ADR`, say). They are ignored, since other tools share the prefix; `serve`
 /// logs a warning for each so a typo does not pass unseen.
@@ -351,5 +367,15 @@ mod tests {
             assert_eq!(Settings::load(None).map_err(|e| e.to_string())?, Settings::default());
             Ok(())
         });
+    }
+
+    #[test]
+    fn the_shipped_settings_file_lists_the_defaults() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/config/tollgate.yaml");
+        let shipped: Settings = Figment::new()
+            .merge(Yaml::file_exact(path))
+            .extract()
+            .unwrap_or_else(|e| panic!("{path}: {e}"));
+        assert_eq!(shipped, Settings::default());
     }
 }

@@ -13,7 +13,6 @@ use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use tollgate::clock::ManualClock;
 use tollgate::config::load_rules;
 use tollgate::limiter::{Limiter, LimiterOptions};
-use tollgate::settings::{HeaderSettings, RequestLimits};
 use tollgate::store::MemoryStore;
 
 const RULES: &str = "domain: d
@@ -36,12 +35,7 @@ fn limiter() -> Limiter<MemoryStore> {
     let rules = load_rules(file.path()).unwrap_or_else(|e| panic!("rules should load: {e}"));
     let clock = ManualClock::new(1_700_000_000_000_000);
     let store = MemoryStore::new(4, 10_000, Arc::new(clock));
-    let options = LimiterOptions {
-        limits: RequestLimits::default(),
-        headers: HeaderSettings::default(),
-        shadow_mode: false,
-        overrides: true,
-    };
+    let options = LimiterOptions::from_settings(&tollgate::settings::Settings::default());
     Limiter::new(rules, store, options)
 }
 

@@ -159,6 +159,8 @@ impl<'a> DomainBuilder<'a> {
             nodes,
             root,
             notes: self.notes,
+            counters: Vec::new(),
+            override_counters: Default::default(),
         })
     }
 

@@ -24,8 +24,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use arc_swap::ArcSwap;
 use indexmap::IndexMap;
 
-use super::{Applied, BucketRef, Store, StoreError};
-use crate::bucket::{decide, BucketState, Demand};
+use super::{Applied, BucketRef, Peeked, Store, StoreError};
+use crate::bucket::{decide, BucketState, Demand, Refilling};
 use crate::clock::Clock;
 
 struct Entry {
@@ -163,7 +163,9 @@ impl MemoryStore {
         &self.inner.stats
     }
 
-    /// The state held for `key`, if any (a missing bucket is a full one).
+    /// The state held for the raw instance key `key`, if any (a missing bucket is a full one),
+    /// as stored: not brought forward, and whether or not it is full by now. For tests and
+    /// debugging; [`Store::peek`] reads buckets as decisions see them.
     pub fn peek(&self, key: &str) -> Option<BucketState> {
         let key = self.stored_key(key);
         let shard = self.shard_of(&key);
@@ -217,44 +219,20 @@ impl MemoryStore {
 
     /// Decides synchronously; [`Store::apply`] wraps this.
     pub fn apply_now(&self, buckets: &[BucketRef], demands: &[Demand]) -> Applied {
-        let keys: Vec<StoredKey<'_>> = buckets.iter().map(|b| self.stored_key(&b.key)).collect();
-        let bucket_shards: Vec<usize> = keys.iter().map(|k| self.shard_of(k)).collect();
-        let mut shard_ids = bucket_shards.clone();
-        shard_ids.sort_unstable();
-        shard_ids.dedup();
-        // Locks are taken in ascending shard order, so two requests never wait on each other
-        // in a cycle.
-        let mut guards: Vec<(usize, MutexGuard<'_, Shard>)> =
-            shard_ids.iter().map(|&i| (i, lock(&self.inner.shards[i]))).collect();
-        let now = self.inner.clock.now_us();
-        let reloads = self.inner.reloads.load();
-        let guard_of = |shard: usize| shard_ids.binary_search(&shard).expect("shard was locked");
+        let mut locked = self.lock_buckets(buckets);
+        let now = locked.now;
+        let states = locked.read(buckets);
         let plans: Vec<_> = buckets.iter().map(|b| &b.plan).collect();
-        let states: Vec<BucketState> = buckets
-            .iter()
-            .zip(&keys)
-            .zip(&bucket_shards)
-            .map(|((b, key), &s)| {
-                guards[guard_of(s)]
-                    .1
-                    .get(key.as_bytes())
-                    // A bucket full by now is the same as none, swept or not.
-                    .filter(|e| !reloads.forgotten(e.state.updated_us, e.full_at_us, now))
-                    .map(|e| e.state)
-                    .unwrap_or_else(|| BucketState::full(&b.plan.limit_at(now), now))
-            })
-            .collect();
         let decision = decide(now, &states, &plans, demands);
-        let outcomes = buckets.iter().zip(&keys).zip(&bucket_shards).zip(&decision.instances);
-        for (((b, key), &s), out) in outcomes {
+        for (i, (b, out)) in buckets.iter().zip(&decision.instances).enumerate() {
             if !out.changed {
                 continue;
             }
-            let map = &mut guards[guard_of(s)].1;
+            let (map, key) = locked.map_of(i);
             // From the state's own time: after a clock step back it is ahead of `now`.
             match b.plan.full_at_us(out.after) {
                 Some(at) if at <= out.after.updated_us => {
-                    map.swap_remove(key.as_bytes());
+                    map.swap_remove(key);
                 }
                 full_at => {
                     let full_at_us = full_at.unwrap_or(u64::MAX);
@@ -262,17 +240,123 @@ impl MemoryStore {
                         state: out.after,
                         full_at_us,
                     };
-                    if let Some(slot) = map.get_mut(key.as_bytes()) {
+                    if let Some(slot) = map.get_mut(key) {
                         *slot = entry;
                     } else {
                         self.inner.make_room(map, now);
-                        map.insert(Box::from(key.as_bytes()), entry);
+                        map.insert(Box::from(key), entry);
                     }
                 }
             }
         }
-        drop(guards);
+        drop(locked);
         Applied { now_us: now, decision }
+    }
+
+    /// Reads synchronously, changing nothing; [`Store::peek`] wraps this. (Not to be confused
+    /// with [`MemoryStore::peek`], which looks up one raw instance key.)
+    pub fn peek_now(&self, buckets: &[BucketRef]) -> Peeked {
+        let locked = self.lock_buckets(buckets);
+        let now = locked.now;
+        let kept = locked.read(buckets);
+        drop(locked);
+        let states = buckets
+            .iter()
+            .zip(&kept)
+            .map(|(b, s)| b.plan.refill_to(*s, now))
+            .collect();
+        Peeked {
+            now_us: now,
+            states,
+            kept,
+        }
+    }
+
+    /// Forgets `buckets` synchronously, so each is full again; [`Store::reset`] wraps this.
+    pub fn reset_now(&self, buckets: &[BucketRef]) -> Peeked {
+        let mut locked = self.lock_buckets(buckets);
+        let now = locked.now;
+        for i in 0..buckets.len() {
+            let (map, key) = locked.map_of(i);
+            map.swap_remove(key);
+        }
+        drop(locked);
+        let full: Vec<BucketState> = buckets
+            .iter()
+            .map(|b| BucketState::full(&b.plan.limit_at(now), now))
+            .collect();
+        Peeked {
+            now_us: now,
+            states: full.clone(),
+            kept: full,
+        }
+    }
+
+    /// Locks the shards holding `buckets`, in ascending order so that two requests never wait
+    /// on each other in a cycle, then reads the clock and the reloads: everything a decision,
+    /// a peek or a reset needs, for as long as it holds the result.
+    fn lock_buckets<'s, 'k>(&'s self, buckets: &'k [BucketRef]) -> Locked<'s, 'k> {
+        let keys: Vec<StoredKey<'k>> = buckets.iter().map(|b| self.stored_key(&b.key)).collect();
+        let bucket_shards: Vec<usize> = keys.iter().map(|k| self.shard_of(k)).collect();
+        let mut shard_ids = bucket_shards.clone();
+        shard_ids.sort_unstable();
+        shard_ids.dedup();
+        let guards: Vec<MutexGuard<'s, Shard>> = shard_ids.iter().map(|&i| lock(&self.inner.shards[i])).collect();
+        Locked {
+            keys,
+            bucket_shards,
+            shard_ids,
+            guards,
+            now: self.inner.clock.now_us(),
+            reloads: self.inner.reloads.load(),
+        }
+    }
+}
+
+/// One request's buckets with their shards locked ([`MemoryStore::lock_buckets`]).
+struct Locked<'s, 'k> {
+    /// Per bucket, its stored key.
+    keys: Vec<StoredKey<'k>>,
+    /// Per bucket, its shard.
+    bucket_shards: Vec<usize>,
+    /// The distinct shards, ascending; `guards` in the same order.
+    shard_ids: Vec<usize>,
+    guards: Vec<MutexGuard<'s, Shard>>,
+    /// The store's clock, read once the locks were held.
+    now: u64,
+    reloads: arc_swap::Guard<Arc<Reloads>>,
+}
+
+impl Locked<'_, '_> {
+    /// Per bucket (the `buckets` the shards were locked for), the state the store keeps for it
+    /// at `now`: the one stored, or, for a bucket absent or full by now under the rules it was
+    /// written by ([`Reloads::forgotten`]), full at the capacity in force.
+    fn read(&self, buckets: &[BucketRef]) -> Vec<BucketState> {
+        buckets
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                self.guards[self.guard_of(i)]
+                    .get(self.keys[i].as_bytes())
+                    // A bucket full by now is the same as none, swept or not.
+                    .filter(|e| !self.reloads.forgotten(e.state.updated_us, e.full_at_us, self.now))
+                    .map(|e| e.state)
+                    .unwrap_or_else(|| BucketState::full(&b.plan.limit_at(self.now), self.now))
+            })
+            .collect()
+    }
+
+    /// The shard map holding bucket `i`, and the bucket's stored key.
+    fn map_of(&mut self, i: usize) -> (&mut Shard, &[u8]) {
+        let guard = self.guard_of(i);
+        (&mut self.guards[guard], self.keys[i].as_bytes())
+    }
+
+    /// The index in `guards` of bucket `i`'s shard.
+    fn guard_of(&self, i: usize) -> usize {
+        self.shard_ids
+            .binary_search(&self.bucket_shards[i])
+            .expect("shard was locked")
     }
 }
 
@@ -333,6 +417,14 @@ fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
 impl Store for MemoryStore {
     async fn apply(&self, buckets: &[BucketRef], demands: &[Demand]) -> Result<Applied, StoreError> {
         Ok(self.apply_now(buckets, demands))
+    }
+
+    async fn peek(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
+        Ok(self.peek_now(buckets))
+    }
+
+    async fn reset(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
+        Ok(self.reset_now(buckets))
     }
 
     fn rules_changed(&self) {

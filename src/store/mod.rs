@@ -1,14 +1,18 @@
 //! Where bucket state lives. A store runs one request's decision atomically: it reads the
 //! states of the request's bucket instances, calls [`crate::bucket::decide`], and writes back
-//! what changed, all before any other request may see those buckets.
+//! what changed, all before any other request may see those buckets. Operators can also look
+//! at buckets without changing them ([`Store::peek`]) and fill them again ([`Store::reset`]);
+//! a refund is an [`Store::apply`] with [`crate::bucket::DemandKind::Refund`] demands.
 
 mod memory;
+mod metered;
 
 use std::future::Future;
 
 pub use memory::{MemoryStore, MemoryStoreStats};
+pub use metered::Metered;
 
-use crate::bucket::{Decision, Demand};
+use crate::bucket::{BucketState, Decision, Demand};
 use crate::schedule::Plan;
 
 /// One bucket instance a request touches.
@@ -30,6 +34,24 @@ pub struct Applied {
     pub decision: Decision,
 }
 
+/// Bucket states as a store reads them at one instant, changing nothing: the answer to
+/// [`Store::peek`] and [`Store::reset`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Peeked {
+    /// Microseconds since the epoch, by the store's clock.
+    pub now_us: u64,
+    /// Per bucket, in the order asked: its state brought forward to `now_us` with its
+    /// [`Plan`] (refilled, trimmed to the capacity in force, or reset by a quota edge), in
+    /// micro-tokens. A bucket the store does not hold (never used, full, or forgotten) is full
+    /// at the capacity in force at `now_us`.
+    pub states: Vec<BucketState>,
+    /// Per bucket, the state as the store keeps it (a bucket not held: full at `now_us`).
+    /// Waits are measured from it ([`Plan::wait_us`], [`Plan::full_at_us`]), as for a decision
+    /// ([`crate::bucket::InstanceOutcome::kept`]): it still counts the refill that flooring
+    /// leaves out of `states`.
+    pub kept: Vec<BucketState>,
+}
+
 /// Why a store could not decide.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -47,6 +69,16 @@ pub trait Store: Send + Sync + 'static {
         buckets: &[BucketRef],
         demands: &[Demand],
     ) -> impl Future<Output = Result<Applied, StoreError>> + Send;
+
+    /// Reads `buckets` (distinct instances) at the store's now without changing anything
+    /// stored, not even when a bucket was last brought up to date: a peek never loses refill
+    /// to flooring and never delays a bucket's being forgotten once full. Reads as of one
+    /// instant, atomically with respect to decisions.
+    fn peek(&self, buckets: &[BucketRef]) -> impl Future<Output = Result<Peeked, StoreError>> + Send;
+
+    /// Fills `buckets` (distinct instances) again: each is then full at the capacity in force,
+    /// as if never used (the memory store forgets them). Answers with their states after.
+    fn reset(&self, buckets: &[BucketRef]) -> impl Future<Output = Result<Peeked, StoreError>> + Send;
 
     /// Told when the rules in force are replaced, so that what a store remembers about a bucket
     /// under the old rules (such as when it would be full) is not applied under the new ones.

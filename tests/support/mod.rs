@@ -441,3 +441,152 @@ impl Envoy {
             .unwrap_or(0)
     }
 }
+
+/// A `/metrics` scrape: checked line by line against the Prometheus text exposition format
+/// (0.0.4), then parsed with `prometheus-parse`.
+pub struct Scrape {
+    /// The parsed samples.
+    pub samples: Vec<prometheus_parse::Sample>,
+    /// `# TYPE` per metric family.
+    pub types: std::collections::HashMap<String, String>,
+}
+
+impl Scrape {
+    /// GETs `/metrics` from `addr`; panics unless it answers 200 with valid text format.
+    pub fn from(addr: SocketAddr) -> Scrape {
+        match http_get(addr, "/metrics") {
+            Some((200, body)) => Scrape::parse(&body),
+            other => panic!("GET /metrics: {other:?}"),
+        }
+    }
+
+    /// Parses `text`; panics, naming the line, where it breaks the text format: a name that is
+    /// not `[a-zA-Z_:][a-zA-Z0-9_:]*`, a malformed label set or value, a sample whose family
+    /// has no `# TYPE` before it, an unknown type, or a counter not named `*_total`.
+    pub fn parse(text: &str) -> Scrape {
+        let mut types = std::collections::HashMap::new();
+        for (n, line) in text.lines().enumerate() {
+            let n = n + 1;
+            if line.is_empty() {
+                continue;
+            }
+            if let Some(rest) = line.strip_prefix("# TYPE ") {
+                let (name, kind) = rest.split_once(' ').unwrap_or_else(|| panic!("line {n}: {line}"));
+                assert!(valid_metric_name(name), "line {n}: bad name in {line}");
+                assert!(
+                    ["counter", "gauge", "histogram", "summary", "untyped"].contains(&kind),
+                    "line {n}: unknown type in {line}"
+                );
+                if kind == "counter" {
+                    assert!(name.ends_with("_total"), "line {n}: counter not named *_total: {line}");
+                }
+                types.insert(name.to_owned(), kind.to_owned());
+                continue;
+            }
+            if let Some(rest) = line.strip_prefix("# HELP ") {
+                let name = rest.split(' ').next().unwrap_or_default();
+                assert!(valid_metric_name(name), "line {n}: bad name in {line}");
+                continue;
+            }
+            assert!(!line.starts_with('#'), "line {n}: unknown comment form {line}");
+            let name_end = line
+                .find(['{', ' '])
+                .unwrap_or_else(|| panic!("line {n}: no value: {line}"));
+            let name = &line[..name_end];
+            assert!(valid_metric_name(name), "line {n}: bad name in {line}");
+            let mut rest = &line[name_end..];
+            if let Some(labels) = rest.strip_prefix('{') {
+                rest = check_labels(labels).unwrap_or_else(|| panic!("line {n}: bad labels in {line}"));
+            }
+            let value = rest.strip_prefix(' ').unwrap_or_else(|| panic!("line {n}: {line}"));
+            let value = value.split(' ').next().unwrap_or_default();
+            assert!(
+                value.parse::<f64>().is_ok() || ["+Inf", "-Inf", "NaN"].contains(&value),
+                "line {n}: bad value in {line}"
+            );
+            let family = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| {
+                    name.strip_suffix(s)
+                        .filter(|f| types.get(*f).is_some_and(|t| t == "histogram" || t == "summary"))
+                })
+                .unwrap_or(name);
+            assert!(types.contains_key(family), "line {n}: no # TYPE before {line}");
+        }
+        let scrape = prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_owned())))
+            .expect("prometheus-parse reads the text");
+        Scrape {
+            samples: scrape.samples,
+            types,
+        }
+    }
+
+    /// The value of the one counter or gauge sample named `name` whose labels include `labels`
+    /// (`None` when there is none); panics when several match.
+    pub fn get(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+        let mut found = self
+            .samples
+            .iter()
+            .filter(|s| s.metric == name && labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v)));
+        let sample = found.next()?;
+        assert!(found.next().is_none(), "several samples of {name} match {labels:?}");
+        match sample.value {
+            prometheus_parse::Value::Counter(v)
+            | prometheus_parse::Value::Gauge(v)
+            | prometheus_parse::Value::Untyped(v) => Some(v),
+            ref other => panic!("{name} is not a counter or gauge: {other:?}"),
+        }
+    }
+
+    /// The value of [`Scrape::get`], or 0 when no sample matches (a counter not yet created).
+    pub fn counter(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        self.get(name, labels).unwrap_or(0.0)
+    }
+
+    /// A histogram's `_count` (prometheus-parse reads it as a separate sample).
+    pub fn histogram_count(&self, name: &str) -> Option<f64> {
+        self.get(&format!("{name}_count"), &[])
+    }
+}
+
+fn valid_metric_name(name: &str) -> bool {
+    let mut chars = name.chars();
+    chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_' || c == ':')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':')
+}
+
+/// Checks `name="value",...}` and returns what follows the `}`.
+fn check_labels(mut s: &str) -> Option<&str> {
+    loop {
+        if let Some(rest) = s.strip_prefix('}') {
+            return Some(rest);
+        }
+        let eq = s.find('=')?;
+        let name = &s[..eq];
+        let mut chars = name.chars();
+        let ok = chars.next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            && chars.all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !ok {
+            return None;
+        }
+        s = s[eq + 1..].strip_prefix('"')?;
+        let mut escaped = false;
+        let mut end = None;
+        for (i, c) in s.char_indices() {
+            match (escaped, c) {
+                (true, '\\' | '"' | 'n') => escaped = false,
+                (true, _) => return None,
+                (false, '\\') => escaped = true,
+                (false, '"') => {
+                    end = Some(i);
+                    break;
+                }
+                (false, _) => {}
+            }
+        }
+        s = &s[end? + 1..];
+        s = s.strip_prefix(',').unwrap_or(s);
+    }
+}

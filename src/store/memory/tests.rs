@@ -275,3 +275,144 @@ fn forgotten_around_reloads() {
     assert!(truncated.forgotten(450, 500, 1000));
     assert!(!truncated.forgotten(450, 501, 1000));
 }
+
+fn refund(instance: usize, n: u64) -> Demand {
+    Demand {
+        instance,
+        kind: DemandKind::Refund(n.saturating_mul(MICRO)),
+        enforced: true,
+    }
+}
+
+/// A peek reads the bucket as a decision would (brought forward to now) but writes nothing:
+/// not the tokens, not `updated_us`, not when it is forgotten; a twin store that was never
+/// peeked decides the same afterwards.
+#[test]
+fn peek_changes_nothing() {
+    let clock = ManualClock::new(1_000_000);
+    let peeked = MemoryStore::new(4, 100, Arc::new(clock.clone()));
+    let twin = MemoryStore::new(4, 100, Arc::new(clock.clone()));
+    let b = [bucket("a", 10, 3600), bucket("untouched", 4, 3600)]; // 1 token per second
+    for store in [&peeked, &twin] {
+        store.apply_now(&b[..1], &[consume(0, 3)]);
+    }
+    let stored = peeked.peek("a").unwrap();
+    assert_eq!(stored.tokens_ut, 7 * MICRO);
+    clock.advance_us(500_001);
+    let p = peeked.peek_now(&b);
+    assert_eq!(p.now_us, 1_500_001);
+    // Brought forward: half a token refilled. Kept: as stored. Untouched: full at now.
+    assert_eq!(
+        p.states[0],
+        BucketState {
+            tokens_ut: 7 * MICRO + 500_001,
+            updated_us: 1_500_001
+        }
+    );
+    assert_eq!(p.kept[0], stored);
+    assert_eq!(
+        p.states[1],
+        BucketState::full(&b[1].plan.limit_at(1_500_001), 1_500_001)
+    );
+    assert_eq!(p.kept[1], p.states[1]);
+    // Nothing was written: the stored state is as it was, the untouched bucket still absent.
+    assert_eq!(peeked.peek("a"), Some(stored));
+    assert_eq!(peeked.peek("untouched"), None);
+    assert_eq!(peeked.len(), 1);
+    // Peeking again and again changes nothing either; the twin decides alike.
+    for _ in 0..3 {
+        assert_eq!(peeked.peek_now(&b), p);
+    }
+    for n in [2, 5, 1, 1] {
+        clock.advance_us(250_000);
+        peeked.peek_now(&b);
+        let (x, y) = (
+            peeked.apply_now(&b[..1], &[consume(0, n)]),
+            twin.apply_now(&b[..1], &[consume(0, n)]),
+        );
+        assert_eq!(x.decision, y.decision);
+        assert_eq!(peeked.peek("a"), twin.peek("a"));
+    }
+    // Full again by time: forgotten (and swept) exactly when the twin's is.
+    let full_in = b[0].plan.full_at_us(peeked.peek("a").unwrap()).unwrap() - clock.now_us();
+    clock.advance_us(full_in - 1);
+    peeked.peek_now(&b);
+    assert_eq!((peeked.sweep(), twin.sweep()), (0, 0));
+    clock.advance_us(1);
+    assert_eq!(peeked.peek_now(&b).states[0].tokens_ut, 10 * MICRO);
+    assert_eq!((peeked.sweep(), twin.sweep()), (1, 1));
+}
+
+/// A bucket full by now but not swept yet reads as full at now, kept state included, as it
+/// does for a decision.
+#[test]
+fn peek_reads_a_bucket_full_by_now_as_absent() {
+    let clock = ManualClock::new(0);
+    let store = MemoryStore::new(4, 100, Arc::new(clock.clone()));
+    let b = [bucket("a", 2, 3600)];
+    store.apply_now(&b, &[consume(0, 1)]);
+    clock.advance_us(5_000_000);
+    assert!(store.peek("a").is_some(), "not swept yet");
+    let p = store.peek_now(&b);
+    let full = BucketState {
+        tokens_ut: 2 * MICRO,
+        updated_us: 5_000_000,
+    };
+    assert_eq!((p.states[0], p.kept[0]), (full, full));
+}
+
+#[test]
+fn reset_makes_buckets_full() {
+    let clock = ManualClock::new(0);
+    let store = MemoryStore::new(4, 100, Arc::new(clock.clone()));
+    let b = [bucket("a", 5, 3600), bucket("b", 3, 0), bucket("never_used", 2, 3600)];
+    store.apply_now(&b[..2], &[consume(0, 5), consume(1, 2)]);
+    assert_eq!(store.len(), 2);
+    assert!(store.apply_now(&b[..1], &[consume(0, 1)]).decision.denied);
+    clock.advance_us(10);
+    let r = store.reset_now(&b);
+    assert!(store.is_empty(), "a full bucket is no bucket");
+    let full = |cap: u64| BucketState {
+        tokens_ut: cap * MICRO,
+        updated_us: 10,
+    };
+    assert_eq!(r.now_us, 10);
+    assert_eq!(r.states, [full(5), full(3), full(2)]);
+    assert_eq!(r.kept, r.states);
+    assert_eq!(store.peek_now(&b), r);
+    // The whole capacity is there again, even for a bucket that never refills.
+    assert!(
+        !store
+            .apply_now(&b[..2], &[consume(0, 5), consume(1, 3)])
+            .decision
+            .denied
+    );
+}
+
+/// Refunds (how the admin API refunds) go back into the bucket, never above the capacity.
+#[test]
+fn refund_never_exceeds_capacity() {
+    let clock = ManualClock::new(0);
+    let store = MemoryStore::new(4, 100, Arc::new(clock.clone()));
+    let b = [bucket("a", 10, 3600)];
+    store.apply_now(&b, &[consume(0, 6)]);
+    let a = store.apply_now(&b, &[refund(0, 2)]);
+    assert_eq!(a.decision.instances[0].after.tokens_ut, 6 * MICRO);
+    assert_eq!(store.peek("a").unwrap().tokens_ut, 6 * MICRO);
+    // Beyond the capacity: capped at it, and a full bucket is not kept.
+    let a = store.apply_now(&b, &[refund(0, 5)]);
+    assert_eq!(a.decision.instances[0].after.tokens_ut, 10 * MICRO);
+    assert!(store.is_empty());
+    // On a full bucket, or by any amount: still the capacity, nothing stored.
+    for n in [1, u64::MAX] {
+        let a = store.apply_now(&b, &[refund(0, n), refund(0, n)]);
+        assert_eq!(a.decision.instances[0].after.tokens_ut, 10 * MICRO);
+        assert!(store.is_empty());
+    }
+    // Half-refilled: the refund tops up to exactly the capacity.
+    store.apply_now(&b, &[consume(0, 10)]);
+    clock.advance_us(1_500_000);
+    let a = store.apply_now(&b, &[refund(0, 9)]);
+    assert_eq!(a.decision.instances[0].after.tokens_ut, 10 * MICRO);
+    assert_eq!(store.peek_now(&b).states[0].tokens_ut, 10 * MICRO);
+}

@@ -1,0 +1,343 @@
+//! Prometheus metrics (DESIGN 3): the names, their labels, and the handles the decision path
+//! keeps so that counting costs an atomic add, not a registry lookup.
+//!
+//! Names follow Prometheus conventions: a `tollgate_` prefix, `_total` on counters, base units
+//! (`_seconds`). Label values are bounded: `domain` and `bucket` come from the loaded rules
+//! (never from a request: a request for an unknown domain is counted without its name), `code`,
+//! `result` and `backend` from fixed sets. No rule can opt runtime descriptor values into a
+//! label; envoyproxy/ratelimit's `detailed_metric` is accepted and ignored.
+//!
+//! Without an installed recorder (tests, `tollgate check`) every handle is a no-op.
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, Counter, Gauge, Histogram, Unit};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+use crate::bucket::{DemandKind, MICRO};
+use crate::response::Target;
+use crate::rules::RuleSet;
+use crate::store::Applied;
+
+/// `RateLimitRequest`s answered, by `code`: `ok`, `over_limit` (the `overall_code`),
+/// `invalid_argument` (rejected as malformed), `unavailable` (the backend failed).
+pub const REQUESTS: &str = "tollgate_requests_total";
+/// Time from a decoded request to its response, in seconds (histogram).
+pub const REQUEST_DURATION: &str = "tollgate_request_duration_seconds";
+/// Requests whose domain no rules file declares (answered OK).
+pub const UNKNOWN_DOMAIN: &str = "tollgate_unknown_domain_requests_total";
+/// Bucket decisions, one per descriptor and bucket it reaches, by `domain`, `bucket` and
+/// `code`: `ok`, `near_limit` (admitted, with at least the near-limit ratio of the capacity
+/// used), `over_limit`, `shadow_over_limit` (would have been over, but shadow mode), `refund`
+/// (`is_negative_hits`). The codes exclude each other, so their sum is every decision.
+pub const DECISIONS: &str = "tollgate_decisions_total";
+/// Hits (`hits_addend` summed) by `domain`, `bucket` and the same `code`s as [`DECISIONS`].
+pub const HITS: &str = "tollgate_hits_total";
+/// Calls to the backend, by `backend`.
+pub const BACKEND_CALLS: &str = "tollgate_backend_calls_total";
+/// Failed backend calls, by `backend` and `kind` (`error`, `timeout`).
+pub const BACKEND_ERRORS: &str = "tollgate_backend_errors_total";
+/// Backend call time in seconds, by `backend` (histogram).
+pub const BACKEND_DURATION: &str = "tollgate_backend_call_duration_seconds";
+/// Decisions taken by a fallback backend, by `backend` (the failed one) and `fallback`.
+pub const BACKEND_FALLBACKS: &str = "tollgate_backend_fallbacks_total";
+/// 1 while a backend's circuit breaker is open (calls are not tried), else 0, by `backend`.
+pub const BACKEND_CIRCUIT_OPEN: &str = "tollgate_backend_circuit_open";
+/// Rules reloads by `result`: `success`, `failure` (the previous rules stay in force).
+pub const RELOADS: &str = "tollgate_rules_reloads_total";
+/// The generation of the rules in force: 1 at start, plus one per reload that took effect.
+pub const RULES_GENERATION: &str = "tollgate_rules_generation";
+/// 1 when the latest reload attempt succeeded (or none was made), 0 when it failed.
+pub const LAST_RELOAD_SUCCESSFUL: &str = "tollgate_rules_last_reload_successful";
+/// Unix time, in seconds, of the latest reload that took effect (or of the start).
+pub const LAST_RELOAD_SUCCESS_TIME: &str = "tollgate_rules_last_reload_success_timestamp_seconds";
+/// Buckets the memory store holds (not full).
+pub const MEMORY_BUCKETS: &str = "tollgate_memory_buckets";
+/// Buckets the memory store evicted before they were full, to stay under `max_buckets`; each
+/// may let a client through early.
+pub const MEMORY_EVICTED_NOT_FULL: &str = "tollgate_memory_evicted_not_full_total";
+/// Always 1, with the `version` label.
+pub const BUILD_INFO: &str = "tollgate_build_info";
+
+/// Histogram buckets for the `_seconds` histograms: 50 µs to 1 s, dense around Envoy's 20 ms
+/// filter timeout.
+const SECONDS_BUCKETS: [f64; 14] = [
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.05, 0.1, 0.25, 1.0,
+];
+
+static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// Installs the Prometheus recorder as the process's global `metrics` recorder (once; later
+/// calls return the same handle) and describes every metric. Call it before loading rules, so
+/// the rules' counters register with it.
+///
+/// Errors: another `metrics` recorder is already installed in this process.
+pub fn install() -> anyhow::Result<PrometheusHandle> {
+    if let Some(handle) = HANDLE.get() {
+        return Ok(handle.clone());
+    }
+    let recorder = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &SECONDS_BUCKETS)?
+        .build_recorder();
+    let handle = recorder.handle();
+    metrics::set_global_recorder(recorder).map_err(|e| anyhow::anyhow!("cannot install the metrics recorder: {e}"))?;
+    describe();
+    gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+    Ok(HANDLE.get_or_init(|| handle).clone())
+}
+
+/// Keeps the recorder's histograms drained; run it every few seconds.
+pub async fn run_upkeep(handle: PrometheusHandle, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        handle.run_upkeep();
+    }
+}
+
+fn describe() {
+    describe_counter!(REQUESTS, "RateLimitRequests answered, by code");
+    describe_histogram!(REQUEST_DURATION, Unit::Seconds, "Time to decide one RateLimitRequest");
+    describe_counter!(UNKNOWN_DOMAIN, "Requests for a domain no rules file declares");
+    describe_counter!(DECISIONS, "Bucket decisions, one per descriptor and bucket, by code");
+    describe_counter!(HITS, "Hits (hits_addend) per bucket decision code");
+    describe_counter!(BACKEND_CALLS, "Calls to the bucket backend");
+    describe_counter!(BACKEND_ERRORS, "Failed backend calls, by kind");
+    describe_histogram!(BACKEND_DURATION, Unit::Seconds, "Backend call time");
+    describe_counter!(BACKEND_FALLBACKS, "Decisions taken by the fallback backend");
+    describe_gauge!(BACKEND_CIRCUIT_OPEN, "1 while the backend's circuit breaker is open");
+    describe_counter!(RELOADS, "Rules reloads, by result");
+    describe_gauge!(RULES_GENERATION, "Generation of the rules in force");
+    describe_gauge!(LAST_RELOAD_SUCCESSFUL, "1 if the latest rules reload succeeded");
+    describe_gauge!(
+        LAST_RELOAD_SUCCESS_TIME,
+        Unit::Seconds,
+        "Unix time of the latest rules load that took effect"
+    );
+    describe_gauge!(MEMORY_BUCKETS, "Buckets held by the memory store");
+    describe_counter!(MEMORY_EVICTED_NOT_FULL, "Buckets evicted before they were full");
+    describe_gauge!(BUILD_INFO, "Build information");
+}
+
+/// A decision's `code` label (see [`DECISIONS`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecisionCode {
+    /// Admitted, below the near-limit ratio.
+    Ok,
+    /// Admitted, at or above the near-limit ratio of the capacity used.
+    NearLimit,
+    /// Denied.
+    OverLimit,
+    /// Would have been denied; shadow mode admitted it.
+    ShadowOverLimit,
+    /// Tokens returned (`is_negative_hits`).
+    Refund,
+}
+
+impl DecisionCode {
+    /// Every code, in label order.
+    pub const ALL: [DecisionCode; 5] = [
+        DecisionCode::Ok,
+        DecisionCode::NearLimit,
+        DecisionCode::OverLimit,
+        DecisionCode::ShadowOverLimit,
+        DecisionCode::Refund,
+    ];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DecisionCode::Ok => "ok",
+            DecisionCode::NearLimit => "near_limit",
+            DecisionCode::OverLimit => "over_limit",
+            DecisionCode::ShadowOverLimit => "shadow_over_limit",
+            DecisionCode::Refund => "refund",
+        }
+    }
+}
+
+/// One bucket's [`DECISIONS`] and [`HITS`] counters, per [`DecisionCode`] (index: the code's
+/// position in [`DecisionCode::ALL`]). Cloning shares the counters.
+#[derive(Clone, Debug)]
+pub struct DecisionCounters {
+    decisions: [Counter; 5],
+    hits: [Counter; 5],
+}
+
+impl DecisionCounters {
+    /// The counters of bucket `bucket` in domain `domain`, registered with the installed
+    /// recorder (no-ops without one).
+    pub fn new(domain: &str, bucket: &str) -> DecisionCounters {
+        let make = |name: &'static str, code: DecisionCode| counter!(name, "domain" => domain.to_owned(), "bucket" => bucket.to_owned(), "code" => code.as_str());
+        DecisionCounters {
+            decisions: DecisionCode::ALL.map(|c| make(DECISIONS, c)),
+            hits: DecisionCode::ALL.map(|c| make(HITS, c)),
+        }
+    }
+
+    /// Shared no-op counters, for rules not registered with a recorder.
+    pub fn noop() -> &'static DecisionCounters {
+        static NOOP: OnceLock<DecisionCounters> = OnceLock::new();
+        NOOP.get_or_init(DecisionCounters::default)
+    }
+
+    /// Counts one decision of `hits` hits with `code`.
+    pub fn count(&self, code: DecisionCode, hits: u64) {
+        let i = code as usize;
+        self.decisions[i].increment(1);
+        self.hits[i].increment(hits);
+    }
+}
+
+impl Default for DecisionCounters {
+    /// No-op counters, until [`register_rules`] replaces them.
+    fn default() -> Self {
+        DecisionCounters {
+            decisions: std::array::from_fn(|_| Counter::noop()),
+            hits: std::array::from_fn(|_| Counter::noop()),
+        }
+    }
+}
+
+/// Registers the decision counters of every bucket of `rules` (and of each domain's Envoy
+/// `limit` overrides, labelled `bucket="override"`), so the decision path only increments them.
+/// Counters of a bucket that keeps its domain and name across a reload continue from their
+/// values.
+pub fn register_rules(rules: &mut RuleSet) {
+    for domain in rules.domains.values_mut() {
+        domain.counters = domain
+            .buckets
+            .iter()
+            .map(|b| DecisionCounters::new(&domain.name, &b.name))
+            .collect();
+        domain.override_counters = DecisionCounters::new(&domain.name, crate::limiter::OVERRIDE_BUCKET);
+    }
+}
+
+/// Counts each bucket decision of a request in its rule's [`DECISIONS`] and [`HITS`]: one per
+/// descriptor and bucket (a quota beside a token bucket is a second decision). `code` is that
+/// bucket's own verdict: a descriptor whose bucket had room is `ok` or `near_limit` even when
+/// another descriptor denied the request. Near the limit: admitted with at least
+/// `near_limit_ratio` of the capacity in force used after the decision.
+pub fn count_decisions(targets: &[Option<Target<'_>>], applied: &Applied, near_limit_ratio: f64) {
+    for t in targets.iter().flatten() {
+        let parts = std::iter::once((&*t.policy, t.instance, t.demand, t.counters))
+            .chain(t.quota.as_ref().map(|q| (q.policy, q.instance, q.demand, q.counters)));
+        for (policy, instance, demand, counters) in parts {
+            let passed = applied.decision.passed[demand];
+            let (hits_ut, refund) = match t.kind {
+                DemandKind::Consume(ut) => (ut, false),
+                DemandKind::Refund(ut) => (ut, true),
+                DemandKind::Check => (0, false),
+            };
+            let code = if refund {
+                DecisionCode::Refund
+            } else if !passed && t.shadow {
+                DecisionCode::ShadowOverLimit
+            } else if !passed {
+                DecisionCode::OverLimit
+            } else {
+                // In whole tokens, as `limit_remaining` reports them: the micro-tokens refilled
+                // since the last decision must not hide the threshold.
+                let capacity = policy.plan.limit_at(applied.now_us).capacity();
+                let left = applied.decision.instances[instance].after.tokens_ut / MICRO;
+                let used = capacity.saturating_sub(left) as f64;
+                if capacity > 0 && used + 1e-9 >= near_limit_ratio * capacity as f64 {
+                    DecisionCode::NearLimit
+                } else {
+                    DecisionCode::Ok
+                }
+            };
+            counters.count(code, hits_ut / MICRO);
+        }
+    }
+}
+
+/// The request-level handles: [`REQUESTS`] by code, [`REQUEST_DURATION`].
+#[derive(Clone, Debug)]
+pub struct RequestMetrics {
+    /// `code="ok"`.
+    pub ok: Counter,
+    /// `code="over_limit"`.
+    pub over_limit: Counter,
+    /// `code="invalid_argument"`.
+    pub invalid: Counter,
+    /// `code="unavailable"`.
+    pub unavailable: Counter,
+    /// [`REQUEST_DURATION`].
+    pub duration: Histogram,
+}
+
+impl RequestMetrics {
+    /// Handles registered with the installed recorder (no-ops without one).
+    pub fn new() -> RequestMetrics {
+        RequestMetrics {
+            ok: counter!(REQUESTS, "code" => "ok"),
+            over_limit: counter!(REQUESTS, "code" => "over_limit"),
+            invalid: counter!(REQUESTS, "code" => "invalid_argument"),
+            unavailable: counter!(REQUESTS, "code" => "unavailable"),
+            duration: metrics::histogram!(REQUEST_DURATION),
+        }
+    }
+}
+
+impl Default for RequestMetrics {
+    fn default() -> Self {
+        RequestMetrics::new()
+    }
+}
+
+/// A backend's handles: [`BACKEND_CALLS`], [`BACKEND_ERRORS`], [`BACKEND_DURATION`], and its
+/// circuit-breaker gauge, all labelled `backend`.
+#[derive(Clone, Debug)]
+pub struct BackendMetrics {
+    /// Calls made.
+    pub calls: Counter,
+    /// Calls that failed with an error.
+    pub errors: Counter,
+    /// Calls that timed out.
+    pub timeouts: Counter,
+    /// Call time.
+    pub duration: Histogram,
+    /// 1 while the circuit is open.
+    pub circuit_open: Gauge,
+}
+
+impl BackendMetrics {
+    /// The handles for `backend` (`memory`, `redis`, `postgres`). Registers its error, timeout
+    /// and fallback series at zero so that alerts on their rate see them from the start.
+    pub fn new(backend: &'static str) -> BackendMetrics {
+        let m = BackendMetrics {
+            calls: counter!(BACKEND_CALLS, "backend" => backend),
+            errors: counter!(BACKEND_ERRORS, "backend" => backend, "kind" => "error"),
+            timeouts: counter!(BACKEND_ERRORS, "backend" => backend, "kind" => "timeout"),
+            duration: metrics::histogram!(BACKEND_DURATION, "backend" => backend),
+            circuit_open: gauge!(BACKEND_CIRCUIT_OPEN, "backend" => backend),
+        };
+        m.errors.increment(0);
+        m.timeouts.increment(0);
+        m.circuit_open.set(0.0);
+        m
+    }
+}
+
+/// Records a rules load: `generation` is the generation now in force; `success` whether this
+/// attempt took effect. The load at start counts as a success but not as a reload.
+pub fn rules_loaded(generation: u64, success: bool, at_start: bool) {
+    if !at_start {
+        counter!(RELOADS, "result" => if success { "success" } else { "failure" }).increment(1);
+    } else {
+        counter!(RELOADS, "result" => "success").increment(0);
+        counter!(RELOADS, "result" => "failure").increment(0);
+    }
+    gauge!(LAST_RELOAD_SUCCESSFUL).set(if success { 1.0 } else { 0.0 });
+    if success {
+        gauge!(RULES_GENERATION).set(generation as f64);
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        gauge!(LAST_RELOAD_SUCCESS_TIME).set(now.as_secs_f64());
+    }
+}

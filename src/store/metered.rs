@@ -1,0 +1,67 @@
+//! A store wrapper that counts and times every backend call in the backend metrics
+//! ([`crate::metrics::BACKEND_CALLS`], [`crate::metrics::BACKEND_ERRORS`],
+//! [`crate::metrics::BACKEND_DURATION`]), whatever the backend.
+
+use std::time::Instant;
+
+use super::{Applied, BucketRef, Peeked, Store, StoreError};
+use crate::bucket::Demand;
+use crate::metrics::BackendMetrics;
+
+/// `S`, with its calls counted under the `backend` label given to [`Metered::new`].
+pub struct Metered<S> {
+    inner: S,
+    metrics: BackendMetrics,
+}
+
+impl<S> Metered<S> {
+    /// Wraps `inner`, labelling its metrics `backend` (`memory`, `redis`, `postgres`).
+    pub fn new(inner: S, backend: &'static str) -> Metered<S> {
+        Metered {
+            inner,
+            metrics: BackendMetrics::new(backend),
+        }
+    }
+
+    /// The wrapped store.
+    pub fn inner(&self) -> &S {
+        &self.inner
+    }
+
+    fn record<T>(&self, started: Instant, result: &Result<T, StoreError>) {
+        self.metrics.calls.increment(1);
+        self.metrics.duration.record(started.elapsed().as_secs_f64());
+        if let Err(e) = result {
+            match e {
+                StoreError::Unavailable(_) => self.metrics.errors.increment(1),
+            }
+        }
+    }
+}
+
+impl<S: Store> Store for Metered<S> {
+    async fn apply(&self, buckets: &[BucketRef], demands: &[Demand]) -> Result<Applied, StoreError> {
+        let started = Instant::now();
+        let result = self.inner.apply(buckets, demands).await;
+        self.record(started, &result);
+        result
+    }
+
+    async fn peek(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
+        let started = Instant::now();
+        let result = self.inner.peek(buckets).await;
+        self.record(started, &result);
+        result
+    }
+
+    async fn reset(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
+        let started = Instant::now();
+        let result = self.inner.reset(buckets).await;
+        self.record(started, &result);
+        result
+    }
+
+    fn rules_changed(&self) {
+        self.inner.rules_changed();
+    }
+}

@@ -1,0 +1,169 @@
+//! Graceful shutdown of a running `tollgate serve`: on SIGTERM under load it reports not ready
+//! while it keeps answering, then closes, answers every request it accepted, and exits within
+//! its deadline.
+
+mod support;
+
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use support::{http_get, Tollgate};
+use tokio::task::block_in_place;
+
+const RULES: &str = r#"
+domain: shutdown
+descriptors:
+  - key: user
+    token_bucket: {capacity: 1000000, refill: 1000/s}
+"#;
+
+fn request(user: u64) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: "shutdown".into(),
+        descriptors: vec![RateLimitDescriptor {
+            entries: vec![Entry {
+                key: "user".into(),
+                value: format!("u{}", user % 50),
+            }],
+            ..Default::default()
+        }],
+        hits_addend: 0,
+    }
+}
+
+#[derive(Default)]
+struct Tally {
+    answered: AtomicU64,
+    answered_after_signal: AtomicU64,
+    /// Failures that are not "the server no longer takes requests" (a refused connection or
+    /// stream): these would be accepted requests left without an answer.
+    lost: AtomicU64,
+    refused: AtomicU64,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_under_load_answers_every_accepted_request_and_exits_in_time() {
+    let mut tollgate = block_in_place(|| {
+        Tollgate::builder()
+            .rules_file("shutdown.yaml", RULES)
+            .settings("shutdown: {drain_seconds: 2, timeout_seconds: 3}")
+            .start()
+    });
+    let target = format!("http://{}", tollgate.grpc_addr);
+    let tally = Arc::new(Tally::default());
+    let signalled = Arc::new(AtomicBool::new(false));
+    let mut clients = Vec::new();
+    for i in 0..16u64 {
+        let (target, tally, signalled) = (target.clone(), tally.clone(), signalled.clone());
+        clients.push(tokio::spawn(async move {
+            let Ok(mut c) = RateLimitServiceClient::connect(target).await else {
+                return;
+            };
+            let mut n = i;
+            let started = Instant::now();
+            while started.elapsed() < Duration::from_secs(12) {
+                n += 16;
+                match c.should_rate_limit(request(n)).await {
+                    Ok(_) => {
+                        tally.answered.fetch_add(1, Ordering::Relaxed);
+                        if signalled.load(Ordering::Relaxed) {
+                            tally.answered_after_signal.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    // The server closed: the request was not accepted (connection refused,
+                    // or a stream the server's GOAWAY said it never processed).
+                    Err(status) if status.code() == tonic::Code::Unavailable => {
+                        tally.refused.fetch_add(1, Ordering::Relaxed);
+                        return;
+                    }
+                    Err(status) => {
+                        eprintln!("lost: {status:?}");
+                        tally.lost.fetch_add(1, Ordering::Relaxed);
+                        return;
+                    }
+                }
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert!(tally.answered.load(Ordering::Relaxed) > 0, "load is running");
+    let signal_at = Instant::now();
+    signalled.store(true, Ordering::Relaxed);
+    let status = Command::new("kill")
+        .args(["-TERM", &tollgate.process.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+
+    // Draining: not ready, still answering.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let readyz = block_in_place(|| http_get(tollgate.http_addr, "/readyz"));
+    assert_eq!(readyz.map(|(s, _)| s), Some(503), "not ready while draining");
+    let during_drain = tally.answered_after_signal.load(Ordering::Relaxed);
+    assert!(during_drain > 0, "requests are still answered while draining");
+
+    // Exits within drain (2 s) + timeout (3 s), with a margin for a loaded machine.
+    let exited = block_in_place(|| loop {
+        if let Some(status) = tollgate.process.exited() {
+            break status;
+        }
+        assert!(
+            signal_at.elapsed() < Duration::from_secs(9),
+            "still running {:?} after SIGTERM\n{}",
+            signal_at.elapsed(),
+            tollgate.process.log_tail(30)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    });
+    assert!(
+        exited.success(),
+        "exit status {exited:?}\n{}",
+        tollgate.process.log_tail(30)
+    );
+    assert!(
+        signal_at.elapsed() >= Duration::from_secs(2),
+        "the drain period was skipped"
+    );
+    for c in clients {
+        c.await.unwrap();
+    }
+    assert_eq!(
+        tally.lost.load(Ordering::Relaxed),
+        0,
+        "accepted requests left unanswered"
+    );
+    let log = tollgate.process.log();
+    assert!(log.contains("all requests in flight answered"), "{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_signal_skips_the_drain() {
+    let mut tollgate = block_in_place(|| {
+        Tollgate::builder()
+            .rules_file("shutdown.yaml", RULES)
+            .settings("shutdown: {drain_seconds: 30, timeout_seconds: 30}")
+            .start()
+    });
+    let pid = tollgate.process.id().to_string();
+    let started = Instant::now();
+    Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    Command::new("kill").args(["-INT", &pid]).status().unwrap();
+    let exited = block_in_place(|| loop {
+        if let Some(status) = tollgate.process.exited() {
+            break status;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the second signal was ignored"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    });
+    assert!(exited.success(), "{exited:?}");
+}
