@@ -9,7 +9,7 @@
 //!
 //! Without an installed recorder (tests, `tollgate check`) every handle is a no-op.
 
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, Counter, Gauge, Histogram, Unit};
@@ -159,50 +159,54 @@ impl DecisionCode {
 }
 
 /// One bucket's [`DECISIONS`] and [`HITS`] counters, per [`DecisionCode`] (index: the code's
-/// position in [`DecisionCode::ALL`]). Cloning shares the counters.
-#[derive(Clone, Debug)]
+/// position in [`DecisionCode::ALL`]). Each series is registered on its first count, so
+/// `/metrics` lists the codes a bucket has seen, not five series for every rule of a large
+/// tree; after that a count is an atomic add. Cloning shares the counters.
+#[derive(Clone, Debug, Default)]
 pub struct DecisionCounters {
-    decisions: [Counter; 5],
-    hits: [Counter; 5],
+    inner: Option<Arc<Labelled>>,
+}
+
+#[derive(Debug)]
+struct Labelled {
+    domain: String,
+    bucket: String,
+    decisions: [OnceLock<Counter>; 5],
+    hits: [OnceLock<Counter>; 5],
 }
 
 impl DecisionCounters {
-    /// The counters of bucket `bucket` in domain `domain`, registered with the installed
-    /// recorder (no-ops without one).
+    /// The counters of bucket `bucket` in domain `domain`, registered with the recorder
+    /// installed when each is first counted (no-ops without one).
     pub fn new(domain: &str, bucket: &str) -> DecisionCounters {
-        let make = |name: &'static str, code: DecisionCode| counter!(name, "domain" => domain.to_owned(), "bucket" => bucket.to_owned(), "code" => code.as_str());
         DecisionCounters {
-            decisions: DecisionCode::ALL.map(|c| make(DECISIONS, c)),
-            hits: DecisionCode::ALL.map(|c| make(HITS, c)),
+            inner: Some(Arc::new(Labelled {
+                domain: domain.to_owned(),
+                bucket: bucket.to_owned(),
+                decisions: Default::default(),
+                hits: Default::default(),
+            })),
         }
     }
 
-    /// Shared no-op counters, for rules not registered with a recorder.
+    /// Shared counters that count nothing, for rules not registered by [`register_rules`].
     pub fn noop() -> &'static DecisionCounters {
-        static NOOP: OnceLock<DecisionCounters> = OnceLock::new();
-        NOOP.get_or_init(DecisionCounters::default)
+        static NOOP: DecisionCounters = DecisionCounters { inner: None };
+        &NOOP
     }
 
     /// Counts one decision of `hits` hits with `code`.
     pub fn count(&self, code: DecisionCode, hits: u64) {
+        let Some(l) = &self.inner else { return };
         let i = code as usize;
-        self.decisions[i].increment(1);
-        self.hits[i].increment(hits);
+        let make = |name: &'static str| counter!(name, "domain" => l.domain.clone(), "bucket" => l.bucket.clone(), "code" => code.as_str());
+        l.decisions[i].get_or_init(|| make(DECISIONS)).increment(1);
+        l.hits[i].get_or_init(|| make(HITS)).increment(hits);
     }
 }
 
-impl Default for DecisionCounters {
-    /// No-op counters, until [`register_rules`] replaces them.
-    fn default() -> Self {
-        DecisionCounters {
-            decisions: std::array::from_fn(|_| Counter::noop()),
-            hits: std::array::from_fn(|_| Counter::noop()),
-        }
-    }
-}
-
-/// Registers the decision counters of every bucket of `rules` (and of each domain's Envoy
-/// `limit` overrides, labelled `bucket="override"`), so the decision path only increments them.
+/// Gives every bucket of `rules` (and each domain's Envoy `limit` overrides, labelled
+/// `bucket="override"`) its decision counters, so the decision path never builds labels.
 /// Counters of a bucket that keeps its domain and name across a reload continue from their
 /// values.
 pub fn register_rules(rules: &mut RuleSet) {
