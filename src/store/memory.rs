@@ -221,8 +221,8 @@ impl MemoryStore {
     pub fn apply_now(&self, buckets: &[BucketRef], demands: &[Demand]) -> Applied {
         let mut locked = self.lock_buckets(buckets);
         let now = locked.now;
-        let states = locked.read(buckets);
         let plans: Vec<_> = buckets.iter().map(|b| &b.plan).collect();
+        let states = locked.read(buckets);
         let decision = decide(now, &states, &plans, demands);
         for (i, (b, out)) in buckets.iter().zip(&decision.instances).enumerate() {
             if !out.changed {
@@ -249,7 +249,7 @@ impl MemoryStore {
                 }
             }
         }
-        drop(locked);
+        locked.unlock();
         Applied { now_us: now, decision }
     }
 
@@ -315,16 +315,20 @@ impl MemoryStore {
 
 /// One request's buckets with their shards locked ([`MemoryStore::lock_buckets`]).
 struct Locked<'s, 'k> {
-    /// Per bucket, its stored key.
-    keys: Vec<StoredKey<'k>>,
-    /// Per bucket, its shard.
-    bucket_shards: Vec<usize>,
+    // Fields drop in this order, after `unlock` freed the guards: the order the decision path
+    // has always freed its allocations in. Freeing them all at the unlock instead cost about
+    // 3% more instructions per decision (glibc's allocator then serves `decide`'s zeroed
+    // vectors the slow way).
+    reloads: arc_swap::Guard<Arc<Reloads>>,
     /// The distinct shards, ascending; `guards` in the same order.
     shard_ids: Vec<usize>,
+    /// Per bucket, its shard.
+    bucket_shards: Vec<usize>,
+    /// Per bucket, its stored key.
+    keys: Vec<StoredKey<'k>>,
     guards: Vec<MutexGuard<'s, Shard>>,
     /// The store's clock, read once the locks were held.
     now: u64,
-    reloads: arc_swap::Guard<Arc<Reloads>>,
 }
 
 impl Locked<'_, '_> {
@@ -344,6 +348,11 @@ impl Locked<'_, '_> {
                     .unwrap_or_else(|| BucketState::full(&b.plan.limit_at(self.now), self.now))
             })
             .collect()
+    }
+
+    /// Releases the shards' locks (dropping the whole `Locked` does too).
+    fn unlock(&mut self) {
+        drop(std::mem::take(&mut self.guards));
     }
 
     /// The shard map holding bucket `i`, and the bucket's stored key.
