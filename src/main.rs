@@ -273,8 +273,10 @@ fn root_cause(e: &dyn std::error::Error) -> String {
 
 fn init_logging(settings: &Settings) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(&settings.log.level));
+    // Colours only on a terminal: a file or a log collector would get escape codes.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     match settings.log.format {
         LogFormat::Json => builder.json().init(),

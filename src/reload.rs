@@ -111,9 +111,14 @@ pub enum ReloadOutcome {
 pub struct Reloader<S> {
     limiter: Arc<Limiter<S>>,
     path: PathBuf,
-    /// The fingerprint of the last load attempted (successful or not). The lock also
-    /// serialises reloads.
-    last: Mutex<Fingerprint>,
+    /// The fingerprints of the last load attempted (successful or not) and of the rules in
+    /// force. The lock also serialises reloads.
+    last: Mutex<Attempts>,
+}
+
+struct Attempts {
+    attempted: Fingerprint,
+    in_force: Fingerprint,
 }
 
 impl<S: Store> Reloader<S> {
@@ -123,7 +128,10 @@ impl<S: Store> Reloader<S> {
         Arc::new(Reloader {
             limiter,
             path,
-            last: Mutex::new(loaded),
+            last: Mutex::new(Attempts {
+                attempted: loaded.clone(),
+                in_force: loaded,
+            }),
         })
     }
 
@@ -134,7 +142,10 @@ impl<S: Store> Reloader<S> {
 
     /// Reloads now, blocking on file reads. Without `force`, does nothing when the files'
     /// fingerprint equals the last one attempted, successful or not (so a broken file is
-    /// reported once, not on every poll); with it (SIGHUP), always loads.
+    /// reported once, not on every poll); with it (SIGHUP), loads unless the files are exactly
+    /// those of the rules in force (a broken file is then tried and reported again). Rules are
+    /// never swapped for identical ones: each swap makes the memory store keep the buckets that
+    /// were not full at that moment until they are used again.
     ///
     /// On success the new rules get the next generation and their metrics, replace the rules in
     /// force, and the reload is logged and counted. On failure every problem is logged and the
@@ -144,11 +155,14 @@ impl<S: Store> Reloader<S> {
         // Fingerprint before loading: if the files change during the load, the next check sees
         // a fingerprint that differs from this one and loads again.
         let print = fingerprint(&self.path);
-        if !force && print == *last {
-            tracing::trace!(path = %self.path.display(), "rules unchanged");
+        let seen = if force { &last.in_force } else { &last.attempted };
+        if print == *seen {
+            if force {
+                tracing::info!(path = %self.path.display(), "rules files unchanged; nothing to reload");
+            }
             return ReloadOutcome::Unchanged;
         }
-        *last = print;
+        last.attempted = print.clone();
         let current = self.generation();
         let loaded = load_rules(&self.path).and_then(|rules| {
             if rules.is_empty() {
@@ -172,6 +186,7 @@ impl<S: Store> Reloader<S> {
                     .collect::<Vec<_>>()
                     .join(", ");
                 self.limiter.swap_rules(rules);
+                last.in_force = print;
                 metrics::rules_loaded(generation, true, false);
                 tracing::info!(
                     path = %self.path.display(),
@@ -308,7 +323,7 @@ impl<S: Store> Reloader<S> {
         tokio::task::spawn_blocking(move || {
             let print = fingerprint(&this.path);
             let last = this.last.lock().unwrap_or_else(PoisonError::into_inner);
-            (print != *last).then_some(print)
+            (print != last.attempted).then_some(print)
         })
         .await
         .ok()

@@ -184,7 +184,12 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
         );
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_secs(settings.shutdown.drain_seconds)) => {}
-            _ = shutdown_signal() => tracing::info!("second signal: skipping the drain"),
+            _ = shutdown_signal() => {
+                tracing::warn!("second signal: exiting now, without waiting for requests in flight");
+                reload_task.abort();
+                tasks.abort_all();
+                return Ok(());
+            }
         }
     }
     tracing::info!(

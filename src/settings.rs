@@ -300,11 +300,19 @@ impl Settings {
 impl Settings {
     /// Checks what types alone cannot.
     ///
-    /// Errors: `metrics.near_limit_ratio` outside `(0, 1]`; `shutdown.timeout_seconds` of 0.
+    /// Errors: `metrics.near_limit_ratio` outside `(0, 1]`; an empty `admin.token` or one with
+    /// whitespace at either end (it could never match what a client sends); `shutdown.timeout_seconds` of 0.
     pub fn validate(&self) -> Result<(), String> {
         let ratio = self.metrics.near_limit_ratio;
         if !(ratio > 0.0 && ratio <= 1.0) {
             return Err(format!("metrics.near_limit_ratio must be in (0, 1], not {ratio}"));
+        }
+        if let Some(token) = &self.admin.token {
+            if token.is_empty() || token.trim() != token {
+                return Err("admin.token must not be empty or start or end with whitespace \
+                            (a YAML block scalar `|` adds a newline; use a plain string)"
+                    .into());
+            }
         }
         if self.shutdown.timeout_seconds == 0 {
             return Err("shutdown.timeout_seconds must be at least 1".into());
@@ -377,5 +385,18 @@ mod tests {
             .extract()
             .unwrap_or_else(|e| panic!("{path}: {e}"));
         assert_eq!(shipped, Settings::default());
+    }
+
+    #[test]
+    fn tokens_that_could_never_match_are_refused() {
+        let mut s = Settings::default();
+        assert_eq!(s.validate(), Ok(()));
+        for bad in ["", "tok\n", " tok", "tok "] {
+            s.admin.token = Some(bad.into());
+            let err = s.validate().unwrap_err();
+            assert!(err.contains("admin.token"), "{bad:?}: {err}");
+        }
+        s.admin.token = Some("tok".into());
+        assert_eq!(s.validate(), Ok(()));
     }
 }

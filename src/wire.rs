@@ -129,9 +129,11 @@ impl Decoder for RequestDecoder {
     type Error = Status;
 
     fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<RateLimitRequest>, Status> {
-        WireRequest::decode(src)
-            .map(|w| Some(w.into()))
-            .map_err(|e| Status::invalid_argument(format!("malformed RateLimitRequest: {e}")))
+        WireRequest::decode(src).map(|w| Some(w.into())).map_err(|e| {
+            // Rejected before the service sees it, so counted here.
+            metrics::counter!(crate::metrics::REQUESTS, "code" => "invalid_argument").increment(1);
+            Status::invalid_argument(format!("malformed RateLimitRequest: {e}"))
+        })
     }
 }
 

@@ -1,6 +1,8 @@
 //! The gRPC service in-process on a loopback port: exact admission under 64 concurrent
 //! callers, INVALID_ARGUMENT for malformed requests, and health.
 
+mod support;
+
 use std::sync::Arc;
 
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
@@ -198,30 +200,6 @@ struct RawEntry {
     value: Vec<u8>,
 }
 
-/// Field 1 as a number where the proto has a string: not a `RateLimitRequest` at all.
-#[derive(Clone, PartialEq, prost::Message)]
-struct NotARequest {
-    #[prost(uint64, tag = "1")]
-    domain: u64,
-}
-
-async fn raw_call<M: prost::Message + Send + Sync + 'static>(
-    addr: &str,
-    msg: M,
-) -> Result<envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse, tonic::Status> {
-    use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
-    let channel = Channel::from_shared(addr.to_owned()).unwrap().connect().await.unwrap();
-    let mut grpc = tonic::client::Grpc::new(channel);
-    grpc.ready().await.unwrap();
-    let path = tonic::codegen::http::uri::PathAndQuery::from_static(
-        "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
-    );
-    let codec = tonic_prost::ProstCodec::<M, RateLimitResponse>::default();
-    grpc.unary(tonic::Request::new(msg), path, codec)
-        .await
-        .map(|r| r.into_inner())
-}
-
 /// A header value with bytes that are not UTF-8 must be limited like any other value: the
 /// stock codec answered INTERNAL, which Envoy treats as a failed check and lets through.
 #[tokio::test]
@@ -236,10 +214,12 @@ async fn values_that_are_not_utf8_are_still_limited() {
             }],
         }],
     };
-    let first = raw_call(&addr, raw(b"\xff\xfe")).await.expect("decided, not an error");
+    let first = support::raw_call(&addr, raw(b"\xff\xfe"))
+        .await
+        .expect("decided, not an error");
     assert_eq!(first.overall_code, Code::Ok as i32);
     assert_eq!(first.statuses[0].limit_remaining, 99);
-    let second = raw_call(&addr, raw(b"\xff\xfe")).await.unwrap();
+    let second = support::raw_call(&addr, raw(b"\xff\xfe")).await.unwrap();
     assert_eq!(
         second.statuses[0].limit_remaining, 98,
         "the same bytes hit the same bucket"
@@ -249,7 +229,9 @@ async fn values_that_are_not_utf8_are_still_limited() {
 #[tokio::test]
 async fn a_message_that_is_not_a_request_is_invalid_argument() {
     let addr = start().await;
-    let status = raw_call(&addr, NotARequest { domain: 7 }).await.unwrap_err();
+    let status = support::raw_call(&addr, support::NotARequest { domain: 7 })
+        .await
+        .unwrap_err();
     assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
     assert!(status.message().contains("malformed RateLimitRequest"), "{status:?}");
 }

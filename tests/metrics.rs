@@ -92,6 +92,12 @@ async fn a_known_request_mix_gives_exact_counters() {
         .await
         .unwrap_err();
     assert_eq!(invalid.code(), tonic::Code::InvalidArgument);
+    // And one that is not a RateLimitRequest at all, rejected before the service runs.
+    let target = format!("http://{}", tollgate.grpc_addr);
+    let malformed = support::raw_call(&target, support::NotARequest { domain: 7 })
+        .await
+        .unwrap_err();
+    assert_eq!(malformed.code(), tonic::Code::InvalidArgument);
     assert_eq!(
         code(&mut c, request("nowhere", vec![descriptor("user", "bob")])).await,
         Code::Ok
@@ -115,10 +121,11 @@ async fn a_known_request_mix_gives_exact_counters() {
     assert_eq!(decisions(&m, DECISIONS, "shadowed", "over_limit"), 0.0);
 
     let requests = |code| m.counter("tollgate_requests_total", &[("code", code)]);
-    // 7 + refund + 3 shadow + unknown domain + no rule = 13 answered, 2 of them over limit.
+    // 7 + refund + 3 shadow + unknown domain + no rule = 13 answered, 2 of them over limit;
+    // the malformed message is not timed (it never reached the service).
     assert_eq!(requests("ok"), 11.0);
     assert_eq!(requests("over_limit"), 2.0);
-    assert_eq!(requests("invalid_argument"), 1.0);
+    assert_eq!(requests("invalid_argument"), 2.0);
     assert_eq!(requests("unavailable"), 0.0);
     assert_eq!(m.histogram_count("tollgate_request_duration_seconds"), Some(14.0));
     assert_eq!(m.counter("tollgate_unknown_domain_requests_total", &[]), 1.0);

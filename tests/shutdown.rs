@@ -160,13 +160,16 @@ async fn sigterm_under_load_answers_every_accepted_request_and_exits_in_time() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_second_signal_skips_the_drain() {
+async fn a_second_signal_exits_at_once() {
     let mut tollgate = block_in_place(|| {
         Tollgate::builder()
             .rules_file("shutdown.yaml", RULES)
             .settings("shutdown: {drain_seconds: 30, timeout_seconds: 30}")
             .start()
     });
+    // A half-sent HTTP request: the HTTP server would wait for it until the deadline (30 s).
+    let mut half = std::net::TcpStream::connect(tollgate.http_addr).unwrap();
+    std::io::Write::write_all(&mut half, b"GET /readyz HTTP/1.1\r\nHost: x\r\n").unwrap();
     let pid = tollgate.process.id().to_string();
     let started = Instant::now();
     Command::new("kill").args(["-TERM", &pid]).status().unwrap();

@@ -590,3 +590,33 @@ fn check_labels(mut s: &str) -> Option<&str> {
         s = s.strip_prefix(',').unwrap_or(s);
     }
 }
+
+/// Field 1 as a number where the proto has a string: not a `RateLimitRequest` at all.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct NotARequest {
+    #[prost(uint64, tag = "1")]
+    pub domain: u64,
+}
+
+/// One `ShouldRateLimit` call carrying any protobuf message `msg` as its body, at `addr`
+/// (`http://host:port`).
+pub async fn raw_call<M: prost::Message + Send + Sync + 'static>(
+    addr: &str,
+    msg: M,
+) -> Result<envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse, tonic::Status> {
+    use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
+    let channel = tonic::transport::Channel::from_shared(addr.to_owned())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.unwrap();
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static(
+        "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+    );
+    let codec = tonic_prost::ProstCodec::<M, RateLimitResponse>::default();
+    grpc.unary(tonic::Request::new(msg), path, codec)
+        .await
+        .map(|r| r.into_inner())
+}
