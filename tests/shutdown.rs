@@ -37,6 +37,21 @@ fn request(user: u64) -> RateLimitRequest {
     }
 }
 
+/// Whether a failed call is one the closing server never took: the connection was refused or
+/// closed under it (`Unavailable`, `Cancelled`), or the stream was above the last one the
+/// server's GOAWAY (`NO_ERROR`) said it processed, which RFC 9113 section 6.8 guarantees was not
+/// processed (h2 fails it with a `GoAway` error, which tonic reports as `Internal`).
+fn not_accepted(status: &tonic::Status) -> bool {
+    match status.code() {
+        tonic::Code::Unavailable | tonic::Code::Cancelled => true,
+        tonic::Code::Internal => {
+            let detail = format!("{status:?}");
+            detail.contains("GoAway(") && detail.contains("NO_ERROR")
+        }
+        _ => false,
+    }
+}
+
 #[derive(Default)]
 struct Tally {
     answered: AtomicU64,
@@ -79,13 +94,8 @@ async fn sigterm_under_load_answers_every_accepted_request_and_exits_in_time() {
                         }
                     }
                     // The server closed its listener and connections: the request was not
-                    // accepted (connection refused; a stream the server's GOAWAY said it never
-                    // processed; one sent as the server closed the connection, which hyper
-                    // reports as cancelled). Before the drain ended, that would be a loss.
-                    Err(status)
-                        if closing.load(Ordering::Relaxed)
-                            && matches!(status.code(), tonic::Code::Unavailable | tonic::Code::Cancelled) =>
-                    {
+                    // accepted. Before the drain ended, that would be a loss.
+                    Err(status) if closing.load(Ordering::Relaxed) && not_accepted(&status) => {
                         tally.refused.fetch_add(1, Ordering::Relaxed);
                         return;
                     }
