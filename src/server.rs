@@ -124,11 +124,16 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
         let gauges = store.clone();
         let buckets = metrics::gauge!(crate::metrics::MEMORY_BUCKETS);
         let evicted = metrics::counter!(crate::metrics::MEMORY_EVICTED_NOT_FULL);
+        // process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds, ...: the
+        // standard process metrics, read at each scrape.
+        let process = metrics_process::Collector::default();
+        process.describe();
         HttpState {
             ready: ready.clone(),
             backend: Arc::new(|| Box::pin(async { Ok(()) })),
             metrics: Some(prometheus),
             refresh: Arc::new(move || {
+                process.collect();
                 buckets.set(gauges.len() as f64);
                 evicted.absolute(gauges.stats().evicted_not_full.load(Ordering::Relaxed));
             }),

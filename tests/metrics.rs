@@ -155,6 +155,9 @@ async fn a_known_request_mix_gives_exact_counters() {
         m.types.get("tollgate_request_duration_seconds").map(String::as_str),
         Some("histogram")
     );
+    // The standard process metrics come along.
+    assert!(m.get("process_cpu_seconds_total", &[]).is_some());
+    assert!(m.get("process_resident_memory_bytes", &[]).is_some_and(|v| v > 1e6));
 
     // Label values come from the rules, never from requests.
     for sample in &m.samples {
