@@ -119,6 +119,8 @@ pub struct Reloader<S> {
 struct Attempts {
     attempted: Fingerprint,
     in_force: Fingerprint,
+    /// Why the latest attempt failed, when it did: Unix seconds and one line per problem.
+    failure: Option<(u64, Vec<String>)>,
 }
 
 impl<S: Store> Reloader<S> {
@@ -131,7 +133,24 @@ impl<S: Store> Reloader<S> {
             last: Mutex::new(Attempts {
                 attempted: loaded.clone(),
                 in_force: loaded,
+                failure: None,
             }),
+        })
+    }
+
+    /// The state of reloading, for `/config`: `{"generation": n, "last_reload_failed": bool,
+    /// "last_failure": null | {"at_unix_seconds": s, "problems": ["<file>: <rule>: <reason>",
+    /// ...]}}`. A failure stays shown until a reload succeeds.
+    pub fn status_json(&self) -> serde_json::Value {
+        let last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
+        let failure = last
+            .failure
+            .as_ref()
+            .map(|(at, problems)| serde_json::json!({ "at_unix_seconds": at, "problems": problems }));
+        serde_json::json!({
+            "generation": self.generation(),
+            "last_reload_failed": failure.is_some(),
+            "last_failure": failure,
         })
     }
 
@@ -195,6 +214,7 @@ impl<S: Store> Reloader<S> {
                     files = %files,
                     "rules reloaded"
                 );
+                last.failure = None;
                 ReloadOutcome::Applied { generation }
             }
             Err(errors) => {
@@ -213,6 +233,10 @@ impl<S: Store> Reloader<S> {
                     "rules reload rejected; the previous rules stay in force"
                 );
                 metrics::rules_loaded(current, false, false);
+                let at = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_secs());
+                last.failure = Some((at, errors.0.iter().map(ToString::to_string).collect()));
                 ReloadOutcome::Failed(errors)
             }
         }

@@ -121,6 +121,7 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
     let http_state = {
         let config_limiter = limiter.clone();
         let config_settings = settings.clone();
+        let config_reloader = reloader.clone();
         let gauges = store.clone();
         let buckets = metrics::gauge!(crate::metrics::MEMORY_BUCKETS);
         let evicted = metrics::counter!(crate::metrics::MEMORY_EVICTED_NOT_FULL);
@@ -137,7 +138,11 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
                 buckets.set(gauges.len() as f64);
                 evicted.absolute(gauges.stats().evicted_not_full.load(Ordering::Relaxed));
             }),
-            config: Arc::new(move || config_json(&config_limiter.rules(), &config_settings)),
+            config: Arc::new(move || {
+                let mut config = config_json(&config_limiter.rules(), &config_settings);
+                config["reload"] = config_reloader.status_json();
+                config
+            }),
         }
     };
     let mut tasks = tokio::task::JoinSet::new();

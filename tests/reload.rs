@@ -579,13 +579,14 @@ fn generation(tollgate: &Tollgate) -> u64 {
     let metric = Scrape::from(tollgate.http_addr)
         .get("tollgate_rules_generation", &[])
         .expect("tollgate_rules_generation");
-    let (status, body) = http_get(tollgate.http_addr, "/config").expect("/config answers");
-    assert_eq!(status, 200, "/config: {body}");
-    let json: serde_json::Value =
-        serde_json::from_str(&body).unwrap_or_else(|e| panic!("/config is JSON ({e}): {body}"));
+    let json = config_json(tollgate);
     let config = json["generation"]
         .as_u64()
-        .unwrap_or_else(|| panic!("/config has a generation: {body}"));
+        .unwrap_or_else(|| panic!("/config has a generation: {json}"));
+    assert_eq!(
+        json["reload"]["generation"], config,
+        "/config's rules and reload status agree"
+    );
     assert_eq!(metric, config as f64, "/metrics and /config agree on the generation");
     config
 }
@@ -711,6 +712,11 @@ async fn server_invalid_edit_keeps_the_previous_limits_and_is_counted_once() {
         "the rejection is logged\n{}",
         tollgate.process.log_tail(40)
     );
+    // /config says why, while the old rules stay in force.
+    let config = config_json(&tollgate);
+    assert_eq!(config["reload"]["last_reload_failed"], true, "{config}");
+    let problems = config["reload"]["last_failure"]["problems"].to_string();
+    assert!(problems.contains("rules.yaml"), "{problems}");
     // Polls see the same broken file: no new attempt.
     tokio::time::sleep(Duration::from_millis(2500)).await;
     assert_eq!(reloads(&tollgate, "failure"), 1.0, "reported once");
@@ -722,6 +728,17 @@ async fn server_invalid_edit_keeps_the_previous_limits_and_is_counted_once() {
         Scrape::from(tollgate.http_addr).get("tollgate_rules_last_reload_successful", &[]),
         Some(1.0)
     );
+    let config = config_json(&tollgate);
+    assert_eq!(config["reload"]["last_reload_failed"], false, "{config}");
+    assert!(config["reload"]["last_failure"].is_null(), "{config}");
+}
+
+/// `GET /config` as JSON.
+fn config_json(tollgate: &Tollgate) -> serde_json::Value {
+    match http_get(tollgate.http_addr, "/config") {
+        Some((200, body)) => serde_json::from_str(&body).expect("/config is JSON"),
+        other => panic!("GET /config: {other:?}"),
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
