@@ -132,6 +132,10 @@ fn main() -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             };
+            if let Err(e) = settings.validate() {
+                eprintln!("invalid settings: {e}");
+                return ExitCode::FAILURE;
+            }
             if let Some(rules) = rules {
                 settings.rules = rules;
             }

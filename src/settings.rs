@@ -300,12 +300,16 @@ impl Settings {
 impl Settings {
     /// Checks what types alone cannot.
     ///
-    /// Errors: `metrics.near_limit_ratio` outside `(0, 1]`; an empty `admin.token` or one with
+    /// Errors: a `log.level` that is not a `tracing` filter (`info`, `tollgate=debug,warn`);
+    /// `metrics.near_limit_ratio` outside `(0, 1]`; an empty `admin.token` or one with
     /// whitespace at either end (it could never match what a client sends); `shutdown.timeout_seconds` of 0.
     pub fn validate(&self) -> Result<(), String> {
         let ratio = self.metrics.near_limit_ratio;
         if !(ratio > 0.0 && ratio <= 1.0) {
             return Err(format!("metrics.near_limit_ratio must be in (0, 1], not {ratio}"));
+        }
+        if let Err(e) = tracing_subscriber::EnvFilter::try_new(&self.log.level) {
+            return Err(format!("log.level {:?} is not a tracing filter: {e}", self.log.level));
         }
         if let Some(token) = &self.admin.token {
             if token.is_empty() || token.trim() != token {
@@ -398,5 +402,15 @@ mod tests {
         }
         s.admin.token = Some("tok".into());
         assert_eq!(s.validate(), Ok(()));
+    }
+
+    #[test]
+    fn a_log_level_that_is_no_filter_is_refused() {
+        let mut s = Settings::default();
+        s.log.level = "tollgate=debug,warn".into();
+        assert_eq!(s.validate(), Ok(()));
+        s.log.level = "bogus[[".into();
+        let err = s.validate().unwrap_err();
+        assert!(err.contains("log.level"), "{err}");
     }
 }
