@@ -68,13 +68,7 @@ fn render_domain(out: &mut String, d: &Domain, now_us: u64) {
 }
 
 fn render_level(out: &mut String, d: &Domain, level: &Level, depth: usize, parent: &str) {
-    // Print in matching order: exact values, then wildcards in config order, then defaults.
-    let mut exact: Vec<usize> = level.exact.values().flat_map(|v| v.values().copied()).collect();
-    exact.sort_by(|a, b| d.nodes[*a].path.cmp(&d.nodes[*b].path));
-    let wildcard = level.wildcard.iter().map(|(_, _, n)| *n);
-    let mut any: Vec<usize> = level.any.values().copied().collect();
-    any.sort_by(|a, b| d.nodes[*a].path.cmp(&d.nodes[*b].path));
-    for id in exact.into_iter().chain(wildcard).chain(any) {
+    for (_, _, id) in level.in_match_order(d) {
         let node = &d.nodes[id];
         // The node's own `key=value`: its path minus the parent's (a value may contain `.`).
         let step = match node.path.strip_prefix(parent) {
@@ -98,14 +92,7 @@ fn render_level(out: &mut String, d: &Domain, level: &Level, depth: usize, paren
                     s.push_str(" [shadow]");
                 }
                 if !replaces.is_empty() {
-                    // Several buckets may carry one envoyproxy/ratelimit name: show each name once.
-                    let mut names: Vec<&str> = Vec::new();
-                    for name in replaces.iter().map(|r| d.buckets[*r].name.as_str()) {
-                        if !names.contains(&name) {
-                            names.push(name);
-                        }
-                    }
-                    let _ = write!(s, " [replaces {}]", names.join(", "));
+                    let _ = write!(s, " [replaces {}]", d.replaced_names(replaces).join(", "));
                 }
                 s
             }

@@ -57,7 +57,7 @@ use serde::Serialize;
 use serde_json::{Number, Value};
 
 use crate::bucket::{Limit, Rate, MICRO};
-use crate::rules::{BucketPolicy, Domain, Level, ReportedLimit, Rule, RuleSet};
+use crate::rules::{BucketPolicy, Domain, Level, LevelValue, ReportedLimit, Rule, RuleSet};
 use crate::schedule::{Effect, Plan, Quota, Schedule};
 use crate::settings::Settings;
 
@@ -309,22 +309,12 @@ fn domain_view(d: &Domain) -> DomainView<'_> {
 /// precedence: exact values (sorted by path), wildcards in config order, key-only nodes (sorted
 /// by path).
 fn walk<'a>(d: &'a Domain, level: &'a Level, prefix: &mut Vec<EntryView<'a>>, out: &mut Vec<RuleView<'a>>) {
-    let by_path = |a: &(&'a str, Option<String>, usize), b: &(&'a str, Option<String>, usize)| {
-        d.nodes[a.2].path.cmp(&d.nodes[b.2].path)
-    };
-    let mut exact: Vec<(&str, Option<String>, usize)> = level
-        .exact
-        .iter()
-        .flat_map(|(k, values)| values.iter().map(move |(v, n)| (k.as_str(), Some(v.clone()), *n)))
-        .collect();
-    exact.sort_by(by_path);
-    let wildcard = level
-        .wildcard
-        .iter()
-        .map(|(k, pattern, n)| (k.as_str(), Some(pattern.text()), *n));
-    let mut any: Vec<(&str, Option<String>, usize)> = level.any.iter().map(|(k, n)| (k.as_str(), None, *n)).collect();
-    any.sort_by(by_path);
-    for (key, value, id) in exact.into_iter().chain(wildcard).chain(any) {
+    for (key, value, id) in level.in_match_order(d) {
+        let value = match value {
+            LevelValue::Exact(v) => Some(v.to_owned()),
+            LevelValue::Wildcard(p) => Some(p.text()),
+            LevelValue::Any => None,
+        };
         let node = &d.nodes[id];
         prefix.push(EntryView { key, value });
         let (bucket, quota, shadow, replaces) = match &node.rule {
@@ -336,13 +326,6 @@ fn walk<'a>(d: &'a Domain, level: &'a Level, prefix: &mut Vec<EntryView<'a>>, ou
             }) => (Some(*bucket), *quota, *shadow, replaces.as_slice()),
             _ => (None, None, false, &[][..]),
         };
-        // Several buckets may carry one envoyproxy/ratelimit name: each name once.
-        let mut replaced: Vec<&str> = Vec::new();
-        for name in replaces.iter().map(|r| d.buckets[*r].name.as_str()) {
-            if !replaced.contains(&name) {
-                replaced.push(name);
-            }
-        }
         out.push(RuleView {
             path: &node.path,
             descriptor: prefix.clone(),
@@ -353,7 +336,7 @@ fn walk<'a>(d: &'a Domain, level: &'a Level, prefix: &mut Vec<EntryView<'a>>, ou
             unlimited: node.rule == Some(Rule::Unlimited),
             shadow_mode: shadow,
             share_threshold: node.shared_pattern.is_some(),
-            replaces: replaced,
+            replaces: d.replaced_names(replaces),
         });
         walk(d, &node.children, prefix, out);
         prefix.pop();

@@ -23,6 +23,18 @@ pub struct RuleSet {
 }
 
 impl Domain {
+    /// The names of the buckets `replaces` points at, each once (several buckets may carry one
+    /// envoyproxy/ratelimit name), in order.
+    pub fn replaced_names(&self, replaces: &[usize]) -> Vec<&str> {
+        let mut names: Vec<&str> = Vec::new();
+        for name in replaces.iter().map(|r| self.buckets[*r].name.as_str()) {
+            if !names.contains(&name) {
+                names.push(name);
+            }
+        }
+        names
+    }
+
     /// The decision counters of bucket `index` (no-ops before
     /// [`crate::metrics::register_rules`] ran).
     pub fn counters_of(&self, index: usize) -> &DecisionCounters {
@@ -252,7 +264,44 @@ pub struct Level {
     pub any: HashMap<String, usize>,
 }
 
+/// What a node of a [`Level`] matches in an entry's value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LevelValue<'a> {
+    /// Exactly this value.
+    Exact(&'a str),
+    /// Values matching this pattern.
+    Wildcard(&'a Pattern),
+    /// Any value (a key-only node).
+    Any,
+}
+
 impl Level {
+    /// Every node of this level as `(key, value, node)`, in matching precedence: exact values,
+    /// then wildcards in config order, then key-only nodes; exact and key-only nodes sorted by
+    /// their path in `domain`, so listings are stable.
+    pub fn in_match_order<'a>(&'a self, domain: &Domain) -> Vec<(&'a str, LevelValue<'a>, usize)> {
+        let by_path = |a: &(&str, LevelValue, usize), b: &(&str, LevelValue, usize)| {
+            domain.nodes[a.2].path.cmp(&domain.nodes[b.2].path)
+        };
+        let mut exact: Vec<_> = self
+            .exact
+            .iter()
+            .flat_map(|(k, values)| values.iter().map(move |(v, n)| (k.as_str(), LevelValue::Exact(v), *n)))
+            .collect();
+        exact.sort_by(by_path);
+        let mut any: Vec<_> = self
+            .any
+            .iter()
+            .map(|(k, n)| (k.as_str(), LevelValue::Any, *n))
+            .collect();
+        any.sort_by(by_path);
+        let wildcard = self
+            .wildcard
+            .iter()
+            .map(|(k, p, n)| (k.as_str(), LevelValue::Wildcard(p), *n));
+        exact.into_iter().chain(wildcard).chain(any).collect()
+    }
+
     /// The node an entry `(key, value)` leads to: the exact value first, then wildcard patterns
     /// in config order, then the key-only default (DESIGN 1.1).
     pub fn find(&self, key: &str, value: &str) -> Option<usize> {

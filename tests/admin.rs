@@ -66,20 +66,7 @@ async fn grpc(tg: &Tollgate) -> RateLimitServiceClient<Channel> {
 /// Asks for `hits` tokens for the descriptor `entries` in domain `api`:
 /// `(OK?, limit_remaining)` of its status.
 async fn hit(client: &mut RateLimitServiceClient<Channel>, entries: &[(&str, &str)], hits: u32) -> (bool, u32) {
-    let request = RateLimitRequest {
-        domain: "api".into(),
-        descriptors: vec![RateLimitDescriptor {
-            entries: entries
-                .iter()
-                .map(|(k, v)| Entry {
-                    key: (*k).into(),
-                    value: (*v).into(),
-                })
-                .collect(),
-            ..Default::default()
-        }],
-        hits_addend: hits,
-    };
+    let request = support::request("api", entries, hits);
     let status = client.should_rate_limit(request).await.unwrap().into_inner().statuses[0].clone();
     (status.code == Code::Ok as i32, status.limit_remaining)
 }

@@ -5,7 +5,6 @@ mod support;
 
 use std::sync::Arc;
 
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
@@ -43,20 +42,7 @@ async fn start() -> String {
 }
 
 fn request(domain: &str, entries: &[(&str, &str)]) -> RateLimitRequest {
-    RateLimitRequest {
-        domain: domain.into(),
-        descriptors: vec![RateLimitDescriptor {
-            entries: entries
-                .iter()
-                .map(|(k, v)| Entry {
-                    key: (*k).into(),
-                    value: (*v).into(),
-                })
-                .collect(),
-            ..Default::default()
-        }],
-        hits_addend: 0,
-    }
+    support::request(domain, entries, 0)
 }
 
 async fn client(addr: &str) -> RateLimitServiceClient<Channel> {

@@ -16,8 +16,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
@@ -56,17 +54,7 @@ descriptors:
 const INVALID: &str = "domain: reload_test\ndescriptors:\n  - value: no_key_here\n";
 
 fn request(key: &str, value: &str) -> RateLimitRequest {
-    RateLimitRequest {
-        domain: DOMAIN.into(),
-        descriptors: vec![RateLimitDescriptor {
-            entries: vec![Entry {
-                key: key.into(),
-                value: value.into(),
-            }],
-            ..Default::default()
-        }],
-        hits_addend: 0,
-    }
+    support::request(DOMAIN, &[(key, value)], 0)
 }
 
 /// The capacity a fresh bucket of `response`'s descriptor had: what remains after one hit, plus

@@ -620,3 +620,28 @@ pub async fn raw_call<M: prost::Message + Send + Sync + 'static>(
         .await
         .map(|r| r.into_inner())
 }
+
+/// A `RateLimitRequest` in `domain` with one descriptor of `entries` (`(key, value)` pairs) and
+/// the request-level `hits_addend` (0: Envoy's default, one hit).
+pub fn request(
+    domain: &str,
+    entries: &[(&str, &str)],
+    hits_addend: u32,
+) -> envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest {
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+    envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest {
+        domain: domain.into(),
+        descriptors: vec![RateLimitDescriptor {
+            entries: entries
+                .iter()
+                .map(|(k, v)| Entry {
+                    key: (*k).into(),
+                    value: (*v).into(),
+                })
+                .collect(),
+            ..Default::default()
+        }],
+        hits_addend,
+    }
+}
