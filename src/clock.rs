@@ -50,3 +50,24 @@ impl Clock for ManualClock {
         self.0.load(Ordering::SeqCst)
     }
 }
+
+/// Another clock, shifted by a fixed number of microseconds (tests of replicas whose clocks
+/// disagree).
+#[derive(Clone, Debug)]
+pub struct SkewedClock<C> {
+    inner: C,
+    skew_us: i64,
+}
+
+impl<C: Clock> SkewedClock<C> {
+    /// `inner`, reading `skew_us` microseconds ahead (behind, when negative).
+    pub fn new(inner: C, skew_us: i64) -> SkewedClock<C> {
+        SkewedClock { inner, skew_us }
+    }
+}
+
+impl<C: Clock> Clock for SkewedClock<C> {
+    fn now_us(&self) -> u64 {
+        self.inner.now_us().saturating_add_signed(self.skew_us)
+    }
+}

@@ -125,6 +125,15 @@ fn settings_json(settings: &Settings) -> Value {
     if shown.admin.token.is_some() {
         shown.admin.token = Some(REDACTED.to_owned());
     }
+    if shown.redis.password.is_some() {
+        shown.redis.password = Some(REDACTED.to_owned());
+    }
+    shown.redis.urls = shown
+        .redis
+        .urls
+        .iter()
+        .map(|u| crate::settings::redact_url(u))
+        .collect();
     // A path that is not UTF-8 would fail to serialize: show it lossily instead.
     shown.rules = shown.rules.to_string_lossy().into_owned().into();
     to_value(&shown)
@@ -742,6 +751,22 @@ descriptors:
         // Unset, it stays null (nothing to hide, and no hint of one).
         let v = config_json(&rules, &Settings::default());
         assert_eq!(v["settings"]["admin"]["token"], Value::Null);
+    }
+
+    #[test]
+    fn redis_passwords_are_redacted_in_the_setting_and_in_urls() {
+        let (_dir, rules) = loaded();
+        let mut settings = Settings::default();
+        settings.redis.password = Some(SECRET.to_owned());
+        settings.redis.urls = vec![format!("redis://app:{SECRET}@127.0.0.1:6379/2")];
+        let v = config_json(&rules, &settings);
+        let text = serde_json::to_string(&v).unwrap();
+        assert!(!text.contains(SECRET), "the password leaked: {text}");
+        assert_eq!(v["settings"]["redis"]["password"], REDACTED);
+        assert_eq!(
+            v["settings"]["redis"]["urls"][0],
+            "redis://app:<redacted>@127.0.0.1:6379/2"
+        );
     }
 
     #[test]

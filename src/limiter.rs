@@ -22,10 +22,10 @@ use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimit
 use crate::bucket::{Demand, DemandKind, Limit, Rate, MAX_CAPACITY, MICRO};
 use crate::matcher::{find_node, find_rule, instance_key, shared_patterns};
 use crate::metrics::{count_decisions, DecisionCounters};
-use crate::response::{build_response, Part, Target};
+use crate::response::{build_response, failure_response, Part, Target};
 use crate::rules::{BucketPolicy, Domain, ReportedLimit, Rule, RuleSet, UNITS};
 use crate::schedule::Plan;
-use crate::settings::{HeaderSettings, RequestLimits};
+use crate::settings::{FailureMode, HeaderSettings, RequestLimits};
 use crate::store::{BucketRef, Store, StoreError};
 
 /// The bucket name reported for Envoy `limit` overrides.
@@ -89,6 +89,9 @@ pub struct LimiterOptions {
     pub overrides: bool,
     /// Decisions are counted `near_limit` from this fraction of the capacity used.
     pub near_limit_ratio: f64,
+    /// What to answer when the store fails (`redis.failure_mode`; `Error` for memory, which
+    /// does not fail).
+    pub on_store_failure: FailureMode,
 }
 
 /// Rules plus a store: decides requests.
@@ -258,7 +261,20 @@ impl<S: Store> Limiter<S> {
         if buckets.is_empty() {
             return Ok(build_response(&targets, None, &self.options.headers));
         }
-        let applied = self.store.apply(&buckets, &demands).await?;
+        let applied = match self.store.apply(&buckets, &demands).await {
+            Ok(applied) => applied,
+            Err(e) => {
+                let answer = match self.options.on_store_failure {
+                    FailureMode::Allow => failure_response(&targets, false),
+                    FailureMode::Deny => failure_response(&targets, true),
+                    // The store falls back by itself; an error that still comes back has
+                    // nothing left to decide on.
+                    FailureMode::Error | FailureMode::Fallback => return Err(e.into()),
+                };
+                crate::metrics::count_failure_answer(self.options.on_store_failure);
+                return Ok(answer);
+            }
+        };
         count_decisions(&targets, &applied, self.options.near_limit_ratio);
         Ok(build_response(&targets, Some(&applied), &self.options.headers))
     }

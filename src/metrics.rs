@@ -44,6 +44,9 @@ pub const BACKEND_DURATION: &str = "tollgate_backend_call_duration_seconds";
 pub const BACKEND_FALLBACKS: &str = "tollgate_backend_fallbacks_total";
 /// 1 while a backend's circuit breaker is open (calls are not tried), else 0, by `backend`.
 pub const BACKEND_CIRCUIT_OPEN: &str = "tollgate_backend_circuit_open";
+/// Counter `{answer}`: requests answered by `failure_mode` because the backend failed
+/// (`allow`: OK without a decision; `deny`: OVER_LIMIT without one).
+pub const BACKEND_FAILURE_ANSWERS: &str = "tollgate_backend_failure_answers_total";
 /// Rules reloads by `result`: `success`, `failure` (the previous rules stay in force).
 pub const RELOADS: &str = "tollgate_rules_reloads_total";
 /// The generation of the rules in force: 1 at start, plus one per reload that took effect.
@@ -108,6 +111,10 @@ fn describe() {
     describe_histogram!(BACKEND_DURATION, Unit::Seconds, "Backend call time");
     describe_counter!(BACKEND_FALLBACKS, "Decisions taken by the fallback backend");
     describe_gauge!(BACKEND_CIRCUIT_OPEN, "1 while the backend's circuit breaker is open");
+    describe_counter!(
+        BACKEND_FAILURE_ANSWERS,
+        "Requests answered by failure_mode (allow or deny) because the backend failed"
+    );
     describe_counter!(RELOADS, "Rules reloads, by result");
     describe_gauge!(RULES_GENERATION, "Generation of the rules in force");
     describe_gauge!(LAST_RELOAD_SUCCESSFUL, "1 if the latest rules reload succeeded");
@@ -325,6 +332,18 @@ impl BackendMetrics {
         m.circuit_open.set(0.0);
         m
     }
+}
+
+/// Counts a request answered by `mode` because the backend failed, in
+/// [`BACKEND_FAILURE_ANSWERS`]. Decision counters are left alone: no decision was taken.
+pub fn count_failure_answer(mode: crate::settings::FailureMode) {
+    let answer = match mode {
+        crate::settings::FailureMode::Allow => "allow",
+        crate::settings::FailureMode::Deny => "deny",
+        crate::settings::FailureMode::Error => "error",
+        crate::settings::FailureMode::Fallback => "fallback",
+    };
+    counter!(BACKEND_FAILURE_ANSWERS, "answer" => answer).increment(1);
 }
 
 /// Records a rules load: `generation` is the generation now in force; `success` whether this

@@ -63,6 +63,32 @@ struct Verdict<'a> {
     retry_after_us: Option<u64>,
 }
 
+/// The answer when the backend failed and `failure_mode` says `allow` (`deny: false`: every
+/// descriptor `OK`) or `deny` (`deny: true`: every enforced descriptor that matched a bucket
+/// `OVER_LIMIT`, others `OK`). Nothing is known about the buckets, so the statuses carry no
+/// limit or remaining count and no header is added: in particular no `Retry-After`, since no
+/// wait is known to succeed (DESIGN 2).
+pub fn failure_response(targets: &[Option<Target<'_>>], deny: bool) -> RateLimitResponse {
+    let statuses: Vec<DescriptorStatus> = targets
+        .iter()
+        .map(|t| {
+            let over = deny
+                && t.as_ref()
+                    .is_some_and(|t| !t.shadow && !matches!(t.kind, DemandKind::Refund(_)));
+            DescriptorStatus {
+                code: if over { Code::OverLimit } else { Code::Ok } as i32,
+                ..Default::default()
+            }
+        })
+        .collect();
+    let denied = statuses.iter().any(|s| s.code == Code::OverLimit as i32);
+    RateLimitResponse {
+        overall_code: if denied { Code::OverLimit } else { Code::Ok } as i32,
+        statuses,
+        ..Default::default()
+    }
+}
+
 /// Builds the response. `targets` has one entry per request descriptor (`None`: no limit
 /// applies); `applied` is the store's decision, absent when no descriptor matched a bucket.
 pub fn build_response(

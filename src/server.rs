@@ -13,14 +13,14 @@ use tonic::transport::server::TcpIncoming;
 use tonic_health::pb::health_server::{Health, HealthServer};
 use tonic_health::ServingStatus;
 
-use crate::clock::SystemClock;
+use crate::clock::{Clock, SkewedClock, SystemClock};
 use crate::config_view::config_json;
 use crate::http::{router, HttpState, Readiness};
 use crate::limiter::{Limiter, LimiterOptions};
 use crate::reload::{load_initial, Reloader};
 use crate::service::RateLimitGrpc;
-use crate::settings::{Backend, Settings};
-use crate::store::{MemoryStore, Metered, Store};
+use crate::settings::{Backend, FailureMode, Settings, UnreachableAtStart};
+use crate::store::{AnyStore, MemoryStore, Metered, RedisStore, Resilient, Store};
 use crate::wire::RateLimitServer;
 
 impl LimiterOptions {
@@ -32,6 +32,10 @@ impl LimiterOptions {
             shadow_mode: settings.shadow_mode,
             overrides: settings.overrides,
             near_limit_ratio: settings.metrics.near_limit_ratio,
+            on_store_failure: match settings.backend {
+                Backend::Memory => FailureMode::Error,
+                Backend::Redis => settings.redis.failure_mode,
+            },
         }
     }
 }
@@ -64,21 +68,18 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
         generation = rules.generation,
         "rules loaded"
     );
-    let Backend::Memory = settings.backend;
-    let store = MemoryStore::new(
-        settings.memory.shards,
-        settings.memory.max_buckets,
-        Arc::new(SystemClock),
-    );
+    let clock = local_clock();
+    // The memory store: the backend itself, or Redis's fallback (`failure_mode: fallback`).
+    let memory = MemoryStore::new(settings.memory.shards, settings.memory.max_buckets, clock.clone());
     spawn_sweeper(
-        store.clone(),
+        memory.clone(),
         Duration::from_secs(settings.memory.sweep_interval_seconds.max(1)),
     );
-    let limiter = Arc::new(Limiter::new(
-        rules,
-        Metered::new(store.clone(), "memory"),
-        LimiterOptions::from_settings(&settings),
-    ));
+    let store = match settings.backend {
+        Backend::Memory => AnyStore::Memory(Metered::new(memory.clone(), "memory")),
+        Backend::Redis => AnyStore::Redis(redis_store(&settings, memory.clone(), clock).await?),
+    };
+    let limiter = Arc::new(Limiter::new(rules, store, LimiterOptions::from_settings(&settings)));
     let reloader = Reloader::new(limiter.clone(), settings.rules.clone(), fingerprint);
     let reload_task = reloader.spawn(settings.reload);
 
@@ -122,7 +123,7 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
         let config_limiter = limiter.clone();
         let config_settings = settings.clone();
         let config_reloader = reloader.clone();
-        let gauges = store.clone();
+        let gauges = memory.clone();
         let buckets = metrics::gauge!(crate::metrics::MEMORY_BUCKETS);
         let evicted = metrics::counter!(crate::metrics::MEMORY_EVICTED_NOT_FULL);
         // process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds, ...: the
@@ -131,7 +132,13 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
         process.describe();
         HttpState {
             ready: ready.clone(),
-            backend: Arc::new(|| Box::pin(async { Ok(()) })),
+            backend: {
+                let limiter = limiter.clone();
+                Arc::new(move || {
+                    let ready = limiter.store().ready();
+                    Box::pin(async move { ready })
+                })
+            },
             metrics: Some(prometheus),
             refresh: Arc::new(move || {
                 process.collect();
@@ -168,7 +175,7 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
     }
     let (health_reporter, health) = tonic_health::server::health_reporter();
     health_reporter
-        .set_serving::<RateLimitServer<RateLimitGrpc<Metered<MemoryStore>>>>()
+        .set_serving::<RateLimitServer<RateLimitGrpc<AnyStore>>>()
         .await;
     {
         let stop = stopped();
@@ -184,7 +191,7 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
     };
     ready.set(false);
     health_reporter
-        .set_not_serving::<RateLimitServer<RateLimitGrpc<Metered<MemoryStore>>>>()
+        .set_not_serving::<RateLimitServer<RateLimitGrpc<AnyStore>>>()
         .await;
     health_reporter.set_service_status("", ServingStatus::NotServing).await;
     if failed.is_none() && settings.shutdown.drain_seconds > 0 {
@@ -278,6 +285,64 @@ pub async fn serve_rate_limit_service_with_health<T: RateLimitService>(
         .serve_with_incoming_shutdown(TcpIncoming::from(listener).with_nodelay(Some(true)), shutdown)
         .await
         .context("gRPC server failed")
+}
+
+/// The environment variable that skews the local clock, for tests of replicas whose clocks
+/// disagree (milliseconds, may be negative). Not a setting: nothing in production should set it.
+pub const TEST_CLOCK_SKEW_ENV: &str = "TOLLGATE_TEST_CLOCK_SKEW_MS";
+
+/// The system clock, skewed by [`TEST_CLOCK_SKEW_ENV`] when that is set.
+fn local_clock() -> Arc<dyn Clock> {
+    match std::env::var(TEST_CLOCK_SKEW_ENV)
+        .ok()
+        .and_then(|v| v.parse::<i64>().ok())
+    {
+        Some(ms) => {
+            tracing::warn!(
+                skew_ms = ms,
+                "{TEST_CLOCK_SKEW_ENV} is set: the local clock is skewed (for tests only)"
+            );
+            Arc::new(SkewedClock::new(SystemClock, ms.saturating_mul(1000)))
+        }
+        None => Arc::new(SystemClock),
+    }
+}
+
+/// Builds and connects the Redis store (DESIGN 2) behind its circuit breaker.
+///
+/// Errors: when Redis cannot be reached at start and `redis.unreachable_at_start` is `exit`.
+async fn redis_store(
+    settings: &Settings,
+    memory: MemoryStore,
+    clock: Arc<dyn Clock>,
+) -> anyhow::Result<Resilient<RedisStore>> {
+    let r = &settings.redis;
+    let redis = RedisStore::new(r, clock)?;
+    let connect_timeout = Duration::from_millis(r.connect_timeout_ms);
+    match r.unreachable_at_start {
+        UnreachableAtStart::Exit => {
+            redis
+                .connect(connect_timeout)
+                .await
+                .map_err(|e| anyhow::anyhow!("cannot use {e}"))?;
+            tracing::info!(redis = %redis.describe(), cluster = r.cluster, "connected to Redis");
+        }
+        UnreachableAtStart::NotReady => match redis.connect(connect_timeout).await {
+            Ok(()) => tracing::info!(redis = %redis.describe(), cluster = r.cluster, "connected to Redis"),
+            Err(e) => {
+                tracing::warn!(error = %e, "Redis not reachable at start: not ready until it is; connecting in the background");
+                redis.connect_in_background();
+            }
+        },
+    }
+    let fallback = (r.failure_mode == FailureMode::Fallback).then(|| Metered::new(memory, "memory"));
+    Ok(Resilient::new(
+        Metered::new(redis, "redis"),
+        "redis",
+        r.breaker_failures,
+        Duration::from_millis(r.breaker_open_ms),
+        fallback,
+    ))
 }
 
 fn spawn_sweeper(store: MemoryStore, every: Duration) {

@@ -32,6 +32,8 @@ pub struct Settings {
     pub overrides: bool,
     /// The memory backend.
     pub memory: MemorySettings,
+    /// The Redis backend (used when `backend: redis`).
+    pub redis: RedisSettings,
     /// The bucket admin API (peek, refund, reset).
     pub admin: AdminSettings,
     /// Reloading the rules when their files change.
@@ -97,6 +99,90 @@ pub struct MetricsSettings {
 pub enum Backend {
     /// In-process: each replica enforces its own limits; a restart refills every bucket.
     Memory,
+    /// Redis (single node or Cluster), shared by every replica: see [`RedisSettings`].
+    Redis,
+}
+
+/// The Redis backend (DESIGN 2): where Redis is, how to reach it, and what to answer when it
+/// cannot be reached.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RedisSettings {
+    /// `redis://host:port[/db]` (or `rediss://` for TLS). For a Cluster, one or more seed
+    /// nodes; the rest are discovered.
+    pub urls: Vec<String>,
+    /// Whether `urls` are nodes of a Redis Cluster (keys then live in many slots).
+    pub cluster: bool,
+    /// ACL user name (Redis 6+); `null` for the default user.
+    pub username: Option<String>,
+    /// Password (`requirepass`, or the ACL user's). Redacted in `/config`.
+    pub password: Option<String>,
+    /// TLS to Redis, verified against the system's root certificates. Also on when a URL
+    /// starts with `rediss://`.
+    pub tls: bool,
+    /// Connections, each pipelining many requests' commands.
+    pub pool_size: usize,
+    /// Milliseconds to connect (and reconnect) before a connection attempt fails.
+    pub connect_timeout_ms: u64,
+    /// Milliseconds a decision may wait for Redis before it counts as a failure. Keep it well
+    /// under Envoy's rate-limit filter timeout (20 ms by default).
+    pub command_timeout_ms: u64,
+    /// Every key starts with this (no `{` or `}`: the hash tag follows it).
+    pub key_prefix: String,
+    /// What to answer when Redis fails or times out.
+    pub failure_mode: FailureMode,
+    /// What to do when Redis cannot be reached at start.
+    pub unreachable_at_start: UnreachableAtStart,
+    /// Consecutive failures that open the circuit breaker (then Redis is not asked at all).
+    pub breaker_failures: u32,
+    /// Milliseconds the breaker stays open before one request probes Redis again.
+    pub breaker_open_ms: u64,
+}
+
+/// What a request gets when its backend fails (DESIGN 2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FailureMode {
+    /// Answer `OK` (every descriptor `OK`, nothing consumed) and count it.
+    Allow,
+    /// Answer `OVER_LIMIT` without `Retry-After`.
+    Deny,
+    /// Answer gRPC `UNAVAILABLE`, so Envoy's `failure_mode_deny` decides.
+    Error,
+    /// Decide on a local memory store (per replica, like `backend: memory`) until Redis is
+    /// back. Becomes the Postgres store once that backend exists.
+    Fallback,
+}
+
+/// Starting while Redis cannot be reached.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UnreachableAtStart {
+    /// `tollgate serve` exits with an error naming the URL and the reason.
+    Exit,
+    /// Start anyway, not ready (`/readyz` 503), and keep connecting in the background;
+    /// requests meanwhile get the failure mode's answer.
+    NotReady,
+}
+
+impl Default for RedisSettings {
+    fn default() -> Self {
+        RedisSettings {
+            urls: vec!["redis://127.0.0.1:6379".into()],
+            cluster: false,
+            username: None,
+            password: None,
+            tls: false,
+            pool_size: 4,
+            connect_timeout_ms: 1000,
+            command_timeout_ms: 10,
+            key_prefix: "tollgate:".into(),
+            failure_mode: FailureMode::Error,
+            unreachable_at_start: UnreachableAtStart::Exit,
+            breaker_failures: 5,
+            breaker_open_ms: 1000,
+        }
+    }
 }
 
 /// Log output.
@@ -166,6 +252,7 @@ impl Default for Settings {
             shadow_mode: false,
             overrides: true,
             memory: MemorySettings::default(),
+            redis: RedisSettings::default(),
             admin: AdminSettings::default(),
             reload: ReloadSettings::default(),
             shutdown: ShutdownSettings::default(),
@@ -252,7 +339,7 @@ pub const DEFAULT_SETTINGS_FILE: &str = "config/tollgate.yaml";
 
 /// Top-level settings keys; only these are read from `TOLLGATE_*`, so unrelated variables
 /// with the same prefix are not mistaken for settings.
-const KEYS: [&str; 14] = [
+const KEYS: [&str; 15] = [
     "grpc_addr",
     "http_addr",
     "rules",
@@ -263,6 +350,7 @@ const KEYS: [&str; 14] = [
     "shadow_mode",
     "overrides",
     "memory",
+    "redis",
     "admin",
     "reload",
     "shutdown",
@@ -321,7 +409,66 @@ impl Settings {
         if self.shutdown.timeout_seconds == 0 {
             return Err("shutdown.timeout_seconds must be at least 1".into());
         }
+        self.redis.validate()
+    }
+}
+
+impl RedisSettings {
+    /// Errors: no URL, a URL that is not `redis://` or `rediss://` (or does not parse), a key
+    /// prefix with `{` or `}`, a zero pool size or timeout, or a zero `breaker_failures`.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.urls.is_empty() {
+            return Err("redis.urls must name at least one Redis node".into());
+        }
+        for url in &self.urls {
+            let ok = url.starts_with("redis://") || url.starts_with("rediss://");
+            if !ok || fred::types::config::Config::from_url(url).is_err() {
+                return Err(format!(
+                    "redis.urls: {:?} is not a Redis URL; use redis://host:port (rediss:// for TLS)",
+                    crate::settings::redact_url(url)
+                ));
+            }
+        }
+        if !self.cluster && self.urls.len() > 1 {
+            return Err(
+                "redis.urls lists several nodes but redis.cluster is false; set cluster: true for a Redis Cluster"
+                    .into(),
+            );
+        }
+        if self.key_prefix.contains(['{', '}']) {
+            return Err(format!(
+                "redis.key_prefix {:?} must not contain {{ or }} (the Cluster hash tag follows it)",
+                self.key_prefix
+            ));
+        }
+        if self.pool_size == 0 || self.pool_size > 256 {
+            return Err("redis.pool_size must be between 1 and 256".into());
+        }
+        if self.command_timeout_ms == 0 || self.connect_timeout_ms == 0 {
+            return Err("redis.command_timeout_ms and redis.connect_timeout_ms must be at least 1".into());
+        }
+        if self.breaker_failures == 0 {
+            return Err("redis.breaker_failures must be at least 1".into());
+        }
         Ok(())
+    }
+}
+
+/// `url` with any password replaced by `<redacted>`, for messages and `/config`.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    let (authority, path) = match rest.find(['/', '?']) {
+        Some(i) => rest.split_at(i),
+        None => (rest, ""),
+    };
+    match authority.rsplit_once('@') {
+        Some((userinfo, host)) if userinfo.contains(':') => {
+            let user = userinfo.split_once(':').map_or("", |(u, _)| u);
+            format!("{scheme}://{user}:<redacted>@{host}{path}")
+        }
+        _ => url.to_string(),
     }
 }
 

@@ -143,6 +143,8 @@ pub struct Schedule {
     /// The latest two stretches of constant limit found, latest first: a wait that crosses
     /// into the next stretch caches it without evicting the one that holds now.
     segments: ArcSwapOption<[Option<Segment>; 2]>,
+    /// The latest answer of [`Schedule::full_from_empty_at`]: `(t_us, answer)`.
+    full_from_empty: ArcSwapOption<(u64, Option<u64>)>,
 }
 
 /// A stretch of time `[start_us, end_us)` over which the limit is `limit`. When `changes_at_end`
@@ -166,6 +168,7 @@ impl Clone for Schedule {
             entries: self.entries.clone(),
             limits: self.limits.clone(),
             segments: ArcSwapOption::empty(),
+            full_from_empty: ArcSwapOption::empty(),
         }
     }
 }
@@ -200,6 +203,7 @@ impl Schedule {
             entries,
             limits,
             segments: ArcSwapOption::empty(),
+            full_from_empty: ArcSwapOption::empty(),
         })
     }
 
@@ -323,6 +327,37 @@ impl Schedule {
         self.search_limit_change(t_us, horizon_us)
     }
 
+    /// The last change of limit in `(t_us - lookback_us, t_us]`, if any: where the stretch of
+    /// constant limit holding `t_us` begins, when it began that recently.
+    pub fn last_limit_change(&self, t_us: u64, lookback_us: u64) -> Option<u64> {
+        let mut cur = t_us.saturating_sub(lookback_us);
+        let mut last = None;
+        while let Some(b) = self.next_limit_change(cur, t_us - cur) {
+            last = Some(b);
+            cur = b;
+        }
+        last
+    }
+
+    /// When a bucket emptied at `t_us` is full again ([`full_at_us`] with the default horizon),
+    /// remembered for the latest `t_us` asked: a shared store asks it once per stretch of
+    /// constant limit, for the end of the stretch, to bound how long it keeps a bucket. Since
+    /// every state is at least empty, no bucket written at or before `t_us` is full later.
+    pub fn full_from_empty_at(&self, t_us: u64) -> Option<u64> {
+        if let Some(cached) = self.full_from_empty.load().as_deref() {
+            if cached.0 == t_us {
+                return cached.1;
+            }
+        }
+        let empty = BucketState {
+            tokens_ut: 0,
+            updated_us: t_us,
+        };
+        let answer = full_at_us(empty, self, DEFAULT_HORIZON_US);
+        self.full_from_empty.store(Some(Arc::new((t_us, answer))));
+        answer
+    }
+
     fn search_limit_change(&self, t_us: u64, horizon_us: u64) -> Option<u64> {
         let end = t_us.saturating_add(horizon_us);
         let limit = self.search_limit_at(t_us);
@@ -418,6 +453,30 @@ pub fn refill_scheduled(state: BucketState, schedule: &Schedule, now_us: u64) ->
             None => return refill(st, &limit, now_us),
         }
     }
+}
+
+/// The state of a bucket stored as `state` brought forward to the last change of limit in
+/// `(state.updated_us, t_us]`, exactly as [`refill_scheduled`] passes it on its way to any
+/// instant of the stretch that change begins; `state` itself when no change lies there. A
+/// bucket full at that change holds the capacity in force from it.
+///
+/// For a store that keeps the walk over changes of limit here and refills within one stretch
+/// itself (the Redis script): `refill(refill_to_last_change(s, t), limit_at(t), now)` equals
+/// `refill_scheduled(s, now)` for every `now` in that stretch.
+pub fn refill_to_last_change(state: BucketState, schedule: &Schedule, t_us: u64) -> BucketState {
+    let mut st = state;
+    let mut cur = state.updated_us;
+    while cur < t_us {
+        let Some(b) = schedule.next_limit_change(cur, t_us - cur) else {
+            break;
+        };
+        st = cross(st, &schedule.limit_at(cur), b);
+        if st.tokens_ut == u64::MAX {
+            st.tokens_ut = schedule.limit_at(b).capacity_ut;
+        }
+        cur = b;
+    }
+    st
 }
 
 /// The state at a change of limit at `b_us`, refilled under the `limit` that ends there. A

@@ -28,12 +28,18 @@ impl<S> Metered<S> {
         &self.inner
     }
 
+    /// The metric handles, for a wrapper that also opens a circuit breaker.
+    pub fn metrics(&self) -> &BackendMetrics {
+        &self.metrics
+    }
+
     fn record<T>(&self, started: Instant, result: &Result<T, StoreError>) {
         self.metrics.calls.increment(1);
         self.metrics.duration.record(started.elapsed().as_secs_f64());
         if let Err(e) = result {
             match e {
                 StoreError::Unavailable(_) => self.metrics.errors.increment(1),
+                StoreError::Timeout(_) => self.metrics.timeouts.increment(1),
             }
         }
     }

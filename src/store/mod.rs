@@ -4,13 +4,21 @@
 //! at buckets without changing them ([`Store::peek`]) and fill them again ([`Store::reset`]);
 //! a refund is an [`Store::apply`] with [`crate::bucket::DemandKind::Refund`] demands.
 
+mod any;
+mod breaker;
 mod memory;
 mod metered;
+pub mod redis;
+mod resilient;
 
 use std::future::Future;
 
+pub use any::AnyStore;
+pub use breaker::Breaker;
 pub use memory::{MemoryStore, MemoryStoreStats};
 pub use metered::Metered;
+pub use redis::RedisStore;
+pub use resilient::Resilient;
 
 use crate::bucket::{BucketState, Decision, Demand};
 use crate::schedule::Plan;
@@ -58,6 +66,9 @@ pub enum StoreError {
     /// The backend could not be reached or did not answer in time.
     #[error("backend unavailable: {0}")]
     Unavailable(String),
+    /// The backend did not answer within its command timeout.
+    #[error("backend timed out: {0}")]
+    Timeout(String),
 }
 
 /// A place to keep bucket state and decide on it atomically.

@@ -38,6 +38,7 @@ pub fn options() -> LimiterOptions {
         shadow_mode: false,
         overrides: true,
         near_limit_ratio: 0.8,
+        on_store_failure: tollgate::settings::FailureMode::Error,
     }
 }
 

@@ -1,6 +1,7 @@
 //! Shared helpers for the integration tests: free loopback ports, a temporary tollgate setup,
 //! the `tollgate` binary and Envoy as child processes that are killed when dropped (also when a
-//! test panics; their logs are printed then).
+//! test panics; their logs are printed then). Redis (the shared server, private servers, a
+//! cluster, RESP checks) is in [`redis`].
 //!
 //! Everything here is synchronous and blocks while waiting for a process to come up; from an
 //! async test call it inside `tokio::task::block_in_place` (multi-thread runtime) or
@@ -8,6 +9,8 @@
 
 // Each test crate includes this module and uses a different part of it.
 #![allow(dead_code)]
+
+pub mod redis;
 
 use std::fs::{self, File};
 use std::io::{Read, Write};

@@ -1,0 +1,534 @@
+//! The Redis store (DESIGN 2): bucket state shared by every tollgate replica, decided by one
+//! Lua script per request (`lua/decide.lua`) that reads Redis `TIME`, refills, checks and
+//! consumes from all of a request's buckets or none, atomically.
+//!
+//! **Time.** Refill uses Redis time, so replicas with skewed clocks agree (DESIGN 1.5).
+//! Schedules and quotas are evaluated here in Rust, at an estimate of Redis time: the local
+//! clock plus the offset to Redis `TIME` measured on the previous answer ([`ClockOffset`]).
+//! The script is told over which interval `[lo, hi)` of Redis time the limit it is given holds,
+//! and answers "retry" with Redis time when its clock falls outside, so a wrong estimate costs a
+//! second call, never a decision under the wrong limit. A scheduled bucket crossed by a change
+//! of limit since its last write is walked over the changes here (the script answers "walk"
+//! with its stored value; tollgate brings it forward to the last change and calls again with
+//! the value it expects, compare-and-set): the first decision on such a bucket after each
+//! change costs two calls, every other decision one.
+//!
+//! **Keys** (see [`keys`]) expire when the bucket would be full again plus a margin; a full
+//! bucket is deleted. In Cluster mode a request's buckets may lie in several slots: one script
+//! call per slot, in parallel; if any denies, what the others consumed is refunded at once (a
+//! brief under-admission, never an over-admission).
+
+pub mod keys;
+pub mod script;
+
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use fred::prelude::{
+    Builder, ClientLike, Config, Error as FredError, ErrorKind, LuaInterface, Pool, ReconnectPolicy, Server,
+    ServerConfig, TlsConnector,
+};
+use fred::types::Value;
+use futures_util::future::join_all;
+
+use self::script::{bucket_args, encode, parse_reply, replacement, BucketArgs, CallSettings, Replacement, Reply};
+use super::{Applied, BucketRef, Peeked, Store, StoreError};
+use crate::bucket::{BucketState, Decision, Demand, DemandKind, InstanceOutcome, Refilling};
+use crate::clock::Clock;
+use crate::settings::{redact_url, RedisSettings};
+
+/// The decision script.
+pub const DECIDE_LUA: &str = include_str!("../../../lua/decide.lua");
+/// The peek script.
+pub const PEEK_LUA: &str = include_str!("../../../lua/peek.lua");
+/// The reset script.
+pub const RESET_LUA: &str = include_str!("../../../lua/reset.lua");
+
+/// Added to every key's time to live: a key outlives the instant its bucket is full by this
+/// much, so expiry never comes early by the ms rounding of `PX` or a slow clock.
+pub const TTL_MARGIN_MS: u64 = 1_000;
+
+/// The longest time to live: a bucket that may never be full again (a zero refill rate, a
+/// schedule whose refill is not found within its horizon, a quota whose next reset is not)
+/// is forgotten after 400 days.
+pub const MAX_TTL_MS: u64 = 400 * 86_400_000;
+
+/// Calls one decision may make: a retry for a wrong time estimate and a walk over changes of
+/// limit each cost one more.
+const MAX_ATTEMPTS: usize = 4;
+
+/// The offset from the local clock to Redis `TIME`, in microseconds, learned from each answer.
+#[derive(Debug, Default)]
+pub struct ClockOffset(AtomicI64);
+
+impl ClockOffset {
+    /// Redis time now, estimated from the local clock reading `local_us`.
+    pub fn estimate(&self, local_us: u64) -> u64 {
+        local_us.saturating_add_signed(self.0.load(Ordering::Relaxed))
+    }
+
+    /// Records that Redis answered `redis_us` to a call sent at local `sent_us` and answered at
+    /// local `received_us`: the offset is taken against the middle of the round trip.
+    pub fn observe(&self, redis_us: u64, sent_us: u64, received_us: u64) {
+        let mid = sent_us / 2 + received_us / 2;
+        let offset = i64::try_from(i128::from(redis_us) - i128::from(mid)).unwrap_or(0);
+        self.0.store(offset, Ordering::Relaxed);
+    }
+
+    /// The offset in microseconds (Redis minus local).
+    pub fn get(&self) -> i64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// The three scripts, by SHA1.
+struct Scripts {
+    decide: String,
+    peek: String,
+    reset: String,
+}
+
+/// The Redis store. Cheap to clone; clones share the connections.
+#[derive(Clone)]
+pub struct RedisStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    pool: Pool,
+    cluster: bool,
+    prefix: String,
+    /// The local clock, to estimate Redis time between answers.
+    clock: Arc<dyn Clock>,
+    offset: ClockOffset,
+    /// Tests only: use this clock's time instead of Redis `TIME` (see [`RedisStore::with_time_override`]).
+    time_override: Option<Arc<dyn Clock>>,
+    scripts: Scripts,
+    call: CallSettings,
+    /// How long one decision may take, all calls included.
+    timeout: Duration,
+    describe: String,
+}
+
+/// Why the store could not be built or connected.
+#[derive(Debug, thiserror::Error)]
+#[error("Redis at {url}: {reason}")]
+pub struct ConnectError {
+    /// The (first) URL, password redacted.
+    pub url: String,
+    /// What went wrong.
+    pub reason: String,
+}
+
+fn store_error(e: &FredError) -> StoreError {
+    match e.kind() {
+        ErrorKind::Timeout => StoreError::Timeout(e.to_string()),
+        _ => StoreError::Unavailable(e.to_string()),
+    }
+}
+
+impl RedisStore {
+    /// Builds the connection pool for `settings` without connecting; [`RedisStore::connect`]
+    /// connects. `clock` is the local clock, used only to estimate Redis time.
+    ///
+    /// Errors: a URL that does not parse, or TLS that cannot be set up.
+    pub fn new(settings: &RedisSettings, clock: Arc<dyn Clock>) -> Result<RedisStore, ConnectError> {
+        let first = settings.urls.first().map(String::as_str).unwrap_or_default();
+        let fail = |reason: String| ConnectError {
+            url: redact_url(first),
+            reason,
+        };
+        let mut config = Config::from_url(first).map_err(|e| fail(e.details().to_string()))?;
+        if settings.cluster {
+            let mut hosts = Vec::new();
+            for url in &settings.urls {
+                let c = Config::from_url(url).map_err(|e| fail(e.details().to_string()))?;
+                hosts.extend(
+                    c.server
+                        .hosts()
+                        .into_iter()
+                        .map(|s: Server| (s.host.to_string(), s.port)),
+                );
+            }
+            config.server = ServerConfig::new_clustered(hosts);
+        }
+        if settings.username.is_some() {
+            config.username = settings.username.clone();
+        }
+        if settings.password.is_some() {
+            config.password = settings.password.clone();
+        }
+        if settings.tls && config.tls.is_none() {
+            let tls = TlsConnector::default_rustls().map_err(|e| fail(format!("TLS: {}", e.details())))?;
+            config.tls = Some(tls.into());
+        }
+        config.fail_fast = true;
+        let timeout = Duration::from_millis(settings.command_timeout_ms);
+        let pool = Builder::from_config(config)
+            .with_connection_config(|c| {
+                c.connection_timeout = Duration::from_millis(settings.connect_timeout_ms);
+                c.internal_command_timeout = Duration::from_millis(settings.connect_timeout_ms.max(100));
+                c.max_command_attempts = 1;
+                c.tcp.nodelay = Some(true);
+            })
+            .with_performance_config(|p| {
+                p.default_command_timeout = timeout;
+            })
+            // Reconnect forever, every 200 ms: an outage ends by itself.
+            .set_policy(ReconnectPolicy::new_constant(0, 200))
+            .build_pool(settings.pool_size)
+            .map_err(|e| fail(e.details().to_string()))?;
+        let sha = |lua: &str| fred::util::sha1_hash(lua);
+        Ok(RedisStore {
+            inner: Arc::new(Inner {
+                pool,
+                cluster: settings.cluster,
+                prefix: settings.key_prefix.clone(),
+                clock,
+                offset: ClockOffset::default(),
+                time_override: None,
+                scripts: Scripts {
+                    decide: sha(DECIDE_LUA),
+                    peek: sha(PEEK_LUA),
+                    reset: sha(RESET_LUA),
+                },
+                call: CallSettings {
+                    ttl_margin_ms: TTL_MARGIN_MS,
+                    max_ttl_ms: MAX_TTL_MS,
+                },
+                timeout,
+                describe: settings
+                    .urls
+                    .iter()
+                    .map(|u| redact_url(u))
+                    .collect::<Vec<_>>()
+                    .join(","),
+            }),
+        })
+    }
+
+    /// Tests only: decide at `clock`'s time instead of Redis `TIME` (sent to the scripts as an
+    /// argument), so the shared test vectors can move time. Must be called before any clone.
+    pub fn with_time_override(mut self, clock: Arc<dyn Clock>) -> RedisStore {
+        Arc::get_mut(&mut self.inner)
+            .expect("with_time_override before the store is shared")
+            .time_override = Some(clock);
+        self
+    }
+
+    /// Connects and loads the scripts, waiting at most `timeout`.
+    ///
+    /// Errors: Redis not reachable in time, authentication refused, or a script Redis rejects.
+    pub async fn connect(&self, timeout: Duration) -> Result<(), ConnectError> {
+        let fail = |reason: String| ConnectError {
+            url: self.inner.describe.clone(),
+            reason,
+        };
+        let pool = &self.inner.pool;
+        let _tasks = pool.connect_pool();
+        match tokio::time::timeout(timeout, pool.wait_for_connect()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(fail(e.to_string())),
+            Err(_) => return Err(fail(format!("not reachable within {} ms", timeout.as_millis()))),
+        }
+        tokio::time::timeout(timeout, self.load_scripts())
+            .await
+            .map_err(|_| fail("loading the scripts timed out".into()))?
+            .map_err(|e| fail(e.to_string()))
+    }
+
+    /// Starts connecting in the background (reconnecting until Redis answers), for a server
+    /// that starts not ready.
+    pub fn connect_in_background(&self) {
+        let _tasks = self.inner.pool.connect_pool();
+    }
+
+    /// Whether every connection of the pool is up.
+    pub fn is_connected(&self) -> bool {
+        self.inner.pool.clients().iter().all(|c| c.is_connected())
+    }
+
+    /// The offset from the local clock to Redis time, as last measured (microseconds).
+    pub fn clock_offset_us(&self) -> i64 {
+        self.inner.offset.get()
+    }
+
+    /// The URLs, passwords redacted, for logs.
+    pub fn describe(&self) -> &str {
+        &self.inner.describe
+    }
+
+    async fn load_scripts(&self) -> Result<(), FredError> {
+        let client = self.inner.pool.next();
+        for lua in [DECIDE_LUA, PEEK_LUA, RESET_LUA] {
+            if self.inner.cluster {
+                client.script_load_cluster::<(), _>(lua).await?;
+            } else {
+                client.script_load::<Value, _>(lua).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `EVALSHA`, loading the scripts again when Redis has lost them (`NOSCRIPT`: a restart,
+    /// `SCRIPT FLUSH`, a failover).
+    async fn evalsha(&self, sha: &str, keys: Vec<Vec<u8>>, argv: Vec<Value>) -> Result<Value, StoreError> {
+        let keys: Vec<fred::types::Key> = keys
+            .into_iter()
+            .map(|k| fred::types::Key::from(k.into_boxed_slice()))
+            .collect();
+        let client = self.inner.pool.next();
+        match client.evalsha::<Value, _, _, _>(sha, keys.clone(), argv.clone()).await {
+            Err(e) if e.details().starts_with("NOSCRIPT") => {
+                tracing::info!(redis = %self.inner.describe, "Redis lost the scripts; loading them again");
+                self.load_scripts().await.map_err(|e| store_error(&e))?;
+                client
+                    .evalsha::<Value, _, _, _>(sha, keys, argv)
+                    .await
+                    .map_err(|e| store_error(&e))
+            }
+            other => other.map_err(|e| store_error(&e)),
+        }
+    }
+
+    fn now_override(&self) -> Option<u64> {
+        self.inner.time_override.as_ref().map(|c| c.now_us())
+    }
+
+    fn estimate(&self) -> u64 {
+        self.now_override()
+            .unwrap_or_else(|| self.inner.offset.estimate(self.inner.clock.now_us()))
+    }
+
+    /// Decides the buckets of one slot (all of them on a single node).
+    async fn decide_group(&self, buckets: &[&BucketRef], demands: &[Demand]) -> Result<script::Decided, StoreError> {
+        let keys: Vec<Vec<u8>> = buckets
+            .iter()
+            .map(|b| keys::bucket_key(&self.inner.prefix, &b.key))
+            .collect();
+        let mut t = self.estimate();
+        let mut reps: Vec<Option<Replacement>> = vec![None; buckets.len()];
+        for _ in 0..MAX_ATTEMPTS {
+            let args: Vec<(BucketArgs, Option<&Replacement>)> = buckets
+                .iter()
+                .zip(&reps)
+                .map(|(b, r)| (bucket_args(&b.plan, t), r.as_ref()))
+                .collect();
+            let argv = encode(self.now_override(), &args, demands, self.inner.call);
+            let sent = self.inner.clock.now_us();
+            let value = self.evalsha(&self.inner.scripts.decide, keys.clone(), argv).await?;
+            let received = self.inner.clock.now_us();
+            let reply = parse_reply(value, buckets.len(), demands.len())
+                .map_err(|e| StoreError::Unavailable(format!("decide.lua: {e}")))?;
+            let now = match &reply {
+                Reply::Decided(d) => d.now_us,
+                Reply::Retry { now_us } | Reply::Walk { now_us, .. } => *now_us,
+            };
+            if self.inner.time_override.is_none() {
+                self.inner.offset.observe(now, sent, received);
+            }
+            match reply {
+                Reply::Decided(mut d) => {
+                    for dm in demands {
+                        if let DemandKind::Consume(n) = dm.kind {
+                            let c = &mut d.instances[dm.instance].consumed_ut;
+                            *c = c.saturating_add(n);
+                        }
+                    }
+                    return Ok(d);
+                }
+                Reply::Retry { now_us } => t = now_us,
+                Reply::Walk { now_us, stale } => {
+                    t = now_us;
+                    for (i, raw) in stale {
+                        reps[i] = replacement(&buckets[i].plan, &raw, now_us);
+                        if reps[i].is_none() {
+                            return Err(StoreError::Unavailable(format!(
+                                "decide.lua: cannot read the stored value {:?}",
+                                String::from_utf8_lossy(&raw)
+                            )));
+                        }
+                    }
+                }
+            }
+        }
+        Err(StoreError::Unavailable(format!(
+            "decide.lua: no decision after {MAX_ATTEMPTS} calls (limits changing under a busy bucket?)"
+        )))
+    }
+
+    /// Groups bucket indexes by Cluster slot (one group on a single node), in first-seen order.
+    fn groups(&self, buckets: &[BucketRef]) -> Vec<Vec<usize>> {
+        if !self.inner.cluster {
+            return vec![(0..buckets.len()).collect()];
+        }
+        let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
+        for (i, b) in buckets.iter().enumerate() {
+            let slot = keys::slot(&keys::bucket_key(&self.inner.prefix, &b.key));
+            match groups.iter_mut().find(|(s, _)| *s == slot) {
+                Some((_, g)) => g.push(i),
+                None => groups.push((slot, vec![i])),
+            }
+        }
+        groups.into_iter().map(|(_, g)| g).collect()
+    }
+
+    async fn apply_inner(&self, buckets: &[BucketRef], demands: &[Demand]) -> Result<Applied, StoreError> {
+        let groups = self.groups(buckets);
+        if groups.len() == 1 {
+            let refs: Vec<&BucketRef> = buckets.iter().collect();
+            let d = self.decide_group(&refs, demands).await?;
+            return Ok(Applied {
+                now_us: d.now_us,
+                decision: Decision {
+                    denied: d.denied,
+                    passed: d.passed,
+                    instances: d.instances,
+                },
+            });
+        }
+        // Cluster, several slots: one call per slot, in parallel.
+        let split: Vec<(Vec<&BucketRef>, Vec<Demand>, Vec<usize>)> = groups
+            .iter()
+            .map(|g| {
+                let refs = g.iter().map(|&i| &buckets[i]).collect();
+                let (ds, idx): (Vec<Demand>, Vec<usize>) = demands
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(j, d)| {
+                        let local = g.iter().position(|&i| i == d.instance)?;
+                        Some((Demand { instance: local, ..*d }, j))
+                    })
+                    .unzip();
+                (refs, ds, idx)
+            })
+            .collect();
+        let results = join_all(split.iter().map(|(refs, ds, _)| self.decide_group(refs, ds))).await;
+        let denied = results.iter().any(|r| matches!(r, Ok(d) if d.denied));
+        let failed = results.iter().any(|r| r.is_err());
+        if denied || failed {
+            // All or nothing across slots: give back what the admitting slots took.
+            let refunds = split.iter().zip(&results).filter_map(|((refs, _, _), r)| {
+                let d = r.as_ref().ok()?;
+                let back: Vec<Demand> = d
+                    .instances
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, o)| !d.denied && o.consumed_ut > 0 && o.changed)
+                    .map(|(i, o)| Demand {
+                        instance: i,
+                        kind: DemandKind::Refund(o.consumed_ut),
+                        enforced: false,
+                    })
+                    .collect();
+                (!back.is_empty()).then_some(async move { self.decide_group(refs, &back).await })
+            });
+            let refunded = join_all(refunds).await;
+            for r in &refunded {
+                if let Err(e) = r {
+                    tracing::error!(error = %e, "could not refund a slot after another slot denied: tokens are held until they refill");
+                }
+            }
+        }
+        let mut passed = vec![false; demands.len()];
+        let mut instances = vec![None; buckets.len()];
+        let mut now_us = 0;
+        for ((_, _, idx), (g, r)) in split.iter().zip(groups.iter().zip(results)) {
+            let d = r?;
+            now_us = now_us.max(d.now_us);
+            for (local, &j) in idx.iter().enumerate() {
+                passed[j] = d.passed[local];
+            }
+            for (local, &i) in g.iter().enumerate() {
+                let mut o: InstanceOutcome = d.instances[local];
+                if denied && !d.denied && o.changed {
+                    // Refunded: report it as a denied request leaves it.
+                    o.after = o.before;
+                }
+                instances[i] = Some(o);
+            }
+        }
+        Ok(Applied {
+            now_us,
+            decision: Decision {
+                denied,
+                passed,
+                instances: instances
+                    .into_iter()
+                    .map(|o| o.expect("every bucket is in a group"))
+                    .collect(),
+            },
+        })
+    }
+
+    async fn read(&self, sha: &str, buckets: &[BucketRef]) -> Result<(u64, Vec<Option<Vec<u8>>>), StoreError> {
+        let mut now = 0;
+        let mut values = vec![None; buckets.len()];
+        for g in self.groups(buckets) {
+            let keys: Vec<Vec<u8>> = g
+                .iter()
+                .map(|&i| keys::bucket_key(&self.inner.prefix, &buckets[i].key))
+                .collect();
+            let over = match self.now_override() {
+                Some(t) => Value::Integer(t as i64),
+                None => Value::String("".into()),
+            };
+            let value = self.evalsha(sha, keys, vec![over]).await?;
+            let bad = |what: &str| StoreError::Unavailable(format!("peek/reset script: {what}"));
+            match value {
+                Value::Integer(t) => now = now.max(t as u64),
+                Value::Array(items) => {
+                    let t = items.first().and_then(Value::as_i64).ok_or_else(|| bad("no time"))?;
+                    now = now.max(t as u64);
+                    for (&i, v) in g.iter().zip(items.iter().skip(1)) {
+                        let raw = v.as_bytes().unwrap_or_default();
+                        values[i] = (!raw.is_empty()).then(|| raw.to_vec());
+                    }
+                }
+                other => return Err(bad(&format!("unexpected answer {other:?}"))),
+            }
+        }
+        Ok((now, values))
+    }
+}
+
+impl Store for RedisStore {
+    async fn apply(&self, buckets: &[BucketRef], demands: &[Demand]) -> Result<Applied, StoreError> {
+        match tokio::time::timeout(self.inner.timeout, self.apply_inner(buckets, demands)).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::Timeout(format!(
+                "no answer from Redis within {} ms",
+                self.inner.timeout.as_millis()
+            ))),
+        }
+    }
+
+    async fn peek(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
+        let (now_us, values) = self.read(&self.inner.scripts.peek, buckets).await?;
+        let mut states = Vec::with_capacity(buckets.len());
+        let mut kept = Vec::with_capacity(buckets.len());
+        for (b, raw) in buckets.iter().zip(values) {
+            let stored = match raw.as_deref().and_then(script::parse_value) {
+                Some((state, _)) => state,
+                None => BucketState::full(&b.plan.limit_at(now_us), now_us),
+            };
+            kept.push(stored);
+            states.push(b.plan.refill_to(stored, now_us));
+        }
+        Ok(Peeked { now_us, states, kept })
+    }
+
+    async fn reset(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
+        let (now_us, _) = self.read(&self.inner.scripts.reset, buckets).await?;
+        let states: Vec<BucketState> = buckets
+            .iter()
+            .map(|b| BucketState::full(&b.plan.limit_at(now_us), now_us))
+            .collect();
+        Ok(Peeked {
+            now_us,
+            kept: states.clone(),
+            states,
+        })
+    }
+}
