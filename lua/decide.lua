@@ -12,8 +12,8 @@
 --   the longest TTL (ms); then per bucket 9 fields:
 --     kind   F (a constant limit), S (a schedule), Q (a calendar quota)
 --     cap, num, den   the limit in force: capacity (µt) and rate (num µt per den µs)
---     lo, hi  the limit holds for now in [lo, hi) (0 = unbounded); for Q, lo is the last reset
---             edge (0 = none) and hi the next; outside that interval the script asks again
+--     lo, hi  the limit holds over [lo, hi) (0 = unbounded); for Q, lo is the last reset edge
+--             (0 = none) and hi the next; outside that interval the script asks again
 --     bound   S: when a bucket emptied at hi would be full again (0 = unknown); Q: unused
 --     expect  "" or the stored value tollgate brought forward with `rep`
 --     rep     "" or "tokens:updated", the stored value `expect` brought forward by tollgate to
@@ -25,7 +25,8 @@
 --
 -- Returns {"ok", now, denied, passed ("1"/"0" per demand), then per bucket: stored tokens,
 -- stored updated, tokens before, updated before, tokens after, updated after, changed};
--- {"retry", now} when now lies outside some bucket's [lo, hi); or {"walk", now, i, value, ...}
+-- {"retry", now, t1, ..., tn} when some bucket's time t (now, or a later write) lies outside
+-- its [lo, hi); or {"walk", now, i, value, ...}
 -- for scheduled buckets crossed by a change of limit since they were written.
 
 local MICRO = 1000000
@@ -88,9 +89,6 @@ for i = 1, nb do
   local x = {kind = ARGV[o + 1], cap = tonumber(ARGV[o + 2]), num = tonumber(ARGV[o + 3]),
     den = tonumber(ARGV[o + 4]), lo = tonumber(ARGV[o + 5]), hi = tonumber(ARGV[o + 6]),
     bound = tonumber(ARGV[o + 7]), expect = ARGV[o + 8], rep = ARGV[o + 9]}
-  if x.kind ~= 'F' and (now < x.lo or (x.hi > 0 and now >= x.hi)) then
-    return {'retry', now}
-  end
   b[i] = x
 end
 
@@ -116,6 +114,20 @@ for i = 1, nb do
   end
 end
 if #walk > 2 then return walk end
+
+-- The limit each bucket is decided under is the one at its own time: now, or for a scheduled
+-- bucket written later than now (Redis's clock stepped back), its write, as the memory store
+-- does. Outside [lo, hi) tollgate must look the limit up again for that time.
+local retry = {'retry', now}
+local stale = false
+for i = 1, nb do
+  local x = b[i]
+  local at = now
+  if x.kind == 'S' and x.su > now then at = x.su end
+  retry[i + 2] = at
+  if x.kind ~= 'F' and (at < x.lo or (x.hi > 0 and at >= x.hi)) then stale = true end
+end
+if stale then return retry end
 
 -- Bring each forward to now (before), then add up the demands per bucket.
 for i = 1, nb do

@@ -135,8 +135,8 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
             backend: {
                 let limiter = limiter.clone();
                 Arc::new(move || {
-                    let ready = limiter.store().ready();
-                    Box::pin(async move { ready })
+                    let limiter = limiter.clone();
+                    Box::pin(async move { limiter.store().ready().await })
                 })
             },
             metrics: Some(prometheus),
@@ -331,7 +331,7 @@ async fn redis_store(
             Ok(()) => tracing::info!(redis = %redis.describe(), cluster = r.cluster, "connected to Redis"),
             Err(e) => {
                 tracing::warn!(error = %e, "Redis not reachable at start: not ready until it is; connecting in the background");
-                redis.connect_in_background();
+                redis.connect_in_background(Duration::from_millis(200));
             }
         },
     }

@@ -205,6 +205,7 @@ async fn redis_store_matches_the_shared_vectors() {
     .await;
     let without_ttl = tokio::task::block_in_place(|| support::redis::keys_without_ttl(url.as_str(), &prefix));
     assert!(without_ttl.is_empty(), "keys without a TTL: {without_ttl:?}");
+    tokio::task::block_in_place(|| support::redis::delete_prefix(url.as_str(), &prefix));
 }
 
 /// The same vectors on a three-master Redis Cluster: the buckets of a case land in different
@@ -332,8 +333,13 @@ mod random {
         let redis = rt.block_on(redis_store(vec![url.clone()], false, &prefix, &clock));
         let case_no = std::sync::atomic::AtomicU64::new(0);
         let config = ProptestConfig {
-            cases: 128,
+            // PROPTEST_CASES=2000 for a longer search.
+            cases: std::env::var("PROPTEST_CASES")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(128),
             failure_persistence: None,
+            max_shrink_iters: 4096,
             ..ProptestConfig::default()
         };
         proptest!(config, |((specs, steps) in arb_case())| {
@@ -360,5 +366,8 @@ mod random {
                 prop_assert_eq!(mt, rt_, "{}: tokens after", at);
             }
         });
+        let without_ttl = support::redis::keys_without_ttl(url.as_str(), &prefix);
+        assert!(without_ttl.is_empty(), "keys without a TTL: {without_ttl:?}");
+        support::redis::delete_prefix(url.as_str(), &prefix);
     }
 }

@@ -128,7 +128,10 @@ pub fn decide<P: Refilling>(now_us: u64, states: &[BucketState], plans: &[P], de
             if take {
                 tokens -= consumed[i];
             }
-            let capacity = plan.capacity_ut_at(now_us);
+            // The capacity at the instant the state was brought to: `now_us`, or its last write
+            // when the clock stepped back, as for the trim in `refill_to` (the Redis script
+            // decides the same way).
+            let capacity = plan.capacity_ut_at(b.updated_us);
             let give = refunded[i] > 0 && tokens < capacity;
             if give {
                 tokens = tokens.saturating_add(refunded[i]).min(capacity);

@@ -3,6 +3,9 @@
 use super::{Applied, BucketRef, MemoryStore, Metered, Peeked, RedisStore, Resilient, Store, StoreError};
 use crate::bucket::Demand;
 
+/// How long the readiness probe of an open circuit may take: it is off the request path.
+const PROBE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// One of the backends, each with its calls metered.
 pub enum AnyStore {
     /// `backend: memory`.
@@ -12,19 +15,22 @@ pub enum AnyStore {
 }
 
 impl AnyStore {
-    /// Whether the backend can take decisions now: always for memory; for Redis, while its
-    /// connections are up and its circuit is closed (`/readyz`).
-    pub fn ready(&self) -> Result<(), String> {
+    /// Whether the backend can take decisions now (`/readyz`): always for memory; for Redis,
+    /// while its connections are up and its circuit is closed. While the circuit is open this
+    /// sends the due probe (loading the scripts) itself, so a replica taken out of rotation for an outage
+    /// comes back when Redis does, without needing requests.
+    pub async fn ready(&self) -> Result<(), String> {
         match self {
             AnyStore::Memory(_) => Ok(()),
             AnyStore::Redis(r) => {
-                if !r.primary().is_connected() {
-                    Err(format!("not connected to Redis at {}", r.primary().describe()))
-                } else if r.circuit_open() {
-                    Err(format!("Redis at {} is failing (circuit open)", r.primary().describe()))
-                } else {
-                    Ok(())
+                let redis = r.primary();
+                if !redis.is_connected() {
+                    return Err(format!("not connected to Redis at {}", redis.describe()));
                 }
+                if !r.probe_if_open(|| redis.probe(PROBE_TIMEOUT)).await {
+                    return Err(format!("Redis at {} is failing (circuit open)", redis.describe()));
+                }
+                Ok(())
             }
         }
     }

@@ -38,7 +38,7 @@ impl<S> Metered<S> {
         self.metrics.duration.record(started.elapsed().as_secs_f64());
         if let Err(e) = result {
             match e {
-                StoreError::Unavailable(_) => self.metrics.errors.increment(1),
+                StoreError::Unavailable(_) | StoreError::Rejected(_) => self.metrics.errors.increment(1),
                 StoreError::Timeout(_) => self.metrics.timeouts.increment(1),
             }
         }

@@ -69,6 +69,11 @@ pub enum StoreError {
     /// The backend did not answer within its command timeout.
     #[error("backend timed out: {0}")]
     Timeout(String),
+    /// The backend answered, but refused this request: a bucket's stored value is not one
+    /// tollgate wrote (another writer under the key prefix, a key of the wrong type). Only the
+    /// buckets of this request are affected, so it does not count towards the circuit breaker.
+    #[error("backend refused the request: {0}")]
+    Rejected(String),
 }
 
 /// A place to keep bucket state and decide on it atomically.

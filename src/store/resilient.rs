@@ -70,6 +70,25 @@ impl<P: Store> Resilient<P> {
         u64::try_from(self.started.elapsed().as_micros()).unwrap_or(u64::MAX)
     }
 
+    /// While the circuit is open and a probe is due, runs `probe` as that probe and records
+    /// its outcome: how readiness brings the breaker back without waiting for a request (a
+    /// replica that is not ready gets none). Returns whether the circuit is closed after.
+    pub async fn probe_if_open<F: std::future::Future<Output = Result<(), StoreError>>>(
+        &self,
+        probe: impl FnOnce() -> F,
+    ) -> bool {
+        if !self.breaker.is_open() {
+            return true;
+        }
+        if self.breaker.allow(self.mono_us()) {
+            match probe().await {
+                Ok(()) => self.succeeded(),
+                Err(e) => self.failed(&e),
+            }
+        }
+        !self.breaker.is_open()
+    }
+
     fn succeeded(&self) {
         if self.breaker.success() {
             self.primary.metrics().circuit_open.set(0.0);
@@ -118,6 +137,8 @@ impl<P: Store> Resilient<P> {
                     self.succeeded();
                     return Ok(v);
                 }
+                // A refusal concerns this request's buckets only: Redis itself is fine.
+                Err(e @ StoreError::Rejected(_)) => e,
                 Err(e) => {
                     self.failed(&e);
                     e

@@ -646,6 +646,7 @@ fn spawn_redis(
 pub struct RedisServerBuilder {
     password: Option<String>,
     maxmemory: Option<u64>,
+    port: Option<u16>,
 }
 
 impl RedisServerBuilder {
@@ -661,9 +662,16 @@ impl RedisServerBuilder {
         self
     }
 
+    /// Listen on this loopback port instead of a free one (e.g. one a tollgate was told to use
+    /// before any server ran there). [`Self::start`] then panics if the port is taken.
+    pub fn port(mut self, port: u16) -> Self {
+        self.port = Some(port);
+        self
+    }
+
     /// Starts the server on a free loopback port (another one when that is taken by the time
-    /// the server binds) and waits until it answers PING. Panics, with the log, if it does not
-    /// come up.
+    /// the server binds), or on the port given to [`Self::port`], and waits until it answers
+    /// PING. Panics, with the log, if it does not come up.
     pub fn start(self) -> RedisServer {
         let dir = tempfile::Builder::new()
             .prefix("tollgate-redis.")
@@ -679,13 +687,13 @@ impl RedisServerBuilder {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            server.port = free_port();
+            server.port = server.options.port.unwrap_or_else(free_port);
             match server.spawn() {
                 Ok(process) => {
                     server.process = Some(process);
                     return server;
                 }
-                Err((_, true)) if attempt < 5 => continue,
+                Err((_, true)) if attempt < 5 && server.options.port.is_none() => continue,
                 Err((why, _)) => panic!("redis-server did not start: {why}"),
             }
         }
@@ -1040,4 +1048,16 @@ fn cluster_ports(count: usize) -> Vec<u16> {
         }
     }
     ports
+}
+
+/// Deletes every key starting with `prefix` on one server (a test's own keys on the shared
+/// server: they would otherwise live until their TTL, up to 400 days for some buckets).
+/// Returns how many were deleted.
+pub fn delete_prefix(target: impl Into<RedisTarget>, prefix: &str) -> usize {
+    let target = target.into();
+    let keys = scan_keys_raw(&target, prefix.as_bytes());
+    for key in &keys {
+        target.cmd(&[b"DEL", key]);
+    }
+    keys.len()
 }

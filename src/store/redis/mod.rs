@@ -36,7 +36,7 @@ use self::script::{bucket_args, encode, parse_reply, replacement, BucketArgs, Ca
 use super::{Applied, BucketRef, Peeked, Store, StoreError};
 use crate::bucket::{BucketState, Decision, Demand, DemandKind, InstanceOutcome, Refilling};
 use crate::clock::Clock;
-use crate::settings::{redact_url, RedisSettings};
+use crate::settings::{redact_url, RedisSettings, UnreachableAtStart};
 
 /// The decision script.
 pub const DECIDE_LUA: &str = include_str!("../../../lua/decide.lua");
@@ -122,6 +122,11 @@ pub struct ConnectError {
 }
 
 fn store_error(e: &FredError) -> StoreError {
+    let details = e.details();
+    // The scripts' own complaints about a stored value, and a key of another type.
+    if details.contains("tollgate: bad") || details.starts_with("WRONGTYPE") || details.contains("WRONGTYPE") {
+        return StoreError::Rejected(e.to_string());
+    }
     match e.kind() {
         ErrorKind::Timeout => StoreError::Timeout(e.to_string()),
         _ => StoreError::Unavailable(e.to_string()),
@@ -163,7 +168,10 @@ impl RedisStore {
             let tls = TlsConnector::default_rustls().map_err(|e| fail(format!("TLS: {}", e.details())))?;
             config.tls = Some(tls.into());
         }
-        config.fail_fast = true;
+        // Failing fast makes a first connection that cannot be made an error at once (`exit`
+        // names the reason); a server that may start without Redis instead keeps its first
+        // connection attempts going under the reconnect policy, like every later one.
+        config.fail_fast = settings.unreachable_at_start == UnreachableAtStart::Exit;
         let timeout = Duration::from_millis(settings.command_timeout_ms);
         let pool = Builder::from_config(config)
             .with_connection_config(|c| {
@@ -238,10 +246,43 @@ impl RedisStore {
             .map_err(|e| fail(e.to_string()))
     }
 
-    /// Starts connecting in the background (reconnecting until Redis answers), for a server
-    /// that starts not ready.
-    pub fn connect_in_background(&self) {
-        let _tasks = self.inner.pool.connect_pool();
+    /// Waits in the background until the connections started by [`RedisStore::connect`] are
+    /// up (they keep trying under the reconnect policy), then loads the scripts: for a server
+    /// that starts not ready (`unreachable_at_start: not_ready`).
+    pub fn connect_in_background(&self, retry: Duration) {
+        let store = self.clone();
+        tokio::spawn(async move {
+            loop {
+                let connected = tokio::time::timeout(retry, store.inner.pool.wait_for_connect()).await;
+                if matches!(connected, Ok(Ok(()))) && store.load_scripts().await.is_ok() {
+                    tracing::info!(redis = %store.describe(), "connected to Redis");
+                    return;
+                }
+                tokio::time::sleep(retry).await;
+            }
+        });
+    }
+
+    /// Loads the scripts again (`SCRIPT LOAD` is idempotent), waiting at most `timeout`: the
+    /// probe readiness sends while the circuit is open. A Redis that was restarted has lost
+    /// them, and loading them here spares the first request after the outage a `NOSCRIPT`
+    /// round trip that could exceed its command timeout.
+    ///
+    /// Errors: no answer in time, or an error answer.
+    pub async fn probe(&self, timeout: Duration) -> Result<(), StoreError> {
+        match tokio::time::timeout(timeout, self.load_scripts()).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(store_error(&e)),
+            Err(_) => Err(StoreError::Timeout(format!(
+                "scripts not loaded within {} ms",
+                timeout.as_millis()
+            ))),
+        }
+    }
+
+    /// How long one decision may take, all calls included (`redis.command_timeout_ms`).
+    pub fn timeout(&self) -> Duration {
+        self.inner.timeout
     }
 
     /// Whether every connection of the pool is up.
@@ -307,13 +348,14 @@ impl RedisStore {
             .iter()
             .map(|b| keys::bucket_key(&self.inner.prefix, &b.key))
             .collect();
-        let mut t = self.estimate();
+        let mut at = vec![self.estimate(); buckets.len()];
         let mut reps: Vec<Option<Replacement>> = vec![None; buckets.len()];
         for _ in 0..MAX_ATTEMPTS {
             let args: Vec<(BucketArgs, Option<&Replacement>)> = buckets
                 .iter()
                 .zip(&reps)
-                .map(|(b, r)| (bucket_args(&b.plan, t), r.as_ref()))
+                .zip(&at)
+                .map(|((b, r), t)| (bucket_args(&b.plan, *t), r.as_ref()))
                 .collect();
             let argv = encode(self.now_override(), &args, demands, self.inner.call);
             let sent = self.inner.clock.now_us();
@@ -323,7 +365,7 @@ impl RedisStore {
                 .map_err(|e| StoreError::Unavailable(format!("decide.lua: {e}")))?;
             let now = match &reply {
                 Reply::Decided(d) => d.now_us,
-                Reply::Retry { now_us } | Reply::Walk { now_us, .. } => *now_us,
+                Reply::Retry { now_us, .. } | Reply::Walk { now_us, .. } => *now_us,
             };
             if self.inner.time_override.is_none() {
                 self.inner.offset.observe(now, sent, received);
@@ -338,13 +380,13 @@ impl RedisStore {
                     }
                     return Ok(d);
                 }
-                Reply::Retry { now_us } => t = now_us,
+                Reply::Retry { at_us, .. } => at = at_us,
                 Reply::Walk { now_us, stale } => {
-                    t = now_us;
+                    at.fill(now_us);
                     for (i, raw) in stale {
                         reps[i] = replacement(&buckets[i].plan, &raw, now_us);
                         if reps[i].is_none() {
-                            return Err(StoreError::Unavailable(format!(
+                            return Err(StoreError::Rejected(format!(
                                 "decide.lua: cannot read the stored value {:?}",
                                 String::from_utf8_lossy(&raw)
                             )));

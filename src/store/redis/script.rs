@@ -178,10 +178,14 @@ pub struct Decided {
 pub enum Reply {
     /// Decided and written.
     Decided(Decided),
-    /// Redis time fell outside some bucket's `[lo, hi)`: ask again for this time.
+    /// Some bucket's time fell outside its `[lo, hi)`: ask again with each bucket's limit
+    /// looked up at its time. Nothing was written.
     Retry {
         /// Redis time, in microseconds.
         now_us: u64,
+        /// Per bucket, the instant its limit is wanted at: `now_us`, or a scheduled bucket's
+        /// last write when Redis's clock reads before it (a clock that stepped back).
+        at_us: Vec<u64>,
     },
     /// Scheduled buckets crossed by a change of limit since their write: walk them and ask
     /// again with [`Replacement`]s. Nothing was written.
@@ -217,7 +221,16 @@ pub fn parse_reply(value: Value, buckets: usize, demands: usize) -> Result<Reply
         .transpose()?
         .ok_or("the script's answer has no time")?;
     match tag {
-        b"retry" => Ok(Reply::Retry { now_us }),
+        b"retry" => {
+            let at_us = items[2..].iter().map(int).collect::<Result<Vec<u64>, String>>()?;
+            if at_us.len() != buckets {
+                return Err(format!(
+                    "the script asked again for {} of {buckets} buckets",
+                    at_us.len()
+                ));
+            }
+            Ok(Reply::Retry { now_us, at_us })
+        }
         b"walk" => {
             let stale = items[2..]
                 .chunks(2)
@@ -332,10 +345,15 @@ mod tests {
         assert!(parse_reply(ok, 2, 1).is_err());
         assert!(parse_reply(Value::Integer(3), 1, 1).is_err());
         assert!(parse_reply(Value::Array(vec!["what".into(), Value::Integer(1)]), 1, 1).is_err());
+        let retry = Value::Array(vec!["retry".into(), Value::Integer(7), Value::Integer(9)]);
         assert_eq!(
-            parse_reply(Value::Array(vec!["retry".into(), Value::Integer(7)]), 1, 1).unwrap(),
-            Reply::Retry { now_us: 7 }
+            parse_reply(retry, 1, 1).unwrap(),
+            Reply::Retry {
+                now_us: 7,
+                at_us: vec![9]
+            }
         );
+        assert!(parse_reply(Value::Array(vec!["retry".into(), Value::Integer(7)]), 1, 1).is_err());
         let walk = Value::Array(vec![
             "walk".into(),
             Value::Integer(7),
