@@ -26,7 +26,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::R
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::UInt64Value;
 use support::redis::{scan_keys_raw, shared_redis, unique_prefix, RedisCluster, RedisTarget, RespValue};
-use support::{http_get, wait_until, yaml_str, Scrape, Tollgate};
+use support::{descriptor, http_get, wait_until, yaml_str, Scrape, Tollgate};
 use tollgate::admin::BucketsResponse;
 use tollgate::bucket::MICRO;
 use tollgate::matcher::instance_key;
@@ -193,19 +193,6 @@ async fn connect(addr: SocketAddr) -> RateLimitServiceClient<Channel> {
     RateLimitServiceClient::connect(format!("http://{addr}"))
         .await
         .expect("connect to the gRPC listener")
-}
-
-fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
-    RateLimitDescriptor {
-        entries: entries
-            .iter()
-            .map(|(k, v)| Entry {
-                key: (*k).into(),
-                value: (*v).into(),
-            })
-            .collect(),
-        ..Default::default()
-    }
 }
 
 /// A request in domain `api` with `descriptors`, one hit each.

@@ -631,20 +631,26 @@ pub fn request(
     entries: &[(&str, &str)],
     hits_addend: u32,
 ) -> envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest {
-    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
-    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
     envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest {
         domain: domain.into(),
-        descriptors: vec![RateLimitDescriptor {
-            entries: entries
-                .iter()
-                .map(|(k, v)| Entry {
-                    key: (*k).into(),
-                    value: (*v).into(),
-                })
-                .collect(),
-            ..Default::default()
-        }],
+        descriptors: vec![descriptor(entries)],
         hits_addend,
+    }
+}
+
+/// A descriptor of `(key, value)` entries, in order.
+pub fn descriptor(
+    entries: &[(&str, &str)],
+) -> envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor {
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+    envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor {
+        entries: entries
+            .iter()
+            .map(|(k, v)| Entry {
+                key: (*k).into(),
+                value: (*v).into(),
+            })
+            .collect(),
+        ..Default::default()
     }
 }

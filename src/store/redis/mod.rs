@@ -124,7 +124,7 @@ pub struct ConnectError {
 fn store_error(e: &FredError) -> StoreError {
     let details = e.details();
     // The scripts' own complaints about a stored value, and a key of another type.
-    if details.contains("tollgate: bad") || details.starts_with("WRONGTYPE") || details.contains("WRONGTYPE") {
+    if details.contains("tollgate: bad") || details.contains("WRONGTYPE") {
         return StoreError::Rejected(e.to_string());
     }
     match e.kind() {
