@@ -1,15 +1,18 @@
--- Decides one rate-limit request over all its bucket instances in one atomic step: reads the
--- clock with TIME, brings every bucket forward to now, checks every demand, and consumes from
--- all of them or none (DESIGN 1.2). Tollgate's memory store runs the same arithmetic in Rust
--- (src/bucket); tests/vectors/token_bucket.yaml pins both to the same micro-token.
+-- Decides a batch of rate-limit requests, each over all its bucket instances in one atomic
+-- step: reads the clock with TIME once, then for each request in order brings every bucket
+-- forward to now, checks every demand, and consumes from all of them or none (DESIGN 1.2).
+-- Requests of one batch are decided one after the other, so a later request sees what an
+-- earlier one consumed, exactly as if each had its own call. Tollgate's memory store runs the
+-- same arithmetic in Rust (src/bucket); tests/vectors/token_bucket.yaml pins both to the same
+-- micro-token.
 --
 -- Units: microseconds since the epoch, micro-tokens (1 token = 1,000,000). Lua numbers are
 -- doubles, so every intermediate stays below 2^53 by the bounds tollgate enforces when it loads
 -- the rules (capacity <= 10^9 tokens, refill num * den < 2^53): see src/bucket/rate.rs.
 --
--- KEYS: the request's bucket instances (one Cluster slot per call).
--- ARGV: now override in µs ("" = Redis TIME; tests only), #buckets, #demands, TTL margin (ms),
---   the longest TTL (ms); then per bucket 9 fields:
+-- KEYS: each request's bucket instances, request after request (one Cluster slot per call).
+-- ARGV: now override in µs ("" = Redis TIME; tests only), TTL margin (ms), the longest TTL
+--   (ms), #requests; then per request: #buckets, #demands, per bucket 9 fields:
 --     kind   F (a constant limit), S (a schedule), Q (a calendar quota)
 --     cap, num, den   the limit in force: capacity (µt) and rate (num µt per den µs)
 --     lo, hi  the limit holds over [lo, hi) (0 = unbounded); for Q, lo is the last reset edge
@@ -18,22 +21,32 @@
 --     expect  "" or the stored value tollgate brought forward with `rep`
 --     rep     "" or "tokens:updated", the stored value `expect` brought forward by tollgate to
 --             the last change of limit (a schedule walk Lua does not do)
---   then per demand 4 fields: instance (1-based), kind (c consume, k check, r refund), amount
---   (µt), enforced (1 or 0).
+--   then per demand 4 fields: instance (1-based within the request), kind (c consume, k check,
+--   r refund), amount (µt), enforced (1 or 0).
 -- A stored value is "tokens:updated:end": end is when the limit it was written under stops
 -- holding (0 = never), so that a later call knows whether a change of limit lies between.
 --
--- Returns {"ok", now, denied, passed ("1"/"0" per demand), then per bucket: stored tokens,
--- stored updated, tokens before, updated before, tokens after, updated after, changed};
--- {"retry", now, t1, ..., tn} when some bucket's time t (now, or a later write) lies outside
--- its [lo, hi); or {"walk", now, i, value, ...}
--- for scheduled buckets crossed by a change of limit since they were written.
+-- Returns one answer per request, in order:
+--   {"ok", now, denied, passed ("1"/"0" per demand), then per bucket: stored tokens,
+--    stored updated, tokens before, updated before, tokens after, updated after, changed};
+--   {"retry", now, t1, ..., tn} when some bucket's time t (now, or a later write) lies outside
+--    its [lo, hi); nothing was changed;
+--   {"walk", now, i, value, ...} for scheduled buckets crossed by a change of limit since they
+--    were written; nothing was changed;
+--   {"bad", now, reason} for a stored value the script cannot read (or a key of another type);
+--    nothing was changed.
+-- A bad answer for one request leaves the others of the batch decided.
 
 local MICRO = 1000000
 
+-- Globals are table lookups in Lua; the script runs these per bucket, so keep locals.
+local floor, ceil, min, max = math.floor, math.ceil, math.min, math.max
+local tonum, match, format, concat = tonumber, string.match, string.format, table.concat
+local call, pcall_ = redis.call, redis.pcall
+
 -- floor(a / b) for integers 0 <= a, 0 < b below 2^53, exact although a / b is rounded.
 local function fdiv(a, b)
-  local q = math.floor(a / b)
+  local q = floor(a / b)
   while q * b > a do q = q - 1 end
   while (q + 1) * b <= a do q = q + 1 end
   return q
@@ -71,136 +84,162 @@ local function refill(t, u, cap, num, den, now)
   return t, u
 end
 
-local function fmt(x) return string.format('%.0f', x) end
+-- Decides one request whose keys start after KEYS[ko] and whose fields start after ARGV[ao];
+-- returns its answer and where the next request's fields start.
+local function decide(now, margin_ms, max_ttl_ms, ko, ao)
+  local nb, nd = tonum(ARGV[ao + 1]), tonum(ARGV[ao + 2])
+  local dofs = ao + 2 + nb * 9
+  local next_ao = dofs + nd * 4
+
+  -- Read every bucket: absent means full at the capacity in force. Every field is set in the
+  -- constructor, so the table is allocated once at its final size.
+  local b = {}
+  local walk
+  for i = 1, nb do
+    local o = ao + 2 + (i - 1) * 9
+    local key, kind, cap = KEYS[ko + i], ARGV[o + 1], tonum(ARGV[o + 2])
+    local raw = pcall_('GET', key)
+    local st, su
+    if type(raw) == 'table' then
+      return {'bad', now, 'tollgate: bad bucket key ' .. key .. ': ' .. tostring(raw.err)}, next_ao
+    elseif raw then
+      local expect = ARGV[o + 8]
+      if expect ~= '' and raw == expect then
+        local t, u = match(ARGV[o + 9], '^(%d+):(%d+)$')
+        if not t then return {'bad', now, 'tollgate: bad replacement ' .. ARGV[o + 9]}, next_ao end
+        st, su = tonum(t), tonum(u)
+      else
+        local t, u, e = match(raw, '^(%d+):(%d+):(%d+)$')
+        if not t then return {'bad', now, 'tollgate: bad bucket value in ' .. key}, next_ao end
+        st, su, e = tonum(t), tonum(u), tonum(e)
+        if kind == 'S' and e > 0 and now >= e then
+          walk = walk or {'walk', now}
+          walk[#walk + 1] = i
+          walk[#walk + 1] = raw
+        end
+      end
+    else
+      st, su = cap, now
+    end
+    b[i] = {key = key, kind = kind, cap = cap, num = tonum(ARGV[o + 3]), den = tonum(ARGV[o + 4]),
+      o = o, st = st, su = su, bt = 0, bu = 0, consumed = 0, refunded = 0}
+  end
+  if walk then return walk, next_ao end
+
+  -- The limit each bucket is decided under is the one at its own time: now, or for a
+  -- scheduled bucket written later than now (Redis's clock stepped back), its write, as the
+  -- memory store does. Outside [lo, hi) tollgate must look the limit up again for that time.
+  -- A constant limit (F) holds at every time.
+  local stale = false
+  for i = 1, nb do
+    local x = b[i]
+    if x.kind ~= 'F' then
+      local at = now
+      if x.kind == 'S' and x.su > now then at = x.su end
+      local lo, hi = tonum(ARGV[x.o + 5]), tonum(ARGV[x.o + 6])
+      x.hi = hi
+      if at < lo or (hi > 0 and at >= hi) then stale = true end
+    end
+  end
+  if stale then
+    local retry = {'retry', now}
+    for i = 1, nb do
+      local x = b[i]
+      retry[i + 2] = (x.kind == 'S' and x.su > now) and x.su or now
+    end
+    return retry, next_ao
+  end
+
+  -- Bring each forward to now (before), then add up the demands per bucket.
+  for i = 1, nb do
+    local x = b[i]
+    if x.kind == 'Q' then
+      if now > x.su and tonum(ARGV[x.o + 5]) > x.su then
+        x.bt, x.bu = x.cap, now
+      else
+        x.bt, x.bu = min(x.st, x.cap), max(x.su, now)
+      end
+    else
+      x.bt, x.bu = refill(x.st, x.su, x.cap, x.num, x.den, now)
+    end
+  end
+  local dx, dkind = {}, {}
+  for j = 1, nd do
+    local o = dofs + (j - 1) * 4
+    local x, kind = b[tonum(ARGV[o + 1])], ARGV[o + 2]
+    dx[j], dkind[j] = x, kind
+    if kind == 'c' then x.consumed = x.consumed + tonum(ARGV[o + 3])
+    elseif kind == 'r' then x.refunded = x.refunded + tonum(ARGV[o + 3]) end
+  end
+
+  local denied = false
+  local passed = {}
+  for j = 1, nd do
+    local x, kind = dx[j], dkind[j]
+    local ok = true
+    if kind == 'c' then ok = x.bt >= x.consumed
+    elseif kind == 'k' then ok = x.bt >= x.consumed + MICRO end
+    passed[j] = ok and '1' or '0'
+    if not ok and ARGV[dofs + (j - 1) * 4 + 4] == '1' then denied = true end
+  end
+
+  local out = {'ok', now, denied and 1 or 0, concat(passed)}
+  local n = 4
+  for i = 1, nb do
+    local x = b[i]
+    local t = x.bt
+    local take = (not denied) and x.consumed > 0 and t >= x.consumed
+    if take then t = t - x.consumed end
+    local give = x.refunded > 0 and t < x.cap
+    if give then t = min(t + x.refunded, x.cap) end
+    if take or give then
+      if t >= x.cap then
+        -- A full bucket is the same as no bucket.
+        call('DEL', x.key)
+      else
+        local full_at
+        local w = time_to_earn(x.cap - t, x.num, x.den)
+        if x.kind == 'F' then
+          if w then full_at = x.bu + w end
+        elseif x.kind == 'S' then
+          local bound = tonum(ARGV[x.o + 7])
+          if w and x.bu + w < x.hi then full_at = x.bu + w
+          elseif bound > 0 then full_at = bound end
+        elseif x.hi > 0 then
+          full_at = x.hi
+        end
+        local ttl = max_ttl_ms
+        if full_at then
+          ttl = min(max_ttl_ms, ceil((full_at - now) / 1000) + margin_ms)
+        end
+        if ttl < 1 then ttl = 1 end
+        local e = 0
+        if x.kind == 'S' then e = x.hi end
+        -- '%.0f': Lua's own number-to-string keeps 14 digits, too few for µs since the epoch.
+        call('SET', x.key, format('%.0f:%.0f:%.0f', t, x.bu, e), 'PX', format('%.0f', ttl))
+      end
+    end
+    out[n + 1], out[n + 2], out[n + 3], out[n + 4] = x.st, x.su, x.bt, x.bu
+    out[n + 5], out[n + 6], out[n + 7] = t, x.bu, (take or give) and 1 or 0
+    n = n + 7
+  end
+  return out, next_ao
+end
 
 local now
 if ARGV[1] ~= '' then
-  now = tonumber(ARGV[1])
+  now = tonum(ARGV[1])
 else
-  local time = redis.call('TIME')
-  now = tonumber(time[1]) * MICRO + tonumber(time[2])
+  local time = call('TIME')
+  now = tonum(time[1]) * MICRO + tonum(time[2])
 end
-local nb, nd = tonumber(ARGV[2]), tonumber(ARGV[3])
-local margin_ms, max_ttl_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
+local margin_ms, max_ttl_ms, nreq = tonum(ARGV[2]), tonum(ARGV[3]), tonum(ARGV[4])
 
-local b = {}
-for i = 1, nb do
-  local o = 5 + (i - 1) * 9
-  local x = {kind = ARGV[o + 1], cap = tonumber(ARGV[o + 2]), num = tonumber(ARGV[o + 3]),
-    den = tonumber(ARGV[o + 4]), lo = tonumber(ARGV[o + 5]), hi = tonumber(ARGV[o + 6]),
-    bound = tonumber(ARGV[o + 7]), expect = ARGV[o + 8], rep = ARGV[o + 9]}
-  b[i] = x
+local answers = {}
+local ko, ao = 0, 4
+for r = 1, nreq do
+  local nb = tonum(ARGV[ao + 1])
+  answers[r], ao = decide(now, margin_ms, max_ttl_ms, ko, ao)
+  ko = ko + nb
 end
-
--- Read every bucket: absent means full at the capacity in force.
-local walk = {'walk', now}
-for i = 1, nb do
-  local x = b[i]
-  local raw = redis.call('GET', KEYS[i])
-  if raw and x.expect ~= '' and raw == x.expect then
-    local t, u = string.match(x.rep, '^(%d+):(%d+)$')
-    if not t then return redis.error_reply('tollgate: bad replacement ' .. x.rep) end
-    x.st, x.su = tonumber(t), tonumber(u)
-  elseif raw then
-    local t, u, e = string.match(raw, '^(%d+):(%d+):(%d+)$')
-    if not t then return redis.error_reply('tollgate: bad bucket value in ' .. KEYS[i]) end
-    x.st, x.su, e = tonumber(t), tonumber(u), tonumber(e)
-    if x.kind == 'S' and e > 0 and now >= e then
-      walk[#walk + 1] = i
-      walk[#walk + 1] = raw
-    end
-  else
-    x.st, x.su = x.cap, now
-  end
-end
-if #walk > 2 then return walk end
-
--- The limit each bucket is decided under is the one at its own time: now, or for a scheduled
--- bucket written later than now (Redis's clock stepped back), its write, as the memory store
--- does. Outside [lo, hi) tollgate must look the limit up again for that time.
-local retry = {'retry', now}
-local stale = false
-for i = 1, nb do
-  local x = b[i]
-  local at = now
-  if x.kind == 'S' and x.su > now then at = x.su end
-  retry[i + 2] = at
-  if x.kind ~= 'F' and (at < x.lo or (x.hi > 0 and at >= x.hi)) then stale = true end
-end
-if stale then return retry end
-
--- Bring each forward to now (before), then add up the demands per bucket.
-for i = 1, nb do
-  local x = b[i]
-  if x.kind == 'Q' then
-    if now > x.su and x.lo > x.su then
-      x.bt, x.bu = x.cap, now
-    else
-      x.bt, x.bu = math.min(x.st, x.cap), math.max(x.su, now)
-    end
-  else
-    x.bt, x.bu = refill(x.st, x.su, x.cap, x.num, x.den, now)
-  end
-  x.consumed, x.refunded = 0, 0
-end
-local d = {}
-for j = 1, nd do
-  local o = 5 + nb * 9 + (j - 1) * 4
-  local dm = {i = tonumber(ARGV[o + 1]), kind = ARGV[o + 2], n = tonumber(ARGV[o + 3]),
-    enforced = ARGV[o + 4] == '1'}
-  local x = b[dm.i]
-  if dm.kind == 'c' then x.consumed = x.consumed + dm.n
-  elseif dm.kind == 'r' then x.refunded = x.refunded + dm.n end
-  d[j] = dm
-end
-
-local denied = false
-local passed = {}
-for j = 1, nd do
-  local dm = d[j]
-  local x = b[dm.i]
-  local ok = true
-  if dm.kind == 'c' then ok = x.bt >= x.consumed
-  elseif dm.kind == 'k' then ok = x.bt >= x.consumed + MICRO end
-  passed[j] = ok and '1' or '0'
-  if dm.enforced and not ok then denied = true end
-end
-
-local out = {'ok', now, denied and 1 or 0, table.concat(passed)}
-for i = 1, nb do
-  local x = b[i]
-  local t = x.bt
-  local take = (not denied) and x.consumed > 0 and t >= x.consumed
-  if take then t = t - x.consumed end
-  local give = x.refunded > 0 and t < x.cap
-  if give then t = math.min(t + x.refunded, x.cap) end
-  if take or give then
-    if t >= x.cap then
-      -- A full bucket is the same as no bucket.
-      redis.call('DEL', KEYS[i])
-    else
-      local full_at
-      local w = time_to_earn(x.cap - t, x.num, x.den)
-      if x.kind == 'F' then
-        if w then full_at = x.bu + w end
-      elseif x.kind == 'S' then
-        if w and x.bu + w < x.hi then full_at = x.bu + w
-        elseif x.bound > 0 then full_at = x.bound end
-      elseif x.hi > 0 then
-        full_at = x.hi
-      end
-      local ttl = max_ttl_ms
-      if full_at then
-        ttl = math.min(max_ttl_ms, math.ceil((full_at - now) / 1000) + margin_ms)
-      end
-      if ttl < 1 then ttl = 1 end
-      local e = 0
-      if x.kind == 'S' then e = x.hi end
-      redis.call('SET', KEYS[i], fmt(t) .. ':' .. fmt(x.bu) .. ':' .. fmt(e), 'PX', fmt(ttl))
-    end
-  end
-  local n = #out
-  out[n + 1], out[n + 2], out[n + 3], out[n + 4] = x.st, x.su, x.bt, x.bu
-  out[n + 5], out[n + 6], out[n + 7] = t, x.bu, (take or give) and 1 or 0
-end
-return out
+return answers

@@ -25,7 +25,9 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::UInt64Value;
-use support::redis::{scan_keys_raw, shared_redis, unique_prefix, RedisCluster, RedisTarget, RespValue};
+use support::redis::{
+    info_commandstats, scan_keys_raw, shared_redis, unique_prefix, RedisCluster, RedisServer, RedisTarget, RespValue,
+};
 use support::{descriptor, http_get, wait_until, yaml_str, Scrape, Tollgate};
 use tollgate::admin::BucketsResponse;
 use tollgate::bucket::MICRO;
@@ -41,12 +43,15 @@ enum Deployment {
     Single,
     /// A private three-master cluster (`RedisCluster::start`).
     Cluster,
+    /// A private single server (`RedisServer::start`), for tests that read its command counts.
+    Private,
 }
 
 /// The Redis a test's tollgates use, and raw access to it for the checks.
 struct Backend {
     // Killed on drop, after the tollgates (declared later in each test) are gone.
     _cluster: Option<RedisCluster>,
+    _server: Option<RedisServer>,
     urls: Vec<String>,
     cluster: bool,
     prefix: String,
@@ -64,6 +69,7 @@ impl Backend {
                 let url = shared_redis(test)?;
                 Some(Backend {
                     _cluster: None,
+                    _server: None,
                     nodes: vec![RedisTarget::from(&url)],
                     urls: vec![url],
                     cluster: false,
@@ -76,7 +82,19 @@ impl Backend {
                     urls: cluster.urls(),
                     nodes: cluster.ports().into_iter().map(RedisTarget::port).collect(),
                     _cluster: Some(cluster),
+                    _server: None,
                     cluster: true,
+                    prefix,
+                })
+            }
+            Deployment::Private => {
+                let server = RedisServer::start();
+                Some(Backend {
+                    urls: vec![server.url()],
+                    nodes: vec![server.target()],
+                    _cluster: None,
+                    _server: Some(server),
+                    cluster: false,
                     prefix,
                 })
             }
@@ -866,4 +884,89 @@ fn a_corrupt_bucket_value_does_not_open_the_circuit_for_everyone() {
         0.0
     );
     assert_eq!(http_get(tg.http_addr, "/readyz").map(|(s, _)| s), Some(200));
+}
+
+/// Concurrent requests on a single node share script calls (`src/store/redis/batch.rs`): 128
+/// requests sent at once over one connection take fewer calls than requests, every request is
+/// still decided on its own, and a corrupt value refuses only the request that reads it, not
+/// the others decided in the same call.
+#[test]
+fn concurrent_requests_share_calls_and_a_corrupt_value_refuses_only_its_own() {
+    let backend = Backend::new(
+        Deployment::Private,
+        "concurrent_requests_share_calls_and_a_corrupt_value_refuses_only_its_own",
+    )
+    .expect("a private server");
+    let tg = backend.start(TWO_PER_HOUR, &[("failure_mode", "error"), ("pool_size", "1")], &[]);
+    let rt = runtime();
+    let victim = [("user", "victim")];
+    rt.block_on(async {
+        let mut client = connect(tg.grpc_addr).await;
+        assert_eq!(code(&mut client, &victim, 0).await, Code::Ok);
+    });
+    let key = backend.key_of("per_user", &victim);
+    backend.nodes[0].cmd(&[b"SET", &key, b"garbage", b"PX", b"600000"]);
+
+    let calls = || {
+        info_commandstats(&backend.nodes[0])
+            .get("evalsha")
+            .map_or(0, |(n, _)| *n)
+    };
+    let calls_before = calls();
+    const EACH: usize = 64;
+    let (good, bad) = rt.block_on(async {
+        let client = connect(tg.grpc_addr).await;
+        let good = (0..EACH).map(|i| {
+            let mut client = client.clone();
+            async move {
+                let user = format!("good-{i}");
+                let r = client
+                    .should_rate_limit(support::request("api", &[("user", user.as_str())], 1))
+                    .await;
+                r.map(|r| overall(r.get_ref()))
+            }
+        });
+        let bad = (0..EACH).map(|_| {
+            let mut client = client.clone();
+            async move {
+                client
+                    .should_rate_limit(support::request("api", &victim, 1))
+                    .await
+                    .map(|r| overall(r.get_ref()))
+            }
+        });
+        futures_util::join!(
+            futures_util::future::join_all(good),
+            futures_util::future::join_all(bad)
+        )
+    });
+    let calls_made = calls() - calls_before;
+
+    for (i, r) in good.iter().enumerate() {
+        assert_eq!(r.as_ref().map_err(|s| s.code()), Ok(&Code::Ok), "good-{i}");
+    }
+    for r in &bad {
+        assert_eq!(
+            r.as_ref().map_err(|s| s.code()).err(),
+            Some(tonic::Code::Unavailable),
+            "{r:?}"
+        );
+    }
+    assert!(
+        calls_made < 2 * EACH as u64,
+        "{calls_made} script calls for {} requests: no call decided more than one",
+        2 * EACH
+    );
+    // Each good user's bucket holds exactly one token less; the corrupt value is untouched.
+    for i in 0..EACH {
+        let user = format!("good-{i}");
+        let value = backend.nodes[0].cmd(&[b"GET", &backend.key_of("per_user", &[("user", user.as_str())])]);
+        let text = value.as_text().unwrap_or_default();
+        assert!(text.starts_with("1000000:"), "good-{i}: {value:?}");
+    }
+    assert_eq!(
+        backend.nodes[0].cmd(&[b"GET", &key]).as_text().as_deref(),
+        Some("garbage")
+    );
+    backend.assert_every_key_expires();
 }

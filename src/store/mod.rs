@@ -61,7 +61,7 @@ pub struct Peeked {
 }
 
 /// Why a store could not decide.
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum StoreError {
     /// The backend could not be reached or did not answer in time.
     #[error("backend unavailable: {0}")]

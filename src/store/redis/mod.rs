@@ -18,13 +18,15 @@
 //! call per slot, in parallel; if any denies, what the others consumed is refunded at once (a
 //! brief under-admission, never an over-admission).
 
+pub mod batch;
 pub mod keys;
 pub mod script;
 
 use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use fred::clients::Client;
 use fred::prelude::{
     Builder, ClientLike, Config, Error as FredError, ErrorKind, LuaInterface, Pool, ReconnectPolicy, Server,
     ServerConfig, TlsConnector,
@@ -32,7 +34,11 @@ use fred::prelude::{
 use fred::types::Value;
 use futures_util::future::join_all;
 
-use self::script::{bucket_args, encode, parse_reply, replacement, BucketArgs, CallSettings, Replacement, Reply};
+use self::batch::{Answer, Batcher, Job, LaneSettings};
+use self::script::{
+    bucket_args, encode_header, encode_request, parse_reply, replacement, split_answers, BucketArgs, CallSettings,
+    Replacement, Reply,
+};
 use super::{Applied, BucketRef, Peeked, Store, StoreError};
 use crate::bucket::{BucketState, Decision, Demand, DemandKind, InstanceOutcome, Refilling};
 use crate::clock::Clock;
@@ -95,20 +101,29 @@ pub struct RedisStore {
     inner: Arc<Inner>,
 }
 
-struct Inner {
+/// The connections and what every call on them needs; shared with the batch lanes, which
+/// must not keep the store itself alive.
+struct Conn {
     pool: Pool,
     cluster: bool,
+    scripts: Scripts,
+    /// The URLs, passwords redacted.
+    describe: String,
+}
+
+struct Inner {
+    conn: Arc<Conn>,
+    /// Started on the first decision (it needs the runtime); single node only.
+    batcher: OnceLock<Batcher>,
     prefix: String,
     /// The local clock, to estimate Redis time between answers.
     clock: Arc<dyn Clock>,
     offset: ClockOffset,
     /// Tests only: use this clock's time instead of Redis `TIME` (see [`RedisStore::with_time_override`]).
     time_override: Option<Arc<dyn Clock>>,
-    scripts: Scripts,
     call: CallSettings,
     /// How long one decision may take, all calls included.
     timeout: Duration,
-    describe: String,
 }
 
 /// Why the store could not be built or connected.
@@ -130,6 +145,51 @@ fn store_error(e: &FredError) -> StoreError {
     match e.kind() {
         ErrorKind::Timeout => StoreError::Timeout(e.to_string()),
         _ => StoreError::Unavailable(e.to_string()),
+    }
+}
+
+impl Conn {
+    async fn load_scripts(&self) -> Result<(), FredError> {
+        let client = self.pool.next();
+        for lua in [DECIDE_LUA, PEEK_LUA, RESET_LUA] {
+            if self.cluster {
+                client.script_load_cluster::<(), _>(lua).await?;
+            } else {
+                client.script_load::<Value, _>(lua).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `EVALSHA` on the pool's next connection.
+    async fn evalsha(&self, sha: &str, keys: Vec<Vec<u8>>, argv: Vec<Value>) -> Result<Value, StoreError> {
+        self.evalsha_on(self.pool.next(), sha, keys, argv).await
+    }
+
+    /// `EVALSHA` on `client`, loading the scripts again when Redis has lost them (`NOSCRIPT`: a
+    /// restart, `SCRIPT FLUSH`, a failover).
+    async fn evalsha_on(
+        &self,
+        client: &Client,
+        sha: &str,
+        keys: Vec<Vec<u8>>,
+        argv: Vec<Value>,
+    ) -> Result<Value, StoreError> {
+        let keys: Vec<fred::types::Key> = keys
+            .into_iter()
+            .map(|k| fred::types::Key::from(k.into_boxed_slice()))
+            .collect();
+        match client.evalsha::<Value, _, _, _>(sha, keys.clone(), argv.clone()).await {
+            Err(e) if e.details().starts_with("NOSCRIPT") => {
+                tracing::info!(redis = %self.describe, "Redis lost the scripts; loading them again");
+                self.load_scripts().await.map_err(|e| store_error(&e))?;
+                client
+                    .evalsha::<Value, _, _, _>(sha, keys, argv)
+                    .await
+                    .map_err(|e| store_error(&e))
+            }
+            other => other.map_err(|e| store_error(&e)),
+        }
     }
 }
 
@@ -190,28 +250,31 @@ impl RedisStore {
         let sha = |lua: &str| fred::util::sha1_hash(lua);
         Ok(RedisStore {
             inner: Arc::new(Inner {
-                pool,
-                cluster: settings.cluster,
+                conn: Arc::new(Conn {
+                    pool,
+                    cluster: settings.cluster,
+                    scripts: Scripts {
+                        decide: sha(DECIDE_LUA),
+                        peek: sha(PEEK_LUA),
+                        reset: sha(RESET_LUA),
+                    },
+                    describe: settings
+                        .urls
+                        .iter()
+                        .map(|u| redact_url(u))
+                        .collect::<Vec<_>>()
+                        .join(","),
+                }),
+                batcher: OnceLock::new(),
                 prefix: settings.key_prefix.clone(),
                 clock,
                 offset: ClockOffset::default(),
                 time_override: None,
-                scripts: Scripts {
-                    decide: sha(DECIDE_LUA),
-                    peek: sha(PEEK_LUA),
-                    reset: sha(RESET_LUA),
-                },
                 call: CallSettings {
                     ttl_margin_ms: TTL_MARGIN_MS,
                     max_ttl_ms: MAX_TTL_MS,
                 },
                 timeout,
-                describe: settings
-                    .urls
-                    .iter()
-                    .map(|u| redact_url(u))
-                    .collect::<Vec<_>>()
-                    .join(","),
             }),
         })
     }
@@ -230,17 +293,17 @@ impl RedisStore {
     /// Errors: Redis not reachable in time, authentication refused, or a script Redis rejects.
     pub async fn connect(&self, timeout: Duration) -> Result<(), ConnectError> {
         let fail = |reason: String| ConnectError {
-            url: self.inner.describe.clone(),
+            url: self.inner.conn.describe.clone(),
             reason,
         };
-        let pool = &self.inner.pool;
+        let pool = &self.inner.conn.pool;
         let _tasks = pool.connect_pool();
         match tokio::time::timeout(timeout, pool.wait_for_connect()).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => return Err(fail(e.to_string())),
             Err(_) => return Err(fail(format!("not reachable within {} ms", timeout.as_millis()))),
         }
-        tokio::time::timeout(timeout, self.load_scripts())
+        tokio::time::timeout(timeout, self.inner.conn.load_scripts())
             .await
             .map_err(|_| fail("loading the scripts timed out".into()))?
             .map_err(|e| fail(e.to_string()))
@@ -253,8 +316,8 @@ impl RedisStore {
         let store = self.clone();
         tokio::spawn(async move {
             loop {
-                let connected = tokio::time::timeout(retry, store.inner.pool.wait_for_connect()).await;
-                if matches!(connected, Ok(Ok(()))) && store.load_scripts().await.is_ok() {
+                let connected = tokio::time::timeout(retry, store.inner.conn.pool.wait_for_connect()).await;
+                if matches!(connected, Ok(Ok(()))) && store.inner.conn.load_scripts().await.is_ok() {
                     tracing::info!(redis = %store.describe(), "connected to Redis");
                     return;
                 }
@@ -270,7 +333,7 @@ impl RedisStore {
     ///
     /// Errors: no answer in time, or an error answer.
     pub async fn probe(&self, timeout: Duration) -> Result<(), StoreError> {
-        match tokio::time::timeout(timeout, self.load_scripts()).await {
+        match tokio::time::timeout(timeout, self.inner.conn.load_scripts()).await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) => Err(store_error(&e)),
             Err(_) => Err(StoreError::Timeout(format!(
@@ -287,7 +350,7 @@ impl RedisStore {
 
     /// Whether every connection of the pool is up.
     pub fn is_connected(&self) -> bool {
-        self.inner.pool.clients().iter().all(|c| c.is_connected())
+        self.inner.conn.pool.clients().iter().all(|c| c.is_connected())
     }
 
     /// The offset from the local clock to Redis time, as last measured (microseconds).
@@ -297,40 +360,7 @@ impl RedisStore {
 
     /// The URLs, passwords redacted, for logs.
     pub fn describe(&self) -> &str {
-        &self.inner.describe
-    }
-
-    async fn load_scripts(&self) -> Result<(), FredError> {
-        let client = self.inner.pool.next();
-        for lua in [DECIDE_LUA, PEEK_LUA, RESET_LUA] {
-            if self.inner.cluster {
-                client.script_load_cluster::<(), _>(lua).await?;
-            } else {
-                client.script_load::<Value, _>(lua).await?;
-            }
-        }
-        Ok(())
-    }
-
-    /// `EVALSHA`, loading the scripts again when Redis has lost them (`NOSCRIPT`: a restart,
-    /// `SCRIPT FLUSH`, a failover).
-    async fn evalsha(&self, sha: &str, keys: Vec<Vec<u8>>, argv: Vec<Value>) -> Result<Value, StoreError> {
-        let keys: Vec<fred::types::Key> = keys
-            .into_iter()
-            .map(|k| fred::types::Key::from(k.into_boxed_slice()))
-            .collect();
-        let client = self.inner.pool.next();
-        match client.evalsha::<Value, _, _, _>(sha, keys.clone(), argv.clone()).await {
-            Err(e) if e.details().starts_with("NOSCRIPT") => {
-                tracing::info!(redis = %self.inner.describe, "Redis lost the scripts; loading them again");
-                self.load_scripts().await.map_err(|e| store_error(&e))?;
-                client
-                    .evalsha::<Value, _, _, _>(sha, keys, argv)
-                    .await
-                    .map_err(|e| store_error(&e))
-            }
-            other => other.map_err(|e| store_error(&e)),
-        }
+        &self.inner.conn.describe
     }
 
     fn now_override(&self) -> Option<u64> {
@@ -340,6 +370,43 @@ impl RedisStore {
     fn estimate(&self) -> u64 {
         self.now_override()
             .unwrap_or_else(|| self.inner.offset.estimate(self.inner.clock.now_us()))
+    }
+
+    /// One request's call of the decision script: batched with concurrent requests on a single
+    /// node ([`batch`]), alone in Cluster mode.
+    async fn call_decide(&self, keys: Vec<Vec<u8>>, args: Vec<Value>) -> Result<Answer, StoreError> {
+        let conn = &self.inner.conn;
+        if conn.cluster {
+            let mut argv = encode_header(self.now_override(), self.inner.call, 1);
+            argv.extend(args);
+            let sent_us = self.inner.clock.now_us();
+            let value = conn.evalsha(&conn.scripts.decide, keys, argv).await?;
+            let received_us = self.inner.clock.now_us();
+            let value = split_answers(value, 1)
+                .map_err(|e| StoreError::Unavailable(format!("decide.lua: {e}")))?
+                .pop()
+                .expect("one answer");
+            return Ok(Answer {
+                value,
+                sent_us,
+                received_us,
+            });
+        }
+        let batcher = self.inner.batcher.get_or_init(|| {
+            Batcher::start(
+                conn.clone(),
+                LaneSettings {
+                    clock: self.inner.clock.clone(),
+                    time_override: self.inner.time_override.clone(),
+                    call: self.inner.call,
+                },
+            )
+        });
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        batcher.submit(Job { keys, args, reply })?;
+        answer
+            .await
+            .map_err(|_| StoreError::Unavailable("the Redis store is shutting down".into()))?
     }
 
     /// Decides the buckets of one slot (all of them on a single node).
@@ -357,15 +424,13 @@ impl RedisStore {
                 .zip(&at)
                 .map(|((b, r), t)| (bucket_args(&b.plan, *t), r.as_ref()))
                 .collect();
-            let argv = encode(self.now_override(), &args, demands, self.inner.call);
-            let sent = self.inner.clock.now_us();
-            let value = self.evalsha(&self.inner.scripts.decide, keys.clone(), argv).await?;
-            let received = self.inner.clock.now_us();
-            let reply = parse_reply(value, buckets.len(), demands.len())
+            let answer = self.call_decide(keys.clone(), encode_request(&args, demands)).await?;
+            let (sent, received) = (answer.sent_us, answer.received_us);
+            let reply = parse_reply(answer.value, buckets.len(), demands.len())
                 .map_err(|e| StoreError::Unavailable(format!("decide.lua: {e}")))?;
             let now = match &reply {
                 Reply::Decided(d) => d.now_us,
-                Reply::Retry { now_us, .. } | Reply::Walk { now_us, .. } => *now_us,
+                Reply::Retry { now_us, .. } | Reply::Walk { now_us, .. } | Reply::Bad { now_us, .. } => *now_us,
             };
             if self.inner.time_override.is_none() {
                 self.inner.offset.observe(now, sent, received);
@@ -380,6 +445,7 @@ impl RedisStore {
                     }
                     return Ok(d);
                 }
+                Reply::Bad { reason, .. } => return Err(StoreError::Rejected(reason)),
                 Reply::Retry { at_us, .. } => at = at_us,
                 Reply::Walk { now_us, stale } => {
                     at.fill(now_us);
@@ -402,7 +468,7 @@ impl RedisStore {
 
     /// Groups bucket indexes by Cluster slot (one group on a single node), in first-seen order.
     fn groups(&self, buckets: &[BucketRef]) -> Vec<Vec<usize>> {
-        if !self.inner.cluster {
+        if !self.inner.conn.cluster {
             return vec![(0..buckets.len()).collect()];
         }
         let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
@@ -516,7 +582,7 @@ impl RedisStore {
                 Some(t) => Value::Integer(t as i64),
                 None => Value::String("".into()),
             };
-            let value = self.evalsha(sha, keys, vec![over]).await?;
+            let value = self.inner.conn.evalsha(sha, keys, vec![over]).await?;
             let bad = |what: &str| StoreError::Unavailable(format!("peek/reset script: {what}"));
             match value {
                 Value::Integer(t) => now = now.max(t as u64),
@@ -547,7 +613,7 @@ impl Store for RedisStore {
     }
 
     async fn peek(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
-        let (now_us, values) = self.read(&self.inner.scripts.peek, buckets).await?;
+        let (now_us, values) = self.read(&self.inner.conn.scripts.peek, buckets).await?;
         let mut states = Vec::with_capacity(buckets.len());
         let mut kept = Vec::with_capacity(buckets.len());
         for (b, raw) in buckets.iter().zip(values) {
@@ -562,7 +628,7 @@ impl Store for RedisStore {
     }
 
     async fn reset(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
-        let (now_us, _) = self.read(&self.inner.scripts.reset, buckets).await?;
+        let (now_us, _) = self.read(&self.inner.conn.scripts.reset, buckets).await?;
         let states: Vec<BucketState> = buckets
             .iter()
             .map(|b| BucketState::full(&b.plan.limit_at(now_us), now_us))

@@ -108,23 +108,36 @@ pub struct CallSettings {
     pub max_ttl_ms: u64,
 }
 
-/// The script's ARGV for one call (see `lua/decide.lua`).
-pub fn encode(
-    now_override: Option<u64>,
-    buckets: &[(BucketArgs, Option<&Replacement>)],
-    demands: &[Demand],
-    settings: CallSettings,
-) -> Vec<Value> {
-    let mut argv: Vec<Value> = Vec::with_capacity(5 + buckets.len() * 9 + demands.len() * 4);
-    let int = |n: u64| Value::Integer(i64::try_from(n).unwrap_or(i64::MAX));
-    argv.push(match now_override {
-        Some(now) => int(now),
-        None => Value::String("".into()),
-    });
+/// The fields of the script's ARGV that precede the requests of one call.
+pub const HEADER_FIELDS: usize = 4;
+
+/// The start of the script's ARGV for a call deciding `requests` requests (see
+/// `lua/decide.lua`): the time override (tests; `None` = Redis `TIME`), the TTL margin, the
+/// longest TTL, the number of requests. Each request's own fields ([`encode_request`]) follow.
+pub fn encode_header(now_override: Option<u64>, settings: CallSettings, requests: usize) -> Vec<Value> {
+    vec![
+        match now_override {
+            Some(now) => int_value(now),
+            None => Value::String("".into()),
+        },
+        int_value(settings.ttl_margin_ms),
+        int_value(settings.max_ttl_ms),
+        int_value(requests as u64),
+    ]
+}
+
+fn int_value(n: u64) -> Value {
+    Value::Integer(i64::try_from(n).unwrap_or(i64::MAX))
+}
+
+/// One request's ARGV fields (see `lua/decide.lua`): the number of buckets and of demands,
+/// then 9 fields per bucket and 4 per demand. Its keys go into KEYS in the same order as
+/// `buckets`.
+pub fn encode_request(buckets: &[(BucketArgs, Option<&Replacement>)], demands: &[Demand]) -> Vec<Value> {
+    let mut argv: Vec<Value> = Vec::with_capacity(2 + buckets.len() * 9 + demands.len() * 4);
+    let int = int_value;
     argv.push(int(buckets.len() as u64));
     argv.push(int(demands.len() as u64));
-    argv.push(int(settings.ttl_margin_ms));
-    argv.push(int(settings.max_ttl_ms));
     for (b, rep) in buckets {
         argv.push(Value::String(char::from(b.kind).to_string().into()));
         argv.push(int(b.limit.capacity_ut));
@@ -158,6 +171,17 @@ pub fn encode(
         argv.push(int(u64::from(d.enforced)));
     }
     argv
+}
+
+/// Splits the script's answer to a call over `requests` requests into one answer per request.
+///
+/// Errors: not an array of that length.
+pub fn split_answers(value: Value, requests: usize) -> Result<Vec<Value>, String> {
+    match value {
+        Value::Array(answers) if answers.len() == requests => Ok(answers),
+        Value::Array(answers) => Err(format!("the script answered {} of {requests} requests", answers.len())),
+        other => Err(format!("expected an array from the script, got {other:?}")),
+    }
 }
 
 /// The script's decision for one call.
@@ -195,6 +219,14 @@ pub enum Reply {
         /// Bucket index (0-based) and stored value.
         stale: Vec<(usize, Vec<u8>)>,
     },
+    /// A stored value the script cannot read, or a key of another type (another writer under
+    /// the key prefix): this request only is refused. Nothing was written.
+    Bad {
+        /// Redis time, in microseconds.
+        now_us: u64,
+        /// What the script found.
+        reason: String,
+    },
 }
 
 fn int(v: &Value) -> Result<u64, String> {
@@ -230,6 +262,13 @@ pub fn parse_reply(value: Value, buckets: usize, demands: usize) -> Result<Reply
                 ));
             }
             Ok(Reply::Retry { now_us, at_us })
+        }
+        b"bad" => {
+            let reason = items.get(2).map(text).transpose()?.unwrap_or_default();
+            Ok(Reply::Bad {
+                now_us,
+                reason: String::from_utf8_lossy(reason).into_owned(),
+            })
         }
         b"walk" => {
             let stale = items[2..]
@@ -374,5 +413,76 @@ mod tests {
             "1:2:3".into(),
         ]);
         assert!(parse_reply(out_of_range, 2, 1).is_err());
+    }
+
+    #[test]
+    fn a_call_is_a_header_then_each_request() {
+        let settings = CallSettings {
+            ttl_margin_ms: 1000,
+            max_ttl_ms: 5000,
+        };
+        assert_eq!(
+            encode_header(None, settings, 3),
+            vec![
+                Value::String("".into()),
+                Value::Integer(1000),
+                Value::Integer(5000),
+                Value::Integer(3)
+            ]
+        );
+        assert_eq!(encode_header(Some(7), settings, 1)[0], Value::Integer(7));
+        assert_eq!(encode_header(None, settings, 1).len(), HEADER_FIELDS);
+
+        let limit = Limit::new(10, Rate::per(10, 60_000_000).unwrap());
+        let args = bucket_args(&Plan::Fixed(limit), 1_700_000_000_000_000);
+        let demands = [
+            Demand {
+                instance: 1,
+                kind: DemandKind::Consume(3),
+                enforced: true,
+            },
+            Demand {
+                instance: 0,
+                kind: DemandKind::Check,
+                enforced: false,
+            },
+        ];
+        let fields = encode_request(&[(args, None), (args, None)], &demands);
+        assert_eq!(fields.len(), 2 + 2 * 9 + 2 * 4);
+        assert_eq!(&fields[..2], &[Value::Integer(2), Value::Integer(2)]);
+        assert_eq!(fields[2], Value::String("F".into()));
+        // The first demand: bucket 2 (1-based), consume 3 µt, enforced.
+        assert_eq!(
+            &fields[20..24],
+            &[
+                Value::Integer(2),
+                Value::String("c".into()),
+                Value::Integer(3),
+                Value::Integer(1)
+            ]
+        );
+    }
+
+    #[test]
+    fn answers_are_split_per_request() {
+        let two = Value::Array(vec![Value::Integer(1), Value::Integer(2)]);
+        assert_eq!(
+            split_answers(two.clone(), 2).unwrap(),
+            vec![Value::Integer(1), Value::Integer(2)]
+        );
+        assert!(split_answers(two, 3).is_err());
+        assert!(split_answers(Value::Integer(1), 1).is_err());
+        let bad = Value::Array(vec![
+            "bad".into(),
+            Value::Integer(7),
+            "tollgate: bad bucket value in k".into(),
+        ]);
+        assert_eq!(
+            parse_reply(bad, 1, 1).unwrap(),
+            Reply::Bad {
+                now_us: 7,
+                reason: "tollgate: bad bucket value in k".into()
+            }
+        );
     }
 }

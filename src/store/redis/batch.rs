@@ -1,0 +1,150 @@
+//! Implicit pipelining for a single Redis node: the decisions of concurrent requests go to
+//! Redis together, as one call of `lua/decide.lua` over several requests.
+//!
+//! Each request's decision stays one atomic step (the script decides the requests of a call one
+//! after the other, and Redis runs a script alone), so a batch decides exactly what the same
+//! requests would decide with one call each, in the batch's order. What a batch saves is the
+//! fixed cost of a call: a socket write and a wake-up on tollgate's side, a read, a script
+//! invocation and a reply on Redis's (most of Redis's CPU per request when calls go one by one).
+//!
+//! There is no waiting to fill a batch. Each connection of the pool has one *lane*: a task that
+//! takes the first waiting request, everything else waiting at that moment (up to
+//! [`MAX_BATCH`]), makes the call, hands out the answers, and goes back for more. With no load a
+//! request goes out alone at once; under load requests gather while the lanes' calls are in
+//! flight, so batches grow with load. A request whose caller has given up (its timeout passed)
+//! while it waited is dropped before the call, so it consumes nothing.
+//!
+//! Cluster mode does not batch: the keys of one call must share a slot, and the requests of a
+//! batch rarely do.
+
+use std::sync::Arc;
+
+use fred::clients::Client;
+use fred::types::Value;
+use tokio::sync::{mpsc, oneshot, Mutex};
+
+use super::script::{encode_header, split_answers, CallSettings};
+use super::Conn;
+use crate::clock::Clock;
+use crate::store::StoreError;
+
+/// The most requests one call decides. Bounds the script's run time (Redis serves nothing else
+/// meanwhile): a few hundred microseconds for the largest batch.
+pub const MAX_BATCH: usize = 64;
+
+/// One request's share of a call: its keys and ARGV fields
+/// ([`encode_request`](super::script::encode_request)), and where its answer goes.
+pub struct Job {
+    /// The request's bucket keys, in the order of its fields.
+    pub keys: Vec<Vec<u8>>,
+    /// The request's ARGV fields.
+    pub args: Vec<Value>,
+    /// Receives the request's answer, with the local clock's readings (µs) when the call was
+    /// sent and when it was answered.
+    pub reply: oneshot::Sender<Result<Answer, StoreError>>,
+}
+
+/// One request's answer from a batched call.
+pub struct Answer {
+    /// The script's answer for this request.
+    pub value: Value,
+    /// Local time the call was sent, in microseconds.
+    pub sent_us: u64,
+    /// Local time the answer came, in microseconds.
+    pub received_us: u64,
+}
+
+/// Hands requests to the lanes. Dropping it ends them once they have answered what they hold.
+pub struct Batcher {
+    jobs: mpsc::UnboundedSender<Job>,
+}
+
+/// What a lane needs besides its connection: the clock for the send and receive readings, the
+/// test time override, and the per-call settings.
+pub struct LaneSettings {
+    /// The local clock.
+    pub clock: Arc<dyn Clock>,
+    /// Tests only: the time sent instead of Redis `TIME`.
+    pub time_override: Option<Arc<dyn Clock>>,
+    /// TTL settings sent with every call.
+    pub call: CallSettings,
+}
+
+impl Batcher {
+    /// Starts one lane per client of the pool. Call within a Tokio runtime.
+    pub(super) fn start(conn: Arc<Conn>, settings: LaneSettings) -> Batcher {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let rx = Arc::new(Mutex::new(rx));
+        let settings = Arc::new(settings);
+        for client in conn.pool.clients() {
+            tokio::spawn(lane(conn.clone(), client.clone(), rx.clone(), settings.clone()));
+        }
+        Batcher { jobs: tx }
+    }
+
+    /// Queues a request; its answer arrives on the job's `reply`.
+    ///
+    /// Errors: the lanes have ended (the store is being dropped).
+    pub fn submit(&self, job: Job) -> Result<(), StoreError> {
+        self.jobs
+            .send(job)
+            .map_err(|_| StoreError::Unavailable("the Redis store is shutting down".into()))
+    }
+}
+
+async fn lane(
+    conn: Arc<Conn>,
+    client: Client,
+    rx: Arc<Mutex<mpsc::UnboundedReceiver<Job>>>,
+    settings: Arc<LaneSettings>,
+) {
+    let mut jobs: Vec<Job> = Vec::with_capacity(MAX_BATCH);
+    loop {
+        {
+            let mut rx = rx.lock().await;
+            match rx.recv().await {
+                Some(job) => jobs.push(job),
+                None => return,
+            }
+            while jobs.len() < MAX_BATCH {
+                match rx.try_recv() {
+                    Ok(job) => jobs.push(job),
+                    Err(_) => break,
+                }
+            }
+        }
+        jobs.retain(|j| !j.reply.is_closed());
+        if jobs.is_empty() {
+            continue;
+        }
+        let now_override = settings.time_override.as_ref().map(|c| c.now_us());
+        let mut argv = encode_header(now_override, settings.call, jobs.len());
+        let mut keys = Vec::with_capacity(jobs.len());
+        for job in &mut jobs {
+            keys.append(&mut job.keys);
+            argv.append(&mut job.args);
+        }
+        let sent_us = settings.clock.now_us();
+        let result = conn.evalsha_on(&client, &conn.scripts.decide, keys, argv).await;
+        let received_us = settings.clock.now_us();
+        let answers = result.and_then(|v| {
+            split_answers(v, jobs.len()).map_err(|e| StoreError::Unavailable(format!("decide.lua: {e}")))
+        });
+        match answers {
+            Ok(answers) => {
+                for (job, value) in jobs.drain(..).zip(answers) {
+                    let _ = job.reply.send(Ok(Answer {
+                        value,
+                        sent_us,
+                        received_us,
+                    }));
+                }
+            }
+            Err(e) => {
+                for job in jobs.drain(..) {
+                    let _ = job.reply.send(Err(e.clone()));
+                }
+            }
+        }
+    }
+}
