@@ -12,23 +12,27 @@
 --
 -- KEYS: each request's bucket instances, request after request (one Cluster slot per call).
 -- ARGV: now override in µs ("" = Redis TIME; tests only), TTL margin (ms), the longest TTL
---   (ms), #requests; then per request: #buckets, #demands, per bucket 9 fields:
---     kind   F (a constant limit), S (a schedule), Q (a calendar quota)
---     cap, num, den   the limit in force: capacity (µt) and rate (num µt per den µs)
---     lo, hi  the limit holds over [lo, hi) (0 = unbounded); for Q, lo is the last reset edge
---             (0 = none) and hi the next; outside that interval the script asks again
---     bound   S: when a bucket emptied at hi would be full again (0 = unknown); Q: unused
---     expect  "" or the stored value tollgate brought forward with `rep`
---     rep     "" or "tokens:updated", the stored value `expect` brought forward by tollgate to
---             the last change of limit (a schedule walk Lua does not do)
---   then per demand 4 fields: instance (1-based within the request), kind (c consume, k check,
---   r refund), amount (µt), enforced (1 or 0).
+--   (ms), #requests; then per request one string of little-endian doubles (struct.pack '<d';
+--   every value is an integer below 2^53, so exact), read here with no text parsing:
+--     #buckets, #demands, #replacements;
+--     per bucket 8: kind (1 F a constant limit, 2 S a schedule, 3 Q a calendar quota);
+--       cap, num, den: the limit in force, capacity (µt) and rate (num µt per den µs);
+--       lo, hi: the limit holds over [lo, hi) (0 = unbounded); for Q, lo is the last reset
+--       edge (0 = none) and hi the next; outside that interval the script asks again;
+--       bound: S, when a bucket emptied at hi would be full again (0 = unknown), else unused;
+--       replaced: 1 if a replacement follows for this bucket;
+--     per demand 4: instance (1-based within the request), kind (1 consume, 2 check,
+--       3 refund), amount (µt), enforced (1 or 0);
+--   then per replaced bucket, in bucket order, two strings: the stored value tollgate read
+--   (expect) and "tokens:updated", that value brought forward by tollgate to the last change
+--   of limit (a schedule walk Lua does not do); used only if the key still holds expect.
 -- A stored value is "tokens:updated:end": end is when the limit it was written under stops
 -- holding (0 = never), so that a later call knows whether a change of limit lies between.
 --
 -- Returns one answer per request, in order:
---   {"ok", now, denied, passed ("1"/"0" per demand), then per bucket: stored tokens,
---    stored updated, tokens before, updated before, tokens after, updated after, changed};
+--   {"ok", packed}: packed is little-endian doubles: now, denied (1/0), passed (1/0) per
+--    demand, then per bucket 7: stored tokens, stored updated, tokens before, updated
+--    before, tokens after, updated after, changed (1/0);
 --   {"retry", now, t1, ..., tn} when some bucket's time t (now, or a later write) lies outside
 --    its [lo, hi); nothing was changed;
 --   {"walk", now, i, value, ...} for scheduled buckets crossed by a change of limit since they
@@ -41,8 +45,20 @@ local MICRO = 1000000
 
 -- Globals are table lookups in Lua; the script runs these per bucket, so keep locals.
 local floor, ceil, min, max = math.floor, math.ceil, math.min, math.max
-local tonum, match, format, concat = tonumber, string.match, string.format, table.concat
+local tonum, match, format = tonumber, string.match, string.format
 local call, pcall_ = redis.call, redis.pcall
+local pack, unpack_fields, rep = struct.pack, struct.unpack, string.rep
+
+-- struct formats of n doubles, built once per n.
+local formats = {}
+local function doubles(n)
+  local f = formats[n]
+  if not f then
+    f = '<' .. rep('d', n)
+    formats[n] = f
+  end
+  return f
+end
 
 -- floor(a / b) for integers 0 <= a, 0 < b below 2^53, exact although a / b is rounded.
 local function fdiv(a, b)
@@ -87,32 +103,38 @@ end
 -- Decides one request whose keys start after KEYS[ko] and whose fields start after ARGV[ao];
 -- returns its answer and where the next request's fields start.
 local function decide(now, margin_ms, max_ttl_ms, ko, ao)
-  local nb, nd = tonum(ARGV[ao + 1]), tonum(ARGV[ao + 2])
-  local dofs = ao + 2 + nb * 9
-  local next_ao = dofs + nd * 4
+  local packed = ARGV[ao + 1]
+  local nb, nd, nrep, pos = unpack_fields('<ddd', packed)
+  local f = {unpack_fields(doubles(nb * 8 + nd * 4), packed, pos)}
+  local next_ao = ao + 1 + nrep * 2
 
   -- Read every bucket: absent means full at the capacity in force. Every field is set in the
   -- constructor, so the table is allocated once at its final size.
   local b = {}
   local walk
+  local reps = ao + 1
   for i = 1, nb do
-    local o = ao + 2 + (i - 1) * 9
-    local key, kind, cap = KEYS[ko + i], ARGV[o + 1], tonum(ARGV[o + 2])
+    local o = (i - 1) * 8
+    local key, kind, cap = KEYS[ko + i], f[o + 1], f[o + 2]
+    local expect, replaced
+    if f[o + 8] == 1 then
+      expect, replaced = ARGV[reps + 1], ARGV[reps + 2]
+      reps = reps + 2
+    end
     local raw = pcall_('GET', key)
     local st, su
     if type(raw) == 'table' then
       return {'bad', now, 'tollgate: bad bucket key ' .. key .. ': ' .. tostring(raw.err)}, next_ao
     elseif raw then
-      local expect = ARGV[o + 8]
-      if expect ~= '' and raw == expect then
-        local t, u = match(ARGV[o + 9], '^(%d+):(%d+)$')
-        if not t then return {'bad', now, 'tollgate: bad replacement ' .. ARGV[o + 9]}, next_ao end
+      if expect and raw == expect then
+        local t, u = match(replaced, '^(%d+):(%d+)$')
+        if not t then return {'bad', now, 'tollgate: bad replacement ' .. replaced}, next_ao end
         st, su = tonum(t), tonum(u)
       else
         local t, u, e = match(raw, '^(%d+):(%d+):(%d+)$')
         if not t then return {'bad', now, 'tollgate: bad bucket value in ' .. key}, next_ao end
         st, su, e = tonum(t), tonum(u), tonum(e)
-        if kind == 'S' and e > 0 and now >= e then
+        if kind == 2 and e > 0 and now >= e then
           walk = walk or {'walk', now}
           walk[#walk + 1] = i
           walk[#walk + 1] = raw
@@ -121,8 +143,8 @@ local function decide(now, margin_ms, max_ttl_ms, ko, ao)
     else
       st, su = cap, now
     end
-    b[i] = {key = key, kind = kind, cap = cap, num = tonum(ARGV[o + 3]), den = tonum(ARGV[o + 4]),
-      o = o, st = st, su = su, bt = 0, bu = 0, consumed = 0, refunded = 0}
+    b[i] = {key = key, kind = kind, cap = cap, num = f[o + 3], den = f[o + 4], lo = f[o + 5],
+      hi = f[o + 6], bound = f[o + 7], st = st, su = su, bt = 0, bu = 0, consumed = 0, refunded = 0}
   end
   if walk then return walk, next_ao end
 
@@ -133,19 +155,17 @@ local function decide(now, margin_ms, max_ttl_ms, ko, ao)
   local stale = false
   for i = 1, nb do
     local x = b[i]
-    if x.kind ~= 'F' then
+    if x.kind ~= 1 then
       local at = now
-      if x.kind == 'S' and x.su > now then at = x.su end
-      local lo, hi = tonum(ARGV[x.o + 5]), tonum(ARGV[x.o + 6])
-      x.hi = hi
-      if at < lo or (hi > 0 and at >= hi) then stale = true end
+      if x.kind == 2 and x.su > now then at = x.su end
+      if at < x.lo or (x.hi > 0 and at >= x.hi) then stale = true end
     end
   end
   if stale then
     local retry = {'retry', now}
     for i = 1, nb do
       local x = b[i]
-      retry[i + 2] = (x.kind == 'S' and x.su > now) and x.su or now
+      retry[i + 2] = (x.kind == 2 and x.su > now) and x.su or now
     end
     return retry, next_ao
   end
@@ -153,8 +173,8 @@ local function decide(now, margin_ms, max_ttl_ms, ko, ao)
   -- Bring each forward to now (before), then add up the demands per bucket.
   for i = 1, nb do
     local x = b[i]
-    if x.kind == 'Q' then
-      if now > x.su and tonum(ARGV[x.o + 5]) > x.su then
+    if x.kind == 3 then
+      if now > x.su and x.lo > x.su then
         x.bt, x.bu = x.cap, now
       else
         x.bt, x.bu = min(x.st, x.cap), max(x.su, now)
@@ -163,28 +183,28 @@ local function decide(now, margin_ms, max_ttl_ms, ko, ao)
       x.bt, x.bu = refill(x.st, x.su, x.cap, x.num, x.den, now)
     end
   end
-  local dx, dkind = {}, {}
+  local dofs = nb * 8
   for j = 1, nd do
     local o = dofs + (j - 1) * 4
-    local x, kind = b[tonum(ARGV[o + 1])], ARGV[o + 2]
-    dx[j], dkind[j] = x, kind
-    if kind == 'c' then x.consumed = x.consumed + tonum(ARGV[o + 3])
-    elseif kind == 'r' then x.refunded = x.refunded + tonum(ARGV[o + 3]) end
+    local x, kind = b[f[o + 1]], f[o + 2]
+    if kind == 1 then x.consumed = x.consumed + f[o + 3]
+    elseif kind == 3 then x.refunded = x.refunded + f[o + 3] end
   end
 
   local denied = false
-  local passed = {}
+  local out = {now, 0}
   for j = 1, nd do
-    local x, kind = dx[j], dkind[j]
+    local o = dofs + (j - 1) * 4
+    local x, kind = b[f[o + 1]], f[o + 2]
     local ok = true
-    if kind == 'c' then ok = x.bt >= x.consumed
-    elseif kind == 'k' then ok = x.bt >= x.consumed + MICRO end
-    passed[j] = ok and '1' or '0'
-    if not ok and ARGV[dofs + (j - 1) * 4 + 4] == '1' then denied = true end
+    if kind == 1 then ok = x.bt >= x.consumed
+    elseif kind == 2 then ok = x.bt >= x.consumed + MICRO end
+    out[j + 2] = ok and 1 or 0
+    if not ok and f[o + 4] == 1 then denied = true end
   end
+  if denied then out[2] = 1 end
 
-  local out = {'ok', now, denied and 1 or 0, concat(passed)}
-  local n = 4
+  local n = nd + 2
   for i = 1, nb do
     local x = b[i]
     local t = x.bt
@@ -199,12 +219,11 @@ local function decide(now, margin_ms, max_ttl_ms, ko, ao)
       else
         local full_at
         local w = time_to_earn(x.cap - t, x.num, x.den)
-        if x.kind == 'F' then
+        if x.kind == 1 then
           if w then full_at = x.bu + w end
-        elseif x.kind == 'S' then
-          local bound = tonum(ARGV[x.o + 7])
+        elseif x.kind == 2 then
           if w and x.bu + w < x.hi then full_at = x.bu + w
-          elseif bound > 0 then full_at = bound end
+          elseif x.bound > 0 then full_at = x.bound end
         elseif x.hi > 0 then
           full_at = x.hi
         end
@@ -214,7 +233,7 @@ local function decide(now, margin_ms, max_ttl_ms, ko, ao)
         end
         if ttl < 1 then ttl = 1 end
         local e = 0
-        if x.kind == 'S' then e = x.hi end
+        if x.kind == 2 then e = x.hi end
         -- '%.0f': Lua's own number-to-string keeps 14 digits, too few for µs since the epoch.
         call('SET', x.key, format('%.0f:%.0f:%.0f', t, x.bu, e), 'PX', format('%.0f', ttl))
       end
@@ -223,7 +242,7 @@ local function decide(now, margin_ms, max_ttl_ms, ko, ao)
     out[n + 5], out[n + 6], out[n + 7] = t, x.bu, (take or give) and 1 or 0
     n = n + 7
   end
-  return out, next_ao
+  return {'ok', pack(doubles(n), unpack(out))}, next_ao
 end
 
 local now
@@ -238,7 +257,7 @@ local margin_ms, max_ttl_ms, nreq = tonum(ARGV[2]), tonum(ARGV[3]), tonum(ARGV[4
 local answers = {}
 local ko, ao = 0, 4
 for r = 1, nreq do
-  local nb = tonum(ARGV[ao + 1])
+  local nb = unpack_fields('<d', ARGV[ao + 1])
   answers[r], ao = decide(now, margin_ms, max_ttl_ms, ko, ao)
   ko = ko + nb
 end

@@ -130,47 +130,71 @@ fn int_value(n: u64) -> Value {
     Value::Integer(i64::try_from(n).unwrap_or(i64::MAX))
 }
 
-/// One request's ARGV fields (see `lua/decide.lua`): the number of buckets and of demands,
-/// then 9 fields per bucket and 4 per demand. Its keys go into KEYS in the same order as
-/// `buckets`.
+/// One request's ARGV fields (see `lua/decide.lua`): one string of little-endian `f64`s (the
+/// counts, 8 numbers per bucket, 4 per demand; every number an integer below 2^53, so exact),
+/// then the two strings of each [`Replacement`], in bucket order. Its keys go into KEYS in the
+/// same order as `buckets`. Packed numbers spare Redis a string object per number and the
+/// script a text-to-number parse per number.
 pub fn encode_request(buckets: &[(BucketArgs, Option<&Replacement>)], demands: &[Demand]) -> Vec<Value> {
-    let mut argv: Vec<Value> = Vec::with_capacity(2 + buckets.len() * 9 + demands.len() * 4);
-    let int = int_value;
-    argv.push(int(buckets.len() as u64));
-    argv.push(int(demands.len() as u64));
+    let replaced = buckets.iter().filter(|(_, r)| r.is_some()).count();
+    let mut packed = Vec::with_capacity(8 * (3 + buckets.len() * 8 + demands.len() * 4));
+    // Lua's numbers are doubles: nothing tollgate sends exceeds 2^53 but an amount, which is
+    // capped there (9 billion tokens is more than any capacity, so it still fails every
+    // consume and fills every refund).
+    let mut put = |n: u64| packed.extend_from_slice(&(n.min(crate::bucket::EXACT_LIMIT) as f64).to_le_bytes());
+    put(buckets.len() as u64);
+    put(demands.len() as u64);
+    put(replaced as u64);
     for (b, rep) in buckets {
-        argv.push(Value::String(char::from(b.kind).to_string().into()));
-        argv.push(int(b.limit.capacity_ut));
-        argv.push(int(b.limit.rate.num()));
-        argv.push(int(b.limit.rate.den()));
-        argv.push(int(b.lo));
-        argv.push(int(b.hi));
-        argv.push(int(b.bound));
-        match rep {
-            Some(r) => {
-                argv.push(Value::Bytes(r.expect.clone().into()));
-                argv.push(Value::String(r.rep.clone().into()));
-            }
-            None => {
-                argv.push(Value::String("".into()));
-                argv.push(Value::String("".into()));
-            }
-        }
+        put(match b.kind {
+            b'F' => 1,
+            b'S' => 2,
+            _ => 3,
+        });
+        put(b.limit.capacity_ut);
+        put(b.limit.rate.num());
+        put(b.limit.rate.den());
+        put(b.lo);
+        put(b.hi);
+        put(b.bound);
+        put(u64::from(rep.is_some()));
     }
     for d in demands {
-        argv.push(int(d.instance as u64 + 1));
+        put(d.instance as u64 + 1);
         let (kind, n) = match d.kind {
-            DemandKind::Consume(n) => ("c", n),
-            DemandKind::Check => ("k", 0),
-            DemandKind::Refund(n) => ("r", n),
+            DemandKind::Consume(n) => (1, n),
+            DemandKind::Check => (2, 0),
+            DemandKind::Refund(n) => (3, n),
         };
-        argv.push(Value::String(kind.into()));
-        // Lua's numbers are doubles: an amount beyond 2^53 µt (9 billion tokens) is more than any
-        // capacity, so it is sent as 2^53, which still fails every consume and fills every refund.
-        argv.push(int(n.min(crate::bucket::EXACT_LIMIT)));
-        argv.push(int(u64::from(d.enforced)));
+        put(kind);
+        put(n);
+        put(u64::from(d.enforced));
+    }
+    let mut argv = Vec::with_capacity(1 + 2 * replaced);
+    argv.push(Value::Bytes(packed.into()));
+    for r in buckets.iter().filter_map(|(_, r)| *r) {
+        argv.push(Value::Bytes(r.expect.clone().into()));
+        argv.push(Value::String(r.rep.clone().into()));
     }
     argv
+}
+
+/// Reads little-endian `f64`s that must each hold an integer in `0..2^53`.
+fn unpack_numbers(bytes: &[u8]) -> Result<Vec<u64>, String> {
+    if !bytes.len().is_multiple_of(8) {
+        return Err(format!("{} bytes of packed numbers", bytes.len()));
+    }
+    bytes
+        .chunks_exact(8)
+        .map(|c| {
+            let x = f64::from_le_bytes(c.try_into().expect("8 bytes"));
+            if x.fract() == 0.0 && (0.0..=crate::bucket::EXACT_LIMIT as f64).contains(&x) {
+                Ok(x as u64)
+            } else {
+                Err(format!("{x} is not a count from the script"))
+            }
+        })
+        .collect()
 }
 
 /// Splits the script's answer to a call over `requests` requests into one answer per request.
@@ -247,13 +271,17 @@ pub fn parse_reply(value: Value, buckets: usize, demands: usize) -> Result<Reply
         return Err(format!("expected an array from the script, got {value:?}"));
     };
     let tag = items.first().map(text).transpose()?.unwrap_or_default();
-    let now_us = items
-        .get(1)
-        .map(int)
-        .transpose()?
-        .ok_or("the script's answer has no time")?;
+    // Every answer but "ok" (whose numbers are packed) has Redis time second.
+    let now = || -> Result<u64, String> {
+        items
+            .get(1)
+            .map(int)
+            .transpose()?
+            .ok_or_else(|| "the script's answer has no time".to_string())
+    };
     match tag {
         b"retry" => {
+            let now_us = now()?;
             let at_us = items[2..].iter().map(int).collect::<Result<Vec<u64>, String>>()?;
             if at_us.len() != buckets {
                 return Err(format!(
@@ -264,6 +292,7 @@ pub fn parse_reply(value: Value, buckets: usize, demands: usize) -> Result<Reply
             Ok(Reply::Retry { now_us, at_us })
         }
         b"bad" => {
+            let now_us = now()?;
             let reason = items.get(2).map(text).transpose()?.unwrap_or_default();
             Ok(Reply::Bad {
                 now_us,
@@ -271,6 +300,7 @@ pub fn parse_reply(value: Value, buckets: usize, demands: usize) -> Result<Reply
             })
         }
         b"walk" => {
+            let now_us = now()?;
             let stale = items[2..]
                 .chunks(2)
                 .map(|pair| match pair {
@@ -287,40 +317,31 @@ pub fn parse_reply(value: Value, buckets: usize, demands: usize) -> Result<Reply
             Ok(Reply::Walk { now_us, stale })
         }
         b"ok" => {
-            if items.len() != 4 + buckets * 7 {
+            let n = unpack_numbers(text(items.get(1).ok_or("the script's answer has no numbers")?)?)?;
+            if n.len() != 2 + demands + buckets * 7 {
                 return Err(format!(
-                    "the script answered {} items for {buckets} buckets",
-                    items.len()
+                    "the script answered {} numbers for {buckets} buckets and {demands} demands",
+                    n.len()
                 ));
             }
-            let denied = int(&items[2])? == 1;
-            let bits = text(&items[3])?;
-            if bits.len() != demands {
-                return Err(format!("the script answered {} demands of {demands}", bits.len()));
-            }
-            let passed = bits.iter().map(|b| *b == b'1').collect();
-            let instances = items[4..]
-                .chunks(7)
-                .map(|c| {
-                    let n = c.iter().map(int).collect::<Result<Vec<u64>, String>>()?;
-                    let state = |t, u| BucketState {
-                        tokens_ut: t,
-                        updated_us: u,
-                    };
-                    Ok(InstanceOutcome {
-                        stored: state(n[0], n[1]),
-                        before: state(n[2], n[3]),
-                        after: state(n[4], n[5]),
-                        consumed_ut: 0,
-                        changed: n[6] == 1,
-                    })
-                })
-                .collect::<Result<Vec<_>, String>>()?;
+            let state = |t, u| BucketState {
+                tokens_ut: t,
+                updated_us: u,
+            };
             Ok(Reply::Decided(Decided {
-                now_us,
-                denied,
-                passed,
-                instances,
+                now_us: n[0],
+                denied: n[1] == 1,
+                passed: n[2..2 + demands].iter().map(|&p| p == 1).collect(),
+                instances: n[2 + demands..]
+                    .chunks_exact(7)
+                    .map(|c| InstanceOutcome {
+                        stored: state(c[0], c[1]),
+                        before: state(c[2], c[3]),
+                        after: state(c[4], c[5]),
+                        consumed_ut: 0,
+                        changed: c[6] == 1,
+                    })
+                    .collect(),
             }))
         }
         other => Err(format!(
@@ -333,7 +354,7 @@ pub fn parse_reply(value: Value, buckets: usize, demands: usize) -> Result<Reply
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bucket::Rate;
+    use crate::bucket::{Rate, MICRO};
 
     #[test]
     fn values_round_trip() {
@@ -359,20 +380,16 @@ mod tests {
         assert_eq!((args.kind, args.lo, args.hi, args.bound), (b'F', 0, 0, 0));
     }
 
+    fn packed(numbers: &[f64]) -> Value {
+        Value::Bytes(numbers.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>().into())
+    }
+
     #[test]
     fn replies_are_checked() {
+        // now 100, not denied, demand passed, then stored 5@1, before 5@100, after 4@100, changed.
         let ok = Value::Array(vec![
             "ok".into(),
-            Value::Integer(100),
-            Value::Integer(0),
-            "1".into(),
-            Value::Integer(5),
-            Value::Integer(1),
-            Value::Integer(5),
-            Value::Integer(100),
-            Value::Integer(4),
-            Value::Integer(100),
-            Value::Integer(1),
+            packed(&[100.0, 0.0, 1.0, 5.0, 1.0, 5.0, 100.0, 4.0, 100.0, 1.0]),
         ]);
         let Reply::Decided(d) = parse_reply(ok.clone(), 1, 1).unwrap() else {
             panic!("decided")
@@ -382,6 +399,15 @@ mod tests {
         assert_eq!(d.instances[0].after.tokens_ut, 4);
         assert!(d.instances[0].changed);
         assert!(parse_reply(ok, 2, 1).is_err());
+        for bad_numbers in [
+            &[100.0, 0.0, 1.0, 5.0, 1.0, 5.0, 100.0, 4.0, 100.0, -1.0][..],
+            &[0.5; 10],
+        ] {
+            let bad = Value::Array(vec!["ok".into(), packed(bad_numbers)]);
+            assert!(parse_reply(bad, 1, 1).is_err(), "{bad_numbers:?}");
+        }
+        let torn = Value::Array(vec!["ok".into(), Value::Bytes(vec![0u8; 79].into())]);
+        assert!(parse_reply(torn, 1, 1).is_err());
         assert!(parse_reply(Value::Integer(3), 1, 1).is_err());
         assert!(parse_reply(Value::Array(vec!["what".into(), Value::Integer(1)]), 1, 1).is_err());
         let retry = Value::Array(vec!["retry".into(), Value::Integer(7), Value::Integer(9)]);
@@ -448,19 +474,33 @@ mod tests {
             },
         ];
         let fields = encode_request(&[(args, None), (args, None)], &demands);
-        assert_eq!(fields.len(), 2 + 2 * 9 + 2 * 4);
-        assert_eq!(&fields[..2], &[Value::Integer(2), Value::Integer(2)]);
-        assert_eq!(fields[2], Value::String("F".into()));
-        // The first demand: bucket 2 (1-based), consume 3 µt, enforced.
+        assert_eq!(fields.len(), 1, "no replacements: one packed string");
+        let numbers = unpack_numbers(fields[0].as_bytes().unwrap()).unwrap();
+        assert_eq!(numbers.len(), 3 + 2 * 8 + 2 * 4);
+        assert_eq!(&numbers[..4], &[2, 2, 0, 1], "2 buckets, 2 demands, no replacement, F");
+        assert_eq!(&numbers[4..7], &[10 * MICRO, limit.rate.num(), limit.rate.den()]);
+        // The first demand: bucket 2 (1-based), consume 3 µt, enforced; then a check.
+        assert_eq!(&numbers[19..], &[2, 1, 3, 1, 1, 2, 0, 0]);
+
+        let rep = Replacement {
+            expect: b"1:2:3".to_vec(),
+            rep: "4:5".into(),
+        };
+        let fields = encode_request(&[(args, None), (args, Some(&rep))], &demands[..1]);
         assert_eq!(
-            &fields[20..24],
-            &[
-                Value::Integer(2),
-                Value::String("c".into()),
-                Value::Integer(3),
-                Value::Integer(1)
-            ]
+            &fields[1..],
+            &[Value::Bytes(b"1:2:3".to_vec().into()), Value::String("4:5".into())]
         );
+        let numbers = unpack_numbers(fields[0].as_bytes().unwrap()).unwrap();
+        assert_eq!((numbers[2], numbers[3 + 7], numbers[3 + 8 + 7]), (1, 0, 1));
+        // Amounts past 2^53 µt are sent as 2^53, which Lua holds exactly.
+        let huge = [Demand {
+            instance: 0,
+            kind: DemandKind::Consume(u64::MAX),
+            enforced: true,
+        }];
+        let numbers = unpack_numbers(encode_request(&[(args, None)], &huge)[0].as_bytes().unwrap()).unwrap();
+        assert_eq!(numbers[3 + 8 + 2], crate::bucket::EXACT_LIMIT);
     }
 
     #[test]
