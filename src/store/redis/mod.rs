@@ -1,6 +1,7 @@
-//! The Redis store (DESIGN 2): bucket state shared by every tollgate replica, decided by one
-//! Lua script per request (`lua/decide.lua`) that reads Redis `TIME`, refills, checks and
-//! consumes from all of a request's buckets or none, atomically.
+//! The Redis store (DESIGN 2): bucket state shared by every tollgate replica, decided by a Lua
+//! script (`lua/decide.lua`) that reads Redis `TIME`, refills, checks and consumes from all of a
+//! request's buckets or none, atomically. On a single node, concurrent requests share a call
+//! ([`batch`]); each is still decided on its own.
 //!
 //! **Time.** Refill uses Redis time, so replicas with skewed clocks agree (DESIGN 1.5).
 //! Schedules and quotas are evaluated here in Rust, at an estimate of Redis time: the local
