@@ -49,6 +49,10 @@ local tonum, match, format = tonumber, string.match, string.format
 local call, pcall_ = redis.call, redis.pcall
 local pack, unpack_fields, rep = struct.pack, struct.unpack, string.rep
 
+-- Lua 5.1 holds a function's results on a C stack of about 8000 slots, so numbers are unpacked
+-- and packed at most CHUNK at a time: a request of any size reads and answers, never overflows.
+local CHUNK = 256
+
 -- struct formats of n doubles, built once per n.
 local formats = {}
 local function doubles(n)
@@ -100,12 +104,36 @@ local function refill(t, u, cap, num, den, now)
   return t, u
 end
 
+-- The n doubles of `s` from byte `pos` on, as a list.
+local function read_numbers(s, pos, n)
+  if n <= CHUNK then return {unpack_fields(doubles(n), s, pos)} end
+  local f = {}
+  for i = 0, n - 1, CHUNK do
+    local k = min(CHUNK, n - i)
+    local chunk = {unpack_fields(doubles(k), s, pos)}
+    for j = 1, k do f[i + j] = chunk[j] end
+    pos = chunk[k + 1]
+  end
+  return f
+end
+
+-- The first n numbers of list `out`, packed.
+local function pack_numbers(out, n)
+  if n <= CHUNK then return pack(doubles(n), unpack(out, 1, n)) end
+  local parts = {}
+  for i = 1, n, CHUNK do
+    local k = min(CHUNK, n - i + 1)
+    parts[#parts + 1] = pack(doubles(k), unpack(out, i, i + k - 1))
+  end
+  return table.concat(parts)
+end
+
 -- Decides one request whose keys start after KEYS[ko] and whose fields start after ARGV[ao];
 -- returns its answer and where the next request's fields start.
 local function decide(now, margin_ms, max_ttl_ms, ko, ao)
   local packed = ARGV[ao + 1]
   local nb, nd, nrep, pos = unpack_fields('<ddd', packed)
-  local f = {unpack_fields(doubles(nb * 8 + nd * 4), packed, pos)}
+  local f = read_numbers(packed, pos, nb * 8 + nd * 4)
   local next_ao = ao + 1 + nrep * 2
 
   -- Read every bucket: absent means full at the capacity in force. Every field is set in the
@@ -242,7 +270,7 @@ local function decide(now, margin_ms, max_ttl_ms, ko, ao)
     out[n + 5], out[n + 6], out[n + 7] = t, x.bu, (take or give) and 1 or 0
     n = n + 7
   end
-  return {'ok', pack(doubles(n), unpack(out))}, next_ao
+  return {'ok', pack_numbers(out, n)}, next_ao
 end
 
 local now

@@ -371,3 +371,51 @@ mod random {
         support::redis::delete_prefix(url.as_str(), &prefix);
     }
 }
+
+/// A request far beyond the default limits (1,000 buckets and demands: 12,000 packed numbers
+/// in, 7,002 out) is decided like any other, batched with small requests around it, which are
+/// each decided exactly once.
+///
+/// This failed before `lua/decide.lua` read and packed its numbers in chunks: Lua's C stack
+/// holds about 8,000 results, so the call failed with "stack overflow (too many results)", and
+/// the requests decided ahead of it in the same call had already consumed.
+#[tokio::test(flavor = "multi_thread")]
+async fn redis_store_decides_a_request_of_a_thousand_buckets() {
+    let Some(url) = support::redis::shared_redis("redis_store_decides_a_request_of_a_thousand_buckets") else {
+        return;
+    };
+    let prefix = support::redis::unique_prefix("huge");
+    let clock = ManualClock::new(1_700_000_000_000_000);
+    let store = redis_store(vec![url.clone()], false, &prefix, &clock).await;
+    let limit = Limit::new(10, Rate::per(10, 3_600_000_000).unwrap());
+    let bucket = |key: String| BucketRef {
+        key,
+        plan: Plan::Fixed(limit),
+    };
+    let consume = |instance| Demand {
+        instance,
+        kind: DemandKind::Consume(MICRO),
+        enforced: true,
+    };
+    let huge: Vec<BucketRef> = (0..1000).map(|i| bucket(format!("huge#{i}"))).collect();
+    let huge_demands: Vec<Demand> = (0..1000).map(consume).collect();
+    let small = [bucket("small".into())];
+    let one = [consume(0)];
+
+    for round in 1..=3u64 {
+        let (a, b, c) = tokio::join!(
+            store.apply(&small, &one),
+            store.apply(&huge, &huge_demands),
+            store.apply(&small, &one)
+        );
+        let (a, b, c) = (a.unwrap(), b.unwrap(), c.unwrap());
+        assert!(!a.decision.denied && !b.decision.denied && !c.decision.denied);
+        assert_eq!(b.decision.passed, vec![true; 1000]);
+        for (i, o) in b.decision.instances.iter().enumerate() {
+            assert_eq!(o.after.tokens_ut, (10 - round) * MICRO, "round {round}, bucket {i}");
+        }
+        let kept = store.peek(&small).await.unwrap().kept[0].tokens_ut;
+        assert_eq!(kept, (10 - 2 * round) * MICRO, "round {round}: each small request once");
+    }
+    tokio::task::block_in_place(|| support::redis::delete_prefix(url.as_str(), &prefix));
+}
