@@ -108,9 +108,6 @@ pub struct CallSettings {
     pub max_ttl_ms: u64,
 }
 
-/// The fields of the script's ARGV that precede the requests of one call.
-pub const HEADER_FIELDS: usize = 4;
-
 /// The start of the script's ARGV for a call deciding `requests` requests (see
 /// `lua/decide.lua`): the time override (tests; `None` = Redis `TIME`), the TTL margin, the
 /// longest TTL, the number of requests. Each request's own fields ([`encode_request`]) follow.
@@ -457,7 +454,6 @@ mod tests {
             ]
         );
         assert_eq!(encode_header(Some(7), settings, 1)[0], Value::Integer(7));
-        assert_eq!(encode_header(None, settings, 1).len(), HEADER_FIELDS);
 
         let limit = Limit::new(10, Rate::per(10, 60_000_000).unwrap());
         let args = bucket_args(&Plan::Fixed(limit), 1_700_000_000_000_000);
