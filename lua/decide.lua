@@ -24,13 +24,24 @@
 --     per demand 4: instance (1-based within the request), kind (1 consume, 2 check,
 --       3 refund), amount (µt), enforced (1 or 0);
 --   then per replaced bucket, in bucket order, two strings: the stored value tollgate read
---   (expect) and "tokens:updated", that value brought forward by tollgate to the last change
---   of limit (a schedule walk Lua does not do); used only if the key still holds expect.
--- A stored value is "tokens:updated:end": end is when the limit it was written under stops
--- holding (0 = never), so that a later call knows whether a change of limit lies between.
+--   (expect) and two doubles tokens, updated: that value brought forward by tollgate to the
+--   last change of limit (a schedule walk Lua does not do); used only if the key still holds
+--   expect.
+-- A stored value is 32 bytes, four little-endian doubles (integers): tokens (µt), updated
+-- (µs), end (µs: when the limit it was written under stops holding, 0 = never, so that a
+-- later call knows whether a change of limit lies between) and expires (ms, Redis time: when
+-- the key expires, as this script set it). Binary, because formatting and parsing decimal
+-- text was a tenth of Redis's CPU per request; `tollgate bucket peek` shows a bucket.
+--
+-- Expiry: a written key must expire between due = now + (time until full) + margin and
+-- due + margin (Redis time, ms). A key whose recorded expiry already lies in that range keeps
+-- it (SET ... KEEPTTL); otherwise it is set to due + margin with PXAT. Setting an expiry is a
+-- third of what a SET costs Redis, and a busy bucket's range moves slowly, so most writes keep
+-- it.
 --
 -- Returns one answer per request, in order:
---   {"ok", packed}: packed is little-endian doubles: now, denied (1/0), passed (1/0) per
+--   a decision, as one string (not a table: Redis turns a table into a reply at several
+--    times the cost) of little-endian doubles: now, denied (1/0), passed (1/0) per
 --    demand, then per bucket 7: stored tokens, stored updated, tokens before, updated
 --    before, tokens after, updated after, changed (1/0);
 --   {"retry", now, t1, ..., tn} when some bucket's time t (now, or a later write) lies outside
@@ -45,9 +56,12 @@ local MICRO = 1000000
 
 -- Globals are table lookups in Lua; the script runs these per bucket, so keep locals.
 local floor, ceil, min, max = math.floor, math.ceil, math.min, math.max
-local tonum, match, format = tonumber, string.match, string.format
+local tonum, format = tonumber, string.format
 local call, pcall_ = redis.call, redis.pcall
 local pack, unpack_fields, rep = struct.pack, struct.unpack, string.rep
+
+-- 2^53: stored numbers past it (or not integers) are not tollgate's.
+local EXACT = 9007199254740992
 
 -- Lua 5.1 holds a function's results on a C stack of about 8000 slots, so numbers are unpacked
 -- and packed at most CHUNK at a time: a request of any size reads and answers, never overflows.
@@ -128,6 +142,16 @@ local function pack_numbers(out, n)
   return table.concat(parts)
 end
 
+-- Whether a stored number is one tollgate wrote: an integer from 0 to 2^53 (NaN is not).
+local function valid(v)
+  return v >= 0 and v <= EXACT and floor(v) == v
+end
+
+-- Kept from request to request of a call: the buckets' tables and the answer's numbers.
+local buckets, answer = {}, {}
+-- Redis's own clock in ms (TIME), for expiry, even when tests override `now`.
+local clock_ms
+
 -- Decides one request whose keys start after KEYS[ko] and whose fields start after ARGV[ao];
 -- returns its answer and where the next request's fields start.
 local function decide(now, margin_ms, max_ttl_ms, ko, ao)
@@ -136,9 +160,10 @@ local function decide(now, margin_ms, max_ttl_ms, ko, ao)
   local f = read_numbers(packed, pos, nb * 8 + nd * 4)
   local next_ao = ao + 1 + nrep * 2
 
-  -- Read every bucket: absent means full at the capacity in force. Every field is set in the
-  -- constructor, so the table is allocated once at its final size.
-  local b = {}
+  -- Read every bucket: absent means full at the capacity in force. The bucket tables are
+  -- kept from request to request of the call (every field is set here), so a request
+  -- allocates none.
+  local b = buckets
   local walk
   local reps = ao + 1
   for i = 1, nb do
@@ -150,29 +175,32 @@ local function decide(now, margin_ms, max_ttl_ms, ko, ao)
       reps = reps + 2
     end
     local raw = pcall_('GET', key)
-    local st, su
+    local st, su, ex = cap, now, -1
     if type(raw) == 'table' then
       return {'bad', now, 'tollgate: bad bucket key ' .. key .. ': ' .. tostring(raw.err)}, next_ao
     elseif raw then
-      if expect and raw == expect then
-        local t, u = match(replaced, '^(%d+):(%d+)$')
-        if not t then return {'bad', now, 'tollgate: bad replacement ' .. replaced}, next_ao end
-        st, su = tonum(t), tonum(u)
-      else
-        local t, u, e = match(raw, '^(%d+):(%d+):(%d+)$')
-        if not t then return {'bad', now, 'tollgate: bad bucket value in ' .. key}, next_ao end
-        st, su, e = tonum(t), tonum(u), tonum(e)
-        if kind == 2 and e > 0 and now >= e then
-          walk = walk or {'walk', now}
-          walk[#walk + 1] = i
-          walk[#walk + 1] = raw
-        end
+      local e
+      if #raw == 32 then st, su, e, ex = unpack_fields('<dddd', raw) end
+      if not (e and valid(st) and valid(su) and valid(e) and valid(ex)) then
+        return {'bad', now, 'tollgate: bad bucket value in ' .. key}, next_ao
       end
-    else
-      st, su = cap, now
+      if expect and raw == expect then
+        if #replaced ~= 16 then return {'bad', now, 'tollgate: bad replacement'}, next_ao end
+        st, su = unpack_fields('<dd', replaced)
+        if not (valid(st) and valid(su)) then return {'bad', now, 'tollgate: bad replacement'}, next_ao end
+      elseif kind == 2 and e > 0 and now >= e then
+        walk = walk or {'walk', now}
+        walk[#walk + 1] = i
+        walk[#walk + 1] = raw
+      end
     end
-    b[i] = {key = key, kind = kind, cap = cap, num = f[o + 3], den = f[o + 4], lo = f[o + 5],
-      hi = f[o + 6], bound = f[o + 7], st = st, su = su, bt = 0, bu = 0, consumed = 0, refunded = 0}
+    local x = b[i]
+    if not x then
+      x = {}
+      b[i] = x
+    end
+    x.key, x.kind, x.cap, x.num, x.den, x.lo, x.hi = key, kind, cap, f[o + 3], f[o + 4], f[o + 5], f[o + 6]
+    x.bound, x.st, x.su, x.ex, x.bt, x.bu, x.consumed, x.refunded = f[o + 7], st, su, ex, 0, 0, 0, 0
   end
   if walk then return walk, next_ao end
 
@@ -220,7 +248,8 @@ local function decide(now, margin_ms, max_ttl_ms, ko, ao)
   end
 
   local denied = false
-  local out = {now, 0}
+  local out = answer
+  out[1], out[2] = now, 0
   for j = 1, nd do
     local o = dofs + (j - 1) * 4
     local x, kind = b[f[o + 1]], f[o + 2]
@@ -262,24 +291,26 @@ local function decide(now, margin_ms, max_ttl_ms, ko, ao)
         if ttl < 1 then ttl = 1 end
         local e = 0
         if x.kind == 2 then e = x.hi end
-        -- '%.0f': Lua's own number-to-string keeps 14 digits, too few for µs since the epoch.
-        call('SET', x.key, format('%.0f:%.0f:%.0f', t, x.bu, e), 'PX', format('%.0f', ttl))
+        local due = clock_ms + ttl
+        if x.ex >= due and x.ex <= due + margin_ms then
+          call('SET', x.key, pack('<dddd', t, x.bu, e, x.ex), 'KEEPTTL')
+        else
+          local ex = due + margin_ms
+          call('SET', x.key, pack('<dddd', t, x.bu, e, ex), 'PXAT', format('%d', ex))
+        end
       end
     end
     out[n + 1], out[n + 2], out[n + 3], out[n + 4] = x.st, x.su, x.bt, x.bu
     out[n + 5], out[n + 6], out[n + 7] = t, x.bu, (take or give) and 1 or 0
     n = n + 7
   end
-  return {'ok', pack_numbers(out, n)}, next_ao
+  return pack_numbers(out, n), next_ao
 end
 
-local now
-if ARGV[1] ~= '' then
-  now = tonum(ARGV[1])
-else
-  local time = call('TIME')
-  now = tonum(time[1]) * MICRO + tonum(time[2])
-end
+local time = call('TIME')
+local now = tonum(time[1]) * MICRO + tonum(time[2])
+clock_ms = floor(now / 1000)
+if ARGV[1] ~= '' then now = tonum(ARGV[1]) end
 local margin_ms, max_ttl_ms, nreq = tonum(ARGV[2]), tonum(ARGV[3]), tonum(ARGV[4])
 
 local answers = {}

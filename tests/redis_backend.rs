@@ -616,6 +616,106 @@ fn keys_always_have_a_ttl_on_a_cluster() {
 
 // ---- 4. all or nothing across slots -------------------------------------------------------
 
+const SLOW_AND_FAST: &str = r#"
+domain: api
+descriptors:
+  - key: slow
+    name: slow
+    token_bucket: {capacity: 100, refill: 100/1h}
+  - key: fast
+    name: fast
+    token_bucket: {capacity: 1000, refill: 1000/s}
+"#;
+
+/// A bucket key's stored value (four little-endian doubles: tokens µt, updated µs, end µs,
+/// expires ms) and its real expiry in Redis ms (`TIME` plus `PTTL`).
+fn stored_and_expiry(backend: &Backend, key: &[u8]) -> ([f64; 4], f64) {
+    let node = &backend.nodes[0];
+    let value = node.cmd(&[b"GET", key]);
+    let raw = value
+        .as_bytes()
+        .filter(|v| v.len() == 32)
+        .unwrap_or_else(|| panic!("a bucket value: {value:?}"));
+    let mut v = [0.0; 4];
+    for (i, x) in v.iter_mut().enumerate() {
+        *x = f64::from_le_bytes(raw[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
+    }
+    let pttl = node.cmd(&[b"PTTL", key]).as_int().expect("PTTL answers a number");
+    assert!(pttl > 0, "{pttl}");
+    let time = node.cmd(&[b"TIME"]);
+    let parts: Vec<f64> = time
+        .as_array()
+        .expect("TIME answers two numbers")
+        .iter()
+        .map(|p| p.as_text().and_then(|t| t.parse().ok()).expect("a number"))
+        .collect();
+    (v, parts[0] * 1000.0 + (parts[1] / 1000.0).floor() + pttl as f64)
+}
+
+/// A written key expires between one and two margins (1 s each) after the instant its bucket
+/// would be full again, and the expiry it records in its value is the key's real one. A write
+/// whose range still holds the recorded expiry keeps it (`KEEPTTL`, no new expiry for Redis to
+/// set); one that moves the range past it, later (a bigger deficit) or earlier (a refund), sets
+/// a new one.
+#[test]
+fn a_key_expires_one_to_two_margins_after_its_bucket_would_be_full() {
+    let Some(backend) = Backend::new(
+        Deployment::Single,
+        "a_key_expires_one_to_two_margins_after_its_bucket_would_be_full",
+    ) else {
+        return;
+    };
+    let tg = backend.start(SLOW_AND_FAST, &[], &[]);
+    let rt = runtime();
+    let mut client = rt.block_on(connect(tg.grpc_addr));
+    let mut send = |d: RateLimitDescriptor| rt.block_on(decide(&mut client, request(vec![d])));
+    // The expiry lies within [updated + time to full + 1 s, + 2 s] (ms), give or take the ms
+    // rounding of the times involved; and the key really expires then.
+    let check = |what: &str, key: &[u8], full_in_ms: f64| -> f64 {
+        let ([tokens, updated_us, _, expires], real) = stored_and_expiry(&backend, key);
+        let written = updated_us / 1000.0;
+        let after_full = expires - written - full_in_ms;
+        assert!(
+            (998.0..=2_002.0).contains(&after_full),
+            "{what}: expires {after_full} ms after full (tokens {tokens})"
+        );
+        assert!((real - expires).abs() <= 2.0, "{what}: recorded {expires}, real {real}");
+        expires
+    };
+
+    let slow = [("slow", "a")];
+    let slow_key = backend.key_of("slow", &slow);
+    send(with_hits(&slow, 1));
+    let first = check("one token short", &slow_key, 36_000.0);
+    send(with_hits(&slow, 1));
+    let second = check("two tokens short", &slow_key, 72_000.0);
+    assert!(second > first + 30_000.0, "a bigger deficit moves the expiry later");
+    send(refund(&slow, 1));
+    let third = check("refunded to one short", &slow_key, 36_000.0);
+    assert!(third < second - 30_000.0, "a refund moves the expiry earlier");
+
+    // 1,000 tokens a second: one token short is full 1 ms later, so a second take soon after
+    // leaves the range around the recorded expiry.
+    let fast = [("fast", "a")];
+    let fast_key = backend.key_of("fast", &fast);
+    send(with_hits(&fast, 1));
+    let ([_, first_write, _, first_expiry], _) = stored_and_expiry(&backend, &fast_key);
+    check("fast, one short", &fast_key, 1.0);
+    send(with_hits(&fast, 1));
+    let ([_, second_write, _, second_expiry], _) = stored_and_expiry(&backend, &fast_key);
+    let apart_ms = (second_write - first_write) / 1000.0;
+    assert!(
+        apart_ms < 900.0,
+        "two requests {apart_ms} ms apart: too slow to see a kept expiry"
+    );
+    assert_eq!(
+        second_expiry, first_expiry,
+        "kept: the write {apart_ms} ms later is still in range"
+    );
+    check("fast, kept", &fast_key, 1.0);
+    backend.assert_every_key_expires();
+}
+
 const TIGHT_AND_ROOMY: &str = r#"
 domain: api
 descriptors:
@@ -758,11 +858,20 @@ fn corrupt_value_is_a_counted_error(deployment: Deployment, test: &str) {
         return;
     };
     let mut tg = backend.start(TWO_PER_HOUR, &[("failure_mode", "error")], &[]);
+    // A stored value is four little-endian doubles, each an integer from 0 to 2^53.
+    let doubles = |xs: &[f64]| -> Vec<u8> { xs.iter().flat_map(|x| x.to_le_bytes()).collect() };
+    let (three, five) = (doubles(&[1e6, 0.0, 0.0]), doubles(&[1e6, 0.0, 0.0, 0.0, 0.0]));
+    let (negative, fraction) = (doubles(&[-1e6, 0.0, 0.0, 0.0]), doubles(&[0.5, 0.0, 0.0, 0.0]));
+    let (nan, huge) = (doubles(&[1e6, f64::NAN, 0.0, 0.0]), doubles(&[1e6, 0.0, 0.0, 1e300]));
     let corruptions: &[(&str, &[&[u8]])] = &[
         ("garbage", &[b"SET", b"$KEY", b"garbage", b"PX", b"600000"]),
-        ("two fields", &[b"SET", b"$KEY", b"1000000:5", b"PX", b"600000"]),
-        ("four fields", &[b"SET", b"$KEY", b"1:2:3:4", b"PX", b"600000"]),
-        ("negative", &[b"SET", b"$KEY", b"-1000000:0:0", b"PX", b"600000"]),
+        ("old text format", &[b"SET", b"$KEY", b"1000000:5:0", b"PX", b"600000"]),
+        ("three numbers", &[b"SET", b"$KEY", &three, b"PX", b"600000"]),
+        ("five numbers", &[b"SET", b"$KEY", &five, b"PX", b"600000"]),
+        ("negative", &[b"SET", b"$KEY", &negative, b"PX", b"600000"]),
+        ("a fraction", &[b"SET", b"$KEY", &fraction, b"PX", b"600000"]),
+        ("not a number", &[b"SET", b"$KEY", &nan, b"PX", b"600000"]),
+        ("past 2^53", &[b"SET", b"$KEY", &huge, b"PX", b"600000"]),
         ("empty", &[b"SET", b"$KEY", b"", b"PX", b"600000"]),
         ("a list", &[b"RPUSH", b"$KEY", b"1000000:0:0"]),
     ];
@@ -961,8 +1070,11 @@ fn concurrent_requests_share_calls_and_a_corrupt_value_refuses_only_its_own() {
     for i in 0..EACH {
         let user = format!("good-{i}");
         let value = backend.nodes[0].cmd(&[b"GET", &backend.key_of("per_user", &[("user", user.as_str())])]);
-        let text = value.as_text().unwrap_or_default();
-        assert!(text.starts_with("1000000:"), "good-{i}: {value:?}");
+        let tokens = value
+            .as_bytes()
+            .filter(|v| v.len() == 32)
+            .map(|v| f64::from_le_bytes(v[..8].try_into().expect("8 bytes")));
+        assert_eq!(tokens, Some(1e6), "good-{i}: {value:?}");
     }
     assert_eq!(
         backend.nodes[0].cmd(&[b"GET", &key]).as_text().as_deref(),

@@ -20,7 +20,7 @@
 use std::sync::Arc;
 
 use fred::clients::Client;
-use fred::types::Value;
+use fred::types::{Key, Value};
 use tokio::sync::{mpsc, oneshot, Mutex};
 
 use super::script::{encode_header, split_answers, CallSettings};
@@ -36,7 +36,7 @@ pub const MAX_BATCH: usize = 64;
 /// ([`encode_request`](super::script::encode_request)), and where its answer goes.
 pub struct Job {
     /// The request's bucket keys, in the order of its fields.
-    pub keys: Vec<Vec<u8>>,
+    pub keys: Vec<Key>,
     /// The request's ARGV fields.
     pub args: Vec<Value>,
     /// Receives the request's answer, with the local clock's readings (µs) when the call was

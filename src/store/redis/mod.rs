@@ -14,8 +14,9 @@
 //! the value it expects, compare-and-set): the first decision on such a bucket after each
 //! change costs two calls, every other decision one.
 //!
-//! **Keys** (see [`keys`]) expire when the bucket would be full again plus a margin; a full
-//! bucket is deleted. In Cluster mode a request's buckets may lie in several slots: one script
+//! **Keys** (see [`keys`]) expire between one and two margins ([`TTL_MARGIN_MS`]) after the
+//! bucket would be full again: a write keeps the key's expiry (recorded in its value) while it
+//! lies in that range, which spares Redis most expiry updates; a full bucket is deleted. In Cluster mode a request's buckets may lie in several slots: one script
 //! call per slot, in parallel; if any denies, what the others consumed is refunded at once (a
 //! brief under-admission, never an over-admission).
 
@@ -27,12 +28,13 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use fred::bytes::Bytes;
 use fred::clients::Client;
 use fred::prelude::{
     Builder, ClientLike, Config, Error as FredError, ErrorKind, LuaInterface, Pool, ReconnectPolicy, Server,
     ServerConfig, TlsConnector,
 };
-use fred::types::Value;
+use fred::types::{Key, Value};
 use futures_util::future::join_all;
 
 use self::batch::{Answer, Batcher, Job, LaneSettings};
@@ -52,8 +54,9 @@ pub const PEEK_LUA: &str = include_str!("../../../lua/peek.lua");
 /// The reset script.
 pub const RESET_LUA: &str = include_str!("../../../lua/reset.lua");
 
-/// Added to every key's time to live: a key outlives the instant its bucket is full by this
-/// much, so expiry never comes early by the ms rounding of `PX` or a slow clock.
+/// The margin of a key's expiry: a key outlives the instant its bucket is full by one to two
+/// margins, so expiry never comes early by ms rounding or a slow clock, and a write can keep
+/// the expiry it finds while that stays in range (`lua/decide.lua`).
 pub const TTL_MARGIN_MS: u64 = 1_000;
 
 /// The longest time to live: a bucket that may never be full again (a zero refill rate, a
@@ -163,7 +166,7 @@ impl Conn {
     }
 
     /// `EVALSHA` on the pool's next connection.
-    async fn evalsha(&self, sha: &str, keys: Vec<Vec<u8>>, argv: Vec<Value>) -> Result<Value, StoreError> {
+    async fn evalsha(&self, sha: &str, keys: Vec<Key>, argv: Vec<Value>) -> Result<Value, StoreError> {
         self.evalsha_on(self.pool.next(), sha, keys, argv).await
     }
 
@@ -173,13 +176,9 @@ impl Conn {
         &self,
         client: &Client,
         sha: &str,
-        keys: Vec<Vec<u8>>,
+        keys: Vec<Key>,
         argv: Vec<Value>,
     ) -> Result<Value, StoreError> {
-        let keys: Vec<fred::types::Key> = keys
-            .into_iter()
-            .map(|k| fred::types::Key::from(k.into_boxed_slice()))
-            .collect();
         match client.evalsha::<Value, _, _, _>(sha, keys.clone(), argv.clone()).await {
             Err(e) if e.details().starts_with("NOSCRIPT") => {
                 tracing::info!(redis = %self.describe, "Redis lost the scripts; loading them again");
@@ -375,7 +374,7 @@ impl RedisStore {
 
     /// One request's call of the decision script: batched with concurrent requests on a single
     /// node ([`batch`]), alone in Cluster mode.
-    async fn call_decide(&self, keys: Vec<Vec<u8>>, args: Vec<Value>) -> Result<Answer, StoreError> {
+    async fn call_decide(&self, keys: Vec<Key>, args: Vec<Value>) -> Result<Answer, StoreError> {
         let conn = &self.inner.conn;
         if conn.cluster {
             let mut argv = encode_header(self.now_override(), self.inner.call, 1);
@@ -412,9 +411,10 @@ impl RedisStore {
 
     /// Decides the buckets of one slot (all of them on a single node).
     async fn decide_group(&self, buckets: &[&BucketRef], demands: &[Demand]) -> Result<script::Decided, StoreError> {
-        let keys: Vec<Vec<u8>> = buckets
+        // Keys are reference-counted bytes: a retry or a batch moves them, never copies.
+        let keys: Vec<Key> = buckets
             .iter()
-            .map(|b| keys::bucket_key(&self.inner.prefix, &b.key))
+            .map(|b| Key::from(Bytes::from(keys::bucket_key(&self.inner.prefix, &b.key))))
             .collect();
         let mut at = vec![self.estimate(); buckets.len()];
         let mut reps: Vec<Option<Replacement>> = vec![None; buckets.len()];
@@ -575,9 +575,9 @@ impl RedisStore {
         let mut now = 0;
         let mut values = vec![None; buckets.len()];
         for g in self.groups(buckets) {
-            let keys: Vec<Vec<u8>> = g
+            let keys: Vec<Key> = g
                 .iter()
-                .map(|&i| keys::bucket_key(&self.inner.prefix, &buckets[i].key))
+                .map(|&i| Key::from(Bytes::from(keys::bucket_key(&self.inner.prefix, &buckets[i].key))))
                 .collect();
             let over = match self.now_override() {
                 Some(t) => Value::Integer(t as i64),

@@ -72,19 +72,29 @@ pub fn bucket_args(plan: &Plan, t_us: u64) -> BucketArgs {
 pub struct Replacement {
     /// The value as read.
     pub expect: Vec<u8>,
-    /// `tokens:updated` at the last change of limit.
-    pub rep: String,
+    /// Tokens (µt) and updated (µs) at the last change of limit: two little-endian doubles.
+    pub rep: Vec<u8>,
 }
 
-/// Parses a stored value `tokens:updated:end` into the state and `end`.
+/// Bytes of a stored value: four little-endian doubles (see [`parse_value`]).
+pub const VALUE_LEN: usize = 32;
+
+/// Parses a stored value: 32 bytes, four little-endian doubles holding integers below 2^53:
+/// tokens (µt), updated (µs), end (µs: when the limit it was written under stops holding, 0 =
+/// never) and expires (ms, Redis time: when the key expires). Returns the state and `end`;
+/// `None` for anything else (`lua/decide.lua` refuses the same values).
 pub fn parse_value(raw: &[u8]) -> Option<(BucketState, u64)> {
-    let text = std::str::from_utf8(raw).ok()?;
-    let mut parts = text.split(':').map(|p| p.parse::<u64>().ok());
-    let (tokens_ut, updated_us, end) = (parts.next()??, parts.next()??, parts.next()??);
-    parts
-        .next()
-        .is_none()
-        .then_some((BucketState { tokens_ut, updated_us }, end))
+    if raw.len() != VALUE_LEN {
+        return None;
+    }
+    let n = unpack_numbers(raw).ok()?;
+    Some((
+        BucketState {
+            tokens_ut: n[0],
+            updated_us: n[1],
+        },
+        n[2],
+    ))
 }
 
 /// The replacement for a scheduled bucket stored as `raw`, walked to the last change of limit
@@ -95,7 +105,10 @@ pub fn replacement(plan: &Plan, raw: &[u8], now_us: u64) -> Option<Replacement> 
     let at = refill_to_last_change(state, s, now_us);
     Some(Replacement {
         expect: raw.to_vec(),
-        rep: format!("{}:{}", at.tokens_ut, at.updated_us),
+        rep: [at.tokens_ut, at.updated_us]
+            .iter()
+            .flat_map(|&n| (n as f64).to_le_bytes())
+            .collect(),
     })
 }
 
@@ -171,12 +184,12 @@ pub fn encode_request(buckets: &[(BucketArgs, Option<&Replacement>)], demands: &
     argv.push(Value::Bytes(packed.into()));
     for r in buckets.iter().filter_map(|(_, r)| *r) {
         argv.push(Value::Bytes(r.expect.clone().into()));
-        argv.push(Value::String(r.rep.clone().into()));
+        argv.push(Value::Bytes(r.rep.clone().into()));
     }
     argv
 }
 
-/// Reads little-endian `f64`s that must each hold an integer in `0..2^53`.
+/// Reads little-endian `f64`s that must each hold an integer from 0 to 2^53.
 fn unpack_numbers(bytes: &[u8]) -> Result<Vec<u64>, String> {
     if !bytes.len().is_multiple_of(8) {
         return Err(format!("{} bytes of packed numbers", bytes.len()));
@@ -262,13 +275,50 @@ fn text(v: &Value) -> Result<&[u8], String> {
         .ok_or_else(|| format!("expected a string from the script, got {v:?}"))
 }
 
-/// Parses the script's answer for a call over `buckets` buckets and `demands` demands.
+/// Parses a decision: packed doubles now, denied, passed per demand, then 7 per bucket (see
+/// `lua/decide.lua`).
+fn parse_decided(packed: &[u8], buckets: usize, demands: usize) -> Result<Decided, String> {
+    let n = unpack_numbers(packed)?;
+    if n.len() != 2 + demands + buckets * 7 {
+        return Err(format!(
+            "the script answered {} numbers for {buckets} buckets and {demands} demands",
+            n.len()
+        ));
+    }
+    let state = |t, u| BucketState {
+        tokens_ut: t,
+        updated_us: u,
+    };
+    Ok(Decided {
+        now_us: n[0],
+        denied: n[1] == 1,
+        passed: n[2..2 + demands].iter().map(|&p| p == 1).collect(),
+        instances: n[2 + demands..]
+            .chunks_exact(7)
+            .map(|c| InstanceOutcome {
+                stored: state(c[0], c[1]),
+                before: state(c[2], c[3]),
+                after: state(c[4], c[5]),
+                consumed_ut: 0,
+                changed: c[6] == 1,
+            })
+            .collect(),
+    })
+}
+
+/// Parses the script's answer for one request of `buckets` buckets and `demands` demands: a
+/// packed string is a decision, an array a `retry`, `walk` or `bad`.
+///
+/// Errors: any other shape, or numbers that do not fit.
 pub fn parse_reply(value: Value, buckets: usize, demands: usize) -> Result<Reply, String> {
-    let Value::Array(items) = value else {
-        return Err(format!("expected an array from the script, got {value:?}"));
+    let items = match value {
+        Value::Bytes(packed) => return parse_decided(&packed, buckets, demands).map(Reply::Decided),
+        Value::String(packed) => return parse_decided(packed.as_bytes(), buckets, demands).map(Reply::Decided),
+        Value::Array(items) => items,
+        other => return Err(format!("expected a string or an array from the script, got {other:?}")),
     };
     let tag = items.first().map(text).transpose()?.unwrap_or_default();
-    // Every answer but "ok" (whose numbers are packed) has Redis time second.
+    // Every answer but a decision (a packed string) has Redis time second.
     let now = || -> Result<u64, String> {
         items
             .get(1)
@@ -313,34 +363,6 @@ pub fn parse_reply(value: Value, buckets: usize, demands: usize) -> Result<Reply
                 .collect::<Result<Vec<_>, String>>()?;
             Ok(Reply::Walk { now_us, stale })
         }
-        b"ok" => {
-            let n = unpack_numbers(text(items.get(1).ok_or("the script's answer has no numbers")?)?)?;
-            if n.len() != 2 + demands + buckets * 7 {
-                return Err(format!(
-                    "the script answered {} numbers for {buckets} buckets and {demands} demands",
-                    n.len()
-                ));
-            }
-            let state = |t, u| BucketState {
-                tokens_ut: t,
-                updated_us: u,
-            };
-            Ok(Reply::Decided(Decided {
-                now_us: n[0],
-                denied: n[1] == 1,
-                passed: n[2..2 + demands].iter().map(|&p| p == 1).collect(),
-                instances: n[2 + demands..]
-                    .chunks_exact(7)
-                    .map(|c| InstanceOutcome {
-                        stored: state(c[0], c[1]),
-                        before: state(c[2], c[3]),
-                        after: state(c[4], c[5]),
-                        consumed_ut: 0,
-                        changed: c[6] == 1,
-                    })
-                    .collect(),
-            }))
-        }
         other => Err(format!(
             "unexpected answer {:?} from the script",
             String::from_utf8_lossy(other)
@@ -353,10 +375,14 @@ mod tests {
     use super::*;
     use crate::bucket::{Rate, MICRO};
 
+    fn doubles(numbers: &[f64]) -> Vec<u8> {
+        numbers.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
     #[test]
-    fn values_round_trip() {
+    fn values_are_four_doubles() {
         assert_eq!(
-            parse_value(b"5:17:0"),
+            parse_value(&doubles(&[5.0, 17.0, 0.0, 1_700_000_000_000.0])),
             Some((
                 BucketState {
                     tokens_ut: 5,
@@ -365,8 +391,18 @@ mod tests {
                 0
             ))
         );
-        for bad in [&b""[..], b"5:17", b"5:17:0:1", b"a:1:2", b"-1:2:3", b"\xff"] {
-            assert_eq!(parse_value(bad), None, "{bad:?}");
+        for bad in [
+            Vec::new(),
+            doubles(&[5.0, 17.0, 0.0]),
+            doubles(&[5.0, 17.0, 0.0, 1.0, 1.0]),
+            doubles(&[-1.0, 17.0, 0.0, 1.0]),
+            doubles(&[5.5, 17.0, 0.0, 1.0]),
+            doubles(&[5.0, f64::NAN, 0.0, 1.0]),
+            doubles(&[5.0, 17.0, f64::INFINITY, 1.0]),
+            doubles(&[5.0, 17.0, 0.0, 2f64.powi(54)]),
+            b"5:17:0:1700000000000:aaaaaaaaaaa".to_vec(),
+        ] {
+            assert_eq!(parse_value(&bad), None, "{bad:?}");
         }
     }
 
@@ -384,10 +420,7 @@ mod tests {
     #[test]
     fn replies_are_checked() {
         // now 100, not denied, demand passed, then stored 5@1, before 5@100, after 4@100, changed.
-        let ok = Value::Array(vec![
-            "ok".into(),
-            packed(&[100.0, 0.0, 1.0, 5.0, 1.0, 5.0, 100.0, 4.0, 100.0, 1.0]),
-        ]);
+        let ok = packed(&[100.0, 0.0, 1.0, 5.0, 1.0, 5.0, 100.0, 4.0, 100.0, 1.0]);
         let Reply::Decided(d) = parse_reply(ok.clone(), 1, 1).unwrap() else {
             panic!("decided")
         };
@@ -400,10 +433,10 @@ mod tests {
             &[100.0, 0.0, 1.0, 5.0, 1.0, 5.0, 100.0, 4.0, 100.0, -1.0][..],
             &[0.5; 10],
         ] {
-            let bad = Value::Array(vec!["ok".into(), packed(bad_numbers)]);
+            let bad = packed(bad_numbers);
             assert!(parse_reply(bad, 1, 1).is_err(), "{bad_numbers:?}");
         }
-        let torn = Value::Array(vec!["ok".into(), Value::Bytes(vec![0u8; 79].into())]);
+        let torn = Value::Bytes(vec![0u8; 79].into());
         assert!(parse_reply(torn, 1, 1).is_err());
         assert!(parse_reply(Value::Integer(3), 1, 1).is_err());
         assert!(parse_reply(Value::Array(vec!["what".into(), Value::Integer(1)]), 1, 1).is_err());
@@ -479,13 +512,16 @@ mod tests {
         assert_eq!(&numbers[19..], &[2, 1, 3, 1, 1, 2, 0, 0]);
 
         let rep = Replacement {
-            expect: b"1:2:3".to_vec(),
-            rep: "4:5".into(),
+            expect: doubles(&[1.0, 2.0, 3.0, 4.0]),
+            rep: doubles(&[4.0, 5.0]),
         };
         let fields = encode_request(&[(args, None), (args, Some(&rep))], &demands[..1]);
         assert_eq!(
             &fields[1..],
-            &[Value::Bytes(b"1:2:3".to_vec().into()), Value::String("4:5".into())]
+            &[
+                Value::Bytes(rep.expect.clone().into()),
+                Value::Bytes(rep.rep.clone().into())
+            ]
         );
         let numbers = unpack_numbers(fields[0].as_bytes().unwrap()).unwrap();
         assert_eq!((numbers[2], numbers[3 + 7], numbers[3 + 8 + 7]), (1, 0, 1));
