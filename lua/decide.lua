@@ -27,17 +27,18 @@
 --   (expect) and two doubles tokens, updated: that value brought forward by tollgate to the
 --   last change of limit (a schedule walk Lua does not do); used only if the key still holds
 --   expect.
--- A stored value is 32 bytes, four little-endian doubles (integers): tokens (µt), updated
--- (µs), end (µs: when the limit it was written under stops holding, 0 = never, so that a
--- later call knows whether a change of limit lies between) and expires (ms, Redis time: when
--- the key expires, as this script set it). Binary, because formatting and parsing decimal
--- text was a tenth of Redis's CPU per request; `tollgate bucket peek` shows a bucket.
+-- A stored value is 24 bytes, three little-endian doubles (integers): tokens (µt), updated
+-- (µs) and end (µs: when the limit it was written under stops holding, 0 = never, so that a
+-- later call knows whether a change of limit lies between). Binary, because formatting and
+-- parsing decimal text was a tenth of Redis's CPU per request; `tollgate bucket peek` shows a
+-- bucket. The text form "tokens:updated:end" of earlier versions is still read, and replaced
+-- by the binary one at the bucket's next write.
 --
 -- Expiry: a written key must expire between due = now + (time until full) + margin and
--- due + margin (Redis time, ms). A key whose recorded expiry already lies in that range keeps
--- it (SET ... KEEPTTL); otherwise it is set to due + margin with PXAT. Setting an expiry is a
--- third of what a SET costs Redis, and a busy bucket's range moves slowly, so most writes keep
--- it.
+-- due + margin (Redis's clock, ms). A key whose expiry (PEXPIRETIME, so whatever set it)
+-- already lies in that range keeps it (SET ... KEEPTTL); any other, including none, is set to
+-- due + margin with PXAT. Setting an expiry costs Redis a third of a SET, reading one far less,
+-- and a busy bucket's range moves slowly, so most writes keep it. Needs Redis 7.0.
 --
 -- Returns one answer per request, in order:
 --   a decision, as one string (not a table: Redis turns a table into a reply at several
@@ -56,7 +57,7 @@ local MICRO = 1000000
 
 -- Globals are table lookups in Lua; the script runs these per bucket, so keep locals.
 local floor, ceil, min, max = math.floor, math.ceil, math.min, math.max
-local tonum, format = tonumber, string.format
+local tonum, match, format = tonumber, string.match, string.format
 local call, pcall_ = redis.call, redis.pcall
 local pack, unpack_fields, rep = struct.pack, struct.unpack, string.rep
 
@@ -175,13 +176,20 @@ local function decide(now, margin_ms, max_ttl_ms, ko, ao)
       reps = reps + 2
     end
     local raw = pcall_('GET', key)
-    local st, su, ex = cap, now, -1
+    local st, su, stored = cap, now, false
     if type(raw) == 'table' then
       return {'bad', now, 'tollgate: bad bucket key ' .. key .. ': ' .. tostring(raw.err)}, next_ao
     elseif raw then
+      stored = true
       local e
-      if #raw == 32 then st, su, e, ex = unpack_fields('<dddd', raw) end
-      if not (e and valid(st) and valid(su) and valid(e) and valid(ex)) then
+      if #raw == 24 then
+        st, su, e = unpack_fields('<ddd', raw)
+      else
+        -- The text form of earlier versions.
+        local t, u, x = match(raw, '^(%d+):(%d+):(%d+)$')
+        if t then st, su, e = tonum(t), tonum(u), tonum(x) end
+      end
+      if not (e and valid(st) and valid(su) and valid(e)) then
         return {'bad', now, 'tollgate: bad bucket value in ' .. key}, next_ao
       end
       if expect and raw == expect then
@@ -200,7 +208,7 @@ local function decide(now, margin_ms, max_ttl_ms, ko, ao)
       b[i] = x
     end
     x.key, x.kind, x.cap, x.num, x.den, x.lo, x.hi = key, kind, cap, f[o + 3], f[o + 4], f[o + 5], f[o + 6]
-    x.bound, x.st, x.su, x.ex, x.bt, x.bu, x.consumed, x.refunded = f[o + 7], st, su, ex, 0, 0, 0, 0
+    x.bound, x.st, x.su, x.stored, x.bt, x.bu, x.consumed, x.refunded = f[o + 7], st, su, stored, 0, 0, 0, 0
   end
   if walk then return walk, next_ao end
 
@@ -292,11 +300,12 @@ local function decide(now, margin_ms, max_ttl_ms, ko, ao)
         local e = 0
         if x.kind == 2 then e = x.hi end
         local due = clock_ms + ttl
-        if x.ex >= due and x.ex <= due + margin_ms then
-          call('SET', x.key, pack('<dddd', t, x.bu, e, x.ex), 'KEEPTTL')
+        local expires = -1
+        if x.stored then expires = call('PEXPIRETIME', x.key) end
+        if expires >= due and expires <= due + margin_ms then
+          call('SET', x.key, pack('<ddd', t, x.bu, e), 'KEEPTTL')
         else
-          local ex = due + margin_ms
-          call('SET', x.key, pack('<dddd', t, x.bu, e, ex), 'PXAT', format('%d', ex))
+          call('SET', x.key, pack('<ddd', t, x.bu, e), 'PXAT', format('%d', due + margin_ms))
         end
       end
     end

@@ -627,36 +627,31 @@ descriptors:
     token_bucket: {capacity: 1000, refill: 1000/s}
 "#;
 
-/// A bucket key's stored value (four little-endian doubles: tokens µt, updated µs, end µs,
-/// expires ms) and its real expiry in Redis ms (`TIME` plus `PTTL`).
-fn stored_and_expiry(backend: &Backend, key: &[u8]) -> ([f64; 4], f64) {
+/// A bucket key's stored value, three little-endian doubles (tokens µt, updated µs, end µs),
+/// and its expiry (`PEXPIRETIME`, Redis ms; -1 for none).
+fn stored_and_expiry(backend: &Backend, key: &[u8]) -> ([f64; 3], i64) {
     let node = &backend.nodes[0];
     let value = node.cmd(&[b"GET", key]);
     let raw = value
         .as_bytes()
-        .filter(|v| v.len() == 32)
+        .filter(|v| v.len() == 24)
         .unwrap_or_else(|| panic!("a bucket value: {value:?}"));
-    let mut v = [0.0; 4];
+    let mut v = [0.0; 3];
     for (i, x) in v.iter_mut().enumerate() {
         *x = f64::from_le_bytes(raw[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
     }
-    let pttl = node.cmd(&[b"PTTL", key]).as_int().expect("PTTL answers a number");
-    assert!(pttl > 0, "{pttl}");
-    let time = node.cmd(&[b"TIME"]);
-    let parts: Vec<f64> = time
-        .as_array()
-        .expect("TIME answers two numbers")
-        .iter()
-        .map(|p| p.as_text().and_then(|t| t.parse().ok()).expect("a number"))
-        .collect();
-    (v, parts[0] * 1000.0 + (parts[1] / 1000.0).floor() + pttl as f64)
+    let expires = node
+        .cmd(&[b"PEXPIRETIME", key])
+        .as_int()
+        .expect("PEXPIRETIME answers a number");
+    (v, expires)
 }
 
 /// A written key expires between one and two margins (1 s each) after the instant its bucket
-/// would be full again, and the expiry it records in its value is the key's real one. A write
-/// whose range still holds the recorded expiry keeps it (`KEEPTTL`, no new expiry for Redis to
-/// set); one that moves the range past it, later (a bigger deficit) or earlier (a refund), sets
-/// a new one.
+/// would be full again. A write whose range still holds the key's expiry keeps it (`KEEPTTL`,
+/// no new expiry for Redis to set); one that moves the range past it, later (a bigger deficit)
+/// or earlier (a refund), sets a new one; and a key that lost its expiry (`PERSIST` by hand, a
+/// restore without one) gets one again at its next write.
 #[test]
 fn a_key_expires_one_to_two_margins_after_its_bucket_would_be_full() {
     let Some(backend) = Backend::new(
@@ -670,16 +665,14 @@ fn a_key_expires_one_to_two_margins_after_its_bucket_would_be_full() {
     let mut client = rt.block_on(connect(tg.grpc_addr));
     let mut send = |d: RateLimitDescriptor| rt.block_on(decide(&mut client, request(vec![d])));
     // The expiry lies within [updated + time to full + 1 s, + 2 s] (ms), give or take the ms
-    // rounding of the times involved; and the key really expires then.
-    let check = |what: &str, key: &[u8], full_in_ms: f64| -> f64 {
-        let ([tokens, updated_us, _, expires], real) = stored_and_expiry(&backend, key);
-        let written = updated_us / 1000.0;
-        let after_full = expires - written - full_in_ms;
+    // rounding of the times involved.
+    let check = |what: &str, key: &[u8], full_in_ms: f64| -> i64 {
+        let ([tokens, updated_us, _], expires) = stored_and_expiry(&backend, key);
+        let after_full = expires as f64 - updated_us / 1000.0 - full_in_ms;
         assert!(
             (998.0..=2_002.0).contains(&after_full),
-            "{what}: expires {after_full} ms after full (tokens {tokens})"
+            "{what}: expires {after_full} ms after full (tokens {tokens}, expires {expires})"
         );
-        assert!((real - expires).abs() <= 2.0, "{what}: recorded {expires}, real {real}");
         expires
     };
 
@@ -689,20 +682,23 @@ fn a_key_expires_one_to_two_margins_after_its_bucket_would_be_full() {
     let first = check("one token short", &slow_key, 36_000.0);
     send(with_hits(&slow, 1));
     let second = check("two tokens short", &slow_key, 72_000.0);
-    assert!(second > first + 30_000.0, "a bigger deficit moves the expiry later");
+    assert!(second > first + 30_000, "a bigger deficit moves the expiry later");
     send(refund(&slow, 1));
     let third = check("refunded to one short", &slow_key, 36_000.0);
-    assert!(third < second - 30_000.0, "a refund moves the expiry earlier");
+    assert!(third < second - 30_000, "a refund moves the expiry earlier");
+    backend.nodes[0].cmd(&[b"PERSIST", &slow_key]);
+    send(with_hits(&slow, 1));
+    check("written after PERSIST", &slow_key, 72_000.0);
 
     // 1,000 tokens a second: one token short is full 1 ms later, so a second take soon after
-    // leaves the range around the recorded expiry.
+    // stays in the range around the first take's expiry.
     let fast = [("fast", "a")];
     let fast_key = backend.key_of("fast", &fast);
     send(with_hits(&fast, 1));
-    let ([_, first_write, _, first_expiry], _) = stored_and_expiry(&backend, &fast_key);
+    let ([_, first_write, _], first_expiry) = stored_and_expiry(&backend, &fast_key);
     check("fast, one short", &fast_key, 1.0);
     send(with_hits(&fast, 1));
-    let ([_, second_write, _, second_expiry], _) = stored_and_expiry(&backend, &fast_key);
+    let ([_, second_write, _], second_expiry) = stored_and_expiry(&backend, &fast_key);
     let apart_ms = (second_write - first_write) / 1000.0;
     assert!(
         apart_ms < 900.0,
@@ -714,6 +710,41 @@ fn a_key_expires_one_to_two_margins_after_its_bucket_would_be_full() {
     );
     check("fast, kept", &fast_key, 1.0);
     backend.assert_every_key_expires();
+}
+
+/// A value in the text form earlier versions wrote (`tokens:updated:end`) is read as it was
+/// meant, and the next write replaces it with the binary form.
+#[test]
+fn a_value_in_the_earlier_text_form_is_read_and_rewritten() {
+    let Some(backend) = Backend::new(
+        Deployment::Single,
+        "a_value_in_the_earlier_text_form_is_read_and_rewritten",
+    ) else {
+        return;
+    };
+    let tg = backend.start(SLOW_AND_FAST, &[], &[]);
+    let slow = [("slow", "legacy")];
+    let key = backend.key_of("slow", &slow);
+    // 3 tokens left, written just now (Redis's clock), under a constant limit (end 0).
+    let time = backend.nodes[0].cmd(&[b"TIME"]);
+    let parts: Vec<u64> = time
+        .as_array()
+        .expect("TIME answers two numbers")
+        .iter()
+        .map(|p| p.as_text().and_then(|t| t.parse().ok()).expect("a number"))
+        .collect();
+    let now_us = parts[0] * 1_000_000 + parts[1];
+    let text = format!("3000000:{now_us}:0");
+    backend.nodes[0].cmd(&[b"SET", &key, text.as_bytes(), b"PX", b"600000"]);
+    let rt = runtime();
+    let mut client = rt.block_on(connect(tg.grpc_addr));
+    for want in [Code::Ok, Code::Ok, Code::Ok, Code::OverLimit] {
+        assert_eq!(rt.block_on(code(&mut client, &slow, 1)), want);
+    }
+    let ([tokens, _, end], expires) = stored_and_expiry(&backend, &key);
+    assert!(tokens < 1e6, "under one token left: {tokens}");
+    assert_eq!(end, 0.0);
+    assert!(expires > 0, "{expires}");
 }
 
 const TIGHT_AND_ROOMY: &str = r#"
@@ -858,16 +889,18 @@ fn corrupt_value_is_a_counted_error(deployment: Deployment, test: &str) {
         return;
     };
     let mut tg = backend.start(TWO_PER_HOUR, &[("failure_mode", "error")], &[]);
-    // A stored value is four little-endian doubles, each an integer from 0 to 2^53.
+    // A stored value is three little-endian doubles, each an integer from 0 to 2^53 (or the
+    // text form "tokens:updated:end" of earlier versions).
     let doubles = |xs: &[f64]| -> Vec<u8> { xs.iter().flat_map(|x| x.to_le_bytes()).collect() };
-    let (three, five) = (doubles(&[1e6, 0.0, 0.0]), doubles(&[1e6, 0.0, 0.0, 0.0, 0.0]));
-    let (negative, fraction) = (doubles(&[-1e6, 0.0, 0.0, 0.0]), doubles(&[0.5, 0.0, 0.0, 0.0]));
-    let (nan, huge) = (doubles(&[1e6, f64::NAN, 0.0, 0.0]), doubles(&[1e6, 0.0, 0.0, 1e300]));
+    let (two, four) = (doubles(&[1e6, 0.0]), doubles(&[1e6, 0.0, 0.0, 0.0]));
+    let (negative, fraction) = (doubles(&[-1e6, 0.0, 0.0]), doubles(&[0.5, 0.0, 0.0]));
+    let (nan, huge) = (doubles(&[1e6, f64::NAN, 0.0]), doubles(&[1e6, 0.0, 1e300]));
     let corruptions: &[(&str, &[&[u8]])] = &[
         ("garbage", &[b"SET", b"$KEY", b"garbage", b"PX", b"600000"]),
-        ("old text format", &[b"SET", b"$KEY", b"1000000:5:0", b"PX", b"600000"]),
-        ("three numbers", &[b"SET", b"$KEY", &three, b"PX", b"600000"]),
-        ("five numbers", &[b"SET", b"$KEY", &five, b"PX", b"600000"]),
+        ("two numbers", &[b"SET", b"$KEY", &two, b"PX", b"600000"]),
+        ("four numbers", &[b"SET", b"$KEY", &four, b"PX", b"600000"]),
+        ("text, two fields", &[b"SET", b"$KEY", b"1000000:5", b"PX", b"600000"]),
+        ("text, negative", &[b"SET", b"$KEY", b"-1000000:0:0", b"PX", b"600000"]),
         ("negative", &[b"SET", b"$KEY", &negative, b"PX", b"600000"]),
         ("a fraction", &[b"SET", b"$KEY", &fraction, b"PX", b"600000"]),
         ("not a number", &[b"SET", b"$KEY", &nan, b"PX", b"600000"]),
@@ -1072,7 +1105,7 @@ fn concurrent_requests_share_calls_and_a_corrupt_value_refuses_only_its_own() {
         let value = backend.nodes[0].cmd(&[b"GET", &backend.key_of("per_user", &[("user", user.as_str())])]);
         let tokens = value
             .as_bytes()
-            .filter(|v| v.len() == 32)
+            .filter(|v| v.len() == 24)
             .map(|v| f64::from_le_bytes(v[..8].try_into().expect("8 bytes")));
         assert_eq!(tokens, Some(1e6), "good-{i}: {value:?}");
     }

@@ -34,6 +34,7 @@ use fred::prelude::{
     Builder, ClientLike, Config, Error as FredError, ErrorKind, LuaInterface, Pool, ReconnectPolicy, Server,
     ServerConfig, TlsConnector,
 };
+use fred::types::InfoKind;
 use fred::types::{Key, Value};
 use futures_util::future::join_all;
 
@@ -153,6 +154,28 @@ fn store_error(e: &FredError) -> StoreError {
 }
 
 impl Conn {
+    /// Checks that the server is Redis 7.0 or later (or says no version): `lua/decide.lua`
+    /// reads a key's expiry with `PEXPIRETIME`, new in 7.0.
+    ///
+    /// Errors: `INFO` fails, or an older version.
+    async fn check_version(&self) -> Result<(), String> {
+        let info: String = self
+            .pool
+            .next()
+            .info(Some(InfoKind::Server))
+            .await
+            .map_err(|e| e.to_string())?;
+        let version = info
+            .lines()
+            .find_map(|l| l.strip_prefix("redis_version:"))
+            .map(str::trim)
+            .unwrap_or_default();
+        match version.split('.').next().and_then(|m| m.parse::<u32>().ok()) {
+            Some(major) if major < 7 => Err(format!("needs Redis 7.0 or later (for PEXPIRETIME), found {version}")),
+            _ => Ok(()),
+        }
+    }
+
     async fn load_scripts(&self) -> Result<(), FredError> {
         let client = self.pool.next();
         for lua in [DECIDE_LUA, PEEK_LUA, RESET_LUA] {
@@ -303,6 +326,10 @@ impl RedisStore {
             Ok(Err(e)) => return Err(fail(e.to_string())),
             Err(_) => return Err(fail(format!("not reachable within {} ms", timeout.as_millis()))),
         }
+        tokio::time::timeout(timeout, self.inner.conn.check_version())
+            .await
+            .map_err(|_| fail("INFO timed out".into()))?
+            .map_err(fail)?;
         tokio::time::timeout(timeout, self.inner.conn.load_scripts())
             .await
             .map_err(|_| fail("loading the scripts timed out".into()))?
@@ -317,9 +344,15 @@ impl RedisStore {
         tokio::spawn(async move {
             loop {
                 let connected = tokio::time::timeout(retry, store.inner.conn.pool.wait_for_connect()).await;
-                if matches!(connected, Ok(Ok(()))) && store.inner.conn.load_scripts().await.is_ok() {
-                    tracing::info!(redis = %store.describe(), "connected to Redis");
-                    return;
+                if matches!(connected, Ok(Ok(()))) {
+                    match store.inner.conn.check_version().await {
+                        Err(reason) => tracing::error!(redis = %store.describe(), %reason, "cannot use this Redis"),
+                        Ok(()) if store.inner.conn.load_scripts().await.is_ok() => {
+                            tracing::info!(redis = %store.describe(), "connected to Redis");
+                            return;
+                        }
+                        Ok(()) => {}
+                    }
                 }
                 tokio::time::sleep(retry).await;
             }

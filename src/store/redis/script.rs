@@ -76,18 +76,20 @@ pub struct Replacement {
     pub rep: Vec<u8>,
 }
 
-/// Bytes of a stored value: four little-endian doubles (see [`parse_value`]).
-pub const VALUE_LEN: usize = 32;
+/// Bytes of a stored value: three little-endian doubles (see [`parse_value`]).
+pub const VALUE_LEN: usize = 24;
 
-/// Parses a stored value: 32 bytes, four little-endian doubles holding integers below 2^53:
-/// tokens (µt), updated (µs), end (µs: when the limit it was written under stops holding, 0 =
-/// never) and expires (ms, Redis time: when the key expires). Returns the state and `end`;
-/// `None` for anything else (`lua/decide.lua` refuses the same values).
+/// Parses a stored value: 24 bytes, three little-endian doubles holding integers from 0 to
+/// 2^53: tokens (µt), updated (µs) and end (µs: when the limit it was written under stops
+/// holding, 0 = never); or the text form `tokens:updated:end` that earlier versions wrote.
+/// Returns the state and `end`; `None` for anything else (`lua/decide.lua` refuses the same
+/// values).
 pub fn parse_value(raw: &[u8]) -> Option<(BucketState, u64)> {
-    if raw.len() != VALUE_LEN {
-        return None;
-    }
-    let n = unpack_numbers(raw).ok()?;
+    let n = if raw.len() == VALUE_LEN {
+        unpack_numbers(raw).ok()?
+    } else {
+        parse_text_value(raw)?
+    };
     Some((
         BucketState {
             tokens_ut: n[0],
@@ -95,6 +97,20 @@ pub fn parse_value(raw: &[u8]) -> Option<(BucketState, u64)> {
         },
         n[2],
     ))
+}
+
+/// The text form of earlier versions, `tokens:updated:end`, each at most 2^53 (as the
+/// script's `^(%d+):(%d+):(%d+)$` and exact doubles allow).
+fn parse_text_value(raw: &[u8]) -> Option<Vec<u64>> {
+    let text = std::str::from_utf8(raw).ok()?;
+    let n: Vec<u64> = text
+        .split(':')
+        .map(|p| {
+            let digits = !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit());
+            digits.then(|| p.parse::<u64>().ok()).flatten()
+        })
+        .collect::<Option<_>>()?;
+    (n.len() == 3 && n.iter().all(|&x| x <= crate::bucket::EXACT_LIMIT)).then_some(n)
 }
 
 /// The replacement for a scheduled bucket stored as `raw`, walked to the last change of limit
@@ -380,27 +396,31 @@ mod tests {
     }
 
     #[test]
-    fn values_are_four_doubles() {
-        assert_eq!(
-            parse_value(&doubles(&[5.0, 17.0, 0.0, 1_700_000_000_000.0])),
-            Some((
-                BucketState {
-                    tokens_ut: 5,
-                    updated_us: 17
-                },
-                0
-            ))
-        );
+    fn values_are_three_doubles_or_the_earlier_text() {
+        let want = Some((
+            BucketState {
+                tokens_ut: 5,
+                updated_us: 17,
+            },
+            9,
+        ));
+        assert_eq!(parse_value(&doubles(&[5.0, 17.0, 9.0])), want);
+        assert_eq!(parse_value(b"5:17:9"), want);
         for bad in [
             Vec::new(),
-            doubles(&[5.0, 17.0, 0.0]),
-            doubles(&[5.0, 17.0, 0.0, 1.0, 1.0]),
-            doubles(&[-1.0, 17.0, 0.0, 1.0]),
-            doubles(&[5.5, 17.0, 0.0, 1.0]),
-            doubles(&[5.0, f64::NAN, 0.0, 1.0]),
-            doubles(&[5.0, 17.0, f64::INFINITY, 1.0]),
-            doubles(&[5.0, 17.0, 0.0, 2f64.powi(54)]),
-            b"5:17:0:1700000000000:aaaaaaaaaaa".to_vec(),
+            doubles(&[5.0, 17.0]),
+            doubles(&[5.0, 17.0, 9.0, 1.0]),
+            doubles(&[-1.0, 17.0, 9.0]),
+            doubles(&[5.5, 17.0, 9.0]),
+            doubles(&[5.0, f64::NAN, 9.0]),
+            doubles(&[5.0, 17.0, f64::INFINITY]),
+            doubles(&[5.0, 17.0, 2f64.powi(54)]),
+            b"5:17".to_vec(),
+            b"5:17:9:1".to_vec(),
+            b"-5:17:9".to_vec(),
+            b"+5:17:9".to_vec(),
+            b"5::9".to_vec(),
+            b"99999999999999999999:1:1".to_vec(),
         ] {
             assert_eq!(parse_value(&bad), None, "{bad:?}");
         }
@@ -512,7 +532,7 @@ mod tests {
         assert_eq!(&numbers[19..], &[2, 1, 3, 1, 1, 2, 0, 0]);
 
         let rep = Replacement {
-            expect: doubles(&[1.0, 2.0, 3.0, 4.0]),
+            expect: doubles(&[1.0, 2.0, 3.0]),
             rep: doubles(&[4.0, 5.0]),
         };
         let fields = encode_request(&[(args, None), (args, Some(&rep))], &demands[..1]);
