@@ -153,6 +153,22 @@ fn store_error(e: &FredError) -> StoreError {
     }
 }
 
+/// Whether `INFO server` text names Redis 7.0 or later; a server that names no version (a
+/// compatible one) is given the benefit of the doubt.
+///
+/// Errors: an older `redis_version`, named in the message.
+fn version_is_supported(info: &str) -> Result<(), String> {
+    let version = info
+        .lines()
+        .find_map(|l| l.strip_prefix("redis_version:"))
+        .map(str::trim)
+        .unwrap_or_default();
+    match version.split('.').next().and_then(|m| m.parse::<u32>().ok()) {
+        Some(major) if major < 7 => Err(format!("needs Redis 7.0 or later (for PEXPIRETIME), found {version}")),
+        _ => Ok(()),
+    }
+}
+
 impl Conn {
     /// Checks that the server is Redis 7.0 or later (or says no version): `lua/decide.lua`
     /// reads a key's expiry with `PEXPIRETIME`, new in 7.0.
@@ -165,15 +181,7 @@ impl Conn {
             .info(Some(InfoKind::Server))
             .await
             .map_err(|e| e.to_string())?;
-        let version = info
-            .lines()
-            .find_map(|l| l.strip_prefix("redis_version:"))
-            .map(str::trim)
-            .unwrap_or_default();
-        match version.split('.').next().and_then(|m| m.parse::<u32>().ok()) {
-            Some(major) if major < 7 => Err(format!("needs Redis 7.0 or later (for PEXPIRETIME), found {version}")),
-            _ => Ok(()),
-        }
+        version_is_supported(&info)
     }
 
     async fn load_scripts(&self) -> Result<(), FredError> {
@@ -672,5 +680,21 @@ impl Store for RedisStore {
             kept: states.clone(),
             states,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::version_is_supported;
+
+    #[test]
+    fn redis_before_7_is_refused_by_name() {
+        let info = |v: &str| format!("# Server\r\nredis_version:{v}\r\nredis_mode:standalone\r\n");
+        assert_eq!(version_is_supported(&info("7.0.15")), Ok(()));
+        assert_eq!(version_is_supported(&info("7.2.4")), Ok(()));
+        assert_eq!(version_is_supported(&info("8.0.0")), Ok(()));
+        let old = version_is_supported(&info("6.2.14")).unwrap_err();
+        assert!(old.contains("6.2.14") && old.contains("7.0"), "{old}");
+        assert_eq!(version_is_supported("# Server\r\nsome_server:1\r\n"), Ok(()));
     }
 }
