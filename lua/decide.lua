@@ -38,7 +38,8 @@
 -- due + margin (Redis's clock, ms). A key whose expiry (PEXPIRETIME, so whatever set it)
 -- already lies in that range keeps it (SET ... KEEPTTL); any other, including none, is set to
 -- due + margin with PXAT. Setting an expiry costs Redis a third of a SET, reading one far less,
--- and a busy bucket's range moves slowly, so most writes keep it. Needs Redis 7.0.
+-- and a busy bucket's range moves slowly, so most writes keep it. Needs Redis 6.2 (PXAT,
+-- KEEPTTL); before 7.0 (no PEXPIRETIME) every write sets the expiry.
 --
 -- Returns one answer per request, in order:
 --   a decision, as one string (not a table: Redis turns a table into a reply at several
@@ -152,6 +153,8 @@ end
 local buckets, answer = {}, {}
 -- Redis's own clock in ms (TIME), for expiry, even when tests override `now`.
 local clock_ms
+-- Whether the server has PEXPIRETIME (Redis 7.0); without it every write sets the expiry.
+local has_pexpiretime
 
 -- Decides one request whose keys start after KEYS[ko] and whose fields start after ARGV[ao];
 -- returns its answer and where the next request's fields start.
@@ -181,16 +184,17 @@ local function decide(now, margin_ms, max_ttl_ms, ko, ao)
       return {'bad', now, 'tollgate: bad bucket key ' .. key .. ': ' .. tostring(raw.err)}, next_ao
     elseif raw then
       stored = true
+      -- Binary, else the text form of earlier versions. A text value can be 24 bytes long
+      -- too, but its bytes (digits and colons) read as doubles are tiny fractions, never
+      -- valid, so it falls through to the text pattern.
       local e
-      if #raw == 24 then
-        st, su, e = unpack_fields('<ddd', raw)
-      else
-        -- The text form of earlier versions.
+      if #raw == 24 then st, su, e = unpack_fields('<ddd', raw) end
+      if not (e and valid(st) and valid(su) and valid(e)) then
         local t, u, x = match(raw, '^(%d+):(%d+):(%d+)$')
         if t then st, su, e = tonum(t), tonum(u), tonum(x) end
-      end
-      if not (e and valid(st) and valid(su) and valid(e)) then
-        return {'bad', now, 'tollgate: bad bucket value in ' .. key}, next_ao
+        if not (t and valid(st) and valid(su) and valid(e)) then
+          return {'bad', now, 'tollgate: bad bucket value in ' .. key}, next_ao
+        end
       end
       if expect and raw == expect then
         if #replaced ~= 16 then return {'bad', now, 'tollgate: bad replacement'}, next_ao end
@@ -301,7 +305,7 @@ local function decide(now, margin_ms, max_ttl_ms, ko, ao)
         if x.kind == 2 then e = x.hi end
         local due = clock_ms + ttl
         local expires = -1
-        if x.stored then expires = call('PEXPIRETIME', x.key) end
+        if x.stored and has_pexpiretime then expires = call('PEXPIRETIME', x.key) end
         if expires >= due and expires <= due + margin_ms then
           call('SET', x.key, pack('<ddd', t, x.bu, e), 'KEEPTTL')
         else
@@ -319,6 +323,7 @@ end
 local time = call('TIME')
 local now = tonum(time[1]) * MICRO + tonum(time[2])
 clock_ms = floor(now / 1000)
+has_pexpiretime = #KEYS == 0 or type(pcall_('PEXPIRETIME', KEYS[1])) == 'number'
 if ARGV[1] ~= '' then now = tonum(ARGV[1]) end
 local margin_ms, max_ttl_ms, nreq = tonum(ARGV[2]), tonum(ARGV[3]), tonum(ARGV[4])
 

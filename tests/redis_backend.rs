@@ -745,6 +745,15 @@ fn a_value_in_the_earlier_text_form_is_read_and_rewritten() {
     assert!(tokens < 1e6, "under one token left: {tokens}");
     assert_eq!(end, 0.0);
     assert!(expires > 0, "{expires}");
+
+    // 0.03 tokens: a text value of exactly 24 bytes, the length of a binary one, is still read
+    // as text (it was refused as a corrupt binary value before).
+    let nearly_empty = [("slow", "legacy-24")];
+    let key = backend.key_of("slow", &nearly_empty);
+    let text = format!("30000:{now_us}:0");
+    assert_eq!(text.len(), 24);
+    backend.nodes[0].cmd(&[b"SET", &key, text.as_bytes(), b"PX", b"600000"]);
+    assert_eq!(rt.block_on(code(&mut client, &nearly_empty, 1)), Code::OverLimit);
 }
 
 const TIGHT_AND_ROOMY: &str = r#"

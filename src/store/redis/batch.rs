@@ -107,18 +107,17 @@ async fn lane(
                 Some(job) => jobs.push(job),
                 None => return,
             }
-            // Let the tasks that are ready run first, twice: a request takes two turns from
-            // bytes on its connection to a queued job (the connection task reads it, then the
-            // request's own task decides it), so the requests that arrived with this one join
-            // this call. Idle, nothing else is ready and the call goes at once; under load each
-            // call carries more requests (26 instead of 10 at 64 streams, benches/README.md).
-            tokio::task::yield_now().await;
-            tokio::task::yield_now().await;
-            while jobs.len() < MAX_BATCH {
-                match rx.try_recv() {
-                    Ok(job) => jobs.push(job),
-                    Err(_) => break,
-                }
+            drain(&mut rx, &mut jobs);
+            if jobs.len() < MAX_BATCH {
+                // Let the tasks that are ready run first, twice: a request takes two turns from
+                // bytes on its connection to a queued job (the connection task reads it, then
+                // the request's own task decides it), so the requests that arrived with these
+                // join this call. Idle, nothing else is ready and the call goes at once; under
+                // load each call carries more requests (26 instead of 10 at 64 streams,
+                // benches/README.md). A full batch goes without waiting.
+                tokio::task::yield_now().await;
+                tokio::task::yield_now().await;
+                drain(&mut rx, &mut jobs);
             }
         }
         jobs.retain(|j| !j.reply.is_closed());
@@ -153,6 +152,16 @@ async fn lane(
                     let _ = job.reply.send(Err(e.clone()));
                 }
             }
+        }
+    }
+}
+
+/// Moves the jobs waiting in `rx` into `jobs`, up to [`MAX_BATCH`] in all.
+fn drain(rx: &mut mpsc::UnboundedReceiver<Job>, jobs: &mut Vec<Job>) {
+    while jobs.len() < MAX_BATCH {
+        match rx.try_recv() {
+            Ok(job) => jobs.push(job),
+            Err(_) => break,
         }
     }
 }

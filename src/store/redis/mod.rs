@@ -34,7 +34,6 @@ use fred::prelude::{
     Builder, ClientLike, Config, Error as FredError, ErrorKind, LuaInterface, Pool, ReconnectPolicy, Server,
     ServerConfig, TlsConnector,
 };
-use fred::types::InfoKind;
 use fred::types::{Key, Value};
 use futures_util::future::join_all;
 
@@ -153,37 +152,7 @@ fn store_error(e: &FredError) -> StoreError {
     }
 }
 
-/// Whether `INFO server` text names Redis 7.0 or later; a server that names no version (a
-/// compatible one) is given the benefit of the doubt.
-///
-/// Errors: an older `redis_version`, named in the message.
-fn version_is_supported(info: &str) -> Result<(), String> {
-    let version = info
-        .lines()
-        .find_map(|l| l.strip_prefix("redis_version:"))
-        .map(str::trim)
-        .unwrap_or_default();
-    match version.split('.').next().and_then(|m| m.parse::<u32>().ok()) {
-        Some(major) if major < 7 => Err(format!("needs Redis 7.0 or later (for PEXPIRETIME), found {version}")),
-        _ => Ok(()),
-    }
-}
-
 impl Conn {
-    /// Checks that the server is Redis 7.0 or later (or says no version): `lua/decide.lua`
-    /// reads a key's expiry with `PEXPIRETIME`, new in 7.0.
-    ///
-    /// Errors: `INFO` fails, or an older version.
-    async fn check_version(&self) -> Result<(), String> {
-        let info: String = self
-            .pool
-            .next()
-            .info(Some(InfoKind::Server))
-            .await
-            .map_err(|e| e.to_string())?;
-        version_is_supported(&info)
-    }
-
     async fn load_scripts(&self) -> Result<(), FredError> {
         let client = self.pool.next();
         for lua in [DECIDE_LUA, PEEK_LUA, RESET_LUA] {
@@ -334,10 +303,6 @@ impl RedisStore {
             Ok(Err(e)) => return Err(fail(e.to_string())),
             Err(_) => return Err(fail(format!("not reachable within {} ms", timeout.as_millis()))),
         }
-        tokio::time::timeout(timeout, self.inner.conn.check_version())
-            .await
-            .map_err(|_| fail("INFO timed out".into()))?
-            .map_err(fail)?;
         tokio::time::timeout(timeout, self.inner.conn.load_scripts())
             .await
             .map_err(|_| fail("loading the scripts timed out".into()))?
@@ -352,15 +317,9 @@ impl RedisStore {
         tokio::spawn(async move {
             loop {
                 let connected = tokio::time::timeout(retry, store.inner.conn.pool.wait_for_connect()).await;
-                if matches!(connected, Ok(Ok(()))) {
-                    match store.inner.conn.check_version().await {
-                        Err(reason) => tracing::error!(redis = %store.describe(), %reason, "cannot use this Redis"),
-                        Ok(()) if store.inner.conn.load_scripts().await.is_ok() => {
-                            tracing::info!(redis = %store.describe(), "connected to Redis");
-                            return;
-                        }
-                        Ok(()) => {}
-                    }
+                if matches!(connected, Ok(Ok(()))) && store.inner.conn.load_scripts().await.is_ok() {
+                    tracing::info!(redis = %store.describe(), "connected to Redis");
+                    return;
                 }
                 tokio::time::sleep(retry).await;
             }
@@ -680,21 +639,5 @@ impl Store for RedisStore {
             kept: states.clone(),
             states,
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::version_is_supported;
-
-    #[test]
-    fn redis_before_7_is_refused_by_name() {
-        let info = |v: &str| format!("# Server\r\nredis_version:{v}\r\nredis_mode:standalone\r\n");
-        assert_eq!(version_is_supported(&info("7.0.15")), Ok(()));
-        assert_eq!(version_is_supported(&info("7.2.4")), Ok(()));
-        assert_eq!(version_is_supported(&info("8.0.0")), Ok(()));
-        let old = version_is_supported(&info("6.2.14")).unwrap_err();
-        assert!(old.contains("6.2.14") && old.contains("7.0"), "{old}");
-        assert_eq!(version_is_supported("# Server\r\nsome_server:1\r\n"), Ok(()));
     }
 }

@@ -85,10 +85,12 @@ pub const VALUE_LEN: usize = 24;
 /// Returns the state and `end`; `None` for anything else (`lua/decide.lua` refuses the same
 /// values).
 pub fn parse_value(raw: &[u8]) -> Option<(BucketState, u64)> {
-    let n = if raw.len() == VALUE_LEN {
-        unpack_numbers(raw).ok()?
-    } else {
-        parse_text_value(raw)?
+    // Binary, else text (as in `lua/decide.lua`): a text value can be 24 bytes long too, but
+    // its digits and colons read as doubles are tiny fractions, never valid numbers.
+    let binary = (raw.len() == VALUE_LEN).then(|| unpack_numbers(raw).ok()).flatten();
+    let n = match binary {
+        Some(n) => n,
+        None => parse_text_value(raw)?,
     };
     Some((
         BucketState {
@@ -409,6 +411,19 @@ mod tests {
         ));
         assert_eq!(parse_value(&doubles(&[5.0, 17.0, 9.0])), want);
         assert_eq!(parse_value(b"5:17:9"), want);
+        // A text value of exactly 24 bytes is still text.
+        let text24 = b"12345:1764489600123456:0";
+        assert_eq!(text24.len(), VALUE_LEN);
+        assert_eq!(
+            parse_value(text24),
+            Some((
+                BucketState {
+                    tokens_ut: 12345,
+                    updated_us: 1_764_489_600_123_456
+                },
+                0
+            ))
+        );
         for bad in [
             Vec::new(),
             doubles(&[5.0, 17.0]),
