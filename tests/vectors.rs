@@ -227,6 +227,26 @@ async fn redis_cluster_matches_the_shared_vectors() {
     assert!(without_ttl.is_empty(), "keys without a TTL: {without_ttl:?}");
 }
 
+/// The same vectors on the Postgres store (in a schema of its own), deciding at the injected
+/// time instead of `clock_timestamp()`.
+#[tokio::test(flavor = "multi_thread")]
+async fn postgres_store_matches_the_shared_vectors() {
+    let Some(url) = support::postgres::shared_postgres("postgres_store_matches_the_shared_vectors").await else {
+        return;
+    };
+    let schema = support::postgres::unique_schema();
+    check_vectors(|clock| {
+        let (url, schema) = (url.clone(), schema.clone());
+        async move {
+            support::postgres::store(&url, &schema)
+                .await
+                .with_time_override(Arc::new(clock))
+        }
+    })
+    .await;
+    support::postgres::drop_schema(&url, &schema).await;
+}
+
 mod random {
     //! Random plans and request sequences, decided side by side by the memory store and the
     //! Redis store at the same (injected) instants: every decision and every micro-token must

@@ -8,6 +8,7 @@ mod any;
 mod breaker;
 mod memory;
 mod metered;
+pub mod postgres;
 pub mod redis;
 mod resilient;
 
@@ -17,6 +18,7 @@ pub use any::AnyStore;
 pub use breaker::Breaker;
 pub use memory::{MemoryStore, MemoryStoreStats};
 pub use metered::Metered;
+pub use postgres::PostgresStore;
 pub use redis::RedisStore;
 pub use resilient::Resilient;
 

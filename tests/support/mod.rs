@@ -10,6 +10,7 @@
 // Each test crate includes this module and uses a different part of it.
 #![allow(dead_code)]
 
+pub mod postgres;
 pub mod redis;
 
 use std::fs::{self, File};

@@ -1,0 +1,474 @@
+//! The Postgres store (DESIGN 2): bucket state in one table, shared by every replica, each
+//! request decided in one transaction that locks its buckets' rows.
+//!
+//! **A request** is one `READ COMMITTED` transaction:
+//! 1. `INSERT ... ON CONFLICT DO NOTHING` a row for each of its buckets, in ascending key order.
+//!    A bucket's first touch thus creates its row (NULL state, read as full), and concurrent
+//!    first touches serialise on it: the second waits for the first to commit, then sees its
+//!    row. No request ever sees a bucket full because its row did not exist yet.
+//! 2. `SELECT ... FOR UPDATE` the rows, in ascending key order. Every request locks in the same
+//!    order, so requests over {A, B} and {B, A} never deadlock.
+//! 3. Reads Postgres's `clock_timestamp()` (after the locks, so a bucket's decisions follow its
+//!    lock order in time), and decides in Rust with the same pure core as the memory store
+//!    ([`crate::bucket::decide`], schedules and quotas through each bucket's
+//!    [`Plan`](crate::schedule::Plan)): the same micro-tokens, bit for bit.
+//! 4. Writes the changed rows (a bucket full again is deleted, as is a row this request created
+//!    and left unchanged) and commits.
+//!
+//! Replicas whose clocks disagree still agree on every bucket: all time comes from Postgres.
+//! Rows whose bucket is full again are deleted by [`PostgresStore::sweep`] in bounded passes.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::{Postgres, Row, Transaction};
+
+use super::{Applied, BucketRef, Peeked, Store, StoreError};
+use crate::bucket::{decide, BucketState, Demand, Refilling};
+use crate::clock::Clock;
+use crate::settings::redact_url;
+
+/// The migrations in `migrations/`, applied by [`PostgresStore::connect`].
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+
+/// Where Postgres is and how to use it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PostgresSettings {
+    /// `postgres://user[:password]@host[:port]/database`.
+    pub url: String,
+    /// Connections in the pool.
+    pub pool_size: u32,
+    /// How long to wait for a connection, at start and from the pool, in milliseconds.
+    pub connect_timeout_ms: u64,
+    /// Postgres's `statement_timeout` for every statement, in milliseconds.
+    pub statement_timeout_ms: u64,
+    /// The schema holding tollgate's table; created when missing. An identifier: a letter or
+    /// `_`, then letters, digits or `_`, at most 63 bytes, lower case.
+    pub schema: String,
+}
+
+impl Default for PostgresSettings {
+    fn default() -> Self {
+        PostgresSettings {
+            url: "postgres://postgres@127.0.0.1:5432/postgres".into(),
+            pool_size: 8,
+            connect_timeout_ms: 1_000,
+            statement_timeout_ms: 50,
+            schema: "tollgate".into(),
+        }
+    }
+}
+
+impl PostgresSettings {
+    /// Checks the settings.
+    ///
+    /// Errors: a URL that is not `postgres://` or `postgresql://`, a pool of 0 or more than
+    /// 1,000 connections, a zero timeout, or a schema that is not a lower-case identifier.
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.url.starts_with("postgres://") || self.url.starts_with("postgresql://")) {
+            return Err(format!(
+                "postgres.url must start with postgres:// or postgresql://, not {:?}",
+                redact_url(&self.url)
+            ));
+        }
+        if self.pool_size == 0 || self.pool_size > 1_000 {
+            return Err("postgres.pool_size must be between 1 and 1000".into());
+        }
+        if self.connect_timeout_ms == 0 || self.statement_timeout_ms == 0 {
+            return Err("postgres.connect_timeout_ms and postgres.statement_timeout_ms must be above 0".into());
+        }
+        let s = self.schema.as_bytes();
+        let identifier = !s.is_empty()
+            && s.len() <= 63
+            && (s[0].is_ascii_lowercase() || s[0] == b'_')
+            && s.iter()
+                .all(|&c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'_');
+        if !identifier {
+            return Err(format!(
+                "postgres.schema must be a lower-case identifier (a-z or _, then a-z, 0-9 or _, at most 63), not {:?}",
+                self.schema
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The Postgres store. Cheap to clone; clones share the pool.
+#[derive(Clone)]
+pub struct PostgresStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    pool: PgPool,
+    schema: String,
+    /// The URL, password redacted.
+    describe: String,
+    /// Tests only: decide at this clock's time instead of `clock_timestamp()`.
+    time_override: Option<Arc<dyn Clock>>,
+}
+
+/// Why the store could not be built or connected.
+#[derive(Debug, thiserror::Error)]
+#[error("Postgres at {url}: {reason}")]
+pub struct ConnectError {
+    /// The URL, password redacted.
+    pub url: String,
+    /// What went wrong.
+    pub reason: String,
+}
+
+fn store_error(e: sqlx::Error) -> StoreError {
+    match &e {
+        sqlx::Error::PoolTimedOut => StoreError::Timeout(e.to_string()),
+        // 57014 query_canceled: the statement timeout.
+        sqlx::Error::Database(d) if d.code().as_deref() == Some("57014") => StoreError::Timeout(e.to_string()),
+        _ => StoreError::Unavailable(e.to_string()),
+    }
+}
+
+/// An i64 column for a u64 of micro-tokens or microseconds (all below 2^63; the far future
+/// saturates).
+fn column(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+impl PostgresStore {
+    /// Builds the pool for `settings` without connecting; [`PostgresStore::connect`] connects.
+    ///
+    /// Errors: invalid settings, or a URL that does not parse.
+    pub fn new(settings: &PostgresSettings) -> Result<PostgresStore, ConnectError> {
+        let describe = redact_url(&settings.url);
+        let fail = |reason: String| ConnectError {
+            url: describe.clone(),
+            reason,
+        };
+        settings.validate().map_err(fail)?;
+        let options: PgConnectOptions = settings.url.parse().map_err(|e: sqlx::Error| fail(e.to_string()))?;
+        // The schema is a checked identifier, so it can go into the search path as it is.
+        let options = options.options([
+            ("search_path", settings.schema.as_str()),
+            ("statement_timeout", &format!("{}ms", settings.statement_timeout_ms)),
+        ]);
+        let pool = PgPoolOptions::new()
+            .max_connections(settings.pool_size)
+            .acquire_timeout(Duration::from_millis(settings.connect_timeout_ms))
+            .connect_lazy_with(options);
+        Ok(PostgresStore {
+            inner: Arc::new(Inner {
+                pool,
+                schema: settings.schema.clone(),
+                describe,
+                time_override: None,
+            }),
+        })
+    }
+
+    /// Tests only: decide at `clock`'s time instead of Postgres's `clock_timestamp()`, so the
+    /// shared test vectors can move time. Must be called before any clone.
+    pub fn with_time_override(mut self, clock: Arc<dyn Clock>) -> PostgresStore {
+        Arc::get_mut(&mut self.inner)
+            .expect("with_time_override before the store is shared")
+            .time_override = Some(clock);
+        self
+    }
+
+    /// Connects, creates the schema when missing and applies the migrations (each once, in a
+    /// transaction, recorded in the schema's `_sqlx_migrations`), waiting at most `timeout`.
+    ///
+    /// Errors: Postgres not reachable in time, authentication refused, no right to create the
+    /// schema, or a migration that fails.
+    pub async fn connect(&self, timeout: Duration) -> Result<(), ConnectError> {
+        let fail = |reason: String| ConnectError {
+            url: self.inner.describe.clone(),
+            reason,
+        };
+        let work = async {
+            let mut conn = self.inner.pool.acquire().await.map_err(|e| e.to_string())?;
+            // `IF NOT EXISTS` still races with a replica starting at the same moment (a unique
+            // violation on the catalogue); the schema exists either way.
+            let create = format!("CREATE SCHEMA IF NOT EXISTS {}", self.inner.schema);
+            if let Err(e) = sqlx::query(&create).execute(&mut *conn).await {
+                let raced = matches!(&e, sqlx::Error::Database(d) if d.code().as_deref() == Some("23505"));
+                if !raced {
+                    return Err(e.to_string());
+                }
+            }
+            MIGRATOR.run(&mut *conn).await.map_err(|e| e.to_string())
+        };
+        match tokio::time::timeout(timeout, work).await {
+            Ok(result) => result.map_err(fail),
+            Err(_) => Err(fail(format!("not reachable within {} ms", timeout.as_millis()))),
+        }
+    }
+
+    /// The URL, password redacted, for logs.
+    pub fn describe(&self) -> &str {
+        &self.inner.describe
+    }
+
+    /// Deletes at most `limit` rows whose bucket is full again (by the plan of its last
+    /// decision), oldest first; returns how many. Run it periodically: a pass does bounded
+    /// work, and a request never depends on it (a full bucket's row reads as full anyway).
+    ///
+    /// Errors: Postgres unreachable or too slow.
+    pub async fn sweep(&self, limit: u32) -> Result<u64, StoreError> {
+        let now = self.now_outside().await?;
+        let done = sqlx::query(
+            "DELETE FROM tollgate_buckets WHERE key IN (SELECT key FROM tollgate_buckets \
+             WHERE full_at_us <= $1 ORDER BY full_at_us LIMIT $2 FOR UPDATE SKIP LOCKED)",
+        )
+        .bind(column(now))
+        .bind(i64::from(limit))
+        .execute(&self.inner.pool)
+        .await
+        .map_err(store_error)?;
+        Ok(done.rows_affected())
+    }
+
+    /// Postgres's `clock_timestamp()` (or the test override), in µs since the epoch.
+    async fn now_in(&self, tx: &mut Transaction<'_, Postgres>) -> Result<u64, StoreError> {
+        if let Some(clock) = &self.inner.time_override {
+            return Ok(clock.now_us());
+        }
+        let now: i64 = sqlx::query_scalar("SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint")
+            .fetch_one(&mut **tx)
+            .await
+            .map_err(store_error)?;
+        Ok(u64::try_from(now).unwrap_or(0))
+    }
+
+    async fn now_outside(&self) -> Result<u64, StoreError> {
+        let mut tx = self.inner.pool.begin().await.map_err(store_error)?;
+        let now = self.now_in(&mut tx).await?;
+        tx.commit().await.map_err(store_error)?;
+        Ok(now)
+    }
+
+    /// The stored states of `keys` (sorted, distinct), locked when `lock`: NULL (a row just
+    /// created, or none) is `None`.
+    async fn read(
+        tx: &mut Transaction<'_, Postgres>,
+        keys: &[Vec<u8>],
+        lock: bool,
+    ) -> Result<Vec<Option<BucketState>>, StoreError> {
+        let sql = if lock {
+            "SELECT key, tokens_ut, updated_us FROM tollgate_buckets WHERE key = ANY($1) ORDER BY key FOR UPDATE"
+        } else {
+            "SELECT key, tokens_ut, updated_us FROM tollgate_buckets WHERE key = ANY($1)"
+        };
+        let rows = sqlx::query(sql)
+            .bind(keys)
+            .fetch_all(&mut **tx)
+            .await
+            .map_err(store_error)?;
+        let mut states = vec![None; keys.len()];
+        for row in rows {
+            let key: Vec<u8> = row.try_get(0).map_err(store_error)?;
+            let tokens: Option<i64> = row.try_get(1).map_err(store_error)?;
+            let updated: Option<i64> = row.try_get(2).map_err(store_error)?;
+            let Ok(i) = keys.binary_search(&key) else { continue };
+            if let (Some(t), Some(u)) = (tokens, updated) {
+                let (Ok(tokens_ut), Ok(updated_us)) = (u64::try_from(t), u64::try_from(u)) else {
+                    return Err(StoreError::Rejected(format!(
+                        "negative bucket state in row {:?}",
+                        String::from_utf8_lossy(&key)
+                    )));
+                };
+                states[i] = Some(BucketState { tokens_ut, updated_us });
+            }
+        }
+        Ok(states)
+    }
+
+    /// The buckets' keys, sorted and distinct, and for each bucket the index of its key.
+    fn sorted_keys(buckets: &[BucketRef]) -> (Vec<Vec<u8>>, Vec<usize>) {
+        let mut keys: Vec<Vec<u8>> = buckets.iter().map(|b| b.key.as_bytes().to_vec()).collect();
+        keys.sort();
+        keys.dedup();
+        let index = buckets
+            .iter()
+            .map(|b| {
+                keys.binary_search_by(|k| k.as_slice().cmp(b.key.as_bytes()))
+                    .expect("a key of the list")
+            })
+            .collect();
+        (keys, index)
+    }
+
+    async fn apply_in(
+        &self,
+        tx: &mut Transaction<'_, Postgres>,
+        buckets: &[BucketRef],
+        demands: &[Demand],
+    ) -> Result<Applied, StoreError> {
+        let (keys, index) = Self::sorted_keys(buckets);
+        sqlx::query(
+            "INSERT INTO tollgate_buckets (key) SELECT k FROM unnest($1::bytea[]) AS k ORDER BY k \
+             ON CONFLICT (key) DO NOTHING",
+        )
+        .bind(&keys)
+        .execute(&mut **tx)
+        .await
+        .map_err(store_error)?;
+        let stored = Self::read(tx, &keys, true).await?;
+        let now = self.now_in(tx).await?;
+        let states: Vec<BucketState> = buckets
+            .iter()
+            .zip(&index)
+            .map(|(b, &k)| stored[k].unwrap_or_else(|| BucketState::full(&b.plan.limit_at(now), now)))
+            .collect();
+        let plans: Vec<_> = buckets.iter().map(|b| &b.plan).collect();
+        let decision = decide(now, &states, &plans, demands);
+
+        let (mut gone, mut kept_keys, mut tokens, mut updated, mut full_at) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for ((b, &k), out) in buckets.iter().zip(&index).zip(&decision.instances) {
+            if !out.changed {
+                if stored[k].is_none() {
+                    // Created by this request and still full: no row needed.
+                    gone.push(keys[k].clone());
+                }
+                continue;
+            }
+            match b.plan.full_at_us(out.after) {
+                Some(at) if at <= out.after.updated_us => gone.push(keys[k].clone()),
+                at => {
+                    kept_keys.push(keys[k].clone());
+                    tokens.push(column(out.after.tokens_ut));
+                    updated.push(column(out.after.updated_us));
+                    full_at.push(column(at.unwrap_or(u64::MAX)));
+                }
+            }
+        }
+        if !kept_keys.is_empty() {
+            sqlx::query(
+                "UPDATE tollgate_buckets AS b SET tokens_ut = u.t, updated_us = u.u, full_at_us = u.f \
+                 FROM unnest($1::bytea[], $2::int8[], $3::int8[], $4::int8[]) AS u(k, t, u, f) WHERE b.key = u.k",
+            )
+            .bind(&kept_keys)
+            .bind(&tokens)
+            .bind(&updated)
+            .bind(&full_at)
+            .execute(&mut **tx)
+            .await
+            .map_err(store_error)?;
+        }
+        if !gone.is_empty() {
+            sqlx::query("DELETE FROM tollgate_buckets WHERE key = ANY($1)")
+                .bind(&gone)
+                .execute(&mut **tx)
+                .await
+                .map_err(store_error)?;
+        }
+        Ok(Applied { now_us: now, decision })
+    }
+}
+
+impl Store for PostgresStore {
+    async fn apply(&self, buckets: &[BucketRef], demands: &[Demand]) -> Result<Applied, StoreError> {
+        let mut tx = self.inner.pool.begin().await.map_err(store_error)?;
+        let applied = self.apply_in(&mut tx, buckets, demands).await?;
+        tx.commit().await.map_err(store_error)?;
+        Ok(applied)
+    }
+
+    async fn peek(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
+        let (keys, index) = Self::sorted_keys(buckets);
+        let mut tx = self.inner.pool.begin().await.map_err(store_error)?;
+        let stored = Self::read(&mut tx, &keys, false).await?;
+        let now = self.now_in(&mut tx).await?;
+        tx.commit().await.map_err(store_error)?;
+        let kept: Vec<BucketState> = buckets
+            .iter()
+            .zip(&index)
+            .map(|(b, &k)| stored[k].unwrap_or_else(|| BucketState::full(&b.plan.limit_at(now), now)))
+            .collect();
+        let states = buckets
+            .iter()
+            .zip(&kept)
+            .map(|(b, s)| b.plan.refill_to(*s, now))
+            .collect();
+        Ok(Peeked {
+            now_us: now,
+            states,
+            kept,
+        })
+    }
+
+    async fn reset(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
+        let (keys, _) = Self::sorted_keys(buckets);
+        let mut tx = self.inner.pool.begin().await.map_err(store_error)?;
+        sqlx::query("DELETE FROM tollgate_buckets WHERE key = ANY($1)")
+            .bind(&keys)
+            .execute(&mut *tx)
+            .await
+            .map_err(store_error)?;
+        let now = self.now_in(&mut tx).await?;
+        tx.commit().await.map_err(store_error)?;
+        let states: Vec<BucketState> = buckets
+            .iter()
+            .map(|b| BucketState::full(&b.plan.limit_at(now), now))
+            .collect();
+        Ok(Peeked {
+            now_us: now,
+            kept: states.clone(),
+            states,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_are_checked() {
+        assert_eq!(PostgresSettings::default().validate(), Ok(()));
+        let with = |f: fn(&mut PostgresSettings)| {
+            let mut s = PostgresSettings::default();
+            f(&mut s);
+            s.validate()
+        };
+        assert!(with(|s| s.url = "mysql://x".into()).is_err());
+        assert!(with(|s| s.pool_size = 0).is_err());
+        assert!(with(|s| s.statement_timeout_ms = 0).is_err());
+        for bad in ["", "1abc", "Tollgate", "a-b", "a;drop table x", "a b", &"a".repeat(64)] {
+            let s = PostgresSettings {
+                schema: bad.to_string(),
+                ..PostgresSettings::default()
+            };
+            assert!(s.validate().is_err(), "{bad:?}");
+        }
+        for good in ["tollgate", "_t", "rate_limits_2"] {
+            let s = PostgresSettings {
+                schema: good.to_string(),
+                ..PostgresSettings::default()
+            };
+            assert_eq!(s.validate(), Ok(()), "{good:?}");
+        }
+    }
+
+    #[test]
+    fn keys_are_locked_in_one_order_whatever_the_request_order() {
+        let plan = crate::schedule::Plan::Fixed(crate::bucket::Limit::new(
+            1,
+            crate::bucket::Rate::per(1, 1_000_000).unwrap(),
+        ));
+        let refs = |names: &[&str]| -> Vec<BucketRef> {
+            names
+                .iter()
+                .map(|n| BucketRef {
+                    key: n.to_string(),
+                    plan: plan.clone(),
+                })
+                .collect()
+        };
+        let (ab, ab_index) = PostgresStore::sorted_keys(&refs(&["a", "b"]));
+        let (ba, ba_index) = PostgresStore::sorted_keys(&refs(&["b", "a"]));
+        assert_eq!(ab, ba);
+        assert_eq!(ab_index, vec![0, 1]);
+        assert_eq!(ba_index, vec![1, 0]);
+    }
+}
