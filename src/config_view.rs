@@ -134,6 +134,7 @@ fn settings_json(settings: &Settings) -> Value {
         .iter()
         .map(|u| crate::settings::redact_url(u))
         .collect();
+    shown.postgres.url = crate::settings::redact_url(&shown.postgres.url);
     // A path that is not UTF-8 would fail to serialize: show it lossily instead.
     shown.rules = shown.rules.to_string_lossy().into_owned().into();
     to_value(&shown)

@@ -20,7 +20,7 @@ use crate::limiter::{Limiter, LimiterOptions};
 use crate::reload::{load_initial, Reloader};
 use crate::service::RateLimitGrpc;
 use crate::settings::{Backend, FailureMode, Settings, UnreachableAtStart};
-use crate::store::{AnyStore, MemoryStore, Metered, RedisStore, Resilient, Store};
+use crate::store::{AnyStore, MemoryStore, Metered, PostgresStore, RedisStore, Resilient, Store};
 use crate::wire::RateLimitServer;
 
 impl LimiterOptions {
@@ -35,6 +35,7 @@ impl LimiterOptions {
             on_store_failure: match settings.backend {
                 Backend::Memory => FailureMode::Error,
                 Backend::Redis => settings.redis.failure_mode,
+                Backend::Postgres => settings.postgres.failure_mode,
             },
         }
     }
@@ -78,6 +79,7 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
     let store = match settings.backend {
         Backend::Memory => AnyStore::Memory(Metered::new(memory.clone(), "memory")),
         Backend::Redis => AnyStore::Redis(redis_store(&settings, memory.clone(), clock).await?),
+        Backend::Postgres => AnyStore::Postgres(postgres_store(&settings, memory.clone()).await?),
     };
     let limiter = Arc::new(Limiter::new(rules, store, LimiterOptions::from_settings(&settings)));
     let reloader = Reloader::new(limiter.clone(), settings.rules.clone(), fingerprint);
@@ -341,6 +343,64 @@ async fn redis_store(
         "redis",
         r.breaker_failures,
         Duration::from_millis(r.breaker_open_ms),
+        fallback,
+    ))
+}
+
+/// Builds and connects the Postgres store (DESIGN 2) behind its circuit breaker, and starts
+/// its sweep.
+///
+/// Errors: invalid settings, or Postgres not reachable (or its migrations failing) at start
+/// when `postgres.unreachable_at_start` is `exit`.
+async fn postgres_store(settings: &Settings, memory: MemoryStore) -> anyhow::Result<Resilient<PostgresStore>> {
+    let p = &settings.postgres;
+    let postgres = PostgresStore::new(p)?;
+    let connect_timeout = Duration::from_millis(p.connect_timeout_ms);
+    match p.unreachable_at_start {
+        UnreachableAtStart::Exit => {
+            postgres
+                .connect(connect_timeout)
+                .await
+                .map_err(|e| anyhow::anyhow!("cannot use {e}"))?;
+            tracing::info!(postgres = %postgres.describe(), schema = %p.schema, "connected to Postgres");
+        }
+        UnreachableAtStart::NotReady => match postgres.connect(connect_timeout).await {
+            Ok(()) => tracing::info!(postgres = %postgres.describe(), schema = %p.schema, "connected to Postgres"),
+            Err(e) => {
+                tracing::warn!(error = %e, "Postgres not reachable at start: not ready until it is; connecting in the background");
+                postgres.connect_in_background(Duration::from_millis(500));
+            }
+        },
+    }
+    let sweeper = postgres.clone();
+    let (every, batch) = (Duration::from_secs(p.sweep_interval_seconds), p.sweep_batch);
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            if !sweeper.is_migrated() {
+                continue;
+            }
+            // Bounded work per pass: at most 10 statements of `batch` rows.
+            for _ in 0..10 {
+                match sweeper.sweep(batch).await {
+                    Ok(n) if n == u64::from(batch) => continue,
+                    Ok(_) => break,
+                    Err(e) => {
+                        tracing::debug!(error = %e, "Postgres sweep failed; trying again next pass");
+                        break;
+                    }
+                }
+            }
+        }
+    });
+    let fallback = (p.failure_mode == FailureMode::Fallback).then(|| Metered::new(memory, "memory"));
+    Ok(Resilient::new(
+        Metered::new(postgres, "postgres"),
+        "postgres",
+        p.breaker_failures,
+        Duration::from_millis(p.breaker_open_ms),
         fallback,
     ))
 }

@@ -34,6 +34,8 @@ pub struct Settings {
     pub memory: MemorySettings,
     /// The Redis backend (used when `backend: redis`).
     pub redis: RedisSettings,
+    /// The Postgres backend (used when `backend: postgres`).
+    pub postgres: PostgresSettings,
     /// The bucket admin API (peek, refund, reset).
     pub admin: AdminSettings,
     /// Reloading the rules when their files change.
@@ -101,6 +103,8 @@ pub enum Backend {
     Memory,
     /// Redis (single node or Cluster), shared by every replica: see [`RedisSettings`].
     Redis,
+    /// PostgreSQL, shared by every replica: see [`PostgresSettings`].
+    Postgres,
 }
 
 /// The Redis backend (DESIGN 2): where Redis is, how to reach it, and what to answer when it
@@ -185,6 +189,96 @@ impl Default for RedisSettings {
     }
 }
 
+/// The Postgres backend (DESIGN 2): where PostgreSQL is, how to use it, and what to answer
+/// when it cannot be reached. See `src/store/postgres.rs`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PostgresSettings {
+    /// `postgres://user[:password]@host[:port]/database` (libpq's URL form, as sqlx reads it).
+    pub url: String,
+    /// Connections in the pool.
+    pub pool_size: u32,
+    /// How long to wait for a connection, at start and from the pool, in milliseconds.
+    pub connect_timeout_ms: u64,
+    /// How long one decision may take, its whole transaction included, in milliseconds (under
+    /// Envoy's 20 ms filter timeout by default); also Postgres's `statement_timeout`.
+    pub command_timeout_ms: u64,
+    /// The schema holding tollgate's table, created when missing: a lower-case identifier (a
+    /// letter or `_`, then letters, digits or `_`, at most 63 bytes).
+    pub schema: String,
+    /// What to answer while Postgres fails: as for Redis (`fallback`: a local memory store).
+    pub failure_mode: FailureMode,
+    /// When Postgres cannot be reached at start: exit, or start not ready.
+    pub unreachable_at_start: UnreachableAtStart,
+    /// Consecutive failures that open the circuit breaker.
+    pub breaker_failures: u32,
+    /// How long an open circuit skips Postgres before a probe, in milliseconds.
+    pub breaker_open_ms: u64,
+    /// How often rows whose bucket is full again are deleted, in seconds.
+    pub sweep_interval_seconds: u64,
+    /// Rows a sweep deletes per statement (a pass runs at most 10 of them).
+    pub sweep_batch: u32,
+}
+
+impl Default for PostgresSettings {
+    fn default() -> Self {
+        PostgresSettings {
+            url: "postgres://postgres@127.0.0.1:5432/postgres".into(),
+            pool_size: 8,
+            connect_timeout_ms: 1_000,
+            command_timeout_ms: 15,
+            schema: "tollgate".into(),
+            failure_mode: FailureMode::Error,
+            unreachable_at_start: UnreachableAtStart::Exit,
+            breaker_failures: 5,
+            breaker_open_ms: 1_000,
+            sweep_interval_seconds: 10,
+            sweep_batch: 1_000,
+        }
+    }
+}
+
+impl PostgresSettings {
+    /// Errors: a URL that is not `postgres://` or `postgresql://`, a pool of 0 or more than
+    /// 1,000 connections, a zero timeout, sweep interval or batch, a zero `breaker_failures`,
+    /// or a schema that is not a lower-case identifier.
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.url.starts_with("postgres://") || self.url.starts_with("postgresql://")) {
+            return Err(format!(
+                "postgres.url must start with postgres:// or postgresql://, not {:?}",
+                redact_url(&self.url)
+            ));
+        }
+        if self.pool_size == 0 || self.pool_size > 1_000 {
+            return Err("postgres.pool_size must be between 1 and 1000".into());
+        }
+        if self.connect_timeout_ms == 0 || self.command_timeout_ms == 0 {
+            return Err("postgres.connect_timeout_ms and postgres.command_timeout_ms must be above 0".into());
+        }
+        if self.sweep_interval_seconds == 0 || self.sweep_batch == 0 {
+            return Err("postgres.sweep_interval_seconds and postgres.sweep_batch must be above 0".into());
+        }
+        if self.breaker_failures == 0 {
+            return Err("postgres.breaker_failures must be at least 1".into());
+        }
+        let s = self.schema.as_bytes();
+        let identifier = !s.is_empty()
+            && s.len() <= 63
+            && (s[0].is_ascii_lowercase() || s[0] == b'_')
+            && s.iter()
+                .all(|&c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'_');
+        // Postgres reserves pg_*; information_schema is its own.
+        if !identifier || self.schema.starts_with("pg_") || self.schema == "information_schema" {
+            return Err(format!(
+                "postgres.schema must be a lower-case identifier (a-z or _, then a-z, 0-9 or _, at most 63, \
+                 not pg_* or information_schema), not {:?}",
+                self.schema
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Log output.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -253,6 +347,7 @@ impl Default for Settings {
             overrides: true,
             memory: MemorySettings::default(),
             redis: RedisSettings::default(),
+            postgres: PostgresSettings::default(),
             admin: AdminSettings::default(),
             reload: ReloadSettings::default(),
             shutdown: ShutdownSettings::default(),
@@ -339,7 +434,7 @@ pub const DEFAULT_SETTINGS_FILE: &str = "config/tollgate.yaml";
 
 /// Top-level settings keys; only these are read from `TOLLGATE_*`, so unrelated variables
 /// with the same prefix are not mistaken for settings.
-const KEYS: [&str; 15] = [
+const KEYS: [&str; 16] = [
     "grpc_addr",
     "http_addr",
     "rules",
@@ -351,6 +446,7 @@ const KEYS: [&str; 15] = [
     "overrides",
     "memory",
     "redis",
+    "postgres",
     "admin",
     "reload",
     "shutdown",
@@ -409,7 +505,8 @@ impl Settings {
         if self.shutdown.timeout_seconds == 0 {
             return Err("shutdown.timeout_seconds must be at least 1".into());
         }
-        self.redis.validate()
+        self.redis.validate()?;
+        self.postgres.validate()
     }
 }
 

@@ -64,6 +64,59 @@ async fn concurrent_requests_admit_exactly_the_capacity_with_or_without_a_row() 
     support::postgres::drop_schema(&url, &schema).await;
 }
 
+/// Requests that take a token and give it back at once delete the row of a full bucket while
+/// they hold it; others take a token or give one back. However they interleave, no write may
+/// be lost: what the bucket holds at the end is its capacity plus every request's own change
+/// (after minus before, as each decision reports it). (With the row inserted `ON CONFLICT DO
+/// NOTHING` and locked by a separate `SELECT ... FOR UPDATE`, a request that found the row and
+/// then lost it to such a delete decided on a full bucket and its write went nowhere.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_row_deleted_under_a_request_never_loses_its_write() {
+    let test = "a_row_deleted_under_a_request_never_loses_its_write";
+    let Some(url) = support::postgres::shared_postgres(test).await else {
+        return;
+    };
+    let schema = support::postgres::unique_schema();
+    let stores = [
+        support::postgres::store(&url, &schema).await,
+        support::postgres::store(&url, &schema).await,
+    ];
+    // 10 tokens refilled over 1,000 hours: a few micro-tokens over the test.
+    let churn = || BucketRef {
+        key: "churn".into(),
+        plan: Plan::Fixed(Limit::new(10, Rate::per(10, 3_600_000_000_000).unwrap())),
+    };
+    let give = |instance| Demand {
+        instance,
+        kind: DemandKind::Refund(MICRO),
+        enforced: false,
+    };
+    let tasks: Vec<_> = (0..600)
+        .map(|i| {
+            let store = stores[i % 2].clone();
+            let b = churn();
+            let demands = match i % 3 {
+                0 => vec![take(0)],
+                1 => vec![give(0)],
+                _ => vec![take(0), give(0)],
+            };
+            tokio::spawn(async move { store.apply(&[b], &demands).await.expect("decided") })
+        })
+        .collect();
+    let mut change: i128 = 0;
+    for t in tasks {
+        let outcome = t.await.unwrap().decision.instances[0];
+        change += i128::from(outcome.after.tokens_ut) - i128::from(outcome.before.tokens_ut);
+    }
+    let held = stores[0].peek(&[churn()]).await.unwrap().kept[0].tokens_ut;
+    let expected = i128::from(10 * MICRO) + change;
+    assert!(
+        (i128::from(held) - expected).abs() <= 1_000,
+        "the bucket holds {held} µt, its requests left {expected}: writes were lost"
+    );
+    support::postgres::drop_schema(&url, &schema).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn requests_over_the_same_buckets_in_opposite_orders_never_deadlock() {
     let test = "requests_over_the_same_buckets_in_opposite_orders_never_deadlock";
@@ -161,4 +214,78 @@ async fn a_bad_url_or_schema_is_a_clear_error() {
         .await
         .expect_err("unreachable");
     assert!(e.to_string().contains("127.0.0.1:1"), "{e}");
+}
+
+const FIVE_PER_HOUR: &str = r#"
+domain: api
+descriptors:
+  - key: user
+    name: per_user
+    token_bucket: {capacity: 5, refill: 5/1h}
+"#;
+
+/// `tollgate serve` with `backend: postgres` on `schema`, ready.
+fn serve_on_postgres(url: &str, schema: &str) -> support::Tollgate {
+    let settings = format!(
+        "backend: postgres\npostgres:\n  url: {}\n  schema: {schema}\n  command_timeout_ms: 2000\n  connect_timeout_ms: 10000\n",
+        support::yaml_str(url)
+    );
+    let mut tollgate = support::Tollgate::builder()
+        .rules_file("api.yaml", FIVE_PER_HOUR)
+        .settings(&settings)
+        .start();
+    let http = tollgate.http_addr;
+    support::wait_until(&mut tollgate.process, || {
+        support::http_get(http, "/readyz").filter(|(status, _)| *status == 200)
+    })
+    .unwrap_or_else(|why| panic!("tollgate not ready: {why}\n{}", tollgate.process.log_tail(60)));
+    tollgate
+}
+
+/// Two replicas of `tollgate serve` with `backend: postgres` on one schema enforce one bucket
+/// between them: 5 of 8 requests pass, whichever replica they reach.
+#[tokio::test(flavor = "multi_thread")]
+async fn two_replicas_on_postgres_share_a_bucket() {
+    let test = "two_replicas_on_postgres_share_a_bucket";
+    let Some(url) = support::postgres::shared_postgres(test).await else {
+        return;
+    };
+    let schema = support::postgres::unique_schema();
+    let (a, b) = {
+        let (url, schema) = (url.clone(), schema.clone());
+        tokio::task::spawn_blocking(move || (serve_on_postgres(&url, &schema), serve_on_postgres(&url, &schema)))
+            .await
+            .unwrap()
+    };
+    let mut clients = Vec::new();
+    for addr in [a.grpc_addr, b.grpc_addr] {
+        let channel = tonic::transport::Channel::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        clients.push(
+            envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient::new(
+                channel,
+            ),
+        );
+    }
+    let mut ok = 0;
+    for i in 0..8 {
+        let response = clients[i % 2]
+            .should_rate_limit(support::request("api", &[("user", "shared")], 1))
+            .await
+            .expect("answered")
+            .into_inner();
+        if response.overall_code == 1 {
+            ok += 1;
+        }
+    }
+    assert_eq!(ok, 5, "one bucket of 5 across both replicas");
+    assert!(
+        a.process.log().contains("connected to Postgres"),
+        "{}",
+        a.process.log_tail(20)
+    );
+    support::postgres::drop_schema(&url, &schema).await;
 }

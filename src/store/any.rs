@@ -1,6 +1,8 @@
 //! The store `tollgate serve` runs on, chosen by the `backend` setting at start.
 
-use super::{Applied, BucketRef, MemoryStore, Metered, Peeked, RedisStore, Resilient, Store, StoreError};
+use super::{
+    Applied, BucketRef, MemoryStore, Metered, Peeked, PostgresStore, RedisStore, Resilient, Store, StoreError,
+};
 use crate::bucket::Demand;
 
 /// How long the readiness probe of an open circuit may take: it is off the request path.
@@ -12,6 +14,8 @@ pub enum AnyStore {
     Memory(Metered<MemoryStore>),
     /// `backend: redis`, behind a circuit breaker (and a memory fallback when so configured).
     Redis(Resilient<RedisStore>),
+    /// `backend: postgres`, behind a circuit breaker (and a memory fallback when so configured).
+    Postgres(Resilient<PostgresStore>),
 }
 
 impl AnyStore {
@@ -32,6 +36,16 @@ impl AnyStore {
                 }
                 Ok(())
             }
+            AnyStore::Postgres(p) => {
+                let postgres = p.primary();
+                if !postgres.is_migrated() {
+                    return Err(format!("not connected to Postgres at {}", postgres.describe()));
+                }
+                if !p.probe_if_open(|| postgres.probe(PROBE_TIMEOUT)).await {
+                    return Err(format!("Postgres at {} is failing (circuit open)", postgres.describe()));
+                }
+                Ok(())
+            }
         }
     }
 }
@@ -41,6 +55,7 @@ impl Store for AnyStore {
         match self {
             AnyStore::Memory(s) => s.apply(buckets, demands).await,
             AnyStore::Redis(s) => s.apply(buckets, demands).await,
+            AnyStore::Postgres(s) => s.apply(buckets, demands).await,
         }
     }
 
@@ -48,6 +63,7 @@ impl Store for AnyStore {
         match self {
             AnyStore::Memory(s) => s.peek(buckets).await,
             AnyStore::Redis(s) => s.peek(buckets).await,
+            AnyStore::Postgres(s) => s.peek(buckets).await,
         }
     }
 
@@ -55,6 +71,7 @@ impl Store for AnyStore {
         match self {
             AnyStore::Memory(s) => s.reset(buckets).await,
             AnyStore::Redis(s) => s.reset(buckets).await,
+            AnyStore::Postgres(s) => s.reset(buckets).await,
         }
     }
 
@@ -62,6 +79,7 @@ impl Store for AnyStore {
         match self {
             AnyStore::Memory(s) => s.rules_changed(),
             AnyStore::Redis(s) => s.rules_changed(),
+            AnyStore::Postgres(s) => s.rules_changed(),
         }
     }
 }

@@ -2,22 +2,25 @@
 //! request decided in one transaction that locks its buckets' rows.
 //!
 //! **A request** is one `READ COMMITTED` transaction:
-//! 1. `INSERT ... ON CONFLICT DO NOTHING` a row for each of its buckets, in ascending key order.
-//!    A bucket's first touch thus creates its row (NULL state, read as full), and concurrent
-//!    first touches serialise on it: the second waits for the first to commit, then sees its
-//!    row. No request ever sees a bucket full because its row did not exist yet.
-//! 2. `SELECT ... FOR UPDATE` the rows, in ascending key order. Every request locks in the same
-//!    order, so requests over {A, B} and {B, A} never deadlock.
-//! 3. Reads Postgres's `clock_timestamp()` (after the locks, so a bucket's decisions follow its
+//! 1. One `INSERT ... ON CONFLICT DO UPDATE ... RETURNING` over its buckets in ascending key
+//!    order takes each bucket's row and its lock in the same step: it inserts the row a first
+//!    touch needs (NULL state, read as full), or waits for whoever holds the existing one and
+//!    locks it (inserting it again if that holder deleted it meanwhile). So no request decides
+//!    on a row another can still change or delete, concurrent first touches serialise, and
+//!    since every request locks in the same order, requests over {A, B} and {B, A} never
+//!    deadlock. (An `ON CONFLICT DO NOTHING` and a separate `SELECT ... FOR UPDATE` would
+//!    leave a window in which a concurrent delete makes the row vanish: a lost write.)
+//! 2. Reads Postgres's `clock_timestamp()` (after the locks, so a bucket's decisions follow its
 //!    lock order in time), and decides in Rust with the same pure core as the memory store
 //!    ([`crate::bucket::decide`], schedules and quotas through each bucket's
 //!    [`Plan`](crate::schedule::Plan)): the same micro-tokens, bit for bit.
-//! 4. Writes the changed rows (a bucket full again is deleted, as is a row this request created
+//! 3. Writes the changed rows (a bucket full again is deleted, as is a row this request created
 //!    and left unchanged) and commits.
 //!
 //! Replicas whose clocks disagree still agree on every bucket: all time comes from Postgres.
 //! Rows whose bucket is full again are deleted by [`PostgresStore::sweep`] in bounded passes.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,72 +30,10 @@ use sqlx::{Postgres, Row, Transaction};
 use super::{Applied, BucketRef, Peeked, Store, StoreError};
 use crate::bucket::{decide, BucketState, Demand, Refilling};
 use crate::clock::Clock;
-use crate::settings::redact_url;
+use crate::settings::{redact_url, PostgresSettings};
 
 /// The migrations in `migrations/`, applied by [`PostgresStore::connect`].
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
-
-/// Where Postgres is and how to use it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PostgresSettings {
-    /// `postgres://user[:password]@host[:port]/database`.
-    pub url: String,
-    /// Connections in the pool.
-    pub pool_size: u32,
-    /// How long to wait for a connection, at start and from the pool, in milliseconds.
-    pub connect_timeout_ms: u64,
-    /// Postgres's `statement_timeout` for every statement, in milliseconds.
-    pub statement_timeout_ms: u64,
-    /// The schema holding tollgate's table; created when missing. An identifier: a letter or
-    /// `_`, then letters, digits or `_`, at most 63 bytes, lower case.
-    pub schema: String,
-}
-
-impl Default for PostgresSettings {
-    fn default() -> Self {
-        PostgresSettings {
-            url: "postgres://postgres@127.0.0.1:5432/postgres".into(),
-            pool_size: 8,
-            connect_timeout_ms: 1_000,
-            statement_timeout_ms: 50,
-            schema: "tollgate".into(),
-        }
-    }
-}
-
-impl PostgresSettings {
-    /// Checks the settings.
-    ///
-    /// Errors: a URL that is not `postgres://` or `postgresql://`, a pool of 0 or more than
-    /// 1,000 connections, a zero timeout, or a schema that is not a lower-case identifier.
-    pub fn validate(&self) -> Result<(), String> {
-        if !(self.url.starts_with("postgres://") || self.url.starts_with("postgresql://")) {
-            return Err(format!(
-                "postgres.url must start with postgres:// or postgresql://, not {:?}",
-                redact_url(&self.url)
-            ));
-        }
-        if self.pool_size == 0 || self.pool_size > 1_000 {
-            return Err("postgres.pool_size must be between 1 and 1000".into());
-        }
-        if self.connect_timeout_ms == 0 || self.statement_timeout_ms == 0 {
-            return Err("postgres.connect_timeout_ms and postgres.statement_timeout_ms must be above 0".into());
-        }
-        let s = self.schema.as_bytes();
-        let identifier = !s.is_empty()
-            && s.len() <= 63
-            && (s[0].is_ascii_lowercase() || s[0] == b'_')
-            && s.iter()
-                .all(|&c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'_');
-        if !identifier {
-            return Err(format!(
-                "postgres.schema must be a lower-case identifier (a-z or _, then a-z, 0-9 or _, at most 63), not {:?}",
-                self.schema
-            ));
-        }
-        Ok(())
-    }
-}
 
 /// The Postgres store. Cheap to clone; clones share the pool.
 #[derive(Clone)]
@@ -103,6 +44,10 @@ pub struct PostgresStore {
 struct Inner {
     pool: PgPool,
     schema: String,
+    /// How long one decision may take, its whole transaction included.
+    timeout: Duration,
+    /// Whether the schema and migrations are in place (a successful [`PostgresStore::connect`]).
+    migrated: AtomicBool,
     /// The URL, password redacted.
     describe: String,
     /// Tests only: decide at this clock's time instead of `clock_timestamp()`.
@@ -148,8 +93,8 @@ impl PostgresStore {
         let options: PgConnectOptions = settings.url.parse().map_err(|e: sqlx::Error| fail(e.to_string()))?;
         // The schema is a checked identifier, so it can go into the search path as it is.
         let options = options.options([
-            ("search_path", settings.schema.as_str()),
-            ("statement_timeout", &format!("{}ms", settings.statement_timeout_ms)),
+            ("search_path", format!("\"{}\"", settings.schema).as_str()),
+            ("statement_timeout", &format!("{}ms", settings.command_timeout_ms)),
         ]);
         let pool = PgPoolOptions::new()
             .max_connections(settings.pool_size)
@@ -159,6 +104,8 @@ impl PostgresStore {
             inner: Arc::new(Inner {
                 pool,
                 schema: settings.schema.clone(),
+                timeout: Duration::from_millis(settings.command_timeout_ms),
+                migrated: AtomicBool::new(false),
                 describe,
                 time_override: None,
             }),
@@ -185,22 +132,66 @@ impl PostgresStore {
             reason,
         };
         let work = async {
-            let mut conn = self.inner.pool.acquire().await.map_err(|e| e.to_string())?;
             // `IF NOT EXISTS` still races with a replica starting at the same moment (a unique
             // violation on the catalogue); the schema exists either way.
-            let create = format!("CREATE SCHEMA IF NOT EXISTS {}", self.inner.schema);
-            if let Err(e) = sqlx::query(&create).execute(&mut *conn).await {
+            let create = format!("CREATE SCHEMA IF NOT EXISTS \"{}\"", self.inner.schema);
+            if let Err(e) = sqlx::query(&create).execute(&self.inner.pool).await {
                 let raced = matches!(&e, sqlx::Error::Database(d) if d.code().as_deref() == Some("23505"));
                 if !raced {
                     return Err(e.to_string());
                 }
             }
-            MIGRATOR.run(&mut *conn).await.map_err(|e| e.to_string())
+            MIGRATOR.run(&self.inner.pool).await.map_err(|e| e.to_string())
         };
         match tokio::time::timeout(timeout, work).await {
-            Ok(result) => result.map_err(fail),
-            Err(_) => Err(fail(format!("not reachable within {} ms", timeout.as_millis()))),
+            Ok(result) => result.map_err(fail)?,
+            Err(_) => return Err(fail(format!("not reachable within {} ms", timeout.as_millis()))),
         }
+        self.inner.migrated.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Keeps calling [`PostgresStore::connect`] in the background, `retry` apart, until it
+    /// succeeds: for a server that starts not ready (`unreachable_at_start: not_ready`).
+    pub fn connect_in_background(&self, retry: Duration) {
+        let store = self.clone();
+        tokio::spawn(async move {
+            loop {
+                match store.connect(retry.max(Duration::from_secs(1))).await {
+                    Ok(()) => {
+                        tracing::info!(postgres = %store.describe(), "connected to Postgres");
+                        return;
+                    }
+                    Err(e) => tracing::debug!(error = %e, "Postgres still not reachable"),
+                }
+                tokio::time::sleep(retry).await;
+            }
+        });
+    }
+
+    /// Whether the schema and migrations are in place: readiness.
+    pub fn is_migrated(&self) -> bool {
+        self.inner.migrated.load(Ordering::Acquire)
+    }
+
+    /// `SELECT 1` within `timeout`: the probe readiness sends while the circuit is open.
+    ///
+    /// Errors: no answer in time, or an error answer.
+    pub async fn probe(&self, timeout: Duration) -> Result<(), StoreError> {
+        let probe = sqlx::query("SELECT 1").execute(&self.inner.pool);
+        match tokio::time::timeout(timeout, probe).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(store_error(e)),
+            Err(_) => Err(StoreError::Timeout(format!(
+                "no answer within {} ms",
+                timeout.as_millis()
+            ))),
+        }
+    }
+
+    /// How long one decision may take (`postgres.command_timeout_ms`).
+    pub fn timeout(&self) -> Duration {
+        self.inner.timeout
     }
 
     /// The URL, password redacted, for logs.
@@ -246,23 +237,22 @@ impl PostgresStore {
         Ok(now)
     }
 
-    /// The stored states of `keys` (sorted, distinct), locked when `lock`: NULL (a row just
-    /// created, or none) is `None`.
+    /// The stored states of `keys` (sorted, distinct), unlocked: NULL (a row just created, or
+    /// none) is `None`.
     async fn read(
         tx: &mut Transaction<'_, Postgres>,
         keys: &[Vec<u8>],
-        lock: bool,
     ) -> Result<Vec<Option<BucketState>>, StoreError> {
-        let sql = if lock {
-            "SELECT key, tokens_ut, updated_us FROM tollgate_buckets WHERE key = ANY($1) ORDER BY key FOR UPDATE"
-        } else {
-            "SELECT key, tokens_ut, updated_us FROM tollgate_buckets WHERE key = ANY($1)"
-        };
-        let rows = sqlx::query(sql)
+        let rows = sqlx::query("SELECT key, tokens_ut, updated_us FROM tollgate_buckets WHERE key = ANY($1)")
             .bind(keys)
             .fetch_all(&mut **tx)
             .await
             .map_err(store_error)?;
+        Self::states(keys, rows)
+    }
+
+    /// The states in `rows` (key, tokens, updated) by the index of their key in `keys`.
+    fn states(keys: &[Vec<u8>], rows: Vec<sqlx::postgres::PgRow>) -> Result<Vec<Option<BucketState>>, StoreError> {
         let mut states = vec![None; keys.len()];
         for row in rows {
             let key: Vec<u8> = row.try_get(0).map_err(store_error)?;
@@ -304,15 +294,23 @@ impl PostgresStore {
         demands: &[Demand],
     ) -> Result<Applied, StoreError> {
         let (keys, index) = Self::sorted_keys(buckets);
-        sqlx::query(
-            "INSERT INTO tollgate_buckets (key) SELECT k FROM unnest($1::bytea[]) AS k ORDER BY k \
-             ON CONFLICT (key) DO NOTHING",
+        let rows = sqlx::query(
+            "INSERT INTO tollgate_buckets AS b (key) SELECT k FROM unnest($1::bytea[]) AS k ORDER BY k \
+             ON CONFLICT (key) DO UPDATE SET tokens_ut = b.tokens_ut \
+             RETURNING key, tokens_ut, updated_us",
         )
         .bind(&keys)
-        .execute(&mut **tx)
+        .fetch_all(&mut **tx)
         .await
         .map_err(store_error)?;
-        let stored = Self::read(tx, &keys, true).await?;
+        if rows.len() != keys.len() {
+            return Err(StoreError::Unavailable(format!(
+                "locked {} of {} bucket rows",
+                rows.len(),
+                keys.len()
+            )));
+        }
+        let stored = Self::states(&keys, rows)?;
         let now = self.now_in(tx).await?;
         let states: Vec<BucketState> = buckets
             .iter()
@@ -343,7 +341,7 @@ impl PostgresStore {
             }
         }
         if !kept_keys.is_empty() {
-            sqlx::query(
+            let done = sqlx::query(
                 "UPDATE tollgate_buckets AS b SET tokens_ut = u.t, updated_us = u.u, full_at_us = u.f \
                  FROM unnest($1::bytea[], $2::int8[], $3::int8[], $4::int8[]) AS u(k, t, u, f) WHERE b.key = u.k",
             )
@@ -354,6 +352,14 @@ impl PostgresStore {
             .execute(&mut **tx)
             .await
             .map_err(store_error)?;
+            // The rows are locked since the first statement: each must still be there.
+            if done.rows_affected() != kept_keys.len() as u64 {
+                return Err(StoreError::Unavailable(format!(
+                    "wrote {} of {} locked bucket rows",
+                    done.rows_affected(),
+                    kept_keys.len()
+                )));
+            }
         }
         if !gone.is_empty() {
             sqlx::query("DELETE FROM tollgate_buckets WHERE key = ANY($1)")
@@ -368,16 +374,26 @@ impl PostgresStore {
 
 impl Store for PostgresStore {
     async fn apply(&self, buckets: &[BucketRef], demands: &[Demand]) -> Result<Applied, StoreError> {
-        let mut tx = self.inner.pool.begin().await.map_err(store_error)?;
-        let applied = self.apply_in(&mut tx, buckets, demands).await?;
-        tx.commit().await.map_err(store_error)?;
-        Ok(applied)
+        let decision = async {
+            let mut tx = self.inner.pool.begin().await.map_err(store_error)?;
+            let applied = self.apply_in(&mut tx, buckets, demands).await?;
+            tx.commit().await.map_err(store_error)?;
+            Ok(applied)
+        };
+        // A transaction cut short here is rolled back when its connection goes back to the pool.
+        match tokio::time::timeout(self.inner.timeout, decision).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::Timeout(format!(
+                "no decision from Postgres within {} ms",
+                self.inner.timeout.as_millis()
+            ))),
+        }
     }
 
     async fn peek(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
         let (keys, index) = Self::sorted_keys(buckets);
         let mut tx = self.inner.pool.begin().await.map_err(store_error)?;
-        let stored = Self::read(&mut tx, &keys, false).await?;
+        let stored = Self::read(&mut tx, &keys).await?;
         let now = self.now_in(&mut tx).await?;
         tx.commit().await.map_err(store_error)?;
         let kept: Vec<BucketState> = buckets
@@ -400,6 +416,12 @@ impl Store for PostgresStore {
     async fn reset(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
         let (keys, _) = Self::sorted_keys(buckets);
         let mut tx = self.inner.pool.begin().await.map_err(store_error)?;
+        // Lock in ascending key order first, as a decision does, so the two never deadlock.
+        sqlx::query("SELECT key FROM tollgate_buckets WHERE key = ANY($1) ORDER BY key FOR UPDATE")
+            .bind(&keys)
+            .execute(&mut *tx)
+            .await
+            .map_err(store_error)?;
         sqlx::query("DELETE FROM tollgate_buckets WHERE key = ANY($1)")
             .bind(&keys)
             .execute(&mut *tx)
@@ -433,15 +455,26 @@ mod tests {
         };
         assert!(with(|s| s.url = "mysql://x".into()).is_err());
         assert!(with(|s| s.pool_size = 0).is_err());
-        assert!(with(|s| s.statement_timeout_ms = 0).is_err());
-        for bad in ["", "1abc", "Tollgate", "a-b", "a;drop table x", "a b", &"a".repeat(64)] {
+        assert!(with(|s| s.command_timeout_ms = 0).is_err());
+        assert!(with(|s| s.sweep_batch = 0).is_err());
+        for bad in [
+            "",
+            "1abc",
+            "Tollgate",
+            "a-b",
+            "a;drop table x",
+            "a b",
+            &"a".repeat(64),
+            "pg_x",
+            "information_schema",
+        ] {
             let s = PostgresSettings {
                 schema: bad.to_string(),
                 ..PostgresSettings::default()
             };
             assert!(s.validate().is_err(), "{bad:?}");
         }
-        for good in ["tollgate", "_t", "rate_limits_2"] {
+        for good in ["tollgate", "_t", "rate_limits_2", "select"] {
             let s = PostgresSettings {
                 schema: good.to_string(),
                 ..PostgresSettings::default()

@@ -4,7 +4,8 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use tollgate::store::postgres::{PostgresSettings, PostgresStore};
+use tollgate::settings::PostgresSettings;
+use tollgate::store::postgres::PostgresStore;
 
 /// Where `scripts/ensure-postgres` puts the test database.
 pub const DEFAULT_POSTGRES_URL: &str = "postgres://postgres@127.0.0.1:5432/tollgate_test";
@@ -60,7 +61,8 @@ pub fn settings(url: &str, schema: &str) -> PostgresSettings {
         schema: schema.to_owned(),
         pool_size: 8,
         connect_timeout_ms: 10_000,
-        statement_timeout_ms: 10_000,
+        command_timeout_ms: 10_000,
+        ..PostgresSettings::default()
     }
 }
 
@@ -78,7 +80,7 @@ pub async fn store(url: &str, schema: &str) -> PostgresStore {
 pub async fn drop_schema(url: &str, schema: &str) {
     use sqlx::Connection;
     let mut conn = sqlx::PgConnection::connect(url).await.expect("connects");
-    sqlx::query(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))
+    sqlx::query(&format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"))
         .execute(&mut conn)
         .await
         .expect("drops the schema");
