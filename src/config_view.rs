@@ -771,6 +771,20 @@ descriptors:
     }
 
     #[test]
+    fn postgres_passwords_are_redacted_in_the_url() {
+        let (_dir, rules) = loaded();
+        let mut settings = Settings::default();
+        settings.postgres.url = format!("postgres://app:{SECRET}@127.0.0.1:5432/limits");
+        let v = config_json(&rules, &settings);
+        let text = serde_json::to_string(&v).unwrap();
+        assert!(!text.contains(SECRET), "the password leaked: {text}");
+        assert_eq!(
+            v["settings"]["postgres"]["url"],
+            "postgres://app:<redacted>@127.0.0.1:5432/limits"
+        );
+    }
+
+    #[test]
     fn numbers_and_durations() {
         assert_eq!(duration_text(1_000_000), "s");
         assert_eq!(duration_text(12_000_000), "12s");
