@@ -19,8 +19,8 @@ use crate::http::{router, HttpState, Readiness};
 use crate::limiter::{Limiter, LimiterOptions};
 use crate::reload::{load_initial, Reloader};
 use crate::service::RateLimitGrpc;
-use crate::settings::{Backend, FailureMode, Settings, UnreachableAtStart};
-use crate::store::{AnyStore, MemoryStore, Metered, PostgresStore, RedisStore, Resilient, Store};
+use crate::settings::{Backend, FailureMode, FallbackBackend, Settings, UnreachableAtStart};
+use crate::store::{AnyStore, Fallback, MemoryStore, Metered, PostgresStore, RedisStore, Resilient, Store};
 use crate::wire::RateLimitServer;
 
 impl LimiterOptions {
@@ -337,7 +337,14 @@ async fn redis_store(
             }
         },
     }
-    let fallback = (r.failure_mode == FailureMode::Fallback).then(|| Metered::new(memory, "memory"));
+    let fallback = match (r.failure_mode, r.fallback) {
+        (FailureMode::Fallback, FallbackBackend::Memory) => Some(Fallback::Memory(Metered::new(memory, "memory"))),
+        (FailureMode::Fallback, FallbackBackend::Postgres) => {
+            let postgres = connect_postgres(settings).await?;
+            Some(Fallback::Postgres(Metered::new(postgres, "postgres")))
+        }
+        _ => None,
+    };
     Ok(Resilient::new(
         Metered::new(redis, "redis"),
         "redis",
@@ -353,6 +360,24 @@ async fn redis_store(
 /// Errors: invalid settings, or Postgres not reachable (or its migrations failing) at start
 /// when `postgres.unreachable_at_start` is `exit`.
 async fn postgres_store(settings: &Settings, memory: MemoryStore) -> anyhow::Result<Resilient<PostgresStore>> {
+    let p = &settings.postgres;
+    let postgres = connect_postgres(settings).await?;
+    let fallback = (p.failure_mode == FailureMode::Fallback).then(|| Fallback::Memory(Metered::new(memory, "memory")));
+    Ok(Resilient::new(
+        Metered::new(postgres, "postgres"),
+        "postgres",
+        p.breaker_failures,
+        Duration::from_millis(p.breaker_open_ms),
+        fallback,
+    ))
+}
+
+/// Builds and connects the Postgres store of the `postgres` section (as the backend, or as
+/// Redis's fallback), and starts its sweep.
+///
+/// Errors: invalid settings, or Postgres not reachable (or its migrations failing) at start
+/// when `postgres.unreachable_at_start` is `exit`.
+async fn connect_postgres(settings: &Settings) -> anyhow::Result<PostgresStore> {
     let p = &settings.postgres;
     let postgres = PostgresStore::new(p)?;
     let connect_timeout = Duration::from_millis(p.connect_timeout_ms);
@@ -395,14 +420,7 @@ async fn postgres_store(settings: &Settings, memory: MemoryStore) -> anyhow::Res
             }
         }
     });
-    let fallback = (p.failure_mode == FailureMode::Fallback).then(|| Metered::new(memory, "memory"));
-    Ok(Resilient::new(
-        Metered::new(postgres, "postgres"),
-        "postgres",
-        p.breaker_failures,
-        Duration::from_millis(p.breaker_open_ms),
-        fallback,
-    ))
+    Ok(postgres)
 }
 
 fn spawn_sweeper(store: MemoryStore, every: Duration) {

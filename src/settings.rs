@@ -141,6 +141,19 @@ pub struct RedisSettings {
     pub breaker_failures: u32,
     /// Milliseconds the breaker stays open before one request probes Redis again.
     pub breaker_open_ms: u64,
+    /// With `failure_mode: fallback`, where decisions go while Redis fails: `postgres` (the
+    /// `postgres` section; shared by every replica) or `memory` (a local store per replica).
+    pub fallback: FallbackBackend,
+}
+
+/// Where `failure_mode: fallback` decides while Redis fails.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FallbackBackend {
+    /// The Postgres store of the `postgres` section.
+    Postgres,
+    /// A local memory store, per replica.
+    Memory,
 }
 
 /// What a request gets when its backend fails (DESIGN 2).
@@ -153,8 +166,8 @@ pub enum FailureMode {
     Deny,
     /// Answer gRPC `UNAVAILABLE`, so Envoy's `failure_mode_deny` decides.
     Error,
-    /// Decide on a local memory store (per replica, like `backend: memory`) until Redis is
-    /// back. Becomes the Postgres store once that backend exists.
+    /// Decide on another store until the backend is back: for Redis, the store named by
+    /// `redis.fallback` (Postgres by default); for Postgres, a local memory store.
     Fallback,
 }
 
@@ -185,6 +198,7 @@ impl Default for RedisSettings {
             unreachable_at_start: UnreachableAtStart::Exit,
             breaker_failures: 5,
             breaker_open_ms: 1000,
+            fallback: FallbackBackend::Postgres,
         }
     }
 }

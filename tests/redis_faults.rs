@@ -290,8 +290,15 @@ struct Outage {
 /// killed for `OUTAGE`, then restarted on the same port; the load goes on until tollgate has
 /// recovered by itself (circuit closed, `/readyz` 200) and a little after.
 async fn outage(mode: &str) -> Outage {
+    outage_with(mode, "", "").await
+}
+
+/// [`outage`] with `extra` inside the `redis:` settings (`, key: value`) and `more` top-level
+/// settings YAML after them.
+async fn outage_with(mode: &str, extra: &str, more: &str) -> Outage {
     let mut redis = block_in_place(RedisServer::start);
-    let tollgate = block_in_place(|| start_tollgate(&redis_settings(&redis.url(), mode, "")));
+    let settings = format!("{}\n{more}", redis_settings(&redis.url(), mode, extra));
+    let tollgate = block_in_place(|| start_tollgate(&settings));
     assert_eq!(readyz(&tollgate).0, 200, "ready on a healthy Redis");
     let mut probe = connect(&tollgate).await;
     let load = Load::start(&tollgate).await;
@@ -550,7 +557,7 @@ async fn error_mode_answers_unavailable() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn fallback_mode_decides_locally_during_the_outage() {
     let _serial = one_at_a_time();
-    let o = outage("fallback").await;
+    let o = outage_with("fallback", ", fallback: memory", "").await;
     o.check_common();
     let failed: Vec<&Sample> = o.samples.iter().filter(|s| s.result.is_err()).collect();
     assert!(failed.is_empty(), "failed requests: {failed:?}");
@@ -578,6 +585,66 @@ async fn fallback_mode_decides_locally_during_the_outage() {
     let mut c = connect(&o.tollgate).await;
     assert_eq!(exhaust(&mut c, "probe-later").await, real_decisions());
     assert_eq!(o.metrics().counter(FALLBACKS, &[("backend", "redis")]), fallbacks);
+}
+
+/// `failure_mode: fallback` with `redis.fallback: postgres` (the default): Redis killed under
+/// load, no request fails, decisions go on in Postgres (counted as fallbacks and as Postgres
+/// calls; the outage's buckets are rows there), and after the restart they return to Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fallback_mode_decides_on_postgres_during_the_outage() {
+    let test = "fallback_mode_decides_on_postgres_during_the_outage";
+    let Some(url) = support::postgres::shared_postgres(test).await else {
+        return;
+    };
+    let _serial = one_at_a_time();
+    let schema = support::postgres::unique_schema();
+    let more = format!(
+        "postgres: {{url: {}, schema: {schema}, command_timeout_ms: 2000, connect_timeout_ms: 10000}}",
+        yaml_str(&url)
+    );
+    let o = outage_with("fallback", "", &more).await;
+    o.check_common();
+    let failed: Vec<&Sample> = o.samples.iter().filter(|s| s.result.is_err()).collect();
+    assert!(failed.is_empty(), "failed requests: {failed:?}");
+    assert_eq!(
+        o.exhaust_during,
+        real_decisions(),
+        "fallback: exact decisions on Postgres"
+    );
+    let m = o.metrics();
+    assert!(m.counter(FALLBACKS, &[("backend", "redis")]) > 0.0);
+    assert!(m.counter(CALLS, &[("backend", "postgres")]) > 0.0);
+    assert_eq!(m.counter(CALLS, &[("backend", "memory")]), 0.0);
+    assert_eq!(m.counter(FAILURE_ANSWERS, &[("answer", "allow")]), 0.0);
+    // The outage's decisions are rows in Postgres, not keys in Redis.
+    let rows: Vec<Vec<u8>> = {
+        use sqlx::Connection;
+        let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
+        sqlx::query_scalar(&format!("SELECT key FROM \"{schema}\".tollgate_buckets"))
+            .fetch_all(&mut conn)
+            .await
+            .unwrap()
+    };
+    assert!(
+        rows.iter().any(|k| k.ends_with(b"probe-during")),
+        "no row in Postgres for the outage's probe user"
+    );
+    let on_redis = block_in_place(|| scan_keys_raw(&o.redis, b""));
+    assert!(
+        !on_redis.iter().any(|k| k.ends_with(b"probe-during")),
+        "a decision during the outage reached Redis"
+    );
+    // Back on Redis: neither the fallback nor Postgres is asked any more.
+    let (fallbacks, on_postgres) = (
+        m.counter(FALLBACKS, &[("backend", "redis")]),
+        m.counter(CALLS, &[("backend", "postgres")]),
+    );
+    let mut c = connect(&o.tollgate).await;
+    assert_eq!(exhaust(&mut c, "probe-later").await, real_decisions());
+    let m = o.metrics();
+    assert_eq!(m.counter(FALLBACKS, &[("backend", "redis")]), fallbacks);
+    assert_eq!(m.counter(CALLS, &[("backend", "postgres")]), on_postgres);
+    support::postgres::drop_schema(&url, &schema).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -1,22 +1,23 @@
 //! A shared backend with a circuit breaker and, optionally, a fallback store (DESIGN 2).
 //!
-//! While the breaker is closed every call goes to the primary (Redis). Repeated failures open
+//! While the breaker is closed every call goes to the primary (Redis or Postgres). Repeated failures open
 //! it ([`Breaker`]): calls then skip the primary for a while instead of each waiting for its
 //! timeout, and a probe tests it again later. A call the primary fails, or skips, goes to the
-//! fallback when there is one (`failure_mode: fallback`), else returns the error, which the
-//! limiter answers by the failure mode (`allow`, `deny` or `error`).
+//! fallback when there is one (`failure_mode: fallback`: for Redis, the Postgres store or a
+//! local memory store; see [`Fallback`]), else returns the error, which the limiter answers by
+//! the failure mode (`allow`, `deny` or `error`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use super::{Applied, Breaker, BucketRef, MemoryStore, Metered, Peeked, Store, StoreError};
+use super::{Applied, Breaker, BucketRef, MemoryStore, Metered, Peeked, PostgresStore, Store, StoreError};
 use crate::bucket::Demand;
 use crate::metrics::BACKEND_FALLBACKS;
 
 /// `P` behind a circuit breaker, with an optional fallback.
 pub struct Resilient<P> {
     primary: Metered<P>,
-    fallback: Option<Metered<MemoryStore>>,
+    fallback: Option<Fallback>,
     breaker: Breaker,
     started: Instant,
     /// When a failure was last logged (µs since `started`), so an outage logs its failures
@@ -38,7 +39,7 @@ impl<P: Store> Resilient<P> {
         backend: &'static str,
         breaker_failures: u32,
         breaker_open: Duration,
-        fallback: Option<Metered<MemoryStore>>,
+        fallback: Option<Fallback>,
     ) -> Resilient<P> {
         let fallbacks = metrics::counter!(BACKEND_FALLBACKS, "backend" => backend);
         fallbacks.increment(0);
@@ -128,7 +129,7 @@ impl<P: Store> Resilient<P> {
     where
         F: std::future::Future<Output = Result<T, StoreError>>,
         G: FnOnce(
-            &'a Metered<MemoryStore>,
+            &'a Fallback,
         ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<T, StoreError>> + Send + 'a>>,
     {
         let error = if self.breaker.allow(self.mono_us()) {
@@ -179,6 +180,44 @@ impl<P: Store> Store for Resilient<P> {
         self.primary.rules_changed();
         if let Some(f) = &self.fallback {
             f.rules_changed();
+        }
+    }
+}
+
+/// The store a [`Resilient`] decides on while its primary fails (`failure_mode: fallback`).
+pub enum Fallback {
+    /// A local memory store, per replica.
+    Memory(Metered<MemoryStore>),
+    /// The Postgres store, shared by every replica (`redis.fallback: postgres`).
+    Postgres(Metered<PostgresStore>),
+}
+
+impl Store for Fallback {
+    async fn apply(&self, buckets: &[BucketRef], demands: &[Demand]) -> Result<Applied, StoreError> {
+        match self {
+            Fallback::Memory(s) => s.apply(buckets, demands).await,
+            Fallback::Postgres(s) => s.apply(buckets, demands).await,
+        }
+    }
+
+    async fn peek(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
+        match self {
+            Fallback::Memory(s) => s.peek(buckets).await,
+            Fallback::Postgres(s) => s.peek(buckets).await,
+        }
+    }
+
+    async fn reset(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
+        match self {
+            Fallback::Memory(s) => s.reset(buckets).await,
+            Fallback::Postgres(s) => s.reset(buckets).await,
+        }
+    }
+
+    fn rules_changed(&self) {
+        match self {
+            Fallback::Memory(s) => s.rules_changed(),
+            Fallback::Postgres(s) => s.rules_changed(),
         }
     }
 }
