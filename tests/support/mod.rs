@@ -211,9 +211,9 @@ impl TollgateBuilder {
         self
     }
 
-    /// Starts `tollgate serve` on free loopback ports and waits until `/healthz` answers 200
-    /// (the gRPC listener is bound before the HTTP one). Retries with new ports when a port was
-    /// taken in the meantime. Panics, with the process log, if it does not come up.
+    /// Starts `tollgate serve` on free loopback ports and waits until its `/config` answers
+    /// 200 with its own gRPC address (the gRPC listener is bound before the HTTP one). Retries
+    /// with new ports when a port was taken in the meantime. Panics, with the process log, if it does not come up.
     pub fn start(self) -> Tollgate {
         let dir = tempfile::Builder::new()
             .prefix("tollgate-test.")
@@ -267,8 +267,11 @@ impl TollgateBuilder {
             command.envs(self.env.iter().map(|(k, v)| (k, v)));
             let log = dir.path().join(format!("tollgate.{attempt}.log"));
             let mut process = ChildGuard::spawn("tollgate", &mut command, &log);
+            // `/config` names the gRPC address, so an answer from another process that holds
+            // the HTTP port (a test running alongside) is not taken for this one's.
+            let ours = format!("{grpc_addr}");
             match wait_until(&mut process, || {
-                http_get(http_addr, "/healthz").filter(|(status, _)| *status == 200)
+                http_get(http_addr, "/config").filter(|(status, body)| *status == 200 && body.contains(&ours))
             }) {
                 Ok(_) => {
                     return Tollgate {
