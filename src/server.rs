@@ -340,7 +340,13 @@ async fn redis_store(
     let fallback = match (r.failure_mode, r.fallback) {
         (FailureMode::Fallback, FallbackBackend::Memory) => Some(Fallback::Memory(Metered::new(memory, "memory"))),
         (FailureMode::Fallback, FallbackBackend::Postgres) => {
-            let postgres = connect_postgres(settings).await?;
+            let postgres = connect_postgres(settings).await.map_err(|e| {
+                anyhow::anyhow!(
+                    "redis.failure_mode: fallback decides on Postgres (redis.fallback: postgres, the default), \
+                     which cannot be used: {e:#}; configure the postgres section, or set redis.fallback: memory \
+                     for a local store per replica"
+                )
+            })?;
             Some(Fallback::Postgres(Metered::new(postgres, "postgres")))
         }
         _ => None,
@@ -393,7 +399,7 @@ async fn connect_postgres(settings: &Settings) -> anyhow::Result<PostgresStore> 
             Ok(()) => tracing::info!(postgres = %postgres.describe(), schema = %p.schema, "connected to Postgres"),
             Err(e) => {
                 tracing::warn!(error = %e, "Postgres not reachable at start: not ready until it is; connecting in the background");
-                postgres.connect_in_background(Duration::from_millis(500));
+                postgres.connect_in_background(Duration::from_millis(500), connect_timeout);
             }
         },
     }

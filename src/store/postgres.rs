@@ -151,13 +151,14 @@ impl PostgresStore {
         Ok(())
     }
 
-    /// Keeps calling [`PostgresStore::connect`] in the background, `retry` apart, until it
-    /// succeeds: for a server that starts not ready (`unreachable_at_start: not_ready`).
-    pub fn connect_in_background(&self, retry: Duration) {
+    /// Keeps calling [`PostgresStore::connect`] (each attempt given `timeout`) in the
+    /// background, `retry` apart, until it succeeds: for a server that starts not ready
+    /// (`unreachable_at_start: not_ready`).
+    pub fn connect_in_background(&self, retry: Duration, timeout: Duration) {
         let store = self.clone();
         tokio::spawn(async move {
             loop {
-                match store.connect(retry.max(Duration::from_secs(1))).await {
+                match store.connect(timeout).await {
                     Ok(()) => {
                         tracing::info!(postgres = %store.describe(), "connected to Postgres");
                         return;
@@ -205,6 +206,10 @@ impl PostgresStore {
     ///
     /// Errors: Postgres unreachable or too slow.
     pub async fn sweep(&self, limit: u32) -> Result<u64, StoreError> {
+        self.bounded("sweep", self.sweep_inner(limit)).await
+    }
+
+    async fn sweep_inner(&self, limit: u32) -> Result<u64, StoreError> {
         let now = self.now_outside().await?;
         let done = sqlx::query(
             "DELETE FROM tollgate_buckets WHERE key IN (SELECT key FROM tollgate_buckets \
@@ -372,25 +377,25 @@ impl PostgresStore {
     }
 }
 
-impl Store for PostgresStore {
-    async fn apply(&self, buckets: &[BucketRef], demands: &[Demand]) -> Result<Applied, StoreError> {
-        let decision = async {
-            let mut tx = self.inner.pool.begin().await.map_err(store_error)?;
-            let applied = self.apply_in(&mut tx, buckets, demands).await?;
-            tx.commit().await.map_err(store_error)?;
-            Ok(applied)
-        };
-        // A transaction cut short here is rolled back when its connection goes back to the pool.
-        match tokio::time::timeout(self.inner.timeout, decision).await {
+impl PostgresStore {
+    /// `work` within the store's time budget (at least a second: peek, reset and the sweep are
+    /// off the request path but must not hang on a Postgres that stopped answering).
+    async fn bounded<T>(
+        &self,
+        what: &str,
+        work: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let budget = self.inner.timeout.max(Duration::from_secs(1));
+        match tokio::time::timeout(budget, work).await {
             Ok(result) => result,
             Err(_) => Err(StoreError::Timeout(format!(
-                "no decision from Postgres within {} ms",
-                self.inner.timeout.as_millis()
+                "{what}: no answer from Postgres within {} ms",
+                budget.as_millis()
             ))),
         }
     }
 
-    async fn peek(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
+    async fn peek_inner(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
         let (keys, index) = Self::sorted_keys(buckets);
         let mut tx = self.inner.pool.begin().await.map_err(store_error)?;
         let stored = Self::read(&mut tx, &keys).await?;
@@ -413,7 +418,7 @@ impl Store for PostgresStore {
         })
     }
 
-    async fn reset(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
+    async fn reset_inner(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
         let (keys, _) = Self::sorted_keys(buckets);
         let mut tx = self.inner.pool.begin().await.map_err(store_error)?;
         // Lock in ascending key order first, as a decision does, so the two never deadlock.
@@ -438,6 +443,33 @@ impl Store for PostgresStore {
             kept: states.clone(),
             states,
         })
+    }
+}
+
+impl Store for PostgresStore {
+    async fn apply(&self, buckets: &[BucketRef], demands: &[Demand]) -> Result<Applied, StoreError> {
+        let decision = async {
+            let mut tx = self.inner.pool.begin().await.map_err(store_error)?;
+            let applied = self.apply_in(&mut tx, buckets, demands).await?;
+            tx.commit().await.map_err(store_error)?;
+            Ok(applied)
+        };
+        // A transaction cut short here is rolled back when its connection goes back to the pool.
+        match tokio::time::timeout(self.inner.timeout, decision).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::Timeout(format!(
+                "no decision from Postgres within {} ms",
+                self.inner.timeout.as_millis()
+            ))),
+        }
+    }
+
+    async fn peek(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
+        self.bounded("peek", self.peek_inner(buckets)).await
+    }
+
+    async fn reset(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
+        self.bounded("reset", self.reset_inner(buckets)).await
     }
 }
 

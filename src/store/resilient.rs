@@ -188,7 +188,8 @@ impl<P: Store> Store for Resilient<P> {
 pub enum Fallback {
     /// A local memory store, per replica.
     Memory(Metered<MemoryStore>),
-    /// The Postgres store, shared by every replica (`redis.fallback: postgres`).
+    /// The Postgres store, shared by every replica (`redis.fallback: postgres`). No breaker of
+    /// its own: with both backends down, each request waits for Postgres's timeout.
     Postgres(Metered<PostgresStore>),
 }
 
