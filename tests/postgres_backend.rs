@@ -289,3 +289,92 @@ async fn two_replicas_on_postgres_share_a_bucket() {
     );
     support::postgres::drop_schema(&url, &schema).await;
 }
+
+/// Runs `tollgate serve` with `settings` (and rules) until it exits or `within` passes; its
+/// exit status (`None`: still running, then killed) and stderr.
+fn serve_until_exit(settings: &str, within: std::time::Duration) -> (Option<std::process::ExitStatus>, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let rules = dir.path().join("api.yaml");
+    std::fs::write(&rules, FIVE_PER_HOUR).unwrap();
+    let config = dir.path().join("tollgate.yaml");
+    let (grpc, http) = (support::free_port(), support::free_port());
+    std::fs::write(
+        &config,
+        format!(
+            "grpc_addr: 127.0.0.1:{grpc}\nhttp_addr: 127.0.0.1:{http}\nadmin: {{enabled: false}}\nrules: {}\n{settings}",
+            support::yaml_str(&rules.to_string_lossy())
+        ),
+    )
+    .unwrap();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["serve", "--config"])
+        .arg(&config)
+        .env("NO_COLOR", "1")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if started.elapsed() > within {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    (status, stderr)
+}
+
+/// Postgres unreachable at start: with `unreachable_at_start: exit` (the default) `serve`
+/// refuses to start, naming the server and the reason; with `not_ready` it starts, answers
+/// not ready naming Postgres, and answers requests by its failure mode meanwhile.
+#[test]
+fn unreachable_postgres_at_start() {
+    let port = support::free_port();
+    let url = format!("postgres://postgres@127.0.0.1:{port}/x");
+    let settings = format!(
+        "backend: postgres\npostgres: {{url: {}, connect_timeout_ms: 1000}}",
+        support::yaml_str(&url)
+    );
+    let (status, stderr) = serve_until_exit(&settings, std::time::Duration::from_secs(15));
+    let status = status.unwrap_or_else(|| panic!("still running after 15 s: {stderr}"));
+    assert!(!status.success(), "{status}");
+    assert!(
+        stderr.contains(&format!("127.0.0.1:{port}")),
+        "stderr does not name the server: {stderr}"
+    );
+
+    let settings = format!(
+        "backend: postgres\npostgres: {{url: {}, connect_timeout_ms: 500, unreachable_at_start: not_ready, failure_mode: deny}}",
+        support::yaml_str(&url)
+    );
+    let mut tollgate = support::Tollgate::builder()
+        .rules_file("api.yaml", FIVE_PER_HOUR)
+        .settings(&settings)
+        .start();
+    let (code, body) = support::http_get(tollgate.http_addr, "/readyz").expect("/readyz answers");
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("Postgres"), "{body}");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let response = rt.block_on(async {
+        let mut client =
+            envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient::connect(
+                format!("http://{}", tollgate.grpc_addr),
+            )
+            .await
+            .unwrap();
+        client
+            .should_rate_limit(support::request("api", &[("user", "u")], 1))
+            .await
+            .expect("answered by the failure mode")
+            .into_inner()
+    });
+    assert_eq!(response.overall_code, 2, "failure_mode: deny answers OVER_LIMIT");
+    assert!(tollgate.process.exited().is_none(), "{}", tollgate.process.log_tail(20));
+}
