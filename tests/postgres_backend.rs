@@ -48,20 +48,16 @@ async fn admitted(stores: &[PostgresStore], key: &str, capacity: u64, requests: 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_requests_admit_exactly_the_capacity_with_or_without_a_row() {
     let test = "concurrent_requests_admit_exactly_the_capacity_with_or_without_a_row";
-    let Some(url) = support::postgres::shared_postgres(test).await else {
+    let Some(db) = support::postgres::TestSchema::new(test).await else {
         return;
     };
-    let schema = support::postgres::unique_schema();
-    let stores = [
-        support::postgres::store(&url, &schema).await,
-        support::postgres::store(&url, &schema).await,
-    ];
+    let stores = [db.store().await, db.store().await];
     // No row at the start: 32 first touches at once must not each see a full bucket.
     assert_eq!(admitted(&stores, "cold", 10, 32).await, 10);
     // A row already there (one token taken): 9 more, whatever the concurrency.
     assert_eq!(admitted(&stores, "warm", 10, 1).await, 1);
     assert_eq!(admitted(&stores, "warm", 10, 32).await, 9);
-    support::postgres::drop_schema(&url, &schema).await;
+    db.drop().await;
 }
 
 /// Requests that take a token and give it back at once delete the row of a full bucket while
@@ -73,14 +69,10 @@ async fn concurrent_requests_admit_exactly_the_capacity_with_or_without_a_row() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_row_deleted_under_a_request_never_loses_its_write() {
     let test = "a_row_deleted_under_a_request_never_loses_its_write";
-    let Some(url) = support::postgres::shared_postgres(test).await else {
+    let Some(db) = support::postgres::TestSchema::new(test).await else {
         return;
     };
-    let schema = support::postgres::unique_schema();
-    let stores = [
-        support::postgres::store(&url, &schema).await,
-        support::postgres::store(&url, &schema).await,
-    ];
+    let stores = [db.store().await, db.store().await];
     // 10 tokens refilled over 1,000 hours: a few micro-tokens over the test.
     let churn = || BucketRef {
         key: "churn".into(),
@@ -114,17 +106,16 @@ async fn a_row_deleted_under_a_request_never_loses_its_write() {
         (i128::from(held) - expected).abs() <= 1_000,
         "the bucket holds {held} µt, its requests left {expected}: writes were lost"
     );
-    support::postgres::drop_schema(&url, &schema).await;
+    db.drop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn requests_over_the_same_buckets_in_opposite_orders_never_deadlock() {
     let test = "requests_over_the_same_buckets_in_opposite_orders_never_deadlock";
-    let Some(url) = support::postgres::shared_postgres(test).await else {
+    let Some(db) = support::postgres::TestSchema::new(test).await else {
         return;
     };
-    let schema = support::postgres::unique_schema();
-    let store = support::postgres::store(&url, &schema).await;
+    let store = db.store().await;
     let tasks: Vec<_> = (0..200)
         .map(|i| {
             let store = store.clone();
@@ -152,7 +143,7 @@ async fn requests_over_the_same_buckets_in_opposite_orders_never_deadlock() {
     for s in &peeked.kept {
         assert!((800 * MICRO..801 * MICRO).contains(&s.tokens_ut), "{peeked:?}");
     }
-    support::postgres::drop_schema(&url, &schema).await;
+    db.drop().await;
 }
 
 /// A bucket full again is swept; one still short is kept; and a check on a bucket that has no
@@ -160,11 +151,10 @@ async fn requests_over_the_same_buckets_in_opposite_orders_never_deadlock() {
 #[tokio::test(flavor = "multi_thread")]
 async fn the_sweep_deletes_only_buckets_full_again() {
     let test = "the_sweep_deletes_only_buckets_full_again";
-    let Some(url) = support::postgres::shared_postgres(test).await else {
+    let Some(db) = support::postgres::TestSchema::new(test).await else {
         return;
     };
-    let schema = support::postgres::unique_schema();
-    let store = support::postgres::store(&url, &schema).await;
+    let store = db.store().await;
     // 1,000 tokens a second: one token short is full again 1 ms later.
     let fast = BucketRef {
         key: "fast".into(),
@@ -180,11 +170,12 @@ async fn the_sweep_deletes_only_buckets_full_again() {
     store.apply(&[bucket("untouched", 10)], &[check]).await.unwrap();
     let rows = || async {
         use sqlx::Connection;
-        let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
-        let keys: Vec<Vec<u8>> = sqlx::query_scalar(&format!("SELECT key FROM {schema}.tollgate_buckets ORDER BY key"))
-            .fetch_all(&mut conn)
-            .await
-            .unwrap();
+        let mut conn = sqlx::PgConnection::connect(&db.url).await.unwrap();
+        let keys: Vec<Vec<u8>> =
+            sqlx::query_scalar(&format!("SELECT key FROM {}.tollgate_buckets ORDER BY key", db.name))
+                .fetch_all(&mut conn)
+                .await
+                .unwrap();
         keys.into_iter()
             .map(|k| String::from_utf8(k).unwrap())
             .collect::<Vec<_>>()
@@ -193,7 +184,7 @@ async fn the_sweep_deletes_only_buckets_full_again() {
     tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     assert_eq!(store.sweep(100).await.unwrap(), 1);
     assert_eq!(rows().await, ["slow"]);
-    support::postgres::drop_schema(&url, &schema).await;
+    db.drop().await;
 }
 
 #[tokio::test]
@@ -247,12 +238,11 @@ fn serve_on_postgres(url: &str, schema: &str) -> support::Tollgate {
 #[tokio::test(flavor = "multi_thread")]
 async fn two_replicas_on_postgres_share_a_bucket() {
     let test = "two_replicas_on_postgres_share_a_bucket";
-    let Some(url) = support::postgres::shared_postgres(test).await else {
+    let Some(db) = support::postgres::TestSchema::new(test).await else {
         return;
     };
-    let schema = support::postgres::unique_schema();
     let (a, b) = {
-        let (url, schema) = (url.clone(), schema.clone());
+        let (url, schema) = (db.url.clone(), db.name.clone());
         tokio::task::spawn_blocking(move || (serve_on_postgres(&url, &schema), serve_on_postgres(&url, &schema)))
             .await
             .unwrap()
@@ -287,7 +277,7 @@ async fn two_replicas_on_postgres_share_a_bucket() {
         "{}",
         a.process.log_tail(20)
     );
-    support::postgres::drop_schema(&url, &schema).await;
+    db.drop().await;
 }
 
 /// Runs `tollgate serve` with `settings` (and rules) until it exits or `within` passes; its

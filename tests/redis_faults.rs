@@ -593,14 +593,14 @@ async fn fallback_mode_decides_locally_during_the_outage() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn fallback_mode_decides_on_postgres_during_the_outage() {
     let test = "fallback_mode_decides_on_postgres_during_the_outage";
-    let Some(url) = support::postgres::shared_postgres(test).await else {
+    let Some(db) = support::postgres::TestSchema::new(test).await else {
         return;
     };
     let _serial = one_at_a_time();
-    let schema = support::postgres::unique_schema();
+    let (url, schema) = (&db.url, &db.name);
     let more = format!(
         "postgres: {{url: {}, schema: {schema}, command_timeout_ms: 2000, connect_timeout_ms: 10000}}",
-        yaml_str(&url)
+        yaml_str(url)
     );
     let o = outage_with("fallback", "", &more).await;
     o.check_common();
@@ -619,7 +619,7 @@ async fn fallback_mode_decides_on_postgres_during_the_outage() {
     // The outage's decisions are rows in Postgres, not keys in Redis.
     let rows: Vec<Vec<u8>> = {
         use sqlx::Connection;
-        let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
+        let mut conn = sqlx::PgConnection::connect(url).await.unwrap();
         sqlx::query_scalar(&format!("SELECT key FROM \"{schema}\".tollgate_buckets"))
             .fetch_all(&mut conn)
             .await
@@ -644,7 +644,7 @@ async fn fallback_mode_decides_on_postgres_during_the_outage() {
     let m = o.metrics();
     assert_eq!(m.counter(FALLBACKS, &[("backend", "redis")]), fallbacks);
     assert_eq!(m.counter(CALLS, &[("backend", "postgres")]), on_postgres);
-    support::postgres::drop_schema(&url, &schema).await;
+    db.drop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

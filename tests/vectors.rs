@@ -231,20 +231,15 @@ async fn redis_cluster_matches_the_shared_vectors() {
 /// time instead of `clock_timestamp()`.
 #[tokio::test(flavor = "multi_thread")]
 async fn postgres_store_matches_the_shared_vectors() {
-    let Some(url) = support::postgres::shared_postgres("postgres_store_matches_the_shared_vectors").await else {
+    let Some(db) = support::postgres::TestSchema::new("postgres_store_matches_the_shared_vectors").await else {
         return;
     };
-    let schema = support::postgres::unique_schema();
     check_vectors(|clock| {
-        let (url, schema) = (url.clone(), schema.clone());
-        async move {
-            support::postgres::store(&url, &schema)
-                .await
-                .with_time_override(Arc::new(clock))
-        }
+        let db = &db;
+        async move { db.store().await.with_time_override(Arc::new(clock)) }
     })
     .await;
-    support::postgres::drop_schema(&url, &schema).await;
+    db.drop().await;
 }
 
 mod random {

@@ -63,6 +63,18 @@ pub struct Peeked {
 }
 
 /// Why a store could not decide.
+/// Why a shared store (Redis, Postgres) could not be built or connected.
+#[derive(Debug, thiserror::Error)]
+#[error("{backend} at {url}: {reason}")]
+pub struct ConnectError {
+    /// `Redis` or `Postgres`.
+    pub backend: &'static str,
+    /// The (first) URL, password redacted.
+    pub url: String,
+    /// What went wrong.
+    pub reason: String,
+}
+
 #[derive(Clone, Debug, thiserror::Error)]
 pub enum StoreError {
     /// The backend could not be reached or did not answer in time.

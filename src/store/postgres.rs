@@ -27,10 +27,14 @@ use std::time::Duration;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{Postgres, Row, Transaction};
 
-use super::{Applied, BucketRef, Peeked, Store, StoreError};
+use super::{Applied, BucketRef, ConnectError, Peeked, Store, StoreError};
 use crate::bucket::{decide, BucketState, Demand, Refilling};
 use crate::clock::Clock;
 use crate::settings::{redact_url, PostgresSettings};
+
+/// Postgres's `clock_timestamp()` in µs since the epoch, as SQL (exact: `extract` gives
+/// `numeric` on PostgreSQL 14 and later).
+const CLOCK_US: &str = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint";
 
 /// The migrations in `migrations/`, applied by [`PostgresStore::connect`].
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
@@ -52,16 +56,6 @@ struct Inner {
     describe: String,
     /// Tests only: decide at this clock's time instead of `clock_timestamp()`.
     time_override: Option<Arc<dyn Clock>>,
-}
-
-/// Why the store could not be built or connected.
-#[derive(Debug, thiserror::Error)]
-#[error("Postgres at {url}: {reason}")]
-pub struct ConnectError {
-    /// The URL, password redacted.
-    pub url: String,
-    /// What went wrong.
-    pub reason: String,
 }
 
 fn store_error(e: sqlx::Error) -> StoreError {
@@ -86,6 +80,7 @@ impl PostgresStore {
     pub fn new(settings: &PostgresSettings) -> Result<PostgresStore, ConnectError> {
         let describe = redact_url(&settings.url);
         let fail = |reason: String| ConnectError {
+            backend: "Postgres",
             url: describe.clone(),
             reason,
         };
@@ -128,6 +123,7 @@ impl PostgresStore {
     /// schema, or a migration that fails.
     pub async fn connect(&self, timeout: Duration) -> Result<(), ConnectError> {
         let fail = |reason: String| ConnectError {
+            backend: "Postgres",
             url: self.inner.describe.clone(),
             reason,
         };
@@ -210,16 +206,18 @@ impl PostgresStore {
     }
 
     async fn sweep_inner(&self, limit: u32) -> Result<u64, StoreError> {
-        let now = self.now_outside().await?;
-        let done = sqlx::query(
+        // One statement: Postgres's clock read in it, unless a test overrides it.
+        let sql = format!(
             "DELETE FROM tollgate_buckets WHERE key IN (SELECT key FROM tollgate_buckets \
-             WHERE full_at_us <= $1 ORDER BY full_at_us LIMIT $2 FOR UPDATE SKIP LOCKED)",
-        )
-        .bind(column(now))
-        .bind(i64::from(limit))
-        .execute(&self.inner.pool)
-        .await
-        .map_err(store_error)?;
+             WHERE full_at_us <= COALESCE($1, {CLOCK_US}) ORDER BY full_at_us LIMIT $2 FOR UPDATE SKIP LOCKED)"
+        );
+        let now = self.inner.time_override.as_ref().map(|c| column(c.now_us()));
+        let done = sqlx::query(&sql)
+            .bind(now)
+            .bind(i64::from(limit))
+            .execute(&self.inner.pool)
+            .await
+            .map_err(store_error)?;
         Ok(done.rows_affected())
     }
 
@@ -228,18 +226,11 @@ impl PostgresStore {
         if let Some(clock) = &self.inner.time_override {
             return Ok(clock.now_us());
         }
-        let now: i64 = sqlx::query_scalar("SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint")
+        let now: i64 = sqlx::query_scalar(&format!("SELECT {CLOCK_US}"))
             .fetch_one(&mut **tx)
             .await
             .map_err(store_error)?;
         Ok(u64::try_from(now).unwrap_or(0))
-    }
-
-    async fn now_outside(&self) -> Result<u64, StoreError> {
-        let mut tx = self.inner.pool.begin().await.map_err(store_error)?;
-        let now = self.now_in(&mut tx).await?;
-        tx.commit().await.map_err(store_error)?;
-        Ok(now)
     }
 
     /// The stored states of `keys` (sorted, distinct), unlocked: NULL (a row just created, or

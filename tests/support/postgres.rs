@@ -85,3 +85,33 @@ pub async fn drop_schema(url: &str, schema: &str) {
         .await
         .expect("drops the schema");
 }
+
+/// A schema of its own on the shared server, for one test.
+pub struct TestSchema {
+    /// The shared server's URL.
+    pub url: String,
+    /// The schema's name ([`unique_schema`]).
+    pub name: String,
+}
+
+impl TestSchema {
+    /// A fresh schema name on the shared server, or `None` (the test skips) when there is no
+    /// server outside CI; see [`shared_postgres`].
+    pub async fn new(test: &str) -> Option<TestSchema> {
+        let url = shared_postgres(test).await?;
+        Some(TestSchema {
+            url,
+            name: unique_schema(),
+        })
+    }
+
+    /// A connected store in this schema (created and migrated on first use).
+    pub async fn store(&self) -> PostgresStore {
+        store(&self.url, &self.name).await
+    }
+
+    /// Drops the schema and everything in it.
+    pub async fn drop(self) {
+        drop_schema(&self.url, &self.name).await;
+    }
+}

@@ -42,7 +42,7 @@ use self::script::{
     bucket_args, encode_header, encode_request, parse_reply, replacement, split_answers, BucketArgs, CallSettings,
     Replacement, Reply,
 };
-use super::{Applied, BucketRef, Peeked, Store, StoreError};
+use super::{Applied, BucketRef, ConnectError, Peeked, Store, StoreError};
 use crate::bucket::{BucketState, Decision, Demand, DemandKind, InstanceOutcome, Refilling};
 use crate::clock::Clock;
 use crate::settings::{redact_url, RedisSettings, UnreachableAtStart};
@@ -130,16 +130,6 @@ struct Inner {
     timeout: Duration,
 }
 
-/// Why the store could not be built or connected.
-#[derive(Debug, thiserror::Error)]
-#[error("Redis at {url}: {reason}")]
-pub struct ConnectError {
-    /// The (first) URL, password redacted.
-    pub url: String,
-    /// What went wrong.
-    pub reason: String,
-}
-
 fn store_error(e: &FredError) -> StoreError {
     let details = e.details();
     // The scripts' own complaints about a stored value, and a key of another type.
@@ -201,6 +191,7 @@ impl RedisStore {
     pub fn new(settings: &RedisSettings, clock: Arc<dyn Clock>) -> Result<RedisStore, ConnectError> {
         let first = settings.urls.first().map(String::as_str).unwrap_or_default();
         let fail = |reason: String| ConnectError {
+            backend: "Redis",
             url: redact_url(first),
             reason,
         };
@@ -293,6 +284,7 @@ impl RedisStore {
     /// Errors: Redis not reachable in time, authentication refused, or a script Redis rejects.
     pub async fn connect(&self, timeout: Duration) -> Result<(), ConnectError> {
         let fail = |reason: String| ConnectError {
+            backend: "Redis",
             url: self.inner.conn.describe.clone(),
             reason,
         };
