@@ -31,8 +31,11 @@ impl Readiness {
     }
 }
 
-/// Whether the backend answers: `Ok(())`, or why not (shown by `/readyz`).
-pub type BackendCheck = Arc<dyn Fn() -> Pin<Box<dyn Future<Output = Result<(), String>> + Send>> + Send + Sync>;
+/// Whether decisions can be taken: `Ok(None)`, `Ok(Some(why))` when only a fallback can take
+/// them (still ready, `/readyz` says why), or `Err(why)` (not ready); see
+/// [`crate::store::AnyStore::ready`].
+pub type BackendCheck =
+    Arc<dyn Fn() -> Pin<Box<dyn Future<Output = Result<Option<String>, String>> + Send>> + Send + Sync>;
 
 /// What the HTTP routes read.
 #[derive(Clone)]
@@ -55,7 +58,7 @@ impl HttpState {
     pub fn basic(ready: Readiness) -> HttpState {
         HttpState {
             ready,
-            backend: Arc::new(|| Box::pin(async { Ok(()) })),
+            backend: Arc::new(|| Box::pin(async { Ok(None) })),
             metrics: None,
             refresh: Arc::new(|| {}),
             config: Arc::new(|| serde_json::json!({})),
@@ -81,7 +84,8 @@ async fn readyz(State(state): State<HttpState>) -> (StatusCode, String) {
         );
     }
     match (state.backend)().await {
-        Ok(()) => (StatusCode::OK, "ready\n".into()),
+        Ok(None) => (StatusCode::OK, "ready\n".into()),
+        Ok(Some(degraded)) => (StatusCode::OK, format!("ready (degraded): backend: {degraded}\n")),
         Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: backend: {why}\n")),
     }
 }

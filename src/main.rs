@@ -45,6 +45,15 @@ enum Command {
         #[arg(long, default_value = "config/rules")]
         rules: PathBuf,
     },
+    /// Create the Postgres schema and apply the migrations this build embeds, with the
+    /// `postgres` settings `serve` would use (defaults, the settings file, TOLLGATE_POSTGRES__*);
+    /// prints what it applied, or exits 1 naming the server and the reason. Safe to run again
+    /// and beside running replicas.
+    Migrate {
+        /// Settings file (YAML). Without it, config/tollgate.yaml is read if it exists.
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
     /// Look at or fix one client's buckets on a running server, through its admin API; prints
     /// the server's JSON answer, or exits 1 with its error.
     Bucket {
@@ -131,18 +140,14 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        Command::Migrate { config } => match load_settings(config.as_deref()) {
+            Some(settings) => migrate(&settings),
+            None => ExitCode::FAILURE,
+        },
         Command::Serve { config, rules } => {
-            let mut settings = match Settings::load(config.as_deref()) {
-                Ok(s) => s,
-                Err(e) => {
-                    eprintln!("invalid settings: {e}");
-                    return ExitCode::FAILURE;
-                }
-            };
-            if let Err(e) = settings.validate() {
-                eprintln!("invalid settings: {e}");
+            let Some(mut settings) = load_settings(config.as_deref()) else {
                 return ExitCode::FAILURE;
-            }
+            };
             if let Some(rules) = rules {
                 settings.rules = rules;
             }
@@ -164,6 +169,57 @@ fn main() -> ExitCode {
                     ExitCode::FAILURE
                 }
             }
+        }
+    }
+}
+
+/// The settings from defaults, `config` (or `config/tollgate.yaml`) and `TOLLGATE_*`, checked;
+/// `None` after printing why they are not valid.
+fn load_settings(config: Option<&std::path::Path>) -> Option<Settings> {
+    let settings = Settings::load(config)
+        .map_err(|e| e.to_string())
+        .and_then(|s| s.validate().map(|()| s));
+    settings.map_err(|e| eprintln!("invalid settings: {e}")).ok()
+}
+
+/// `tollgate migrate`: the Postgres schema and migrations of `settings.postgres`.
+fn migrate(settings: &Settings) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let p = &settings.postgres;
+    // Migrations may wait for another replica's advisory lock: far longer than a connection.
+    let timeout = Duration::from_millis(p.connect_timeout_ms).max(Duration::from_secs(60));
+    let outcome = runtime.block_on(async {
+        let store = tollgate::store::PostgresStore::new(p)?;
+        let report = store.migrate(timeout).await?;
+        Ok::<_, tollgate::store::ConnectError>((store, report))
+    });
+    match outcome {
+        Ok((store, report)) => {
+            let target = format!("Postgres at {}, schema {}", store.describe(), store.schema());
+            if report.applied.is_empty() {
+                let plural = if report.in_place == 1 { "" } else { "s" };
+                println!("{target}: up to date ({} migration{plural} in place)", report.in_place);
+            } else {
+                for (version, description) in &report.applied {
+                    println!("{target}: applied {version} {description}");
+                }
+                println!(
+                    "{target}: {} applied, {} already in place",
+                    report.applied.len(),
+                    report.in_place
+                );
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("tollgate migrate: {e}");
+            ExitCode::FAILURE
         }
     }
 }

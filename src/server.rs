@@ -20,7 +20,7 @@ use crate::limiter::{Limiter, LimiterOptions};
 use crate::reload::{load_initial, Reloader};
 use crate::service::RateLimitGrpc;
 use crate::settings::{Backend, FailureMode, FallbackBackend, Settings, UnreachableAtStart};
-use crate::store::{AnyStore, Fallback, MemoryStore, Metered, PostgresStore, RedisStore, Resilient, Store};
+use crate::store::{AnyStore, Fallback, Guarded, MemoryStore, Metered, PostgresStore, RedisStore, Resilient, Store};
 use crate::wire::RateLimitServer;
 
 impl LimiterOptions {
@@ -347,7 +347,13 @@ async fn redis_store(
                      for a local store per replica"
                 )
             })?;
-            Some(Fallback::Postgres(Metered::new(postgres, "postgres")))
+            let p = &settings.postgres;
+            Some(Fallback::Postgres(Guarded::new(
+                Metered::new(postgres, "postgres"),
+                "postgres",
+                p.breaker_failures,
+                Duration::from_millis(p.breaker_open_ms),
+            )))
         }
         _ => None,
     };

@@ -220,6 +220,10 @@ pub struct PostgresSettings {
     /// The schema holding tollgate's table, created when missing: a lower-case identifier (a
     /// letter or `_`, then letters, digits or `_`, at most 63 bytes).
     pub schema: String,
+    /// Whether `serve` creates the schema and applies the migrations at start (`true`), or only
+    /// checks that `tollgate migrate` has (`false`: tollgate's database user then needs no
+    /// right to create anything).
+    pub migrate: bool,
     /// What to answer while Postgres fails: as for Redis (`fallback`: a local memory store).
     pub failure_mode: FailureMode,
     /// When Postgres cannot be reached at start: exit, or start not ready.
@@ -242,6 +246,7 @@ impl Default for PostgresSettings {
             connect_timeout_ms: 1_000,
             command_timeout_ms: 15,
             schema: "tollgate".into(),
+            migrate: true,
             failure_mode: FailureMode::Error,
             unreachable_at_start: UnreachableAtStart::Exit,
             breaker_failures: 5,

@@ -368,3 +368,117 @@ fn unreachable_postgres_at_start() {
     assert_eq!(response.overall_code, 2, "failure_mode: deny answers OVER_LIMIT");
     assert!(tollgate.process.exited().is_none(), "{}", tollgate.process.log_tail(20));
 }
+
+/// `tollgate migrate` with `settings` in a settings file: exit status, stdout, stderr.
+fn migrate(settings: &str) -> (std::process::ExitStatus, String, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("tollgate.yaml");
+    std::fs::write(&config, settings).unwrap();
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"));
+    command.args(["migrate", "--config"]).arg(&config);
+    for (key, _) in std::env::vars_os() {
+        if key.to_string_lossy().starts_with("TOLLGATE_") {
+            command.env_remove(key);
+        }
+    }
+    let out = command.output().unwrap();
+    (
+        out.status,
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// `tollgate migrate` creates the schema and applies the migrations once (a second run finds
+/// them in place); with `postgres.migrate: false`, `serve` refuses a schema that lacks them,
+/// naming the command to run, and uses one that has them; an unreachable server is named with
+/// the reason.
+#[tokio::test(flavor = "multi_thread")]
+async fn tollgate_migrate_prepares_the_schema_that_serve_then_only_checks() {
+    let test = "tollgate_migrate_prepares_the_schema_that_serve_then_only_checks";
+    let Some(db) = support::postgres::TestSchema::new(test).await else {
+        return;
+    };
+    let postgres = format!(
+        "postgres: {{url: {}, schema: {}, migrate: false, command_timeout_ms: 2000, connect_timeout_ms: 10000}}",
+        support::yaml_str(&db.url),
+        db.name
+    );
+    let settings = format!("backend: postgres\n{postgres}");
+
+    let (status, stderr) =
+        tokio::task::block_in_place(|| serve_until_exit(&settings, std::time::Duration::from_secs(20)));
+    assert!(
+        status.is_some_and(|s| !s.success()),
+        "serve on an unmigrated schema: {status:?} {stderr}"
+    );
+    assert!(
+        stderr.contains("tollgate migrate") && stderr.contains("20261130000001"),
+        "the error names the missing migration and the command: {stderr}"
+    );
+
+    let (status, stdout, stderr) = tokio::task::block_in_place(|| migrate(&postgres));
+    assert!(status.success(), "{status}: {stdout}{stderr}");
+    assert!(
+        stdout.contains(&format!("schema {}: applied 20261130000001 buckets", db.name)),
+        "{stdout}"
+    );
+    let (status, stdout, _) = tokio::task::block_in_place(|| migrate(&postgres));
+    assert!(status.success());
+    assert!(stdout.contains("up to date (1 migration in place)"), "{stdout}");
+
+    let tollgate = {
+        let (url, schema) = (db.url.clone(), db.name.clone());
+        tokio::task::spawn_blocking(move || {
+            let settings = format!(
+                "backend: postgres\npostgres:\n  url: {}\n  schema: {schema}\n  migrate: false\n  command_timeout_ms: 2000\n  connect_timeout_ms: 10000\n",
+                support::yaml_str(&url)
+            );
+            let mut tollgate = support::Tollgate::builder()
+                .rules_file("api.yaml", FIVE_PER_HOUR)
+                .settings(&settings)
+                .start();
+            let http = tollgate.http_addr;
+            support::wait_until(&mut tollgate.process, || {
+                support::http_get(http, "/readyz").filter(|(status, _)| *status == 200)
+            })
+            .unwrap_or_else(|why| panic!("not ready: {why}\n{}", tollgate.process.log_tail(40)));
+            tollgate
+        })
+        .await
+        .unwrap()
+    };
+    let mut client =
+        envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient::connect(
+            format!("http://{}", tollgate.grpc_addr),
+        )
+        .await
+        .unwrap();
+    let mut codes = Vec::new();
+    for _ in 0..6 {
+        let r = client
+            .should_rate_limit(support::request("api", &[("user", "m")], 1))
+            .await
+            .expect("answered")
+            .into_inner();
+        codes.push(r.overall_code);
+    }
+    assert_eq!(
+        codes,
+        [1, 1, 1, 1, 1, 2],
+        "five of six on a schema tollgate migrate made"
+    );
+
+    let port = support::free_port();
+    let refused = format!(
+        "postgres: {{url: {}, connect_timeout_ms: 2000}}",
+        support::yaml_str(&format!("postgres://postgres:hunter2@127.0.0.1:{port}/x"))
+    );
+    let (status, stdout, stderr) = tokio::task::block_in_place(|| migrate(&refused));
+    assert!(!status.success(), "{stdout}");
+    assert!(
+        stderr.contains(&format!("127.0.0.1:{port}")) && stderr.contains("refused") && !stderr.contains("hunter2"),
+        "names the server and the reason, not the password: {stderr}"
+    );
+    db.drop().await;
+}

@@ -12,26 +12,18 @@ mod support;
 
 use std::path::Path;
 use std::process::{Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
-use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
+use support::faults::{
+    self, call, calls, circuit_open, connect, eventually, one_at_a_time, readyz, real_decisions, scrape, summary, Load,
+    Sample, AFTER, BEFORE, CAPACITY, CHANGING, CLIENTS, OUTAGE_PHASE, RULES,
+};
 use support::redis::{keys_without_ttl, scan_keys_raw, RedisServer};
-use support::{free_port, http_get, request, yaml_str, Scrape, Tollgate};
-use tokio::task::{block_in_place, JoinHandle};
+use support::{free_port, http_get, yaml_str, Scrape, Tollgate};
+use tokio::task::block_in_place;
 use tonic::transport::Channel;
-
-const DOMAIN: &str = "faults";
-const CAPACITY: usize = 5;
-const RULES: &str = r#"
-domain: faults
-descriptors:
-  - key: user
-    token_bucket: {capacity: 5, refill: 1/1h}
-"#;
 
 /// `redis.command_timeout_ms` in these tests.
 const COMMAND_TIMEOUT_MS: u64 = 100;
@@ -39,8 +31,6 @@ const COMMAND_TIMEOUT_MS: u64 = 100;
 const SLACK: Duration = Duration::from_millis(750);
 /// How long Redis stays away in the outage tests.
 const OUTAGE: Duration = Duration::from_secs(2);
-/// Clients sending requests continuously during an outage.
-const CLIENTS: usize = 8;
 /// `redis.breaker_failures` and `redis.breaker_open_ms`.
 const BREAKER_FAILURES: u32 = 3;
 const BREAKER_OPEN_MS: u64 = 200;
@@ -49,16 +39,8 @@ const RECOVERY: Duration = Duration::from_secs(5);
 
 const CALLS: &str = "tollgate_backend_calls_total";
 const ERRORS: &str = "tollgate_backend_errors_total";
-const CIRCUIT_OPEN: &str = "tollgate_backend_circuit_open";
 const FALLBACKS: &str = "tollgate_backend_fallbacks_total";
 const FAILURE_ANSWERS: &str = "tollgate_backend_failure_answers_total";
-
-/// The tests that put load on the machine run one at a time, so the latency bound measures
-/// tollgate, not the other tests (the machine may have two cores).
-fn one_at_a_time() -> MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 fn max_latency() -> Duration {
     Duration::from_millis(COMMAND_TIMEOUT_MS) + SLACK
@@ -81,194 +63,21 @@ fn start_tollgate(settings: &str) -> Tollgate {
         .start()
 }
 
-async fn connect(tollgate: &Tollgate) -> RateLimitServiceClient<Channel> {
-    RateLimitServiceClient::connect(format!("http://{}", tollgate.grpc_addr))
-        .await
-        .expect("connect to tollgate")
-}
-
-fn retry_after(resp: &RateLimitResponse) -> bool {
-    resp.response_headers_to_add
-        .iter()
-        .any(|h| h.key.eq_ignore_ascii_case("retry-after"))
-}
-
-/// One request for user `user`, timed; a call that takes over 10 s is a failure of its own.
-async fn call(
-    client: &mut RateLimitServiceClient<Channel>,
-    user: &str,
-) -> (Duration, Result<RateLimitResponse, tonic::Status>) {
-    let started = Instant::now();
-    let result = tokio::time::timeout(
-        Duration::from_secs(10),
-        client.should_rate_limit(request(DOMAIN, &[("user", user)], 0)),
-    )
-    .await
-    .unwrap_or_else(|_| Err(tonic::Status::deadline_exceeded("no answer within 10 s (test bound)")))
-    .map(tonic::Response::into_inner);
-    (started.elapsed(), result)
-}
-
-fn code(resp: &RateLimitResponse) -> Code {
-    Code::try_from(resp.overall_code).expect("a known code")
-}
-
-/// Sends `CAPACITY + 2` requests for a user nobody used yet and returns the codes: a bucket
-/// decided for real gives exactly `CAPACITY` OK, then OVER_LIMIT.
+/// [`faults::exhaust`] within this file's latency bound.
 async fn exhaust(client: &mut RateLimitServiceClient<Channel>, user: &str) -> Vec<Code> {
-    let mut codes = Vec::new();
-    for _ in 0..CAPACITY + 2 {
-        let (took, result) = call(client, user).await;
-        let resp = result.unwrap_or_else(|e| panic!("request for {user}: {e:?}"));
-        assert!(took <= max_latency(), "request for {user} took {took:?}");
-        codes.push(code(&resp));
-    }
-    codes
-}
-
-fn real_decisions() -> Vec<Code> {
-    let mut codes = vec![Code::Ok; CAPACITY];
-    codes.extend([Code::OverLimit, Code::OverLimit]);
-    codes
-}
-
-fn readyz(tollgate: &Tollgate) -> (u16, String) {
-    block_in_place(|| http_get(tollgate.http_addr, "/readyz")).expect("/readyz answers")
-}
-
-fn scrape(tollgate: &Tollgate) -> Scrape {
-    block_in_place(|| Scrape::from(tollgate.http_addr))
+    faults::exhaust(client, user, max_latency()).await
 }
 
 fn gauge_circuit_open(tollgate: &Tollgate) -> f64 {
-    scrape(tollgate)
-        .get(CIRCUIT_OPEN, &[("backend", "redis")])
-        .expect("the circuit gauge exists")
-}
-
-fn calls(tollgate: &Tollgate, backend: &str) -> f64 {
-    scrape(tollgate).counter(CALLS, &[("backend", backend)])
-}
-
-/// Polls `check` every 20 ms for up to `within`; returns how long it took, or panics with `what`.
-async fn eventually(within: Duration, what: &str, mut check: impl FnMut() -> bool) -> Duration {
-    let started = Instant::now();
-    loop {
-        if check() {
-            return started.elapsed();
-        }
-        assert!(started.elapsed() < within, "not within {within:?}: {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-// ---- load ---------------------------------------------------------------------------------
-
-const BEFORE: u8 = 0;
-const OUTAGE_PHASE: u8 = 1;
-const AFTER: u8 = 2;
-/// While Redis is being killed, paused, restarted or resumed: a request that overlaps a change
-/// belongs to no phase.
-const CHANGING: u8 = 3;
-
-/// One request of the load: the phase when it was sent and when it was answered, how long it
-/// took, and its answer (code and whether it carried Retry-After) or gRPC error.
-#[derive(Debug)]
-struct Sample {
-    sent: u8,
-    answered: u8,
-    took: Duration,
-    result: Result<(Code, bool), tonic::Code>,
-    /// The gRPC error's message, if any (shown by `Debug` in failure messages).
-    #[allow(dead_code)]
-    error: Option<String>,
-}
-
-impl Sample {
-    fn within(&self, phase: u8) -> bool {
-        self.sent == phase && self.answered == phase
-    }
-}
-
-/// `CLIENTS` tasks, each on its own connection, sending requests for its own user (capacity 5,
-/// so OVER_LIMIT after five: the decisions are real) until stopped.
-struct Load {
-    phase: Arc<AtomicU8>,
-    stop: Arc<AtomicBool>,
-    tasks: Vec<JoinHandle<Vec<Sample>>>,
-}
-
-impl Load {
-    async fn start(tollgate: &Tollgate) -> Load {
-        let phase = Arc::new(AtomicU8::new(BEFORE));
-        let stop = Arc::new(AtomicBool::new(false));
-        let mut tasks = Vec::new();
-        for i in 0..CLIENTS {
-            let mut client = connect(tollgate).await;
-            let (phase, stop) = (phase.clone(), stop.clone());
-            tasks.push(tokio::spawn(async move {
-                let user = format!("load-{i}");
-                let mut samples = Vec::new();
-                while !stop.load(Ordering::Relaxed) {
-                    let sent = phase.load(Ordering::SeqCst);
-                    let (took, result) = call(&mut client, &user).await;
-                    let answered = phase.load(Ordering::SeqCst);
-                    let error = result.as_ref().err().map(|e| e.message().to_owned());
-                    samples.push(Sample {
-                        sent,
-                        answered,
-                        took,
-                        result: result.map(|r| (code(&r), retry_after(&r))).map_err(|e| e.code()),
-                        error,
-                    });
-                    tokio::time::sleep(Duration::from_millis(3)).await;
-                }
-                samples
-            }));
-        }
-        Load { phase, stop, tasks }
-    }
-
-    fn set_phase(&self, phase: u8) {
-        self.phase.store(phase, Ordering::SeqCst);
-    }
-
-    async fn stop(self) -> Vec<Sample> {
-        self.stop.store(true, Ordering::Relaxed);
-        let mut all = Vec::new();
-        for t in self.tasks {
-            all.extend(t.await.expect("a load task"));
-        }
-        all
-    }
-}
-
-/// A summary of samples for messages.
-fn summary(samples: &[Sample]) -> String {
-    let mut by_phase = String::new();
-    for (phase, name) in [(BEFORE, "before"), (OUTAGE_PHASE, "outage"), (AFTER, "after")] {
-        let s: Vec<&Sample> = samples.iter().filter(|s| s.within(phase)).collect();
-        let ok = s.iter().filter(|s| matches!(s.result, Ok((Code::Ok, _)))).count();
-        let over = s
-            .iter()
-            .filter(|s| matches!(s.result, Ok((Code::OverLimit, _))))
-            .count();
-        let err = s.iter().filter(|s| s.result.is_err()).count();
-        let max = s.iter().map(|s| s.took).max().unwrap_or_default();
-        by_phase.push_str(&format!(
-            "{name}: {} requests ({ok} ok, {over} over_limit, {err} errors), max {max:?}; ",
-            s.len()
-        ));
-    }
-    let straddling = samples.iter().filter(|s| s.sent != s.answered).count();
-    let max = samples.iter().map(|s| s.took).max().unwrap_or_default();
-    format!("{by_phase}{straddling} straddling a change; max latency overall {max:?}")
+    circuit_open(tollgate, "redis")
 }
 
 // ---- an outage under load -----------------------------------------------------------------
 
 /// What an outage scenario saw.
 struct Outage {
+    /// The `failure_mode`.
+    mode: String,
     redis: RedisServer,
     tollgate: Tollgate,
     samples: Vec<Sample>,
@@ -331,6 +140,7 @@ async fn outage_with(mode: &str, extra: &str, more: &str) -> Outage {
         summary(&samples)
     );
     Outage {
+        mode: mode.to_owned(),
         redis,
         tollgate,
         samples,
@@ -384,11 +194,26 @@ impl Outage {
             summary(&self.samples)
         );
 
-        assert_eq!(
-            self.readyz_during.0, 503,
-            "/readyz during the outage: {:?}",
-            self.readyz_during
-        );
+        if self.mode == "fallback" {
+            // Still ready, so replicas stay in rotation and the fallback is used; the body says
+            // what is degraded.
+            assert_eq!(
+                self.readyz_during.0, 200,
+                "/readyz during the outage with a fallback: {:?}",
+                self.readyz_during
+            );
+            assert!(
+                self.readyz_during.1.contains("degraded") && self.readyz_during.1.contains("fallback"),
+                "/readyz during the outage with a fallback: {:?}",
+                self.readyz_during
+            );
+        } else {
+            assert_eq!(
+                self.readyz_during.0, 503,
+                "/readyz during the outage: {:?}",
+                self.readyz_during
+            );
+        }
         assert_eq!(self.circuit_during, 1.0, "circuit gauge during the outage");
         let log = self.tollgate.process.log();
         assert!(
@@ -408,7 +233,7 @@ impl Outage {
 
         assert!(self.recovered_in < RECOVERY);
         assert_eq!(gauge_circuit_open(&self.tollgate), 0.0);
-        assert_eq!(readyz(&self.tollgate).0, 200);
+        assert_eq!(readyz(&self.tollgate), (200, "ready\n".to_owned()));
         assert!(
             self.calls_at_end > self.calls_at_restart,
             "redis calls did not go on after the restart: {} then {}",

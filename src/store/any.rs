@@ -19,33 +19,47 @@ pub enum AnyStore {
 }
 
 impl AnyStore {
-    /// Whether the backend can take decisions now (`/readyz`): always for memory; for Redis,
-    /// while its connections are up and its circuit is closed. While the circuit is open this
-    /// sends the due probe (loading the scripts) itself, so a replica taken out of rotation for an outage
-    /// comes back when Redis does, without needing requests.
-    pub async fn ready(&self) -> Result<(), String> {
-        match self {
-            AnyStore::Memory(_) => Ok(()),
+    /// Whether decisions can be taken now (`/readyz`): `Ok(None)` when the backend answers;
+    /// `Ok(Some(why))` when it does not but its fallback (`failure_mode: fallback`) can decide
+    /// (still ready: taking every replica out of rotation for a backend outage would leave
+    /// Envoy with no one to ask, and the fallback unused); `Err(why)` otherwise. Memory always
+    /// answers; Redis while its connections are up and its circuit is closed; Postgres while
+    /// its schema is in place and its circuit is closed. While a circuit is open this sends the
+    /// due probe itself, so a replica comes back when its backend does, without needing
+    /// requests.
+    pub async fn ready(&self) -> Result<Option<String>, String> {
+        let (problem, fallback) = match self {
+            AnyStore::Memory(_) => return Ok(None),
             AnyStore::Redis(r) => {
                 let redis = r.primary();
-                if !redis.is_connected() {
-                    return Err(format!("not connected to Redis at {}", redis.describe()));
-                }
-                if !r.probe_if_open(|| redis.probe(PROBE_TIMEOUT)).await {
-                    return Err(format!("Redis at {} is failing (circuit open)", redis.describe()));
-                }
-                Ok(())
+                let problem = if !redis.is_connected() {
+                    Some(format!("not connected to Redis at {}", redis.describe()))
+                } else if !r.probe_if_open(|| redis.probe(PROBE_TIMEOUT)).await {
+                    Some(format!("Redis at {} is failing (circuit open)", redis.describe()))
+                } else {
+                    None
+                };
+                (problem, r.fallback())
             }
             AnyStore::Postgres(p) => {
                 let postgres = p.primary();
-                if !postgres.is_migrated() {
-                    return Err(format!("not connected to Postgres at {}", postgres.describe()));
-                }
-                if !p.probe_if_open(|| postgres.probe(PROBE_TIMEOUT)).await {
-                    return Err(format!("Postgres at {} is failing (circuit open)", postgres.describe()));
-                }
-                Ok(())
+                let problem = if !postgres.is_migrated() {
+                    Some(format!("not connected to Postgres at {}", postgres.describe()))
+                } else if !p.probe_if_open(|| postgres.probe(PROBE_TIMEOUT)).await {
+                    Some(format!("Postgres at {} is failing (circuit open)", postgres.describe()))
+                } else {
+                    None
+                };
+                (problem, p.fallback())
             }
+        };
+        match (problem, fallback) {
+            (None, _) => Ok(None),
+            (Some(problem), None) => Err(problem),
+            (Some(problem), Some(f)) => match f.ready(PROBE_TIMEOUT).await {
+                Ok(()) => Ok(Some(format!("{problem}; deciding on the {} fallback", f.name()))),
+                Err(also) => Err(format!("{problem}; and the {} fallback: {also}", f.name())),
+            },
         }
     }
 }

@@ -20,7 +20,7 @@ pub use memory::{MemoryStore, MemoryStoreStats};
 pub use metered::Metered;
 pub use postgres::PostgresStore;
 pub use redis::RedisStore;
-pub use resilient::{Fallback, Resilient};
+pub use resilient::{Fallback, Guarded, Resilient};
 
 use crate::bucket::{BucketState, Decision, Demand};
 use crate::schedule::Plan;

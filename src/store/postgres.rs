@@ -39,6 +39,15 @@ const CLOCK_US: &str = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigin
 /// The migrations in `migrations/`, applied by [`PostgresStore::connect`].
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
+/// What [`PostgresStore::migrate`] did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MigrationReport {
+    /// The migrations applied now, `(version, description)`, in order.
+    pub applied: Vec<(i64, String)>,
+    /// How many were already in place before.
+    pub in_place: usize,
+}
+
 /// The Postgres store. Cheap to clone; clones share the pool.
 #[derive(Clone)]
 pub struct PostgresStore {
@@ -47,11 +56,19 @@ pub struct PostgresStore {
 
 struct Inner {
     pool: PgPool,
+    /// What the pool connects with: also a direct connection's, whose error says why a
+    /// server cannot be used (the pool's says only that it timed out).
+    options: PgConnectOptions,
+    /// `postgres.connect_timeout_ms`.
+    connect_timeout: Duration,
     schema: String,
     /// How long one decision may take, its whole transaction included.
     timeout: Duration,
     /// Whether the schema and migrations are in place (a successful [`PostgresStore::connect`]).
     migrated: AtomicBool,
+    /// `postgres.migrate`: whether [`PostgresStore::connect`] applies the migrations or only
+    /// checks them.
+    migrate: bool,
     /// The URL, password redacted.
     describe: String,
     /// Tests only: decide at this clock's time instead of `clock_timestamp()`.
@@ -94,13 +111,16 @@ impl PostgresStore {
         let pool = PgPoolOptions::new()
             .max_connections(settings.pool_size)
             .acquire_timeout(Duration::from_millis(settings.connect_timeout_ms))
-            .connect_lazy_with(options);
+            .connect_lazy_with(options.clone());
         Ok(PostgresStore {
             inner: Arc::new(Inner {
                 pool,
+                options,
+                connect_timeout: Duration::from_millis(settings.connect_timeout_ms),
                 schema: settings.schema.clone(),
                 timeout: Duration::from_millis(settings.command_timeout_ms),
                 migrated: AtomicBool::new(false),
+                migrate: settings.migrate,
                 describe,
                 time_override: None,
             }),
@@ -116,17 +136,55 @@ impl PostgresStore {
         self
     }
 
-    /// Connects, creates the schema when missing and applies the migrations (each once, in a
-    /// transaction, recorded in the schema's `_sqlx_migrations`), waiting at most `timeout`.
+    /// Connects and makes sure the schema is ready for decisions, waiting at most `timeout`:
+    /// with `postgres.migrate: true` (the default) by [`PostgresStore::migrate`]; with `false`
+    /// by checking that every migration this build embeds is already applied (an operator runs
+    /// `tollgate migrate` with a more privileged user, and tollgate's own user needs no right
+    /// to create anything).
     ///
     /// Errors: Postgres not reachable in time, authentication refused, no right to create the
-    /// schema, or a migration that fails.
+    /// schema, a migration that fails, or (with `migrate: false`) one not yet applied.
     pub async fn connect(&self, timeout: Duration) -> Result<(), ConnectError> {
-        let fail = |reason: String| ConnectError {
-            backend: "Postgres",
-            url: self.inner.describe.clone(),
-            reason,
-        };
+        if self.inner.migrate {
+            self.migrate(timeout).await?;
+        } else {
+            let check = async {
+                let applied = self.applied_migrations().await?;
+                let missing: Vec<String> = MIGRATOR
+                    .iter()
+                    .filter(|m| {
+                        !applied
+                            .iter()
+                            .any(|(v, sum)| *v == m.version && sum[..] == m.checksum[..])
+                    })
+                    .map(|m| format!("{} {}", m.version, m.description))
+                    .collect();
+                if missing.is_empty() {
+                    Ok(())
+                } else {
+                    Err(format!(
+                        "schema {:?} lacks migrations {} (or they differ from this build's), and postgres.migrate \
+                         is false: run `tollgate migrate` with these settings",
+                        self.inner.schema,
+                        missing.join(", ")
+                    ))
+                }
+            };
+            self.within(timeout, check).await?;
+        }
+        self.inner.migrated.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Connects, creates the schema when missing and applies the migrations not yet applied
+    /// (each once, in a transaction, recorded in the schema's `_sqlx_migrations`; replicas
+    /// starting together take turns on an advisory lock), waiting at most `timeout`. This is
+    /// `tollgate migrate`, and what `serve` does at start unless `postgres.migrate` is false.
+    ///
+    /// Errors: Postgres not reachable in time, authentication refused, no right to create the
+    /// schema, a migration that fails, or a schema migrated by a build with migrations this
+    /// one does not know.
+    pub async fn migrate(&self, timeout: Duration) -> Result<MigrationReport, ConnectError> {
         let work = async {
             // `IF NOT EXISTS` still races with a replica starting at the same moment (a unique
             // violation on the catalogue); the schema exists either way.
@@ -137,14 +195,75 @@ impl PostgresStore {
                     return Err(e.to_string());
                 }
             }
-            MIGRATOR.run(&self.inner.pool).await.map_err(|e| e.to_string())
+            let before = self.applied_migrations().await?;
+            MIGRATOR.run(&self.inner.pool).await.map_err(|e| e.to_string())?;
+            let applied = MIGRATOR
+                .iter()
+                .filter(|m| !before.iter().any(|(v, _)| *v == m.version))
+                .map(|m| (m.version, m.description.to_string()))
+                .collect();
+            Ok(MigrationReport {
+                applied,
+                in_place: before.len(),
+            })
+        };
+        let report = self.within(timeout, work).await?;
+        self.inner.migrated.store(true, Ordering::Release);
+        Ok(report)
+    }
+
+    /// The schema, for messages.
+    pub fn schema(&self) -> &str {
+        &self.inner.schema
+    }
+
+    /// `(version, checksum)` of each migration applied successfully in the schema; none when
+    /// the schema or its migrations table does not exist yet.
+    async fn applied_migrations(&self) -> Result<Vec<(i64, Vec<u8>)>, String> {
+        let rows = sqlx::query_as::<_, (i64, Vec<u8>)>(
+            "SELECT version, checksum FROM _sqlx_migrations WHERE success ORDER BY version",
+        )
+        .fetch_all(&self.inner.pool)
+        .await;
+        match rows {
+            Ok(rows) => Ok(rows),
+            // 42P01 undefined_table: nothing applied yet (the search path names the schema).
+            Err(sqlx::Error::Database(d)) if d.code().as_deref() == Some("42P01") => Ok(Vec::new()),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    /// `work` within `timeout`, its failure as a [`ConnectError`] naming the server.
+    async fn within<T>(
+        &self,
+        timeout: Duration,
+        work: impl std::future::Future<Output = Result<T, String>>,
+    ) -> Result<T, ConnectError> {
+        let fail = |reason: String| ConnectError {
+            backend: "Postgres",
+            url: self.inner.describe.clone(),
+            reason,
+        };
+        let work = async {
+            // First one connection of its own: refused, unknown host, bad password or no such
+            // database come back as such, not as a pool that timed out.
+            let connect = <sqlx::PgConnection as sqlx::Connection>::connect_with(&self.inner.options);
+            let direct = match tokio::time::timeout(self.inner.connect_timeout, connect).await {
+                Ok(connected) => connected.map_err(|e| e.to_string())?,
+                Err(_) => {
+                    return Err(format!(
+                        "not reachable within {} ms",
+                        self.inner.connect_timeout.as_millis()
+                    ))
+                }
+            };
+            let _ = sqlx::Connection::close(direct).await;
+            work.await
         };
         match tokio::time::timeout(timeout, work).await {
-            Ok(result) => result.map_err(fail)?,
-            Err(_) => return Err(fail(format!("not reachable within {} ms", timeout.as_millis()))),
+            Ok(result) => result.map_err(fail),
+            Err(_) => Err(fail(format!("not reachable within {} ms", timeout.as_millis()))),
         }
-        self.inner.migrated.store(true, Ordering::Release);
-        Ok(())
     }
 
     /// Keeps calling [`PostgresStore::connect`] (each attempt given `timeout`) in the

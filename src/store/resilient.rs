@@ -1,12 +1,15 @@
-//! A shared backend with a circuit breaker and, optionally, a fallback store (DESIGN 2).
+//! A shared backend with a circuit breaker ([`Guarded`]) and, optionally, a fallback store
+//! ([`Resilient`]) (DESIGN 2).
 //!
-//! While the breaker is closed every call goes to the primary (Redis or Postgres). Repeated failures open
-//! it ([`Breaker`]): calls then skip the primary for a while instead of each waiting for its
-//! timeout, and a probe tests it again later. A call the primary fails, or skips, goes to the
-//! fallback when there is one (`failure_mode: fallback`: for Redis, the Postgres store or a
-//! local memory store; see [`Fallback`]), else returns the error, which the limiter answers by
-//! the failure mode (`allow`, `deny` or `error`).
+//! While the breaker is closed every call goes to the backend (Redis or Postgres). Repeated
+//! failures open it ([`Breaker`]): calls then skip the backend for a while instead of each
+//! waiting for its timeout, and a probe tests it again later. A call the backend fails, or
+//! skips, goes to the fallback when there is one (`failure_mode: fallback`: for Redis, the
+//! Postgres store, itself [`Guarded`] by a breaker of its own, or a local memory store; see
+//! [`Fallback`]), else returns the error, which the limiter answers by the failure mode
+//! (`allow`, `deny` or `error`).
 
+use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -14,55 +17,51 @@ use super::{Applied, Breaker, BucketRef, MemoryStore, Metered, Peeked, PostgresS
 use crate::bucket::Demand;
 use crate::metrics::BACKEND_FALLBACKS;
 
-/// `P` behind a circuit breaker, with an optional fallback.
-pub struct Resilient<P> {
+/// Logged failures are at least this far apart.
+const LOG_EVERY_US: u64 = 1_000_000;
+
+/// `P` behind a circuit breaker: a call either goes to `P` or, while the breaker is open, fails
+/// at once with [`StoreError::Unavailable`] (`"<backend> circuit open"`).
+pub struct Guarded<P> {
     primary: Metered<P>,
-    fallback: Option<Fallback>,
     breaker: Breaker,
     started: Instant,
     /// When a failure was last logged (µs since `started`), so an outage logs its failures
     /// about once a second, not once a request.
     last_logged_us: AtomicU64,
-    fallbacks: metrics::Counter,
     backend: &'static str,
+    /// For the logs: whether a [`Resilient`] decides elsewhere while this one fails.
+    has_fallback: bool,
 }
 
-/// Logged failures are at least this far apart.
-const LOG_EVERY_US: u64 = 1_000_000;
-
-impl<P: Store> Resilient<P> {
+impl<P: Store> Guarded<P> {
     /// `primary` (whose calls are counted under its `backend` label) with a breaker that opens
-    /// after `breaker_failures` consecutive failures for `breaker_open`, and `fallback` for
-    /// the calls the primary fails or skips.
+    /// after `breaker_failures` consecutive failures for `breaker_open`.
     pub fn new(
         primary: Metered<P>,
         backend: &'static str,
         breaker_failures: u32,
         breaker_open: Duration,
-        fallback: Option<Fallback>,
-    ) -> Resilient<P> {
-        let fallbacks = metrics::counter!(BACKEND_FALLBACKS, "backend" => backend);
-        fallbacks.increment(0);
-        Resilient {
+    ) -> Guarded<P> {
+        Guarded {
             primary,
-            fallback,
             breaker: Breaker::new(
                 breaker_failures,
                 u64::try_from(breaker_open.as_micros()).unwrap_or(u64::MAX),
             ),
             started: Instant::now(),
             last_logged_us: AtomicU64::new(0),
-            fallbacks,
             backend,
+            has_fallback: false,
         }
     }
 
-    /// The primary store.
+    /// The guarded store.
     pub fn primary(&self) -> &P {
         self.primary.inner()
     }
 
-    /// Whether the breaker is open: the primary is being skipped.
+    /// Whether the breaker is open: the store is being skipped.
     pub fn circuit_open(&self) -> bool {
         self.breaker.is_open()
     }
@@ -74,10 +73,7 @@ impl<P: Store> Resilient<P> {
     /// While the circuit is open and a probe is due, runs `probe` as that probe and records
     /// its outcome: how readiness brings the breaker back without waiting for a request (a
     /// replica that is not ready gets none). Returns whether the circuit is closed after.
-    pub async fn probe_if_open<F: std::future::Future<Output = Result<(), StoreError>>>(
-        &self,
-        probe: impl FnOnce() -> F,
-    ) -> bool {
+    pub async fn probe_if_open<F: Future<Output = Result<(), StoreError>>>(&self, probe: impl FnOnce() -> F) -> bool {
         if !self.breaker.is_open() {
             return true;
         }
@@ -107,7 +103,7 @@ impl<P: Store> Resilient<P> {
             tracing::error!(
                 backend = self.backend,
                 %error,
-                fallback = self.fallback.is_some(),
+                fallback = self.has_fallback,
                 "backend failing: circuit open, not asking it until a probe succeeds"
             );
             return;
@@ -123,30 +119,108 @@ impl<P: Store> Resilient<P> {
         }
     }
 
-    /// Runs `call` on the primary unless the breaker says not to; on failure (or a skip) on the
-    /// fallback if there is one.
-    async fn run<'a, T, F, G>(&'a self, primary: F, fallback: G) -> Result<T, StoreError>
-    where
-        F: std::future::Future<Output = Result<T, StoreError>>,
-        G: FnOnce(
-            &'a Fallback,
-        ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<T, StoreError>> + Send + 'a>>,
-    {
-        let error = if self.breaker.allow(self.mono_us()) {
-            match primary.await {
-                Ok(v) => {
-                    self.succeeded();
-                    return Ok(v);
-                }
-                // A refusal concerns this request's buckets only: Redis itself is fine.
-                Err(e @ StoreError::Rejected(_)) => e,
-                Err(e) => {
-                    self.failed(&e);
-                    e
-                }
+    /// Runs `call` unless the breaker says not to, and records its outcome.
+    async fn run<T>(&self, call: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
+        if !self.breaker.allow(self.mono_us()) {
+            return Err(StoreError::Unavailable(format!("{} circuit open", self.backend)));
+        }
+        match call.await {
+            Ok(v) => {
+                self.succeeded();
+                Ok(v)
             }
-        } else {
-            StoreError::Unavailable(format!("{} circuit open", self.backend))
+            // A refusal concerns this request's buckets only: the backend itself is fine.
+            Err(e @ StoreError::Rejected(_)) => Err(e),
+            Err(e) => {
+                self.failed(&e);
+                Err(e)
+            }
+        }
+    }
+}
+
+impl<P: Store> Store for Guarded<P> {
+    async fn apply(&self, buckets: &[BucketRef], demands: &[Demand]) -> Result<Applied, StoreError> {
+        self.run(self.primary.apply(buckets, demands)).await
+    }
+
+    async fn peek(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
+        self.run(self.primary.peek(buckets)).await
+    }
+
+    async fn reset(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
+        self.run(self.primary.reset(buckets)).await
+    }
+
+    fn rules_changed(&self) {
+        self.primary.rules_changed();
+    }
+}
+
+/// `P` behind a circuit breaker, with an optional fallback for the calls `P` fails or skips.
+pub struct Resilient<P> {
+    guarded: Guarded<P>,
+    fallback: Option<Fallback>,
+    fallbacks: metrics::Counter,
+}
+
+impl<P: Store> Resilient<P> {
+    /// `primary` (whose calls are counted under its `backend` label) with a breaker that opens
+    /// after `breaker_failures` consecutive failures for `breaker_open`, and `fallback` for
+    /// the calls the primary fails or skips (counted in `tollgate_backend_fallbacks_total`).
+    pub fn new(
+        primary: Metered<P>,
+        backend: &'static str,
+        breaker_failures: u32,
+        breaker_open: Duration,
+        fallback: Option<Fallback>,
+    ) -> Resilient<P> {
+        let fallbacks = metrics::counter!(BACKEND_FALLBACKS, "backend" => backend);
+        fallbacks.increment(0);
+        let mut guarded = Guarded::new(primary, backend, breaker_failures, breaker_open);
+        guarded.has_fallback = fallback.is_some();
+        Resilient {
+            guarded,
+            fallback,
+            fallbacks,
+        }
+    }
+
+    /// The primary store behind its breaker.
+    pub fn guarded(&self) -> &Guarded<P> {
+        &self.guarded
+    }
+
+    /// The primary store.
+    pub fn primary(&self) -> &P {
+        self.guarded.primary()
+    }
+
+    /// The fallback, if `failure_mode: fallback`.
+    pub fn fallback(&self) -> Option<&Fallback> {
+        self.fallback.as_ref()
+    }
+
+    /// Whether the breaker is open: the primary is being skipped.
+    pub fn circuit_open(&self) -> bool {
+        self.guarded.circuit_open()
+    }
+
+    /// See [`Guarded::probe_if_open`].
+    pub async fn probe_if_open<F: Future<Output = Result<(), StoreError>>>(&self, probe: impl FnOnce() -> F) -> bool {
+        self.guarded.probe_if_open(probe).await
+    }
+
+    /// `primary`'s answer; when it fails (or the breaker skips it), `fallback`'s on the
+    /// fallback store if there is one.
+    async fn run<'a, T, G: Future<Output = Result<T, StoreError>>>(
+        &'a self,
+        primary: impl Future<Output = Result<T, StoreError>>,
+        fallback: impl FnOnce(&'a Fallback) -> G,
+    ) -> Result<T, StoreError> {
+        let error = match self.guarded.run(primary).await {
+            Ok(v) => return Ok(v),
+            Err(e) => e,
         };
         match &self.fallback {
             Some(f) => {
@@ -160,24 +234,23 @@ impl<P: Store> Resilient<P> {
 
 impl<P: Store> Store for Resilient<P> {
     async fn apply(&self, buckets: &[BucketRef], demands: &[Demand]) -> Result<Applied, StoreError> {
-        self.run(self.primary.apply(buckets, demands), |f| {
-            Box::pin(f.apply(buckets, demands))
+        self.run(self.guarded.primary.apply(buckets, demands), |f| {
+            f.apply(buckets, demands)
         })
         .await
     }
 
     async fn peek(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
-        self.run(self.primary.peek(buckets), |f| Box::pin(f.peek(buckets)))
-            .await
+        self.run(self.guarded.primary.peek(buckets), |f| f.peek(buckets)).await
     }
 
     async fn reset(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
-        self.run(self.primary.reset(buckets), |f| Box::pin(f.reset(buckets)))
+        self.run(self.guarded.primary.reset(buckets), |f| f.reset(buckets))
             .await
     }
 
     fn rules_changed(&self) {
-        self.primary.rules_changed();
+        self.guarded.rules_changed();
         if let Some(f) = &self.fallback {
             f.rules_changed();
         }
@@ -188,9 +261,39 @@ impl<P: Store> Store for Resilient<P> {
 pub enum Fallback {
     /// A local memory store, per replica.
     Memory(Metered<MemoryStore>),
-    /// The Postgres store, shared by every replica (`redis.fallback: postgres`). No breaker of
-    /// its own: with both backends down, each request waits for Postgres's timeout.
-    Postgres(Metered<PostgresStore>),
+    /// The Postgres store, shared by every replica (`redis.fallback: postgres`), behind a
+    /// breaker of its own (`postgres.breaker_failures`, `postgres.breaker_open_ms`): with both
+    /// backends down, a request fails at once instead of waiting for Postgres's timeout too.
+    Postgres(Guarded<PostgresStore>),
+}
+
+impl Fallback {
+    /// Whether the fallback can decide now: always for memory; for Postgres, while its schema
+    /// is in place and its breaker is closed (probing it, at most once per `breaker_open_ms`,
+    /// while open). `Err` says why not.
+    pub async fn ready(&self, probe_timeout: Duration) -> Result<(), String> {
+        match self {
+            Fallback::Memory(_) => Ok(()),
+            Fallback::Postgres(g) => {
+                let postgres = g.primary();
+                if !postgres.is_migrated() {
+                    return Err(format!("not connected to Postgres at {}", postgres.describe()));
+                }
+                if !g.probe_if_open(|| postgres.probe(probe_timeout)).await {
+                    return Err(format!("Postgres at {} is failing (circuit open)", postgres.describe()));
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// `memory` or `postgres`, for messages.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Fallback::Memory(_) => "memory",
+            Fallback::Postgres(_) => "postgres",
+        }
+    }
 }
 
 impl Store for Fallback {

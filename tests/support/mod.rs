@@ -10,6 +10,7 @@
 // Each test crate includes this module and uses a different part of it.
 #![allow(dead_code)]
 
+pub mod faults;
 pub mod postgres;
 pub mod redis;
 
@@ -138,6 +139,22 @@ impl Drop for ChildGuard {
             );
         }
     }
+}
+
+/// Sends `signal` (a name such as `STOP`) to `pid` with `kill`; panics if that fails.
+pub fn signal(pid: u32, signal: &str) {
+    assert!(try_signal(pid, signal), "kill -{signal} {pid} failed");
+}
+
+/// Sends `signal` to `pid` with `kill`; whether it was delivered (false: no such process).
+pub fn try_signal(pid: u32, signal: &str) -> bool {
+    Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(pid.to_string())
+        .stderr(Stdio::null())
+        .status()
+        .unwrap_or_else(|e| panic!("run kill -{signal} {pid}: {e}"))
+        .success()
 }
 
 /// Polls `ready` every 20 ms until it returns `Some`, `process` exits, or [`STARTUP_TIMEOUT`]

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tempfile::TempDir;
 
-use super::{free_port, wait_until, ChildGuard, STARTUP_TIMEOUT};
+use super::{free_port, signal, wait_until, ChildGuard, STARTUP_TIMEOUT};
 
 /// The shared server's URL when `TOLLGATE_REDIS_URL` is not set.
 pub const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
@@ -599,15 +599,6 @@ fn run(command: &mut Command, timeout: Duration) -> (ExitStatus, String, String)
 }
 
 /// Sends `signal` (`STOP`, `CONT`) to process `pid` with kill(1).
-fn signal(pid: u32, signal: &str) {
-    let status = Command::new("kill")
-        .arg(format!("-{signal}"))
-        .arg(pid.to_string())
-        .status()
-        .unwrap_or_else(|e| panic!("run kill -{signal} {pid}: {e}"));
-    assert!(status.success(), "kill -{signal} {pid}: {status}");
-}
-
 /// Spawns `redis-server` with `args` under a [`ChildGuard`] logging to `log` and waits until it
 /// answers PING. `Err((why, port_taken))` when it does not come up (the process is reaped).
 fn spawn_redis(
