@@ -88,6 +88,11 @@ struct RunArgs {
     /// A server process whose CPU time in the measured window is reported (repeatable).
     #[arg(long = "server-pid")]
     server_pids: Vec<u32>,
+    /// A server made of several processes (PostgreSQL: a postmaster and a backend per
+    /// connection), counted as this process, every descendant, and the children they reaped
+    /// (repeatable).
+    #[arg(long = "server-tree")]
+    server_trees: Vec<u32>,
     /// Print one JSON object instead of the human summary.
     #[arg(long)]
     json: bool,
@@ -305,24 +310,66 @@ fn clock_ticks() -> u64 {
         .unwrap_or(100)
 }
 
-/// utime + stime of a process (all its threads), in clock ticks. `pid` is a number or `self`.
-fn cpu_ticks(pid: &str) -> Result<u64, String> {
+/// The fields of `/proc/<pid>/stat` from field 3 (state) on. The command name (field 2) is in
+/// parentheses and may hold spaces, so fields resume after the last ')'.
+fn stat_fields(pid: &str) -> Result<Vec<String>, String> {
     let path = format!("/proc/{pid}/stat");
     let stat = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {path}: {e}"))?;
-    // The command name (field 2) is in parentheses and may hold spaces: fields resume after
-    // the last ')', starting at field 3 (state); utime and stime are fields 14 and 15.
     let rest = stat
         .rsplit_once(')')
         .map(|(_, r)| r)
         .ok_or_else(|| format!("unexpected {path}"))?;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let field = |n: usize| -> Result<u64, String> {
-        fields
-            .get(n - 3)
-            .and_then(|f| f.parse().ok())
-            .ok_or_else(|| format!("unexpected {path}: no field {n}"))
-    };
-    Ok(field(14)? + field(15)?)
+    Ok(rest.split_whitespace().map(str::to_owned).collect())
+}
+
+/// Field `n` (1-based, as in proc(5)) of `fields` from [`stat_fields`].
+fn stat_field(fields: &[String], n: usize) -> Option<u64> {
+    fields.get(n - 3).and_then(|f| f.parse().ok())
+}
+
+/// utime + stime of a process (all its threads), in clock ticks. `pid` is a number or `self`.
+fn cpu_ticks(pid: &str) -> Result<u64, String> {
+    let fields = stat_fields(pid)?;
+    match (stat_field(&fields, 14), stat_field(&fields, 15)) {
+        (Some(utime), Some(stime)) => Ok(utime + stime),
+        _ => Err(format!("unexpected /proc/{pid}/stat: no utime or stime")),
+    }
+}
+
+/// utime + stime + cutime + cstime of `root` and of every process below it, in clock ticks:
+/// a process tree's CPU, counting children that exited and were reaped in the window through
+/// their parent's cutime and cstime.
+fn tree_cpu_ticks(root: u32) -> Result<u64, String> {
+    let mut parent_of = Vec::new();
+    let mut ticks_of = std::collections::HashMap::new();
+    for entry in std::fs::read_dir("/proc")
+        .map_err(|e| format!("cannot list /proc: {e}"))?
+        .flatten()
+    {
+        let Some(pid) = entry.file_name().to_str().and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        // A process may exit between the listing and the read.
+        let Ok(fields) = stat_fields(&pid.to_string()) else {
+            continue;
+        };
+        let ticks: u64 = [14, 15, 16, 17].iter().filter_map(|&n| stat_field(&fields, n)).sum();
+        if let Some(ppid) = stat_field(&fields, 4) {
+            parent_of.push((pid, ppid as u32));
+        }
+        ticks_of.insert(pid, ticks);
+    }
+    if !ticks_of.contains_key(&root) {
+        return Err(format!("no process {root}"));
+    }
+    let mut tree = vec![root];
+    let mut i = 0;
+    while i < tree.len() {
+        let parent = tree[i];
+        tree.extend(parent_of.iter().filter(|(_, pp)| *pp == parent).map(|(p, _)| *p));
+        i += 1;
+    }
+    Ok(tree.iter().filter_map(|p| ticks_of.get(p)).sum())
 }
 
 struct CpuReading {
@@ -331,8 +378,8 @@ struct CpuReading {
     ticks: u64,
 }
 
-fn read_cpu(pids: &[u32]) -> Result<Vec<CpuReading>, String> {
-    let mut out = Vec::with_capacity(pids.len() + 1);
+fn read_cpu(pids: &[u32], trees: &[u32]) -> Result<Vec<CpuReading>, String> {
+    let mut out = Vec::with_capacity(pids.len() + trees.len() + 1);
     out.push(CpuReading {
         name: "loadgen".into(),
         pid: None,
@@ -343,6 +390,13 @@ fn read_cpu(pids: &[u32]) -> Result<Vec<CpuReading>, String> {
             name: format!("server {pid}"),
             pid: Some(pid),
             ticks: cpu_ticks(&pid.to_string())?,
+        });
+    }
+    for &pid in trees {
+        out.push(CpuReading {
+            name: format!("server tree {pid}"),
+            pid: Some(pid),
+            ticks: tree_cpu_ticks(pid)?,
         });
     }
     Ok(out)
@@ -371,13 +425,13 @@ async fn run(args: RunArgs) -> Result<(), BoxError> {
         .collect();
 
     tokio::time::sleep(args.warmup).await;
-    let cpu_before = read_cpu(&args.server_pids)?;
+    let cpu_before = read_cpu(&args.server_pids, &args.server_trees)?;
     let started = Instant::now();
     phase.store(MEASURE, Ordering::Relaxed);
     tokio::time::sleep(args.duration).await;
     phase.store(STOP, Ordering::Relaxed);
     let window = started.elapsed();
-    let cpu_after = read_cpu(&args.server_pids)?;
+    let cpu_after = read_cpu(&args.server_pids, &args.server_trees)?;
 
     let mut stats = LoopStats::new();
     let drain_deadline = tokio::time::Instant::now() + Duration::from_secs(10);

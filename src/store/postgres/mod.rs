@@ -20,17 +20,23 @@
 //! Replicas whose clocks disagree still agree on every bucket: all time comes from Postgres.
 //! Rows whose bucket is full again are deleted by [`PostgresStore::sweep`] in bounded passes.
 
+mod batch;
+
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{Postgres, Row, Transaction};
 
+use self::batch::{Batcher, Job};
 use super::{Applied, BucketRef, ConnectError, Peeked, Store, StoreError};
-use crate::bucket::{decide, BucketState, Demand, Refilling};
+use crate::bucket::{BucketState, Demand, Refilling};
 use crate::clock::Clock;
 use crate::settings::{redact_url, PostgresSettings};
+
+/// How long past a request's deadline its caller still waits for the lane's answer.
+const LANE_MARGIN: Duration = Duration::from_millis(50);
 
 /// Postgres's `clock_timestamp()` in µs since the epoch, as SQL (exact: `extract` gives
 /// `numeric` on PostgreSQL 14 and later).
@@ -73,6 +79,10 @@ struct Inner {
     describe: String,
     /// Tests only: decide at this clock's time instead of `clock_timestamp()`.
     time_override: Option<Arc<dyn Clock>>,
+    /// Decision lanes, one per connection of `pool_size`; started on the first decision.
+    batcher: OnceLock<Batcher>,
+    /// `postgres.pool_size`.
+    lanes: u32,
 }
 
 fn store_error(e: sqlx::Error) -> StoreError {
@@ -81,6 +91,21 @@ fn store_error(e: sqlx::Error) -> StoreError {
         // 57014 query_canceled: the statement timeout.
         sqlx::Error::Database(d) if d.code().as_deref() == Some("57014") => StoreError::Timeout(e.to_string()),
         _ => StoreError::Unavailable(e.to_string()),
+    }
+}
+
+/// A stored state from its columns: NULL (a row a request created and left unchanged) is
+/// `None`, a full bucket; a negative value (not tollgate's) refuses the request.
+fn row_state(key: &[u8], tokens: Option<i64>, updated: Option<i64>) -> Result<Option<BucketState>, StoreError> {
+    let (Some(t), Some(u)) = (tokens, updated) else {
+        return Ok(None);
+    };
+    match (u64::try_from(t), u64::try_from(u)) {
+        (Ok(tokens_ut), Ok(updated_us)) => Ok(Some(BucketState { tokens_ut, updated_us })),
+        _ => Err(StoreError::Rejected(format!(
+            "negative bucket state in row {:?}",
+            String::from_utf8_lossy(key)
+        ))),
     }
 }
 
@@ -109,7 +134,8 @@ impl PostgresStore {
             ("statement_timeout", &format!("{}ms", settings.command_timeout_ms)),
         ]);
         let pool = PgPoolOptions::new()
-            .max_connections(settings.pool_size)
+            // One connection per lane, and one for the sweep, admin calls and probes.
+            .max_connections(settings.pool_size + 1)
             .acquire_timeout(Duration::from_millis(settings.connect_timeout_ms))
             .connect_lazy_with(options.clone());
         Ok(PostgresStore {
@@ -123,6 +149,8 @@ impl PostgresStore {
                 migrate: settings.migrate,
                 describe,
                 time_override: None,
+                batcher: OnceLock::new(),
+                lanes: settings.pool_size,
             }),
         })
     }
@@ -363,127 +391,19 @@ impl PostgresStore {
             .fetch_all(&mut **tx)
             .await
             .map_err(store_error)?;
-        Self::states(keys, rows)
-    }
-
-    /// The states in `rows` (key, tokens, updated) by the index of their key in `keys`.
-    fn states(keys: &[Vec<u8>], rows: Vec<sqlx::postgres::PgRow>) -> Result<Vec<Option<BucketState>>, StoreError> {
         let mut states = vec![None; keys.len()];
         for row in rows {
             let key: Vec<u8> = row.try_get(0).map_err(store_error)?;
-            let tokens: Option<i64> = row.try_get(1).map_err(store_error)?;
-            let updated: Option<i64> = row.try_get(2).map_err(store_error)?;
-            let Ok(i) = keys.binary_search(&key) else { continue };
-            if let (Some(t), Some(u)) = (tokens, updated) {
-                let (Ok(tokens_ut), Ok(updated_us)) = (u64::try_from(t), u64::try_from(u)) else {
-                    return Err(StoreError::Rejected(format!(
-                        "negative bucket state in row {:?}",
-                        String::from_utf8_lossy(&key)
-                    )));
-                };
-                states[i] = Some(BucketState { tokens_ut, updated_us });
+            let state = row_state(
+                &key,
+                row.try_get(1).map_err(store_error)?,
+                row.try_get(2).map_err(store_error)?,
+            )?;
+            if let Ok(i) = keys.binary_search(&key) {
+                states[i] = state;
             }
         }
         Ok(states)
-    }
-
-    /// The buckets' keys, sorted and distinct, and for each bucket the index of its key.
-    fn sorted_keys(buckets: &[BucketRef]) -> (Vec<Vec<u8>>, Vec<usize>) {
-        let mut keys: Vec<Vec<u8>> = buckets.iter().map(|b| b.key.as_bytes().to_vec()).collect();
-        keys.sort();
-        keys.dedup();
-        let index = buckets
-            .iter()
-            .map(|b| {
-                keys.binary_search_by(|k| k.as_slice().cmp(b.key.as_bytes()))
-                    .expect("a key of the list")
-            })
-            .collect();
-        (keys, index)
-    }
-
-    async fn apply_in(
-        &self,
-        tx: &mut Transaction<'_, Postgres>,
-        buckets: &[BucketRef],
-        demands: &[Demand],
-    ) -> Result<Applied, StoreError> {
-        let (keys, index) = Self::sorted_keys(buckets);
-        let rows = sqlx::query(
-            "INSERT INTO tollgate_buckets AS b (key) SELECT k FROM unnest($1::bytea[]) AS k ORDER BY k \
-             ON CONFLICT (key) DO UPDATE SET tokens_ut = b.tokens_ut \
-             RETURNING key, tokens_ut, updated_us",
-        )
-        .bind(&keys)
-        .fetch_all(&mut **tx)
-        .await
-        .map_err(store_error)?;
-        if rows.len() != keys.len() {
-            return Err(StoreError::Unavailable(format!(
-                "locked {} of {} bucket rows",
-                rows.len(),
-                keys.len()
-            )));
-        }
-        let stored = Self::states(&keys, rows)?;
-        let now = self.now_in(tx).await?;
-        let states: Vec<BucketState> = buckets
-            .iter()
-            .zip(&index)
-            .map(|(b, &k)| stored[k].unwrap_or_else(|| BucketState::full(&b.plan.limit_at(now), now)))
-            .collect();
-        let plans: Vec<_> = buckets.iter().map(|b| &b.plan).collect();
-        let decision = decide(now, &states, &plans, demands);
-
-        let (mut gone, mut kept_keys, mut tokens, mut updated, mut full_at) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for ((b, &k), out) in buckets.iter().zip(&index).zip(&decision.instances) {
-            if !out.changed {
-                if stored[k].is_none() {
-                    // Created by this request and still full: no row needed.
-                    gone.push(keys[k].clone());
-                }
-                continue;
-            }
-            match b.plan.full_at_us(out.after) {
-                Some(at) if at <= out.after.updated_us => gone.push(keys[k].clone()),
-                at => {
-                    kept_keys.push(keys[k].clone());
-                    tokens.push(column(out.after.tokens_ut));
-                    updated.push(column(out.after.updated_us));
-                    full_at.push(column(at.unwrap_or(u64::MAX)));
-                }
-            }
-        }
-        if !kept_keys.is_empty() {
-            let done = sqlx::query(
-                "UPDATE tollgate_buckets AS b SET tokens_ut = u.t, updated_us = u.u, full_at_us = u.f \
-                 FROM unnest($1::bytea[], $2::int8[], $3::int8[], $4::int8[]) AS u(k, t, u, f) WHERE b.key = u.k",
-            )
-            .bind(&kept_keys)
-            .bind(&tokens)
-            .bind(&updated)
-            .bind(&full_at)
-            .execute(&mut **tx)
-            .await
-            .map_err(store_error)?;
-            // The rows are locked since the first statement: each must still be there.
-            if done.rows_affected() != kept_keys.len() as u64 {
-                return Err(StoreError::Unavailable(format!(
-                    "wrote {} of {} locked bucket rows",
-                    done.rows_affected(),
-                    kept_keys.len()
-                )));
-            }
-        }
-        if !gone.is_empty() {
-            sqlx::query("DELETE FROM tollgate_buckets WHERE key = ANY($1)")
-                .bind(&gone)
-                .execute(&mut **tx)
-                .await
-                .map_err(store_error)?;
-        }
-        Ok(Applied { now_us: now, decision })
     }
 }
 
@@ -506,14 +426,15 @@ impl PostgresStore {
     }
 
     async fn peek_inner(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
-        let (keys, index) = Self::sorted_keys(buckets);
+        let (keys, index) = batch::keys_of(&[buckets]);
+        let index = &index[0];
         let mut tx = self.inner.pool.begin().await.map_err(store_error)?;
         let stored = Self::read(&mut tx, &keys).await?;
         let now = self.now_in(&mut tx).await?;
         tx.commit().await.map_err(store_error)?;
         let kept: Vec<BucketState> = buckets
             .iter()
-            .zip(&index)
+            .zip(index)
             .map(|(b, &k)| stored[k].unwrap_or_else(|| BucketState::full(&b.plan.limit_at(now), now)))
             .collect();
         let states = buckets
@@ -529,7 +450,7 @@ impl PostgresStore {
     }
 
     async fn reset_inner(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
-        let (keys, _) = Self::sorted_keys(buckets);
+        let (keys, _) = batch::keys_of(&[buckets]);
         let mut tx = self.inner.pool.begin().await.map_err(store_error)?;
         // Lock in ascending key order first, as a decision does, so the two never deadlock.
         sqlx::query("SELECT key FROM tollgate_buckets WHERE key = ANY($1) ORDER BY key FOR UPDATE")
@@ -557,20 +478,35 @@ impl PostgresStore {
 }
 
 impl Store for PostgresStore {
+    /// Queues the request for a lane ([`batch`]), which decides it in one transaction with
+    /// the requests waiting with it, within `postgres.command_timeout_ms` of now.
     async fn apply(&self, buckets: &[BucketRef], demands: &[Demand]) -> Result<Applied, StoreError> {
-        let decision = async {
-            let mut tx = self.inner.pool.begin().await.map_err(store_error)?;
-            let applied = self.apply_in(&mut tx, buckets, demands).await?;
-            tx.commit().await.map_err(store_error)?;
-            Ok(applied)
-        };
-        // A transaction cut short here is rolled back when its connection goes back to the pool.
-        match tokio::time::timeout(self.inner.timeout, decision).await {
-            Ok(result) => result,
-            Err(_) => Err(StoreError::Timeout(format!(
-                "no decision from Postgres within {} ms",
-                self.inner.timeout.as_millis()
-            ))),
+        let timeout = self.inner.timeout;
+        let deadline = tokio::time::Instant::now() + timeout;
+        let batcher = self.inner.batcher.get_or_init(|| {
+            Batcher::start(
+                self.inner.pool.clone(),
+                self.inner.lanes,
+                self.inner.time_override.clone(),
+            )
+        });
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        batcher.submit(Job {
+            buckets: buckets.to_vec(),
+            demands: demands.to_vec(),
+            deadline,
+            reply,
+        })?;
+        let late = || StoreError::Timeout(format!("no decision from Postgres within {} ms", timeout.as_millis()));
+        // The lane answers by the deadline (it abandons a transaction at its batch's earliest
+        // one); the margin only covers its own scheduling. A job it dropped unanswered (its
+        // deadline passed while it waited) closes the channel.
+        match tokio::time::timeout_at(deadline + LANE_MARGIN, answer).await {
+            Ok(Ok(result)) => result.map_err(|e| match e {
+                StoreError::Timeout(_) => late(),
+                e => e,
+            }),
+            Ok(Err(_)) | Err(_) => Err(late()),
         }
     }
 
@@ -623,27 +559,5 @@ mod tests {
             };
             assert_eq!(s.validate(), Ok(()), "{good:?}");
         }
-    }
-
-    #[test]
-    fn keys_are_locked_in_one_order_whatever_the_request_order() {
-        let plan = crate::schedule::Plan::Fixed(crate::bucket::Limit::new(
-            1,
-            crate::bucket::Rate::per(1, 1_000_000).unwrap(),
-        ));
-        let refs = |names: &[&str]| -> Vec<BucketRef> {
-            names
-                .iter()
-                .map(|n| BucketRef {
-                    key: n.to_string(),
-                    plan: plan.clone(),
-                })
-                .collect()
-        };
-        let (ab, ab_index) = PostgresStore::sorted_keys(&refs(&["a", "b"]));
-        let (ba, ba_index) = PostgresStore::sorted_keys(&refs(&["b", "a"]));
-        assert_eq!(ab, ba);
-        assert_eq!(ab_index, vec![0, 1]);
-        assert_eq!(ba_index, vec![1, 0]);
     }
 }

@@ -1,0 +1,476 @@
+//! Concurrent decisions share a transaction: each connection of the pool has a *lane* that
+//! takes every request waiting, locks all their buckets' rows in one statement, decides the
+//! requests one after the other in Rust, and writes and commits once.
+//!
+//! Each request is still decided all or nothing on its own, in the batch's order, at one
+//! instant of Postgres's clock, so a batch decides exactly what the same requests would decide
+//! one transaction each (a test below checks it). What a batch saves is the fixed cost of a
+//! transaction: its round trips (`BEGIN`, the locking statement, the write, `COMMIT`), each a
+//! socket write and a wake-up on both sides, and its commit record and WAL flush. One at a
+//! time, those round trips were most of the CPU per request on both sides (benches/README.md).
+//!
+//! As for Redis ([`crate::store::redis::batch`]) no timer fills a batch: a lane takes the first
+//! waiting request, lets the runtime's ready tasks run twice so the requests that arrived with
+//! it queue theirs, takes everything waiting then (up to [`MAX_BATCH`]), and goes. Every request
+//! has a deadline (its arrival plus `postgres.command_timeout_ms`): one whose deadline passed
+//! while it waited, or whose caller gave up, is dropped before the transaction and consumes
+//! nothing; a transaction still running at the earliest deadline of its batch is abandoned
+//! (rolled back) and its requests answered with a timeout.
+
+use std::sync::Arc;
+
+use sqlx::postgres::PgPool;
+use sqlx::Row;
+use tokio::sync::{mpsc, oneshot, Mutex};
+use tokio::time::Instant;
+
+use super::{column, row_state, store_error, CLOCK_US};
+use crate::bucket::{decide, BucketState, Demand};
+use crate::clock::Clock;
+use crate::store::{Applied, BucketRef, StoreError};
+
+/// The most requests one transaction decides. Bounds how long its rows stay locked.
+pub const MAX_BATCH: usize = 64;
+
+/// One request waiting for a lane.
+pub struct Job {
+    /// Its bucket instances (distinct).
+    pub buckets: Vec<BucketRef>,
+    /// Its demands, indexing `buckets`.
+    pub demands: Vec<Demand>,
+    /// When its caller's time is up: it is not started after, nor kept running past it.
+    pub deadline: Instant,
+    /// Receives its decision.
+    pub reply: oneshot::Sender<Result<Applied, StoreError>>,
+}
+
+/// Hands requests to the lanes. Dropping it ends them once they have answered what they hold.
+pub struct Batcher {
+    jobs: mpsc::UnboundedSender<Job>,
+}
+
+impl Batcher {
+    /// Starts `lanes` lanes on `pool`, each deciding one batch at a time on one connection.
+    /// `time_override` (tests only) replaces Postgres's clock. Call within a Tokio runtime.
+    pub fn start(pool: PgPool, lanes: u32, time_override: Option<Arc<dyn Clock>>) -> Batcher {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let rx = Arc::new(Mutex::new(rx));
+        for _ in 0..lanes.max(1) {
+            tokio::spawn(lane(pool.clone(), rx.clone(), time_override.clone()));
+        }
+        Batcher { jobs: tx }
+    }
+
+    /// Queues a request; its decision arrives on the job's `reply`.
+    ///
+    /// Errors: the lanes have ended (the store is being dropped).
+    pub fn submit(&self, job: Job) -> Result<(), StoreError> {
+        self.jobs
+            .send(job)
+            .map_err(|_| StoreError::Unavailable("the Postgres store is shutting down".into()))
+    }
+}
+
+async fn lane(pool: PgPool, rx: Arc<Mutex<mpsc::UnboundedReceiver<Job>>>, time_override: Option<Arc<dyn Clock>>) {
+    let mut jobs: Vec<Job> = Vec::with_capacity(MAX_BATCH);
+    loop {
+        {
+            let mut rx = rx.lock().await;
+            match rx.recv().await {
+                Some(job) => jobs.push(job),
+                None => return,
+            }
+            drain(&mut rx, &mut jobs);
+            if jobs.len() < MAX_BATCH {
+                // As in the Redis lanes: two turns of the ready tasks let the requests that
+                // arrived together queue theirs; idle, nothing is ready and this goes at once.
+                tokio::task::yield_now().await;
+                tokio::task::yield_now().await;
+                drain(&mut rx, &mut jobs);
+            }
+        }
+        let now = Instant::now();
+        jobs.retain(|j| {
+            if j.reply.is_closed() {
+                return false;
+            }
+            j.deadline > now
+        });
+        // (A job past its deadline was dropped with its sender: its caller reports the timeout.)
+        let Some(deadline) = jobs.iter().map(|j| j.deadline).min() else {
+            continue;
+        };
+        let results = match tokio::time::timeout_at(deadline, transact(&pool, &jobs, time_override.as_deref())).await {
+            Ok(Ok(results)) => results,
+            Ok(Err(e)) => vec![Err(e); jobs.len()],
+            // Dropping the transaction rolls it back when its connection is next used.
+            Err(_) => vec![Err(StoreError::Timeout("no decision from Postgres in time".into())); jobs.len()],
+        };
+        for (job, result) in jobs.drain(..).zip(results) {
+            let _ = job.reply.send(result);
+        }
+    }
+}
+
+/// Moves the jobs waiting in `rx` into `jobs`, up to [`MAX_BATCH`] in all.
+fn drain(rx: &mut mpsc::UnboundedReceiver<Job>, jobs: &mut Vec<Job>) {
+    while jobs.len() < MAX_BATCH {
+        match rx.try_recv() {
+            Ok(job) => jobs.push(job),
+            Err(_) => break,
+        }
+    }
+}
+
+/// The distinct keys of all `jobs`' buckets, sorted (the order every transaction locks in),
+/// and per job, per bucket, the index of its key.
+pub(super) fn keys_of(jobs: &[&[BucketRef]]) -> (Vec<Vec<u8>>, Vec<Vec<usize>>) {
+    let mut keys: Vec<Vec<u8>> = jobs
+        .iter()
+        .flat_map(|buckets| buckets.iter().map(|b| b.key.as_bytes().to_vec()))
+        .collect();
+    keys.sort_unstable();
+    keys.dedup();
+    let index = jobs
+        .iter()
+        .map(|buckets| {
+            buckets
+                .iter()
+                .map(|b| {
+                    keys.binary_search_by(|k| k.as_slice().cmp(b.key.as_bytes()))
+                        .expect("a key of the list")
+                })
+                .collect()
+        })
+        .collect();
+    (keys, index)
+}
+
+/// One batch's transaction: lock (inserting what is missing), read Postgres's clock, decide
+/// each job in turn, write, commit. Per job, its decision, or why it was refused.
+async fn transact(
+    pool: &PgPool,
+    jobs: &[Job],
+    time_override: Option<&dyn Clock>,
+) -> Result<Vec<Result<Applied, StoreError>>, StoreError> {
+    let buckets: Vec<&[BucketRef]> = jobs.iter().map(|j| j.buckets.as_slice()).collect();
+    let (keys, index) = keys_of(&buckets);
+    let mut tx = pool.begin().await.map_err(store_error)?;
+    // One statement takes every row and its lock, in ascending key order: it inserts the rows
+    // first touches need (NULL state, read as full) or waits for whoever holds them. Each row's
+    // clock is read once it is locked, so the latest is after every lock.
+    let rows = sqlx::query(&format!(
+        "INSERT INTO tollgate_buckets AS b (key) SELECT k FROM unnest($1::bytea[]) AS k ORDER BY k \
+         ON CONFLICT (key) DO UPDATE SET tokens_ut = b.tokens_ut \
+         RETURNING key, tokens_ut, updated_us, {CLOCK_US}"
+    ))
+    .bind(&keys)
+    .fetch_all(&mut *tx)
+    .await
+    .map_err(store_error)?;
+    if rows.len() != keys.len() {
+        return Err(StoreError::Unavailable(format!(
+            "locked {} of {} bucket rows",
+            rows.len(),
+            keys.len()
+        )));
+    }
+    let mut stored: Vec<Result<Option<BucketState>, StoreError>> = (0..keys.len()).map(|_| Ok(None)).collect();
+    let mut clock = 0i64;
+    for row in rows {
+        let key: Vec<u8> = row.try_get(0).map_err(store_error)?;
+        let tokens: Option<i64> = row.try_get(1).map_err(store_error)?;
+        let updated: Option<i64> = row.try_get(2).map_err(store_error)?;
+        clock = clock.max(row.try_get::<i64, _>(3).map_err(store_error)?);
+        if let Ok(i) = keys.binary_search(&key) {
+            stored[i] = row_state(&key, tokens, updated);
+        }
+    }
+    let now = match time_override {
+        Some(c) => c.now_us(),
+        None => u64::try_from(clock).unwrap_or(0),
+    };
+    let demands: Vec<&[Demand]> = jobs.iter().map(|j| j.demands.as_slice()).collect();
+    let outcome = decide_batch(now, &stored, &buckets, &index, &demands);
+
+    let (mut gone, mut kept, mut tokens, mut updated, mut full_at) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for write in &outcome.writes {
+        match *write {
+            Write::Delete(k) => gone.push(&keys[k]),
+            Write::Update { key, state, full_at_us } => {
+                kept.push(&keys[key]);
+                tokens.push(column(state.tokens_ut));
+                updated.push(column(state.updated_us));
+                full_at.push(column(full_at_us));
+            }
+        }
+    }
+    // Writes in one statement: the deletes ride along as a data-modifying CTE.
+    if !kept.is_empty() {
+        let done = sqlx::query(
+            "WITH gone AS (DELETE FROM tollgate_buckets WHERE key = ANY($5)) \
+             UPDATE tollgate_buckets AS b SET tokens_ut = u.t, updated_us = u.u, full_at_us = u.f \
+             FROM unnest($1::bytea[], $2::int8[], $3::int8[], $4::int8[]) AS u(k, t, u, f) WHERE b.key = u.k",
+        )
+        .bind(&kept)
+        .bind(&tokens)
+        .bind(&updated)
+        .bind(&full_at)
+        .bind(&gone)
+        .execute(&mut *tx)
+        .await
+        .map_err(store_error)?;
+        // The rows are locked since the first statement: each must still be there.
+        if done.rows_affected() != kept.len() as u64 {
+            return Err(StoreError::Unavailable(format!(
+                "wrote {} of {} locked bucket rows",
+                done.rows_affected(),
+                kept.len()
+            )));
+        }
+    } else if !gone.is_empty() {
+        sqlx::query("DELETE FROM tollgate_buckets WHERE key = ANY($1)")
+            .bind(&gone)
+            .execute(&mut *tx)
+            .await
+            .map_err(store_error)?;
+    }
+    tx.commit().await.map_err(store_error)?;
+    Ok(outcome.results)
+}
+
+/// What a batch writes for one key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Write {
+    /// Delete the row of key `.0` (its bucket is full, or a row created for nothing).
+    Delete(usize),
+    /// Store `state` for `key`, full again at `full_at_us` (`u64::MAX`: never).
+    Update {
+        key: usize,
+        state: BucketState,
+        full_at_us: u64,
+    },
+}
+
+/// A batch's decisions and the writes they need.
+#[derive(Debug)]
+pub struct BatchOutcome {
+    /// Per job, in order: its decision, or why it was refused.
+    pub results: Vec<Result<Applied, StoreError>>,
+    /// One per key that needs a write, in key order.
+    pub writes: Vec<Write>,
+}
+
+/// Decides `jobs` one after the other at `now_us`, pure: `stored[k]` is key `k`'s stored state
+/// (`None`: no state, a full bucket; `Err`: unreadable, which refuses the jobs that touch it);
+/// job `j` has buckets `buckets[j]`, whose keys are `index[j]`, and demands `demands[j]`. A job
+/// sees the states the jobs before it left. Each key changed by some job is written with the
+/// last state and the "full again" time by the plan of the last job that changed it, or
+/// deleted when that state is full; a key none changed whose row was created by this batch
+/// (no state) is deleted.
+pub fn decide_batch(
+    now_us: u64,
+    stored: &[Result<Option<BucketState>, StoreError>],
+    buckets: &[&[BucketRef]],
+    index: &[Vec<usize>],
+    demands: &[&[Demand]],
+) -> BatchOutcome {
+    let mut current: Vec<Option<BucketState>> = stored.iter().map(|s| s.clone().ok().flatten()).collect();
+    // Per key: the job and bucket that last changed it.
+    let mut changed_by: Vec<Option<(usize, usize)>> = vec![None; stored.len()];
+    let mut results = Vec::with_capacity(buckets.len());
+    for (j, (job_buckets, job_index)) in buckets.iter().zip(index).enumerate() {
+        if let Some(Err(e)) = job_index.iter().map(|&k| &stored[k]).find(|s| s.is_err()) {
+            results.push(Err(e.clone()));
+            continue;
+        }
+        let states: Vec<BucketState> = job_buckets
+            .iter()
+            .zip(job_index)
+            .map(|(b, &k)| current[k].unwrap_or_else(|| BucketState::full(&b.plan.limit_at(now_us), now_us)))
+            .collect();
+        let plans: Vec<_> = job_buckets.iter().map(|b| &b.plan).collect();
+        let decision = decide(now_us, &states, &plans, demands[j]);
+        for (i, (out, &k)) in decision.instances.iter().zip(job_index).enumerate() {
+            if out.changed {
+                current[k] = Some(out.after);
+                changed_by[k] = Some((j, i));
+            }
+        }
+        results.push(Ok(Applied { now_us, decision }));
+    }
+    let mut writes = Vec::new();
+    for (k, by) in changed_by.iter().enumerate() {
+        match (by, current[k]) {
+            (Some((j, i)), Some(state)) => match buckets[*j][*i].plan.full_at_us(state) {
+                Some(at) if at <= state.updated_us => writes.push(Write::Delete(k)),
+                at => writes.push(Write::Update {
+                    key: k,
+                    state,
+                    full_at_us: at.unwrap_or(u64::MAX),
+                }),
+            },
+            // Created by this batch (no state) and left unchanged: no row needed.
+            (None, _) if matches!(stored[k], Ok(None)) => writes.push(Write::Delete(k)),
+            _ => {}
+        }
+    }
+    BatchOutcome { results, writes }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::bucket::{DemandKind, Limit, Rate, MICRO};
+    use crate::schedule::Plan;
+
+    fn bucket(key: &str) -> BucketRef {
+        BucketRef {
+            key: key.to_owned(),
+            plan: Plan::Fixed(Limit::new(3, Rate::per(3, 60_000_000).unwrap())),
+        }
+    }
+
+    /// A job: (key names, per demand (instance, kind 0 consume / 1 check / 2 refund, tokens)).
+    type JobSpec = (Vec<usize>, Vec<(usize, u8, u64)>);
+
+    fn job(spec: &JobSpec) -> (Vec<BucketRef>, Vec<Demand>) {
+        let buckets = spec.0.iter().map(|k| bucket(&format!("k{k}"))).collect();
+        let demands = spec
+            .1
+            .iter()
+            .map(|&(instance, kind, n)| Demand {
+                instance,
+                kind: match kind {
+                    0 => DemandKind::Consume(n * MICRO),
+                    1 => DemandKind::Check,
+                    _ => DemandKind::Refund(n * MICRO),
+                },
+                enforced: true,
+            })
+            .collect();
+        (buckets, demands)
+    }
+
+    fn job_spec() -> impl Strategy<Value = JobSpec> {
+        prop::sample::subsequence(vec![0usize, 1, 2, 3], 1..=3).prop_flat_map(|keys| {
+            let n = keys.len();
+            (Just(keys), prop::collection::vec((0..n, 0u8..3, 1u64..3), 1..4))
+        })
+    }
+
+    /// Runs `jobs` as one batch over the store `rows` (key name to state), applying the writes.
+    fn run(rows: &mut std::collections::BTreeMap<String, BucketState>, now: u64, jobs: &[JobSpec]) -> Vec<Applied> {
+        let built: Vec<(Vec<BucketRef>, Vec<Demand>)> = jobs.iter().map(job).collect();
+        let buckets: Vec<&[BucketRef]> = built.iter().map(|(b, _)| b.as_slice()).collect();
+        let demands: Vec<&[Demand]> = built.iter().map(|(_, d)| d.as_slice()).collect();
+        let (keys, index) = keys_of(&buckets);
+        let stored: Vec<_> = keys
+            .iter()
+            .map(|k| Ok(rows.get(std::str::from_utf8(k).unwrap()).copied()))
+            .collect();
+        let outcome = decide_batch(now, &stored, &buckets, &index, &demands);
+        for w in outcome.writes {
+            match w {
+                Write::Delete(k) => {
+                    rows.remove(std::str::from_utf8(&keys[k]).unwrap());
+                }
+                Write::Update { key, state, .. } => {
+                    rows.insert(String::from_utf8(keys[key].clone()).unwrap(), state);
+                }
+            }
+        }
+        outcome.results.into_iter().map(|r| r.unwrap()).collect()
+    }
+
+    /// The reference: `jobs` one at a time on `rows` with [`decide`] itself, as a store that
+    /// holds one request's transaction at a time would: absent is full, a changed bucket is
+    /// written (deleted when full by its plan), an unchanged one left as it is.
+    fn one_by_one(
+        rows: &mut std::collections::BTreeMap<String, BucketState>,
+        now: u64,
+        jobs: &[JobSpec],
+    ) -> Vec<Applied> {
+        let mut out = Vec::new();
+        for spec in jobs {
+            let (buckets, demands) = job(spec);
+            let states: Vec<BucketState> = buckets
+                .iter()
+                .map(|b| {
+                    rows.get(&b.key)
+                        .copied()
+                        .unwrap_or_else(|| BucketState::full(&b.plan.limit_at(now), now))
+                })
+                .collect();
+            let plans: Vec<_> = buckets.iter().map(|b| &b.plan).collect();
+            let decision = decide(now, &states, &plans, &demands);
+            for (b, o) in buckets.iter().zip(&decision.instances) {
+                if o.changed {
+                    match b.plan.full_at_us(o.after) {
+                        Some(at) if at <= o.after.updated_us => rows.remove(&b.key),
+                        _ => rows.insert(b.key.clone(), o.after),
+                    };
+                }
+            }
+            out.push(Applied { now_us: now, decision });
+        }
+        out
+    }
+
+    proptest! {
+        /// A batch decides what the same jobs decide one at a time, in order, at the same
+        /// instant, and leaves the same rows.
+        #[test]
+        fn a_batch_decides_what_single_jobs_would(
+            start in prop::collection::vec((0usize..4, 0u64..=3), 0..4),
+            jobs in prop::collection::vec(job_spec(), 1..8),
+        ) {
+            let now = 1_000_000_000_000;
+            let mut rows = std::collections::BTreeMap::new();
+            for (k, tokens) in start {
+                if tokens < 3 {
+                    rows.insert(format!("k{k}"), BucketState { tokens_ut: tokens * MICRO, updated_us: now });
+                }
+            }
+            let mut reference = rows.clone();
+            let batched = run(&mut rows, now, &jobs);
+            let single = one_by_one(&mut reference, now, &jobs);
+            prop_assert_eq!(batched.len(), single.len());
+            for (b, s) in batched.iter().zip(&single) {
+                prop_assert_eq!(&b.decision, &s.decision);
+            }
+            prop_assert_eq!(rows, reference);
+        }
+    }
+
+    #[test]
+    fn an_unreadable_row_refuses_only_the_jobs_that_touch_it() {
+        let a = [bucket("a")];
+        let b = [bucket("b")];
+        let take = [Demand {
+            instance: 0,
+            kind: DemandKind::Consume(MICRO),
+            enforced: true,
+        }];
+        let buckets: Vec<&[BucketRef]> = vec![&a, &b];
+        let (_, index) = keys_of(&buckets);
+        let stored = vec![Err(StoreError::Rejected("negative".into())), Ok(None)];
+        let outcome = decide_batch(5, &stored, &buckets, &index, &[&take, &take]);
+        assert!(matches!(outcome.results[0], Err(StoreError::Rejected(_))));
+        assert!(!outcome.results[1].as_ref().unwrap().decision.denied);
+        assert_eq!(outcome.writes.len(), 1, "only b is written: {:?}", outcome.writes);
+        assert!(matches!(outcome.writes[0], Write::Update { key: 1, .. }));
+    }
+
+    #[test]
+    fn keys_are_locked_in_one_order_whatever_the_request_order() {
+        let (ab, ab_index) = keys_of(&[&[bucket("a"), bucket("b")]]);
+        let (ba, ba_index) = keys_of(&[&[bucket("b"), bucket("a")]]);
+        assert_eq!(ab, ba);
+        assert_eq!(ab_index, vec![vec![0, 1]]);
+        assert_eq!(ba_index, vec![vec![1, 0]]);
+    }
+}
