@@ -185,6 +185,7 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
         tasks.spawn(serve_rate_limit_service_with_health(grpc, service, health, stop));
     }
     ready.set(true);
+    let health_follower = tokio::spawn(follow_readiness(health_reporter.clone(), limiter.clone()));
 
     let failed = tokio::select! {
         // A listener ended by itself: that is an error (or a bug); shut the rest down.
@@ -192,6 +193,7 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
         _ = shutdown_signal() => None,
     };
     ready.set(false);
+    health_follower.abort();
     health_reporter
         .set_not_serving::<RateLimitServer<RateLimitGrpc<AnyStore>>>()
         .await;
@@ -245,6 +247,38 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
         result = Err(anyhow::anyhow!("a listener stopped unexpectedly"));
     }
     result
+}
+
+/// How often gRPC health is brought in line with the backend's readiness.
+const HEALTH_EVERY: Duration = Duration::from_secs(1);
+
+/// Keeps gRPC health (`""` and the `RateLimitService`) saying what `/readyz` says about the
+/// backend: `NOT_SERVING` while it cannot decide (no fallback that can), `SERVING` again once
+/// it can. Checked every [`HEALTH_EVERY`]; runs until aborted at shutdown.
+async fn follow_readiness(reporter: tonic_health::server::HealthReporter, limiter: Arc<Limiter<AnyStore>>) {
+    let mut serving = true;
+    let mut tick = tokio::time::interval(HEALTH_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let now = limiter.store().ready().await.is_ok();
+        if now == serving {
+            continue;
+        }
+        serving = now;
+        let status = if now {
+            ServingStatus::Serving
+        } else {
+            ServingStatus::NotServing
+        };
+        reporter
+            .set_service_status(
+                <RateLimitServer<RateLimitGrpc<AnyStore>> as tonic::server::NamedService>::NAME,
+                status,
+            )
+            .await;
+        reporter.set_service_status("", status).await;
+    }
 }
 
 /// Serves tollgate's `RateLimitService` and `grpc.health.v1` on `listener` until `shutdown`

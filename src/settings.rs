@@ -570,21 +570,79 @@ impl RedisSettings {
     }
 }
 
-/// `url` with any password replaced by `<redacted>`, for messages and `/config`.
+/// `url` with any password replaced by `<redacted>`, for messages and `/config`: the password
+/// of the userinfo (everything up to the last `@` before the query counts as userinfo, so a
+/// password holding an unencoded `/` or `@` is hidden whole) and the value of a `password`,
+/// `pass` or `sslpassword` query parameter (libpq's and sqlx's URL forms accept those).
 pub fn redact_url(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_string();
     };
-    let (authority, path) = match rest.find(['/', '?']) {
-        Some(i) => rest.split_at(i),
-        None => (rest, ""),
+    let (before_query, query) = match rest.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (rest, None),
     };
-    match authority.rsplit_once('@') {
-        Some((userinfo, host)) if userinfo.contains(':') => {
-            let user = userinfo.split_once(':').map_or("", |(u, _)| u);
-            format!("{scheme}://{user}:<redacted>@{host}{path}")
+    let mut out = format!("{scheme}://");
+    match before_query.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            match userinfo.split_once(':') {
+                Some((user, _)) => out.push_str(&format!("{user}:<redacted>@")),
+                None => out.push_str(&format!("{userinfo}@")),
+            }
+            out.push_str(host);
         }
-        _ => url.to_string(),
+        None => out.push_str(before_query),
+    }
+    if let Some(query) = query {
+        let params: Vec<String> = query
+            .split('&')
+            .map(|param| match param.split_once('=') {
+                Some((key, _))
+                    if ["password", "pass", "sslpassword"]
+                        .iter()
+                        .any(|secret| key.eq_ignore_ascii_case(secret)) =>
+                {
+                    format!("{key}=<redacted>")
+                }
+                _ => param.to_owned(),
+            })
+            .collect();
+        out.push('?');
+        out.push_str(&params.join("&"));
+    }
+    out
+}
+
+#[cfg(test)]
+mod redact_tests {
+    use super::redact_url;
+
+    #[test]
+    fn passwords_are_hidden_wherever_a_url_carries_them() {
+        for (url, shown) in [
+            ("postgres://app:s3cret@db:5432/x", "postgres://app:<redacted>@db:5432/x"),
+            ("postgres://app@db:5432/x", "postgres://app@db:5432/x"),
+            ("postgres://db/x", "postgres://db/x"),
+            ("redis://:pw@127.0.0.1:6379/2", "redis://:<redacted>@127.0.0.1:6379/2"),
+            // An unencoded '/' or '@' in the password.
+            (
+                "postgres://app:hun/ter2@db:5432/x",
+                "postgres://app:<redacted>@db:5432/x",
+            ),
+            ("postgres://app:a@b@db/x", "postgres://app:<redacted>@db/x"),
+            // Query parameters.
+            (
+                "postgres://app@db/x?password=hunter2&sslmode=require",
+                "postgres://app@db/x?password=<redacted>&sslmode=require",
+            ),
+            (
+                "postgres://db/x?sslmode=verify-full&SSLPassword=k",
+                "postgres://db/x?sslmode=verify-full&SSLPassword=<redacted>",
+            ),
+            ("not a url", "not a url"),
+        ] {
+            assert_eq!(redact_url(url), shown, "{url}");
+        }
     }
 }
 

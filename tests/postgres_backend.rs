@@ -482,3 +482,253 @@ async fn tollgate_migrate_prepares_the_schema_that_serve_then_only_checks() {
     );
     db.drop().await;
 }
+
+/// The key of sqlx's migration lock for database `name`: `0x3d32ad9e` times the CRC-32
+/// (ISO-HDLC) of the name, as sqlx's `generate_lock_id` computes it.
+fn migration_lock_id(name: &str) -> i64 {
+    let mut crc = !0u32;
+    for &b in name.as_bytes() {
+        crc ^= u32::from(b);
+        for _ in 0..8 {
+            crc = if crc & 1 == 1 {
+                (crc >> 1) ^ 0xEDB8_8320
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    0x3d32_ad9e_i64 * i64::from(!crc)
+}
+
+/// Another replica (or any sqlx application in the same database) holding the migration lock
+/// makes `tollgate migrate` wait for it, not fail after the decisions' 15 ms statement timeout.
+#[tokio::test(flavor = "multi_thread")]
+async fn tollgate_migrate_waits_for_the_migration_lock() {
+    use sqlx::Connection;
+    let test = "tollgate_migrate_waits_for_the_migration_lock";
+    let Some(db) = support::postgres::TestSchema::new(test).await else {
+        return;
+    };
+    let mut holder = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    let database: String = sqlx::query_scalar("SELECT current_database()")
+        .fetch_one(&mut holder)
+        .await
+        .unwrap();
+    sqlx::query("SELECT pg_advisory_lock($1)")
+        .bind(migration_lock_id(&database))
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let postgres = format!("postgres: {{url: {}, schema: {}}}", support::yaml_str(&db.url), db.name);
+    let started = std::time::Instant::now();
+    let migrating = tokio::task::spawn_blocking(move || migrate(&postgres));
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    assert!(!migrating.is_finished(), "tollgate migrate did not wait for the lock");
+    sqlx::query("SELECT pg_advisory_unlock($1)")
+        .bind(migration_lock_id(&database))
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let (status, stdout, stderr) = migrating.await.unwrap();
+    assert!(status.success(), "{stdout}{stderr}");
+    assert!(stdout.contains("applied 20261130000001"), "{stdout}");
+    assert!(started.elapsed() >= std::time::Duration::from_millis(1500));
+    db.drop().await;
+}
+
+/// A user without the right to create schemas in the database, but owning the configured one,
+/// can migrate it (CREATE SCHEMA IF NOT EXISTS would be refused even though it exists).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_user_owning_an_existing_schema_can_migrate_it() {
+    use sqlx::Connection;
+    let test = "a_user_owning_an_existing_schema_can_migrate_it";
+    let Some(db) = support::postgres::TestSchema::new(test).await else {
+        return;
+    };
+    let role = format!("r_{}", db.name);
+    let mut admin = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    for sql in [
+        format!("CREATE ROLE \"{role}\" LOGIN"),
+        format!("CREATE SCHEMA \"{}\" AUTHORIZATION \"{role}\"", db.name),
+    ] {
+        sqlx::query(&sql).execute(&mut admin).await.unwrap();
+    }
+    let url = db
+        .url
+        .replacen("postgres://postgres@", &format!("postgres://{role}@"), 1);
+    assert_ne!(url, db.url, "the test URL names the user postgres: {}", db.url);
+    let store = support::postgres::store(&url, &db.name).await;
+    assert!(store.is_migrated());
+    drop(store);
+    db.drop().await;
+    sqlx::query(&format!("DROP ROLE \"{role}\""))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+}
+
+/// Requests at once on one store: for each, `(key, capacity)`; their results in order.
+async fn at_once(store: &PostgresStore, requests: &[(String, u64)]) -> Vec<Result<bool, StoreError>> {
+    let tasks: Vec<_> = requests
+        .iter()
+        .map(|(key, capacity)| {
+            let (store, b) = (store.clone(), bucket(key, *capacity));
+            tokio::spawn(async move { store.apply(&[b], &[take(0)]).await.map(|a| !a.decision.denied) })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+/// An instance key longer than PostgreSQL can index (a descriptor value can be a long header)
+/// is stored as a digest: it is decided exactly like any other, and the requests batched with
+/// it are unaffected. (Stored as it was, the batch's locking statement failed for everyone in
+/// the batch: "index row size exceeds btree maximum".)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_very_long_key_is_decided_and_fails_no_one_else() {
+    let test = "a_very_long_key_is_decided_and_fails_no_one_else";
+    let Some(db) = support::postgres::TestSchema::new(test).await else {
+        return;
+    };
+    let store = db.store().await;
+    // Random letters: PostgreSQL compresses a repetitive value below the index limit.
+    let mut seed = 0x9E37_79B9_7F4A_7C15_u64;
+    let noise: String = (0..8_000)
+        .map(|_| {
+            seed = seed
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            char::from(b'a' + ((seed >> 33) % 26) as u8)
+        })
+        .collect();
+    let long = format!("api.user={noise}");
+    let mut requests: Vec<(String, u64)> = (0..24).map(|i| (format!("short-{}", i % 6), 3)).collect();
+    requests.extend((0..8).map(|_| (long.clone(), 5)));
+    let results = at_once(&store, &requests).await;
+    let failed: Vec<_> = results.iter().filter(|r| r.is_err()).collect();
+    assert!(failed.is_empty(), "failed: {failed:?}");
+    let admitted = |prefix: &str| {
+        requests
+            .iter()
+            .zip(&results)
+            .filter(|((k, _), r)| k.starts_with(prefix) && matches!(r, Ok(true)))
+            .count()
+    };
+    assert_eq!(admitted("short-"), 6 * 3, "each short key admits its capacity");
+    assert_eq!(admitted("api.user="), 5, "the long key admits its capacity");
+    // A key one byte different is another bucket.
+    let other = format!("api.user={}!", &noise[..7_999]);
+    assert!(matches!(at_once(&store, &[(other, 5)]).await[0], Ok(true)));
+    db.drop().await;
+}
+
+/// When the database refuses a statement of a batch because of one request's row, the lane
+/// decides its requests one by one, so only that request fails. (A trigger in the test schema
+/// refuses the key `poison`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_the_database_refuses_fails_alone() {
+    use sqlx::Connection;
+    let test = "a_request_the_database_refuses_fails_alone";
+    let Some(db) = support::postgres::TestSchema::new(test).await else {
+        return;
+    };
+    let store = db.store().await;
+    let mut admin = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    let schema = &db.name;
+    for sql in [
+        format!(
+            "CREATE FUNCTION \"{schema}\".refuse_poison() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN IF NEW.key = convert_to('poison', 'UTF8') THEN RAISE EXCEPTION 'poison refused'; END IF; \
+             RETURN NEW; END $$"
+        ),
+        format!(
+            "CREATE TRIGGER refuse_poison BEFORE INSERT OR UPDATE ON \"{schema}\".tollgate_buckets \
+             FOR EACH ROW EXECUTE FUNCTION \"{schema}\".refuse_poison()"
+        ),
+    ] {
+        sqlx::query(&sql).execute(&mut admin).await.unwrap();
+    }
+    let mut requests: Vec<(String, u64)> = (0..30).map(|i| (format!("good-{i}"), 3)).collect();
+    requests.insert(15, ("poison".to_owned(), 3));
+    let results = at_once(&store, &requests).await;
+    for ((key, _), result) in requests.iter().zip(&results) {
+        if key == "poison" {
+            assert!(result.is_err(), "the poison request: {result:?}");
+        } else {
+            assert!(matches!(result, Ok(true)), "{key}: {result:?}");
+        }
+    }
+    db.drop().await;
+}
+
+/// A request that waited in the queue for more than half its budget is answered with a timeout
+/// before its lane starts, so it cannot cut short the transaction of the requests batched with
+/// it. One lane; rows `slow-1` and `slow-2` are locked by other transactions: request A (on
+/// `slow-1`) holds the lane until `slow-1` is released; B waits behind it past half its budget;
+/// C, sent later, goes in the next batch, whose transaction waits for `slow-2`. (With the batch
+/// bounded by its oldest request's deadline, B's nearly spent budget timed C out too.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_that_waited_too_long_does_not_time_out_the_rest_of_its_batch() {
+    use sqlx::Connection;
+    use std::time::Duration;
+    let test = "a_request_that_waited_too_long_does_not_time_out_the_rest_of_its_batch";
+    let Some(db) = support::postgres::TestSchema::new(test).await else {
+        return;
+    };
+    let mut settings = support::postgres::settings(&db.url, &db.name);
+    settings.pool_size = 1;
+    settings.command_timeout_ms = 2_000;
+    let store = PostgresStore::new(&settings).unwrap();
+    store.connect(Duration::from_secs(10)).await.unwrap();
+    // The rows exist (one token taken), then two transactions lock one each.
+    let made = at_once(&store, &[("slow-1".into(), 5), ("slow-2".into(), 5)]).await;
+    assert!(made.iter().all(|r| matches!(r, Ok(true))), "{made:?}");
+    // A connection of its own holding `key`'s row in an open transaction.
+    let lock = |key: &'static str| {
+        let (url, schema) = (db.url.clone(), db.name.clone());
+        async move {
+            let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
+            for sql in [
+                "BEGIN".to_owned(),
+                format!(
+                    "SELECT 1 FROM \"{schema}\".tollgate_buckets WHERE key = convert_to('{key}', 'UTF8') FOR UPDATE"
+                ),
+            ] {
+                sqlx::query(&sql).execute(&mut conn).await.unwrap();
+            }
+            conn
+        }
+    };
+    let release = |mut conn: sqlx::PgConnection| async move {
+        sqlx::query("ROLLBACK").execute(&mut conn).await.unwrap();
+    };
+    let lock1 = lock("slow-1").await;
+    let lock2 = lock("slow-2").await;
+    let send = |key: &str| {
+        let (store, b) = (store.clone(), bucket(key, 5));
+        tokio::spawn(async move { store.apply(&[b], &[take(0)]).await.map(|a| !a.decision.denied) })
+    };
+    let started = std::time::Instant::now();
+    let a = send("slow-1");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let b = send("b");
+    tokio::time::sleep(Duration::from_millis(1_700)).await;
+    let c = send("slow-2");
+    // At 1.9 s: the lane is freed with B at 1.8 s of its 2 s; C's batch then waits for slow-2.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    release(lock1).await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    release(lock2).await;
+    let (a, b, c) = (a.await.unwrap(), b.await.unwrap(), c.await.unwrap());
+    assert!(matches!(a, Ok(true)), "A waited for slow-1 within its budget: {a:?}");
+    assert!(
+        matches!(b, Err(StoreError::Timeout(_))),
+        "B waited past half its budget: {b:?}"
+    );
+    assert!(matches!(c, Ok(true)), "C is decided once slow-2 is free: {c:?}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    db.drop().await;
+}

@@ -25,6 +25,7 @@ use support::redis::RedisServer;
 use support::{yaml_str, Tollgate};
 use tokio::task::block_in_place;
 use tonic::transport::Channel;
+use tonic_health::pb::health_check_response::ServingStatus;
 
 /// `postgres.command_timeout_ms` in these tests (a debug build on a busy two-core machine).
 const COMMAND_TIMEOUT_MS: u64 = 300;
@@ -91,6 +92,31 @@ fn check_no_slow_request_and_no_panic(tollgate: &Tollgate, samples: &[Sample]) {
     );
     let log = tollgate.process.log();
     assert!(!log.contains("panicked"), "tollgate panicked:\n{log}");
+}
+
+/// gRPC health of `""` and of the `RateLimitService`.
+async fn grpc_health(tollgate: &Tollgate) -> [ServingStatus; 2] {
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+    let channel = Channel::from_shared(format!("http://{}", tollgate.grpc_addr))
+        .unwrap()
+        .connect()
+        .await
+        .expect("connect for health");
+    let mut health = HealthClient::new(channel);
+    let mut out = [ServingStatus::Unknown; 2];
+    for (i, service) in ["", "envoy.service.ratelimit.v3.RateLimitService"].iter().enumerate() {
+        let status = health
+            .check(HealthCheckRequest {
+                service: service.to_string(),
+            })
+            .await
+            .expect("health answers")
+            .into_inner()
+            .status;
+        out[i] = ServingStatus::try_from(status).expect("a known status");
+    }
+    out
 }
 
 /// What an outage scenario saw.
@@ -369,11 +395,26 @@ async fn not_ready_at_start_until_postgres_comes() {
         (CAPACITY + 2) as f64
     );
 
+    // gRPC health says the same as /readyz (Envoy can health-check the rate-limit cluster).
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while grpc_health(&tollgate).await != [ServingStatus::NotServing; 2] {
+        assert!(Instant::now() < deadline, "gRPC health still SERVING without Postgres");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
     block_in_place(|| postgres.restart());
     let ready_in = eventually(RECOVERY, "/readyz 200 once Postgres is there, without traffic", || {
         readyz(&tollgate).0 == 200
     })
     .await;
+    let deadline = Instant::now() + RECOVERY;
+    while grpc_health(&tollgate).await != [ServingStatus::Serving; 2] {
+        assert!(
+            Instant::now() < deadline,
+            "gRPC health not SERVING once Postgres is there"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     eprintln!("not_ready: ready {ready_in:?} after Postgres started");
     assert!(tollgate.process.log().contains("connected to Postgres"));
     assert_eq!(exhaust(&mut c, "late").await, real_decisions());
@@ -465,4 +506,45 @@ async fn with_redis_and_its_postgres_fallback_both_down_requests_fail_fast() {
         fallbacks,
         "back on Redis"
     );
+}
+
+/// With Redis the primary and Postgres its fallback, a Postgres that went down while Redis
+/// answered (so the fallback got no calls and its breaker stayed closed) is found out by
+/// readiness as soon as Redis fails too, without any traffic: `/readyz` is 503, not "ready
+/// (degraded)" while nothing can decide.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_probes_an_unused_fallback_when_the_primary_fails() {
+    let Some(bin) = server_bin_or_skip("readiness_probes_an_unused_fallback_when_the_primary_fails") else {
+        return;
+    };
+    let _serial = one_at_a_time();
+    let mut redis = block_in_place(RedisServer::start);
+    let mut postgres = block_in_place(|| PostgresServer::start(&bin));
+    let settings = format!(
+        "backend: redis\nredis: {{urls: [{}], command_timeout_ms: 100, failure_mode: fallback, breaker_failures: 3, \
+         breaker_open_ms: {BREAKER_OPEN_MS}, connect_timeout_ms: 2000}}\n{}",
+        yaml_str(&redis.url()),
+        postgres_section(&postgres.url(), "error", "")
+    );
+    let tollgate = block_in_place(|| start_tollgate(&settings));
+    assert_eq!(readyz(&tollgate), (200, "ready\n".to_owned()));
+    block_in_place(|| postgres.crash());
+    assert_eq!(readyz(&tollgate).0, 200, "Redis still answers");
+    block_in_place(|| redis.kill());
+    eventually(
+        Duration::from_secs(5),
+        "/readyz 503 with Redis and its fallback down",
+        || {
+            let (status, body) = readyz(&tollgate);
+            status == 503 && body.contains("Redis") && body.contains("postgres fallback")
+        },
+    )
+    .await;
+    // And back: Postgres alone is enough to be ready (degraded).
+    block_in_place(|| postgres.restart());
+    eventually(RECOVERY, "/readyz 200 degraded once the fallback answers", || {
+        let (status, body) = readyz(&tollgate);
+        status == 200 && body.contains("degraded")
+    })
+    .await;
 }

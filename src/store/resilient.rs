@@ -86,6 +86,23 @@ impl<P: Store> Guarded<P> {
         !self.breaker.is_open()
     }
 
+    /// Readiness of a store that may not be getting calls (a fallback while its primary
+    /// answers, or before the first request): runs `probe` now, or, while the circuit is open,
+    /// when a probe is due ([`Guarded::probe_if_open`]), and records a failure. Whether the
+    /// store answered (open and no probe due: `false`).
+    pub async fn check<F: Future<Output = Result<(), StoreError>>>(&self, probe: impl FnOnce() -> F) -> bool {
+        if self.breaker.is_open() {
+            return self.probe_if_open(probe).await;
+        }
+        match probe().await {
+            Ok(()) => true,
+            Err(e) => {
+                self.failed(&e);
+                false
+            }
+        }
+    }
+
     fn succeeded(&self) {
         if self.breaker.success() {
             self.primary.metrics().circuit_open.set(0.0);
@@ -269,8 +286,9 @@ pub enum Fallback {
 
 impl Fallback {
     /// Whether the fallback can decide now: always for memory; for Postgres, while its schema
-    /// is in place and its breaker is closed (probing it, at most once per `breaker_open_ms`,
-    /// while open). `Err` says why not.
+    /// is in place and it answers a probe (sent now, since a fallback gets no calls while its
+    /// primary answers; while its breaker is open, at most once per `breaker_open_ms`). `Err`
+    /// says why not.
     pub async fn ready(&self, probe_timeout: Duration) -> Result<(), String> {
         match self {
             Fallback::Memory(_) => Ok(()),
@@ -279,8 +297,8 @@ impl Fallback {
                 if !postgres.is_migrated() {
                     return Err(format!("not connected to Postgres at {}", postgres.describe()));
                 }
-                if !g.probe_if_open(|| postgres.probe(probe_timeout)).await {
-                    return Err(format!("Postgres at {} is failing (circuit open)", postgres.describe()));
+                if !g.check(|| postgres.probe(probe_timeout)).await {
+                    return Err(format!("Postgres at {} is failing", postgres.describe()));
                 }
                 Ok(())
             }

@@ -38,8 +38,12 @@ pub struct Job {
     pub buckets: Vec<BucketRef>,
     /// Its demands, indexing `buckets`.
     pub demands: Vec<Demand>,
-    /// When its caller's time is up: it is not started after, nor kept running past it.
+    /// When its caller's time is up: its transaction is not kept running past it.
     pub deadline: Instant,
+    /// The latest instant it may be started at (half its budget, so that a batch is never cut
+    /// short by one request that has almost none left); one still waiting then is answered
+    /// with a timeout and consumes nothing.
+    pub start_by: Instant,
     /// Receives its decision.
     pub reply: oneshot::Sender<Result<Applied, StoreError>>,
 }
@@ -56,7 +60,21 @@ impl Batcher {
         let (tx, rx) = mpsc::unbounded_channel();
         let rx = Arc::new(Mutex::new(rx));
         for _ in 0..lanes.max(1) {
-            tokio::spawn(lane(pool.clone(), rx.clone(), time_override.clone()));
+            let (pool, rx, time_override) = (pool.clone(), rx.clone(), time_override.clone());
+            // A lane that panicked (a bug: nothing in it should) is started again, so the store
+            // does not lose its lanes one by one; the requests it held see their channel close.
+            tokio::spawn(async move {
+                loop {
+                    let run = tokio::spawn(lane(pool.clone(), rx.clone(), time_override.clone()));
+                    match run.await {
+                        Err(e) if e.is_panic() => {
+                            tracing::error!("a Postgres decision lane panicked; starting it again");
+                        }
+                        // The queue closed (the store is gone), or the runtime is shutting down.
+                        _ => return,
+                    }
+                }
+            });
         }
         Batcher { jobs: tx }
     }
@@ -89,26 +107,73 @@ async fn lane(pool: PgPool, rx: Arc<Mutex<mpsc::UnboundedReceiver<Job>>>, time_o
                 drain(&mut rx, &mut jobs);
             }
         }
+        // A job whose caller gave up, or that waited past its start-by instant, is dropped with
+        // its sender: its caller reports the timeout, and it consumes nothing.
         let now = Instant::now();
-        jobs.retain(|j| {
-            if j.reply.is_closed() {
-                return false;
-            }
-            j.deadline > now
-        });
-        // (A job past its deadline was dropped with its sender: its caller reports the timeout.)
+        jobs.retain(|j| !j.reply.is_closed() && j.start_by > now);
         let Some(deadline) = jobs.iter().map(|j| j.deadline).min() else {
             continue;
         };
-        let results = match tokio::time::timeout_at(deadline, transact(&pool, &jobs, time_override.as_deref())).await {
+        let clock = time_override.as_deref();
+        let results = match tokio::time::timeout_at(deadline, transact(&pool, &jobs, clock)).await {
             Ok(Ok(results)) => results,
-            Ok(Err(e)) => vec![Err(e); jobs.len()],
-            // Dropping the transaction rolls it back when its connection is next used.
-            Err(_) => vec![Err(StoreError::Timeout("no decision from Postgres in time".into())); jobs.len()],
+            // The database refused a statement of the batch (say, a row it cannot store): decide
+            // the requests one by one, so only the one at fault fails.
+            Ok(Err(Failure { refused: true, .. })) if jobs.len() > 1 => {
+                match tokio::time::timeout_at(deadline, one_by_one(&pool, &jobs, clock)).await {
+                    Ok(results) => results,
+                    Err(_) => vec![Err(late()); jobs.len()],
+                }
+            }
+            Ok(Err(f)) => vec![Err(f.error); jobs.len()],
+            // Dropping the transaction rolls it back when its connection is next used, unless
+            // its COMMIT was already sent: then it may commit, and its requests, answered with
+            // a timeout, spent tokens without being admitted (never an over-admission).
+            Err(_) => vec![Err(late()); jobs.len()],
         };
         for (job, result) in jobs.drain(..).zip(results) {
             let _ = job.reply.send(result);
         }
+    }
+}
+
+fn late() -> StoreError {
+    StoreError::Timeout("no decision from Postgres in time".into())
+}
+
+/// Each job in a transaction of its own, one after the other.
+async fn one_by_one(pool: &PgPool, jobs: &[Job], clock: Option<&dyn Clock>) -> Vec<Result<Applied, StoreError>> {
+    let mut results = Vec::with_capacity(jobs.len());
+    for job in jobs {
+        match transact(pool, std::slice::from_ref(job), clock).await {
+            Ok(mut one) => results.push(one.pop().unwrap_or_else(|| Err(late()))),
+            Err(f) => results.push(Err(f.error)),
+        }
+    }
+    results
+}
+
+/// Why a batch's transaction failed.
+struct Failure {
+    error: StoreError,
+    /// Whether the database refused a statement (rather than the connection failing, or the
+    /// statement timing out): something in the batch's data may be at fault.
+    refused: bool,
+}
+
+impl From<sqlx::Error> for Failure {
+    fn from(e: sqlx::Error) -> Failure {
+        let refused = matches!(&e, sqlx::Error::Database(d) if d.code().as_deref() != Some("57014"));
+        Failure {
+            error: store_error(e),
+            refused,
+        }
+    }
+}
+
+impl From<StoreError> for Failure {
+    fn from(error: StoreError) -> Failure {
+        Failure { error, refused: false }
     }
 }
 
@@ -122,24 +187,42 @@ fn drain(rx: &mut mpsc::UnboundedReceiver<Job>, jobs: &mut Vec<Job>) {
     }
 }
 
-/// The distinct keys of all `jobs`' buckets, sorted (the order every transaction locks in),
-/// and per job, per bucket, the index of its key.
+/// The longest instance key stored as it is; a longer one (a descriptor value can be a header of
+/// many KiB, and a btree index entry must stay under about 2.7 KB) is stored as [`DIGEST_TAG`]
+/// and its SHA-256: stable across replicas, and no client can make two keys collide.
+pub const MAX_VERBATIM_KEY: usize = 512;
+
+/// The first byte of a stored digest; it never occurs in UTF-8 text, so a digest never equals a
+/// key kept as it is.
+pub const DIGEST_TAG: u8 = 0xFF;
+
+/// The row key of instance key `key` (see [`MAX_VERBATIM_KEY`]).
+pub fn stored_key(key: &str) -> Vec<u8> {
+    if key.len() <= MAX_VERBATIM_KEY {
+        return key.as_bytes().to_vec();
+    }
+    use sha2::Digest;
+    let mut out = Vec::with_capacity(33);
+    out.push(DIGEST_TAG);
+    out.extend_from_slice(&sha2::Sha256::digest(key.as_bytes()));
+    out
+}
+
+/// The distinct row keys of all `jobs`' buckets ([`stored_key`]), sorted (the order every
+/// transaction locks in), and per job, per bucket, the index of its key.
 pub(super) fn keys_of(jobs: &[&[BucketRef]]) -> (Vec<Vec<u8>>, Vec<Vec<usize>>) {
-    let mut keys: Vec<Vec<u8>> = jobs
+    let per_job: Vec<Vec<Vec<u8>>> = jobs
         .iter()
-        .flat_map(|buckets| buckets.iter().map(|b| b.key.as_bytes().to_vec()))
+        .map(|buckets| buckets.iter().map(|b| stored_key(&b.key)).collect())
         .collect();
+    let mut keys: Vec<Vec<u8>> = per_job.iter().flatten().cloned().collect();
     keys.sort_unstable();
     keys.dedup();
-    let index = jobs
+    let index = per_job
         .iter()
-        .map(|buckets| {
-            buckets
-                .iter()
-                .map(|b| {
-                    keys.binary_search_by(|k| k.as_slice().cmp(b.key.as_bytes()))
-                        .expect("a key of the list")
-                })
+        .map(|job| {
+            job.iter()
+                .map(|k| keys.binary_search(k).expect("a key of the list"))
                 .collect()
         })
         .collect();
@@ -152,10 +235,10 @@ async fn transact(
     pool: &PgPool,
     jobs: &[Job],
     time_override: Option<&dyn Clock>,
-) -> Result<Vec<Result<Applied, StoreError>>, StoreError> {
+) -> Result<Vec<Result<Applied, StoreError>>, Failure> {
     let buckets: Vec<&[BucketRef]> = jobs.iter().map(|j| j.buckets.as_slice()).collect();
     let (keys, index) = keys_of(&buckets);
-    let mut tx = pool.begin().await.map_err(store_error)?;
+    let mut tx = pool.begin().await?;
     // One statement takes every row and its lock, in ascending key order: it inserts the rows
     // first touches need (NULL state, read as full) or waits for whoever holds them. Each row's
     // clock is read once it is locked, so the latest is after every lock.
@@ -166,22 +249,17 @@ async fn transact(
     ))
     .bind(&keys)
     .fetch_all(&mut *tx)
-    .await
-    .map_err(store_error)?;
+    .await?;
     if rows.len() != keys.len() {
-        return Err(StoreError::Unavailable(format!(
-            "locked {} of {} bucket rows",
-            rows.len(),
-            keys.len()
-        )));
+        return Err(StoreError::Unavailable(format!("locked {} of {} bucket rows", rows.len(), keys.len())).into());
     }
     let mut stored: Vec<Result<Option<BucketState>, StoreError>> = (0..keys.len()).map(|_| Ok(None)).collect();
     let mut clock = 0i64;
     for row in rows {
-        let key: Vec<u8> = row.try_get(0).map_err(store_error)?;
-        let tokens: Option<i64> = row.try_get(1).map_err(store_error)?;
-        let updated: Option<i64> = row.try_get(2).map_err(store_error)?;
-        clock = clock.max(row.try_get::<i64, _>(3).map_err(store_error)?);
+        let key: Vec<u8> = row.try_get(0)?;
+        let tokens: Option<i64> = row.try_get(1)?;
+        let updated: Option<i64> = row.try_get(2)?;
+        clock = clock.max(row.try_get::<i64, _>(3)?);
         if let Ok(i) = keys.binary_search(&key) {
             stored[i] = row_state(&key, tokens, updated);
         }
@@ -219,24 +297,23 @@ async fn transact(
         .bind(&full_at)
         .bind(&gone)
         .execute(&mut *tx)
-        .await
-        .map_err(store_error)?;
+        .await?;
         // The rows are locked since the first statement: each must still be there.
         if done.rows_affected() != kept.len() as u64 {
             return Err(StoreError::Unavailable(format!(
                 "wrote {} of {} locked bucket rows",
                 done.rows_affected(),
                 kept.len()
-            )));
+            ))
+            .into());
         }
     } else if !gone.is_empty() {
         sqlx::query("DELETE FROM tollgate_buckets WHERE key = ANY($1)")
             .bind(&gone)
             .execute(&mut *tx)
-            .await
-            .map_err(store_error)?;
+            .await?;
     }
-    tx.commit().await.map_err(store_error)?;
+    tx.commit().await?;
     Ok(outcome.results)
 }
 
@@ -263,7 +340,8 @@ pub struct BatchOutcome {
 }
 
 /// Decides `jobs` one after the other at `now_us`, pure: `stored[k]` is key `k`'s stored state
-/// (`None`: no state, a full bucket; `Err`: unreadable, which refuses the jobs that touch it);
+/// (`None`: no state, a full bucket; `Err`: unreadable, which refuses the jobs that touch it,
+/// as is a job that names one key twice);
 /// job `j` has buckets `buckets[j]`, whose keys are `index[j]`, and demands `demands[j]`. A job
 /// sees the states the jobs before it left. Each key changed by some job is written with the
 /// last state and the "full again" time by the plan of the last job that changed it, or
@@ -283,6 +361,14 @@ pub fn decide_batch(
     for (j, (job_buckets, job_index)) in buckets.iter().zip(index).enumerate() {
         if let Some(Err(e)) = job_index.iter().map(|&k| &stored[k]).find(|s| s.is_err()) {
             results.push(Err(e.clone()));
+            continue;
+        }
+        // The store's contract is distinct instances; two buckets on one row would each be
+        // decided from the same state and one write would be lost.
+        if job_index.iter().enumerate().any(|(i, k)| job_index[..i].contains(k)) {
+            results.push(Err(StoreError::Rejected(
+                "a request named the same bucket instance twice".into(),
+            )));
             continue;
         }
         let states: Vec<BucketState> = job_buckets

@@ -61,7 +61,13 @@ pub struct PostgresStore {
 }
 
 struct Inner {
+    /// The lanes' connections ([`batch`]).
     pool: PgPool,
+    /// One connection for the sweep, peek, reset and probes.
+    aux: PgPool,
+    /// Connection options without `statement_timeout`, for migrations (waiting for another
+    /// replica's migration lock is one long statement).
+    setup: PgConnectOptions,
     /// What the pool connects with: also a direct connection's, whose error says why a
     /// server cannot be used (the pool's says only that it timed out).
     options: PgConnectOptions,
@@ -129,18 +135,26 @@ impl PostgresStore {
         settings.validate().map_err(fail)?;
         let options: PgConnectOptions = settings.url.parse().map_err(|e: sqlx::Error| fail(e.to_string()))?;
         // The schema is a checked identifier, so it can go into the search path as it is.
-        let options = options.options([
-            ("search_path", format!("\"{}\"", settings.schema).as_str()),
-            ("statement_timeout", &format!("{}ms", settings.command_timeout_ms)),
-        ]);
+        let setup = options.options([("search_path", format!("\"{}\"", settings.schema).as_str())]);
+        let options = setup
+            .clone()
+            .options([("statement_timeout", &format!("{}ms", settings.command_timeout_ms))]);
+        let acquire = Duration::from_millis(settings.connect_timeout_ms);
+        // One connection per lane; the sweep, admin calls and probes have their own, so a busy
+        // lane never keeps them waiting (nor they a lane).
         let pool = PgPoolOptions::new()
-            // One connection per lane, and one for the sweep, admin calls and probes.
-            .max_connections(settings.pool_size + 1)
-            .acquire_timeout(Duration::from_millis(settings.connect_timeout_ms))
+            .max_connections(settings.pool_size)
+            .acquire_timeout(acquire)
+            .connect_lazy_with(options.clone());
+        let aux = PgPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(acquire)
             .connect_lazy_with(options.clone());
         Ok(PostgresStore {
             inner: Arc::new(Inner {
                 pool,
+                aux,
+                setup,
                 options,
                 connect_timeout: Duration::from_millis(settings.connect_timeout_ms),
                 schema: settings.schema.clone(),
@@ -177,7 +191,10 @@ impl PostgresStore {
             self.migrate(timeout).await?;
         } else {
             let check = async {
-                let applied = self.applied_migrations().await?;
+                let setup = self.setup_pool();
+                let applied = Self::applied_migrations(&setup).await;
+                setup.close().await;
+                let applied = applied?;
                 let missing: Vec<String> = MIGRATOR
                     .iter()
                     .filter(|m| {
@@ -213,18 +230,28 @@ impl PostgresStore {
     /// schema, a migration that fails, or a schema migrated by a build with migrations this
     /// one does not know.
     pub async fn migrate(&self, timeout: Duration) -> Result<MigrationReport, ConnectError> {
+        let setup = self.setup_pool();
         let work = async {
-            // `IF NOT EXISTS` still races with a replica starting at the same moment (a unique
-            // violation on the catalogue); the schema exists either way.
-            let create = format!("CREATE SCHEMA IF NOT EXISTS \"{}\"", self.inner.schema);
-            if let Err(e) = sqlx::query(&create).execute(&self.inner.pool).await {
-                let raced = matches!(&e, sqlx::Error::Database(d) if d.code().as_deref() == Some("23505"));
-                if !raced {
-                    return Err(e.to_string());
+            // CREATE SCHEMA needs the right to create in the database even when the schema
+            // exists, so only when it does not: a user that owns an existing schema needs no more.
+            let exists: Option<i32> = sqlx::query_scalar("SELECT 1 FROM pg_namespace WHERE nspname = $1")
+                .bind(&self.inner.schema)
+                .fetch_optional(&setup)
+                .await
+                .map_err(|e| e.to_string())?;
+            if exists.is_none() {
+                // `IF NOT EXISTS` still races with a replica starting at the same moment (a
+                // unique violation on the catalogue); the schema exists either way.
+                let create = format!("CREATE SCHEMA IF NOT EXISTS \"{}\"", self.inner.schema);
+                if let Err(e) = sqlx::query(&create).execute(&setup).await {
+                    let raced = matches!(&e, sqlx::Error::Database(d) if d.code().as_deref() == Some("23505"));
+                    if !raced {
+                        return Err(e.to_string());
+                    }
                 }
             }
-            let before = self.applied_migrations().await?;
-            MIGRATOR.run(&self.inner.pool).await.map_err(|e| e.to_string())?;
+            let before = Self::applied_migrations(&setup).await?;
+            MIGRATOR.run(&setup).await.map_err(|e| e.to_string())?;
             let applied = MIGRATOR
                 .iter()
                 .filter(|m| !before.iter().any(|(v, _)| *v == m.version))
@@ -235,9 +262,21 @@ impl PostgresStore {
                 in_place: before.len(),
             })
         };
-        let report = self.within(timeout, work).await?;
+        let report = self.within(timeout, work).await;
+        setup.close().await;
+        let report = report?;
         self.inner.migrated.store(true, Ordering::Release);
         Ok(report)
+    }
+
+    /// A pool of one connection without `statement_timeout`, for migrations: sqlx waits for
+    /// the migration lock (shared by every schema of the database) in one statement, which the
+    /// decisions' timeout would cut short.
+    fn setup_pool(&self) -> PgPool {
+        PgPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(self.inner.connect_timeout)
+            .connect_lazy_with(self.inner.setup.clone())
     }
 
     /// The schema, for messages.
@@ -247,11 +286,11 @@ impl PostgresStore {
 
     /// `(version, checksum)` of each migration applied successfully in the schema; none when
     /// the schema or its migrations table does not exist yet.
-    async fn applied_migrations(&self) -> Result<Vec<(i64, Vec<u8>)>, String> {
+    async fn applied_migrations(setup: &PgPool) -> Result<Vec<(i64, Vec<u8>)>, String> {
         let rows = sqlx::query_as::<_, (i64, Vec<u8>)>(
             "SELECT version, checksum FROM _sqlx_migrations WHERE success ORDER BY version",
         )
-        .fetch_all(&self.inner.pool)
+        .fetch_all(setup)
         .await;
         match rows {
             Ok(rows) => Ok(rows),
@@ -322,7 +361,7 @@ impl PostgresStore {
     ///
     /// Errors: no answer in time, or an error answer.
     pub async fn probe(&self, timeout: Duration) -> Result<(), StoreError> {
-        let probe = sqlx::query("SELECT 1").execute(&self.inner.pool);
+        let probe = sqlx::query("SELECT 1").execute(&self.inner.aux);
         match tokio::time::timeout(timeout, probe).await {
             Ok(Ok(_)) => Ok(()),
             Ok(Err(e)) => Err(store_error(e)),
@@ -362,7 +401,7 @@ impl PostgresStore {
         let done = sqlx::query(&sql)
             .bind(now)
             .bind(i64::from(limit))
-            .execute(&self.inner.pool)
+            .execute(&self.inner.aux)
             .await
             .map_err(store_error)?;
         Ok(done.rows_affected())
@@ -428,7 +467,7 @@ impl PostgresStore {
     async fn peek_inner(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
         let (keys, index) = batch::keys_of(&[buckets]);
         let index = &index[0];
-        let mut tx = self.inner.pool.begin().await.map_err(store_error)?;
+        let mut tx = self.inner.aux.begin().await.map_err(store_error)?;
         let stored = Self::read(&mut tx, &keys).await?;
         let now = self.now_in(&mut tx).await?;
         tx.commit().await.map_err(store_error)?;
@@ -451,18 +490,18 @@ impl PostgresStore {
 
     async fn reset_inner(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
         let (keys, _) = batch::keys_of(&[buckets]);
-        let mut tx = self.inner.pool.begin().await.map_err(store_error)?;
-        // Lock in ascending key order first, as a decision does, so the two never deadlock.
-        sqlx::query("SELECT key FROM tollgate_buckets WHERE key = ANY($1) ORDER BY key FOR UPDATE")
-            .bind(&keys)
-            .execute(&mut *tx)
-            .await
-            .map_err(store_error)?;
-        sqlx::query("DELETE FROM tollgate_buckets WHERE key = ANY($1)")
-            .bind(&keys)
-            .execute(&mut *tx)
-            .await
-            .map_err(store_error)?;
+        let mut tx = self.inner.aux.begin().await.map_err(store_error)?;
+        // One statement locks the rows in ascending key order, as a decision does, and deletes
+        // them: a separate lock and delete could each wait on a batch that locked a row
+        // created between the two, while it waits on us.
+        sqlx::query(
+            "DELETE FROM tollgate_buckets WHERE key IN \
+             (SELECT key FROM tollgate_buckets WHERE key = ANY($1) ORDER BY key FOR UPDATE)",
+        )
+        .bind(&keys)
+        .execute(&mut *tx)
+        .await
+        .map_err(store_error)?;
         let now = self.now_in(&mut tx).await?;
         tx.commit().await.map_err(store_error)?;
         let states: Vec<BucketState> = buckets
@@ -495,6 +534,7 @@ impl Store for PostgresStore {
             buckets: buckets.to_vec(),
             demands: demands.to_vec(),
             deadline,
+            start_by: tokio::time::Instant::now() + timeout / 2,
             reply,
         })?;
         let late = || StoreError::Timeout(format!("no decision from Postgres within {} ms", timeout.as_millis()));
