@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -79,9 +79,27 @@ struct RunArgs {
     /// The descriptor entry key.
     #[arg(long, default_value = "k")]
     key: String,
-    /// Distinct entry values ("0" .. keys-1), cycled through in turn.
+    /// Distinct entry values ("0" .. keys-1): the key cardinality.
     #[arg(long, default_value_t = 1000)]
     keys: usize,
+    /// How each descriptor's value is drawn from the `--keys` values: `sequential` (every
+    /// value in turn, shared by all loops: each is used equally often), `uniform` (at random),
+    /// or `zipf` (at random, value `i` with weight 1/(i+1)^s: a few hot keys and a long tail).
+    #[arg(long, value_enum, default_value_t = Distribution::Sequential)]
+    distribution: Distribution,
+    /// The exponent `s` of `--distribution zipf` (0: uniform; 1: classic Zipf).
+    #[arg(long, default_value_t = 1.0)]
+    zipf_s: f64,
+    /// Descriptors per request, each with its own value drawn as above.
+    #[arg(long, default_value_t = 1)]
+    descriptors: usize,
+    /// End the measured window after this many requests were sent in it (or after
+    /// `--duration`, whichever comes first): to touch every key of a `sequential` run once.
+    #[arg(long)]
+    requests: Option<u64>,
+    /// Seed of the random draws (each loop adds its index), so runs can be repeated.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
     /// The request's hits_addend (0 means 1 to the server).
     #[arg(long, default_value_t = 0)]
     hits_addend: u32,
@@ -96,6 +114,58 @@ struct RunArgs {
     /// Print one JSON object instead of the human summary.
     #[arg(long)]
     json: bool,
+}
+
+/// How descriptor values are drawn (`--distribution`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Distribution {
+    Sequential,
+    Uniform,
+    Zipf,
+}
+
+impl Distribution {
+    fn name(self) -> &'static str {
+        match self {
+            Distribution::Sequential => "sequential",
+            Distribution::Uniform => "uniform",
+            Distribution::Zipf => "zipf",
+        }
+    }
+}
+
+/// Draws the index (0 .. keys-1) of each descriptor's value, per request loop.
+enum KeyDraw {
+    /// The next of a counter shared by all loops.
+    Sequential(Arc<AtomicUsize>),
+    Uniform(rand::rngs::SmallRng),
+    Zipf(rand::rngs::SmallRng, rand_distr::Zipf<f64>),
+}
+
+impl KeyDraw {
+    fn new(args: &RunArgs, counter: &Arc<AtomicUsize>, loop_index: usize) -> Result<KeyDraw, String> {
+        use rand::SeedableRng;
+        let rng = || rand::rngs::SmallRng::seed_from_u64(args.seed.wrapping_add(loop_index as u64));
+        Ok(match args.distribution {
+            Distribution::Sequential => KeyDraw::Sequential(counter.clone()),
+            Distribution::Uniform => KeyDraw::Uniform(rng()),
+            Distribution::Zipf => {
+                let zipf = rand_distr::Zipf::new(args.keys as f64, args.zipf_s)
+                    .map_err(|e| format!("--distribution zipf with --zipf-s {}: {e}", args.zipf_s))?;
+                KeyDraw::Zipf(rng(), zipf)
+            }
+        })
+    }
+
+    fn next(&mut self, keys: usize) -> usize {
+        use rand::Rng;
+        match self {
+            KeyDraw::Sequential(counter) => counter.fetch_add(1, Ordering::Relaxed) % keys,
+            KeyDraw::Uniform(rng) => rng.random_range(0..keys),
+            // Zipf draws ranks 1 ..= keys.
+            KeyDraw::Zipf(rng, zipf) => (rng.sample(*zipf) as usize).clamp(1, keys) - 1,
+        }
+    }
 }
 
 /// Parses `<number><unit>` with unit `ms`, `s` or `m`; the number may have a fraction.
@@ -243,34 +313,54 @@ async fn connect(target: &str) -> Result<Channel, BoxError> {
     }
 }
 
-fn request_for(args: &RunArgs, i: usize) -> RateLimitRequest {
-    RateLimitRequest {
-        domain: args.domain.clone(),
-        descriptors: vec![RateLimitDescriptor {
-            entries: vec![Entry {
-                key: args.key.clone(),
-                value: i.to_string(),
-            }],
-            ..Default::default()
-        }],
-        hits_addend: args.hits_addend,
+/// What every request of a run shares.
+struct Shape {
+    domain: String,
+    key: String,
+    keys: usize,
+    descriptors: usize,
+    hits_addend: u32,
+}
+
+impl Shape {
+    /// A request with `descriptors` descriptors, each `(key, <drawn index>)`.
+    fn request(&self, draw: &mut KeyDraw) -> RateLimitRequest {
+        RateLimitRequest {
+            domain: self.domain.clone(),
+            descriptors: (0..self.descriptors)
+                .map(|_| RateLimitDescriptor {
+                    entries: vec![Entry {
+                        key: self.key.clone(),
+                        value: draw.next(self.keys).to_string(),
+                    }],
+                    ..Default::default()
+                })
+                .collect(),
+            hits_addend: self.hits_addend,
+        }
     }
+}
+
+/// Requests sent in the measured window, against `--requests`.
+struct Budget {
+    sent: AtomicU64,
+    limit: u64,
 }
 
 async fn request_loop(
     mut client: RateLimitServiceClient<Channel>,
-    requests: Arc<Vec<RateLimitRequest>>,
-    next: Arc<AtomicUsize>,
+    shape: Arc<Shape>,
+    mut draw: KeyDraw,
     phase: Arc<AtomicU8>,
+    budget: Arc<Budget>,
 ) -> LoopStats {
     let mut stats = LoopStats::new();
     loop {
         let p = phase.load(Ordering::Relaxed);
-        if p == STOP {
+        if p == STOP || (p == MEASURE && budget.sent.fetch_add(1, Ordering::Relaxed) >= budget.limit) {
             return stats;
         }
-        let i = next.fetch_add(1, Ordering::Relaxed) % requests.len();
-        let req = requests[i].clone();
+        let req = shape.request(&mut draw);
         let started = Instant::now();
         let result = client.should_rate_limit(req).await;
         let elapsed = started.elapsed();
@@ -403,8 +493,8 @@ fn read_cpu(pids: &[u32], trees: &[u32]) -> Result<Vec<CpuReading>, String> {
 }
 
 async fn run(args: RunArgs) -> Result<(), BoxError> {
-    if args.concurrency == 0 || args.connections == 0 || args.keys == 0 {
-        return Err("--concurrency, --connections and --keys must be at least 1".into());
+    if args.concurrency == 0 || args.connections == 0 || args.keys == 0 || args.descriptors == 0 {
+        return Err("--concurrency, --connections, --keys and --descriptors must be at least 1".into());
     }
     if args.duration.is_zero() {
         return Err("--duration must be longer than zero".into());
@@ -414,13 +504,28 @@ async fn run(args: RunArgs) -> Result<(), BoxError> {
     for _ in 0..args.connections {
         channels.push(connect(&args.target).await?);
     }
-    let requests = Arc::new((0..args.keys).map(|i| request_for(&args, i)).collect::<Vec<_>>());
+    let budget = Arc::new(Budget {
+        sent: AtomicU64::new(0),
+        limit: args.requests.unwrap_or(u64::MAX),
+    });
+    let shape = Arc::new(Shape {
+        domain: args.domain.clone(),
+        key: args.key.clone(),
+        keys: args.keys,
+        descriptors: args.descriptors,
+        hits_addend: args.hits_addend,
+    });
     let next = Arc::new(AtomicUsize::new(0));
+    let draws = (0..args.concurrency)
+        .map(|i| KeyDraw::new(&args, &next, i))
+        .collect::<Result<Vec<_>, _>>()?;
     let phase = Arc::new(AtomicU8::new(WARMUP));
-    let loops: Vec<_> = (0..args.concurrency)
-        .map(|i| {
+    let loops: Vec<_> = draws
+        .into_iter()
+        .enumerate()
+        .map(|(i, draw)| {
             let client = RateLimitServiceClient::new(channels[i % channels.len()].clone());
-            tokio::spawn(request_loop(client, requests.clone(), next.clone(), phase.clone()))
+            tokio::spawn(request_loop(client, shape.clone(), draw, phase.clone(), budget.clone()))
         })
         .collect();
 
@@ -428,7 +533,12 @@ async fn run(args: RunArgs) -> Result<(), BoxError> {
     let cpu_before = read_cpu(&args.server_pids, &args.server_trees)?;
     let started = Instant::now();
     phase.store(MEASURE, Ordering::Relaxed);
-    tokio::time::sleep(args.duration).await;
+    let ends = tokio::time::Instant::now() + args.duration;
+    // With --requests, also end once that many were sent (and have had time to be answered:
+    // the loops stop by themselves, the window closes when they are done or time is up).
+    while tokio::time::Instant::now() < ends && loops.iter().any(|l| !l.is_finished()) {
+        tokio::time::sleep_until(ends.min(tokio::time::Instant::now() + Duration::from_millis(5))).await;
+    }
     phase.store(STOP, Ordering::Relaxed);
     let window = started.elapsed();
     let cpu_after = read_cpu(&args.server_pids, &args.server_trees)?;
@@ -509,6 +619,9 @@ impl Report {
             "concurrency": args.concurrency,
             "connections": args.connections,
             "keys": args.keys,
+            "distribution": args.distribution.name(),
+            "zipf_s": (args.distribution == Distribution::Zipf).then_some(args.zipf_s),
+            "descriptors_per_request": args.descriptors,
             "hits_addend": args.hits_addend,
             "warmup_s": args.warmup.as_secs_f64(),
             "duration_s": secs,
@@ -541,8 +654,14 @@ impl Report {
         let mut s = String::new();
         let _ = writeln!(
             s,
-            "target {}  concurrency {}  connections {}  keys {}  window {:.2}s",
-            args.target, args.concurrency, args.connections, args.keys, secs
+            "target {}  concurrency {}  connections {}  keys {} ({})  descriptors {}  window {:.2}s",
+            args.target,
+            args.concurrency,
+            args.connections,
+            args.keys,
+            args.distribution.name(),
+            args.descriptors,
+            secs
         );
         let _ = writeln!(
             s,

@@ -7,14 +7,13 @@
 //! random sample of the shard is evicted (DESIGN.md suggests least recently used; closest to
 //! full is chosen because evicting it over-admits least).
 //!
-//! Each bucket also costs a bounded amount of memory, whatever the size of its key: a key of
-//! up to [`MAX_VERBATIM_KEY`] (128) bytes is kept as it is, a longer one (a client can send
-//! header values of tens of KiB) as a 17-byte digest, a 128-bit keyed hash (see
-//! [`MemoryStore::stored_key`]). With a 64-bit allocator a held bucket takes its map entry
-//! (48 bytes: the hash, a boxed key and the state), its index slot (9 bytes, at most 7/8 of
-//! the slots used) and its key's heap block (32 bytes for a digest, at most 144 for a 128-byte
-//! key): about 90 to 200 bytes, up to about 260 right after a shard's table has doubled. A
-//! million buckets therefore take at most about 260 MB.
+//! Each bucket also costs the same small amount of memory, whatever the size of its key: a key
+//! is stored as its [`Digest`], 128 bits of keyed hash (a client can send header values of
+//! tens of KiB, and cannot aim its key at another client's bucket without the hash keys). A
+//! held bucket takes its map entry (48 bytes: the hash, the digest and the state, in one place,
+//! so a lookup reads no other memory) and its index slot (9 bytes, at most 7/8 of the slots
+//! used): about 60 to 70 bytes, up to about 120 right after a shard's table has doubled. A
+//! million buckets take about 65 to 120 MB.
 
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
@@ -36,34 +35,51 @@ struct Entry {
     full_at_us: u64,
 }
 
-/// One shard: stored key (see [`MemoryStore::stored_key`]) to bucket. An `IndexMap` so that
-/// eviction can pick entries at random positions in constant time.
-type Shard = IndexMap<Box<[u8]>, Entry>;
+/// One shard: a key's [`Digest`] to its bucket. An `IndexMap` so that eviction can pick entries
+/// at random positions in constant time; hashed by [`DigestHash`], since a digest is already a
+/// keyed hash.
+type Shard = IndexMap<Digest, Entry, DigestHash>;
 
-/// The longest key kept as it is; longer keys are stored as a digest.
-const MAX_VERBATIM_KEY: usize = 128;
+/// What a key is stored and looked up as: two 64-bit SipHashes of it under two random keys
+/// drawn when the store is made (see [`MemoryStore::digest`]). By chance, two of `n` keys
+/// collide with probability about `n^2 / 2^129`; by design, a client that does not know the
+/// hash keys cannot make its key collide with another's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Digest([u64; 2]);
 
-/// The first byte of a stored digest. It never occurs in UTF-8 text, so a digest never equals
-/// a key kept as it is (an instance key starts with an ASCII digit anyway).
-const DIGEST_TAG: u8 = 0xFF;
-
-/// The length of a stored digest: the tag and 128 bits of hash.
-const DIGEST_LEN: usize = 17;
-
-/// The form a key is stored and looked up in.
-enum StoredKey<'a> {
-    /// A key of at most [`MAX_VERBATIM_KEY`] bytes, as it is.
-    Verbatim(&'a [u8]),
-    /// [`DIGEST_TAG`] and a 128-bit keyed hash of a longer key.
-    Digest([u8; DIGEST_LEN]),
+impl std::hash::Hash for Digest {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        // The second half: the first picks the shard, so within a shard it is not uniform.
+        state.write_u64(self.0[1]);
+    }
 }
 
-impl StoredKey<'_> {
-    fn as_bytes(&self) -> &[u8] {
-        match self {
-            StoredKey::Verbatim(key) => key,
-            StoredKey::Digest(digest) => digest,
+/// Hashes a [`Digest`] as the one `u64` it writes, unchanged.
+#[derive(Clone, Copy, Default)]
+struct DigestHash;
+
+impl BuildHasher for DigestHash {
+    type Hasher = PassThrough;
+    fn build_hasher(&self) -> PassThrough {
+        PassThrough(0)
+    }
+}
+
+/// See [`DigestHash`].
+struct PassThrough(u64);
+
+impl std::hash::Hasher for PassThrough {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        // Only `write_u64` is used (by `Digest`); fold anything else in rather than drop it.
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
         }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
     }
 }
 
@@ -83,9 +99,9 @@ pub struct MemoryStore {
 
 struct Inner {
     shards: Vec<Mutex<Shard>>,
-    /// Picks a key's shard, and seeds the eviction sample.
+    /// Seeds the eviction sample.
     hasher: RandomState,
-    /// Two separately keyed hashers whose outputs make a long key's digest.
+    /// Two separately keyed hashers whose outputs make a key's [`Digest`].
     digest: [RandomState; 2],
     /// Counts eviction samples drawn: hashed with `hasher`, a fresh seed for each.
     samples: AtomicU64,
@@ -136,7 +152,9 @@ impl MemoryStore {
         let shards = shards.max(1);
         MemoryStore {
             inner: Arc::new(Inner {
-                shards: (0..shards).map(|_| Mutex::new(IndexMap::new())).collect(),
+                shards: (0..shards)
+                    .map(|_| Mutex::new(IndexMap::with_hasher(DigestHash)))
+                    .collect(),
                 hasher: RandomState::new(),
                 digest: [RandomState::new(), RandomState::new()],
                 samples: AtomicU64::new(0),
@@ -167,9 +185,9 @@ impl MemoryStore {
     /// as stored: not brought forward, and whether or not it is full by now. For tests and
     /// debugging; [`Store::peek`] reads buckets as decisions see them.
     pub fn peek(&self, key: &str) -> Option<BucketState> {
-        let key = self.stored_key(key);
+        let key = self.digest(key);
         let shard = self.shard_of(&key);
-        lock(&self.inner.shards[shard]).get(key.as_bytes()).map(|e| e.state)
+        lock(&self.inner.shards[shard]).get(&key).map(|e| e.state)
     }
 
     /// Drops every bucket that is full by now. Locks one shard at a time, so decisions on
@@ -189,32 +207,16 @@ impl MemoryStore {
         dropped
     }
 
-    /// The lengths of the stored keys, for tests to check that they are bounded.
-    #[cfg(test)]
-    pub(crate) fn stored_key_lens(&self) -> Vec<usize> {
-        let lens = |s| lock(s).keys().map(|k| k.len()).collect::<Vec<_>>();
-        self.inner.shards.iter().flat_map(lens).collect()
+    /// The [`Digest`] of instance key `key`: two 64-bit SipHashes of it under the store's two
+    /// random keys.
+    fn digest(&self, key: &str) -> Digest {
+        let [a, b] = &self.inner.digest;
+        Digest([a.hash_one(key.as_bytes()), b.hash_one(key.as_bytes())])
     }
 
-    /// The form `key` is stored in: as it is up to [`MAX_VERBATIM_KEY`] bytes, else as
-    /// [`DIGEST_TAG`] followed by two 64-bit SipHashes of it under two different random keys
-    /// drawn when the store is made. Those keys are unknown to clients, so a client cannot aim
-    /// its key at another client's bucket (and by chance, two of `n` long keys collide with
-    /// probability about `n^2 / 2^129`).
-    fn stored_key<'a>(&self, key: &'a str) -> StoredKey<'a> {
-        if key.len() <= MAX_VERBATIM_KEY {
-            return StoredKey::Verbatim(key.as_bytes());
-        }
-        let mut digest = [0; DIGEST_LEN];
-        digest[0] = DIGEST_TAG;
-        for (out, hasher) in digest[1..].chunks_exact_mut(8).zip(&self.inner.digest) {
-            out.copy_from_slice(&hasher.hash_one(key.as_bytes()).to_le_bytes());
-        }
-        StoredKey::Digest(digest)
-    }
-
-    fn shard_of(&self, key: &StoredKey<'_>) -> usize {
-        (self.inner.hasher.hash_one(key.as_bytes()) % self.inner.shards.len() as u64) as usize
+    /// The shard of a key: from the first half of its digest (the map hashes the second).
+    fn shard_of(&self, key: &Digest) -> usize {
+        ((u128::from(key.0[0]) * self.inner.shards.len() as u128) >> 64) as usize
     }
 
     /// Decides synchronously; [`Store::apply`] wraps this.
@@ -232,7 +234,7 @@ impl MemoryStore {
             // From the state's own time: after a clock step back it is ahead of `now`.
             match b.plan.full_at_us(out.after) {
                 Some(at) if at <= out.after.updated_us => {
-                    map.swap_remove(key);
+                    map.swap_remove(&key);
                 }
                 full_at => {
                     let full_at_us = full_at.unwrap_or(u64::MAX);
@@ -240,11 +242,11 @@ impl MemoryStore {
                         state: out.after,
                         full_at_us,
                     };
-                    if let Some(slot) = map.get_mut(key) {
+                    if let Some(slot) = map.get_mut(&key) {
                         *slot = entry;
                     } else {
                         self.inner.make_room(map, now);
-                        map.insert(Box::from(key), entry);
+                        map.insert(key, entry);
                     }
                 }
             }
@@ -278,7 +280,7 @@ impl MemoryStore {
         let now = locked.now;
         for i in 0..buckets.len() {
             let (map, key) = locked.map_of(i);
-            map.swap_remove(key);
+            map.swap_remove(&key);
         }
         drop(locked);
         let full: Vec<BucketState> = buckets
@@ -295,8 +297,8 @@ impl MemoryStore {
     /// Locks the shards holding `buckets`, in ascending order so that two requests never wait
     /// on each other in a cycle, then reads the clock and the reloads: everything a decision,
     /// a peek or a reset needs, for as long as it holds the result.
-    fn lock_buckets<'s, 'k>(&'s self, buckets: &'k [BucketRef]) -> Locked<'s, 'k> {
-        let keys: Vec<StoredKey<'k>> = buckets.iter().map(|b| self.stored_key(&b.key)).collect();
+    fn lock_buckets<'s>(&'s self, buckets: &[BucketRef]) -> Locked<'s> {
+        let keys: Vec<Digest> = buckets.iter().map(|b| self.digest(&b.key)).collect();
         let bucket_shards: Vec<usize> = keys.iter().map(|k| self.shard_of(k)).collect();
         let mut shard_ids = bucket_shards.clone();
         shard_ids.sort_unstable();
@@ -314,7 +316,7 @@ impl MemoryStore {
 }
 
 /// One request's buckets with their shards locked ([`MemoryStore::lock_buckets`]).
-struct Locked<'s, 'k> {
+struct Locked<'s> {
     // Fields drop in this order, after `unlock` freed the guards: the order the decision path
     // has always freed its allocations in. Freeing them all at the unlock instead cost about
     // 3% more instructions per decision (glibc's allocator then serves `decide`'s zeroed
@@ -324,14 +326,14 @@ struct Locked<'s, 'k> {
     shard_ids: Vec<usize>,
     /// Per bucket, its shard.
     bucket_shards: Vec<usize>,
-    /// Per bucket, its stored key.
-    keys: Vec<StoredKey<'k>>,
+    /// Per bucket, its key's digest.
+    keys: Vec<Digest>,
     guards: Vec<MutexGuard<'s, Shard>>,
     /// The store's clock, read once the locks were held.
     now: u64,
 }
 
-impl Locked<'_, '_> {
+impl Locked<'_> {
     /// Per bucket (the `buckets` the shards were locked for), the state the store keeps for it
     /// at `now`: the one stored, or, for a bucket absent or full by now under the rules it was
     /// written by ([`Reloads::forgotten`]), full at the capacity in force.
@@ -341,7 +343,7 @@ impl Locked<'_, '_> {
             .enumerate()
             .map(|(i, b)| {
                 self.guards[self.guard_of(i)]
-                    .get(self.keys[i].as_bytes())
+                    .get(&self.keys[i])
                     // A bucket full by now is the same as none, swept or not.
                     .filter(|e| !self.reloads.forgotten(e.state.updated_us, e.full_at_us, self.now))
                     .map(|e| e.state)
@@ -355,10 +357,10 @@ impl Locked<'_, '_> {
         drop(std::mem::take(&mut self.guards));
     }
 
-    /// The shard map holding bucket `i`, and the bucket's stored key.
-    fn map_of(&mut self, i: usize) -> (&mut Shard, &[u8]) {
+    /// The shard map holding bucket `i`, and the bucket's key digest.
+    fn map_of(&mut self, i: usize) -> (&mut Shard, Digest) {
         let guard = self.guard_of(i);
-        (&mut self.guards[guard], self.keys[i].as_bytes())
+        (&mut self.guards[guard], self.keys[i])
     }
 
     /// The index in `guards` of bucket `i`'s shard.
