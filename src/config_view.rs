@@ -135,6 +135,9 @@ fn settings_json(settings: &Settings) -> Value {
         .map(|u| crate::settings::redact_url(u))
         .collect();
     shown.postgres.url = crate::settings::redact_url(&shown.postgres.url);
+    if shown.postgres.password.is_some() {
+        shown.postgres.password = Some(REDACTED.to_owned());
+    }
     // A path that is not UTF-8 would fail to serialize: show it lossily instead.
     shown.rules = shown.rules.to_string_lossy().into_owned().into();
     to_value(&shown)

@@ -339,7 +339,16 @@ fn root_cause(e: &dyn std::error::Error) -> String {
 }
 
 fn init_logging(settings: &Settings) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(&settings.log.level));
+    // sqlx logs the notices PostgreSQL sends ("relation ... already exists, skipping" at each
+    // start, "there is no transaction in progress" after an abandoned transaction) and the
+    // value of a connection parameter it does not know (which can be a password): kept out
+    // unless RUST_LOG asks for them.
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        EnvFilter::new(format!(
+            "{},sqlx::postgres::notice=error,sqlx_postgres::options=error",
+            settings.log.level
+        ))
+    });
     // Colours only on a terminal: a file or a log collector would get escape codes.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)

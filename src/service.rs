@@ -1,5 +1,6 @@
 //! The gRPC `envoy.service.ratelimit.v3.RateLimitService`.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -17,6 +18,11 @@ use crate::store::Store;
 pub struct RateLimitGrpc<S> {
     limiter: Arc<Limiter<S>>,
     metrics: RequestMetrics,
+    /// When an `UNAVAILABLE` answer was last logged (ms since `started`), and how many went
+    /// unlogged since: an outage logs about one line a second, not one per request.
+    last_logged_ms: AtomicU64,
+    unlogged: AtomicU64,
+    started: Instant,
 }
 
 impl<S> RateLimitGrpc<S> {
@@ -25,6 +31,9 @@ impl<S> RateLimitGrpc<S> {
         RateLimitGrpc {
             limiter,
             metrics: RequestMetrics::new(),
+            last_logged_ms: AtomicU64::new(0),
+            unlogged: AtomicU64::new(0),
+            started: Instant::now(),
         }
     }
 }
@@ -53,7 +62,19 @@ impl<S: Store> RateLimitService for RateLimitGrpc<S> {
             }
             Err(LimitError::Store(e)) => {
                 self.metrics.unavailable.increment(1);
-                tracing::warn!(error = %e, "backend failed");
+                let now_ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+                let last = self.last_logged_ms.load(Ordering::Relaxed);
+                if (last == 0 || now_ms.saturating_sub(last) >= 1_000)
+                    && self
+                        .last_logged_ms
+                        .compare_exchange(last, now_ms.max(1), Ordering::Relaxed, Ordering::Relaxed)
+                        .is_ok()
+                {
+                    let also = self.unlogged.swap(0, Ordering::Relaxed);
+                    tracing::warn!(error = %e, also_unlogged = also, "backend failed: answering UNAVAILABLE");
+                } else {
+                    self.unlogged.fetch_add(1, Ordering::Relaxed);
+                }
                 Err(Status::unavailable(e.to_string()))
             }
         };

@@ -208,8 +208,12 @@ impl Default for RedisSettings {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PostgresSettings {
-    /// `postgres://user[:password]@host[:port]/database` (libpq's URL form, as sqlx reads it).
+    /// `postgres://user[:password]@host[:port]/database[?sslmode=...]` (libpq's URL form, as sqlx
+    /// reads it; special characters in a password percent-encoded).
     pub url: String,
+    /// The password, when it is not in `url` (say, from a secret in `TOLLGATE_POSTGRES__PASSWORD`);
+    /// it wins over one in the URL. Redacted in `/config`.
+    pub password: Option<String>,
     /// Connections in the pool.
     pub pool_size: u32,
     /// How long to wait for a connection, at start and from the pool, in milliseconds.
@@ -242,6 +246,7 @@ impl Default for PostgresSettings {
     fn default() -> Self {
         PostgresSettings {
             url: "postgres://postgres@127.0.0.1:5432/postgres".into(),
+            password: None,
             pool_size: 8,
             connect_timeout_ms: 1_000,
             command_timeout_ms: 15,
@@ -571,28 +576,34 @@ impl RedisSettings {
 }
 
 /// `url` with any password replaced by `<redacted>`, for messages and `/config`: the password
-/// of the userinfo (everything up to the last `@` before the query counts as userinfo, so a
-/// password holding an unencoded `/` or `@` is hidden whole) and the value of a `password`,
-/// `pass` or `sslpassword` query parameter (libpq's and sqlx's URL forms accept those).
+/// of the userinfo (everything up to the last `@` counts as userinfo, so a password holding an
+/// unencoded `/`, `?`, `#` or `@` is hidden whole; a query value holding `@` makes it hide more
+/// than it must, never less) and the value of a `password`, `pass` or `sslpassword` query
+/// parameter (libpq's and sqlx's URL forms accept those). Text that is not a URL at all (no
+/// `://`) keeps only what follows its last `@`.
 pub fn redact_url(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_string();
-    };
-    let (before_query, query) = match rest.split_once('?') {
-        Some((b, q)) => (b, Some(q)),
-        None => (rest, None),
+        return match url.rsplit_once('@') {
+            Some((_, host)) => format!("<redacted>@{host}"),
+            None => url.to_string(),
+        };
     };
     let mut out = format!("{scheme}://");
-    match before_query.rsplit_once('@') {
-        Some((userinfo, host)) => {
+    let after_userinfo = match rest.rsplit_once('@') {
+        Some((userinfo, after)) => {
             match userinfo.split_once(':') {
                 Some((user, _)) => out.push_str(&format!("{user}:<redacted>@")),
                 None => out.push_str(&format!("{userinfo}@")),
             }
-            out.push_str(host);
+            after
         }
-        None => out.push_str(before_query),
-    }
+        None => rest,
+    };
+    let (host_path, query) = match after_userinfo.split_once('?') {
+        Some((h, q)) => (h, Some(q)),
+        None => (after_userinfo, None),
+    };
+    out.push_str(host_path);
     if let Some(query) = query {
         let params: Vec<String> = query
             .split('&')
@@ -640,6 +651,23 @@ mod redact_tests {
                 "postgres://db/x?sslmode=verify-full&SSLPassword=<redacted>",
             ),
             ("not a url", "not a url"),
+            // A raw '?' or '#' in the password; not a URL at all.
+            (
+                "postgres://u:Sec?r3tX@127.0.0.1:5/p",
+                "postgres://u:<redacted>@127.0.0.1:5/p",
+            ),
+            (
+                "postgres://u:a#b@127.0.0.1/p?sslmode=disable",
+                "postgres://u:<redacted>@127.0.0.1/p?sslmode=disable",
+            ),
+            (
+                "postgres//u:Secr3tX@127.0.0.1:55499/postgres",
+                "<redacted>@127.0.0.1:55499/postgres",
+            ),
+            (
+                "postgres:/u:Secr3tX@127.0.0.1/postgres",
+                "<redacted>@127.0.0.1/postgres",
+            ),
         ] {
             assert_eq!(redact_url(url), shown, "{url}");
         }

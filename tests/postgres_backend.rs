@@ -408,6 +408,21 @@ async fn tollgate_migrate_prepares_the_schema_that_serve_then_only_checks() {
 
     let (status, stderr) =
         tokio::task::block_in_place(|| serve_until_exit(&settings, std::time::Duration::from_secs(20)));
+    assert!(status.is_some_and(|s| !s.success()), "serve without the schema: {status:?} {stderr}");
+    assert!(
+        stderr.contains("does not exist") && stderr.contains("tollgate migrate"),
+        "the error says the schema is missing and names the command: {stderr}"
+    );
+    {
+        use sqlx::Connection;
+        let mut conn = sqlx::PgConnection::connect(&db.url).await.unwrap();
+        sqlx::query(&format!("CREATE SCHEMA \"{}\"", db.name))
+            .execute(&mut conn)
+            .await
+            .unwrap();
+    }
+    let (status, stderr) =
+        tokio::task::block_in_place(|| serve_until_exit(&settings, std::time::Duration::from_secs(20)));
     assert!(
         status.is_some_and(|s| !s.success()),
         "serve on an unmigrated schema: {status:?} {stderr}"
@@ -731,4 +746,69 @@ async fn a_request_that_waited_too_long_does_not_time_out_the_rest_of_its_batch(
     assert!(matches!(c, Ok(true)), "C is decided once slow-2 is free: {c:?}");
     assert!(started.elapsed() < Duration::from_secs(5));
     db.drop().await;
+}
+
+/// A least-privilege user for `postgres.migrate: false`: without DELETE on the table `serve`
+/// would start and then fail every decision, so the start refuses, naming the privilege; with
+/// the grants the README lists it starts and decides; with `migrate: true` it is told how to
+/// migrate with another user.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_least_privilege_user_is_checked_at_start() {
+    use sqlx::Connection;
+    let test = "a_least_privilege_user_is_checked_at_start";
+    let Some(db) = support::postgres::TestSchema::new(test).await else {
+        return;
+    };
+    drop(db.store().await); // migrated by the (privileged) test user
+    let role = format!("lp_{}", db.name);
+    let schema = &db.name;
+    let mut admin = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    let database: String = sqlx::query_scalar("SELECT current_database()")
+        .fetch_one(&mut admin)
+        .await
+        .unwrap();
+    for sql in [
+        format!("CREATE ROLE \"{role}\" LOGIN"),
+        format!("GRANT CONNECT ON DATABASE \"{database}\" TO \"{role}\""),
+        format!("GRANT USAGE ON SCHEMA \"{schema}\" TO \"{role}\""),
+        format!("GRANT SELECT ON \"{schema}\"._sqlx_migrations TO \"{role}\""),
+        format!("GRANT SELECT, INSERT, UPDATE ON \"{schema}\".tollgate_buckets TO \"{role}\""),
+    ] {
+        sqlx::query(&sql).execute(&mut admin).await.unwrap();
+    }
+    let url = db
+        .url
+        .replacen("postgres://postgres@", &format!("postgres://{role}@"), 1);
+    let connect = |migrate: bool| {
+        let mut settings = support::postgres::settings(&url, schema);
+        settings.migrate = migrate;
+        async move {
+            let store = PostgresStore::new(&settings).unwrap();
+            store.connect(std::time::Duration::from_secs(10)).await.map(|()| store)
+        }
+    };
+    let refused = connect(false).await.err().expect("refused without DELETE").to_string();
+    assert!(
+        refused.contains("DELETE") && refused.contains("tollgate_buckets"),
+        "{refused}"
+    );
+    sqlx::query(&format!("GRANT DELETE ON \"{schema}\".tollgate_buckets TO \"{role}\""))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    let store = connect(false).await.expect("starts with the grants");
+    assert!(matches!(at_once(&store, &[("lp".into(), 1)]).await[0], Ok(true)));
+    assert!(matches!(at_once(&store, &[("lp".into(), 1)]).await[0], Ok(false)));
+    drop(store);
+    let told = connect(true).await.err().expect("may not migrate").to_string();
+    assert!(told.contains("postgres.migrate: false"), "{told}");
+    db.drop().await;
+    sqlx::query(&format!("DROP OWNED BY \"{role}\""))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    sqlx::query(&format!("DROP ROLE \"{role}\""))
+        .execute(&mut admin)
+        .await
+        .unwrap();
 }

@@ -260,6 +260,14 @@ async fn error_mode_answers_unavailable_while_postgres_is_down_then_recovers() {
             + m.counter(ERRORS, &[("backend", "postgres"), ("kind", "timeout")])
             >= f64::from(BREAKER_FAILURES)
     );
+    // Thousands of UNAVAILABLE answers, about one log line a second (the outage is ~2 s).
+    let log = o.tollgate.process.log();
+    let lines = log.matches("answering UNAVAILABLE").count();
+    assert!(
+        (1..=6).contains(&lines),
+        "{lines} UNAVAILABLE lines for {} answers",
+        outage.len()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -547,4 +555,159 @@ async fn readiness_probes_an_unused_fallback_when_the_primary_fails() {
         status == 200 && body.contains("degraded")
     })
     .await;
+}
+
+/// A replica with no traffic notices a Postgres that went away (readiness sends its own probe),
+/// says why, and is ready again once it is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_replica_is_not_ready_while_postgres_is_down() {
+    let Some(bin) = server_bin_or_skip("an_idle_replica_is_not_ready_while_postgres_is_down") else {
+        return;
+    };
+    let _serial = one_at_a_time();
+    let mut postgres = block_in_place(|| PostgresServer::start(&bin));
+    let settings = format!("backend: postgres\n{}", postgres_section(&postgres.url(), "error", ""));
+    let tollgate = block_in_place(|| start_tollgate(&settings));
+    assert_eq!(readyz(&tollgate), (200, "ready\n".to_owned()));
+    block_in_place(|| postgres.crash());
+    eventually(
+        Duration::from_secs(5),
+        "/readyz 503 naming why, without traffic",
+        || {
+            let (status, body) = readyz(&tollgate);
+            status == 503 && body.contains("Postgres") && body.contains("refused")
+        },
+    )
+    .await;
+    block_in_place(|| postgres.restart());
+    eventually(RECOVERY, "/readyz 200 again", || {
+        readyz(&tollgate) == (200, "ready\n".to_owned())
+    })
+    .await;
+}
+
+/// With Redis the primary, a Postgres fallback that fails while Redis answers leaves the
+/// replica ready but says so ("degraded: the postgres fallback is failing"), and once it is
+/// back the fallback's circuit gauge clears and readiness is plain again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_fallback_is_reported_while_the_primary_answers() {
+    let Some(bin) = server_bin_or_skip("a_failing_fallback_is_reported_while_the_primary_answers") else {
+        return;
+    };
+    let _serial = one_at_a_time();
+    let redis = block_in_place(RedisServer::start);
+    let mut postgres = block_in_place(|| PostgresServer::start(&bin));
+    let settings = format!(
+        "backend: redis\nredis: {{urls: [{}], command_timeout_ms: 100, failure_mode: fallback, connect_timeout_ms: 2000}}\n{}",
+        yaml_str(&redis.url()),
+        postgres_section(&postgres.url(), "error", "")
+    );
+    let tollgate = block_in_place(|| start_tollgate(&settings));
+    assert_eq!(readyz(&tollgate), (200, "ready\n".to_owned()));
+    block_in_place(|| postgres.crash());
+    eventually(
+        Duration::from_secs(10),
+        "ready, degraded: the fallback is failing",
+        || {
+            let (status, body) = readyz(&tollgate);
+            status == 200 && body.contains("degraded") && body.contains("postgres fallback is failing")
+        },
+    )
+    .await;
+    eventually(Duration::from_secs(10), "the fallback's circuit opens", || {
+        circuit_open(&tollgate, "postgres") == 1.0
+    })
+    .await;
+    block_in_place(|| postgres.restart());
+    eventually(RECOVERY, "plain ready and the gauge cleared", || {
+        readyz(&tollgate) == (200, "ready\n".to_owned()) && circuit_open(&tollgate, "postgres") == 0.0
+    })
+    .await;
+    drop(redis);
+}
+
+/// `postgres.password` logs in a URL without one (say, from a secret in an environment
+/// variable); a wrong one is refused at start with the server named and the password never
+/// printed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_password_setting_logs_in_and_a_wrong_one_is_named_not_printed() {
+    let Some(bin) = server_bin_or_skip("the_password_setting_logs_in_and_a_wrong_one_is_named_not_printed") else {
+        return;
+    };
+    let _serial = one_at_a_time();
+    let mut postgres = block_in_place(|| PostgresServer::init_with(&bin, None, Some("s3cret-pw")));
+    block_in_place(|| postgres.restart());
+    let url = postgres.url();
+    let ok = block_in_place(|| {
+        Tollgate::builder()
+            .rules_file("faults.yaml", RULES)
+            .settings(&format!("backend: postgres\npostgres: {{url: {}}}", yaml_str(&url)))
+            .env("TOLLGATE_POSTGRES__PASSWORD", "s3cret-pw")
+            .start()
+    });
+    assert_eq!(readyz(&ok), (200, "ready\n".to_owned()));
+    let mut c = connect(&ok).await;
+    assert_eq!(exhaust(&mut c, "pw").await, real_decisions());
+    let config = block_in_place(|| support::http_get(ok.http_addr, "/config")).unwrap().1;
+    assert!(!config.contains("s3cret-pw"), "{config}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let settings = dir.path().join("tollgate.yaml");
+    std::fs::write(
+        &settings,
+        format!(
+            "backend: postgres\npostgres: {{url: {}, password: wrong-pw}}\n",
+            yaml_str(&url)
+        ),
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["migrate", "--config"])
+        .arg(&settings)
+        .env_remove("TOLLGATE_POSTGRES__PASSWORD")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains(&format!("127.0.0.1:{}", postgres.port())) && stderr.contains("password authentication failed"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("wrong-pw"), "{stderr}");
+}
+
+/// `sslmode=require` in the URL: tollgate's connections to a TLS-enabled PostgreSQL are
+/// encrypted (PostgreSQL's `pg_stat_ssl` says so for each).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_use_tls_when_the_url_asks() {
+    let Some(bin) = server_bin_or_skip("connections_use_tls_when_the_url_asks") else {
+        return;
+    };
+    let _serial = one_at_a_time();
+    let mut postgres = block_in_place(|| PostgresServer::init(&bin, None));
+    postgres.enable_tls();
+    block_in_place(|| postgres.restart());
+    let url = format!("{}?sslmode=require", postgres.url());
+    let tollgate =
+        block_in_place(|| start_tollgate(&format!("backend: postgres\n{}", postgres_section(&url, "error", ""))));
+    assert_eq!(readyz(&tollgate), (200, "ready\n".to_owned()));
+    let mut c = connect(&tollgate).await;
+    assert_eq!(exhaust(&mut c, "tls").await, real_decisions());
+    // Every client connection of the database tollgate, but psql's own (plain) one.
+    let plain = postgres
+        .psql(
+            "postgres",
+            "SELECT count(*) FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid) \
+             WHERE a.datname = 'tollgate' AND a.backend_type = 'client backend' AND NOT s.ssl",
+        )
+        .unwrap();
+    let tls = postgres
+        .psql(
+            "postgres",
+            "SELECT count(*) FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid) \
+             WHERE a.datname = 'tollgate' AND s.ssl",
+        )
+        .unwrap();
+    assert_eq!(plain, "0", "plain connections from tollgate");
+    assert!(tls.parse::<u32>().unwrap() >= 1, "TLS connections: {tls}");
 }

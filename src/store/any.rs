@@ -1,5 +1,6 @@
 //! The store `tollgate serve` runs on, chosen by the `backend` setting at start.
 
+use super::resilient::failing;
 use super::{
     Applied, BucketRef, MemoryStore, Metered, Peeked, PostgresStore, RedisStore, Resilient, Store, StoreError,
 };
@@ -19,14 +20,15 @@ pub enum AnyStore {
 }
 
 impl AnyStore {
-    /// Whether decisions can be taken now (`/readyz`): `Ok(None)` when the backend answers;
-    /// `Ok(Some(why))` when it does not but its fallback (`failure_mode: fallback`) can decide
-    /// (still ready: taking every replica out of rotation for a backend outage would leave
-    /// Envoy with no one to ask, and the fallback unused); `Err(why)` otherwise. Memory always
-    /// answers; Redis while its connections are up and its circuit is closed; Postgres while
-    /// its schema is in place and its circuit is closed. While a circuit is open this sends the
-    /// due probe itself, so a replica comes back when its backend does, without needing
-    /// requests.
+    /// Whether decisions can be taken now (`/readyz`, gRPC health): `Ok(None)` when the
+    /// backend answers (and its fallback, if any, does too); `Ok(Some(why))` when only one of
+    /// them does: still ready (with the backend down, taking every replica out of rotation
+    /// would leave Envoy with no one to ask, and the fallback unused), but degraded; `Err(why)`
+    /// when nothing can decide. Memory always answers; Redis while its connections are up and
+    /// its circuit is closed; Postgres while its schema is in place and it answers a `SELECT 1`
+    /// (sent on each call: with no traffic nothing else would notice it is gone; while its
+    /// circuit is open, at most once per `breaker_open_ms`). So a replica taken out of rotation
+    /// comes back when its backend does, without needing requests.
     pub async fn ready(&self) -> Result<Option<String>, String> {
         let (problem, fallback) = match self {
             AnyStore::Memory(_) => return Ok(None),
@@ -35,7 +37,7 @@ impl AnyStore {
                 let problem = if !redis.is_connected() {
                     Some(format!("not connected to Redis at {}", redis.describe()))
                 } else if !r.probe_if_open(|| redis.probe(PROBE_TIMEOUT)).await {
-                    Some(format!("Redis at {} is failing (circuit open)", redis.describe()))
+                    Some(failing("Redis", redis.describe(), r.guarded()))
                 } else {
                     None
                 };
@@ -45,21 +47,26 @@ impl AnyStore {
                 let postgres = p.primary();
                 let problem = if !postgres.is_migrated() {
                     Some(format!("not connected to Postgres at {}", postgres.describe()))
-                } else if !p.probe_if_open(|| postgres.probe(PROBE_TIMEOUT)).await {
-                    Some(format!("Postgres at {} is failing (circuit open)", postgres.describe()))
+                } else if !p.guarded().check(|| postgres.probe(PROBE_TIMEOUT)).await {
+                    Some(failing("Postgres", postgres.describe(), p.guarded()))
                 } else {
                     None
                 };
                 (problem, p.fallback())
             }
         };
-        match (problem, fallback) {
-            (None, _) => Ok(None),
+        let fallback_ready = match fallback {
+            Some(f) => Some((f.name(), f.ready(PROBE_TIMEOUT).await)),
+            None => None,
+        };
+        match (problem, fallback_ready) {
+            (None, None | Some((_, Ok(())))) => Ok(None),
+            // The backend decides, but the safety net is gone: say so (and the fallback's
+            // circuit gauge clears once it answers again).
+            (None, Some((name, Err(why)))) => Ok(Some(format!("the {name} fallback is failing: {why}"))),
             (Some(problem), None) => Err(problem),
-            (Some(problem), Some(f)) => match f.ready(PROBE_TIMEOUT).await {
-                Ok(()) => Ok(Some(format!("{problem}; deciding on the {} fallback", f.name()))),
-                Err(also) => Err(format!("{problem}; and the {} fallback: {also}", f.name())),
-            },
+            (Some(problem), Some((name, Ok(())))) => Ok(Some(format!("{problem}; deciding on the {name} fallback"))),
+            (Some(problem), Some((name, Err(also)))) => Err(format!("{problem}; and the {name} fallback: {also}")),
         }
     }
 }

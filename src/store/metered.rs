@@ -37,9 +37,10 @@ impl<S> Metered<S> {
         self.metrics.calls.increment(1);
         self.metrics.duration.record(started.elapsed().as_secs_f64());
         if let Err(e) = result {
-            match e {
+            match e.cause() {
                 StoreError::Unavailable(_) | StoreError::Rejected(_) => self.metrics.errors.increment(1),
                 StoreError::Timeout(_) => self.metrics.timeouts.increment(1),
+                StoreError::InFailedBatch(_) => unreachable!("cause() unwraps it"),
             }
         }
     }

@@ -88,6 +88,36 @@ pub enum StoreError {
     /// buckets of this request are affected, so it does not count towards the circuit breaker.
     #[error("backend refused the request: {0}")]
     Rejected(String),
+    /// The request shared a backend call with others (a batch), and that call failed with
+    /// `.0`. The batch's first request carries the failure itself; the others carry this, which
+    /// counts in the metrics as `.0` does but not again towards the circuit breaker, so its
+    /// threshold counts failed calls to the backend, however many requests each carried.
+    #[error("{0}")]
+    InFailedBatch(Box<StoreError>),
+}
+
+impl StoreError {
+    /// The failure itself: `.0` of [`StoreError::InFailedBatch`], else this.
+    pub fn cause(&self) -> &StoreError {
+        match self {
+            StoreError::InFailedBatch(e) => e.cause(),
+            e => e,
+        }
+    }
+}
+
+/// The answers for the requests of a failed batch call: `error` for the first, and
+/// [`StoreError::InFailedBatch`] for the others.
+pub fn batch_failure<T>(error: StoreError, requests: usize) -> Vec<Result<T, StoreError>> {
+    (0..requests)
+        .map(|i| {
+            if i == 0 {
+                Err(error.clone())
+            } else {
+                Err(StoreError::InFailedBatch(Box::new(error.clone())))
+            }
+        })
+        .collect()
 }
 
 /// A place to keep bucket state and decide on it atomically.

@@ -32,6 +32,8 @@ pub struct Guarded<P> {
     backend: &'static str,
     /// For the logs: whether a [`Resilient`] decides elsewhere while this one fails.
     has_fallback: bool,
+    /// The latest failure, for readiness to say why.
+    last_error: std::sync::Mutex<Option<String>>,
 }
 
 impl<P: Store> Guarded<P> {
@@ -53,6 +55,7 @@ impl<P: Store> Guarded<P> {
             last_logged_us: AtomicU64::new(0),
             backend,
             has_fallback: false,
+            last_error: std::sync::Mutex::new(None),
         }
     }
 
@@ -113,7 +116,13 @@ impl<P: Store> Guarded<P> {
         }
     }
 
+    /// The latest failure (`None` before any).
+    pub fn last_error(&self) -> Option<String> {
+        self.last_error.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
     fn failed(&self, error: &StoreError) {
+        *self.last_error.lock().unwrap_or_else(|e| e.into_inner()) = Some(error.to_string());
         let now = self.mono_us();
         if self.breaker.failure(now) {
             self.primary.metrics().circuit_open.set(1.0);
@@ -146,8 +155,9 @@ impl<P: Store> Guarded<P> {
                 self.succeeded();
                 Ok(v)
             }
-            // A refusal concerns this request's buckets only: the backend itself is fine.
-            Err(e @ StoreError::Rejected(_)) => Err(e),
+            // A refusal concerns this request's buckets only: the backend itself is fine. A
+            // request of a failed batch: the batch's first request counted the failure.
+            Err(e @ (StoreError::Rejected(_) | StoreError::InFailedBatch(_))) => Err(e),
             Err(e) => {
                 self.failed(&e);
                 Err(e)
@@ -274,6 +284,15 @@ impl<P: Store> Store for Resilient<P> {
     }
 }
 
+/// "`<backend>` at `<where>` is failing", with the circuit state and the latest failure.
+pub fn failing<P: Store>(backend: &str, at: &str, guarded: &Guarded<P>) -> String {
+    let open = if guarded.circuit_open() { " (circuit open)" } else { "" };
+    match guarded.last_error() {
+        Some(why) => format!("{backend} at {at} is failing{open}: {why}"),
+        None => format!("{backend} at {at} is failing{open}"),
+    }
+}
+
 /// The store a [`Resilient`] decides on while its primary fails (`failure_mode: fallback`).
 pub enum Fallback {
     /// A local memory store, per replica.
@@ -298,7 +317,7 @@ impl Fallback {
                     return Err(format!("not connected to Postgres at {}", postgres.describe()));
                 }
                 if !g.check(|| postgres.probe(probe_timeout)).await {
-                    return Err(format!("Postgres at {} is failing", postgres.describe()));
+                    return Err(failing("Postgres", postgres.describe(), g));
                 }
                 Ok(())
             }
@@ -341,5 +360,52 @@ impl Store for Fallback {
             Fallback::Memory(s) => s.rules_changed(),
             Fallback::Postgres(s) => s.rules_changed(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A store whose every call fails with the error it was given.
+    struct Failing(StoreError);
+
+    impl Store for Failing {
+        async fn apply(&self, _: &[BucketRef], _: &[Demand]) -> Result<Applied, StoreError> {
+            Err(self.0.clone())
+        }
+        async fn peek(&self, _: &[BucketRef]) -> Result<Peeked, StoreError> {
+            Err(self.0.clone())
+        }
+        async fn reset(&self, _: &[BucketRef]) -> Result<Peeked, StoreError> {
+            Err(self.0.clone())
+        }
+    }
+
+    fn guarded(error: StoreError) -> Guarded<Failing> {
+        Guarded::new(Metered::new(Failing(error), "test"), "test", 3, Duration::from_secs(60))
+    }
+
+    async fn fail_times(g: &Guarded<Failing>, n: usize) {
+        for _ in 0..n {
+            let r: Result<Applied, StoreError> = g.apply(&[], &[]).await;
+            assert!(r.is_err());
+        }
+    }
+
+    /// The breaker counts failed calls to the backend: the requests of a failed batch beyond
+    /// its first do not count again, nor does a refusal of one request's data.
+    #[tokio::test]
+    async fn the_breaker_counts_calls_not_the_requests_of_a_failed_batch() {
+        let timeout = StoreError::Timeout("slow".into());
+        let g = guarded(StoreError::InFailedBatch(Box::new(timeout.clone())));
+        fail_times(&g, 100).await;
+        assert!(!g.circuit_open(), "100 requests of failed batches");
+        let g = guarded(StoreError::Rejected("corrupt".into()));
+        fail_times(&g, 100).await;
+        assert!(!g.circuit_open(), "100 refusals");
+        let g = guarded(timeout);
+        fail_times(&g, 3).await;
+        assert!(g.circuit_open(), "3 failed calls");
     }
 }

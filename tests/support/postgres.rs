@@ -193,12 +193,22 @@ pub struct PostgresServer {
     dir: TempDir,
     user: Option<(u32, u32)>,
     starts: u32,
+    /// Whether it serves TLS ([`PostgresServer::enable_tls`]).
+    tls: bool,
+    /// The password of `postgres`, if not trust.
+    password: Option<String>,
 }
 
 impl PostgresServer {
     /// Creates the cluster (`initdb`) without starting it, for `port` (a free one if `None`).
     /// Panics if `initdb` fails.
     pub fn init(bin: &Path, port: Option<u16>) -> PostgresServer {
+        PostgresServer::init_with(bin, port, None)
+    }
+
+    /// [`PostgresServer::init`], and with `password` the user `postgres` must log in with it
+    /// (`scram-sha-256`) instead of trust.
+    pub fn init_with(bin: &Path, port: Option<u16>, password: Option<&str>) -> PostgresServer {
         let dir = tempfile::Builder::new()
             .prefix("tollgate-postgres.")
             .tempdir()
@@ -211,8 +221,23 @@ impl PostgresServer {
         initdb
             .args(["-D"])
             .arg(dir.path().join("data"))
-            .args(["-U", "postgres", "--auth=trust", "--no-sync", "-E", "UTF8"])
+            .args(["-U", "postgres", "--no-sync", "-E", "UTF8"])
             .stdin(Stdio::null());
+        match password {
+            Some(pw) => {
+                let file = dir.path().join("pwfile");
+                std::fs::write(&file, pw).expect("write the password file");
+                if let Some((uid, gid)) = user {
+                    std::os::unix::fs::chown(&file, Some(uid), Some(gid)).expect("chown the password file");
+                }
+                initdb
+                    .arg("--auth=scram-sha-256")
+                    .arg(format!("--pwfile={}", file.display()));
+            }
+            None => {
+                initdb.arg("--auth=trust");
+            }
+        }
         if let Some((uid, gid)) = user {
             initdb.uid(uid).gid(gid);
         }
@@ -230,6 +255,8 @@ impl PostgresServer {
             dir,
             user,
             starts: 0,
+            tls: false,
+            password: password.map(str::to_owned),
         }
     }
 
@@ -275,6 +302,9 @@ impl PostgresServer {
                 "-c",
                 "shared_buffers=16MB",
             ]);
+        if self.tls {
+            command.args(["-c", "ssl=on"]);
+        }
         if let Some((uid, gid)) = self.user {
             command.uid(uid).gid(gid);
         }
@@ -298,6 +328,35 @@ impl PostgresServer {
             );
         }
         self.process = Some(process);
+    }
+
+    /// Makes the server (from its next start) accept TLS, with a self-signed certificate made by
+    /// `openssl`, as well as plain connections. Panics if `openssl` fails.
+    pub fn enable_tls(&mut self) {
+        let data = self.dir.path().join("data");
+        let out = Command::new("openssl")
+            .args(["req", "-new", "-x509", "-days", "2", "-nodes", "-subj", "/CN=127.0.0.1"])
+            .arg("-out")
+            .arg(data.join("server.crt"))
+            .arg("-keyout")
+            .arg(data.join("server.key"))
+            .stdin(Stdio::null())
+            .output()
+            .expect("run openssl");
+        assert!(
+            out.status.success(),
+            "openssl: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if let Some((uid, gid)) = self.user {
+            for f in ["server.crt", "server.key"] {
+                std::os::unix::fs::chown(data.join(f), Some(uid), Some(gid)).expect("chown the certificate");
+            }
+        }
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(data.join("server.key"), std::fs::Permissions::from_mode(0o600))
+            .expect("chmod the key");
+        self.tls = true;
     }
 
     /// The postmaster and every process it started (backends, checkpointer, ...).
@@ -356,6 +415,7 @@ impl PostgresServer {
             ])
             .args(["-tAc", sql])
             .env("PGCONNECT_TIMEOUT", "2")
+            .env("PGPASSWORD", self.password.as_deref().unwrap_or(""))
             .stdin(Stdio::null())
             .output()
             .ok()?;

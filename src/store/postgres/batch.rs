@@ -27,7 +27,7 @@ use tokio::time::Instant;
 use super::{column, row_state, store_error, CLOCK_US};
 use crate::bucket::{decide, BucketState, Demand};
 use crate::clock::Clock;
-use crate::store::{Applied, BucketRef, StoreError};
+use crate::store::{batch_failure, Applied, BucketRef, StoreError};
 
 /// The most requests one transaction decides. Bounds how long its rows stay locked.
 pub const MAX_BATCH: usize = 64;
@@ -122,14 +122,14 @@ async fn lane(pool: PgPool, rx: Arc<Mutex<mpsc::UnboundedReceiver<Job>>>, time_o
             Ok(Err(Failure { refused: true, .. })) if jobs.len() > 1 => {
                 match tokio::time::timeout_at(deadline, one_by_one(&pool, &jobs, clock)).await {
                     Ok(results) => results,
-                    Err(_) => vec![Err(late()); jobs.len()],
+                    Err(_) => batch_failure(late(), jobs.len()),
                 }
             }
-            Ok(Err(f)) => vec![Err(f.error); jobs.len()],
+            Ok(Err(f)) => batch_failure(f.error, jobs.len()),
             // Dropping the transaction rolls it back when its connection is next used, unless
             // its COMMIT was already sent: then it may commit, and its requests, answered with
             // a timeout, spent tokens without being admitted (never an over-admission).
-            Err(_) => vec![Err(late()); jobs.len()],
+            Err(_) => batch_failure(late(), jobs.len()),
         };
         for (job, result) in jobs.drain(..).zip(results) {
             let _ = job.reply.send(result);

@@ -133,7 +133,16 @@ impl PostgresStore {
             reason,
         };
         settings.validate().map_err(fail)?;
-        let options: PgConnectOptions = settings.url.parse().map_err(|e: sqlx::Error| fail(e.to_string()))?;
+        let options: PgConnectOptions = settings.url.parse().map_err(|e: sqlx::Error| {
+            // sqlx says "invalid port number" for a password with an unencoded '/' or '@'.
+            fail(format!(
+                "{e} (in a URL, a password's special characters must be percent-encoded; or set postgres.password)"
+            ))
+        })?;
+        let options = match &settings.password {
+            Some(password) => options.password(password),
+            None => options,
+        };
         // The schema is a checked identifier, so it can go into the search path as it is.
         let setup = options.options([("search_path", format!("\"{}\"", settings.schema).as_str())]);
         let options = setup
@@ -142,8 +151,12 @@ impl PostgresStore {
         let acquire = Duration::from_millis(settings.connect_timeout_ms);
         // One connection per lane; the sweep, admin calls and probes have their own, so a busy
         // lane never keeps them waiting (nor they a lane).
+        // All of them kept open (and opened again in the background after a restart): a new
+        // connection costs a TCP and authentication handshake (SCRAM: milliseconds of key
+        // derivation) that a decision's 15 ms budget cannot afford.
         let pool = PgPoolOptions::new()
             .max_connections(settings.pool_size)
+            .min_connections(settings.pool_size)
             .acquire_timeout(acquire)
             .connect_lazy_with(options.clone());
         let aux = PgPoolOptions::new()
@@ -190,11 +203,16 @@ impl PostgresStore {
         if self.inner.migrate {
             self.migrate(timeout).await?;
         } else {
+            let setup = self.setup_pool();
             let check = async {
-                let setup = self.setup_pool();
-                let applied = Self::applied_migrations(&setup).await;
-                setup.close().await;
-                let applied = applied?;
+                if !self.schema_exists(&setup).await? {
+                    return Err(format!(
+                        "schema {:?} does not exist, and postgres.migrate is false: run `tollgate migrate` with \
+                         these settings (and a user that may create it)",
+                        self.inner.schema
+                    ));
+                }
+                let applied = Self::applied_migrations(&setup).await?;
                 let missing: Vec<String> = MIGRATOR
                     .iter()
                     .filter(|m| {
@@ -205,7 +223,7 @@ impl PostgresStore {
                     .map(|m| format!("{} {}", m.version, m.description))
                     .collect();
                 if missing.is_empty() {
-                    Ok(())
+                    self.check_privileges(&setup).await
                 } else {
                     Err(format!(
                         "schema {:?} lacks migrations {} (or they differ from this build's), and postgres.migrate \
@@ -215,7 +233,19 @@ impl PostgresStore {
                     ))
                 }
             };
-            self.within(timeout, check).await?;
+            let checked = self.within(timeout, check).await;
+            setup.close().await;
+            checked?;
+        }
+        // Open the lanes' connections now, so the first decisions do not pay for them.
+        let warm = futures_util::future::join_all((0..self.inner.lanes).map(|_| self.inner.pool.acquire()));
+        let warmed = self.within(timeout, async { Ok(warm.await) }).await?;
+        if let Some(Err(e)) = warmed.into_iter().find(|c| c.is_err()) {
+            return Err(ConnectError {
+                backend: "Postgres",
+                url: self.inner.describe.clone(),
+                reason: format!("opening the pool's connections: {e}"),
+            });
         }
         self.inner.migrated.store(true, Ordering::Release);
         Ok(())
@@ -234,12 +264,7 @@ impl PostgresStore {
         let work = async {
             // CREATE SCHEMA needs the right to create in the database even when the schema
             // exists, so only when it does not: a user that owns an existing schema needs no more.
-            let exists: Option<i32> = sqlx::query_scalar("SELECT 1 FROM pg_namespace WHERE nspname = $1")
-                .bind(&self.inner.schema)
-                .fetch_optional(&setup)
-                .await
-                .map_err(|e| e.to_string())?;
-            if exists.is_none() {
+            if !self.schema_exists(&setup).await? {
                 // `IF NOT EXISTS` still races with a replica starting at the same moment (a
                 // unique violation on the catalogue); the schema exists either way.
                 let create = format!("CREATE SCHEMA IF NOT EXISTS \"{}\"", self.inner.schema);
@@ -251,7 +276,18 @@ impl PostgresStore {
                 }
             }
             let before = Self::applied_migrations(&setup).await?;
-            MIGRATOR.run(&setup).await.map_err(|e| e.to_string())?;
+            MIGRATOR.run(&setup).await.map_err(|e| {
+                let e = e.to_string();
+                if e.contains("permission denied") {
+                    format!(
+                        "{e} (to let another user migrate, run `tollgate migrate` as that user and set \
+                         postgres.migrate: false; see the README's Migrations)"
+                    )
+                } else {
+                    e
+                }
+            })?;
+            self.check_privileges(&setup).await?;
             let applied = MIGRATOR
                 .iter()
                 .filter(|m| !before.iter().any(|(v, _)| *v == m.version))
@@ -282,6 +318,37 @@ impl PostgresStore {
     /// The schema, for messages.
     pub fn schema(&self) -> &str {
         &self.inner.schema
+    }
+
+    /// Whether the configured schema exists.
+    async fn schema_exists(&self, setup: &PgPool) -> Result<bool, String> {
+        let found: Option<i32> = sqlx::query_scalar("SELECT 1 FROM pg_namespace WHERE nspname = $1")
+            .bind(&self.inner.schema)
+            .fetch_optional(setup)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(found.is_some())
+    }
+
+    /// That the user may do what decisions, the sweep and the admin API do to the table:
+    /// otherwise every decision would fail, after a start that looked fine.
+    async fn check_privileges(&self, setup: &PgPool) -> Result<(), String> {
+        let missing: Vec<String> = sqlx::query_scalar(
+            "SELECT p FROM unnest(ARRAY['SELECT', 'INSERT', 'UPDATE', 'DELETE']) AS p \
+             WHERE NOT has_table_privilege('tollgate_buckets', p)",
+        )
+        .fetch_all(setup)
+        .await
+        .map_err(|e| e.to_string())?;
+        if missing.is_empty() {
+            return Ok(());
+        }
+        Err(format!(
+            "the user may not {} on {}.tollgate_buckets: GRANT SELECT, INSERT, UPDATE, DELETE ON it (see the \
+             README's Migrations)",
+            missing.join(", "),
+            self.inner.schema
+        ))
     }
 
     /// `(version, checksum)` of each migration applied successfully in the schema; none when
@@ -357,18 +424,26 @@ impl PostgresStore {
         self.inner.migrated.load(Ordering::Acquire)
     }
 
-    /// `SELECT 1` within `timeout`: the probe readiness sends while the circuit is open.
+    /// `SELECT 1` within `timeout`: the probe readiness sends. When it fails, one direct
+    /// connection attempt says why (refused, a password refused, ...), which the pool's own
+    /// error hides behind a timeout.
     ///
     /// Errors: no answer in time, or an error answer.
     pub async fn probe(&self, timeout: Duration) -> Result<(), StoreError> {
         let probe = sqlx::query("SELECT 1").execute(&self.inner.aux);
-        match tokio::time::timeout(timeout, probe).await {
-            Ok(Ok(_)) => Ok(()),
+        let error = match tokio::time::timeout(timeout, probe).await {
+            Ok(Ok(_)) => return Ok(()),
+            Ok(Err(e)) => store_error(e),
+            Err(_) => StoreError::Timeout(format!("no answer within {} ms", timeout.as_millis())),
+        };
+        let connect = <sqlx::PgConnection as sqlx::Connection>::connect_with(&self.inner.options);
+        match tokio::time::timeout(timeout.min(self.inner.connect_timeout), connect).await {
             Ok(Err(e)) => Err(store_error(e)),
-            Err(_) => Err(StoreError::Timeout(format!(
-                "no answer within {} ms",
-                timeout.as_millis()
-            ))),
+            Ok(Ok(conn)) => {
+                let _ = sqlx::Connection::close(conn).await;
+                Err(error)
+            }
+            Err(_) => Err(error),
         }
     }
 

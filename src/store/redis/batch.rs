@@ -27,7 +27,7 @@ use tokio::sync::{mpsc, oneshot, Mutex};
 use super::script::{encode_header, split_answers, CallSettings};
 use super::Conn;
 use crate::clock::Clock;
-use crate::store::StoreError;
+use crate::store::{batch_failure, StoreError};
 
 /// The most requests one call decides. Bounds the script's run time (Redis serves nothing else
 /// meanwhile): a few hundred microseconds for the largest batch.
@@ -148,8 +148,9 @@ async fn lane(
                 }
             }
             Err(e) => {
-                for job in jobs.drain(..) {
-                    let _ = job.reply.send(Err(e.clone()));
+                let answers = batch_failure(e, jobs.len());
+                for (job, answer) in jobs.drain(..).zip(answers) {
+                    let _ = job.reply.send(answer);
                 }
             }
         }
