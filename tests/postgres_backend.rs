@@ -408,7 +408,10 @@ async fn tollgate_migrate_prepares_the_schema_that_serve_then_only_checks() {
 
     let (status, stderr) =
         tokio::task::block_in_place(|| serve_until_exit(&settings, std::time::Duration::from_secs(20)));
-    assert!(status.is_some_and(|s| !s.success()), "serve without the schema: {status:?} {stderr}");
+    assert!(
+        status.is_some_and(|s| !s.success()),
+        "serve without the schema: {status:?} {stderr}"
+    );
     assert!(
         stderr.contains("does not exist") && stderr.contains("tollgate migrate"),
         "the error says the schema is missing and names the command: {stderr}"
