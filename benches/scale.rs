@@ -9,9 +9,11 @@
 //! - `memory_store/contention/*`: decisions from 1 and from 2 threads at once, on one hot bucket
 //!   and on distinct buckets (time per decision, all threads together).
 //!
-//! Before the timings it prints the heap one held bucket costs in the memory store, counted by
-//! this benchmark's allocator (exact, unlike resident memory): allocated bytes after holding a
-//! million buckets, minus before, per bucket.
+//! Before the timings it prints, counted by this benchmark's allocator (exact, unlike resident
+//! memory), the heap one held bucket costs in the memory store (allocated bytes after holding a
+//! million buckets, minus before, per bucket) and the allocations one decision makes on the
+//! whole decision path ([`Limiter::should_rate_limit`], its response included) with one and
+//! with three descriptors.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;
@@ -21,9 +23,14 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use std::future::Future;
 use tollgate::bucket::{Demand, DemandKind, Limit, Rate, MICRO};
 use tollgate::clock::ManualClock;
+
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use tollgate::config::load_rules;
+use tollgate::limiter::{Limiter, LimiterOptions};
 use tollgate::matcher::{find_rule, instance_key};
 use tollgate::schedule::Plan;
 use tollgate::store::{BucketRef, MemoryStore};
@@ -32,10 +39,12 @@ use tollgate::store::{BucketRef, MemoryStore};
 struct Counting;
 
 static LIVE: AtomicIsize = AtomicIsize::new(0);
+static ALLOCATIONS: AtomicIsize = AtomicIsize::new(0);
 
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
         unsafe { System.alloc(layout) }
     }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
@@ -44,6 +53,7 @@ unsafe impl GlobalAlloc for Counting {
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         LIVE.fetch_add(new_size as isize - layout.size() as isize, Ordering::Relaxed);
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
         unsafe { System.realloc(ptr, layout, new_size) }
     }
 }
@@ -169,7 +179,55 @@ fn report_bucket_memory() {
     );
 }
 
+/// Prints the allocations (and reallocations) one decision makes.
+fn report_allocations() {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    std::fs::write(dir.path().join("held.yaml"), include_str!("rules/held.yaml")).expect("write the rules");
+    let rules = load_rules(dir.path()).unwrap_or_else(|e| panic!("the rules load: {e}"));
+    let clock = ManualClock::new(START_US);
+    let store = MemoryStore::new(64, 1_000_000, Arc::new(clock.clone()));
+    let options = LimiterOptions::from_settings(&tollgate::settings::Settings::default());
+    let limiter = Limiter::new(rules, store, options);
+    for descriptors in [1usize, 3] {
+        let request = RateLimitRequest {
+            domain: "bench_held".into(),
+            descriptors: (0..descriptors)
+                .map(|i| RateLimitDescriptor {
+                    entries: vec![entry("k", &format!("v{i}"))],
+                    ..Default::default()
+                })
+                .collect(),
+            hits_addend: 0,
+        };
+        const N: isize = 10_000;
+        let decide = || {
+            clock.advance_us(1);
+            let future = limiter.should_rate_limit(&request);
+            let mut future = std::pin::pin!(future);
+            match future
+                .as_mut()
+                .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()))
+            {
+                std::task::Poll::Ready(r) => {
+                    black_box(r.expect("a decision"));
+                }
+                std::task::Poll::Pending => panic!("the memory store never waits"),
+            }
+        };
+        for _ in 0..1_000 {
+            decide();
+        }
+        let before = ALLOCATIONS.load(Ordering::Relaxed);
+        for _ in 0..N {
+            decide();
+        }
+        let per = (ALLOCATIONS.load(Ordering::Relaxed) - before) as f64 / N as f64;
+        println!("decision path: {per:.1} allocations per decision with {descriptors} descriptor(s)");
+    }
+}
+
 fn bench_memory_store(c: &mut Criterion) {
+    report_allocations();
     report_bucket_memory();
     let mut group = c.benchmark_group("memory_store/cardinality");
     for n in [1_000usize, 1_000_000] {
