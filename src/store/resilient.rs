@@ -145,12 +145,17 @@ impl<P: Store> Guarded<P> {
         }
     }
 
-    /// Runs `call` unless the breaker says not to, and records its outcome.
-    async fn run<T>(&self, call: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
+    /// Runs the call `call` makes unless the breaker says not to, and records its outcome.
+    /// (It takes the maker, not the future: a future passed in by value is kept twice in this
+    /// one's state, and a Redis decision's is several KiB, moved at every request.)
+    async fn run<T, F: Future<Output = Result<T, StoreError>>>(
+        &self,
+        call: impl FnOnce() -> F,
+    ) -> Result<T, StoreError> {
         if !self.breaker.allow(self.mono_us()) {
             return Err(StoreError::Unavailable(format!("{} circuit open", self.backend)));
         }
-        match call.await {
+        match call().await {
             Ok(v) => {
                 self.succeeded();
                 Ok(v)
@@ -168,15 +173,15 @@ impl<P: Store> Guarded<P> {
 
 impl<P: Store> Store for Guarded<P> {
     async fn apply(&self, buckets: &[BucketRef], demands: &[Demand]) -> Result<Applied, StoreError> {
-        self.run(self.primary.apply(buckets, demands)).await
+        self.run(|| self.primary.apply(buckets, demands)).await
     }
 
     async fn peek(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
-        self.run(self.primary.peek(buckets)).await
+        self.run(|| self.primary.peek(buckets)).await
     }
 
     async fn reset(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
-        self.run(self.primary.reset(buckets)).await
+        self.run(|| self.primary.reset(buckets)).await
     }
 
     fn rules_changed(&self) {
@@ -239,12 +244,16 @@ impl<P: Store> Resilient<P> {
     }
 
     /// `primary`'s answer; when it fails (or the breaker skips it), `fallback`'s on the
-    /// fallback store if there is one.
-    async fn run<'a, T, G: Future<Output = Result<T, StoreError>>>(
+    /// fallback store if there is one. Both are makers of the futures (see [`Guarded::run`]).
+    async fn run<'a, T, F, G>(
         &'a self,
-        primary: impl Future<Output = Result<T, StoreError>>,
+        primary: impl FnOnce() -> F,
         fallback: impl FnOnce(&'a Fallback) -> G,
-    ) -> Result<T, StoreError> {
+    ) -> Result<T, StoreError>
+    where
+        F: Future<Output = Result<T, StoreError>>,
+        G: Future<Output = Result<T, StoreError>>,
+    {
         let error = match self.guarded.run(primary).await {
             Ok(v) => return Ok(v),
             Err(e) => e,
@@ -261,18 +270,20 @@ impl<P: Store> Resilient<P> {
 
 impl<P: Store> Store for Resilient<P> {
     async fn apply(&self, buckets: &[BucketRef], demands: &[Demand]) -> Result<Applied, StoreError> {
-        self.run(self.guarded.primary.apply(buckets, demands), |f| {
-            f.apply(buckets, demands)
-        })
+        self.run(
+            || self.guarded.primary.apply(buckets, demands),
+            |f| f.apply(buckets, demands),
+        )
         .await
     }
 
     async fn peek(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
-        self.run(self.guarded.primary.peek(buckets), |f| f.peek(buckets)).await
+        self.run(|| self.guarded.primary.peek(buckets), |f| f.peek(buckets))
+            .await
     }
 
     async fn reset(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
-        self.run(self.guarded.primary.reset(buckets), |f| f.reset(buckets))
+        self.run(|| self.guarded.primary.reset(buckets), |f| f.reset(buckets))
             .await
     }
 

@@ -372,7 +372,9 @@ impl RedisStore {
             let mut argv = encode_header(self.now_override(), self.inner.call, 1);
             argv.extend(args);
             let sent_us = self.inner.clock.now_us();
-            let value = conn.evalsha(&conn.scripts.decide, keys, argv).await?;
+            // Boxed: fred's call future is several KiB, and held inline it would make every
+            // decision's future (moved on each request) that large, batched ones included.
+            let value = Box::pin(conn.evalsha(&conn.scripts.decide, keys, argv)).await?;
             let received_us = self.inner.clock.now_us();
             let value = split_answers(value, 1)
                 .map_err(|e| StoreError::Unavailable(format!("decide.lua: {e}")))?
