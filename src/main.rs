@@ -155,13 +155,19 @@ fn main() -> ExitCode {
             for name in tollgate::settings::unknown_env_vars() {
                 tracing::warn!(variable = %name, "environment variable names no setting; ignored");
             }
-            let runtime = match tokio::runtime::Runtime::new() {
+            let runtime = match tollgate::server::runtime(settings.runtime) {
                 Ok(rt) => rt,
                 Err(e) => {
                     eprintln!("cannot start the runtime: {e}");
                     return ExitCode::FAILURE;
                 }
             };
+            let flavor = match runtime.handle().runtime_flavor() {
+                tokio::runtime::RuntimeFlavor::CurrentThread => "current_thread",
+                _ => "multi_thread",
+            };
+            let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+            tracing::info!(runtime = flavor, cpus, "runtime started");
             match runtime.block_on(tollgate::server::serve(settings)) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {

@@ -19,7 +19,7 @@ use crate::http::{router, HttpState, Readiness};
 use crate::limiter::{Limiter, LimiterOptions};
 use crate::reload::{load_initial, Reloader};
 use crate::service::RateLimitGrpc;
-use crate::settings::{Backend, FailureMode, FallbackBackend, Settings, UnreachableAtStart};
+use crate::settings::{Backend, FailureMode, FallbackBackend, RuntimeFlavor, Settings, UnreachableAtStart};
 use crate::store::{AnyStore, Fallback, Guarded, MemoryStore, Metered, PostgresStore, RedisStore, Resilient, Store};
 use crate::wire::RateLimitServer;
 
@@ -249,6 +249,25 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
     result
 }
 
+/// The runtime for `flavor` (`tollgate serve`'s `runtime` setting; the load generator's no-op
+/// server takes the same): see [`RuntimeFlavor`].
+///
+/// Errors: the runtime cannot be built (the operating system refused a thread or an epoll
+/// instance).
+pub fn runtime(flavor: RuntimeFlavor) -> std::io::Result<tokio::runtime::Runtime> {
+    let one_cpu = std::thread::available_parallelism().is_ok_and(|n| n.get() == 1);
+    let current = match flavor {
+        RuntimeFlavor::Auto => one_cpu,
+        RuntimeFlavor::CurrentThread => true,
+        RuntimeFlavor::MultiThread => false,
+    };
+    if current {
+        tokio::runtime::Builder::new_current_thread().enable_all().build()
+    } else {
+        tokio::runtime::Runtime::new()
+    }
+}
+
 /// How often gRPC health is brought in line with the backend's readiness.
 const HEALTH_EVERY: Duration = Duration::from_secs(1);
 
@@ -475,8 +494,14 @@ fn spawn_sweeper(store: MemoryStore, every: Duration) {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            let dropped = store.sweep();
-            tracing::trace!(dropped, held = store.len(), "swept full buckets");
+            // Off the runtime's threads: on a current-thread runtime a sweep of a million
+            // buckets would otherwise hold up every request for its whole length (it locks one
+            // shard at a time, a few hundred buckets at a time, so requests wait microseconds).
+            let store = store.clone();
+            let swept = tokio::task::spawn_blocking(move || (store.sweep(), store.len())).await;
+            if let Ok((dropped, held)) = swept {
+                tracing::trace!(dropped, held, "swept full buckets");
+            }
         }
     });
 }

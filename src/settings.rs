@@ -44,6 +44,26 @@ pub struct Settings {
     pub shutdown: ShutdownSettings,
     /// Prometheus metrics.
     pub metrics: MetricsSettings,
+    /// The async runtime `serve` runs on: see [`RuntimeFlavor`].
+    pub runtime: RuntimeFlavor,
+}
+
+/// Which tokio runtime `tollgate serve` runs on.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum RuntimeFlavor {
+    /// `current_thread` when the process may use only one CPU (a CPU set of one, or a cgroup
+    /// quota of one CPU or less: `std::thread::available_parallelism` is 1), else
+    /// `multi_thread`.
+    #[default]
+    Auto,
+    /// Everything on one thread: with one CPU, about a quarter less CPU per request than a
+    /// multi-thread runtime's single worker (no cross-thread wake-ups or steal checks;
+    /// benches/README.md). Blocking work (rule reloads, the memory store's sweep) runs on
+    /// separate threads either way.
+    CurrentThread,
+    /// A worker thread per CPU.
+    MultiThread,
 }
 
 /// The bucket admin API: its own listener, because it changes limits' state.
@@ -376,6 +396,7 @@ impl Default for Settings {
             reload: ReloadSettings::default(),
             shutdown: ShutdownSettings::default(),
             metrics: MetricsSettings::default(),
+            runtime: RuntimeFlavor::Auto,
         }
     }
 }
@@ -458,7 +479,7 @@ pub const DEFAULT_SETTINGS_FILE: &str = "config/tollgate.yaml";
 
 /// Top-level settings keys; only these are read from `TOLLGATE_*`, so unrelated variables
 /// with the same prefix are not mistaken for settings.
-const KEYS: [&str; 16] = [
+const KEYS: [&str; 17] = [
     "grpc_addr",
     "http_addr",
     "rules",
@@ -475,6 +496,7 @@ const KEYS: [&str; 16] = [
     "reload",
     "shutdown",
     "metrics",
+    "runtime",
 ];
 
 impl Settings {

@@ -53,6 +53,10 @@ enum Command {
         /// Address to listen on for gRPC.
         #[arg(long, default_value = "127.0.0.1:8081")]
         listen: SocketAddr,
+        /// The runtime, as `tollgate serve`'s `runtime` setting (the same default), so the
+        /// ceiling runs on what tollgate runs on.
+        #[arg(long, value_enum, default_value_t = tollgate::settings::RuntimeFlavor::Auto)]
+        runtime: tollgate::settings::RuntimeFlavor,
     },
 }
 
@@ -189,7 +193,13 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let runtime = match tokio::runtime::Runtime::new() {
+    // The no-op server on the very runtime `tollgate serve` would pick; the load generator on
+    // a multi-thread one.
+    let runtime = match cli.command {
+        Command::Noop { runtime, .. } => tollgate::server::runtime(runtime),
+        Command::Run(_) => tokio::runtime::Runtime::new(),
+    };
+    let runtime = match runtime {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("cannot start the runtime: {e}");
@@ -198,7 +208,7 @@ fn main() -> ExitCode {
     };
     let result = match cli.command {
         Command::Run(args) => runtime.block_on(run(args)),
-        Command::Noop { listen } => runtime.block_on(noop(listen)),
+        Command::Noop { listen, .. } => runtime.block_on(noop(listen)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

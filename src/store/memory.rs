@@ -190,19 +190,34 @@ impl MemoryStore {
         lock(&self.inner.shards[shard]).get(&key).map(|e| e.state)
     }
 
-    /// Drops every bucket that is full by now. Locks one shard at a time, so decisions on
-    /// other shards go on meanwhile. A bucket written before the rules were replaced is dropped
-    /// only if it was full by the replacement; otherwise it stays until it is decided on again
-    /// (or evicted), since only the rules can tell whether it is full under the new ones.
+    /// Drops every bucket that is full by now. Locks one shard at a time, and holds it for at
+    /// most [`SWEEP_CHUNK`] entries before letting requests in, so a sweep of a million
+    /// buckets makes no request wait more than a few microseconds. A bucket written before the
+    /// rules were replaced is dropped only if it was full by the replacement; otherwise it
+    /// stays until it is decided on again (or evicted), since only the rules can tell whether
+    /// it is full under the new ones. Returns how many it dropped.
     pub fn sweep(&self) -> usize {
-        let now = self.inner.clock.now_us();
-        let reloads = self.inner.reloads.load();
         let mut dropped = 0;
         for shard in &self.inner.shards {
-            let mut map = lock(shard);
-            let before = map.len();
-            map.retain(|_, e| !reloads.forgotten(e.state.updated_us, e.full_at_us, now));
-            dropped += before - map.len();
+            // Walks each shard from its end down: `swap_remove_index` moves the last entry,
+            // already looked at, into the hole. Between chunks the shard may change; entries
+            // added or moved meanwhile wait for the next sweep, which is harmless.
+            let mut next = lock(shard).len();
+            while next > 0 {
+                let mut map = lock(shard);
+                let now = self.inner.clock.now_us();
+                let reloads = self.inner.reloads.load();
+                next = next.min(map.len());
+                let stop = next.saturating_sub(SWEEP_CHUNK);
+                while next > stop {
+                    next -= 1;
+                    let e = &map[next];
+                    if reloads.forgotten(e.state.updated_us, e.full_at_us, now) {
+                        map.swap_remove_index(next);
+                        dropped += 1;
+                    }
+                }
+            }
         }
         dropped
     }
@@ -370,6 +385,9 @@ impl Locked<'_> {
             .expect("shard was locked")
     }
 }
+
+/// How many entries [`MemoryStore::sweep`] looks at per hold of a shard's lock.
+const SWEEP_CHUNK: usize = 256;
 
 /// How many entries [`Inner::make_room`] looks at to choose a victim.
 const EVICTION_SAMPLE: usize = 16;

@@ -261,8 +261,14 @@ impl TollgateBuilder {
             let grpc_addr = SocketAddr::from(([127, 0, 0, 1], grpc_port));
             let http_addr = SocketAddr::from(([127, 0, 0, 1], http_port));
             let admin_addr = SocketAddr::from(([127, 0, 0, 1], admin_port));
+            // `TOLLGATE_TEST_RUNTIME=current_thread` runs every tollgate on that runtime (the
+            // one `runtime: auto` picks with one CPU; unpinned here, tests get multi_thread).
+            let runtime = match std::env::var("TOLLGATE_TEST_RUNTIME") {
+                Ok(r) if !self.settings.contains("runtime:") => format!("runtime: {r}\n"),
+                _ => String::new(),
+            };
             let settings = format!(
-                "grpc_addr: {grpc_addr}\nhttp_addr: {http_addr}\nadmin: {{addr: {admin_addr}}}\nrules: {}\n{}",
+                "grpc_addr: {grpc_addr}\nhttp_addr: {http_addr}\nadmin: {{addr: {admin_addr}}}\nrules: {}\n{runtime}{}",
                 yaml_str(&rules.to_string_lossy()),
                 self.settings
             );

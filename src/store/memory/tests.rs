@@ -417,3 +417,23 @@ fn refund_never_exceeds_capacity() {
     assert_eq!(a.decision.instances[0].after.tokens_ut, 10 * MICRO);
     assert_eq!(store.peek_now(&b).states[0].tokens_ut, 10 * MICRO);
 }
+
+/// A sweep over a shard many times longer than one chunk drops exactly the buckets full by
+/// now, wherever they sit in it.
+#[test]
+fn a_sweep_in_chunks_drops_exactly_the_full_buckets() {
+    let clock = ManualClock::new(0);
+    let store = MemoryStore::new(1, 10_000, Arc::new(clock.clone()));
+    // A token an hour: even buckets take one (full again in an hour), odd ones five.
+    for i in 0..2_000 {
+        let taken = if i % 2 == 0 { 1 } else { 5 };
+        store.apply_now(&[bucket(&format!("k{i}"), 10, 1)], &[consume(0, taken)]);
+    }
+    assert_eq!(store.len(), 2_000);
+    clock.advance_us(HOUR_US);
+    assert_eq!(store.sweep(), 1_000);
+    assert_eq!(store.len(), 1_000);
+    for i in 0..2_000 {
+        assert_eq!(store.peek(&format!("k{i}")).is_some(), i % 2 == 1, "k{i}");
+    }
+}
