@@ -18,6 +18,7 @@ use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descri
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use smallvec::SmallVec;
 
 use crate::bucket::{Demand, DemandKind, Limit, Rate, MAX_CAPACITY, MICRO};
 use crate::matcher::{find_node, find_rule, instance_key, shared_patterns};
@@ -147,7 +148,7 @@ impl<'r> Matched<'r> {
     /// override's key also carries its limit (`#<requests_per_unit>/<UNIT>`), so overrides of
     /// different limits never share an instance.
     fn bucket_key(&self, domain: &str, entries: &[Entry]) -> String {
-        let mut key = String::new();
+        let mut key = String::with_capacity(key_capacity(domain, &self.policy.name, entries) + 16);
         instance_key(&mut key, domain, &self.policy.name, entries, &self.shared);
         if self.bucket_index.is_none() {
             key.push_str(&format!(
@@ -161,7 +162,7 @@ impl<'r> Matched<'r> {
 
     /// The instance key of the rule's quota `policy` for a descriptor with `entries`.
     fn quota_key(&self, domain: &str, policy: &BucketPolicy, entries: &[Entry]) -> String {
-        let mut key = String::new();
+        let mut key = String::with_capacity(key_capacity(domain, &policy.name, entries));
         instance_key(&mut key, domain, &policy.name, entries, &self.shared);
         key
     }
@@ -206,7 +207,7 @@ impl<S: Store> Limiter<S> {
         if domain.is_none() {
             self.unknown_domain.increment(1);
         }
-        let mut matched: Vec<Option<Matched>> = Vec::with_capacity(req.descriptors.len());
+        let mut matched: SmallVec<[Option<Matched>; 4]> = SmallVec::with_capacity(req.descriptors.len());
         for d in &req.descriptors {
             // As in envoyproxy/ratelimit, an unknown domain is OK before overrides are looked at.
             let m = match (&d.limit, self.options.overrides && domain.is_some()) {
@@ -226,9 +227,9 @@ impl<S: Store> Limiter<S> {
         }
         drop_replaced(&mut matched);
 
-        let mut buckets: Vec<BucketRef> = Vec::new();
-        let mut targets: Vec<Option<Target>> = Vec::with_capacity(matched.len());
-        let mut demands = Vec::new();
+        let mut buckets: SmallVec<[BucketRef; 4]> = SmallVec::new();
+        let mut targets: SmallVec<[Option<Target>; 4]> = SmallVec::with_capacity(matched.len());
+        let mut demands: SmallVec<[Demand; 4]> = SmallVec::new();
         for (d, m) in req.descriptors.iter().zip(matched) {
             let Some(m) = m else {
                 targets.push(None);
@@ -332,9 +333,16 @@ impl<S: Store> Limiter<S> {
 
 /// Adds a demand of `kind` on the instance `key` (shared with an earlier descriptor of the
 /// request that reached the same instance); returns the indices of the instance and the demand.
+/// About the length of an instance key (its parts and their length prefixes), so building it
+/// allocates once.
+fn key_capacity(domain: &str, bucket: &str, entries: &[Entry]) -> usize {
+    let parts: usize = entries.iter().map(|e| e.key.len() + e.value.len() + 12).sum();
+    domain.len() + bucket.len() + 12 + parts
+}
+
 fn add_demand(
-    buckets: &mut Vec<BucketRef>,
-    demands: &mut Vec<Demand>,
+    buckets: &mut SmallVec<[BucketRef; 4]>,
+    demands: &mut SmallVec<[Demand; 4]>,
     key: String,
     plan: &Plan,
     kind: DemandKind,

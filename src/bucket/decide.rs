@@ -1,5 +1,7 @@
 //! One request's decision over all the bucket instances it touches: all or nothing.
 
+use smallvec::SmallVec;
+
 use super::{BucketState, Refilling, MICRO};
 
 /// What one request descriptor asks of one bucket instance.
@@ -96,8 +98,9 @@ pub struct Decision {
 /// both are built by the caller from the same list.
 pub fn decide<P: Refilling>(now_us: u64, states: &[BucketState], plans: &[P], demands: &[Demand]) -> Decision {
     assert_eq!(states.len(), plans.len(), "one plan per bucket state");
-    let mut consumed = vec![0u64; states.len()];
-    let mut refunded = vec![0u64; states.len()];
+    // A request's few buckets: on the stack.
+    let mut consumed: SmallVec<[u64; 4]> = smallvec::smallvec![0; states.len()];
+    let mut refunded: SmallVec<[u64; 4]> = smallvec::smallvec![0; states.len()];
     for d in demands {
         match d.kind {
             DemandKind::Consume(n) => consumed[d.instance] = consumed[d.instance].saturating_add(n),
@@ -105,7 +108,7 @@ pub fn decide<P: Refilling>(now_us: u64, states: &[BucketState], plans: &[P], de
             DemandKind::Check => {}
         }
     }
-    let before: Vec<BucketState> = states.iter().zip(plans).map(|(s, p)| p.refill_to(*s, now_us)).collect();
+    let before: SmallVec<[BucketState; 4]> = states.iter().zip(plans).map(|(s, p)| p.refill_to(*s, now_us)).collect();
     let passed: Vec<bool> = demands
         .iter()
         .map(|d| {

@@ -22,6 +22,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use arc_swap::ArcSwap;
 use indexmap::IndexMap;
+use smallvec::SmallVec;
 
 use super::{Applied, BucketRef, Peeked, Store, StoreError};
 use crate::bucket::{decide, BucketState, Demand, Refilling};
@@ -238,7 +239,7 @@ impl MemoryStore {
     pub fn apply_now(&self, buckets: &[BucketRef], demands: &[Demand]) -> Applied {
         let mut locked = self.lock_buckets(buckets);
         let now = locked.now;
-        let plans: Vec<_> = buckets.iter().map(|b| &b.plan).collect();
+        let plans: SmallVec<[&crate::schedule::Plan; 4]> = buckets.iter().map(|b| &b.plan).collect();
         let states = locked.read(buckets);
         let decision = decide(now, &states, &plans, demands);
         for (i, (b, out)) in buckets.iter().zip(&decision.instances).enumerate() {
@@ -285,7 +286,7 @@ impl MemoryStore {
         Peeked {
             now_us: now,
             states,
-            kept,
+            kept: kept.into_vec(),
         }
     }
 
@@ -313,12 +314,13 @@ impl MemoryStore {
     /// on each other in a cycle, then reads the clock and the reloads: everything a decision,
     /// a peek or a reset needs, for as long as it holds the result.
     fn lock_buckets<'s>(&'s self, buckets: &[BucketRef]) -> Locked<'s> {
-        let keys: Vec<Digest> = buckets.iter().map(|b| self.digest(&b.key)).collect();
-        let bucket_shards: Vec<usize> = keys.iter().map(|k| self.shard_of(k)).collect();
+        let keys: SmallVec<[Digest; 4]> = buckets.iter().map(|b| self.digest(&b.key)).collect();
+        let bucket_shards: SmallVec<[usize; 4]> = keys.iter().map(|k| self.shard_of(k)).collect();
         let mut shard_ids = bucket_shards.clone();
         shard_ids.sort_unstable();
         shard_ids.dedup();
-        let guards: Vec<MutexGuard<'s, Shard>> = shard_ids.iter().map(|&i| lock(&self.inner.shards[i])).collect();
+        let guards: SmallVec<[MutexGuard<'s, Shard>; 4]> =
+            shard_ids.iter().map(|&i| lock(&self.inner.shards[i])).collect();
         Locked {
             keys,
             bucket_shards,
@@ -338,12 +340,12 @@ struct Locked<'s> {
     // vectors the slow way).
     reloads: arc_swap::Guard<Arc<Reloads>>,
     /// The distinct shards, ascending; `guards` in the same order.
-    shard_ids: Vec<usize>,
+    shard_ids: SmallVec<[usize; 4]>,
     /// Per bucket, its shard.
-    bucket_shards: Vec<usize>,
+    bucket_shards: SmallVec<[usize; 4]>,
     /// Per bucket, its key's digest.
-    keys: Vec<Digest>,
-    guards: Vec<MutexGuard<'s, Shard>>,
+    keys: SmallVec<[Digest; 4]>,
+    guards: SmallVec<[MutexGuard<'s, Shard>; 4]>,
     /// The store's clock, read once the locks were held.
     now: u64,
 }
@@ -352,7 +354,7 @@ impl Locked<'_> {
     /// Per bucket (the `buckets` the shards were locked for), the state the store keeps for it
     /// at `now`: the one stored, or, for a bucket absent or full by now under the rules it was
     /// written by ([`Reloads::forgotten`]), full at the capacity in force.
-    fn read(&self, buckets: &[BucketRef]) -> Vec<BucketState> {
+    fn read(&self, buckets: &[BucketRef]) -> SmallVec<[BucketState; 4]> {
         buckets
             .iter()
             .enumerate()
