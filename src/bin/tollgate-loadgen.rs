@@ -2,10 +2,15 @@
 //! and a no-op `RateLimitService` on the same server stack as `tollgate serve`, so that the two
 //! can be measured side by side (see `benches/README.md` and `scripts/bench-compare`).
 //!
-//! - `run`: drives `--concurrency` request loops over `--connections` HTTP/2 channels, then
-//!   reports throughput, response codes, latency percentiles and the CPU time each
-//!   `--server-pid` (and the load generator itself) spent per request in the measured window.
-//! - `noop`: answers every request `OK`, one `OK` status per descriptor, nothing else.
+//! - `run`: drives `--concurrency` request loops over `--connections` HTTP/2 channels, each
+//!   request with `--descriptors` descriptors whose values are drawn from `--keys` values
+//!   (`--distribution sequential`, `uniform` or `zipf` with `--zipf-s`), for `--duration` (or
+//!   `--requests`) after `--warmup`; then reports throughput, response codes, latency
+//!   percentiles (p50, p90, p99, p99.9, max) and the CPU time each `--server-pid` (a process)
+//!   or `--server-tree` (a process and all below it: a PostgreSQL cluster) and the load
+//!   generator itself spent per request in the measured window; `--json` for one JSON object.
+//! - `noop`: answers every request `OK`, one `OK` status per descriptor, nothing else, on
+//!   tollgate's own server stack and runtime choice: the ceiling every figure is compared to.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
