@@ -2,8 +2,9 @@
 //! See benches/README.md.
 //!
 //! - `matching/*`: [`find_rule`] on a tree of 10 and of 10,000 exact values under one key (plus
-//!   three wildcard nodes and a key-only default at the same level), for a value that matches
-//!   exactly, one that matches a wildcard and one that falls to the default.
+//!   three wildcard nodes and a key-only default at the same level), for values that match
+//!   exactly (a thousand spread over the tree, and the same ten in both trees), one that
+//!   matches a wildcard and one that falls to the default.
 //! - `memory_store/cardinality/*`: one decision ([`MemoryStore::apply_now`]) on a random one of
 //!   1,000 and of 1,000,000 held buckets.
 //! - `memory_store/contention/*`: decisions from 1 and from 2 threads at once, on one hot bucket
@@ -100,6 +101,17 @@ fn bench_matching(c: &mut Criterion) {
             b.iter(|| {
                 i = (i + 1) % exact.len();
                 black_box(find_rule(domain, black_box(&exact[i])))
+            })
+        });
+        // The same ten values in both trees: the lookup's own cost, apart from how much of the
+        // tree a workload touches (the `exact` case above touches a thousand values' entries
+        // of the large tree, against the ten of the small one).
+        let same: Vec<[Entry; 1]> = (0..10).map(|i| [entry("user", &format!("u{i}"))]).collect();
+        let mut j = 0;
+        group.bench_with_input(BenchmarkId::new("exact_same_values", n), &n, |b, _| {
+            b.iter(|| {
+                j = (j + 1) % same.len();
+                black_box(find_rule(domain, black_box(&same[j])))
             })
         });
         let wildcard = [entry("user", "crawler-7")];

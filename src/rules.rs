@@ -256,8 +256,10 @@ pub enum Rule {
 /// The children of one node (or the root): how one descriptor entry is matched.
 #[derive(Debug, Default)]
 pub struct Level {
-    /// `key` -> `value` -> node, for exact values.
-    pub exact: HashMap<String, HashMap<String, usize>>,
+    /// `key` -> `value` -> node, for exact values (a short value inline in its map slot, so
+    /// comparing it reads no other memory: a big tree's lookups miss the cache once, not
+    /// twice).
+    pub exact: HashMap<String, HashMap<compact_str::CompactString, usize>>,
     /// `(key, pattern, node)` for values with `*`, in config order.
     pub wildcard: Vec<(String, Pattern, usize)>,
     /// `key` -> node, for nodes with no value (any value).
@@ -286,7 +288,11 @@ impl Level {
         let mut exact: Vec<_> = self
             .exact
             .iter()
-            .flat_map(|(k, values)| values.iter().map(move |(v, n)| (k.as_str(), LevelValue::Exact(v), *n)))
+            .flat_map(|(k, values)| {
+                values
+                    .iter()
+                    .map(move |(v, n)| (k.as_str(), LevelValue::Exact(v.as_str()), *n))
+            })
             .collect();
         exact.sort_by(by_path);
         let mut any: Vec<_> = self

@@ -482,7 +482,7 @@ impl<'a> DomainBuilder<'a> {
                     .exact
                     .entry(spec.key.clone())
                     .or_default()
-                    .insert(v.to_owned(), id)
+                    .insert(v.into(), id)
                     .is_some(),
             },
         };
