@@ -346,6 +346,13 @@ pub fn count_failure_answer(mode: crate::settings::FailureMode) {
     counter!(BACKEND_FAILURE_ANSWERS, "answer" => answer).increment(1);
 }
 
+/// The rules files are back to the rules in force after a failed reload (an invalid edit was
+/// reverted): the latest attempt no longer stands, so `tollgate_rules_last_reload_successful`
+/// reads 1 again; nothing was loaded, so no reload is counted and the generation stays.
+pub fn reload_failure_cleared() {
+    gauge!(LAST_RELOAD_SUCCESSFUL).set(1.0);
+}
+
 /// Records a rules load: `generation` is the generation now in force; `success` whether this
 /// attempt took effect. The load at start counts as a success but not as a reload.
 pub fn rules_loaded(generation: u64, success: bool, at_start: bool) {

@@ -99,7 +99,9 @@ pub enum ReloadOutcome {
         /// The generation now in force.
         generation: u64,
     },
-    /// The files are as they were at the last attempt; nothing was done.
+    /// Nothing was loaded: the files are those of the rules in force (a failure reported
+    /// before is cleared: an invalid edit was reverted), or, without `force`, those of the last
+    /// attempt.
     Unchanged,
     /// The new rules were rejected (every problem is here and in the log); the previous
     /// rules stay in force.
@@ -112,15 +114,16 @@ pub struct Reloader<S> {
     limiter: Arc<Limiter<S>>,
     path: PathBuf,
     /// The fingerprints of the last load attempted (successful or not) and of the rules in
-    /// force. The lock also serialises reloads.
+    /// force. The lock also serialises reloads (and is held through one).
     last: Mutex<Attempts>,
+    /// Why the latest attempt failed, when it did: Unix seconds and one line per problem. A lock
+    /// of its own, held for moments only, so `/config` never waits for a reload in progress.
+    failure: Mutex<Option<(u64, Vec<String>)>>,
 }
 
 struct Attempts {
     attempted: Fingerprint,
     in_force: Fingerprint,
-    /// Why the latest attempt failed, when it did: Unix seconds and one line per problem.
-    failure: Option<(u64, Vec<String>)>,
 }
 
 impl<S: Store> Reloader<S> {
@@ -133,18 +136,18 @@ impl<S: Store> Reloader<S> {
             last: Mutex::new(Attempts {
                 attempted: loaded.clone(),
                 in_force: loaded,
-                failure: None,
             }),
+            failure: Mutex::new(None),
         })
     }
 
     /// The state of reloading, for `/config`: `{"generation": n, "last_reload_failed": bool,
     /// "last_failure": null | {"at_unix_seconds": s, "problems": ["<file>: <rule>: <reason>",
-    /// ...]}}`. A failure stays shown until a reload succeeds.
+    /// ...]}}`. A failure stays shown until a reload succeeds or the files are back to the rules in
+    /// force.
     pub fn status_json(&self) -> serde_json::Value {
-        let last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
-        let failure = last
-            .failure
+        let failure = self.failure.lock().unwrap_or_else(PoisonError::into_inner);
+        let failure = failure
             .as_ref()
             .map(|(at, problems)| serde_json::json!({ "at_unix_seconds": at, "problems": problems }));
         serde_json::json!({
@@ -174,11 +177,28 @@ impl<S: Store> Reloader<S> {
         // Fingerprint before loading: if the files change during the load, the next check sees
         // a fingerprint that differs from this one and loads again.
         let print = fingerprint(&self.path);
-        let seen = if force { &last.in_force } else { &last.attempted };
-        if print == *seen {
+        // The files are those of the rules in force (say, an invalid edit was reverted): never
+        // swapped in again, and whatever failed before is no longer on disk.
+        if print == last.in_force {
             if force {
                 tracing::info!(path = %self.path.display(), "rules files unchanged; nothing to reload");
+            } else if last.attempted != print {
+                tracing::info!(path = %self.path.display(), "rules files are back to the rules in force");
             }
+            last.attempted = print;
+            if self
+                .failure
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take()
+                .is_some()
+            {
+                metrics::reload_failure_cleared();
+            }
+            return ReloadOutcome::Unchanged;
+        }
+        // A broken version already tried and reported: only SIGHUP tries it again.
+        if !force && print == last.attempted {
             return ReloadOutcome::Unchanged;
         }
         last.attempted = print.clone();
@@ -204,6 +224,8 @@ impl<S: Store> Reloader<S> {
                     .map(|f| f.display().to_string())
                     .collect::<Vec<_>>()
                     .join(", ");
+                // Cleared first: `/config` never shows the new generation with the old failure.
+                *self.failure.lock().unwrap_or_else(PoisonError::into_inner) = None;
                 self.limiter.swap_rules(rules);
                 last.in_force = print;
                 metrics::rules_loaded(generation, true, false);
@@ -214,7 +236,6 @@ impl<S: Store> Reloader<S> {
                     files = %files,
                     "rules reloaded"
                 );
-                last.failure = None;
                 ReloadOutcome::Applied { generation }
             }
             Err(errors) => {
@@ -236,7 +257,8 @@ impl<S: Store> Reloader<S> {
                 let at = std::time::SystemTime::now()
                     .duration_since(std::time::UNIX_EPOCH)
                     .map_or(0, |d| d.as_secs());
-                last.failure = Some((at, errors.0.iter().map(ToString::to_string).collect()));
+                *self.failure.lock().unwrap_or_else(PoisonError::into_inner) =
+                    Some((at, errors.0.iter().map(ToString::to_string).collect()));
                 ReloadOutcome::Failed(errors)
             }
         }

@@ -293,6 +293,25 @@ async fn a_broken_file_rejects_the_whole_set_once_and_the_last_good_rules_stay()
     assert_eq!(tenant_capacity(&limiter).await, 5);
 }
 
+/// An invalid edit, then its revert: the files are again those in force, so nothing is swapped
+/// in (no new generation: the memory store keeps every bucket as it is) and the failure is no
+/// longer reported. (The revert used to be compared with the broken attempt only, and the
+/// identical rules were swapped in as generation 2.)
+#[tokio::test]
+async fn reverting_an_invalid_edit_swaps_nothing_and_clears_the_failure() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("a.yaml"), rules(1)).unwrap();
+    let (limiter, reloader) = reloader(dir.path());
+    std::fs::write(dir.path().join("a.yaml"), INVALID).unwrap();
+    assert!(matches!(reloader.reload(false), ReloadOutcome::Failed(_)));
+    assert_eq!(reloader.status_json()["last_reload_failed"], true);
+    std::fs::write(dir.path().join("a.yaml"), rules(1)).unwrap();
+    assert!(matches!(reloader.reload(false), ReloadOutcome::Unchanged));
+    assert_eq!(reloader.generation(), 1);
+    assert_eq!(limiter.rules().generation, 1);
+    assert_eq!(reloader.status_json()["last_reload_failed"], false);
+}
+
 #[tokio::test]
 async fn an_emptied_rules_directory_is_rejected() {
     let dir = tempfile::tempdir().unwrap();
@@ -719,6 +738,47 @@ async fn server_invalid_edit_keeps_the_previous_limits_and_is_counted_once() {
     let config = config_json(&tollgate);
     assert_eq!(config["reload"]["last_reload_failed"], false, "{config}");
     assert!(config["reload"]["last_failure"].is_null(), "{config}");
+}
+
+/// An invalid edit reverted by hand: the rules in force are on disk again, so nothing is swapped
+/// (still generation 1), `/config` no longer reports the failure, and the
+/// `tollgate_rules_last_reload_successful` gauge (the README's alert) is back to 1. The gauge
+/// used to stay at 0 until some later edit loaded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_reverting_an_invalid_edit_clears_the_failure_and_the_alert() {
+    let tollgate = start("reload: {watch: true, debounce_ms: 100, poll_seconds: 1}", &rules(1));
+    let file = tollgate.dir.path().join("rules/rules.yaml");
+    write_atomically(&file, INVALID);
+    let deadline = Instant::now() + WITHIN;
+    while reloads(&tollgate, "failure") < 1.0 {
+        assert!(
+            Instant::now() < deadline,
+            "no failed reload counted\n{}",
+            tollgate.process.log_tail(40)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let metrics = Scrape::from(tollgate.http_addr);
+    assert_eq!(metrics.get("tollgate_rules_last_reload_successful", &[]), Some(0.0));
+
+    write_atomically(&file, &rules(1));
+    let deadline = Instant::now() + WITHIN;
+    while config_json(&tollgate)["reload"]["last_reload_failed"] != false {
+        assert!(
+            Instant::now() < deadline,
+            "the failure is still reported\n{}",
+            tollgate.process.log_tail(40)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let metrics = Scrape::from(tollgate.http_addr);
+    assert_eq!(metrics.get("tollgate_rules_last_reload_successful", &[]), Some(1.0));
+    assert_eq!(
+        metrics.get("tollgate_rules_reloads_total", &[("result", "success")]),
+        Some(0.0),
+        "nothing was loaded"
+    );
+    assert_eq!(generation(&tollgate), 1);
 }
 
 /// `GET /config` as JSON.
