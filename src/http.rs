@@ -90,18 +90,81 @@ async fn readyz(State(state): State<HttpState>) -> (StatusCode, String) {
     }
 }
 
+// Rendering `/metrics` (tens of milliseconds with many buckets' series) and `/config` (as long
+// for 10,000 rules) runs on a blocking thread: on a current-thread runtime it would otherwise
+// hold up every decision for that long.
+
 async fn metrics(State(state): State<HttpState>) -> Response {
-    let Some(handle) = &state.metrics else {
+    let Some(handle) = state.metrics.clone() else {
         return (StatusCode::NOT_FOUND, "metrics are not enabled\n").into_response();
     };
-    (state.refresh)();
-    (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
-        handle.render(),
-    )
-        .into_response()
+    let refresh = state.refresh.clone();
+    let rendered = tokio::task::spawn_blocking(move || {
+        refresh();
+        handle.render()
+    })
+    .await;
+    match rendered {
+        Ok(text) => (
+            [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+            text,
+        )
+            .into_response(),
+        Err(_) => (StatusCode::INTERNAL_SERVER_ERROR, "rendering the metrics failed\n").into_response(),
+    }
 }
 
-async fn config(State(state): State<HttpState>) -> Json<serde_json::Value> {
-    Json((state.config)())
+async fn config(State(state): State<HttpState>) -> Response {
+    let build = state.config.clone();
+    match tokio::task::spawn_blocking(move || build()).await {
+        Ok(view) => Json(view).into_response(),
+        Err(_) => (StatusCode::INTERNAL_SERVER_ERROR, "building the view failed\n").into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    /// Building `/config` (and rendering `/metrics`) can take tens of milliseconds; on a
+    /// current-thread runtime, done on the runtime's thread, it held up every decision that long.
+    /// A view that takes 300 ms to build must leave a 50 ms timer on the same runtime on time.
+    #[test]
+    fn a_slow_view_does_not_hold_up_the_runtime() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let mut state = HttpState::basic(Readiness::default());
+            state.config = Arc::new(|| {
+                std::thread::sleep(Duration::from_millis(300));
+                serde_json::json!({"slow": true})
+            });
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            tokio::spawn(async move { axum::serve(listener, router(state)).await });
+            let fetch = tokio::spawn(async move {
+                let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+                conn.write_all(b"GET /config HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                    .await
+                    .unwrap();
+                let mut answer = String::new();
+                conn.read_to_string(&mut answer).await.unwrap();
+                answer
+            });
+            // The request reaches the handler while this timer runs: built on the runtime's
+            // thread, the view would make the timer fire 300 ms late.
+            let started = Instant::now();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let took = started.elapsed();
+            let answer = fetch.await.unwrap();
+            assert!(answer.contains("\"slow\":true"), "{answer}");
+            assert!(took < Duration::from_millis(200), "a 50 ms timer took {took:?}");
+        });
+    }
 }
