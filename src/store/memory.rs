@@ -41,10 +41,10 @@ struct Entry {
 /// keyed hash.
 type Shard = IndexMap<Digest, Entry, DigestHash>;
 
-/// What a key is stored and looked up as: two 64-bit SipHashes of it under two random keys
+/// What a key is stored and looked up as: its 128-bit SipHash-1-3 under a random 128-bit key
 /// drawn when the store is made (see [`MemoryStore::digest`]). By chance, two of `n` keys
 /// collide with probability about `n^2 / 2^129`; by design, a client that does not know the
-/// hash keys cannot make its key collide with another's.
+/// hash key cannot make its key collide with another's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Digest([u64; 2]);
 
@@ -102,8 +102,8 @@ struct Inner {
     shards: Vec<Mutex<Shard>>,
     /// Seeds the eviction sample.
     hasher: RandomState,
-    /// Two separately keyed hashers whose outputs make a key's [`Digest`].
-    digest: [RandomState; 2],
+    /// The key of the 128-bit SipHash that makes a key's [`Digest`].
+    digest_key: [u8; 16],
     /// Counts eviction samples drawn: hashed with `hasher`, a fresh seed for each.
     samples: AtomicU64,
     per_shard_cap: usize,
@@ -157,7 +157,7 @@ impl MemoryStore {
                     .map(|_| Mutex::new(IndexMap::with_hasher(DigestHash)))
                     .collect(),
                 hasher: RandomState::new(),
-                digest: [RandomState::new(), RandomState::new()],
+                digest_key: random_key(),
                 samples: AtomicU64::new(0),
                 per_shard_cap: max_buckets.div_ceil(shards).max(1),
                 clock,
@@ -191,10 +191,13 @@ impl MemoryStore {
         lock(&self.inner.shards[shard]).get(&key).map(|e| e.state)
     }
 
-    /// Drops every bucket that is full by now. Locks one shard at a time, and holds it for at
-    /// most [`SWEEP_CHUNK`] entries before letting requests in, so a sweep of a million
-    /// buckets makes no request wait more than a few microseconds. A bucket written before the
-    /// rules were replaced is dropped only if it was full by the replacement; otherwise it
+    /// Drops every bucket that is full by now, and gives back a shard's memory once it holds
+    /// far fewer buckets than it has room for. Locks one shard at a time, and holds it for at
+    /// most [`SWEEP_CHUNK`] entries before letting requests in (and yielding the thread, so they
+    /// can), so a sweep of a million buckets makes no request wait for the whole of a shard.
+    /// Giving memory back moves a shard's remaining buckets (at most a quarter of its room)
+    /// under its lock: with the default 64 shards and a million buckets, a few thousand. A
+    /// bucket written before the rules were replaced is dropped only if it was full by the replacement; otherwise it
     /// stays until it is decided on again (or evicted), since only the rules can tell whether
     /// it is full under the new ones. Returns how many it dropped.
     pub fn sweep(&self) -> usize {
@@ -218,16 +221,30 @@ impl MemoryStore {
                         dropped += 1;
                     }
                 }
+                drop(map);
+                // std's Mutex is not fair: without this, the sweep would take the lock again
+                // before a request woken by the unlock could.
+                std::thread::yield_now();
+            }
+            // Checked for every shard, also one emptied by requests or a reset since the last
+            // sweep.
+            let mut map = lock(shard);
+            if map.capacity() > 4 * map.len().max(SWEEP_CHUNK) {
+                // After a burst of keys: give the memory back (IndexMap never shrinks by
+                // itself). Moves what is left, a quarter of the capacity at most.
+                map.shrink_to_fit();
             }
         }
         dropped
     }
 
-    /// The [`Digest`] of instance key `key`: two 64-bit SipHashes of it under the store's two
-    /// random keys.
+    /// The [`Digest`] of instance key `key`: its 128-bit SipHash-1-3 under the store's key.
     fn digest(&self, key: &str) -> Digest {
-        let [a, b] = &self.inner.digest;
-        Digest([a.hash_one(key.as_bytes()), b.hash_one(key.as_bytes())])
+        use std::hash::Hasher;
+        let mut hasher = siphasher::sip128::SipHasher13::new_with_key(&self.inner.digest_key);
+        hasher.write(key.as_bytes());
+        let h = siphasher::sip128::Hasher128::finish128(&hasher);
+        Digest([h.h1, h.h2])
     }
 
     /// The shard of a key: from the first half of its digest (the map hashes the second).
@@ -437,6 +454,17 @@ impl SplitMix64 {
     fn below(&mut self, n: usize) -> usize {
         ((u128::from(self.next()) * n as u128) >> 64) as usize
     }
+}
+
+/// A random 128-bit key from the operating system's generator (through std's `RandomState`,
+/// whose keys come from it: two outputs of one keyed hash over different inputs are as good as
+/// fresh random bits to anyone who does not know its key).
+fn random_key() -> [u8; 16] {
+    let state = RandomState::new();
+    let mut key = [0; 16];
+    key[..8].copy_from_slice(&state.hash_one(0u8).to_le_bytes());
+    key[8..].copy_from_slice(&state.hash_one(1u8).to_le_bytes());
+    key
 }
 
 fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {

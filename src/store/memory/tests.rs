@@ -437,3 +437,25 @@ fn a_sweep_in_chunks_drops_exactly_the_full_buckets() {
         assert_eq!(store.peek(&format!("k{i}")).is_some(), i % 2 == 1, "k{i}");
     }
 }
+
+/// After a burst of keys that all fill again, a sweep gives the shard's memory back (an
+/// `IndexMap` never shrinks by itself): a replica that once held a million buckets does not keep
+/// their room for good.
+#[test]
+fn a_sweep_after_a_burst_gives_the_memory_back() {
+    let clock = ManualClock::new(0);
+    let store = MemoryStore::new(1, 100_000, Arc::new(clock.clone()));
+    for i in 0..20_000 {
+        store.apply_now(&[bucket(&format!("k{i}"), 10, 1)], &[consume(0, 1)]);
+    }
+    let before = lock(&store.inner.shards[0]).capacity();
+    assert!(before >= 20_000, "capacity {before}");
+    // One bucket stays short of full; the rest fill again within the hour.
+    clock.advance_us(HOUR_US / 2);
+    store.apply_now(&[bucket("kept", 10, 1)], &[consume(0, 5)]);
+    clock.advance_us(HOUR_US / 2);
+    assert_eq!(store.sweep(), 20_000);
+    let after = lock(&store.inner.shards[0]).capacity();
+    assert!(after < before / 4, "capacity {before} -> {after}");
+    assert!(store.peek("kept").is_some());
+}
