@@ -151,11 +151,10 @@ impl<'r> Matched<'r> {
         let mut key = String::with_capacity(key_capacity(domain, &self.policy.name, entries) + 16);
         instance_key(&mut key, domain, &self.policy.name, entries, &self.shared);
         if self.bucket_index.is_none() {
-            key.push_str(&format!(
-                "#{}/{}",
-                self.policy.reported.requests_per_unit,
-                self.policy.reported.unit.as_str_name()
-            ));
+            key.push('#');
+            key.push_str(itoa::Buffer::new().format(self.policy.reported.requests_per_unit));
+            key.push('/');
+            key.push_str(self.policy.reported.unit.as_str_name());
         }
         key
     }
@@ -207,7 +206,9 @@ impl<S: Store> Limiter<S> {
         if domain.is_none() {
             self.unknown_domain.increment(1);
         }
-        let mut matched: SmallVec<[Option<Matched>; 4]> = SmallVec::with_capacity(req.descriptors.len());
+        // A Vec: everything here that is alive across the store's await is part of the future
+        // tonic boxes and moves, so the inline buffers are kept to what the store is handed.
+        let mut matched: Vec<Option<Matched>> = Vec::with_capacity(req.descriptors.len());
         for d in &req.descriptors {
             // As in envoyproxy/ratelimit, an unknown domain is OK before overrides are looked at.
             let m = match (&d.limit, self.options.overrides && domain.is_some()) {
@@ -228,7 +229,7 @@ impl<S: Store> Limiter<S> {
         drop_replaced(&mut matched);
 
         let mut buckets: SmallVec<[BucketRef; 4]> = SmallVec::new();
-        let mut targets: SmallVec<[Option<Target>; 4]> = SmallVec::with_capacity(matched.len());
+        let mut targets: Vec<Option<Target>> = Vec::with_capacity(matched.len());
         let mut demands: SmallVec<[Demand; 4]> = SmallVec::new();
         for (d, m) in req.descriptors.iter().zip(matched) {
             let Some(m) = m else {
@@ -331,8 +332,6 @@ impl<S: Store> Limiter<S> {
     }
 }
 
-/// Adds a demand of `kind` on the instance `key` (shared with an earlier descriptor of the
-/// request that reached the same instance); returns the indices of the instance and the demand.
 /// About the length of an instance key (its parts and their length prefixes), so building it
 /// allocates once.
 fn key_capacity(domain: &str, bucket: &str, entries: &[Entry]) -> usize {
@@ -340,6 +339,8 @@ fn key_capacity(domain: &str, bucket: &str, entries: &[Entry]) -> usize {
     domain.len() + bucket.len() + 12 + parts
 }
 
+/// Adds a demand of `kind` on the instance `key` (shared with an earlier descriptor of the
+/// request that reached the same instance); returns the indices of the instance and the demand.
 fn add_demand(
     buckets: &mut SmallVec<[BucketRef; 4]>,
     demands: &mut SmallVec<[Demand; 4]>,

@@ -149,7 +149,15 @@ mod tests {
         ];
         for store in &stores {
             let size = std::mem::size_of_val(&store.apply(&[], &[]));
-            assert!(size < 2048, "a decision's future is {size} bytes");
+            assert!(size < 2048, "a store decision's future is {size} bytes");
+        }
+        // And the whole decision path's, which tonic boxes.
+        let request = envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest::default();
+        let options = crate::limiter::LimiterOptions::from_settings(&crate::settings::Settings::default());
+        for store in stores {
+            let limiter = crate::limiter::Limiter::new(crate::rules::RuleSet::default(), store, options);
+            let size = std::mem::size_of_val(&limiter.should_rate_limit(&request));
+            assert!(size < 2048, "the limiter's decision future is {size} bytes");
         }
     }
 }
