@@ -65,3 +65,60 @@ fn loadgen_against_tollgate() {
     check_report(&report);
     assert!(report["ok"].as_u64().unwrap_or(0) > 0, "{report}");
 }
+
+/// Zipf draws, three descriptors per request and `hits_addend` 2, for a fixed number of
+/// requests: tollgate counts three bucket decisions and six hits for every request it answered,
+/// so the flags reach the wire as stated.
+#[test]
+fn loadgen_zipf_descriptors_and_hits_addend_reach_tollgate() {
+    let tollgate = Tollgate::builder()
+        .rules_path(Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/rules/bench.yaml"))
+        .settings("log: {level: warn}")
+        .start();
+    let out = Command::new(LOADGEN)
+        .args([
+            "run",
+            "--json",
+            "--duration",
+            "10s",
+            "--warmup",
+            "0s",
+            "--requests",
+            "300",
+        ])
+        .args(["--concurrency", "4", "--connections", "1", "--keys", "50"])
+        .args(["--distribution", "zipf", "--descriptors", "3", "--hits-addend", "2"])
+        .arg("--target")
+        .arg(format!("http://{}", tollgate.grpc_addr))
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("run tollgate-loadgen");
+    assert!(out.status.success(), "loadgen failed: {}", out.status);
+    let stdout = String::from_utf8(out.stdout).expect("utf-8 output");
+    let report: serde_json::Value =
+        serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("not JSON ({e}): {stdout}"));
+    let reported = report["requests"].as_u64().expect("requests");
+    assert!((300..=304).contains(&reported), "{report}");
+    assert_eq!(report["errors"].as_u64(), Some(0), "{report}");
+
+    let m = support::Scrape::from(tollgate.http_addr);
+    let answered = m.counter("tollgate_requests_total", &[("code", "ok")]);
+    let decisions = m.counter("tollgate_decisions_total", &[("domain", "bench"), ("code", "ok")]);
+    let hits = m.counter("tollgate_hits_total", &[("domain", "bench"), ("code", "ok")]);
+    assert!(answered >= reported as f64, "{answered} answered, {reported} reported");
+    assert_eq!(decisions, 3.0 * answered, "three descriptors a request");
+    assert_eq!(hits, 2.0 * decisions, "hits_addend 2 on each");
+}
+
+/// `--requests 0` would end the window before it began (a 1 µs window, a CPU utilisation in the
+/// millions): refused before any connection is made, naming the flag.
+#[test]
+fn loadgen_refuses_zero_requests() {
+    let out = Command::new(LOADGEN)
+        .args(["run", "--requests", "0", "--target", "http://127.0.0.1:9"])
+        .output()
+        .expect("run tollgate-loadgen");
+    assert!(!out.status.success(), "accepted --requests 0");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--requests must be at least 1"), "{stderr}");
+}

@@ -103,7 +103,9 @@ struct RunArgs {
     #[arg(long, default_value_t = 1)]
     descriptors: usize,
     /// End the measured window after this many requests were sent in it (or after
-    /// `--duration`, whichever comes first): to touch every key of a `sequential` run once.
+    /// `--duration`, whichever comes first), at the last answer: to touch every key of a
+    /// `sequential` run once (with `--descriptors d`, every `d` keys). Calls already in flight
+    /// when the window opens are counted too: up to `--concurrency` more.
     #[arg(long)]
     requests: Option<u64>,
     /// Seed of the random draws (each loop adds its index), so runs can be repeated.
@@ -154,7 +156,12 @@ enum KeyDraw {
 impl KeyDraw {
     fn new(args: &RunArgs, counter: &Arc<AtomicUsize>, loop_index: usize) -> Result<KeyDraw, String> {
         use rand::SeedableRng;
-        let rng = || rand::rngs::SmallRng::seed_from_u64(args.seed.wrapping_add(loop_index as u64));
+        // Loops of one run differ, and so do runs whose seeds differ by one (bench-keys).
+        let seed = args
+            .seed
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            .wrapping_add(loop_index as u64);
+        let rng = || rand::rngs::SmallRng::seed_from_u64(seed);
         Ok(match args.distribution {
             Distribution::Sequential => KeyDraw::Sequential(counter.clone()),
             Distribution::Uniform => KeyDraw::Uniform(rng()),
@@ -360,6 +367,10 @@ impl Shape {
 struct Budget {
     sent: AtomicU64,
     limit: u64,
+    /// When the latest call answered in the window was answered, in µs since `base`: where a
+    /// `--requests` window ends.
+    base: Instant,
+    last_done_us: AtomicU64,
 }
 
 async fn request_loop(
@@ -383,6 +394,8 @@ async fn request_loop(
         if phase.load(Ordering::Relaxed) != MEASURE {
             continue;
         }
+        let done = u64::try_from(budget.base.elapsed().as_micros()).unwrap_or(u64::MAX);
+        budget.last_done_us.fetch_max(done, Ordering::Relaxed);
         match result {
             Ok(resp) => {
                 let us = u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX).max(1);
@@ -514,6 +527,9 @@ async fn run(args: RunArgs) -> Result<(), BoxError> {
     if args.duration.is_zero() {
         return Err("--duration must be longer than zero".into());
     }
+    if args.requests == Some(0) {
+        return Err("--requests must be at least 1".into());
+    }
     let clk_tck = clock_ticks();
     let mut channels = Vec::with_capacity(args.connections);
     for _ in 0..args.connections {
@@ -522,6 +538,8 @@ async fn run(args: RunArgs) -> Result<(), BoxError> {
     let budget = Arc::new(Budget {
         sent: AtomicU64::new(0),
         limit: args.requests.unwrap_or(u64::MAX),
+        base: Instant::now(),
+        last_done_us: AtomicU64::new(0),
     });
     let shape = Arc::new(Shape {
         domain: args.domain.clone(),
@@ -555,7 +573,14 @@ async fn run(args: RunArgs) -> Result<(), BoxError> {
         tokio::time::sleep_until(ends.min(tokio::time::Instant::now() + Duration::from_millis(5))).await;
     }
     phase.store(STOP, Ordering::Relaxed);
-    let window = started.elapsed();
+    let mut window = started.elapsed();
+    if loops.iter().all(|l| l.is_finished()) {
+        // Every loop stopped at --requests: the window ends at the last answer, not at the
+        // poll that noticed (up to 5 ms later).
+        let measure_from = started.duration_since(budget.base);
+        let last = Duration::from_micros(budget.last_done_us.load(Ordering::Relaxed));
+        window = last.saturating_sub(measure_from).max(Duration::from_micros(1));
+    }
     let cpu_after = read_cpu(&args.server_pids, &args.server_trees)?;
 
     let mut stats = LoopStats::new();
@@ -597,6 +622,8 @@ impl Report {
 
         let errors = stats.error_count();
         let requests = stats.ok + stats.over_limit + stats.unknown_code + errors;
+        // Throughput and CPU per request count every completed call, errors included: a
+        // server's UNAVAILABLE or timeout is work it did (the errors are reported beside them).
         let secs = window.as_secs_f64();
         let throughput = requests as f64 / secs;
         let h = &stats.latency_us;
