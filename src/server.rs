@@ -473,16 +473,7 @@ async fn connect_postgres(settings: &Settings) -> anyhow::Result<PostgresStore> 
                 continue;
             }
             // Bounded work per pass: at most 10 statements of `batch` rows.
-            for _ in 0..10 {
-                match sweeper.sweep(batch).await {
-                    Ok(n) if n == u64::from(batch) => continue,
-                    Ok(_) => break,
-                    Err(e) => {
-                        tracing::debug!(error = %e, "Postgres sweep failed; trying again next pass");
-                        break;
-                    }
-                }
-            }
+            sweeper.sweep_pass(batch, 10).await;
         }
     });
     Ok(postgres)

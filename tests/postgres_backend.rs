@@ -115,10 +115,13 @@ async fn requests_over_the_same_buckets_in_opposite_orders_never_deadlock() {
     let Some(db) = support::postgres::TestSchema::new(test).await else {
         return;
     };
-    let store = db.store().await;
+    // Two stores (two pools, as two replicas): the {A, B} requests and the {B, A} ones never
+    // share a batch, so their transactions meet on the rows' locks.
+    let stores = [db.store().await, db.store().await];
+    let store = stores[0].clone();
     let tasks: Vec<_> = (0..200)
         .map(|i| {
-            let store = store.clone();
+            let store = stores[i % 2].clone();
             tokio::spawn(async move {
                 let names = if i % 2 == 0 { ["a", "b"] } else { ["b", "a"] };
                 let buckets = [bucket(names[0], 1_000), bucket(names[1], 1_000)];
@@ -184,6 +187,40 @@ async fn the_sweep_deletes_only_buckets_full_again() {
     tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     assert_eq!(store.sweep(100).await.unwrap(), 1);
     assert_eq!(rows().await, ["slow"]);
+    db.drop().await;
+}
+
+/// A pass deletes at most `statements * batch` rows, oldest first, whatever is due; the next
+/// pass takes the rest.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sweep_pass_is_bounded() {
+    let test = "a_sweep_pass_is_bounded";
+    let Some(db) = support::postgres::TestSchema::new(test).await else {
+        return;
+    };
+    let store = db.store().await;
+    // 1,000 tokens a second: one token short is full again 1 ms later.
+    let fast = |i: usize| BucketRef {
+        key: format!("fast{i:02}"),
+        plan: Plan::Fixed(Limit::new(1_000, Rate::per(1_000, 1_000_000).unwrap())),
+    };
+    for i in 0..25 {
+        store.apply(&[fast(i)], &[take(0)]).await.unwrap();
+    }
+    store.apply(&[bucket("slow", 10)], &[take(0)]).await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    assert_eq!(store.sweep_pass(10, 2).await, 20, "two statements of ten");
+    assert_eq!(
+        store.sweep_pass(10, 2).await,
+        5,
+        "the rest, then a short statement ends the pass"
+    );
+    assert_eq!(store.sweep_pass(10, 2).await, 0);
+    let peeked = store.peek(&[bucket("slow", 10)]).await.unwrap();
+    assert!(
+        peeked.kept[0].tokens_ut < 10 * MICRO,
+        "the bucket short of full stays: {peeked:?}"
+    );
     db.drop().await;
 }
 

@@ -1,21 +1,25 @@
 //! The Postgres store (DESIGN 2): bucket state in one table, shared by every replica, each
-//! request decided in one transaction that locks its buckets' rows.
+//! request decided all or nothing inside a transaction that holds its buckets' rows locked.
 //!
-//! **A request** is one `READ COMMITTED` transaction:
-//! 1. One `INSERT ... ON CONFLICT DO UPDATE ... RETURNING` over its buckets in ascending key
-//!    order takes each bucket's row and its lock in the same step: it inserts the row a first
-//!    touch needs (NULL state, read as full), or waits for whoever holds the existing one and
-//!    locks it (inserting it again if that holder deleted it meanwhile). So no request decides
-//!    on a row another can still change or delete, concurrent first touches serialise, and
-//!    since every request locks in the same order, requests over {A, B} and {B, A} never
-//!    deadlock. (An `ON CONFLICT DO NOTHING` and a separate `SELECT ... FOR UPDATE` would
-//!    leave a window in which a concurrent delete makes the row vanish: a lost write.)
+//! Concurrent requests share that transaction ([`batch`]: a lane per pooled connection takes
+//! every request waiting, up to 64). **A transaction** (`READ COMMITTED`):
+//! 1. One `INSERT ... ON CONFLICT DO UPDATE ... RETURNING` over the buckets of all its requests,
+//!    deduplicated and in ascending key order, takes each bucket's row and its lock in the same
+//!    step: it inserts the row a first touch needs (NULL state, read as full), or waits for
+//!    whoever holds the existing one and locks it (inserting it again if that holder deleted it
+//!    meanwhile). So no request decides on a row another can still change or delete,
+//!    concurrent first touches serialise, and since every transaction locks in the same order,
+//!    requests over {A, B} and {B, A} never deadlock. (An `ON CONFLICT DO NOTHING` and a
+//!    separate `SELECT ... FOR UPDATE` would leave a window in which a concurrent delete makes
+//!    the row vanish: a lost write.)
 //! 2. Reads Postgres's `clock_timestamp()` (after the locks, so a bucket's decisions follow its
-//!    lock order in time), and decides in Rust with the same pure core as the memory store
-//!    ([`crate::bucket::decide`], schedules and quotas through each bucket's
-//!    [`Plan`](crate::schedule::Plan)): the same micro-tokens, bit for bit.
-//! 3. Writes the changed rows (a bucket full again is deleted, as is a row this request created
-//!    and left unchanged) and commits.
+//!    lock order in time), and decides each request in turn in Rust with the same pure core as
+//!    the memory store ([`crate::bucket::decide`], schedules and quotas through each bucket's
+//!    [`Plan`](crate::schedule::Plan)): the same micro-tokens, bit for bit, and what the same
+//!    requests would get one transaction each.
+//! 3. Writes the changed rows (a bucket full again is deleted, as is a row created here and
+//!    left unchanged) in one statement and commits. If PostgreSQL refuses a statement, the
+//!    lane decides the batch's requests one transaction each, so only the one at fault fails.
 //!
 //! Replicas whose clocks disagree still agree on every bucket: all time comes from Postgres.
 //! Rows whose bucket is full again are deleted by [`PostgresStore::sweep`] in bounded passes.
@@ -464,6 +468,30 @@ impl PostgresStore {
     /// Errors: Postgres unreachable or too slow.
     pub async fn sweep(&self, limit: u32) -> Result<u64, StoreError> {
         self.bounded("sweep", self.sweep_inner(limit)).await
+    }
+
+    /// One periodic pass of [`sweep`](Self::sweep): statements of `batch` rows while each
+    /// deletes a full batch, at most `statements` of them, so a pass deletes at most
+    /// `statements * batch` rows however many are due (the rest wait for the next pass).
+    /// Returns how many it deleted; a failed statement ends the pass (logged at debug level:
+    /// readiness reports an outage).
+    pub async fn sweep_pass(&self, batch: u32, statements: u32) -> u64 {
+        let mut deleted = 0;
+        for _ in 0..statements {
+            match self.sweep(batch).await {
+                Ok(n) => {
+                    deleted += n;
+                    if n < u64::from(batch) {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "Postgres sweep failed; trying again next pass");
+                    break;
+                }
+            }
+        }
+        deleted
     }
 
     async fn sweep_inner(&self, limit: u32) -> Result<u64, StoreError> {
