@@ -26,13 +26,24 @@ use tempfile::TempDir;
 /// How long a child process may take to become ready.
 pub const STARTUP_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// A loopback port that was free a moment ago. Another process can take it before it is used:
-/// callers that hand it to a child retry with a new one when the child cannot bind.
+/// A loopback port that was free a moment ago, and never handed out before by this test
+/// process. Another process can take it before it is used: callers that hand it to a child
+/// retry with a new one when the child cannot bind. (The kernel may give the same ephemeral
+/// port to two binds in a row: a test once reserved a port for a Redis it started later, and
+/// the tollgate it started meanwhile got the same number for its admin listener.)
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("bind an ephemeral loopback port")
-        .port()
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    loop {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("bind an ephemeral loopback port")
+            .port();
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
 }
 
 /// `text` as a YAML scalar: a JSON string is valid YAML and quotes everything that needs it.
