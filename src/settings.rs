@@ -53,8 +53,8 @@ pub struct Settings {
 #[serde(rename_all = "snake_case")]
 pub enum RuntimeFlavor {
     /// `current_thread` when the process may use only one CPU (a CPU set of one, or a cgroup
-    /// quota of one CPU or less: `std::thread::available_parallelism` is 1), else
-    /// `multi_thread`.
+    /// quota under two CPUs: `std::thread::available_parallelism`, which rounds a quota down,
+    /// is 1), else `multi_thread`.
     #[default]
     Auto,
     /// Everything on one thread: with one CPU, about a quarter less CPU per request than a
@@ -224,7 +224,7 @@ impl Default for RedisSettings {
 }
 
 /// The Postgres backend (DESIGN 2): where PostgreSQL is, how to use it, and what to answer
-/// when it cannot be reached. See `src/store/postgres.rs`.
+/// when it cannot be reached. See `src/store/postgres/`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PostgresSettings {
