@@ -122,3 +122,66 @@ fn loadgen_refuses_zero_requests() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("--requests must be at least 1"), "{stderr}");
 }
+
+/// A duration without its unit, a target without its scheme, a target nobody listens on:
+/// refused, saying what is wrong.
+#[test]
+fn loadgen_refuses_a_bare_duration_and_a_target_without_scheme() {
+    let refused = |args: &[&str], expected: &str| {
+        let out = Command::new(LOADGEN)
+            .arg("run")
+            .args(args)
+            .output()
+            .expect("run tollgate-loadgen");
+        assert!(!out.status.success(), "accepted {args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+    };
+    refused(
+        &["--duration", "500", "--target", "http://127.0.0.1:9"],
+        "say `500s` or `500ms`",
+    );
+    refused(
+        &["--duration", "1s", "--target", "127.0.0.1:9"],
+        "like http://127.0.0.1:8081",
+    );
+    // Nobody listens on port 1: the cause is named, not only tonic's "transport error" (after
+    // the five seconds the load generator gives a server to start).
+    refused(
+        &["--duration", "1s", "--target", "http://127.0.0.1:1"],
+        "Connection refused",
+    );
+}
+
+/// Aimed at a server that answers every call with an error (tollgate's HTTP port, which speaks
+/// HTTP/2 but is no RateLimitService): the report is printed, and the exit status says that
+/// nothing was measured.
+#[test]
+fn loadgen_fails_when_no_call_is_answered() {
+    let tollgate = Tollgate::builder()
+        .rules_path(Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/rules/bench.yaml"))
+        .settings("log: {level: warn}")
+        .start();
+    let out = Command::new(LOADGEN)
+        .args([
+            "run",
+            "--json",
+            "--duration",
+            "1s",
+            "--warmup",
+            "0s",
+            "--concurrency",
+            "2",
+        ])
+        .arg("--target")
+        .arg(format!("http://{}", tollgate.http_addr))
+        .output()
+        .expect("run tollgate-loadgen");
+    assert!(!out.status.success(), "exit 0 with no call answered");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("no call was answered"), "{stderr}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let report: serde_json::Value =
+        serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("not JSON ({e}): {stdout}"));
+    assert!(report["errors"].as_u64().unwrap_or(0) > 0, "{report}");
+}

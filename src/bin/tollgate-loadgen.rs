@@ -184,7 +184,8 @@ impl KeyDraw {
     }
 }
 
-/// Parses `<number><unit>` with unit `ms`, `s` or `m`; the number may have a fraction.
+/// Parses `<number><unit>` with unit `ms`, `s` or `m`; the number may have a fraction. The unit
+/// is required: a bare `500` could mean seconds or milliseconds.
 fn parse_duration(text: &str) -> Result<Duration, String> {
     let text = text.trim();
     let split = text
@@ -196,7 +197,12 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
         .map_err(|_| format!("bad duration `{text}`: expected a number and a unit (ms, s, m), like 10s"))?;
     let secs = match unit {
         "ms" => number / 1000.0,
-        "s" | "" => number,
+        "" => {
+            return Err(format!(
+                "bad duration `{text}`: no unit; say `{text}s` or `{text}ms` (ms, s, m)"
+            ))
+        }
+        "s" => number,
         "m" => number * 60.0,
         _ => return Err(format!("bad duration `{text}`: unknown unit `{unit}` (ms, s, m)")),
     };
@@ -268,6 +274,8 @@ async fn noop(listen: SocketAddr) -> Result<(), BoxError> {
     let listener = TcpListener::bind(listen)
         .await
         .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
+    let bound = listener.local_addr().unwrap_or(listen);
+    eprintln!("tollgate-loadgen noop: listening on {bound} (gRPC)");
     tollgate::server::serve_rate_limit_service(listener, Noop, tollgate::server::shutdown_signal()).await?;
     Ok(())
 }
@@ -320,6 +328,9 @@ impl LoopStats {
 }
 
 async fn connect(target: &str) -> Result<Channel, BoxError> {
+    if !(target.starts_with("http://") || target.starts_with("https://")) {
+        return Err(format!("bad target `{target}`: a URL, like http://127.0.0.1:8081").into());
+    }
     let endpoint = Endpoint::from_shared(target.to_owned())
         .map_err(|e| format!("bad target `{target}`: {e}"))?
         .tcp_nodelay(true)
@@ -329,7 +340,23 @@ async fn connect(target: &str) -> Result<Channel, BoxError> {
     loop {
         match endpoint.connect().await {
             Ok(ch) => return Ok(ch),
-            Err(e) if Instant::now() >= deadline => return Err(format!("cannot connect to {target}: {e}").into()),
+            Err(e) if Instant::now() >= deadline => {
+                // tonic's own text is only "transport error": the cause is in the chain.
+                let mut why = e.to_string();
+                let mut last = why.clone();
+                let mut source = std::error::Error::source(&e);
+                while let Some(cause) = source {
+                    // Layers that only wrap repeat their inner text.
+                    let text = cause.to_string();
+                    if text != last {
+                        why.push_str(": ");
+                        why.push_str(&text);
+                        last = text;
+                    }
+                    source = cause.source();
+                }
+                return Err(format!("cannot connect to {target}: {why}").into());
+            }
             Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
         }
     }
@@ -599,6 +626,14 @@ async fn run(args: RunArgs) -> Result<(), BoxError> {
         println!("{}", report.json);
     } else {
         print!("{}", report.human);
+    }
+    // A run with no answer measured nothing: say so in the exit status too.
+    if stats.ok + stats.over_limit + stats.unknown_code == 0 {
+        let first = stats
+            .first_error
+            .as_deref()
+            .unwrap_or("no call completed in the window");
+        return Err(format!("no call was answered (first error: {first})").into());
     }
     Ok(())
 }
