@@ -119,6 +119,22 @@ fn row_state(key: &[u8], tokens: Option<i64>, updated: Option<i64>) -> Result<Op
     }
 }
 
+/// Why `postgres.url` does not parse, in one clause: sqlx nests "error with configuration: "
+/// prefixes, and says "invalid port number" for a password with an unencoded '/' or '@' (then
+/// the hint).
+fn url_problem(e: &sqlx::Error) -> String {
+    let mut why = e.to_string();
+    while let Some(rest) = why.strip_prefix("error with configuration: ") {
+        why = rest.to_owned();
+    }
+    let hint = if why.contains("port") {
+        " (in a URL, a password's special characters must be percent-encoded; or set postgres.password)"
+    } else {
+        ""
+    };
+    format!("postgres.url is not valid: {why}{hint}")
+}
+
 /// An i64 column for a u64 of micro-tokens or microseconds (all below 2^63; the far future
 /// saturates).
 fn column(n: u64) -> i64 {
@@ -137,12 +153,7 @@ impl PostgresStore {
             reason,
         };
         settings.validate().map_err(fail)?;
-        let options: PgConnectOptions = settings.url.parse().map_err(|e: sqlx::Error| {
-            // sqlx says "invalid port number" for a password with an unencoded '/' or '@'.
-            fail(format!(
-                "{e} (in a URL, a password's special characters must be percent-encoded; or set postgres.password)"
-            ))
-        })?;
+        let options: PgConnectOptions = settings.url.parse().map_err(|e: sqlx::Error| fail(url_problem(&e)))?;
         let options = match &settings.password {
             Some(password) => options.password(password),
             None => options,
@@ -665,6 +676,24 @@ impl Store for PostgresStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_url_that_does_not_parse_is_named_once_with_the_right_hint() {
+        let problem = |url: &str| {
+            let settings = PostgresSettings {
+                url: url.into(),
+                ..PostgresSettings::default()
+            };
+            PostgresStore::new(&settings).err().expect("refused").to_string()
+        };
+        let e = problem("postgres://postgres@127.0.0.1:5432/postgres?sslmode=bogus");
+        assert!(e.contains("postgres.url is not valid: unknown value \"bogus\""), "{e}");
+        assert!(!e.contains("error with configuration"), "{e}");
+        assert!(!e.contains("percent-encoded"), "{e}");
+        let e = problem("postgres://u:pa/ss@127.0.0.1:5432/postgres");
+        assert!(e.contains("percent-encoded"), "{e}");
+        assert!(!e.contains("pa/ss"), "the password is not shown: {e}");
+    }
 
     #[test]
     fn settings_are_checked() {
