@@ -127,7 +127,7 @@ fn url_problem(e: &sqlx::Error) -> String {
     while let Some(rest) = why.strip_prefix("error with configuration: ") {
         why = rest.to_owned();
     }
-    let hint = if why.contains("port") {
+    let hint = if why.contains("invalid port") {
         " (in a URL, a password's special characters must be percent-encoded; or set postgres.password)"
     } else {
         ""
