@@ -1,32 +1,67 @@
-//! Smoke test for `tollgate-loadgen`: a one-second `run` against its own `noop` server and
-//! against `tollgate serve` with the benchmark rules.
+//! Smoke tests for `tollgate-loadgen`: short `run`s against its own `noop` server and against
+//! `tollgate serve` with the benchmark rules, the flags reaching the wire, and bad arguments.
 
 mod support;
 
 use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use support::{free_port, wait_until, ChildGuard, Tollgate};
 
 const LOADGEN: &str = env!("CARGO_BIN_EXE_tollgate-loadgen");
 
-fn run_loadgen(grpc: SocketAddr, server_pid: u32) -> serde_json::Value {
-    let out = Command::new(LOADGEN)
-        .args(["run", "--json", "--duration", "1s", "--warmup", "0s"])
-        .args(["--concurrency", "8", "--connections", "2", "--keys", "100"])
-        .args(["--domain", "bench", "--key", "k"])
+/// `tollgate serve` on `benches/rules/bench.yaml` (domain `bench`, key `k`, a bucket every
+/// request fits in).
+fn bench_tollgate() -> Tollgate {
+    Tollgate::builder()
+        .rules_path(Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/rules/bench.yaml"))
+        .settings("log: {level: warn}")
+        .start()
+}
+
+/// `tollgate-loadgen run --json --warmup 0s ARGS --target http://TARGET`, its stderr passed on.
+fn loadgen_run(args: &[&str], target: SocketAddr) -> Output {
+    Command::new(LOADGEN)
+        .args(["run", "--json", "--warmup", "0s"])
+        .args(args)
         .arg("--target")
-        .arg(format!("http://{grpc}"))
-        .arg("--server-pid")
-        .arg(server_pid.to_string())
+        .arg(format!("http://{target}"))
         .stderr(Stdio::inherit())
         .output()
-        .expect("run tollgate-loadgen");
-    assert!(out.status.success(), "loadgen failed: {}", out.status);
-    let stdout = String::from_utf8(out.stdout).expect("utf-8 output");
+        .expect("run tollgate-loadgen")
+}
+
+/// The JSON report a run printed.
+fn report_of(out: &Output) -> serde_json::Value {
+    let stdout = String::from_utf8_lossy(&out.stdout);
     serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("not JSON ({e}): {stdout}"))
+}
+
+fn run_loadgen(grpc: SocketAddr, server_pid: u32) -> serde_json::Value {
+    let pid = server_pid.to_string();
+    let out = loadgen_run(
+        &[
+            "--duration",
+            "1s",
+            "--concurrency",
+            "8",
+            "--connections",
+            "2",
+            "--keys",
+            "100",
+            "--domain",
+            "bench",
+            "--key",
+            "k",
+            "--server-pid",
+            &pid,
+        ],
+        grpc,
+    );
+    assert!(out.status.success(), "loadgen failed: {}", out.status);
+    report_of(&out)
 }
 
 fn check_report(report: &serde_json::Value) {
@@ -57,10 +92,7 @@ fn loadgen_against_noop() {
 
 #[test]
 fn loadgen_against_tollgate() {
-    let tollgate = Tollgate::builder()
-        .rules_path(Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/rules/bench.yaml"))
-        .settings("log: {level: warn}")
-        .start();
+    let tollgate = bench_tollgate();
     let report = run_loadgen(tollgate.grpc_addr, tollgate.process.id());
     check_report(&report);
     assert!(report["ok"].as_u64().unwrap_or(0) > 0, "{report}");
@@ -71,32 +103,30 @@ fn loadgen_against_tollgate() {
 /// so the flags reach the wire as stated.
 #[test]
 fn loadgen_zipf_descriptors_and_hits_addend_reach_tollgate() {
-    let tollgate = Tollgate::builder()
-        .rules_path(Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/rules/bench.yaml"))
-        .settings("log: {level: warn}")
-        .start();
-    let out = Command::new(LOADGEN)
-        .args([
-            "run",
-            "--json",
+    let tollgate = bench_tollgate();
+    let out = loadgen_run(
+        &[
             "--duration",
             "10s",
-            "--warmup",
-            "0s",
             "--requests",
             "300",
-        ])
-        .args(["--concurrency", "4", "--connections", "1", "--keys", "50"])
-        .args(["--distribution", "zipf", "--descriptors", "3", "--hits-addend", "2"])
-        .arg("--target")
-        .arg(format!("http://{}", tollgate.grpc_addr))
-        .stderr(Stdio::inherit())
-        .output()
-        .expect("run tollgate-loadgen");
+            "--concurrency",
+            "4",
+            "--connections",
+            "1",
+            "--keys",
+            "50",
+            "--distribution",
+            "zipf",
+            "--descriptors",
+            "3",
+            "--hits-addend",
+            "2",
+        ],
+        tollgate.grpc_addr,
+    );
     assert!(out.status.success(), "loadgen failed: {}", out.status);
-    let stdout = String::from_utf8(out.stdout).expect("utf-8 output");
-    let report: serde_json::Value =
-        serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("not JSON ({e}): {stdout}"));
+    let report = report_of(&out);
     let reported = report["requests"].as_u64().expect("requests");
     assert!((300..=304).contains(&reported), "{report}");
     assert_eq!(report["errors"].as_u64(), Some(0), "{report}");
@@ -110,23 +140,11 @@ fn loadgen_zipf_descriptors_and_hits_addend_reach_tollgate() {
     assert_eq!(hits, 2.0 * decisions, "hits_addend 2 on each");
 }
 
-/// `--requests 0` would end the window before it began (a 1 µs window, a CPU utilisation in the
-/// millions): refused before any connection is made, naming the flag.
+/// Bad arguments are refused, saying what is wrong: `--requests 0` (it would end the window
+/// before it began: a 1 µs window, a CPU utilisation in the millions), a duration without its
+/// unit, a target without its scheme or with TLS, a target nobody listens on.
 #[test]
-fn loadgen_refuses_zero_requests() {
-    let out = Command::new(LOADGEN)
-        .args(["run", "--requests", "0", "--target", "http://127.0.0.1:9"])
-        .output()
-        .expect("run tollgate-loadgen");
-    assert!(!out.status.success(), "accepted --requests 0");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("--requests must be at least 1"), "{stderr}");
-}
-
-/// A duration without its unit, a target without its scheme, a target nobody listens on:
-/// refused, saying what is wrong.
-#[test]
-fn loadgen_refuses_a_bare_duration_and_a_target_without_scheme() {
+fn loadgen_refuses_bad_arguments() {
     let refused = |args: &[&str], expected: &str| {
         let out = Command::new(LOADGEN)
             .arg("run")
@@ -137,14 +155,14 @@ fn loadgen_refuses_a_bare_duration_and_a_target_without_scheme() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(stderr.contains(expected), "{args:?}: {stderr}");
     };
+    let nobody = "http://127.0.0.1:9";
     refused(
-        &["--duration", "500", "--target", "http://127.0.0.1:9"],
-        "say `500s` or `500ms`",
+        &["--requests", "0", "--target", nobody],
+        "--requests must be at least 1",
     );
-    refused(
-        &["--duration", "1s", "--target", "127.0.0.1:9"],
-        "like http://127.0.0.1:8081",
-    );
+    refused(&["--duration", "500", "--target", nobody], "say `500s` or `500ms`");
+    refused(&["--target", "127.0.0.1:9"], "like http://127.0.0.1:8081");
+    refused(&["--target", "https://127.0.0.1:9"], "an http:// URL");
     // Nobody listens on port 1: the cause is named, not only tonic's "transport error" (after
     // the five seconds the load generator gives a server to start).
     refused(
@@ -158,30 +176,10 @@ fn loadgen_refuses_a_bare_duration_and_a_target_without_scheme() {
 /// nothing was measured.
 #[test]
 fn loadgen_fails_when_no_call_is_answered() {
-    let tollgate = Tollgate::builder()
-        .rules_path(Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/rules/bench.yaml"))
-        .settings("log: {level: warn}")
-        .start();
-    let out = Command::new(LOADGEN)
-        .args([
-            "run",
-            "--json",
-            "--duration",
-            "1s",
-            "--warmup",
-            "0s",
-            "--concurrency",
-            "2",
-        ])
-        .arg("--target")
-        .arg(format!("http://{}", tollgate.http_addr))
-        .output()
-        .expect("run tollgate-loadgen");
+    let tollgate = bench_tollgate();
+    let out = loadgen_run(&["--duration", "1s", "--concurrency", "2"], tollgate.http_addr);
     assert!(!out.status.success(), "exit 0 with no call answered");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("no call was answered"), "{stderr}");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let report: serde_json::Value =
-        serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("not JSON ({e}): {stdout}"));
+    let report = report_of(&out);
     assert!(report["errors"].as_u64().unwrap_or(0) > 0, "{report}");
+    assert_eq!(report["ok"].as_u64(), Some(0), "{report}");
 }

@@ -693,15 +693,7 @@ async fn server_invalid_edit_keeps_the_previous_limits_and_is_counted_once() {
     let file = tollgate.dir.path().join("rules/rules.yaml");
     write_atomically(&file, INVALID);
 
-    let deadline = Instant::now() + WITHIN;
-    while reloads(&tollgate, "failure") < 1.0 {
-        assert!(
-            Instant::now() < deadline,
-            "no failed reload counted\n{}",
-            tollgate.process.log_tail(40)
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    await_failed_reload(&tollgate).await;
     assert_eq!(
         capacity_of(&ask(&mut client, "tenant", &fresh("t")).await),
         1,
@@ -749,15 +741,7 @@ async fn server_reverting_an_invalid_edit_clears_the_failure_and_the_alert() {
     let tollgate = start("reload: {watch: true, debounce_ms: 100, poll_seconds: 1}", &rules(1));
     let file = tollgate.dir.path().join("rules/rules.yaml");
     write_atomically(&file, INVALID);
-    let deadline = Instant::now() + WITHIN;
-    while reloads(&tollgate, "failure") < 1.0 {
-        assert!(
-            Instant::now() < deadline,
-            "no failed reload counted\n{}",
-            tollgate.process.log_tail(40)
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    await_failed_reload(&tollgate).await;
     let metrics = Scrape::from(tollgate.http_addr);
     assert_eq!(metrics.get("tollgate_rules_last_reload_successful", &[]), Some(0.0));
 
@@ -779,6 +763,19 @@ async fn server_reverting_an_invalid_edit_clears_the_failure_and_the_alert() {
         "nothing was loaded"
     );
     assert_eq!(generation(&tollgate), 1);
+}
+
+/// Waits (up to [`WITHIN`]) until the server has counted a failed reload.
+async fn await_failed_reload(tollgate: &Tollgate) {
+    let deadline = Instant::now() + WITHIN;
+    while reloads(tollgate, "failure") < 1.0 {
+        assert!(
+            Instant::now() < deadline,
+            "no failed reload counted\n{}",
+            tollgate.process.log_tail(40)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// `GET /config` as JSON.
