@@ -23,3 +23,20 @@ pub mod service;
 pub mod settings;
 pub mod store;
 pub mod wire;
+
+/// An error and its sources, `: `-separated, each said once (a layer that only wraps another
+/// repeats its text): `transport error: tcp connect error: Connection refused (os error 111)`
+/// where the error itself says only `transport error`. For messages to a person (the CLI, the
+/// load generator).
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut next = Some(e);
+    while let Some(e) = next {
+        let text = e.to_string();
+        if !parts.iter().any(|p| p.contains(&text)) {
+            parts.push(text);
+        }
+        next = e.source();
+    }
+    parts.join(": ")
+}

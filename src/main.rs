@@ -275,7 +275,7 @@ async fn admin_call(url: &str, request: &BucketRequest, token: Option<&str>) -> 
         .connect_timeout(Duration::from_secs(5))
         .timeout(Duration::from_secs(30))
         .build()
-        .map_err(|e| format!("cannot make an HTTP client: {}", error_chain(&e)))?;
+        .map_err(|e| format!("cannot make an HTTP client: {}", tollgate::error_chain(&e)))?;
     let body = serde_json::to_vec(request).map_err(|e| e.to_string())?;
     let mut call = client
         .post(url)
@@ -300,7 +300,7 @@ async fn admin_call(url: &str, request: &BucketRequest, token: Option<&str>) -> 
     let text = response
         .text()
         .await
-        .map_err(|e| format!("reading the answer from {url}: {}", error_chain(&e)))?;
+        .map_err(|e| format!("reading the answer from {url}: {}", tollgate::error_chain(&e)))?;
     if !status.is_success() {
         let message = serde_json::from_str::<ErrorResponse>(&text)
             .map(|e| e.error)
@@ -319,20 +319,6 @@ async fn admin_call(url: &str, request: &BucketRequest, token: Option<&str>) -> 
         None => serde_json::to_string_pretty(&json),
     };
     pretty.map_err(|e| e.to_string())
-}
-
-/// An error and its sources, `: `-separated, each said once.
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut parts: Vec<String> = Vec::new();
-    let mut next = Some(e);
-    while let Some(e) = next {
-        let text = e.to_string();
-        if !parts.iter().any(|p| p.contains(&text)) {
-            parts.push(text);
-        }
-        next = e.source();
-    }
-    parts.join(": ")
 }
 
 /// The innermost source of an error, such as `Connection refused (os error 111)`.

@@ -19,7 +19,7 @@
 //!   [`crate::config::rule_files`]), only the top-level links into them.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use notify::event::{AccessKind, AccessMode};
@@ -143,11 +143,11 @@ impl<S: Store> Reloader<S> {
 
     /// The state of reloading, for `/config`: `{"generation": n, "last_reload_failed": bool,
     /// "last_failure": null | {"at_unix_seconds": s, "problems": ["<file>: <rule>: <reason>",
-    /// ...]}}`. A failure stays shown until a reload succeeds or the files are back to the rules in
-    /// force.
+    /// ...]}}`. A failure stays shown until a reload succeeds or the files are back to the
+    /// rules in force.
     pub fn status_json(&self) -> serde_json::Value {
-        let failure = self.failure.lock().unwrap_or_else(PoisonError::into_inner);
-        let failure = failure
+        let failure = self
+            .failure()
             .as_ref()
             .map(|(at, problems)| serde_json::json!({ "at_unix_seconds": at, "problems": problems }));
         serde_json::json!({
@@ -155,6 +155,11 @@ impl<S: Store> Reloader<S> {
             "last_reload_failed": failure.is_some(),
             "last_failure": failure,
         })
+    }
+
+    /// Why the latest attempt failed, if it did (see the field).
+    fn failure(&self) -> MutexGuard<'_, Option<(u64, Vec<String>)>> {
+        self.failure.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The generation of the rules in force (1: the rules read at start).
@@ -186,13 +191,7 @@ impl<S: Store> Reloader<S> {
                 tracing::info!(path = %self.path.display(), "rules files are back to the rules in force");
             }
             last.attempted = print;
-            if self
-                .failure
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .take()
-                .is_some()
-            {
+            if self.failure().take().is_some() {
                 metrics::reload_failure_cleared();
             }
             return ReloadOutcome::Unchanged;
@@ -225,7 +224,7 @@ impl<S: Store> Reloader<S> {
                     .collect::<Vec<_>>()
                     .join(", ");
                 // Cleared first: `/config` never shows the new generation with the old failure.
-                *self.failure.lock().unwrap_or_else(PoisonError::into_inner) = None;
+                *self.failure() = None;
                 self.limiter.swap_rules(rules);
                 last.in_force = print;
                 metrics::rules_loaded(generation, true, false);
@@ -257,8 +256,7 @@ impl<S: Store> Reloader<S> {
                 let at = std::time::SystemTime::now()
                     .duration_since(std::time::UNIX_EPOCH)
                     .map_or(0, |d| d.as_secs());
-                *self.failure.lock().unwrap_or_else(PoisonError::into_inner) =
-                    Some((at, errors.0.iter().map(ToString::to_string).collect()));
+                *self.failure() = Some((at, errors.0.iter().map(ToString::to_string).collect()));
                 ReloadOutcome::Failed(errors)
             }
         }

@@ -343,20 +343,7 @@ async fn connect(target: &str) -> Result<Channel, BoxError> {
             Ok(ch) => return Ok(ch),
             Err(e) if Instant::now() >= deadline => {
                 // tonic's own text is only "transport error": the cause is in the chain.
-                let mut why = e.to_string();
-                let mut last = why.clone();
-                let mut source = std::error::Error::source(&e);
-                while let Some(cause) = source {
-                    // Layers that only wrap repeat their inner text.
-                    let text = cause.to_string();
-                    if text != last {
-                        why.push_str(": ");
-                        why.push_str(&text);
-                        last = text;
-                    }
-                    source = cause.source();
-                }
-                return Err(format!("cannot connect to {target}: {why}").into());
+                return Err(format!("cannot connect to {target}: {}", tollgate::error_chain(&e)).into());
             }
             Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
         }

@@ -197,9 +197,9 @@ impl MemoryStore {
     /// can), so a sweep of a million buckets makes no request wait for the whole of a shard.
     /// Giving memory back moves a shard's remaining buckets (at most a quarter of its room)
     /// under its lock: with the default 64 shards and a million buckets, a few thousand. A
-    /// bucket written before the rules were replaced is dropped only if it was full by the replacement; otherwise it
-    /// stays until it is decided on again (or evicted), since only the rules can tell whether
-    /// it is full under the new ones. Returns how many it dropped.
+    /// bucket written before the rules were replaced is dropped only if it was full by the
+    /// replacement; otherwise it stays until it is decided on again (or evicted), since only
+    /// the rules can tell whether it is full under the new ones. Returns how many it dropped.
     pub fn sweep(&self) -> usize {
         let mut dropped = 0;
         for shard in &self.inner.shards {
