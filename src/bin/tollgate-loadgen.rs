@@ -79,7 +79,9 @@ struct RunArgs {
     /// Length of the measured window (`10s`, `500ms`, `1m`).
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     duration: Duration,
-    /// Load before the measured window, not counted (`0s` for none).
+    /// Load before the measured window, not counted. `0s`: no warmup, and the window opens
+    /// before the first request is sent, so every call answered in it is counted (as an
+    /// exactness check needs).
     #[arg(long, default_value = "2s", value_parser = parse_duration)]
     warmup: Duration,
     /// The request domain.
@@ -567,7 +569,16 @@ async fn run(args: RunArgs) -> Result<(), BoxError> {
     let draws = (0..args.concurrency)
         .map(|i| KeyDraw::new(&args, &next, i))
         .collect::<Result<Vec<_>, _>>()?;
-    let phase = Arc::new(AtomicU8::new(WARMUP));
+    // Without a warmup the window opens before the first request is sent: a call answered
+    // while the phase still said WARMUP would be served and never counted (an exactness check
+    // then sees 999 of 1,000 admissions).
+    let unwarmed_cpu = if args.warmup.is_zero() {
+        Some(read_cpu(&args.server_pids, &args.server_trees)?)
+    } else {
+        None
+    };
+    let phase = Arc::new(AtomicU8::new(if unwarmed_cpu.is_some() { MEASURE } else { WARMUP }));
+    let mut started = Instant::now();
     let loops: Vec<_> = draws
         .into_iter()
         .enumerate()
@@ -577,10 +588,16 @@ async fn run(args: RunArgs) -> Result<(), BoxError> {
         })
         .collect();
 
-    tokio::time::sleep(args.warmup).await;
-    let cpu_before = read_cpu(&args.server_pids, &args.server_trees)?;
-    let started = Instant::now();
-    phase.store(MEASURE, Ordering::Relaxed);
+    let cpu_before = match unwarmed_cpu {
+        Some(cpu) => cpu,
+        None => {
+            tokio::time::sleep(args.warmup).await;
+            let cpu = read_cpu(&args.server_pids, &args.server_trees)?;
+            started = Instant::now();
+            phase.store(MEASURE, Ordering::Relaxed);
+            cpu
+        }
+    };
     let ends = tokio::time::Instant::now() + args.duration;
     // With --requests, also end once that many were sent (and have had time to be answered:
     // the loops stop by themselves, the window closes when they are done or time is up).
