@@ -424,7 +424,9 @@ async fn not_ready_at_start_until_postgres_comes() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     eprintln!("not_ready: ready {ready_in:?} after Postgres started");
-    assert!(tollgate.process.log().contains("connected to Postgres"));
+    let log = tollgate.process.log();
+    assert!(log.contains("connected to Postgres"), "{log}");
+    assert!(!log.contains("panicked"), "tollgate panicked:\n{log}");
     assert_eq!(exhaust(&mut c, "late").await, real_decisions());
     assert_eq!(block_in_place(|| rows_for(&postgres, "late")), 1);
 }
