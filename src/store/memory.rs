@@ -18,9 +18,8 @@
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
-
-use parking_lot::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use indexmap::IndexMap;
@@ -195,8 +194,9 @@ impl MemoryStore {
 
     /// Drops every bucket that is full by now, and gives back a shard's memory once it holds
     /// far fewer buckets than it has room for. Locks one shard at a time, and holds it for at
-    /// most [`SWEEP_CHUNK`] entries before handing it to a request waiting for it (a fair
-    /// unlock), so a sweep of a million buckets makes no request wait for the whole of a shard.
+    /// most [`SWEEP_CHUNK`] entries before letting requests in (staying off it for
+    /// [`SWEEP_PAUSE`], so they can), so a sweep of a million buckets makes no request wait for
+    /// the whole of a shard.
     /// Giving memory back moves a shard's remaining buckets (at most a quarter of its room)
     /// under its lock: with the default 64 shards and a million buckets, a few thousand. A
     /// bucket written before the rules were replaced is dropped only if it was full by the
@@ -223,10 +223,14 @@ impl MemoryStore {
                         dropped += 1;
                     }
                 }
-                // Handed straight to a request waiting for the shard, if any: with a plain
-                // unlock the sweep takes the lock again before a woken request can (on a quiet
-                // machine a request then waited 100 ms of a 250 ms sweep).
-                MutexGuard::unlock_fair(map);
+                drop(map);
+                // std's Mutex is not fair: a yield, or nothing, and the sweep takes the lock
+                // again before a request woken by the unlock can (a request then waited 100 ms
+                // of a 250 ms sweep). Off the CPU for a moment, it cannot; at about 60 µs a
+                // chunk, a million buckets' sweep takes a quarter of a second longer, on its
+                // own thread. (parking_lot's fair unlock does the same, but its lock cost the
+                // decisions 5-30% in `memory_store/*`.)
+                std::thread::sleep(SWEEP_PAUSE);
             }
             // Checked for every shard, also one emptied by requests or a reset since the last
             // sweep.
@@ -410,6 +414,10 @@ impl Locked<'_> {
 /// How many entries [`MemoryStore::sweep`] looks at per hold of a shard's lock.
 const SWEEP_CHUNK: usize = 256;
 
+/// How long the sweep stays off a shard between two chunks, so that requests woken by its unlock
+/// get the lock (the kernel's timer slack makes it about 60 µs).
+const SWEEP_PAUSE: Duration = Duration::from_micros(10);
+
 /// How many entries [`Inner::make_room`] looks at to choose a victim.
 const EVICTION_SAMPLE: usize = 16;
 
@@ -470,9 +478,9 @@ fn random_key() -> [u8; 16] {
 }
 
 fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
-    // parking_lot's locks are not poisoned by a panic: one while holding a shard cannot leave a
-    // half-written entry (entries are replaced whole).
-    shard.lock()
+    // A panic while holding a shard cannot leave a half-written entry (entries are replaced
+    // whole), so a poisoned lock is still safe to use.
+    shard.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Store for MemoryStore {
