@@ -479,7 +479,7 @@ async fn fallback_mode_decides_on_postgres_during_the_outage() {
 /// Postgres being asked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_paused_redis_with_the_postgres_fallback_decides_on_postgres() {
-    const PG_TIMEOUT_MS: u64 = 300;
+    const PG_TIMEOUT_MS: u64 = 1_000;
     let test = "a_paused_redis_with_the_postgres_fallback_decides_on_postgres";
     let Some(db) = support::postgres::TestSchema::new(test).await else {
         return;

@@ -505,7 +505,7 @@ fn a_sweep_of_many_buckets_lets_decisions_in_throughout() {
     // lock back before a woken request could: 12 to 400 decisions, the longest 60 to 110 ms.
     assert!(during >= 1_000, "{during} decisions in a {sweep_took:?} sweep");
     assert!(
-        longest * 10 < sweep_took,
+        longest * 4 < sweep_took,
         "a decision waited {longest:?} of a {sweep_took:?} sweep"
     );
 }

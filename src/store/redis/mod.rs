@@ -297,7 +297,8 @@ impl RedisStore {
         // fred's `wait_for_connect` reads a client's state, then subscribes to its connect
         // notification: a connection that comes up in between is never announced to it (about
         // one connect in 600 here), so the wait is renewed every CONNECT_RECHECK and a client
-        // already up answers at once.
+        // already up answers at once. (A first-connect error, sent once with fail_fast, that
+        // lands in such a gap, or before the first wait as before, reads as this timeout.)
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let step = deadline.min(tokio::time::Instant::now() + CONNECT_RECHECK);
