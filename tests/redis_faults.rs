@@ -412,6 +412,16 @@ async fn fallback_mode_decides_locally_during_the_outage() {
     assert_eq!(o.metrics().counter(FALLBACKS, &[("backend", "redis")]), fallbacks);
 }
 
+/// The keys of the bucket rows in Postgres schema `schema` at `url`.
+async fn postgres_bucket_keys(url: &str, schema: &str) -> Vec<Vec<u8>> {
+    use sqlx::Connection;
+    let mut conn = sqlx::PgConnection::connect(url).await.unwrap();
+    sqlx::query_scalar(&format!("SELECT key FROM \"{schema}\".tollgate_buckets"))
+        .fetch_all(&mut conn)
+        .await
+        .unwrap()
+}
+
 /// `failure_mode: fallback` with `redis.fallback: postgres` (the default): Redis killed under
 /// load, no request fails, decisions go on in Postgres (counted as fallbacks and as Postgres
 /// calls; the outage's buckets are rows there), and after the restart they return to Redis.
@@ -442,14 +452,7 @@ async fn fallback_mode_decides_on_postgres_during_the_outage() {
     assert_eq!(m.counter(CALLS, &[("backend", "memory")]), 0.0);
     assert_eq!(m.counter(FAILURE_ANSWERS, &[("answer", "allow")]), 0.0);
     // The outage's decisions are rows in Postgres, not keys in Redis.
-    let rows: Vec<Vec<u8>> = {
-        use sqlx::Connection;
-        let mut conn = sqlx::PgConnection::connect(url).await.unwrap();
-        sqlx::query_scalar(&format!("SELECT key FROM \"{schema}\".tollgate_buckets"))
-            .fetch_all(&mut conn)
-            .await
-            .unwrap()
-    };
+    let rows = postgres_bucket_keys(url, schema).await;
     assert!(
         rows.iter().any(|k| k.ends_with(b"probe-during")),
         "no row in Postgres for the outage's probe user"
@@ -517,14 +520,7 @@ async fn a_paused_redis_with_the_postgres_fallback_decides_on_postgres() {
     assert!(m.counter(CALLS, &[("backend", "postgres")]) > 0.0);
     assert_eq!(m.counter(FAILURE_ANSWERS, &[("answer", "allow")]), 0.0);
     assert_eq!(m.counter(FAILURE_ANSWERS, &[("answer", "deny")]), 0.0);
-    let rows: Vec<Vec<u8>> = {
-        use sqlx::Connection;
-        let mut conn = sqlx::PgConnection::connect(&db.url).await.unwrap();
-        sqlx::query_scalar(&format!("SELECT key FROM \"{}\".tollgate_buckets", db.name))
-            .fetch_all(&mut conn)
-            .await
-            .unwrap()
-    };
+    let rows = postgres_bucket_keys(&db.url, &db.name).await;
     assert!(
         rows.iter().any(|k| k.ends_with(b"probe-during")),
         "no row in Postgres for the probe user"
