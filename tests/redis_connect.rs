@@ -16,7 +16,7 @@ use tollgate::store::redis::RedisStore;
 
 /// 3,000 connects of a four-connection pool to the shared Redis, one after another (each pool
 /// closed after it): every one is up well within its 2 s. Before the fix, a run of this test
-/// missed four to six of them.
+/// missed three to five of them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_connect_sees_its_connections_come_up() {
     let Some(url) = support::redis::shared_redis("every_connect_sees_its_connections_come_up") else {

@@ -572,13 +572,10 @@ async fn run(args: RunArgs) -> Result<(), BoxError> {
     // Without a warmup the window opens before the first request is sent: a call answered
     // while the phase still said WARMUP would be served and never counted (an exactness check
     // then sees 999 of 1,000 admissions).
-    let unwarmed_cpu = if args.warmup.is_zero() {
-        Some(read_cpu(&args.server_pids, &args.server_trees)?)
-    } else {
-        None
-    };
-    let phase = Arc::new(AtomicU8::new(if unwarmed_cpu.is_some() { MEASURE } else { WARMUP }));
-    let mut started = Instant::now();
+    let open_window = || read_cpu(&args.server_pids, &args.server_trees).map(|cpu| (cpu, Instant::now()));
+    let warm = !args.warmup.is_zero();
+    let opened = if warm { None } else { Some(open_window()?) };
+    let phase = Arc::new(AtomicU8::new(if warm { WARMUP } else { MEASURE }));
     let loops: Vec<_> = draws
         .into_iter()
         .enumerate()
@@ -588,14 +585,13 @@ async fn run(args: RunArgs) -> Result<(), BoxError> {
         })
         .collect();
 
-    let cpu_before = match unwarmed_cpu {
-        Some(cpu) => cpu,
+    let (cpu_before, started) = match opened {
+        Some(opened) => opened,
         None => {
             tokio::time::sleep(args.warmup).await;
-            let cpu = read_cpu(&args.server_pids, &args.server_trees)?;
-            started = Instant::now();
+            let opened = open_window()?;
             phase.store(MEASURE, Ordering::Relaxed);
-            cpu
+            opened
         }
     };
     let ends = tokio::time::Instant::now() + args.duration;
