@@ -13,6 +13,7 @@
 pub mod faults;
 pub mod postgres;
 pub mod redis;
+pub mod tools;
 
 use std::fs::{self, File};
 use std::io::{Read, Write};
