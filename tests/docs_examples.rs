@@ -1,0 +1,592 @@
+//! The documentation cannot rot: every fenced YAML block in README.md, docs/*.md and
+//! benches/README.md declares what it is (` ```yaml rules`, ` ```yaml settings`, ...) and is
+//! loaded as that, every relative link points at a file that exists (and, for `#anchor`s into
+//! Markdown, at a heading, by GitHub's slug rules), and every `--rules PATH` in a shell block
+//! names a path that exists.
+//!
+//! Kinds (the info string after `yaml`):
+//! - `rules`: a whole rules file, loaded with `tollgate::config::load_rules`; it must compile
+//!   and declare at least one descriptor. `rules-invalid`: a file the docs show being refused;
+//!   it must fail to load.
+//! - `settings`: a tollgate settings file: `Settings::load` and `validate()`.
+//! - `envoy`: a whole Envoy bootstrap, `envoy --mode validate` (skipped without Envoy unless
+//!   `CI=true`, see `support::envoy_or_skip`). `envoy-fragment`: a YAML mapping or sequence.
+//! - `kubernetes`: `kubernetes-validate --strict`; `prometheus-rules`: `promtool check rules`;
+//!   `prometheus-config`: `promtool check config` (each skipped without the tool unless
+//!   `CI=true`, see `support::tools::tool_or_skip`).
+//! - `compose`: a mapping whose `services` is a mapping of service mappings, with every
+//!   `depends_on` naming a service of the block.
+//!
+//! Every problem is reported at once, each as `file:line: what`.
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use pulldown_cmark::{CodeBlockKind, Event, Options, Parser, Tag, TagEnd};
+use support::tools::tool_or_skip;
+use support::{envoy_or_skip, envoy_validate};
+use tempfile::TempDir;
+
+/// Pages other branches of issue 17 add (the drop-in environment, the migration guide,
+/// deployment, monitoring, and the root compose file). A link to one of them is accepted while
+/// it is missing from this branch.
+// TODO(issue 17): remove once those branches are merged; every link must then resolve.
+const PENDING_FILES: [&str; 5] = [
+    "docs/envoyproxy-environment.md",
+    "docs/migration.md",
+    "docs/deployment.md",
+    "docs/monitoring.md",
+    "docker-compose.yml",
+];
+
+/// The YAML kinds a fence may declare.
+const KINDS: [&str; 10] = [
+    "rules",
+    "rules-invalid",
+    "settings",
+    "envoy",
+    "envoy-fragment",
+    "kubernetes",
+    "prometheus-rules",
+    "prometheus-config",
+    "compose",
+    // Listed so that the message for a bare `yaml` can print the whole list from one place.
+    "",
+];
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The Markdown files checked, relative to the repository root.
+fn markdown_files() -> Vec<PathBuf> {
+    let root = repo();
+    let mut files = vec![PathBuf::from("README.md")];
+    if root.join("benches/README.md").is_file() {
+        files.push(PathBuf::from("benches/README.md"));
+    }
+    let mut docs: Vec<PathBuf> = fs::read_dir(root.join("docs"))
+        .map(|entries| {
+            entries
+                .filter_map(|e| e.ok())
+                .map(|e| e.path())
+                .filter(|p| p.extension().is_some_and(|x| x == "md") && p.is_file())
+                .map(|p| p.strip_prefix(&root).expect("under the repository").to_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    docs.sort();
+    files.extend(docs);
+    files
+}
+
+/// A fenced code block: its info string, its text, and the line of its opening fence.
+#[derive(Debug)]
+struct Block {
+    line: usize,
+    info: String,
+    text: String,
+}
+
+/// A link or image target and the line it is on.
+#[derive(Debug)]
+struct Link {
+    line: usize,
+    target: String,
+}
+
+/// What one Markdown file holds that the checks need.
+#[derive(Debug, Default)]
+struct Page {
+    blocks: Vec<Block>,
+    links: Vec<Link>,
+    /// Anchors of its headings, by GitHub's rules.
+    anchors: BTreeSet<String>,
+}
+
+fn line_of(text: &str, offset: usize) -> usize {
+    text[..offset].bytes().filter(|&b| b == b'\n').count() + 1
+}
+
+/// Parses Markdown as GitHub renders it (tables on: a `|` inside a cell is not a link's end).
+fn parse_page(text: &str) -> Page {
+    let mut page = Page::default();
+    let mut block: Option<Block> = None;
+    let mut heading: Option<String> = None;
+    let mut seen: BTreeMap<String, usize> = BTreeMap::new();
+    let options = Options::ENABLE_TABLES | Options::ENABLE_STRIKETHROUGH | Options::ENABLE_TASKLISTS;
+    for (event, range) in Parser::new_ext(text, options).into_offset_iter() {
+        match event {
+            Event::Start(Tag::CodeBlock(kind)) => {
+                let info = match kind {
+                    CodeBlockKind::Fenced(info) => info.to_string(),
+                    CodeBlockKind::Indented => "(indented)".to_owned(),
+                };
+                block = Some(Block {
+                    line: line_of(text, range.start),
+                    info,
+                    text: String::new(),
+                });
+            }
+            Event::End(TagEnd::CodeBlock) => page.blocks.extend(block.take()),
+            Event::Start(Tag::Heading { .. }) => heading = Some(String::new()),
+            Event::End(TagEnd::Heading(_)) => {
+                let slug = github_slug(&heading.take().unwrap_or_default());
+                // GitHub numbers repeated headings: `x`, `x-1`, `x-2`.
+                let n = seen.entry(slug.clone()).or_insert(0);
+                let anchor = if *n == 0 { slug.clone() } else { format!("{slug}-{n}") };
+                *n += 1;
+                page.anchors.insert(anchor);
+            }
+            Event::Start(Tag::Link { dest_url, .. }) | Event::Start(Tag::Image { dest_url, .. }) => {
+                page.links.push(Link {
+                    line: line_of(text, range.start),
+                    target: dest_url.to_string(),
+                });
+            }
+            Event::Text(t) | Event::Code(t) => {
+                if let Some(b) = block.as_mut() {
+                    b.text.push_str(&t);
+                } else if let Some(h) = heading.as_mut() {
+                    h.push_str(&t);
+                }
+            }
+            _ => {}
+        }
+    }
+    page
+}
+
+/// GitHub's heading anchor: lower case, every character that is not a letter, digit, space,
+/// `-` or `_` dropped, spaces turned into `-`.
+fn github_slug(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter_map(|c| match c {
+            ' ' => Some('-'),
+            c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The external checkers, looked up once (each may be missing: then its blocks are skipped,
+/// or the test fails under `CI=true`).
+#[derive(Default)]
+struct Tools {
+    envoy: Option<Option<PathBuf>>,
+    kubernetes_validate: Option<Option<PathBuf>>,
+    promtool: Option<Option<PathBuf>>,
+}
+
+impl Tools {
+    fn envoy(&mut self) -> Option<PathBuf> {
+        self.envoy
+            .get_or_insert_with(|| envoy_or_skip("docs_examples (yaml envoy)"))
+            .clone()
+    }
+
+    fn kubernetes_validate(&mut self) -> Option<PathBuf> {
+        self.kubernetes_validate
+            .get_or_insert_with(|| tool_or_skip("docs_examples (yaml kubernetes)", "kubernetes-validate"))
+            .clone()
+    }
+
+    fn promtool(&mut self) -> Option<PathBuf> {
+        self.promtool
+            .get_or_insert_with(|| tool_or_skip("docs_examples (yaml prometheus-*)", "promtool"))
+            .clone()
+    }
+}
+
+/// Runs `tool args.. file` and returns its output as the error when it exits non-zero.
+fn run_checker(tool: &Path, args: &[&str], file: &Path) -> Result<(), String> {
+    let out = Command::new(tool)
+        .args(args)
+        .arg(file)
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", tool.display()))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} {}: {}{} ({})",
+            tool.file_name().unwrap_or_default().to_string_lossy(),
+            args.join(" "),
+            String::from_utf8_lossy(&out.stdout).trim_end(),
+            String::from_utf8_lossy(&out.stderr).trim_end(),
+            out.status
+        ))
+    }
+}
+
+/// Checks one YAML block of kind `kind`: `Ok(true)` when it was checked, `Ok(false)` when its
+/// checker is missing (skipped), `Err` with the reason when it does not load.
+fn check_yaml(kind: &str, text: &str, dir: &Path, tools: &mut Tools) -> Result<bool, String> {
+    // Each block gets a directory of its own: a rules block is loaded as the only file of one.
+    let dir = tempfile::Builder::new()
+        .prefix("block.")
+        .tempdir_in(dir)
+        .expect("temporary directory");
+    let write = |name: &str| {
+        let path = dir.path().join(name);
+        fs::write(&path, text).expect("write the block");
+        path
+    };
+    match kind {
+        "rules" => {
+            write("rules.yaml");
+            let set = tollgate::config::load_rules(dir.path()).map_err(|e| format!("rules do not load: {e}"))?;
+            let doc: serde_yaml::Value = serde_yaml::from_str(text).map_err(|e| e.to_string())?;
+            let domain = doc.get("domain").and_then(|d| d.as_str()).unwrap_or_default();
+            let descriptors = doc
+                .get("descriptors")
+                .and_then(|d| d.as_sequence())
+                .map_or(0, |s| s.len());
+            if set.domain(domain).is_none() || descriptors == 0 {
+                return Err("rules load but declare no descriptor (an example should limit something)".into());
+            }
+            Ok(true)
+        }
+        "rules-invalid" => {
+            write("rules.yaml");
+            match tollgate::config::load_rules(dir.path()) {
+                Ok(_) => Err("shown as refused, but these rules load".into()),
+                Err(_) => Ok(true),
+            }
+        }
+        "settings" => {
+            let path = write("tollgate.yaml");
+            let settings = tollgate::settings::Settings::load(Some(&path)).map_err(|e| format!("settings: {e}"))?;
+            settings
+                .validate()
+                .map_err(|e| format!("settings do not validate: {e}"))?;
+            Ok(true)
+        }
+        "envoy" => {
+            let Some(envoy) = tools.envoy() else { return Ok(false) };
+            let path = write("envoy.yaml");
+            envoy_validate(&envoy, &path).map_err(|e| format!("envoy --mode validate: {e}"))?;
+            Ok(true)
+        }
+        "envoy-fragment" => {
+            let value: serde_yaml::Value = serde_yaml::from_str(text).map_err(|e| format!("not YAML: {e}"))?;
+            if value.is_mapping() || value.is_sequence() {
+                Ok(true)
+            } else {
+                Err("an Envoy fragment must be a YAML mapping or sequence".into())
+            }
+        }
+        "kubernetes" => {
+            let Some(tool) = tools.kubernetes_validate() else {
+                return Ok(false);
+            };
+            let path = write("manifests.yaml");
+            run_checker(&tool, &["--strict", "--quiet"], &path)?;
+            Ok(true)
+        }
+        "prometheus-rules" => {
+            let Some(tool) = tools.promtool() else { return Ok(false) };
+            let path = write("rules.yaml");
+            run_checker(&tool, &["check", "rules"], &path)?;
+            Ok(true)
+        }
+        "prometheus-config" => {
+            let Some(tool) = tools.promtool() else { return Ok(false) };
+            let path = write("prometheus.yml");
+            run_checker(&tool, &["check", "config"], &path)?;
+            Ok(true)
+        }
+        "compose" => check_compose(text).map(|()| true),
+        other => Err(format!(
+            "unknown kind `{other}` (one of: {})",
+            KINDS[..KINDS.len() - 1].join(", ")
+        )),
+    }
+}
+
+/// A compose file, or a fragment of one: `services` a mapping of mappings, every `depends_on`
+/// (list or mapping form) naming a service of the same block.
+fn check_compose(text: &str) -> Result<(), String> {
+    let doc: serde_yaml::Value = serde_yaml::from_str(text).map_err(|e| format!("not YAML: {e}"))?;
+    let services = doc
+        .get("services")
+        .and_then(|s| s.as_mapping())
+        .ok_or("a compose block needs a `services:` mapping")?;
+    if services.is_empty() {
+        return Err("`services:` is empty".into());
+    }
+    let names: BTreeSet<&str> = services.keys().filter_map(|k| k.as_str()).collect();
+    for (name, service) in services {
+        let name = name.as_str().unwrap_or("?");
+        let service = service
+            .as_mapping()
+            .ok_or(format!("service `{name}` is not a mapping"))?;
+        let deps: Vec<&str> = match service.get("depends_on") {
+            None => Vec::new(),
+            Some(serde_yaml::Value::Sequence(list)) => list.iter().filter_map(|v| v.as_str()).collect(),
+            Some(serde_yaml::Value::Mapping(map)) => map.keys().filter_map(|v| v.as_str()).collect(),
+            Some(_) => return Err(format!("service `{name}`: depends_on is neither a list nor a mapping")),
+        };
+        if let Some(missing) = deps.iter().find(|d| !names.contains(**d)) {
+            return Err(format!(
+                "service `{name}` depends on `{missing}`, which the block does not define"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Problems of every YAML block of `page` (in `file`), and how many blocks were checked.
+fn check_blocks(
+    file: &Path,
+    page: &Page,
+    tmp: &Path,
+    tools: &mut Tools,
+    counts: &mut BTreeMap<String, usize>,
+) -> Vec<String> {
+    let mut problems = Vec::new();
+    for block in &page.blocks {
+        let mut words = block.info.split_whitespace();
+        let lang = words.next().unwrap_or_default();
+        if !lang.eq_ignore_ascii_case("yaml") && !lang.eq_ignore_ascii_case("yml") {
+            continue;
+        }
+        let at = format!("{}:{}", file.display(), block.line);
+        let Some(kind) = words.next() else {
+            problems.push(format!(
+                "{at}: a plain ```yaml fence; add its kind: ```yaml <{}>",
+                KINDS[..KINDS.len() - 1].join("|")
+            ));
+            continue;
+        };
+        match check_yaml(kind, &block.text, tmp, tools) {
+            Ok(true) => *counts.entry(kind.to_owned()).or_default() += 1,
+            Ok(false) => *counts.entry(format!("{kind} (skipped)")).or_default() += 1,
+            Err(reason) => problems.push(format!("{at}: ```yaml {kind}: {reason}")),
+        }
+    }
+    problems
+}
+
+/// Problems of every relative link of `page` (in `file`); `pages` holds every checked page,
+/// for anchors.
+fn check_links(file: &Path, page: &Page, pages: &BTreeMap<PathBuf, Page>, root: &Path) -> Vec<String> {
+    let mut problems = Vec::new();
+    for link in &page.links {
+        let target = link.target.as_str();
+        let external = target.contains("://") || target.starts_with("mailto:");
+        if external || target.is_empty() {
+            continue;
+        }
+        let at = format!("{}:{}", file.display(), link.line);
+        let (path, anchor) = match target.split_once('#') {
+            Some((p, a)) => (p, Some(a)),
+            None => (target, None),
+        };
+        let resolved = if path.is_empty() {
+            file.to_owned()
+        } else if let Some(from_root) = path.strip_prefix('/') {
+            PathBuf::from(from_root)
+        } else {
+            normalize(&file.parent().unwrap_or(Path::new("")).join(path))
+        };
+        if !root.join(&resolved).exists() {
+            let pending = PENDING_FILES.iter().any(|p| Path::new(p) == resolved);
+            if !pending {
+                problems.push(format!("{at}: link `{target}`: {} does not exist", resolved.display()));
+            }
+            continue;
+        }
+        let Some(anchor) = anchor else { continue };
+        if resolved.extension().is_none_or(|x| x != "md") {
+            continue;
+        }
+        let anchors = match pages.get(&resolved) {
+            Some(p) => p.anchors.clone(),
+            None => parse_page(&fs::read_to_string(root.join(&resolved)).unwrap_or_default()).anchors,
+        };
+        if !anchors.contains(anchor) {
+            problems.push(format!(
+                "{at}: link `{target}`: {} has no heading with anchor `#{anchor}`",
+                resolved.display()
+            ));
+        }
+    }
+    problems
+}
+
+/// `a/b/../c` as `a/c`, without touching the filesystem.
+fn normalize(path: &Path) -> PathBuf {
+    let mut out = PathBuf::new();
+    for part in path.components() {
+        match part {
+            std::path::Component::ParentDir => {
+                out.pop();
+            }
+            std::path::Component::CurDir => {}
+            other => out.push(other),
+        }
+    }
+    out
+}
+
+/// Problems of shell blocks: a `--rules X` (or `--rules=X`) whose `X` is neither in the
+/// repository nor made by the same block (`mkdir`, a redirection). Upper-case words (`PATH`)
+/// and variables are placeholders.
+fn check_shell(file: &Path, page: &Page, root: &Path) -> Vec<String> {
+    let mut problems = Vec::new();
+    for block in &page.blocks {
+        let lang = block.info.split_whitespace().next().unwrap_or_default();
+        if !["sh", "bash", "shell", "console"].contains(&lang) {
+            continue;
+        }
+        for (n, line) in block.text.lines().enumerate() {
+            let code = line.split(" #").next().unwrap_or_default();
+            let words: Vec<&str> = code.split_whitespace().collect();
+            for (i, word) in words.iter().enumerate() {
+                let arg = match word.strip_prefix("--rules") {
+                    Some("") => words.get(i + 1).copied(),
+                    Some(rest) => rest.strip_prefix('='),
+                    None => None,
+                };
+                let Some(arg) = arg else { continue };
+                let arg = arg.trim_matches(|c| c == '"' || c == '\'');
+                let placeholder = arg.contains('$') || arg.chars().all(|c| c.is_ascii_uppercase() || c == '_');
+                let trimmed = arg.trim_end_matches('/');
+                let made_here = block.text.contains(&format!("mkdir -p {trimmed}"))
+                    || block.text.contains(&format!("mkdir {trimmed}"))
+                    || block.text.contains(&format!("> {trimmed}"));
+                if !placeholder && !made_here && !root.join(arg).exists() {
+                    problems.push(format!(
+                        "{}:{}: `--rules {arg}`: no such path in the repository",
+                        file.display(),
+                        block.line + 1 + n
+                    ));
+                }
+            }
+        }
+    }
+    problems
+}
+
+/// Every check over every page under `root`, the counts of YAML blocks by kind, and the
+/// problems.
+fn check_all(root: &Path, files: &[PathBuf]) -> (BTreeMap<String, usize>, Vec<String>) {
+    let pages: BTreeMap<PathBuf, Page> = files
+        .iter()
+        .map(|f| {
+            let text = fs::read_to_string(root.join(f)).unwrap_or_else(|e| panic!("read {}: {e}", f.display()));
+            (f.clone(), parse_page(&text))
+        })
+        .collect();
+    let tmp = TempDir::new().expect("temporary directory");
+    let mut tools = Tools::default();
+    let mut counts = BTreeMap::new();
+    let mut problems = Vec::new();
+    for (file, page) in &pages {
+        problems.extend(check_blocks(file, page, tmp.path(), &mut tools, &mut counts));
+        problems.extend(check_links(file, page, &pages, root));
+        problems.extend(check_shell(file, page, root));
+    }
+    (counts, problems)
+}
+
+#[test]
+fn every_example_loads_and_every_link_resolves() {
+    let root = repo();
+    let files = markdown_files();
+    let (counts, problems) = check_all(&root, &files);
+    eprintln!("checked {} files; YAML blocks by kind: {counts:?}", files.len());
+    assert!(
+        problems.is_empty(),
+        "{} problem(s) in the docs:\n{}",
+        problems.len(),
+        problems.join("\n")
+    );
+    // The docs show rules and settings; finding none means the fences were not found at all.
+    assert!(
+        counts.get("rules").copied().unwrap_or(0) >= 5,
+        "too few rules examples found: {counts:?}"
+    );
+    assert!(counts.contains_key("settings"), "no settings example found: {counts:?}");
+}
+
+/// The checks themselves, on a page made to break each of them: they must be able to fail.
+#[test]
+fn the_checks_catch_each_kind_of_problem() {
+    let dir = TempDir::new().expect("temporary directory");
+    let root = dir.path();
+    fs::create_dir(root.join("docs")).unwrap();
+    fs::write(root.join("docs/other.md"), "# Other page\n\n## Same\n\n## Same\n").unwrap();
+    let page = "# Title\n\n\
+        ```yaml\nplain: true\n```\n\n\
+        ```yaml rulez\ndomain: x\n```\n\n\
+        ```yaml rules\ndomain: x\ndescriptors:\n  - {key: k, rate_limit: {unit: fortnight, requests_per_unit: 1}}\n```\n\n\
+        ```yaml rules\ndomain: x\n```\n\n\
+        ```yaml rules-invalid\ndomain: x\ndescriptors: [{key: k, rate_limit: {unit: minute, requests_per_unit: 1}}]\n```\n\n\
+        ```yaml settings\nlog: {level: \"not a [filter\"}\n```\n\n\
+        ```yaml settings\ngrpc_adr: 127.0.0.1:1\n```\n\n\
+        ```yaml envoy-fragment\njust a string\n```\n\n\
+        ```yaml compose\nservices:\n  a: {image: x, depends_on: [b]}\n```\n\n\
+        ```yaml rules\ndomain: y\ndescriptors: [{key: k, rate_limit: {unit: minute, requests_per_unit: 1}}]\n```\n\n\
+        ```sh\ntollgate check --rules no/such/dir\nmkdir -p mine && tollgate check --rules mine\n```\n\n\
+        [gone](missing.md) [ok](other.md#same-1) [bad anchor](other.md#nope) [self](#title) \
+        [pending](migration.md) [up](../README.md)\n";
+    fs::write(root.join("docs/page.md"), page).unwrap();
+    let (counts, problems) = check_all(root, &[PathBuf::from("docs/page.md")]);
+    let expect = [
+        "docs/page.md:3: a plain ```yaml fence",
+        "docs/page.md:7: ```yaml rulez: unknown kind `rulez`",
+        "docs/page.md:11: ```yaml rules: rules do not load",
+        "docs/page.md:17: ```yaml rules: rules load but declare no descriptor",
+        "docs/page.md:21: ```yaml rules-invalid: shown as refused, but these rules load",
+        "docs/page.md:26: ```yaml settings: settings do not validate",
+        "docs/page.md:30: ```yaml settings: settings:",
+        "docs/page.md:34: ```yaml envoy-fragment: an Envoy fragment must be a YAML mapping or sequence",
+        "docs/page.md:38: ```yaml compose: service `a` depends on `b`",
+        "docs/page.md:53: link `missing.md`: docs/missing.md does not exist",
+        "docs/page.md:53: link `other.md#nope`: docs/other.md has no heading with anchor `#nope`",
+        "docs/page.md:53: link `../README.md`: README.md does not exist",
+        "docs/page.md:49: `--rules no/such/dir`: no such path",
+    ];
+    for (expected, problem) in expect.iter().zip(&problems) {
+        assert!(
+            problem.starts_with(expected),
+            "expected `{expected}...`, got `{problem}`\nall:\n{}",
+            problems.join("\n")
+        );
+    }
+    assert_eq!(problems.len(), expect.len(), "problems:\n{}", problems.join("\n"));
+    assert_eq!(counts.get("rules"), Some(&1), "{counts:?}");
+}
+
+#[test]
+fn anchors_follow_github() {
+    let page = parse_page(
+        "# Tollgate\n## Try it with Envoy\n## The `bucket` admin API\n### What a decision means?\n\
+         ## envoyproxy/ratelimit's schema\n## Schedules and quotas\n## Schedules and quotas\n\
+         ## Ports & endpoints\n## `rate_limit: {unit, requests_per_unit}`\n",
+    );
+    let expected: BTreeSet<String> = [
+        "tollgate",
+        "try-it-with-envoy",
+        "the-bucket-admin-api",
+        "what-a-decision-means",
+        "envoyproxyratelimits-schema",
+        "schedules-and-quotas",
+        "schedules-and-quotas-1",
+        "ports--endpoints",
+        "rate_limit-unit-requests_per_unit",
+    ]
+    .into_iter()
+    .map(String::from)
+    .collect();
+    assert_eq!(page.anchors, expected);
+}
