@@ -627,18 +627,19 @@ fn rules_file_extensions_are_case_insensitive() {
     );
 }
 
-/// The example under "### Tollgate's schema" in README.md checks clean, so it cannot rot.
+/// The example under "## Tollgate's schema" in docs/rules.md checks clean through the CLI
+/// (tests/docs_examples.rs loads every rules example through the library).
 #[test]
-fn readme_schema_example_checks_clean() {
-    let readme = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).unwrap();
+fn rules_reference_schema_example_checks_clean() {
+    let readme = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/rules.md")).unwrap();
     let section = readme
-        .split_once("### Tollgate's schema")
-        .expect("README.md has a \"### Tollgate's schema\" section")
+        .split_once("## Tollgate's schema")
+        .expect("docs/rules.md has a \"## Tollgate's schema\" section")
         .1;
     let block = section
-        .split_once("```yaml\n")
+        .split_once("```yaml rules\n")
         .and_then(|(_, rest)| rest.split_once("```"))
-        .expect("the section has a ```yaml block")
+        .expect("the section has a ```yaml rules block")
         .0;
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("readme.yaml");
@@ -647,7 +648,7 @@ fn readme_schema_example_checks_clean() {
     assert_eq!(
         out.status.code(),
         Some(0),
-        "README example:\n{block}\nstderr:\n{}",
+        "docs/rules.md example:\n{block}\nstderr:\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(String::from_utf8_lossy(&out.stdout).starts_with("domain "));

@@ -590,3 +590,60 @@ fn anchors_follow_github() {
     .collect();
     assert_eq!(page.anchors, expected);
 }
+
+/// The external checkers accept a good block and refuse a bad one (each skipped, with a note,
+/// when its tool is missing and `CI` is not `true`).
+#[test]
+fn the_external_checkers_refuse_bad_blocks() {
+    let tmp = TempDir::new().expect("temporary directory");
+    let mut tools = Tools::default();
+    let envoy_good = "static_resources:\n  clusters:\n    - name: ratelimit\n      type: STATIC\n      \
+        typed_extension_protocol_options:\n        envoy.extensions.upstreams.http.v3.HttpProtocolOptions:\n          \
+        \"@type\": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions\n          \
+        explicit_http_config: {http2_protocol_options: {}}\n      load_assignment:\n        cluster_name: ratelimit\n        \
+        endpoints: [{lb_endpoints: [{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: 8081}}}}]}]\n";
+    let envoy_bad = "static_resources:\n  clusters:\n    - name: ratelimit\n      type: NOT_A_TYPE\n";
+    let k8s_good = "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: rules}\ndata: {a.yaml: \"domain: a\"}\n";
+    let k8s_bad = "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: rules}\ndatas: {a.yaml: \"domain: a\"}\n";
+    let rules_good = "groups:\n  - name: t\n    rules:\n      - alert: A\n        expr: up == 0\n";
+    let rules_bad = "groups:\n  - name: t\n    rules:\n      - alert: A\n        expr: up ==\n";
+    let config_good = "scrape_configs:\n  - job_name: t\n    static_configs: [{targets: [\"127.0.0.1:8080\"]}]\n";
+    let config_bad = "scrape_configs:\n  - job_name: t\n    scrape_interval: soon\n";
+    for (kind, good, bad) in [
+        ("envoy", envoy_good, envoy_bad),
+        ("kubernetes", k8s_good, k8s_bad),
+        ("prometheus-rules", rules_good, rules_bad),
+        ("prometheus-config", config_good, config_bad),
+    ] {
+        match check_yaml(kind, good, tmp.path(), &mut tools) {
+            Ok(false) => continue,
+            Ok(true) => {}
+            Err(e) => panic!("a good `{kind}` block is refused: {e}"),
+        }
+        let refused = check_yaml(kind, bad, tmp.path(), &mut tools);
+        assert!(refused.is_err(), "a bad `{kind}` block passes: {refused:?}");
+    }
+}
+
+/// Every field of the rules model (`src/config/model.rs`, both schemas) is documented in the
+/// rules reference or on the schedules page, so a new field cannot go undocumented.
+#[test]
+fn every_rules_field_is_documented() {
+    let root = repo();
+    let model = fs::read_to_string(root.join("src/config/model.rs")).expect("read src/config/model.rs");
+    let docs = ["docs/rules.md", "docs/schedules-and-quotas.md"]
+        .map(|f| fs::read_to_string(root.join(f)).unwrap_or_else(|e| panic!("read {f}: {e}")))
+        .join("\n");
+    let fields: BTreeSet<&str> = model
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("pub "))
+        .filter(|l| !l.starts_with("fn ") && !l.starts_with("struct ") && !l.starts_with("enum "))
+        .filter_map(|l| l.split_once(':').map(|(name, _)| name.trim()))
+        .collect();
+    assert!(fields.len() >= 20, "too few fields read from model.rs: {fields:?}");
+    let missing: Vec<&&str> = fields.iter().filter(|f| !docs.contains(&format!("`{f}`"))).collect();
+    assert!(
+        missing.is_empty(),
+        "rules fields without a mention in docs/rules.md or docs/schedules-and-quotas.md: {missing:?}"
+    );
+}

@@ -296,7 +296,7 @@ impl PostgresStore {
                 if e.contains("permission denied") {
                     format!(
                         "{e} (to let another user migrate, run `tollgate migrate` as that user and set \
-                         postgres.migrate: false; see the README's Migrations)"
+                         postgres.migrate: false; see Migrations in docs/backends.md)"
                     )
                 } else {
                     e
@@ -359,8 +359,8 @@ impl PostgresStore {
             return Ok(());
         }
         Err(format!(
-            "the user may not {} on {}.tollgate_buckets: GRANT SELECT, INSERT, UPDATE, DELETE ON it (see the \
-             README's Migrations)",
+            "the user may not {} on {}.tollgate_buckets: GRANT SELECT, INSERT, UPDATE, DELETE ON it (see \
+             Migrations in docs/backends.md)",
             missing.join(", "),
             self.inner.schema
         ))
