@@ -792,7 +792,7 @@ async fn a_request_that_waited_too_long_does_not_time_out_the_rest_of_its_batch(
 
 /// A least-privilege user for `postgres.migrate: false`: without DELETE on the table `serve`
 /// would start and then fail every decision, so the start refuses, naming the privilege; with
-/// the grants the README lists it starts and decides; with `migrate: true` it is told how to
+/// the grants docs/backends.md lists it starts and decides; with `migrate: true` it is told how to
 /// migrate with another user.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_least_privilege_user_is_checked_at_start() {

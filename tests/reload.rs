@@ -734,7 +734,7 @@ async fn server_invalid_edit_keeps_the_previous_limits_and_is_counted_once() {
 
 /// An invalid edit reverted by hand: the rules in force are on disk again, so nothing is swapped
 /// (still generation 1), `/config` no longer reports the failure, and the
-/// `tollgate_rules_last_reload_successful` gauge (the README's alert) is back to 1. The gauge
+/// `tollgate_rules_last_reload_successful` gauge (what the reload alert watches) is back to 1. The gauge
 /// used to stay at 0 until some later edit loaded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_reverting_an_invalid_edit_clears_the_failure_and_the_alert() {
