@@ -29,6 +29,7 @@ const DASHBOARD: &str = "deploy/monitoring/grafana-dashboard.json";
 const ALERTS: &str = "deploy/monitoring/alerts.yaml";
 const ALERT_TESTS: &str = "deploy/monitoring/alerts.test.yaml";
 const PROMETHEUS_RULE: &str = "deploy/monitoring/prometheusrule.yaml";
+const DOC: &str = "docs/monitoring.md";
 
 /// Series that Prometheus itself makes for every target (`TollgateTargetDown` needs one).
 const PROMETHEUS_SERIES: &[&str] = &["up"];
@@ -477,6 +478,34 @@ fn alert_expressions() -> Vec<(String, String)> {
         .collect()
 }
 
+/// `(where, expression)` for every rule in the `yaml prometheus-rules` blocks of the monitoring
+/// page, whose queries should fit tollgate's metrics as well as the kit's.
+fn doc_rule_expressions() -> Vec<(String, String)> {
+    let text = read(DOC);
+    let mut out = Vec::new();
+    let mut lines = text.lines().enumerate();
+    while let Some((n, line)) = lines.next() {
+        if line.trim() != "```yaml prometheus-rules" {
+            continue;
+        }
+        let block: Vec<&str> = lines
+            .by_ref()
+            .map(|(_, l)| l)
+            .take_while(|l| l.trim() != "```")
+            .collect();
+        let groups: serde_yaml::Value =
+            serde_yaml::from_str(&block.join("\n")).unwrap_or_else(|e| panic!("{DOC}:{}: not YAML: {e}", n + 1));
+        for r in rules(&groups) {
+            let name = r["record"].as_str().or(r["alert"].as_str()).unwrap_or("?");
+            out.push((
+                format!("{DOC}:{} rule {name}", n + 1),
+                r["expr"].as_str().expect("an expr").to_owned(),
+            ));
+        }
+    }
+    out
+}
+
 // ---- the tollgates whose /metrics are the reference -----------------------------------------
 
 const RULES: &str = r#"
@@ -656,11 +685,14 @@ async fn every_query_of_the_dashboard_and_the_alerts_names_only_what_tollgate_ex
     let test = "every_query_of_the_dashboard_and_the_alerts_names_only_what_tollgate_exports";
     let Some(exported) = exported(test).await else { return };
     let dashboard = dashboard();
+    let from_doc = doc_rule_expressions();
+    assert!(!from_doc.is_empty(), "{DOC} has no prometheus-rules block");
     let expressions: Vec<_> = dashboard_expressions(&dashboard)
         .into_iter()
         .chain(alert_expressions())
+        .chain(from_doc)
         .collect();
-    assert!(expressions.len() > 40, "only {} expressions found", expressions.len());
+    assert!(expressions.len() > 50, "only {} expressions found", expressions.len());
     let mut problems = Vec::new();
     let mut used = BTreeSet::new();
     for (place, expr) in &expressions {
@@ -972,7 +1004,7 @@ fn the_prometheus_rule_holds_the_groups_of_alerts_yaml() {
     assert!(groups.as_sequence().is_some_and(|g| !g.is_empty()));
     assert!(
         &wrapper["spec"]["groups"] == groups,
-        "{PROMETHEUS_RULE}'s spec.groups differ from {ALERTS}'s groups: regenerate them with\n  \
-         sed -n '/^groups:/,$p' {ALERTS} | sed 's/^/  /'"
+        "{PROMETHEUS_RULE}'s spec.groups differ from {ALERTS}'s groups: regenerate it in deploy/monitoring/ \
+         with\n  {{ sed -n '1,/^spec:/p' prometheusrule.yaml; sed -n '/^groups:/,$p' alerts.yaml | sed 's/^/  /'; }} > prometheusrule.new && mv prometheusrule.new prometheusrule.yaml"
     );
 }
