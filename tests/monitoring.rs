@@ -506,6 +506,16 @@ fn doc_rule_expressions() -> Vec<(String, String)> {
     out
 }
 
+/// The labels a Grafana legend format interpolates (`{{domain}}/{{bucket}}`).
+fn legend_labels(legend: &str) -> Vec<&str> {
+    legend
+        .split("{{")
+        .skip(1)
+        .filter_map(|part| part.split_once("}}"))
+        .map(|(label, _)| label.trim())
+        .collect()
+}
+
 // ---- the tollgates whose /metrics are the reference -----------------------------------------
 
 const RULES: &str = r#"
@@ -738,6 +748,34 @@ async fn every_query_of_the_dashboard_and_the_alerts_names_only_what_tollgate_ex
         "tollgate metrics no dashboard panel shows: {missing:?}"
     );
     assert!(used.contains("tollgate_backend_circuit_open"), "{used:?}");
+
+    // A legend names labels the query's result has: those it groups by, else the series' own.
+    let mut wrong_legends = Vec::new();
+    for p in all_panels(&dashboard) {
+        for t in p["targets"].as_array().into_iter().flatten() {
+            let legend = t["legendFormat"].as_str().unwrap_or_default();
+            let r = refs(t["expr"].as_str().unwrap_or_default()).unwrap();
+            let allowed: BTreeSet<&str> = if r.grouping.is_empty() {
+                r.selectors
+                    .iter()
+                    .filter_map(|s| exported.series.get(&s.metric))
+                    .flat_map(|labels| labels.keys().map(String::as_str))
+                    .chain(TARGET_LABELS.iter().copied())
+                    .collect()
+            } else {
+                r.grouping.iter().map(String::as_str).collect()
+            };
+            for label in legend_labels(legend) {
+                if !allowed.contains(label) {
+                    wrong_legends.push(format!(
+                        "panel {} {}: legend {legend:?} names {label}",
+                        p["id"], p["title"]
+                    ));
+                }
+            }
+        }
+    }
+    assert!(wrong_legends.is_empty(), "{}", wrong_legends.join("\n"));
 }
 
 #[test]
@@ -764,7 +802,12 @@ fn the_dashboard_has_the_expected_structure() {
     let ds = var("datasource");
     assert_eq!(ds["type"], "datasource");
     assert_eq!(ds["query"], "prometheus");
-    for (name, label) in [("instance", "instance"), ("domain", "domain"), ("bucket", "bucket")] {
+    for (name, label) in [
+        ("job", "job"),
+        ("instance", "instance"),
+        ("domain", "domain"),
+        ("bucket", "bucket"),
+    ] {
         let v = var(name);
         assert_eq!(v["type"], "query", "{name}");
         assert_eq!(v["datasource"]["uid"], "${datasource}", "{name}");
@@ -860,6 +903,7 @@ fn the_dashboard_queries_parse_as_promql() {
             ("$__rate_interval", "5m"),
             ("$__interval", "1m"),
             ("$__range", "1h"),
+            ("$job", ".*"),
             ("$instance", ".*"),
             ("$domain", ".*"),
             ("$bucket", ".*"),
@@ -989,6 +1033,7 @@ fn every_alert_is_tested_firing_and_not_and_is_annotated() {
         "TollgateSlowDecisions",
         "TollgateInvalidRequests",
         "TollgateTargetDown",
+        "TollgateTargetMissing",
     ] {
         assert!(names.contains(required), "no alert {required}");
     }
