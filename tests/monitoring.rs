@@ -587,8 +587,11 @@ async fn exported(test: &str) -> Option<Exported> {
     assert_eq!(invalid.code(), tonic::Code::InvalidArgument);
     assert_eq!(code(&mut c, request("nowhere", &[("user", "bob")], 0)).await, Code::Ok);
 
-    // Nothing listens on this port: every call fails and failure_mode: allow answers.
-    let absent = format!("redis://127.0.0.1:{}", support::free_port());
+    // A "Redis" that accepts connections and never answers: every call fails and
+    // failure_mode: allow answers. Held for the whole test, so no other test's server can get
+    // its port.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a loopback port");
+    let absent = format!("redis://{}", silent.local_addr().unwrap());
     let failing = block_in_place(|| {
         Tollgate::builder()
             .rules_file("shop.yaml", RULES)
