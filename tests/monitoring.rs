@@ -2,13 +2,14 @@
 //! rules, their `promtool` unit tests and the PrometheusRule wrapper.
 //!
 //! The main check is that every PromQL expression (dashboard panels, template variables,
-//! annotations, alerts) names only series a real tollgate exports, with labels it exports and,
-//! for fixed label values (`code="over_limit"`), values it exports. The series are read from
+//! annotations, alerts, the recording rules of docs/monitoring.md) names only series a real
+//! tollgate exports, with labels it exports and, for fixed label values (`code="over_limit"`),
+//! values it exports; and every legend only labels its query returns. The series are read from
 //! the `/metrics` of running tollgates: one on the shared Redis with `failure_mode: fallback`
 //! and `fallback: memory` (backend, fallback and memory series) after a request mix that gives
-//! every decision code, and one whose Redis is not there with `failure_mode: allow` (the
-//! failure answers, which appear on the first one). Prometheus's own `up` is the one series
-//! allowed beyond them.
+//! every decision code, and one whose Redis never answers, with `failure_mode: allow`
+//! (`tollgate_backend_failure_answers_total`, a series that only appears with the first such
+//! answer). Prometheus's own `up` is the one series allowed beyond them.
 
 mod support;
 
