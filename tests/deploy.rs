@@ -20,13 +20,12 @@ use std::process::Command;
 
 use serde::Deserialize;
 use serde_yaml::Value;
-use support::{envoy_or_skip, envoy_validate, http_get, Tollgate};
+use support::{envoy_or_skip, envoy_validate, http_get, Envoy, Tollgate};
 use tollgate::settings::{Backend, Settings};
 
 fn repo_path(relative: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join(relative)
 }
-
 
 /// Every YAML document in file `relative` (of the repository).
 fn yaml_docs(relative: &str) -> Vec<Value> {
@@ -54,8 +53,14 @@ fn at<'a>(value: &'a Value, path: &[&str]) -> &'a Value {
     let mut v = value;
     for key in path {
         v = match v {
-            Value::Mapping(m) => m.get(*key).unwrap_or_else(|| panic!("no {key:?} (of {path:?}) in {v:?}")),
-            Value::Sequence(s) => &s[key.parse::<usize>().unwrap_or_else(|_| panic!("{key:?} is not an index"))],
+            Value::Mapping(m) => m
+                .get(*key)
+                .unwrap_or_else(|| panic!("no {key:?} (of {path:?}) in {v:?}")),
+            Value::Sequence(s) => {
+                &s[key
+                    .parse::<usize>()
+                    .unwrap_or_else(|_| panic!("{key:?} is not an index"))]
+            }
             other => panic!("{path:?}: {other:?} has no {key:?}"),
         };
     }
@@ -75,6 +80,7 @@ fn strings(value: &Value) -> Vec<String> {
 
 /// The settings `tollgate serve` gets from `config/tollgate.yaml` (what the image bakes in and
 /// compose mounts) and environment `env` alone; also every variable of `env` must name a setting.
+#[allow(clippy::result_large_err)] // figment::Jail's closure returns figment::Error
 fn settings_with_env(env: &BTreeMap<String, String>) -> Settings {
     let mut loaded = None;
     figment::Jail::expect_with(|jail| {
@@ -94,22 +100,22 @@ fn settings_with_env(env: &BTreeMap<String, String>) -> Settings {
 
 /// `http://host:port/path` split into host, port and path.
 fn split_url(url: &str) -> (String, u16, String) {
-    let rest = url
-        .split_once("://")
-        .unwrap_or_else(|| panic!("{url}: no scheme"))
-        .1;
-    let (authority, path) = rest.split_once('/').map_or((rest, String::new()), |(a, p)| (a, format!("/{p}")));
+    let rest = url.split_once("://").unwrap_or_else(|| panic!("{url}: no scheme")).1;
+    let (authority, path) = rest
+        .split_once('/')
+        .map_or((rest, String::new()), |(a, p)| (a, format!("/{p}")));
     let authority = authority.rsplit('@').next().unwrap();
-    let (host, port) = authority
-        .rsplit_once(':')
-        .unwrap_or_else(|| panic!("{url}: no port"));
+    let (host, port) = authority.rsplit_once(':').unwrap_or_else(|| panic!("{url}: no port"));
     (host.to_owned(), port.parse().expect("a port number"), path)
 }
 
 /// Runs `tollgate probe` against `url` with its port replaced by `port` (of a test server).
 fn probe(url: &str, port: u16) -> std::process::Output {
     let (host, _, path) = split_url(url);
-    assert_eq!(host, "127.0.0.1", "{url}: a health check inside the container asks loopback");
+    assert_eq!(
+        host, "127.0.0.1",
+        "{url}: a health check inside the container asks loopback"
+    );
     Command::new(env!("CARGO_BIN_EXE_tollgate"))
         .args(["probe", &format!("http://127.0.0.1:{port}{path}")])
         .output()
@@ -148,7 +154,11 @@ fn compose_env(service: &Value) -> BTreeMap<String, String> {
 /// The healthcheck `test` of a service, exec form (`["CMD", ...]`) without the `CMD`.
 fn healthcheck(service: &Value) -> Vec<String> {
     let test = strings(at(service, &["healthcheck", "test"]));
-    assert_eq!(test.first().map(String::as_str), Some("CMD"), "exec-form health checks: {test:?}");
+    assert_eq!(
+        test.first().map(String::as_str),
+        Some("CMD"),
+        "exec-form health checks: {test:?}"
+    );
     test[1..].to_vec()
 }
 
@@ -162,7 +172,10 @@ fn bind_mounts(service: &Value) -> Vec<(String, String)> {
         .map(|v| {
             let mut parts = v.split(':');
             let host = parts.next().unwrap().to_owned();
-            let container = parts.next().unwrap_or_else(|| panic!("{v}: no container path")).to_owned();
+            let container = parts
+                .next()
+                .unwrap_or_else(|| panic!("{v}: no container path"))
+                .to_owned();
             (host, container)
         })
         .collect()
@@ -173,13 +186,24 @@ fn envoy_demo_ports() -> (u16, BTreeMap<String, (String, u16)>) {
     let envoy = yaml("envoy/envoy.yaml");
     let listeners = seq(at(&envoy, &["static_resources", "listeners"]));
     assert_eq!(listeners.len(), 1);
-    let listener = at(&listeners[0], &["address", "socket_address", "port_value"]).as_u64().unwrap();
+    let listener = at(&listeners[0], &["address", "socket_address", "port_value"])
+        .as_u64()
+        .unwrap();
     let clusters = seq(at(&envoy, &["static_resources", "clusters"]))
         .iter()
         .map(|c| {
             let socket = at(
                 c,
-                &["load_assignment", "endpoints", "0", "lb_endpoints", "0", "endpoint", "address", "socket_address"],
+                &[
+                    "load_assignment",
+                    "endpoints",
+                    "0",
+                    "lb_endpoints",
+                    "0",
+                    "endpoint",
+                    "address",
+                    "socket_address",
+                ],
             );
             let port = at(socket, &["port_value"]).as_u64().unwrap();
             (
@@ -212,8 +236,13 @@ fn compose_file_names_only_what_exists() {
     assert!(dockerfile.contains("WORKDIR /srv/tollgate\n"));
     for name in &names {
         for (host, _) in bind_mounts(service(&compose, name)) {
-            let relative = host.strip_prefix("./").unwrap_or_else(|| panic!("{name}: {host} is not ./relative"));
-            assert!(repo_path(relative).exists(), "{name} mounts {host}, which is not in the repository");
+            let relative = host
+                .strip_prefix("./")
+                .unwrap_or_else(|| panic!("{name}: {host} is not ./relative"));
+            assert!(
+                repo_path(relative).exists(),
+                "{name} mounts {host}, which is not in the repository"
+            );
         }
     }
     assert_eq!(
@@ -235,19 +264,34 @@ fn compose_file_names_only_what_exists() {
     // Envoy and the upstream share tollgate's network namespace: the demo's loopback addresses
     // then point at tollgate and the upstream, and the published ports are tollgate's.
     for name in ["envoy", "upstream"] {
-        assert_eq!(str_at(service(&compose, name), &["network_mode"]), "service:tollgate", "{name}");
-        assert!(service(&compose, name).get("ports").is_none(), "{name}: ports go on tollgate");
+        assert_eq!(
+            str_at(service(&compose, name), &["network_mode"]),
+            "service:tollgate",
+            "{name}"
+        );
+        assert!(
+            service(&compose, name).get("ports").is_none(),
+            "{name}: ports go on tollgate"
+        );
     }
     let settings = settings_with_env(&compose_env(tollgate));
     let (listener, clusters) = envoy_demo_ports();
-    assert_eq!(clusters["ratelimit"], ("127.0.0.1".to_owned(), settings.grpc_addr.port()));
+    assert_eq!(
+        clusters["ratelimit"],
+        ("127.0.0.1".to_owned(), settings.grpc_addr.port())
+    );
     let upstream_port = clusters["upstream"].1;
     let upstream_command = strings(at(service(&compose, "upstream"), &["command"]));
     assert!(
-        upstream_command.windows(2).any(|w| w[0] == upstream_port.to_string() || w[1] == upstream_port.to_string()),
+        upstream_command
+            .windows(2)
+            .any(|w| w[0] == upstream_port.to_string() || w[1] == upstream_port.to_string()),
         "the upstream must listen on {upstream_port}: {upstream_command:?}"
     );
-    assert!(upstream_command.contains(&"127.0.0.1".to_owned()), "{upstream_command:?}");
+    assert!(
+        upstream_command.contains(&"127.0.0.1".to_owned()),
+        "{upstream_command:?}"
+    );
     let published: BTreeSet<u16> = strings(at(tollgate, &["ports"]))
         .iter()
         .map(|p| {
@@ -283,7 +327,10 @@ fn compose_file_names_only_what_exists() {
             let dep = dep.as_str().unwrap();
             assert!(names.contains(dep), "{name} depends on unknown {dep}");
             if str_at(condition, &["condition"]) == "service_healthy" {
-                assert!(service(&compose, dep).get("healthcheck").is_some(), "{dep} has no health check");
+                assert!(
+                    service(&compose, dep).get("healthcheck").is_some(),
+                    "{dep} has no health check"
+                );
             }
         }
     }
@@ -304,8 +351,14 @@ fn compose_postgres_override_names_real_settings() {
     assert_eq!(host, "postgres", "the URL names the postgres service");
     assert_eq!(port, 5432);
     assert_eq!(path.trim_start_matches('/'), pg_env["POSTGRES_DB"]);
-    assert!(settings.postgres.url.starts_with(&format!("postgres://{}@", pg_env["POSTGRES_USER"])));
-    assert_eq!(settings.postgres.password.as_deref(), Some(pg_env["POSTGRES_PASSWORD"].as_str()));
+    assert!(settings
+        .postgres
+        .url
+        .starts_with(&format!("postgres://{}@", pg_env["POSTGRES_USER"])));
+    assert_eq!(
+        settings.postgres.password.as_deref(),
+        Some(pg_env["POSTGRES_PASSWORD"].as_str())
+    );
     let check = healthcheck(postgres);
     assert_eq!(check[0], "pg_isready");
     let deps = at(service(&over, "tollgate"), &["depends_on", "postgres", "condition"]);
@@ -324,7 +377,11 @@ fn compose_tollgate_environment_serves_and_its_health_checks_pass() {
     let compose = compose();
     let mut builder = Tollgate::builder().rules_path(repo_path("config/rules"));
     for (k, v) in compose_env(service(&compose, "tollgate")) {
-        let v = if k == "TOLLGATE_REDIS__URLS" { format!("[{redis_url}]") } else { v };
+        let v = if k == "TOLLGATE_REDIS__URLS" {
+            format!("[{redis_url}]")
+        } else {
+            v
+        };
         builder = builder.env(&k, &v);
     }
     let prefix = support::redis::unique_prefix(test);
@@ -346,7 +403,11 @@ fn compose_tollgate_environment_serves_and_its_health_checks_pass() {
         .unwrap();
     let mut cli = healthcheck(service(&compose, "redis"));
     let program = cli.remove(0);
-    let pong = Command::new(program).args(["-h", host, "-p", port]).args(&cli).output().expect("run redis-cli");
+    let pong = Command::new(program)
+        .args(["-h", host, "-p", port])
+        .args(&cli)
+        .output()
+        .expect("run redis-cli");
     assert_eq!(String::from_utf8_lossy(&pong.stdout).trim(), "PONG");
 
     if let Some(envoy) = envoy_or_skip(test) {
@@ -375,7 +436,10 @@ fn kustomization(dir: &str) -> Kustomization {
     };
     for resource in strings(at(&k, &["resources"])) {
         let path = normalize(&format!("{dir}/{resource}"));
-        assert!(repo_path(&path).exists(), "{dir}/kustomization.yaml names {resource}, which does not exist");
+        assert!(
+            repo_path(&path).exists(),
+            "{dir}/kustomization.yaml names {resource}, which does not exist"
+        );
         if repo_path(&path).is_dir() {
             let base = kustomization(&path);
             out.files.extend(base.files);
@@ -395,7 +459,10 @@ fn kustomization(dir: &str) -> Kustomization {
             .map(|f| normalize(&format!("{dir}/{f}")))
             .collect();
         for f in &files {
-            assert!(repo_path(f).is_file(), "{dir}: configMapGenerator file {f} does not exist");
+            assert!(
+                repo_path(f).is_file(),
+                "{dir}: configMapGenerator file {f} does not exist"
+            );
         }
         let behavior = generator.get("behavior").and_then(Value::as_str).map(str::to_owned);
         if behavior.as_deref() == Some("replace") {
@@ -450,11 +517,19 @@ fn kubernetes_validate(test: &str, files: &[PathBuf]) {
         .args(files)
         .output()
         .expect("run kubernetes-validate");
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(out.status.success(), "kubernetes-validate --strict:\n{text}");
     // It only warns when it has no schema for a kind: none of these files may contain one.
     assert!(!text.contains("WARN"), "kubernetes-validate --strict:\n{text}");
-    assert_eq!(text.matches(" passed for resource ").count(), count_docs(files), "{text}");
+    assert_eq!(
+        text.matches(" passed for resource ").count(),
+        count_docs(files),
+        "{text}"
+    );
 }
 
 fn count_docs(files: &[PathBuf]) -> usize {
@@ -510,7 +585,11 @@ fn kubernetes_and_istio_manifests_pass_kubernetes_validate_strict() {
         let files: Vec<PathBuf> = k
             .files
             .iter()
-            .filter(|f| manifests(&[(*f).clone()]).iter().all(|(_, d)| str_at(d, &["kind"]) != "EnvoyFilter"))
+            .filter(|f| {
+                manifests(&[(*f).clone()])
+                    .iter()
+                    .all(|(_, d)| str_at(d, &["kind"]) != "EnvoyFilter")
+            })
             .map(|f| repo_path(f))
             .collect();
         assert!(!files.is_empty());
@@ -531,7 +610,12 @@ fn kubernetes_and_istio_manifests_pass_kubernetes_validate_strict() {
                 .iter()
                 .find(|d| str_at(d, &["kind"]) == "ConfigMap" && str_at(d, &["metadata", "name"]) == name)
                 .expect("the rules ConfigMap");
-            let keys: BTreeSet<&str> = at(cm, &["data"]).as_mapping().unwrap().keys().map(|k| k.as_str().unwrap()).collect();
+            let keys: BTreeSet<&str> = at(cm, &["data"])
+                .as_mapping()
+                .unwrap()
+                .keys()
+                .map(|k| k.as_str().unwrap())
+                .collect();
             let expected: BTreeSet<&str> = files.iter().map(|f| f.rsplit('/').next().unwrap()).collect();
             assert_eq!(keys, expected, "{dir}");
         }
@@ -600,7 +684,10 @@ fn kubernetes_manifests_match_tollgate() {
             ("http".to_owned(), settings.http_addr.port()),
         ])
     );
-    assert!(settings.admin.addr.ip().is_loopback(), "the admin API stays inside the pod");
+    assert!(
+        settings.admin.addr.ip().is_loopback(),
+        "the admin API stays inside the pod"
+    );
 
     // Security: non-root 65534 (the image's USER), read-only root, no privilege, no capability.
     let pod_sc = at(pod, &["securityContext"]);
@@ -613,7 +700,10 @@ fn kubernetes_manifests_match_tollgate() {
     assert_eq!(at(sc, &["allowPrivilegeEscalation"]).as_bool(), Some(false));
     assert_eq!(strings(at(sc, &["capabilities", "drop"])), ["ALL"]);
     for kind in ["requests", "limits"] {
-        assert!(at(c, &["resources", kind, "memory"]).as_str().is_some(), "resources.{kind}.memory");
+        assert!(
+            at(c, &["resources", kind, "memory"]).as_str().is_some(),
+            "resources.{kind}.memory"
+        );
     }
     let grace = at(pod, &["terminationGracePeriodSeconds"]).as_u64().unwrap();
     assert!(grace > settings.shutdown.drain_seconds + settings.shutdown.timeout_seconds);
@@ -670,7 +760,10 @@ fn kubernetes_manifests_match_tollgate() {
     assert_eq!(settings.backend, Backend::Redis);
     let (host, port, _) = split_url(&settings.redis.urls[0]);
     let redis_svc = find(&docs, "Service", &host);
-    assert_eq!(at(redis_svc, &["spec", "ports", "0", "port"]).as_u64(), Some(u64::from(port)));
+    assert_eq!(
+        at(redis_svc, &["spec", "ports", "0", "port"]).as_u64(),
+        Some(u64::from(port))
+    );
     let redis_deploy = find(&docs, "Deployment", &host);
     let redis_labels = labels(at(redis_deploy, &["spec", "template", "metadata", "labels"]));
     assert!(labels(at(redis_svc, &["spec", "selector"]))
@@ -694,7 +787,11 @@ fn kubernetes_manifests_match_tollgate() {
     };
     let mut builder = Tollgate::builder().rules_path(rules_dir.path());
     for (k, v) in &env {
-        let v = if k == "TOLLGATE_REDIS__URLS" { format!("[{redis_url}]") } else { v.clone() };
+        let v = if k == "TOLLGATE_REDIS__URLS" {
+            format!("[{redis_url}]")
+        } else {
+            v.clone()
+        };
         builder = builder.env(k, &v);
     }
     let tollgate = builder
@@ -705,7 +802,10 @@ fn kubernetes_manifests_match_tollgate() {
         assert_eq!(answer, Some(200), "{probe} {path}");
     }
     let line = tollgate.process.log();
-    let first = line.lines().find(|l| l.starts_with('{')).unwrap_or_else(|| panic!("JSON logs: {line}"));
+    let first = line
+        .lines()
+        .find(|l| l.starts_with('{'))
+        .unwrap_or_else(|| panic!("JSON logs: {line}"));
     serde_json::from_str::<serde_json::Value>(first).expect("a JSON log line");
 }
 
@@ -727,7 +827,13 @@ fn patches(filters: &[Value]) -> Vec<(String, Value, Value)> {
     filters
         .iter()
         .flat_map(|f| seq(at(f, &["spec", "configPatches"])).iter())
-        .map(|p| (str_at(p, &["applyTo"]).to_owned(), at(p, &["match"]).clone(), at(p, &["patch"]).clone()))
+        .map(|p| {
+            (
+                str_at(p, &["applyTo"]).to_owned(),
+                at(p, &["match"]).clone(),
+                at(p, &["patch"]).clone(),
+            )
+        })
         .collect()
 }
 
@@ -765,7 +871,10 @@ fn istio_envoyfilters_are_well_formed_and_name_the_tollgate_service() {
     for f in &filters {
         assert_eq!(str_at(f, &["apiVersion"]), "networking.istio.io/v1alpha3");
         assert_eq!(str_at(f, &["metadata", "namespace"]), "istio-system");
-        assert_eq!(str_at(f, &["spec", "workloadSelector", "labels", "istio"]), "ingressgateway");
+        assert_eq!(
+            str_at(f, &["spec", "workloadSelector", "labels", "istio"]),
+            "ingressgateway"
+        );
         for p in seq(at(f, &["spec", "configPatches"])) {
             let keys: BTreeSet<&str> = p.as_mapping().unwrap().keys().map(|k| k.as_str().unwrap()).collect();
             assert_eq!(keys, BTreeSet::from(["applyTo", "match", "patch"]));
@@ -777,7 +886,10 @@ fn istio_envoyfilters_are_well_formed_and_name_the_tollgate_service() {
             "HTTP_FILTER" => {
                 assert_eq!(str_at(&patch, &["operation"]), "INSERT_BEFORE");
                 let chain = at(&matched, &["listener", "filterChain", "filter"]);
-                assert_eq!(str_at(chain, &["name"]), "envoy.filters.network.http_connection_manager");
+                assert_eq!(
+                    str_at(chain, &["name"]),
+                    "envoy.filters.network.http_connection_manager"
+                );
                 assert_eq!(str_at(chain, &["subFilter", "name"]), "envoy.filters.http.router");
             }
             "VIRTUAL_HOST" | "HTTP_ROUTE" => {
@@ -802,7 +914,10 @@ fn istio_envoyfilters_are_well_formed_and_name_the_tollgate_service() {
     let host = format!("tollgate.{namespace}.svc.cluster.local");
     let port = at(grpc, &["port"]).as_u64().unwrap();
     let grpc_service = at(&config, &["rate_limit_service", "grpc_service", "envoy_grpc"]);
-    assert_eq!(str_at(grpc_service, &["cluster_name"]), format!("outbound|{port}||{host}"));
+    assert_eq!(
+        str_at(grpc_service, &["cluster_name"]),
+        format!("outbound|{port}||{host}")
+    );
     assert_eq!(str_at(grpc_service, &["authority"]), host);
     assert_eq!(str_at(&config, &["rate_limit_service", "transport_api_version"]), "V3");
     assert!(at(&config, &["failure_mode_deny"]).as_bool().is_some());
@@ -835,7 +950,11 @@ fn spliced_bootstrap(filters: &[Value], ratelimit_port: u16, upstream_port: u16)
         .map(|(_, m, _)| str_at(m, &["routeConfiguration", "vhost", "name"]).to_owned())
         .expect("a VIRTUAL_HOST patch");
     let config = ratelimit_filter(filters);
-    let cluster = str_at(&config, &["rate_limit_service", "grpc_service", "envoy_grpc", "cluster_name"]).to_owned();
+    let cluster = str_at(
+        &config,
+        &["rate_limit_service", "grpc_service", "envoy_grpc", "cluster_name"],
+    )
+    .to_owned();
     let bootstrap = format!(
         r#"
 admin:
@@ -850,6 +969,8 @@ static_resources:
               typed_config:
                 "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
                 stat_prefix: gateway
+                # Istio's gateways take the client's address from the connection.
+                use_remote_address: true
                 route_config:
                   name: http.8080
                   virtual_hosts:
@@ -925,7 +1046,10 @@ fn istio_envoyfilter_patches_validate_in_envoy() {
     let path = dir.path().join("gateway.yaml");
     fs::write(&path, serde_yaml::to_string(&bootstrap).unwrap()).unwrap();
     if let Err(e) = envoy_validate(&envoy, &path) {
-        panic!("envoy --mode validate rejects the spliced EnvoyFilter patches:\n{e}\n{}", fs::read_to_string(&path).unwrap());
+        panic!(
+            "envoy --mode validate rejects the spliced EnvoyFilter patches:\n{e}\n{}",
+            fs::read_to_string(&path).unwrap()
+        );
     }
 }
 
@@ -935,7 +1059,12 @@ fn action_entry(action: &Value) -> (String, String) {
     let map = action.as_mapping().unwrap();
     assert_eq!(map.len(), 1, "one action per list item: {action:?}");
     let (kind, body) = map.iter().next().unwrap();
-    let key_or = |default: &str| body.get("descriptor_key").and_then(Value::as_str).unwrap_or(default).to_owned();
+    let key_or = |default: &str| {
+        body.get("descriptor_key")
+            .and_then(Value::as_str)
+            .unwrap_or(default)
+            .to_owned()
+    };
     match kind.as_str().unwrap() {
         // Envoy's defaults for the key where it is optional.
         "generic_key" => (key_or("generic_key"), str_at(body, &["descriptor_value"]).to_owned()),
@@ -989,4 +1118,66 @@ async fn istio_route_actions_reach_buckets_of_the_shipped_rules() {
         .unwrap()
         .into_inner();
     assert!(response.statuses[0].current_limit.is_none(), "{response:?}");
+}
+
+/// The spliced gateway bootstrap running: Envoy asks a tollgate holding the Istio rules, and the
+/// login limit (5 per client a minute: the `header_value_match` and `remote_address` actions)
+/// denies the sixth login from one client while other paths still pass. The filter timeout is
+/// raised from the EnvoyFilter's 25 ms for a debug build on a busy machine: a late answer would
+/// fail open and pass the sixth login.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn istio_gateway_patches_limit_logins_through_real_envoy() {
+    let Some(envoy_bin) = envoy_or_skip("istio_gateway_patches_limit_logins_through_real_envoy") else {
+        return;
+    };
+    let k = kustomization("deploy/istio");
+    let rules = rules_dir(&k.generators.last().unwrap().1);
+    let tollgate = tokio::task::block_in_place(|| Tollgate::builder().rules_path(rules.path()).start());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = listener.local_addr().unwrap();
+    let app = axum::Router::new().fallback(|| async { ([("x-upstream", "yes")], "upstream\n") });
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+
+    let filters = envoy_filters();
+    let mut bootstrap = spliced_bootstrap(&filters, tollgate.grpc_addr.port(), upstream.port());
+    let chain = &mut bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        ["http_filters"];
+    let filter = chain
+        .as_sequence_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|f| f["name"].as_str() == Some("envoy.filters.http.ratelimit"))
+        .expect("the spliced rate-limit filter");
+    filter["typed_config"]["timeout"] = Value::String("2s".into());
+    let envoy = tokio::task::block_in_place(|| Envoy::start(&envoy_bin, &serde_yaml::to_string(&bootstrap).unwrap()));
+    let base = format!("http://{}", envoy.listener("gateway"));
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(std::time::Duration::from_secs(10))
+        .build()
+        .unwrap();
+    for n in 1..=5 {
+        let reply = client.get(format!("{base}/login")).send().await.unwrap();
+        assert_eq!(reply.status(), 200, "login {n}: {:?}", reply.headers());
+        assert_eq!(reply.headers()["x-upstream"], "yes");
+        // Envoy reports the descriptor with the fewest tokens left: the login bucket.
+        assert_eq!(reply.headers()["x-ratelimit-remaining"], (5 - n).to_string().as_str());
+    }
+    let denied = client.get(format!("{base}/login")).send().await.unwrap();
+    assert_eq!(denied.status(), 429, "{:?}", denied.headers());
+    assert!(denied.headers().contains_key("retry-after"), "{:?}", denied.headers());
+    let other = client.get(format!("{base}/other")).send().await.unwrap();
+    assert_eq!(other.status(), 200, "{:?}", other.headers());
+    assert!(
+        other.headers()["ratelimit-policy"]
+            .to_str()
+            .unwrap()
+            .contains("per_client_ip"),
+        "{:?}",
+        other.headers()
+    );
+    tokio::task::block_in_place(|| {
+        assert_eq!(envoy.stat("cluster.upstream.ratelimit.over_limit"), 1);
+        assert_eq!(envoy.stat("cluster.upstream.ratelimit.error"), 0);
+    });
 }

@@ -308,7 +308,12 @@ fn docker_ignored(path: &str) -> bool {
 /// Fills `root` with exactly what the runtime stage's COPY instructions put in the image.
 fn build_copy(image: &Image, root: &Path, binary: &Path) {
     let build_name = image.build.name.as_deref().expect("the build stage is named");
-    let build_run: String = image.build.all("RUN").map(|i| i.args.clone()).collect::<Vec<_>>().join("\n");
+    let build_run: String = image
+        .build
+        .all("RUN")
+        .map(|i| i.args.clone())
+        .collect::<Vec<_>>()
+        .join("\n");
     let normalized_run = build_run.split_whitespace().collect::<Vec<_>>().join(" ");
     for (_, _, command) in &BUILT {
         assert!(
@@ -370,7 +375,10 @@ fn build_copy(image: &Image, root: &Path, binary: &Path) {
                             Built::Symlink(link) => std::os::unix::fs::symlink(link, &to).expect("make a symlink"),
                         }
                     }
-                    assert!(matched, "COPY --from={stage} {source}: the build stage makes no such file");
+                    assert!(
+                        matched,
+                        "COPY --from={stage} {source}: the build stage makes no such file"
+                    );
                 }
             }
         }
@@ -420,7 +428,11 @@ impl ImageCopy {
         make_dirs(&root);
         build_copy(&image, &root, &binary);
         // Everything readable, nothing writable but by root (which the mount makes read-only too).
-        let status = Command::new("chmod").args(["-R", "a+rX,go-w"]).arg(&root).status().unwrap();
+        let status = Command::new("chmod")
+            .args(["-R", "a+rX,go-w"])
+            .arg(&root)
+            .status()
+            .unwrap();
         assert!(status.success());
         ImageCopy { dir, image, release }
     }
@@ -465,7 +477,10 @@ impl ImageCopy {
             }
         }
         let executable = inside(&root, &resolved);
-        assert!(executable.is_file(), "{program} is not a file in the image (resolved: {resolved})");
+        assert!(
+            executable.is_file(),
+            "{program} is not a file in the image (resolved: {resolved})"
+        );
         let script = r#"
 set -u
 root=$1 workdir=$2 uid=$3 gid=$4 keep=$5
@@ -493,7 +508,15 @@ os.execve(exe, [argv0] + sys.argv[5:], env)
 "#;
         let mut command = Command::new("/usr/bin/unshare");
         command
-            .args(["--mount", "--propagation", "private", "/bin/bash", "-c", script, "image"])
+            .args([
+                "--mount",
+                "--propagation",
+                "private",
+                "/bin/bash",
+                "-c",
+                script,
+                "image",
+            ])
             .arg(&root)
             .arg(inside(&root, &self.workdir()))
             .arg(uid.to_string())
@@ -556,11 +579,22 @@ fn start(copy: &ImageCopy, ports: &Ports, argv: Option<Vec<String>>) -> ChildGua
     });
     let env = ports.env(&copy.image);
     let mut command = copy.command(&argv, &env);
-    let name = Path::new(&argv.remove(0)).file_name().unwrap().to_string_lossy().into_owned();
+    let name = Path::new(&argv.remove(0))
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
     let mut process = ChildGuard::spawn(&name, &mut command, &copy.dir.path().join(format!("{name}.log")));
     let http = ports.http;
-    wait_until(&mut process, || http_get(http, "/readyz").filter(|(status, _)| *status == 200))
-        .unwrap_or_else(|why| panic!("{name} from the image copy did not get ready: {why}\n{}", process.log_tail(40)));
+    wait_until(&mut process, || {
+        http_get(http, "/readyz").filter(|(status, _)| *status == 200)
+    })
+    .unwrap_or_else(|why| {
+        panic!(
+            "{name} from the image copy did not get ready: {why}\n{}",
+            process.log_tail(40)
+        )
+    });
     process
 }
 
@@ -586,10 +620,16 @@ fn hadolint_accepts_the_dockerfile() {
 /// The layout other parts rely on (deploy/, docs, the envoyproxy/ratelimit drop-in), and the
 /// stages' choices, read from the Dockerfile.
 #[test]
+#[allow(clippy::result_large_err)] // figment::Jail's closure returns figment::Error
 fn dockerfile_has_the_documented_layout() {
     let image = image();
     assert_eq!(image.build.base, "rust:1.95-bookworm");
-    let run: String = image.build.all("RUN").map(|i| i.args.as_str()).collect::<Vec<_>>().join(" ");
+    let run: String = image
+        .build
+        .all("RUN")
+        .map(|i| i.args.as_str())
+        .collect::<Vec<_>>()
+        .join(" ");
     assert!(run.contains("cargo build --release --locked"), "{run}");
     assert_eq!(image.runtime.base, "gcr.io/distroless/cc-debian12:nonroot");
     assert_eq!(image.runtime.last("WORKDIR").unwrap().args, "/srv/tollgate");
@@ -598,7 +638,10 @@ fn dockerfile_has_the_documented_layout() {
         exec_form(&image.runtime.last("ENTRYPOINT").unwrap().args),
         ["/usr/local/bin/tollgate", "serve"]
     );
-    assert!(image.runtime.last("CMD").is_none(), "no CMD: `docker run tollgate` is `tollgate serve`");
+    assert!(
+        image.runtime.last("CMD").is_none(),
+        "no CMD: `docker run tollgate` is `tollgate serve`"
+    );
 
     // The exposed ports are the baked-in settings' gRPC and HTTP ports.
     let dir = tempfile::tempdir().unwrap();
@@ -618,7 +661,10 @@ fn dockerfile_has_the_documented_layout() {
             .map_err(|e| e.to_string())?;
         settings.validate()?;
         assert_eq!(exposed, [settings.grpc_addr.port(), settings.http_addr.port()]);
-        assert!(settings.admin.addr.ip().is_loopback(), "the admin API must stay inside the container");
+        assert!(
+            settings.admin.addr.ip().is_loopback(),
+            "the admin API must stay inside the container"
+        );
         assert_eq!(settings.rules, Path::new("config/rules"), "relative to the WORKDIR");
         // Every ENV of the image is a setting (a misspelt one would be ignored silently).
         assert_eq!(tollgate::settings::unknown_env_vars(), Vec::<String>::new());
@@ -655,7 +701,14 @@ fn dockerignore_keeps_the_build_context_small_but_complete() {
     }
     // What `cargo build --release --locked` reads: the manifest and lock file, the sources,
     // what they embed (Lua scripts, migrations), the bench targets the manifest declares.
-    for needed in ["Cargo.toml", "Cargo.lock", "src/main.rs", "lua/decide.lua", "migrations", "benches/decision.rs"] {
+    for needed in [
+        "Cargo.toml",
+        "Cargo.lock",
+        "src/main.rs",
+        "lua/decide.lua",
+        "migrations",
+        "benches/decision.rs",
+    ] {
         assert!(!docker_ignored(needed), "{needed} is needed by the build");
         assert!(repo_path(needed).exists(), "{needed}");
     }
@@ -674,21 +727,24 @@ async fn image_copy_runs_read_only_as_nobody_and_envoy_limits_through_it() {
         return;
     };
     let copy = ImageCopy::new();
-    eprintln!("image copy with a {} binary", if copy.release { "release" } else { "debug" });
+    eprintln!(
+        "image copy with a {} binary",
+        if copy.release { "release" } else { "debug" }
+    );
     let ports = Ports::new();
     let mut tollgate = tokio::task::block_in_place(|| start(&copy, &ports, None));
     let log = tollgate.log();
-    assert!(log.contains("read-only: writes as root and as 65534:65534 refused"), "{log}");
+    assert!(
+        log.contains("read-only: writes as root and as 65534:65534 refused"),
+        "{log}"
+    );
 
     // The process runs as nobody, in the WORKDIR, with the image's environment only.
     let pid = tollgate_pid(&tollgate);
     let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     for key in ["Uid:", "Gid:"] {
         let line = status.lines().find(|l| l.starts_with(key)).unwrap();
-        assert!(
-            line.split_whitespace().skip(1).all(|id| id == "65534"),
-            "{line}"
-        );
+        assert!(line.split_whitespace().skip(1).all(|id| id == "65534"), "{line}");
     }
     let groups = status.lines().find(|l| l.starts_with("Groups:")).unwrap();
     assert_eq!(groups.trim(), "Groups:", "no supplementary groups");
@@ -705,7 +761,10 @@ async fn image_copy_runs_read_only_as_nobody_and_envoy_limits_through_it() {
     expected.sort();
     assert_eq!(names, expected);
     // JSON log lines, as the image's ENV asks.
-    let json_line = log.lines().find(|l| l.starts_with('{')).unwrap_or_else(|| panic!("no JSON log line:\n{log}"));
+    let json_line = log
+        .lines()
+        .find(|l| l.starts_with('{'))
+        .unwrap_or_else(|| panic!("no JSON log line:\n{log}"));
     serde_json::from_str::<serde_json::Value>(json_line).expect("a JSON log line");
 
     // The image's HEALTHCHECK, run the same way (its port moved to the test's).
@@ -731,12 +790,22 @@ async fn image_copy_runs_read_only_as_nobody_and_envoy_limits_through_it() {
             "{ address: 127.0.0.1, port_value: 0 }".to_owned(),
         ),
         ("port_value: 9901".to_owned(), "port_value: 0".to_owned()),
-        ("port_value: 8000".to_owned(), format!("port_value: {}", upstream.port())),
-        ("port_value: 8081".to_owned(), format!("port_value: {}", ports.grpc.port())),
+        (
+            "port_value: 8000".to_owned(),
+            format!("port_value: {}", upstream.port()),
+        ),
+        (
+            "port_value: 8081".to_owned(),
+            format!("port_value: {}", ports.grpc.port()),
+        ),
         // A debug build on a busy machine: a late answer would fail open.
         ("timeout: 0.1s".to_owned(), "timeout: 2s".to_owned()),
     ] {
-        assert_eq!(demo.matches(&from).count(), 1, "envoy/envoy.yaml changed: expected `{from}` once");
+        assert_eq!(
+            demo.matches(&from).count(),
+            1,
+            "envoy/envoy.yaml changed: expected `{from}` once"
+        );
         bootstrap = bootstrap.replace(&from, &to);
     }
     let envoy = tokio::task::block_in_place(|| Envoy::start(&envoy_bin, &bootstrap));
@@ -767,7 +836,11 @@ async fn image_copy_runs_read_only_as_nobody_and_envoy_limits_through_it() {
         assert_eq!(envoy.stat("cluster.upstream.ratelimit.over_limit"), 1);
         assert_eq!(envoy.stat("cluster.upstream.ratelimit.error"), 0);
     });
-    assert!(tollgate.exited().is_none(), "tollgate exited:\n{}", tollgate.log_tail(40));
+    assert!(
+        tollgate.exited().is_none(),
+        "tollgate exited:\n{}",
+        tollgate.log_tail(40)
+    );
 }
 
 /// The image's second name: `/bin/ratelimit` (envoyproxy/ratelimit's command) starts the same
@@ -805,7 +878,9 @@ fn tollgate_pid(process: &ChildGuard) -> u32 {
 
 /// An upstream on a free loopback port that answers every request 200 with `x-upstream: yes`.
 async fn start_upstream() -> SocketAddr {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind the upstream");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind the upstream");
     let addr = listener.local_addr().expect("upstream address");
     let app = axum::Router::new().fallback(|| async { ([("x-upstream", "yes")], "hello from upstream\n") });
     tokio::spawn(async move { axum::serve(listener, app).await.expect("upstream server") });
