@@ -1181,3 +1181,46 @@ async fn istio_gateway_patches_limit_logins_through_real_envoy() {
         assert_eq!(envoy.stat("cluster.upstream.ratelimit.error"), 0);
     });
 }
+
+/// The Postgres variant's tollgate environment on a real tollgate (the shared test server and a
+/// schema of its own instead of the `postgres` service): it starts on Postgres, its health check
+/// passes, and the `postgres` service's `pg_isready` check answers for a running server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compose_postgres_environment_serves_and_its_health_checks_pass() {
+    let test = "compose_postgres_environment_serves_and_its_health_checks_pass";
+    let Some(schema) = support::postgres::TestSchema::new(test).await else {
+        return;
+    };
+    let base = compose();
+    let over = yaml("docker-compose.postgres.yml");
+    let mut env = compose_env(service(&base, "tollgate"));
+    env.extend(compose_env(service(&over, "tollgate")));
+    assert!(env.contains_key("TOLLGATE_POSTGRES__URL"));
+    // The test server's URL carries what it needs; the demo's password is for the demo's server.
+    env.insert("TOLLGATE_POSTGRES__URL".into(), schema.url.clone());
+    env.remove("TOLLGATE_POSTGRES__PASSWORD");
+    env.insert("TOLLGATE_POSTGRES__SCHEMA".into(), schema.name.clone());
+    let mut builder = Tollgate::builder().rules_path(repo_path("config/rules"));
+    for (k, v) in &env {
+        builder = builder.env(k, v);
+    }
+    let tollgate = tokio::task::block_in_place(|| builder.start());
+    let check = healthcheck(service(&base, "tollgate"));
+    let out = probe(&check[2], tollgate.http_addr.port());
+    assert!(out.status.success(), "{out:?}\n{}", tollgate.process.log_tail(20));
+    let config = http_get(tollgate.http_addr, "/config").expect("/config").1;
+    assert!(config.contains(&schema.name), "not on the test schema: {config}");
+
+    // pg_isready as the postgres service runs it, pointed at the test server.
+    let (host, port, _) = split_url(&schema.url);
+    let mut args = healthcheck(service(&over, "postgres"));
+    let program = args.remove(0);
+    let h = args.iter().position(|a| a == "-h").expect("pg_isready -h");
+    assert_eq!(args[h + 1], "127.0.0.1", "inside the container, loopback");
+    args[h + 1] = host;
+    args.extend(["-p".to_owned(), port.to_string()]);
+    let out = Command::new(program).args(&args).output().expect("run pg_isready");
+    assert!(out.status.success(), "{out:?}");
+    drop(tollgate);
+    schema.drop().await;
+}
