@@ -386,8 +386,10 @@ fn compose_tollgate_environment_serves_and_its_health_checks_pass() {
     }
     let prefix = support::redis::unique_prefix(test);
     let tollgate = builder.env("TOLLGATE_REDIS__KEY_PREFIX", &prefix).start();
-    let log = tollgate.process.log();
-    assert!(log.contains("redis"), "not on Redis? {log}");
+    let config: serde_json::Value =
+        serde_json::from_str(&http_get(tollgate.http_addr, "/config").expect("/config").1).expect("/config JSON");
+    assert_eq!(config["settings"]["backend"], "redis");
+    assert_eq!(config["settings"]["redis"]["key_prefix"], prefix.as_str());
     let check = healthcheck(service(&compose, "tollgate"));
     let out = probe(&check[2], tollgate.http_addr.port());
     assert!(out.status.success(), "{out:?}");
@@ -1208,8 +1210,10 @@ async fn compose_postgres_environment_serves_and_its_health_checks_pass() {
     let check = healthcheck(service(&base, "tollgate"));
     let out = probe(&check[2], tollgate.http_addr.port());
     assert!(out.status.success(), "{out:?}\n{}", tollgate.process.log_tail(20));
-    let config = http_get(tollgate.http_addr, "/config").expect("/config").1;
-    assert!(config.contains(&schema.name), "not on the test schema: {config}");
+    let config: serde_json::Value =
+        serde_json::from_str(&http_get(tollgate.http_addr, "/config").expect("/config").1).expect("/config JSON");
+    assert_eq!(config["settings"]["backend"], "postgres");
+    assert_eq!(config["settings"]["postgres"]["schema"], schema.name.as_str());
 
     // pg_isready as the postgres service runs it, pointed at the test server.
     let (host, port, _) = split_url(&schema.url);
