@@ -1228,3 +1228,47 @@ async fn compose_postgres_environment_serves_and_its_health_checks_pass() {
     drop(tollgate);
     schema.drop().await;
 }
+
+/// `tollgate probe`, the health check of the image and compose: 0 on 2xx; 1 naming the status,
+/// the refused connection or the timeout.
+#[test]
+fn probe_exits_1_with_the_reason_unless_2xx() {
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+            .arg("probe")
+            .args(args)
+            .output()
+            .expect("run tollgate probe");
+        (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let tollgate = Tollgate::start(&[]);
+    let ok = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["probe", &format!("http://{}/healthz", tollgate.http_addr)])
+        .output()
+        .unwrap();
+    assert_eq!(ok.status.code(), Some(0), "{ok:?}");
+    let (code, err) = run(&[&format!("http://{}/nowhere", tollgate.http_addr)]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("404"), "{err}");
+
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let closed_addr = closed.local_addr().unwrap();
+    drop(closed);
+    let (code, err) = run(&[&format!("http://{closed_addr}/readyz")]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("refused"), "{err}");
+
+    // Accepts the connection and never answers.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_addr = silent.local_addr().unwrap();
+    let started = std::time::Instant::now();
+    let (code, err) = run(&["--timeout-ms", "300", &format!("http://{silent_addr}/readyz")]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("no answer within 300 ms"), "{err}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    drop(silent);
+
+    let (code, err) = run(&["not a url"]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("not a usable URL"), "{err}");
+}

@@ -488,6 +488,8 @@ shift 5
 /usr/bin/mount --bind "$root" "$root" || exit 96
 /usr/bin/mount -o remount,bind,ro "$root" || exit 96
 /usr/bin/mount -o remount,bind,ro / || exit 96
+# A container's /tmp is its root filesystem's; a runner may have a tmpfs there.
+if /usr/bin/mountpoint -q /tmp; then /usr/bin/mount -o remount,bind,ro /tmp || exit 96; fi
 as_user() { /usr/bin/setpriv --reuid "$uid" --regid "$gid" --clear-groups -- "$@"; }
 for target in "$root/.written-by-root" "/tmp/.tollgate-image-test-$$"; do
     if /usr/bin/touch "$target" 2>/dev/null; then echo "WRITABLE as root: $target"; exit 97; fi
