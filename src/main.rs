@@ -1,5 +1,5 @@
-//! The `tollgate` command line: `serve`, `check`, and `bucket` (a client of a running
-//! server's admin API).
+//! The `tollgate` command line: `serve`, `check`, `bucket` (a client of a running
+//! server's admin API) and `probe` (an HTTP health check for images without curl).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -59,6 +59,15 @@ enum Command {
     Bucket {
         #[command(subcommand)]
         action: BucketAction,
+    },
+    /// GET a URL; exit 0 on a 2xx answer, else 1 with the status or why it could not connect.
+    /// A health check for container images that carry no curl (the distroless image).
+    Probe {
+        /// The URL, such as http://127.0.0.1:8080/readyz (plain HTTP; proxies are not used).
+        url: String,
+        /// Milliseconds for the whole request, connecting included.
+        #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(1..))]
+        timeout_ms: u64,
     },
 }
 
@@ -125,6 +134,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Bucket { action } => bucket(action),
+        Command::Probe { url, timeout_ms } => probe(&url, Duration::from_millis(timeout_ms)),
         Command::Check { rules } => match tollgate::config::load_rules(&rules) {
             Ok(set) if set.is_empty() => {
                 eprintln!("{}", tollgate::config::ConfigError::no_rules_files(&rules));
@@ -225,6 +235,49 @@ fn migrate(settings: &Settings) -> ExitCode {
         }
         Err(e) => {
             eprintln!("tollgate migrate: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `tollgate probe URL`: one GET, for container health checks. Prints the status on stdout
+/// (or the error on stderr); success only for a 2xx answer within `timeout`.
+fn probe(url: &str, timeout: Duration) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let outcome = runtime.block_on(async {
+        let client = reqwest::Client::builder()
+            .no_proxy()
+            .timeout(timeout)
+            .build()
+            .map_err(|e| format!("cannot make an HTTP client: {}", tollgate::error_chain(&e)))?;
+        let response = client.get(url).send().await.map_err(|e| {
+            if e.is_timeout() {
+                format!("no answer within {} ms", timeout.as_millis())
+            } else if e.is_builder() {
+                format!("not a usable URL: {}", root_cause(&e))
+            } else {
+                root_cause(&e)
+            }
+        })?;
+        Ok::<_, String>(response.status())
+    });
+    match outcome {
+        Ok(status) if status.is_success() => {
+            println!("{url}: {status}");
+            ExitCode::SUCCESS
+        }
+        Ok(status) => {
+            eprintln!("tollgate probe: {url} answered {status}");
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("tollgate probe: {url}: {e}");
             ExitCode::FAILURE
         }
     }
