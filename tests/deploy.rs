@@ -547,18 +547,10 @@ fn count_docs(files: &[PathBuf]) -> usize {
         .sum()
 }
 
-/// The rendered manifests of `kubectl kustomize <dir>` when kubectl is on PATH (it is not one of
-/// the tools scripts/ensure-tools installs): validated like the files, EnvoyFilters left out.
+/// The rendered manifests of `kubectl kustomize <dir>` (kubectl is on the machines; under
+/// `CI=true` its absence fails): validated like the files, EnvoyFilters left out.
 fn kustomize_rendered(test: &str, dir: &str) -> Option<Vec<Value>> {
-    let kubectl = std::env::var_os("PATH").and_then(|p| {
-        std::env::split_paths(&p)
-            .map(|d| d.join("kubectl"))
-            .find(|c| c.is_file())
-    });
-    let Some(kubectl) = kubectl else {
-        eprintln!("NOTE {test}: no kubectl on PATH; `kubectl kustomize {dir}` not rendered");
-        return None;
-    };
+    let kubectl = support::tools::tool_or_skip(test, "kubectl")?;
     let out = Command::new(kubectl)
         .args(["kustomize"])
         .arg(repo_path(dir))
