@@ -7,8 +7,13 @@
 //! `result` and `backend` from fixed sets. No rule can opt runtime descriptor values into a
 //! label; envoyproxy/ratelimit's `detailed_metric` is accepted and ignored.
 //!
+//! With `metrics.envoyproxy_names` (on when envoyproxy/ratelimit's environment is in use),
+//! their series are exported too, named and labelled as their default Prometheus mapper names
+//! them ([`EnvoyproxyStats`], [`envoyproxy_stat_key`]).
+//!
 //! Without an installed recorder (tests, `tollgate check`) every handle is a no-op.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -62,6 +67,175 @@ pub const MEMORY_BUCKETS: &str = "tollgate_memory_buckets";
 pub const MEMORY_EVICTED_NOT_FULL: &str = "tollgate_memory_evicted_not_full_total";
 /// Always 1, with the `version` label.
 pub const BUILD_INFO: &str = "tollgate_build_info";
+
+/// envoyproxy/ratelimit's `ratelimit_service_rate_limit_total_hits`: hits (`hits_addend`) of
+/// every decision of a rule with a limit, by `domain`, `key1`, `key2` ([`envoyproxy_labels`]).
+pub const ERL_TOTAL_HITS: &str = "ratelimit_service_rate_limit_total_hits";
+/// Their `_over_limit`: hits of denied decisions (in shadow mode too, as theirs counts).
+pub const ERL_OVER_LIMIT: &str = "ratelimit_service_rate_limit_over_limit";
+/// Their `_near_limit`: hits of admitted decisions that landed beyond the near-limit
+/// threshold (`floor(capacity * near_limit_ratio)` tokens used).
+pub const ERL_NEAR_LIMIT: &str = "ratelimit_service_rate_limit_near_limit";
+/// Their `_within_limit`: hits of admitted decisions.
+pub const ERL_WITHIN_LIMIT: &str = "ratelimit_service_rate_limit_within_limit";
+/// Their `_shadow_mode`: hits a rule with `shadow_mode: true` would have denied.
+pub const ERL_SHADOW_MODE: &str = "ratelimit_service_rate_limit_shadow_mode";
+/// Their `ratelimit_service_should_rate_limit_error{err_type}`: requests answered with an
+/// error because the backend failed (`err_type="redis_error"`, whatever the backend).
+pub const ERL_SHOULD_RATE_LIMIT_ERROR: &str = "ratelimit_service_should_rate_limit_error";
+
+static ENVOYPROXY_NAMES: AtomicBool = AtomicBool::new(false);
+
+/// Turns envoyproxy/ratelimit's series on or off for rules registered from now on
+/// (`metrics.envoyproxy_names`); `serve` sets it before loading rules.
+pub fn set_envoyproxy_names(on: bool) {
+    ENVOYPROXY_NAMES.store(on, Ordering::Relaxed);
+    if on {
+        counter!(ERL_SHOULD_RATE_LIMIT_ERROR, "err_type" => "redis_error").increment(0);
+    }
+}
+
+/// Whether envoyproxy/ratelimit's series are exported.
+pub fn envoyproxy_names() -> bool {
+    ENVOYPROXY_NAMES.load(Ordering::Relaxed)
+}
+
+/// Counts a request that failed because the backend did, in
+/// [`ERL_SHOULD_RATE_LIMIT_ERROR`] (when their names are on).
+pub fn count_envoyproxy_backend_error() {
+    if envoyproxy_names() {
+        counter!(ERL_SHOULD_RATE_LIMIT_ERROR, "err_type" => "redis_error").increment(1);
+    }
+}
+
+/// The stat key envoyproxy/ratelimit gives the rule on `node` of `domain`: the domain, then per
+/// level from the top `key`, or `key_value` for a node with a value (a wildcard's pattern as
+/// written, `*` included), joined by `.`; e.g. `edge.remote_address.path_/api/*`.
+pub fn envoyproxy_stat_key(domain: &crate::rules::Domain, node: usize) -> String {
+    let mut names: Vec<Option<String>> = vec![None; domain.nodes.len()];
+    let mut name_level = |level: &crate::rules::Level| {
+        for (key, values) in &level.exact {
+            for (value, n) in values {
+                names[*n] = Some(format!("{key}_{value}"));
+            }
+        }
+        for (key, pattern, n) in &level.wildcard {
+            names[*n] = Some(format!("{key}_{}", pattern.text()));
+        }
+        for (key, n) in &level.any {
+            names[*n] = Some(key.clone());
+        }
+    };
+    name_level(&domain.root);
+    let mut path = vec![node];
+    let mut at = node;
+    while let Some(parent) = domain.nodes[at].parent {
+        path.push(parent);
+        at = parent;
+    }
+    for &n in &path {
+        if let Some(parent) = domain.nodes[n].parent {
+            name_level(&domain.nodes[parent].children);
+        }
+    }
+    let mut key = domain.name.clone();
+    for &n in path.iter().rev() {
+        key.push('.');
+        key.push_str(names[n].as_deref().unwrap_or_default());
+    }
+    key
+}
+
+/// The labels their default Prometheus mapper gives a stat key (`domain.level1.level2...`):
+/// `domain` and `key1` for one level; `domain`, `key1`, `key2` for two or more (deeper levels
+/// are dropped). Their statsd names replace `:` and `|` with `_` first; a `.` inside a value
+/// splits it into levels, as it does in theirs.
+pub fn envoyproxy_labels(stat_key: &str) -> Vec<(&'static str, String)> {
+    let sanitized = stat_key.replace([':', '|'], "_");
+    let parts: Vec<&str> = sanitized.split('.').collect();
+    let mut labels = vec![("domain", parts[0].to_owned())];
+    if let Some(k1) = parts.get(1) {
+        labels.push(("key1", (*k1).to_owned()));
+    }
+    if let Some(k2) = parts.get(2) {
+        labels.push(("key2", (*k2).to_owned()));
+    }
+    labels
+}
+
+/// One rule's envoyproxy/ratelimit-named counters. Each series is registered on its first count;
+/// rules whose stat keys give the same labels (levels beyond the second) add up, as theirs do.
+#[derive(Debug, Default)]
+pub struct EnvoyproxyStats {
+    inner: Option<Box<ErlLabelled>>,
+}
+
+#[derive(Debug)]
+struct ErlLabelled {
+    labels: Vec<metrics::Label>,
+    /// `shadow_mode: true` on the rule itself (their `_shadow_mode` ignores global shadow mode).
+    rule_shadow: bool,
+    series: [OnceLock<Counter>; 5],
+}
+
+const ERL_NAMES: [&str; 5] = [
+    ERL_TOTAL_HITS,
+    ERL_OVER_LIMIT,
+    ERL_NEAR_LIMIT,
+    ERL_WITHIN_LIMIT,
+    ERL_SHADOW_MODE,
+];
+
+impl EnvoyproxyStats {
+    /// The counters of a rule with stat key `stat_key` ([`envoyproxy_stat_key`]).
+    pub fn new(stat_key: &str, rule_shadow: bool) -> EnvoyproxyStats {
+        let labels = envoyproxy_labels(stat_key)
+            .into_iter()
+            .map(|(k, v)| metrics::Label::new(k, v))
+            .collect();
+        EnvoyproxyStats {
+            inner: Some(Box::new(ErlLabelled {
+                labels,
+                rule_shadow,
+                series: Default::default(),
+            })),
+        }
+    }
+
+    /// Counters that count nothing.
+    pub fn noop() -> &'static EnvoyproxyStats {
+        static NOOP: EnvoyproxyStats = EnvoyproxyStats { inner: None };
+        &NOOP
+    }
+
+    fn add(&self, which: usize, n: u64) {
+        let Some(l) = &self.inner else { return };
+        l.series[which]
+            .get_or_init(|| metrics::counter!(ERL_NAMES[which], l.labels.clone()))
+            .increment(n);
+    }
+
+    /// Counts one decision of `hits` hits as theirs would: `used_before` whole tokens of
+    /// `capacity` were used before it, `admitted` whether the bucket (and its quota) had room.
+    pub fn count(&self, hits: u64, capacity: u64, used_before: u64, admitted: bool, near_limit_ratio: f64) {
+        let Some(l) = &self.inner else { return };
+        self.add(0, hits);
+        if admitted {
+            // Their near-limit threshold, in tokens used; the hits past it are near the limit.
+            let near = (capacity as f64 * near_limit_ratio).floor() as u64;
+            let after = used_before + hits;
+            if after > near {
+                self.add(2, after - used_before.max(near));
+            }
+            self.add(3, hits);
+        } else {
+            self.add(1, hits);
+            if l.rule_shadow {
+                self.add(4, hits);
+            }
+        }
+    }
+}
 
 /// Histogram buckets for the `_seconds` histograms: 50 µs to 1 s, dense around Envoy's 20 ms
 /// filter timeout.
@@ -224,6 +398,18 @@ pub fn register_rules(rules: &mut RuleSet) {
             .map(|b| DecisionCounters::new(&domain.name, &b.name))
             .collect();
         domain.override_counters = DecisionCounters::new(&domain.name, crate::limiter::OVERRIDE_BUCKET);
+        domain.envoyproxy_stats = if envoyproxy_names() {
+            (0..domain.nodes.len())
+                .map(|n| match &domain.nodes[n].rule {
+                    Some(crate::rules::Rule::Limited { shadow, .. }) => {
+                        EnvoyproxyStats::new(&envoyproxy_stat_key(domain, n), *shadow)
+                    }
+                    _ => EnvoyproxyStats::default(),
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
     }
 }
 
@@ -234,6 +420,15 @@ pub fn register_rules(rules: &mut RuleSet) {
 /// `near_limit_ratio` of the capacity in force used after the decision.
 pub fn count_decisions(targets: &[Option<Target<'_>>], applied: &Applied, near_limit_ratio: f64) {
     for t in targets.iter().flatten() {
+        if let DemandKind::Consume(ut) = t.kind {
+            let instance = &applied.decision.instances[t.instance];
+            let capacity = t.policy.plan.limit_at(applied.now_us).capacity();
+            let used_before = capacity.saturating_sub(instance.before.tokens_ut / MICRO);
+            let admitted = applied.decision.passed[t.demand]
+                && t.quota.as_ref().is_none_or(|q| applied.decision.passed[q.demand]);
+            t.envoyproxy
+                .count(ut / MICRO, capacity, used_before, admitted, near_limit_ratio);
+        }
         let parts = std::iter::once((&*t.policy, t.instance, t.demand, t.counters))
             .chain(t.quota.as_ref().map(|q| (q.policy, q.instance, q.demand, q.counters)));
         for (policy, instance, demand, counters) in parts {
@@ -344,6 +539,7 @@ pub fn count_failure_answer(mode: crate::settings::FailureMode) {
         crate::settings::FailureMode::Fallback => "fallback",
     };
     counter!(BACKEND_FAILURE_ANSWERS, "answer" => answer).increment(1);
+    count_envoyproxy_backend_error();
 }
 
 /// The rules files are back to the rules in force after a failed reload (an invalid edit was

@@ -32,6 +32,8 @@ pub struct Target<'r> {
     pub quota: Option<Part<'r>>,
     /// Where the decision is counted.
     pub counters: &'r DecisionCounters,
+    /// Where the decision is counted under envoyproxy/ratelimit's names (the rule's node).
+    pub envoyproxy: &'r crate::metrics::EnvoyproxyStats,
 }
 
 /// A second bucket instance one descriptor asks of (a quota beside a token bucket).

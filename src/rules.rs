@@ -79,6 +79,18 @@ pub struct Domain {
     pub counters: Vec<DecisionCounters>,
     /// The decision counters of Envoy `limit` overrides in this domain.
     pub override_counters: DecisionCounters,
+    /// Per node (same index as `nodes`), its envoyproxy/ratelimit-named counters; empty
+    /// unless [`crate::metrics::register_rules`] ran with their names on.
+    pub envoyproxy_stats: Vec<crate::metrics::EnvoyproxyStats>,
+}
+
+impl Domain {
+    /// The envoyproxy/ratelimit-named counters of node `node` (no-ops when not registered).
+    pub fn envoyproxy_stats_of(&self, node: usize) -> &crate::metrics::EnvoyproxyStats {
+        self.envoyproxy_stats
+            .get(node)
+            .unwrap_or(crate::metrics::EnvoyproxyStats::noop())
+    }
 }
 
 /// A named bucket policy: a token bucket (constant or scheduled) or a calendar quota.

@@ -161,6 +161,7 @@ impl<'a> DomainBuilder<'a> {
             notes: self.notes,
             counters: Vec::new(),
             override_counters: Default::default(),
+            envoyproxy_stats: Vec::new(),
         })
     }
 
