@@ -296,7 +296,7 @@ impl EnvoyproxyEnv {
             }
         }
         for (variable, why) in &self.notes {
-            tracing::warn!(variable = %variable, "envoyproxy/ratelimit variable has no effect: {why}");
+            tracing::warn!(variable = %variable, "envoyproxy/ratelimit variable accepted, changes nothing: {why}");
         }
         if std::path::Path::new(crate::settings::DEFAULT_SETTINGS_FILE).is_file() {
             tracing::info!(
@@ -499,11 +499,19 @@ impl Reader<'_> {
                 );
             }
         }
-        if self.get("PROMETHEUS_MAPPER_YAML").is_some() {
-            self.refuse(
-                "PROMETHEUS_MAPPER_YAML",
-                "tollgate exports the names of their default mapper only; unset it, and rename series with metric_relabel_configs in Prometheus",
-            );
+        if let Some(path) = self.get("PROMETHEUS_MAPPER_YAML").map(str::to_owned) {
+            match check_mapper(std::path::Path::new(&path)) {
+                Ok(()) => self.out.notes.push((
+                    "PROMETHEUS_MAPPER_YAML".into(),
+                    "its rate-limit mappings name and label the series as the default mapper does, which is what tollgate exports".into(),
+                )),
+                Err(why) => self.refuse(
+                    "PROMETHEUS_MAPPER_YAML",
+                    format!(
+                        "{why}; tollgate exports the default mapper's names and labels only: unset it, and rename series with metric_relabel_configs in Prometheus"
+                    ),
+                ),
+            }
         }
         // Their metric names are exported whenever their environment is in use.
         self.set("metrics.envoyproxy_names", json!(true), "envoyproxy/ratelimit environment in use");
@@ -821,6 +829,45 @@ impl Reader<'_> {
             ));
         }
     }
+}
+
+/// Whether the statsd-exporter mapper file at `path` gives each of their per-rule series the
+/// names and labels tollgate exports: every mapping named like one of them labels it `domain`,
+/// `key1` (one level) or `domain`, `key1`, `key2` (two or more), and each series has both.
+/// Mappings of other series are not looked at.
+///
+/// Errors: the file cannot be read or is not a mapper, or a series is mapped otherwise.
+fn check_mapper(path: &std::path::Path) -> Result<(), String> {
+    #[derive(serde::Deserialize)]
+    struct Mapper {
+        mappings: Vec<Mapping>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Mapping {
+        name: Option<String>,
+        #[serde(default)]
+        labels: BTreeMap<String, String>,
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let mapper: Mapper =
+        serde_yaml::from_str(&text).map_err(|e| format!("{} is not a statsd-exporter mapper: {e}", path.display()))?;
+    let short: Vec<String> = vec!["domain".into(), "key1".into()];
+    let long: Vec<String> = vec!["domain".into(), "key1".into(), "key2".into()];
+    for name in crate::metrics::ENVOYPROXY_RULE_SERIES {
+        let sets: Vec<Vec<String>> = mapper
+            .mappings
+            .iter()
+            .filter(|m| m.name.as_deref() == Some(name))
+            .map(|m| m.labels.keys().cloned().collect())
+            .collect();
+        if !sets.contains(&short) || !sets.contains(&long) || sets.iter().any(|s| *s != short && *s != long) {
+            return Err(format!(
+                "{} maps {name} with labels {sets:?}, not (domain, key1) and (domain, key1, key2)",
+                path.display()
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// `X-RateLimit-Limit` from `x-ratelimit-limit`.

@@ -178,6 +178,9 @@ struct ErlLabelled {
     series: [OnceLock<Counter>; 5],
 }
 
+/// Their per-rule series, in [`EnvoyproxyStats`] order.
+pub const ENVOYPROXY_RULE_SERIES: [&str; 5] = ERL_NAMES;
+
 const ERL_NAMES: [&str; 5] = [
     ERL_TOTAL_HITS,
     ERL_OVER_LIMIT,
