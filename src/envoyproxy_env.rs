@@ -231,7 +231,10 @@ impl EnvoyproxyEnv {
     ///
     /// Errors: every refused variable or value, each naming the variable, why, and what to use
     /// instead; a secret's value is never part of them.
-    pub fn read(vars: impl IntoIterator<Item = (String, String)>, as_ratelimit: bool) -> Result<EnvoyproxyEnv, EnvErrors> {
+    pub fn read(
+        vars: impl IntoIterator<Item = (String, String)>,
+        as_ratelimit: bool,
+    ) -> Result<EnvoyproxyEnv, EnvErrors> {
         let vars: BTreeMap<String, String> = vars
             .into_iter()
             .filter(|(k, v)| is_theirs(k) && !v.trim().is_empty())
@@ -410,7 +413,9 @@ impl Reader<'_> {
             let shown = self.shown(host_var);
             self.refuse(
                 host_var,
-                format!("{shown} is not an IP address; tollgate listens on an IP address (0.0.0.0 for every interface)"),
+                format!(
+                    "{shown} is not an IP address; tollgate listens on an IP address (0.0.0.0 for every interface)"
+                ),
             );
             return;
         };
@@ -514,7 +519,11 @@ impl Reader<'_> {
             }
         }
         // Their metric names are exported whenever their environment is in use.
-        self.set("metrics.envoyproxy_names", json!(true), "envoyproxy/ratelimit environment in use");
+        self.set(
+            "metrics.envoyproxy_names",
+            json!(true),
+            "envoyproxy/ratelimit environment in use",
+        );
         if self.bool("USE_PROMETHEUS") == Some(true) {
             let addr = self.get("PROMETHEUS_ADDR").unwrap_or(":9090").to_owned();
             match listen_addr(&addr) {
@@ -539,7 +548,10 @@ impl Reader<'_> {
                     self.set("metrics.path", json!(path), "PROMETHEUS_PATH");
                 } else {
                     let shown = self.shown("PROMETHEUS_PATH");
-                    self.refuse("PROMETHEUS_PATH", format!("{shown} is not a URL path; use one starting with /"));
+                    self.refuse(
+                        "PROMETHEUS_PATH",
+                        format!("{shown} is not a URL path; use one starting with /"),
+                    );
                 }
             }
         } else if self.get("PROMETHEUS_ADDR").is_some() || self.get("PROMETHEUS_PATH").is_some() {
@@ -581,7 +593,9 @@ impl Reader<'_> {
                     let shown = self.shown("NEAR_LIMIT_RATIO");
                     self.refuse(
                         "NEAR_LIMIT_RATIO",
-                        format!("{shown} is not a ratio; use a number greater than 0 and at most 1 (their default: 0.8)"),
+                        format!(
+                            "{shown} is not a ratio; use a number greater than 0 and at most 1 (their default: 0.8)"
+                        ),
                     );
                 }
             }
@@ -605,7 +619,9 @@ impl Reader<'_> {
             let name = self.get(var).unwrap_or(theirs).to_ascii_lowercase();
             if name != ours {
                 all_x = false;
-                let shown = self.get(var).map_or(format!("{theirs:?} (their default)"), |v| format!("{v:?}"));
+                let shown = self
+                    .get(var)
+                    .map_or(format!("{theirs:?} (their default)"), |v| format!("{v:?}"));
                 self.refuse(
                     var,
                     format!(
@@ -656,7 +672,9 @@ impl Reader<'_> {
             "CACHE_KEY_PREFIX",
         ];
         let set: Vec<&str> = redis_vars.into_iter().filter(|v| self.get(v).is_some()).collect();
-        let explicit = self.get("BACKEND_TYPE").is_some_and(|b| b.eq_ignore_ascii_case("redis"));
+        let explicit = self
+            .get("BACKEND_TYPE")
+            .is_some_and(|b| b.eq_ignore_ascii_case("redis"));
         if set.is_empty() && !explicit {
             return;
         }
@@ -675,7 +693,9 @@ impl Reader<'_> {
                 .map_or("unix (their default)".to_owned(), |v| format!("{v:?}"));
             self.refuse(
                 "REDIS_SOCKET_TYPE",
-                format!("{shown}: tollgate reaches Redis over TCP only; set REDIS_SOCKET_TYPE=tcp and REDIS_URL=host:port"),
+                format!(
+                    "{shown}: tollgate reaches Redis over TCP only; set REDIS_SOCKET_TYPE=tcp and REDIS_URL=host:port"
+                ),
             );
         }
         let cluster = match self.get("REDIS_TYPE").map(str::to_ascii_uppercase).as_deref() {
@@ -690,7 +710,10 @@ impl Reader<'_> {
             }
             Some(_) => {
                 let shown = self.shown("REDIS_TYPE");
-                self.refuse("REDIS_TYPE", format!("{shown} is not a Redis type; use SINGLE or CLUSTER"));
+                self.refuse(
+                    "REDIS_TYPE",
+                    format!("{shown} is not a Redis type; use SINGLE or CLUSTER"),
+                );
                 false
             }
         };
@@ -759,7 +782,10 @@ impl Reader<'_> {
                 Ok(n) if n >= 1 => self.set("redis.pool_size", json!(n.min(256)), "REDIS_POOL_SIZE"),
                 _ => {
                     let shown = self.shown("REDIS_POOL_SIZE");
-                    self.refuse("REDIS_POOL_SIZE", format!("{shown} is not a pool size; use a whole number of at least 1"));
+                    self.refuse(
+                        "REDIS_POOL_SIZE",
+                        format!("{shown} is not a pool size; use a whole number of at least 1"),
+                    );
                 }
             }
         }
@@ -778,7 +804,10 @@ impl Reader<'_> {
                 Some(ms) if ms >= 1 => self.set("redis.connect_timeout_ms", json!(ms), "REDIS_TIMEOUT"),
                 _ => {
                     let shown = self.shown("REDIS_TIMEOUT");
-                    self.refuse("REDIS_TIMEOUT", format!("{shown} is not a duration; use a Go duration such as 10s or 500ms"));
+                    self.refuse(
+                        "REDIS_TIMEOUT",
+                        format!("{shown} is not a duration; use a Go duration such as 10s or 500ms"),
+                    );
                 }
             }
         }
@@ -918,7 +947,9 @@ fn go_duration_ms(text: &str) -> Option<u64> {
         let num_len = rest.find(|c: char| !(c.is_ascii_digit() || c == '.'))?;
         let (num, tail) = rest.split_at(num_len);
         let n: f64 = num.parse().ok()?;
-        let unit_len = tail.find(|c: char| c.is_ascii_digit() || c == '.').unwrap_or(tail.len());
+        let unit_len = tail
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(tail.len());
         let (unit, tail) = tail.split_at(unit_len);
         let us = match unit {
             "ns" => 0.001,
@@ -954,11 +985,15 @@ mod tests {
             ("RUNTIME_SUBDIRECTORY", "ratelimit"),
             ("RUNTIME_IGNOREDOTFILES", "true"),
             ("RUNTIME_WATCH_ROOT", "false"),
+            ("HOST", "::"),
+            ("GRPC_HOST", "::"),
         ])
         .unwrap();
         assert!(env.active);
         let doc = env.document();
         assert_eq!(doc["rules"], "/data/ratelimit/config");
+        assert_eq!(doc["http_addr"], "[::]:8080", "their default PORT");
+        assert_eq!(doc["grpc_addr"], "[::]:8081", "their default GRPC_PORT");
         assert_eq!(doc["backend"], "redis");
         assert_eq!(doc["redis"]["urls"], json!(["redis://redis:6379"]));
         assert_eq!(doc["redis"]["unreachable_at_start"], "not_ready");
@@ -1039,8 +1074,14 @@ mod tests {
         assert_eq!(go_duration_ms("250ms"), Some(250));
         assert_eq!(go_duration_ms("1.5s"), Some(1_500));
         assert_eq!(go_duration_ms("ten"), None);
-        assert_eq!(listen_addr(":19001"), Some(std::net::SocketAddr::from(([0, 0, 0, 0], 19001))));
-        assert_eq!(listen_addr("127.0.0.1:9"), Some(std::net::SocketAddr::from(([127, 0, 0, 1], 9))));
+        assert_eq!(
+            listen_addr(":19001"),
+            Some(std::net::SocketAddr::from(([0, 0, 0, 0], 19001)))
+        );
+        assert_eq!(
+            listen_addr("127.0.0.1:9"),
+            Some(std::net::SocketAddr::from(([127, 0, 0, 1], 9)))
+        );
         assert_eq!(listen_addr("nope"), None);
         assert_eq!(canonical("x-ratelimit-remaining"), "X-RateLimit-Remaining");
     }

@@ -126,7 +126,11 @@ fn main() -> ExitCode {
     // arguments): `tollgate serve`, with their environment.
     let as_ratelimit = std::env::args_os()
         .next()
-        .and_then(|a| PathBuf::from(a).file_name().map(|n| n == tollgate::envoyproxy_env::RATELIMIT_ARGV0))
+        .and_then(|a| {
+            PathBuf::from(a)
+                .file_name()
+                .map(|n| n == tollgate::envoyproxy_env::RATELIMIT_ARGV0)
+        })
         .unwrap_or(false);
     let cli = if as_ratelimit && std::env::args_os().len() <= 1 {
         Cli {

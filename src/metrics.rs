@@ -427,8 +427,8 @@ pub fn count_decisions(targets: &[Option<Target<'_>>], applied: &Applied, near_l
             let instance = &applied.decision.instances[t.instance];
             let capacity = t.policy.plan.limit_at(applied.now_us).capacity();
             let used_before = capacity.saturating_sub(instance.before.tokens_ut / MICRO);
-            let admitted = applied.decision.passed[t.demand]
-                && t.quota.as_ref().is_none_or(|q| applied.decision.passed[q.demand]);
+            let admitted =
+                applied.decision.passed[t.demand] && t.quota.as_ref().is_none_or(|q| applied.decision.passed[q.demand]);
             t.envoyproxy
                 .count(ut / MICRO, capacity, used_before, admitted, near_limit_ratio);
         }

@@ -822,8 +822,16 @@ mod tests {
             assert_eq!(s.backend, Backend::Redis);
             assert_eq!(s.redis.urls, ["redis://127.0.0.1:7000"]);
             assert_eq!(s.redis.key_prefix, "mine:", "TOLLGATE_* beats CACHE_KEY_PREFIX");
-            assert_eq!(s.grpc_addr, SocketAddr::from(([127, 0, 0, 1], 9000)), "the file beats GRPC_PORT");
-            assert_eq!(s.http_addr, SocketAddr::from(([0, 0, 0, 0], 9101)), "PORT beats the default");
+            assert_eq!(
+                s.grpc_addr,
+                SocketAddr::from(([127, 0, 0, 1], 9000)),
+                "the file beats GRPC_PORT"
+            );
+            assert_eq!(
+                s.http_addr,
+                SocketAddr::from(([0, 0, 0, 0], 9101)),
+                "PORT beats the default"
+            );
             let overridden = overridden_settings(&figment, &theirs);
             let keys: Vec<&str> = overridden.iter().map(|(k, _, _)| k.as_str()).collect();
             assert_eq!(keys, ["grpc_addr", "redis.key_prefix"]);
@@ -834,7 +842,10 @@ mod tests {
             // Their environment in use: the default settings file is not read by chance.
             std::fs::create_dir_all("config").map_err(|e| e.to_string())?;
             jail.create_file(DEFAULT_SETTINGS_FILE, "backend: memory\n")?;
-            assert_eq!(Settings::load(None).map_err(|e| e.to_string())?.backend, Backend::Memory);
+            assert_eq!(
+                Settings::load(None).map_err(|e| e.to_string())?.backend,
+                Backend::Memory
+            );
             let (s, _) = Settings::load_layers(None, Some(&theirs)).map_err(|e| e.to_string())?;
             assert_eq!(s.backend, Backend::Redis);
             Ok(())

@@ -296,7 +296,10 @@ async fn istio_sample_environment_launched_as_ratelimit() {
                               - actions:
                                   - request_headers: { header_name: ":path", descriptor_key: PATH }"#;
     let envoy = tokio::task::block_in_place(|| {
-        Envoy::start(&envoy_bin, &bootstrap("echo-ratelimit", actions, upstream, tollgate.grpc))
+        Envoy::start(
+            &envoy_bin,
+            &bootstrap("echo-ratelimit", actions, upstream, tollgate.grpc),
+        )
     });
     let base = format!("http://{}", envoy.listener("ingress"));
     let c = client();
@@ -323,7 +326,11 @@ async fn istio_sample_environment_launched_as_ratelimit() {
     let http = tollgate.http;
     let deadline = Instant::now() + Duration::from_secs(20);
     while !http_get(http, "/config").is_some_and(|(_, body)| body.contains("/swapped")) {
-        assert!(Instant::now() < deadline, "the swap was not picked up:\n{}", tollgate.process.log_tail(40));
+        assert!(
+            Instant::now() < deadline,
+            "the swap was not picked up:\n{}",
+            tollgate.process.log_tail(40)
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(status(&c, &format!("{base}/swapped"), &[]).await, 200);
@@ -414,7 +421,8 @@ async fn envoy_gateway_environment_exports_their_metric_names() {
                             rate_limits:
                               - actions:
                                   - generic_key: { descriptor_value: t, descriptor_key: trial }"#;
-    let envoy = tokio::task::block_in_place(|| Envoy::start(&envoy_bin, &bootstrap("eg", actions, upstream, tollgate.grpc)));
+    let envoy =
+        tokio::task::block_in_place(|| Envoy::start(&envoy_bin, &bootstrap("eg", actions, upstream, tollgate.grpc)));
     let base = format!("http://{}", envoy.listener("ingress"));
     let c = client();
 
@@ -448,22 +456,46 @@ async fn envoy_gateway_environment_exports_their_metric_names() {
     // Stat key `eg.client_vip`: 3 hits within 10; the near-limit threshold (8 used) unreached.
     expect(
         &[("domain", "eg"), ("key1", "client_vip")],
-        [("total_hits", 3.0), ("within_limit", 3.0), ("near_limit", 0.0), ("over_limit", 0.0), ("shadow_mode", 0.0)],
+        [
+            ("total_hits", 3.0),
+            ("within_limit", 3.0),
+            ("near_limit", 0.0),
+            ("over_limit", 0.0),
+            ("shadow_mode", 0.0),
+        ],
     );
     // `eg.client`: capacity 2, threshold floor(1.6) = 1: the second hit is near, two over.
     expect(
         &[("domain", "eg"), ("key1", "client")],
-        [("total_hits", 4.0), ("within_limit", 2.0), ("near_limit", 1.0), ("over_limit", 2.0), ("shadow_mode", 0.0)],
+        [
+            ("total_hits", 4.0),
+            ("within_limit", 2.0),
+            ("near_limit", 1.0),
+            ("over_limit", 2.0),
+            ("shadow_mode", 0.0),
+        ],
     );
     // `eg.tenant.path`: two levels, so key2; capacity 3, threshold 2: the third hit is near.
     expect(
         &[("domain", "eg"), ("key1", "tenant"), ("key2", "path")],
-        [("total_hits", 4.0), ("within_limit", 3.0), ("near_limit", 1.0), ("over_limit", 1.0), ("shadow_mode", 0.0)],
+        [
+            ("total_hits", 4.0),
+            ("within_limit", 3.0),
+            ("near_limit", 1.0),
+            ("over_limit", 1.0),
+            ("shadow_mode", 0.0),
+        ],
     );
     // `eg.trial`: shadow mode; the second hit is over (counted as theirs counts) but admitted.
     expect(
         &[("domain", "eg"), ("key1", "trial")],
-        [("total_hits", 2.0), ("within_limit", 1.0), ("near_limit", 1.0), ("over_limit", 1.0), ("shadow_mode", 1.0)],
+        [
+            ("total_hits", 2.0),
+            ("within_limit", 1.0),
+            ("near_limit", 1.0),
+            ("over_limit", 1.0),
+            ("shadow_mode", 1.0),
+        ],
     );
     // Runtime values (`bob`, `t1`, `/b`) are never labels.
     let text = http_get(metrics, "/metrics").unwrap().1;
@@ -484,7 +516,10 @@ async fn envoy_gateway_environment_exports_their_metric_names() {
         if answer == Some((500, String::new())) {
             break;
         }
-        assert!(Instant::now() < deadline, "/healthcheck still {answer:?} with Redis gone");
+        assert!(
+            Instant::now() < deadline,
+            "/healthcheck still {answer:?} with Redis gone"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -497,7 +532,10 @@ fn tollgates_own_settings_win_and_the_log_says_so() {
         ("REDIS_URL", "127.0.0.1:1".to_owned()),
         ("RUNTIME_ROOT", "/nonexistent".to_owned()),
         ("TOLLGATE_BACKEND", "memory".to_owned()),
-        ("TOLLGATE_RULES", concat!(env!("CARGO_MANIFEST_DIR"), "/config/rules").to_owned()),
+        (
+            "TOLLGATE_RULES",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/config/rules").to_owned(),
+        ),
         ("DEBUG_PORT", "6070".to_owned()),
     ];
     let started = start(true, &env);
@@ -511,7 +549,8 @@ fn tollgates_own_settings_win_and_the_log_says_so() {
     assert!(line("backend").contains("TOLLGATE_"), "{log}");
     assert!(line("rules").contains("RUNTIME_ROOT"), "{log}");
     assert!(
-        log.lines().any(|l| l.contains("DEBUG_PORT") && l.contains("changes nothing") && l.contains("no debug listener")),
+        log.lines()
+            .any(|l| l.contains("DEBUG_PORT") && l.contains("changes nothing") && l.contains("no debug listener")),
         "{log}"
     );
     let config = http_get(started.http, "/config").unwrap().1;
@@ -534,23 +573,70 @@ fn refused_variables_name_the_variable_why_and_what_instead() {
         ("USE_STATSD", vec![("USE_STATSD", "true".into())]),
         ("USE_DOG_STATSD", vec![("USE_DOG_STATSD", "true".into())]),
         ("BACKEND_TYPE", vec![("BACKEND_TYPE", "memcache".into())]),
-        ("REDIS_TYPE", vec![("REDIS_SOCKET_TYPE", "tcp".into()), ("REDIS_URL", "127.0.0.1:1".into()), ("REDIS_TYPE", "SENTINEL".into())]),
-        ("REDIS_SOCKET_TYPE", vec![("REDIS_SOCKET_TYPE", "unix".into()), ("REDIS_URL", "/var/run/redis.sock".into())]),
-        ("REDIS_URL", vec![("REDIS_SOCKET_TYPE", "tcp".into()), ("REDIS_URL", "a:1,b:2".into())]),
+        (
+            "REDIS_TYPE",
+            vec![
+                ("REDIS_SOCKET_TYPE", "tcp".into()),
+                ("REDIS_URL", "127.0.0.1:1".into()),
+                ("REDIS_TYPE", "SENTINEL".into()),
+            ],
+        ),
+        (
+            "REDIS_SOCKET_TYPE",
+            vec![
+                ("REDIS_SOCKET_TYPE", "unix".into()),
+                ("REDIS_URL", "/var/run/redis.sock".into()),
+            ],
+        ),
+        (
+            "REDIS_URL",
+            vec![("REDIS_SOCKET_TYPE", "tcp".into()), ("REDIS_URL", "a:1,b:2".into())],
+        ),
         ("CONFIG_TYPE", vec![("CONFIG_TYPE", "GRPC_XDS_SOTW".into())]),
         ("GRPC_SERVER_USE_TLS", vec![("GRPC_SERVER_USE_TLS", "true".into())]),
         ("GRPC_UDS", vec![("GRPC_UDS", "/tmp/ratelimit.sock".into())]),
         ("REDIS_PERSECOND", vec![("REDIS_PERSECOND", "true".into())]),
         ("QUOTA_MODE", vec![("QUOTA_MODE", "true".into())]),
-        ("RESPONSE_DYNAMIC_METADATA", vec![("RESPONSE_DYNAMIC_METADATA", "true".into())]),
+        (
+            "RESPONSE_DYNAMIC_METADATA",
+            vec![("RESPONSE_DYNAMIC_METADATA", "true".into())],
+        ),
         ("MERGE_DOMAIN_CONFIG", vec![("MERGE_DOMAIN_CONFIG", "true".into())]),
-        ("LIMIT_LIMIT_HEADER", vec![("LIMIT_RESPONSE_HEADERS_ENABLED", "true".into())]),
-        ("PROMETHEUS_MAPPER_YAML", vec![("PROMETHEUS_MAPPER_YAML", custom_mapper.to_string_lossy().into_owned())]),
-        ("LOG_LEVEL", vec![("USE_STATSD", "false".into()), ("LOG_LEVEL", "verbose".into())]),
-        ("LOG_FORMAT", vec![("USE_STATSD", "false".into()), ("LOG_FORMAT", "xml".into())]),
+        (
+            "LIMIT_LIMIT_HEADER",
+            vec![("LIMIT_RESPONSE_HEADERS_ENABLED", "true".into())],
+        ),
+        (
+            "PROMETHEUS_MAPPER_YAML",
+            vec![("PROMETHEUS_MAPPER_YAML", custom_mapper.to_string_lossy().into_owned())],
+        ),
+        (
+            "LOG_LEVEL",
+            vec![("USE_STATSD", "false".into()), ("LOG_LEVEL", "verbose".into())],
+        ),
+        (
+            "LOG_FORMAT",
+            vec![("USE_STATSD", "false".into()), ("LOG_FORMAT", "xml".into())],
+        ),
         ("SHADOW_MODE", vec![("SHADOW_MODE", "maybe".into())]),
-        ("REDIS_TLS_SKIP_HOSTNAME_VERIFICATION", vec![("REDIS_SOCKET_TYPE", "tcp".into()), ("REDIS_URL", "127.0.0.1:1".into()), ("REDIS_TLS", "true".into()), ("REDIS_TLS_SKIP_HOSTNAME_VERIFICATION", "true".into())]),
-        ("REDIS_TLS_CLIENT_CERT", vec![("REDIS_SOCKET_TYPE", "tcp".into()), ("REDIS_URL", "127.0.0.1:1".into()), ("REDIS_TLS", "true".into()), ("REDIS_TLS_CLIENT_CERT", "/redis-certs/tls.crt".into())]),
+        (
+            "REDIS_TLS_SKIP_HOSTNAME_VERIFICATION",
+            vec![
+                ("REDIS_SOCKET_TYPE", "tcp".into()),
+                ("REDIS_URL", "127.0.0.1:1".into()),
+                ("REDIS_TLS", "true".into()),
+                ("REDIS_TLS_SKIP_HOSTNAME_VERIFICATION", "true".into()),
+            ],
+        ),
+        (
+            "REDIS_TLS_CLIENT_CERT",
+            vec![
+                ("REDIS_SOCKET_TYPE", "tcp".into()),
+                ("REDIS_URL", "127.0.0.1:1".into()),
+                ("REDIS_TLS", "true".into()),
+                ("REDIS_TLS_CLIENT_CERT", "/redis-certs/tls.crt".into()),
+            ],
+        ),
     ];
     for (variable, env) in cases {
         for as_ratelimit in [true, false] {
