@@ -183,6 +183,22 @@ fn command(as_ratelimit: bool, dir: &Path) -> Command {
 /// Starts tollgate with `env` plus free `PORT`, `GRPC_PORT` on 127.0.0.1 and a free admin
 /// port, and waits until `/healthcheck` answers 200 `OK`.
 fn start(as_ratelimit: bool, env: &[(&str, String)]) -> Started {
+    let mut started = spawn(as_ratelimit, env);
+    let http = started.http;
+    support::wait_until(&mut started.process, || {
+        http_get(http, "/healthcheck").filter(|(status, body)| *status == 200 && body == "OK")
+    })
+    .unwrap_or_else(|why| {
+        panic!(
+            "tollgate did not become healthy: {why}\n{}",
+            started.process.log_tail(60)
+        )
+    });
+    started
+}
+
+/// [`start`] without waiting.
+fn spawn(as_ratelimit: bool, env: &[(&str, String)]) -> Started {
     let dir = tempfile::Builder::new().prefix("tollgate-dropin.").tempdir().unwrap();
     let (http_port, grpc_port, admin_port) = (free_port(), free_port(), free_port());
     let mut command = command(as_ratelimit, dir.path());
@@ -195,15 +211,10 @@ fn start(as_ratelimit: bool, env: &[(&str, String)]) -> Started {
     for (k, v) in env {
         command.env(k, v);
     }
-    let mut process = ChildGuard::spawn("tollgate", &mut command, &dir.path().join("tollgate.log"));
-    let http = SocketAddr::from(([127, 0, 0, 1], http_port));
-    support::wait_until(&mut process, || {
-        http_get(http, "/healthcheck").filter(|(status, body)| *status == 200 && body == "OK")
-    })
-    .unwrap_or_else(|why| panic!("tollgate did not become healthy: {why}\n{}", process.log_tail(60)));
+    let process = ChildGuard::spawn("tollgate", &mut command, &dir.path().join("tollgate.log"));
     Started {
         process,
-        http,
+        http: SocketAddr::from(([127, 0, 0, 1], http_port)),
         grpc: SocketAddr::from(([127, 0, 0, 1], grpc_port)),
         _dir: dir,
     }
@@ -555,6 +566,41 @@ fn tollgates_own_settings_win_and_the_log_says_so() {
     );
     let config = http_get(started.http, "/config").unwrap().1;
     assert!(config.contains("\"backend\":\"memory\""), "{config}");
+}
+
+/// `REDIS_AUTH` logs in to a password-protected Redis (a wrong one keeps tollgate not ready),
+/// and the password shows neither in the log nor in `/config`.
+#[test]
+fn redis_auth_logs_in_and_is_never_shown() {
+    let password = "S3cret-Redis-pw";
+    let redis = RedisServer::builder().requirepass(password).start();
+    let rules = tempfile::tempdir().unwrap();
+    ConfigMapVolume::create(&rules.path().join("ratelimit/config"), ISTIO_RULES);
+    let env = |auth: &str| {
+        vec![
+            ("LOG_LEVEL", "debug".to_owned()),
+            ("REDIS_SOCKET_TYPE", "tcp".to_owned()),
+            ("REDIS_URL", format!("127.0.0.1:{}", redis.port())),
+            ("REDIS_AUTH", auth.to_owned()),
+            ("RUNTIME_ROOT", rules.path().to_string_lossy().into_owned()),
+            ("RUNTIME_SUBDIRECTORY", "ratelimit".to_owned()),
+        ]
+    };
+    let good = start(true, &env(password));
+    let config = http_get(good.http, "/config").unwrap().1;
+    assert!(config.contains("<redacted>"), "{config}");
+    assert!(!config.contains(password), "{config}");
+    assert!(!good.process.log().contains(password), "{}", good.process.log());
+
+    let wrong = "Wrong-pw-never-shown";
+    let mut bad = spawn(true, &env(wrong));
+    let http = bad.http;
+    let answer = support::wait_until(&mut bad.process, || http_get(http, "/healthcheck"))
+        .unwrap_or_else(|why| panic!("no answer: {why}\n{}", bad.process.log_tail(40)));
+    assert_eq!(answer, (500, String::new()), "a wrong password must not be ready");
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(http_get(http, "/healthcheck"), Some((500, String::new())));
+    assert!(!bad.process.log().contains(wrong), "{}", bad.process.log());
 }
 
 /// (c) Every refused variable or value: exit 1, a message naming the variable, why and what to
