@@ -264,6 +264,8 @@ impl<S: Store> Limiter<S> {
                 quota,
                 counters: m.counters,
                 envoyproxy: m.envoyproxy,
+                entries: &d.entries,
+                shared: m.shared,
             }));
         }
         if buckets.is_empty() {

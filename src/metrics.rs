@@ -4,8 +4,9 @@
 //! Names follow Prometheus conventions: a `tollgate_` prefix, `_total` on counters, base units
 //! (`_seconds`). Label values are bounded: `domain` and `bucket` come from the loaded rules
 //! (never from a request: a request for an unknown domain is counted without its name), `code`,
-//! `result` and `backend` from fixed sets. No rule can opt runtime descriptor values into a
-//! label; envoyproxy/ratelimit's `detailed_metric` is accepted and ignored.
+//! `result` and `backend` from fixed sets. No rule can opt runtime descriptor values into
+//! tollgate's own labels; envoyproxy/ratelimit's `detailed_metric` only shapes their series,
+//! within [`DETAILED_SERIES_MAX`].
 //!
 //! With `metrics.envoyproxy_names` (on when envoyproxy/ratelimit's environment is in use),
 //! their series are exported too, named and labelled as their default Prometheus mapper names
@@ -19,6 +20,8 @@ use std::time::Duration;
 
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, Counter, Gauge, Histogram, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 
 use crate::bucket::{DemandKind, MICRO};
 use crate::response::Target;
@@ -172,11 +175,22 @@ pub struct EnvoyproxyStats {
 
 #[derive(Debug)]
 struct ErlLabelled {
+    /// The rule's domain, for `detailed_metric` stat keys.
+    domain: String,
+    /// `detailed_metric: true` on the rule.
+    detailed: bool,
     labels: Vec<metrics::Label>,
     /// `shadow_mode: true` on the rule itself (their `_shadow_mode` ignores global shadow mode).
     rule_shadow: bool,
     series: [OnceLock<Counter>; 5],
 }
+
+/// Most distinct `detailed_metric` stat keys (request values in labels) a process exports;
+/// beyond it, decisions count under their rule's own series.
+pub const DETAILED_SERIES_MAX: usize = 1000;
+
+static DETAILED_KEYS: std::sync::Mutex<std::collections::BTreeSet<String>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
 
 /// Their per-rule series, in [`EnvoyproxyStats`] order.
 pub const ENVOYPROXY_RULE_SERIES: [&str; 5] = ERL_NAMES;
@@ -190,19 +204,50 @@ const ERL_NAMES: [&str; 5] = [
 ];
 
 impl EnvoyproxyStats {
-    /// The counters of a rule with stat key `stat_key` ([`envoyproxy_stat_key`]).
-    pub fn new(stat_key: &str, rule_shadow: bool) -> EnvoyproxyStats {
+    /// The counters of a rule of `domain` with stat key `stat_key` ([`envoyproxy_stat_key`]);
+    /// `detailed`: the rule has `detailed_metric: true` ([`EnvoyproxyStats::for_request`]).
+    pub fn new(domain: &str, stat_key: &str, rule_shadow: bool, detailed: bool) -> EnvoyproxyStats {
         let labels = envoyproxy_labels(stat_key)
             .into_iter()
             .map(|(k, v)| metrics::Label::new(k, v))
             .collect();
         EnvoyproxyStats {
             inner: Some(Box::new(ErlLabelled {
+                domain: domain.to_owned(),
+                detailed,
                 labels,
                 rule_shadow,
                 series: Default::default(),
             })),
         }
+    }
+
+    /// Where a decision for a descriptor with `entries` is counted: the rule's own series, or,
+    /// for a rule with `detailed_metric: true`, series keyed as theirs by the request's entries
+    /// (`domain.key_value.key_value...`; a `share_threshold` entry shows its pattern). Label sets
+    /// are bounded: once [`DETAILED_SERIES_MAX`] detailed stat keys exist in the process, new
+    /// ones are counted under their rule's own series.
+    pub fn for_request(&self, entries: &[Entry], shared: &[Option<&str>]) -> Option<EnvoyproxyStats> {
+        let l = self.inner.as_ref()?;
+        if !l.detailed {
+            return None;
+        }
+        let mut key = l.domain.clone();
+        for (i, e) in entries.iter().enumerate() {
+            key.push('.');
+            key.push_str(&e.key);
+            key.push('_');
+            key.push_str(shared.get(i).copied().flatten().unwrap_or(&e.value));
+        }
+        let mut seen = DETAILED_KEYS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !seen.contains(&key) {
+            if seen.len() >= DETAILED_SERIES_MAX {
+                return None;
+            }
+            seen.insert(key.clone());
+        }
+        drop(seen);
+        Some(EnvoyproxyStats::new(&l.domain, &key, l.rule_shadow, false))
     }
 
     /// Counters that count nothing.
@@ -404,9 +449,12 @@ pub fn register_rules(rules: &mut RuleSet) {
         domain.envoyproxy_stats = if envoyproxy_names() {
             (0..domain.nodes.len())
                 .map(|n| match &domain.nodes[n].rule {
-                    Some(crate::rules::Rule::Limited { shadow, .. }) => {
-                        EnvoyproxyStats::new(&envoyproxy_stat_key(domain, n), *shadow)
-                    }
+                    Some(crate::rules::Rule::Limited { shadow, .. }) => EnvoyproxyStats::new(
+                        &domain.name,
+                        &envoyproxy_stat_key(domain, n),
+                        *shadow,
+                        domain.nodes[n].detailed_metric,
+                    ),
                     _ => EnvoyproxyStats::default(),
                 })
                 .collect()
@@ -429,8 +477,14 @@ pub fn count_decisions(targets: &[Option<Target<'_>>], applied: &Applied, near_l
             let used_before = capacity.saturating_sub(instance.before.tokens_ut / MICRO);
             let admitted =
                 applied.decision.passed[t.demand] && t.quota.as_ref().is_none_or(|q| applied.decision.passed[q.demand]);
-            t.envoyproxy
-                .count(ut / MICRO, capacity, used_before, admitted, near_limit_ratio);
+            let detailed = t.envoyproxy.for_request(t.entries, &t.shared);
+            detailed.as_ref().unwrap_or(t.envoyproxy).count(
+                ut / MICRO,
+                capacity,
+                used_before,
+                admitted,
+                near_limit_ratio,
+            );
         }
         let parts = std::iter::once((&*t.policy, t.instance, t.demand, t.counters))
             .chain(t.quota.as_ref().map(|q| (q.policy, q.instance, q.demand, q.counters)));

@@ -244,6 +244,9 @@ pub struct Node {
     /// `share_threshold: true` on a wildcard node: the pattern, which stands in the bucket
     /// instance key for the value, so every matching value shares one bucket.
     pub shared_pattern: Option<String>,
+    /// envoyproxy/ratelimit's `detailed_metric: true`: their metric names (when exported) are
+    /// labelled by the request's entries, within a bound ([`crate::metrics::DETAILED_SERIES_MAX`]).
+    pub detailed_metric: bool,
 }
 
 /// What a node does to a request that ends on it.

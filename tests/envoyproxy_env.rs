@@ -711,3 +711,55 @@ fn refused_variables_name_the_variable_why_and_what_instead() {
         }
     }
 }
+
+/// `detailed_metric: true`: their series carry the request's entries (`key1="user_u7"`), at most
+/// `DETAILED_SERIES_MAX` (1000) stat keys per process; later values count under the rule's own
+/// series, and a value already seen keeps its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn detailed_metric_labels_are_bounded() {
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+    let rules = tempfile::tempdir().unwrap();
+    ConfigMapVolume::create(
+        &rules.path().join("ratelimit/config"),
+        "domain: eg\ndescriptors:\n  - key: user\n    detailed_metric: true\n    rate_limit: {unit: hour, requests_per_unit: 1000000}\n",
+    );
+    let env = [
+        ("USE_STATSD", "false".to_owned()),
+        ("RUNTIME_ROOT", rules.path().to_string_lossy().into_owned()),
+        ("RUNTIME_SUBDIRECTORY", "ratelimit".to_owned()),
+    ];
+    let tollgate = tokio::task::block_in_place(|| start(true, &env));
+    let mut grpc = RateLimitServiceClient::connect(format!("http://{}", tollgate.grpc))
+        .await
+        .unwrap();
+    for i in 0..1005 {
+        let value = format!("u{i}");
+        grpc.should_rate_limit(support::request("eg", &[("user", &value)], 0))
+            .await
+            .unwrap();
+    }
+    grpc.should_rate_limit(support::request("eg", &[("user", "u0")], 3))
+        .await
+        .unwrap();
+    let samples = tokio::task::block_in_place(|| scrape(tollgate.http));
+    let hits = "ratelimit_service_rate_limit_total_hits";
+    let detailed = samples
+        .iter()
+        .filter(|s| s.metric == hits && s.labels.get("key1").is_some_and(|k| k.starts_with("user_u")))
+        .count();
+    assert_eq!(detailed, 1000, "detailed series beyond the bound");
+    assert_eq!(
+        exact(&samples, hits, &[("domain", "eg"), ("key1", "user_u0")]),
+        Some(4.0)
+    );
+    assert_eq!(
+        exact(&samples, hits, &[("domain", "eg"), ("key1", "user_u999")]),
+        Some(1.0)
+    );
+    assert_eq!(exact(&samples, hits, &[("domain", "eg"), ("key1", "user_u1000")]), None);
+    assert_eq!(
+        exact(&samples, hits, &[("domain", "eg"), ("key1", "user")]),
+        Some(5.0),
+        "the five values past the bound count under the rule's own series"
+    );
+}
