@@ -115,36 +115,52 @@ pub fn count_envoyproxy_backend_error() {
 /// level from the top `key`, or `key_value` for a node with a value (a wildcard's pattern as
 /// written, `*` included), joined by `.`; e.g. `edge.remote_address.path_/api/*`.
 pub fn envoyproxy_stat_key(domain: &crate::rules::Domain, node: usize) -> String {
-    let mut names: Vec<Option<String>> = vec![None; domain.nodes.len()];
-    let mut name_level = |level: &crate::rules::Level| {
+    envoyproxy_stat_keys(domain).swap_remove(node)
+}
+
+/// [`envoyproxy_stat_key`] of every node of `domain` (same index as its nodes), in one pass
+/// over the tree: a domain of many rules is registered in linear time.
+pub fn envoyproxy_stat_keys(domain: &crate::rules::Domain) -> Vec<String> {
+    let mut names: Vec<String> = vec![String::new(); domain.nodes.len()];
+    let levels = std::iter::once(&domain.root).chain(domain.nodes.iter().map(|n| &n.children));
+    for level in levels {
         for (key, values) in &level.exact {
             for (value, n) in values {
-                names[*n] = Some(format!("{key}_{value}"));
+                names[*n] = format!("{key}_{value}");
             }
         }
         for (key, pattern, n) in &level.wildcard {
-            names[*n] = Some(format!("{key}_{}", pattern.text()));
+            names[*n] = format!("{key}_{}", pattern.text());
         }
         for (key, n) in &level.any {
-            names[*n] = Some(key.clone());
+            names[*n] = key.clone();
         }
-    };
-    name_level(&domain.root);
+    }
+    // A node's parent comes before it in the arena (compile pushes a node, then its children).
+    let mut keys: Vec<String> = Vec::with_capacity(names.len());
+    for (n, name) in names.iter().enumerate() {
+        let prefix = match domain.nodes[n].parent {
+            Some(p) if p < n => keys[p].clone(),
+            Some(p) => envoyproxy_stat_key_walk(domain, &names, p),
+            None => domain.name.clone(),
+        };
+        keys.push(format!("{prefix}.{name}"));
+    }
+    keys
+}
+
+/// The stat key of `node` by walking up to the top (for an arena not in parent-first order).
+fn envoyproxy_stat_key_walk(domain: &crate::rules::Domain, names: &[String], node: usize) -> String {
     let mut path = vec![node];
     let mut at = node;
     while let Some(parent) = domain.nodes[at].parent {
         path.push(parent);
         at = parent;
     }
-    for &n in &path {
-        if let Some(parent) = domain.nodes[n].parent {
-            name_level(&domain.nodes[parent].children);
-        }
-    }
     let mut key = domain.name.clone();
     for &n in path.iter().rev() {
         key.push('.');
-        key.push_str(names[n].as_deref().unwrap_or_default());
+        key.push_str(&names[n]);
     }
     key
 }
@@ -447,14 +463,12 @@ pub fn register_rules(rules: &mut RuleSet) {
             .collect();
         domain.override_counters = DecisionCounters::new(&domain.name, crate::limiter::OVERRIDE_BUCKET);
         domain.envoyproxy_stats = if envoyproxy_names() {
+            let keys = envoyproxy_stat_keys(domain);
             (0..domain.nodes.len())
                 .map(|n| match &domain.nodes[n].rule {
-                    Some(crate::rules::Rule::Limited { shadow, .. }) => EnvoyproxyStats::new(
-                        &domain.name,
-                        &envoyproxy_stat_key(domain, n),
-                        *shadow,
-                        domain.nodes[n].detailed_metric,
-                    ),
+                    Some(crate::rules::Rule::Limited { shadow, .. }) => {
+                        EnvoyproxyStats::new(&domain.name, &keys[n], *shadow, domain.nodes[n].detailed_metric)
+                    }
                     _ => EnvoyproxyStats::default(),
                 })
                 .collect()
