@@ -2,7 +2,7 @@
 //! written for their image (Istio's sample, Envoy Gateway's managed deployment, hand-made
 //! manifests) runs tollgate with only the image changed.
 //!
-//! [`EnvoyproxyEnv::read`] classifies every variable their `settings.go` defines:
+//! [`EnvoyproxyEnv::read`] classifies every environment variable envoyproxy/ratelimit reads:
 //!
 //! - *mapped*: it becomes a tollgate setting (see [`EnvoyproxyEnv::origins`]);
 //! - *accepted*: tollgate already behaves that way, or the variable tunes something tollgate does
