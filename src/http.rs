@@ -1,6 +1,8 @@
 //! The public HTTP port: `/healthz` (the process is up), `/readyz` (rules are loaded, the
 //! backend answers, and the server is not shutting down), `/metrics` (Prometheus text format)
-//! and `/config` (the rules in force as JSON, secrets redacted). Nothing here changes state;
+//! and `/config` (the rules in force as JSON, secrets redacted), and `/healthcheck` as
+//! envoyproxy/ratelimit answers it (200 `OK` when ready, else 500 with an empty body, so their
+//! probes work unchanged). Nothing here changes state;
 //! the bucket admin API has its own listener ([`crate::admin`]).
 
 use std::future::Future;
@@ -71,9 +73,26 @@ pub fn router(state: HttpState) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
+        .route("/healthcheck", get(healthcheck))
         .route("/metrics", get(metrics))
         .route("/config", get(config))
         .with_state(state)
+}
+
+/// The metrics alone at `path`, for a listener of their own (`metrics.addr`, their
+/// `PROMETHEUS_ADDR`).
+pub fn metrics_router(state: HttpState, path: &str) -> Router {
+    Router::new().route(path, get(metrics)).with_state(state)
+}
+
+/// envoyproxy/ratelimit's `/healthcheck`: what `/readyz` says, in their form.
+async fn healthcheck(State(state): State<HttpState>) -> Response {
+    let (code, _) = readyz(State(state)).await;
+    if code == StatusCode::OK {
+        (StatusCode::OK, "OK").into_response()
+    } else {
+        StatusCode::INTERNAL_SERVER_ERROR.into_response()
+    }
 }
 
 async fn readyz(State(state): State<HttpState>) -> (StatusCode, String) {

@@ -10,6 +10,7 @@ pub mod check;
 pub mod clock;
 pub mod config;
 pub mod config_view;
+pub mod envoyproxy_env;
 pub mod http;
 pub mod limiter;
 pub mod matcher;

@@ -118,6 +118,8 @@ struct Matched<'r> {
     /// Where the bucket's and the quota's decisions are counted.
     counters: &'r DecisionCounters,
     quota_counters: &'r DecisionCounters,
+    /// The rule's node's envoyproxy/ratelimit-named counters.
+    envoyproxy: &'r crate::metrics::EnvoyproxyStats,
 }
 
 impl<'r> Matched<'r> {
@@ -139,6 +141,7 @@ impl<'r> Matched<'r> {
                 shared: shared_patterns(dom, node, depth),
                 counters: dom.counters_of(*bucket),
                 quota_counters: quota.map_or(DecisionCounters::noop(), |q| dom.counters_of(q)),
+                envoyproxy: dom.envoyproxy_stats_of(node),
             }),
             _ => None,
         }
@@ -221,6 +224,8 @@ impl<S: Store> Limiter<S> {
                     shared: Vec::new(),
                     counters: domain.map_or(DecisionCounters::noop(), |d| &d.override_counters),
                     quota_counters: DecisionCounters::noop(),
+                    // Their override series are named by the request's values: unbounded.
+                    envoyproxy: crate::metrics::EnvoyproxyStats::noop(),
                 }),
                 _ => domain.and_then(|dom| Matched::at(dom, find_node(dom, &d.entries)?, d.entries.len())),
             };
@@ -258,6 +263,9 @@ impl<S: Store> Limiter<S> {
                 shadow,
                 quota,
                 counters: m.counters,
+                envoyproxy: m.envoyproxy,
+                entries: &d.entries,
+                shared: m.shared,
             }));
         }
         if buckets.is_empty() {

@@ -131,7 +131,26 @@ fn parse_entry(text: &str) -> Result<DescriptorEntry, String> {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // Run as `ratelimit` (envoyproxy/ratelimit's /bin/ratelimit, which manifests start with no
+    // arguments): `tollgate serve`, with their environment.
+    let as_ratelimit = std::env::args_os()
+        .next()
+        .and_then(|a| {
+            PathBuf::from(a)
+                .file_name()
+                .map(|n| n == tollgate::envoyproxy_env::RATELIMIT_ARGV0)
+        })
+        .unwrap_or(false);
+    let cli = if as_ratelimit && std::env::args_os().len() <= 1 {
+        Cli {
+            command: Command::Serve {
+                config: None,
+                rules: None,
+            },
+        }
+    } else {
+        Cli::parse()
+    };
     match cli.command {
         Command::Bucket { action } => bucket(action),
         Command::Probe { url, timeout_ms } => probe(&url, Duration::from_millis(timeout_ms)),
@@ -155,13 +174,28 @@ fn main() -> ExitCode {
             None => ExitCode::FAILURE,
         },
         Command::Serve { config, rules } => {
-            let Some(mut settings) = load_settings(config.as_deref()) else {
-                return ExitCode::FAILURE;
+            let theirs = match tollgate::envoyproxy_env::EnvoyproxyEnv::from_process(as_ratelimit) {
+                Ok(theirs) => theirs,
+                Err(e) => {
+                    eprint!("{e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            let loaded = Settings::load_layers(config.as_deref(), Some(&theirs))
+                .map_err(|e| e.to_string())
+                .and_then(|(s, figment)| s.validate().map(|()| (s, figment)));
+            let (mut settings, figment) = match loaded {
+                Ok(loaded) => loaded,
+                Err(e) => {
+                    eprintln!("invalid settings: {e}");
+                    return ExitCode::FAILURE;
+                }
             };
             if let Some(rules) = rules {
                 settings.rules = rules;
             }
             init_logging(&settings);
+            theirs.log_sources(&figment);
             for name in tollgate::settings::unknown_env_vars() {
                 tracing::warn!(variable = %name, "environment variable names no setting; ignored");
             }

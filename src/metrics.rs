@@ -4,16 +4,24 @@
 //! Names follow Prometheus conventions: a `tollgate_` prefix, `_total` on counters, base units
 //! (`_seconds`). Label values are bounded: `domain` and `bucket` come from the loaded rules
 //! (never from a request: a request for an unknown domain is counted without its name), `code`,
-//! `result` and `backend` from fixed sets. No rule can opt runtime descriptor values into a
-//! label; envoyproxy/ratelimit's `detailed_metric` is accepted and ignored.
+//! `result` and `backend` from fixed sets. No rule can opt runtime descriptor values into
+//! tollgate's own labels; envoyproxy/ratelimit's `detailed_metric` only shapes their series,
+//! within [`DETAILED_SERIES_MAX`].
+//!
+//! With `metrics.envoyproxy_names` (on when envoyproxy/ratelimit's environment is in use),
+//! their series are exported too, named and labelled as their default Prometheus mapper names
+//! them ([`EnvoyproxyStats`], [`envoyproxy_stat_key`]).
 //!
 //! Without an installed recorder (tests, `tollgate check`) every handle is a no-op.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, Counter, Gauge, Histogram, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 
 use crate::bucket::{DemandKind, MICRO};
 use crate::response::Target;
@@ -62,6 +70,236 @@ pub const MEMORY_BUCKETS: &str = "tollgate_memory_buckets";
 pub const MEMORY_EVICTED_NOT_FULL: &str = "tollgate_memory_evicted_not_full_total";
 /// Always 1, with the `version` label.
 pub const BUILD_INFO: &str = "tollgate_build_info";
+
+/// envoyproxy/ratelimit's `ratelimit_service_rate_limit_total_hits`: hits (`hits_addend`) of
+/// every decision of a rule with a limit, by `domain`, `key1`, `key2` ([`envoyproxy_labels`]).
+pub const ERL_TOTAL_HITS: &str = "ratelimit_service_rate_limit_total_hits";
+/// Their `_over_limit`: hits of denied decisions (in shadow mode too, as theirs counts).
+pub const ERL_OVER_LIMIT: &str = "ratelimit_service_rate_limit_over_limit";
+/// Their `_near_limit`: hits of admitted decisions that landed beyond the near-limit
+/// threshold (`floor(capacity * near_limit_ratio)` tokens used).
+pub const ERL_NEAR_LIMIT: &str = "ratelimit_service_rate_limit_near_limit";
+/// Their `_within_limit`: hits of admitted decisions.
+pub const ERL_WITHIN_LIMIT: &str = "ratelimit_service_rate_limit_within_limit";
+/// Their `_shadow_mode`: hits a rule with `shadow_mode: true` would have denied.
+pub const ERL_SHADOW_MODE: &str = "ratelimit_service_rate_limit_shadow_mode";
+/// Their `ratelimit_service_should_rate_limit_error{err_type}`: requests answered with an
+/// error because the backend failed (`err_type="redis_error"`, whatever the backend).
+pub const ERL_SHOULD_RATE_LIMIT_ERROR: &str = "ratelimit_service_should_rate_limit_error";
+
+static ENVOYPROXY_NAMES: AtomicBool = AtomicBool::new(false);
+
+/// Turns envoyproxy/ratelimit's series on or off for rules registered from now on
+/// (`metrics.envoyproxy_names`); `serve` sets it before loading rules.
+pub fn set_envoyproxy_names(on: bool) {
+    ENVOYPROXY_NAMES.store(on, Ordering::Relaxed);
+    if on {
+        counter!(ERL_SHOULD_RATE_LIMIT_ERROR, "err_type" => "redis_error").increment(0);
+    }
+}
+
+/// Whether envoyproxy/ratelimit's series are exported.
+pub fn envoyproxy_names() -> bool {
+    ENVOYPROXY_NAMES.load(Ordering::Relaxed)
+}
+
+/// Counts a request that failed because the backend did, in
+/// [`ERL_SHOULD_RATE_LIMIT_ERROR`] (when their names are on).
+pub fn count_envoyproxy_backend_error() {
+    if envoyproxy_names() {
+        counter!(ERL_SHOULD_RATE_LIMIT_ERROR, "err_type" => "redis_error").increment(1);
+    }
+}
+
+/// The stat key envoyproxy/ratelimit gives the rule on `node` of `domain`: the domain, then per
+/// level from the top `key`, or `key_value` for a node with a value (a wildcard's pattern as
+/// written, `*` included), joined by `.`; e.g. `edge.remote_address.path_/api/*`.
+pub fn envoyproxy_stat_key(domain: &crate::rules::Domain, node: usize) -> String {
+    envoyproxy_stat_keys(domain).swap_remove(node)
+}
+
+/// [`envoyproxy_stat_key`] of every node of `domain` (same index as its nodes), in one pass
+/// over the tree: a domain of many rules is registered in linear time.
+pub fn envoyproxy_stat_keys(domain: &crate::rules::Domain) -> Vec<String> {
+    let mut names: Vec<String> = vec![String::new(); domain.nodes.len()];
+    let levels = std::iter::once(&domain.root).chain(domain.nodes.iter().map(|n| &n.children));
+    for level in levels {
+        for (key, values) in &level.exact {
+            for (value, n) in values {
+                names[*n] = format!("{key}_{value}");
+            }
+        }
+        for (key, pattern, n) in &level.wildcard {
+            names[*n] = format!("{key}_{}", pattern.text());
+        }
+        for (key, n) in &level.any {
+            names[*n] = key.clone();
+        }
+    }
+    // A node's parent comes before it in the arena (compile pushes a node, then its children).
+    let mut keys: Vec<String> = Vec::with_capacity(names.len());
+    for (n, name) in names.iter().enumerate() {
+        let prefix = match domain.nodes[n].parent {
+            Some(p) if p < n => keys[p].clone(),
+            Some(p) => envoyproxy_stat_key_walk(domain, &names, p),
+            None => domain.name.clone(),
+        };
+        keys.push(format!("{prefix}.{name}"));
+    }
+    keys
+}
+
+/// The stat key of `node` by walking up to the top (for an arena not in parent-first order).
+fn envoyproxy_stat_key_walk(domain: &crate::rules::Domain, names: &[String], node: usize) -> String {
+    let mut path = vec![node];
+    let mut at = node;
+    while let Some(parent) = domain.nodes[at].parent {
+        path.push(parent);
+        at = parent;
+    }
+    let mut key = domain.name.clone();
+    for &n in path.iter().rev() {
+        key.push('.');
+        key.push_str(&names[n]);
+    }
+    key
+}
+
+/// The labels their default Prometheus mapper gives a stat key (`domain.level1.level2...`):
+/// `domain` and `key1` for one level; `domain`, `key1`, `key2` for two or more (deeper levels
+/// are dropped). Their statsd names replace `:` and `|` with `_` first; a `.` inside a value
+/// splits it into levels, as it does in theirs.
+pub fn envoyproxy_labels(stat_key: &str) -> Vec<(&'static str, String)> {
+    let sanitized = stat_key.replace([':', '|'], "_");
+    let parts: Vec<&str> = sanitized.split('.').collect();
+    let mut labels = vec![("domain", parts[0].to_owned())];
+    if let Some(k1) = parts.get(1) {
+        labels.push(("key1", (*k1).to_owned()));
+    }
+    if let Some(k2) = parts.get(2) {
+        labels.push(("key2", (*k2).to_owned()));
+    }
+    labels
+}
+
+/// One rule's envoyproxy/ratelimit-named counters. Each series is registered on its first count;
+/// rules whose stat keys give the same labels (levels beyond the second) add up, as theirs do.
+#[derive(Debug, Default)]
+pub struct EnvoyproxyStats {
+    inner: Option<Box<ErlLabelled>>,
+}
+
+#[derive(Debug)]
+struct ErlLabelled {
+    /// The rule's domain, for `detailed_metric` stat keys.
+    domain: String,
+    /// `detailed_metric: true` on the rule.
+    detailed: bool,
+    labels: Vec<metrics::Label>,
+    /// `shadow_mode: true` on the rule itself (their `_shadow_mode` ignores global shadow mode).
+    rule_shadow: bool,
+    series: [OnceLock<Counter>; 5],
+}
+
+/// Most distinct `detailed_metric` stat keys (request values in labels) a process exports;
+/// beyond it, decisions count under their rule's own series.
+pub const DETAILED_SERIES_MAX: usize = 1000;
+
+static DETAILED_KEYS: std::sync::Mutex<std::collections::BTreeSet<String>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+
+/// Their per-rule series, in [`EnvoyproxyStats`] order.
+pub const ENVOYPROXY_RULE_SERIES: [&str; 5] = ERL_NAMES;
+
+const ERL_NAMES: [&str; 5] = [
+    ERL_TOTAL_HITS,
+    ERL_OVER_LIMIT,
+    ERL_NEAR_LIMIT,
+    ERL_WITHIN_LIMIT,
+    ERL_SHADOW_MODE,
+];
+
+impl EnvoyproxyStats {
+    /// The counters of a rule of `domain` with stat key `stat_key` ([`envoyproxy_stat_key`]);
+    /// `detailed`: the rule has `detailed_metric: true` ([`EnvoyproxyStats::for_request`]).
+    pub fn new(domain: &str, stat_key: &str, rule_shadow: bool, detailed: bool) -> EnvoyproxyStats {
+        let labels = envoyproxy_labels(stat_key)
+            .into_iter()
+            .map(|(k, v)| metrics::Label::new(k, v))
+            .collect();
+        EnvoyproxyStats {
+            inner: Some(Box::new(ErlLabelled {
+                domain: domain.to_owned(),
+                detailed,
+                labels,
+                rule_shadow,
+                series: Default::default(),
+            })),
+        }
+    }
+
+    /// Where a decision for a descriptor with `entries` is counted: the rule's own series, or,
+    /// for a rule with `detailed_metric: true`, series keyed as theirs by the request's entries
+    /// (`domain.key_value.key_value...`; a `share_threshold` entry shows its pattern). Label sets
+    /// are bounded: once [`DETAILED_SERIES_MAX`] detailed stat keys exist in the process, new
+    /// ones are counted under their rule's own series.
+    pub fn for_request(&self, entries: &[Entry], shared: &[Option<&str>]) -> Option<EnvoyproxyStats> {
+        let l = self.inner.as_ref()?;
+        if !l.detailed {
+            return None;
+        }
+        let mut key = l.domain.clone();
+        for (i, e) in entries.iter().enumerate() {
+            key.push('.');
+            key.push_str(&e.key);
+            key.push('_');
+            key.push_str(shared.get(i).copied().flatten().unwrap_or(&e.value));
+        }
+        let mut seen = DETAILED_KEYS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !seen.contains(&key) {
+            if seen.len() >= DETAILED_SERIES_MAX {
+                return None;
+            }
+            seen.insert(key.clone());
+        }
+        drop(seen);
+        Some(EnvoyproxyStats::new(&l.domain, &key, l.rule_shadow, false))
+    }
+
+    /// Counters that count nothing.
+    pub fn noop() -> &'static EnvoyproxyStats {
+        static NOOP: EnvoyproxyStats = EnvoyproxyStats { inner: None };
+        &NOOP
+    }
+
+    fn add(&self, which: usize, n: u64) {
+        let Some(l) = &self.inner else { return };
+        l.series[which]
+            .get_or_init(|| metrics::counter!(ERL_NAMES[which], l.labels.clone()))
+            .increment(n);
+    }
+
+    /// Counts one decision of `hits` hits as theirs would: `used_before` whole tokens of
+    /// `capacity` were used before it, `admitted` whether the bucket (and its quota) had room.
+    pub fn count(&self, hits: u64, capacity: u64, used_before: u64, admitted: bool, near_limit_ratio: f64) {
+        let Some(l) = &self.inner else { return };
+        self.add(0, hits);
+        if admitted {
+            // Their near-limit threshold, in tokens used; the hits past it are near the limit.
+            let near = (capacity as f64 * near_limit_ratio).floor() as u64;
+            let after = used_before + hits;
+            if after > near {
+                self.add(2, after - used_before.max(near));
+            }
+            self.add(3, hits);
+        } else {
+            self.add(1, hits);
+            if l.rule_shadow {
+                self.add(4, hits);
+            }
+        }
+    }
+}
 
 /// Histogram buckets for the `_seconds` histograms: 50 µs to 1 s, dense around Envoy's 20 ms
 /// filter timeout.
@@ -224,6 +462,19 @@ pub fn register_rules(rules: &mut RuleSet) {
             .map(|b| DecisionCounters::new(&domain.name, &b.name))
             .collect();
         domain.override_counters = DecisionCounters::new(&domain.name, crate::limiter::OVERRIDE_BUCKET);
+        domain.envoyproxy_stats = if envoyproxy_names() {
+            let keys = envoyproxy_stat_keys(domain);
+            (0..domain.nodes.len())
+                .map(|n| match &domain.nodes[n].rule {
+                    Some(crate::rules::Rule::Limited { shadow, .. }) => {
+                        EnvoyproxyStats::new(&domain.name, &keys[n], *shadow, domain.nodes[n].detailed_metric)
+                    }
+                    _ => EnvoyproxyStats::default(),
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
     }
 }
 
@@ -234,6 +485,21 @@ pub fn register_rules(rules: &mut RuleSet) {
 /// `near_limit_ratio` of the capacity in force used after the decision.
 pub fn count_decisions(targets: &[Option<Target<'_>>], applied: &Applied, near_limit_ratio: f64) {
     for t in targets.iter().flatten() {
+        if let DemandKind::Consume(ut) = t.kind {
+            let instance = &applied.decision.instances[t.instance];
+            let capacity = t.policy.plan.limit_at(applied.now_us).capacity();
+            let used_before = capacity.saturating_sub(instance.before.tokens_ut / MICRO);
+            let admitted =
+                applied.decision.passed[t.demand] && t.quota.as_ref().is_none_or(|q| applied.decision.passed[q.demand]);
+            let detailed = t.envoyproxy.for_request(t.entries, &t.shared);
+            detailed.as_ref().unwrap_or(t.envoyproxy).count(
+                ut / MICRO,
+                capacity,
+                used_before,
+                admitted,
+                near_limit_ratio,
+            );
+        }
         let parts = std::iter::once((&*t.policy, t.instance, t.demand, t.counters))
             .chain(t.quota.as_ref().map(|q| (q.policy, q.instance, q.demand, q.counters)));
         for (policy, instance, demand, counters) in parts {
@@ -344,6 +610,7 @@ pub fn count_failure_answer(mode: crate::settings::FailureMode) {
         crate::settings::FailureMode::Fallback => "fallback",
     };
     counter!(BACKEND_FAILURE_ANSWERS, "answer" => answer).increment(1);
+    count_envoyproxy_backend_error();
 }
 
 /// The rules files are back to the rules in force after a failed reload (an invalid edit was

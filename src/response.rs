@@ -32,6 +32,12 @@ pub struct Target<'r> {
     pub quota: Option<Part<'r>>,
     /// Where the decision is counted.
     pub counters: &'r DecisionCounters,
+    /// Where the decision is counted under envoyproxy/ratelimit's names (the rule's node).
+    pub envoyproxy: &'r crate::metrics::EnvoyproxyStats,
+    /// The descriptor's entries, for envoyproxy/ratelimit's `detailed_metric` series.
+    pub entries: &'r [envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry],
+    /// Per entry, the `share_threshold` pattern standing for its value (usually empty).
+    pub shared: Vec<Option<&'r str>>,
 }
 
 /// A second bucket instance one descriptor asks of (a quota beside a token bucket).

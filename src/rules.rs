@@ -79,6 +79,18 @@ pub struct Domain {
     pub counters: Vec<DecisionCounters>,
     /// The decision counters of Envoy `limit` overrides in this domain.
     pub override_counters: DecisionCounters,
+    /// Per node (same index as `nodes`), its envoyproxy/ratelimit-named counters; empty
+    /// unless [`crate::metrics::register_rules`] ran with their names on.
+    pub envoyproxy_stats: Vec<crate::metrics::EnvoyproxyStats>,
+}
+
+impl Domain {
+    /// The envoyproxy/ratelimit-named counters of node `node` (no-ops when not registered).
+    pub fn envoyproxy_stats_of(&self, node: usize) -> &crate::metrics::EnvoyproxyStats {
+        self.envoyproxy_stats
+            .get(node)
+            .unwrap_or(crate::metrics::EnvoyproxyStats::noop())
+    }
 }
 
 /// A named bucket policy: a token bucket (constant or scheduled) or a calendar quota.
@@ -232,6 +244,9 @@ pub struct Node {
     /// `share_threshold: true` on a wildcard node: the pattern, which stands in the bucket
     /// instance key for the value, so every matching value shares one bucket.
     pub shared_pattern: Option<String>,
+    /// envoyproxy/ratelimit's `detailed_metric: true`: their metric names (when exported) are
+    /// labelled by the request's entries, within a bound ([`crate::metrics::DETAILED_SERIES_MAX`]).
+    pub detailed_metric: bool,
 }
 
 /// What a node does to a request that ends on it.

@@ -55,6 +55,7 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
     // Before the rules, so their decision counters register with it.
     let prometheus = crate::metrics::install()?;
     tokio::spawn(crate::metrics::run_upkeep(prometheus.clone(), Duration::from_secs(5)));
+    crate::metrics::set_envoyproxy_names(settings.metrics.envoyproxy_names);
     let (rules, fingerprint) = load_initial(&settings.rules).map_err(|e| anyhow::anyhow!("invalid rules:\n{e}"))?;
     if rules.is_empty() {
         tracing::warn!(
@@ -91,6 +92,14 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
     let http = TcpListener::bind(settings.http_addr)
         .await
         .with_context(|| format!("cannot listen for HTTP on {}", settings.http_addr))?;
+    let metrics_listener = match settings.metrics.addr {
+        Some(addr) => Some(
+            TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen for metrics on {addr} (metrics.addr)"))?,
+        ),
+        None => None,
+    };
     let admin = match settings.admin.enabled {
         true => Some(
             TcpListener::bind(settings.admin.addr)
@@ -104,6 +113,7 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
         http = %settings.http_addr,
         admin = %admin.as_ref().map_or("disabled".to_owned(), |_| settings.admin.addr.to_string()),
         admin_token = settings.admin.token.is_some(),
+        metrics = %settings.metrics.addr.map_or("on the HTTP port".to_owned(), |a| format!("{a}{} and on the HTTP port", settings.metrics.path)),
         "listening"
     );
     if admin.is_some() && settings.admin.token.is_none() && !settings.admin.addr.ip().is_loopback() {
@@ -157,12 +167,22 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
     let mut tasks = tokio::task::JoinSet::new();
     {
         let stop = stopped();
-        let app = router(http_state);
+        let app = router(http_state.clone());
         tasks.spawn(async move {
             axum::serve(http, app)
                 .with_graceful_shutdown(stop)
                 .await
                 .context("HTTP server failed")
+        });
+    }
+    if let Some(listener) = metrics_listener {
+        let stop = stopped();
+        let app = crate::http::metrics_router(http_state, &settings.metrics.path);
+        tasks.spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(stop)
+                .await
+                .context("metrics server failed")
         });
     }
     if let Some(admin) = admin {

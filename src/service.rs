@@ -62,6 +62,7 @@ impl<S: Store> RateLimitService for RateLimitGrpc<S> {
             }
             Err(LimitError::Store(e)) => {
                 self.metrics.unavailable.increment(1);
+                crate::metrics::count_envoyproxy_backend_error();
                 let now_ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
                 let last = self.last_logged_ms.load(Ordering::Relaxed);
                 if (last == 0 || now_ms.saturating_sub(last) >= 1_000)

@@ -107,12 +107,22 @@ pub struct ShutdownSettings {
 }
 
 /// Prometheus metrics.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct MetricsSettings {
     /// An admitted decision is counted `near_limit` when the bucket has used at least this
     /// fraction of its capacity (0 < ratio <= 1).
     pub near_limit_ratio: f64,
+    /// Also export envoyproxy/ratelimit's series (`ratelimit_service_rate_limit_total_hits`,
+    /// `_over_limit`, `_near_limit`, `_within_limit`, `_shadow_mode` by `domain`, `key1`,
+    /// `key2`, and `ratelimit_service_should_rate_limit_error` by `err_type`), so dashboards
+    /// built for it keep working. On by default when their environment is in use.
+    pub envoyproxy_names: bool,
+    /// A second listener that serves only the metrics, at `path` (their `PROMETHEUS_ADDR`);
+    /// `null`: none (the metrics are on the HTTP port's `/metrics` either way).
+    pub addr: Option<SocketAddr>,
+    /// The URL path of the metrics on `addr` (their `PROMETHEUS_PATH`).
+    pub path: String,
 }
 
 /// The backend keeping bucket state.
@@ -432,7 +442,12 @@ impl Default for ShutdownSettings {
 
 impl Default for MetricsSettings {
     fn default() -> Self {
-        MetricsSettings { near_limit_ratio: 0.8 }
+        MetricsSettings {
+            near_limit_ratio: 0.8,
+            envoyproxy_names: false,
+            addr: None,
+            path: "/metrics".into(),
+        }
     }
 }
 
@@ -506,7 +521,26 @@ impl Settings {
     /// Errors: an unreadable file, a missing `--config` file, bad YAML, an unknown key, or a
     /// value of the wrong type, each naming the key and where it came from.
     pub fn load(file: Option<&Path>) -> Result<Settings, Box<figment::Error>> {
+        Settings::load_layers(file, None).map(|(settings, _)| settings)
+    }
+
+    /// Loads settings from every source, lowest first: built-in defaults, envoyproxy/ratelimit's
+    /// environment (`theirs`, when given and in use), the settings `file` (when given; without
+    /// it [`DEFAULT_SETTINGS_FILE`] if it exists, except when their environment is in use: a
+    /// file found by chance in the working directory must not override a Deployment's
+    /// environment), then `TOLLGATE_*`. Returns the figment too, whose metadata tells each
+    /// value's source ([`overridden_settings`]).
+    ///
+    /// Errors: as [`Settings::load`].
+    pub fn load_layers(
+        file: Option<&Path>,
+        theirs: Option<&crate::envoyproxy_env::EnvoyproxyEnv>,
+    ) -> Result<(Settings, Figment), Box<figment::Error>> {
         let mut figment = Figment::from(Serialized::defaults(Settings::default()));
+        let theirs = theirs.filter(|t| t.active);
+        if let Some(theirs) = theirs {
+            figment = figment.merge(theirs.clone());
+        }
         match file {
             Some(path) => {
                 if !path.is_file() {
@@ -515,16 +549,38 @@ impl Settings {
                 }
                 figment = figment.merge(Yaml::file_exact(path));
             }
+            None if theirs.is_some() => {}
             None => figment = figment.merge(Yaml::file(DEFAULT_SETTINGS_FILE)),
         }
-        figment
-            .merge(Env::prefixed("TOLLGATE_").split("__").filter(|k| {
-                let top = k.as_str().split('.').next().unwrap_or_default();
-                KEYS.iter().any(|known| known.eq_ignore_ascii_case(top))
-            }))
-            .extract()
-            .map_err(Box::new)
+        let figment = figment.merge(Env::prefixed("TOLLGATE_").split("__").filter(|k| {
+            let top = k.as_str().split('.').next().unwrap_or_default();
+            KEYS.iter().any(|known| known.eq_ignore_ascii_case(top))
+        }));
+        let settings = figment.extract().map_err(Box::new)?;
+        Ok((settings, figment))
     }
+}
+
+/// The settings envoyproxy/ratelimit's environment gave that a source of tollgate's own
+/// overrode: `(setting, their variables, the source that won)`, by setting key.
+pub fn overridden_settings(
+    figment: &Figment,
+    theirs: &crate::envoyproxy_env::EnvoyproxyEnv,
+) -> Vec<(String, String, String)> {
+    theirs
+        .origins
+        .iter()
+        .filter_map(|(key, vars)| {
+            let meta = figment.find_metadata(key)?;
+            (meta.name != crate::envoyproxy_env::SOURCE_NAME).then(|| {
+                let source = match &meta.source {
+                    Some(figment::Source::File(path)) => format!("{} {}", meta.name, path.display()),
+                    _ => meta.name.to_string(),
+                };
+                (key.clone(), vars.clone(), source)
+            })
+        })
+        .collect()
 }
 
 impl Settings {
@@ -547,6 +603,9 @@ impl Settings {
                             (a YAML block scalar `|` adds a newline; use a plain string)"
                     .into());
             }
+        }
+        if !self.metrics.path.starts_with('/') {
+            return Err(format!("metrics.path {:?} must start with /", self.metrics.path));
         }
         if self.shutdown.timeout_seconds == 0 {
             return Err("shutdown.timeout_seconds must be at least 1".into());
@@ -735,6 +794,60 @@ mod tests {
             assert!(!s.headers.retry_after);
             assert!(s.headers.ratelimit);
             assert_eq!(s.http_addr, Settings::default().http_addr);
+            Ok(())
+        });
+    }
+
+    /// Defaults < envoyproxy/ratelimit's environment < the settings file < `TOLLGATE_*`, and
+    /// the overridden settings name the source that won.
+    #[test]
+    fn their_environment_sits_below_tollgates_own_settings() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file("t.yaml", "grpc_addr: 127.0.0.1:9000\n")?;
+            jail.set_env("TOLLGATE_REDIS__KEY_PREFIX", "mine:");
+            let theirs = crate::envoyproxy_env::EnvoyproxyEnv::read(
+                [
+                    ("REDIS_SOCKET_TYPE", "tcp"),
+                    ("REDIS_URL", "127.0.0.1:7000"),
+                    ("CACHE_KEY_PREFIX", "theirs:"),
+                    ("GRPC_PORT", "9100"),
+                    ("PORT", "9101"),
+                ]
+                .map(|(k, v)| (k.to_owned(), v.to_owned())),
+                false,
+            )
+            .map_err(|e| e.to_string())?;
+            let (s, figment) =
+                Settings::load_layers(Some(Path::new("t.yaml")), Some(&theirs)).map_err(|e| e.to_string())?;
+            assert_eq!(s.backend, Backend::Redis);
+            assert_eq!(s.redis.urls, ["redis://127.0.0.1:7000"]);
+            assert_eq!(s.redis.key_prefix, "mine:", "TOLLGATE_* beats CACHE_KEY_PREFIX");
+            assert_eq!(
+                s.grpc_addr,
+                SocketAddr::from(([127, 0, 0, 1], 9000)),
+                "the file beats GRPC_PORT"
+            );
+            assert_eq!(
+                s.http_addr,
+                SocketAddr::from(([0, 0, 0, 0], 9101)),
+                "PORT beats the default"
+            );
+            let overridden = overridden_settings(&figment, &theirs);
+            let keys: Vec<&str> = overridden.iter().map(|(k, _, _)| k.as_str()).collect();
+            assert_eq!(keys, ["grpc_addr", "redis.key_prefix"]);
+            assert_eq!(overridden[0].1, "GRPC_PORT");
+            assert!(overridden[0].2.contains("t.yaml"), "{:?}", overridden[0]);
+            assert_eq!(overridden[1].1, "CACHE_KEY_PREFIX");
+            assert!(overridden[1].2.contains("TOLLGATE_"), "{:?}", overridden[1]);
+            // Their environment in use: the default settings file is not read by chance.
+            std::fs::create_dir_all("config").map_err(|e| e.to_string())?;
+            jail.create_file(DEFAULT_SETTINGS_FILE, "backend: memory\n")?;
+            assert_eq!(
+                Settings::load(None).map_err(|e| e.to_string())?.backend,
+                Backend::Memory
+            );
+            let (s, _) = Settings::load_layers(None, Some(&theirs)).map_err(|e| e.to_string())?;
+            assert_eq!(s.backend, Backend::Redis);
             Ok(())
         });
     }

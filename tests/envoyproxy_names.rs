@@ -1,6 +1,7 @@
 //! envoyproxy/ratelimit's `rate_limit.name` is a label, not an identity (DESIGN 1.1, "their files
 //! load unchanged"): through the limiter, two different limits under one name each keep their
-//! own limit, and `replaces` drops every bucket of that name.
+//! own limit, and `replaces` drops every bucket of that name. And the stat keys their metric
+//! names are labelled by (`metrics.envoyproxy_names`), built from the rules tree as theirs are.
 
 use std::io::Write;
 use std::sync::Arc;
@@ -92,4 +93,75 @@ async fn replaces_drops_every_bucket_of_the_name() {
     assert_eq!(limit_of(&resp.statuses[2]), Some(("per_tenant", 1000, Unit::Hour)));
     assert_eq!(resp.statuses[2].limit_remaining, 999);
     assert_eq!(l.store().len(), 1, "only per_tenant holds state");
+}
+
+/// envoyproxy/ratelimit's stat key of each rule, and the labels their default Prometheus
+/// mapper makes of it: `key` or `key_value` per level (a wildcard's pattern as written), one
+/// level gives `domain`, `key1`; two or more give `domain`, `key1`, `key2` (deeper levels
+/// dropped); a `.` in a value splits it as it does in theirs; `:` becomes `_`.
+#[test]
+fn stat_keys_and_their_labels() {
+    use tollgate::metrics::{envoyproxy_labels, envoyproxy_stat_key};
+    let rules = "domain: shop
+descriptors:
+  - key: remote_address
+    rate_limit: {unit: second, requests_per_unit: 10}
+  - key: header_match
+    value: api
+    descriptors:
+      - key: path
+        value: /v1/*
+        rate_limit: {unit: minute, requests_per_unit: 5}
+        descriptors:
+          - key: user
+            rate_limit: {unit: hour, requests_per_unit: 100}
+  - key: host
+    value: a.example:8080
+    rate_limit: {unit: second, requests_per_unit: 1}
+";
+    let mut file = tempfile::Builder::new().suffix(".yaml").tempfile().unwrap();
+    file.write_all(rules.as_bytes()).unwrap();
+    let set = load_rules(file.path()).unwrap_or_else(|e| panic!("rules should load: {e}"));
+    let dom = set.domain("shop").unwrap();
+    let key_of = |entries: &[(&str, &str)]| {
+        let entries: Vec<Entry> = entries
+            .iter()
+            .map(|(k, v)| Entry {
+                key: (*k).to_owned(),
+                value: (*v).to_owned(),
+            })
+            .collect();
+        let node = tollgate::matcher::find_node(dom, &entries).expect("a rule matches");
+        envoyproxy_stat_key(dom, node)
+    };
+    let labels = |key: &str| {
+        envoyproxy_labels(key)
+            .into_iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+
+    let k = key_of(&[("remote_address", "10.0.0.1")]);
+    assert_eq!(
+        k, "shop.remote_address",
+        "a key-only rule never carries the request's value"
+    );
+    assert_eq!(labels(&k), "domain=shop,key1=remote_address");
+
+    let k = key_of(&[("header_match", "api"), ("path", "/v1/users")]);
+    assert_eq!(k, "shop.header_match_api.path_/v1/*");
+    assert_eq!(labels(&k), "domain=shop,key1=header_match_api,key2=path_/v1/*");
+
+    let k = key_of(&[("header_match", "api"), ("path", "/v1/x"), ("user", "u1")]);
+    assert_eq!(k, "shop.header_match_api.path_/v1/*.user");
+    assert_eq!(
+        labels(&k),
+        "domain=shop,key1=header_match_api,key2=path_/v1/*",
+        "level 3 dropped"
+    );
+
+    let k = key_of(&[("host", "a.example:8080")]);
+    assert_eq!(k, "shop.host_a.example:8080");
+    assert_eq!(labels(&k), "domain=shop,key1=host_a,key2=example_8080");
 }

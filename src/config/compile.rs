@@ -141,6 +141,7 @@ impl<'a> DomainBuilder<'a> {
             rule: None,
             parent: None,
             shared_pattern: None,
+            detailed_metric: false,
         });
         self.resolve_replaces();
     }
@@ -161,6 +162,7 @@ impl<'a> DomainBuilder<'a> {
             notes: self.notes,
             counters: Vec::new(),
             override_counters: Default::default(),
+            envoyproxy_stats: Vec::new(),
         })
     }
 
@@ -507,6 +509,7 @@ impl<'a> DomainBuilder<'a> {
             rule,
             parent: parent_id,
             shared_pattern,
+            detailed_metric: matches!(spec.detailed_metric, Some(serde_yaml::Value::Bool(true))),
         });
         let mut children = Level::default();
         for child in &spec.descriptors {

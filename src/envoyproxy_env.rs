@@ -1,0 +1,1088 @@
+//! envoyproxy/ratelimit's environment variables, read as tollgate settings, so a Deployment
+//! written for their image (Istio's sample, Envoy Gateway's managed deployment, hand-made
+//! manifests) runs tollgate with only the image changed.
+//!
+//! [`EnvoyproxyEnv::read`] classifies every environment variable envoyproxy/ratelimit reads:
+//!
+//! - *mapped*: it becomes a tollgate setting (see [`EnvoyproxyEnv::origins`]);
+//! - *accepted*: tollgate already behaves that way, or the variable tunes something tollgate does
+//!   differently without changing a decision (a note, logged as a warning when set);
+//! - *refused*: continuing would silently change what Envoy is answered or what operators
+//!   see; `serve` exits 1 with one [`EnvError`] per variable (the variable, why, what to use
+//!   instead).
+//!
+//! The mapped values form a figment provider merged above the built-in defaults and below the
+//! settings file and `TOLLGATE_*` ([`crate::settings::Settings::load_layers`]): tollgate's own
+//! settings win over theirs. A secret (`REDIS_AUTH`, `REDIS_SENTINEL_AUTH`, ...) is never part of
+//! a message.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use figment::value::{Dict, Map, Value};
+use figment::{Metadata, Profile, Provider};
+use serde_json::json;
+
+/// The name a figment value from this environment carries as its source.
+pub const SOURCE_NAME: &str = "envoyproxy/ratelimit environment";
+
+/// The file name under which the binary behaves as `tollgate serve` with no arguments, as
+/// envoyproxy/ratelimit's manifests run `/bin/ratelimit`.
+pub const RATELIMIT_ARGV0: &str = "ratelimit";
+
+/// Their variables that, set alone, are too common to mean "this is their environment"
+/// (a platform may set `PORT`); they are read once another of theirs is set or the binary runs
+/// as `ratelimit`.
+const GENERIC: [&str; 4] = ["HOST", "PORT", "LOG_LEVEL", "LOG_FORMAT"];
+
+/// Variables that hold a secret: their values never appear in a message.
+const SECRETS: [&str; 4] = [
+    "REDIS_AUTH",
+    "REDIS_PERSECOND_AUTH",
+    "REDIS_SENTINEL_AUTH",
+    "REDIS_PERSECOND_SENTINEL_AUTH",
+];
+
+/// Accepted variables that change nothing in tollgate, with why (logged as a warning when set).
+const IGNORED: &[(&str, &str)] = &[
+    ("DEBUG_HOST", "tollgate has no debug listener; the rules in force are at /config on the HTTP port and the bucket admin API stays on loopback (admin.addr)"),
+    ("DEBUG_PORT", "tollgate has no debug listener; the rules in force are at /config on the HTTP port and the bucket admin API stays on loopback (admin.addr)"),
+    ("GRPC_MAX_CONNECTION_AGE", "tollgate does not close gRPC connections by age; Envoy keeps its connections and decisions do not depend on them"),
+    ("GRPC_MAX_CONNECTION_AGE_GRACE", "tollgate does not close gRPC connections by age"),
+    ("GRPC_SERVER_TLS_CERT", "only read with GRPC_SERVER_USE_TLS=true"),
+    ("GRPC_SERVER_TLS_KEY", "only read with GRPC_SERVER_USE_TLS=true"),
+    ("GRPC_CLIENT_TLS_CACERT", "only read with GRPC_SERVER_USE_TLS=true"),
+    ("GRPC_CLIENT_TLS_SAN", "only read with GRPC_SERVER_USE_TLS=true"),
+    ("FORCE_START_WITHOUT_INITIAL_CONFIG", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
+    ("CONFIG_GRPC_XDS_NODE_ID", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
+    ("CONFIG_GRPC_XDS_NODE_METADATA", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
+    ("CONFIG_GRPC_XDS_SERVER_URL", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
+    ("CONFIG_GRPC_XDS_SERVER_CONNECT_RETRY_INTERVAL", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
+    ("CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
+    ("CONFIG_GRPC_XDS_CLIENT_TLS_CERT", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
+    ("CONFIG_GRPC_XDS_CLIENT_TLS_KEY", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
+    ("CONFIG_GRPC_XDS_SERVER_TLS_CACERT", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
+    ("CONFIG_GRPC_XDS_SERVER_TLS_SAN", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
+    ("XDS_CLIENT_BACKOFF_INITIAL_INTERVAL", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
+    ("XDS_CLIENT_BACKOFF_MAX_INTERVAL", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
+    ("XDS_CLIENT_BACKOFF_RANDOM_FACTOR", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
+    ("XDS_CLIENT_BACKOFF_JITTER", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
+    ("XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
+    ("USE_DOG_STATSD_MOGRIFIERS", "tollgate sends no statsd"),
+    ("STATSD_HOST", "tollgate sends no statsd; it exports Prometheus metrics"),
+    ("STATSD_PORT", "tollgate sends no statsd; it exports Prometheus metrics"),
+    ("EXTRA_TAGS", "tollgate's metrics carry no extra tags; add labels in Prometheus (relabel_configs) instead"),
+    ("STATS_FLUSH_INTERVAL", "tollgate's counters are live at every scrape; nothing is flushed"),
+    ("DISABLE_STATS", "tollgate always counts; metrics cost an atomic add per decision"),
+    ("PROMETHEUS_RESPONSE_TIME_AS_MILLISECONDS", "tollgate exports tollgate_request_duration_seconds, in seconds, and not their response_time series"),
+    ("RUNTIME_IGNOREDOTFILES", "tollgate always ignores files and folders whose names start with a dot (ConfigMap mounts' ..data and timestamped folders)"),
+    ("RUNTIME_WATCH_ROOT", "tollgate watches the rules folder itself, which follows ConfigMap symlink swaps either way, and also polls it"),
+    ("EXPIRATION_JITTER_MAX_SECONDS", "tollgate's Redis keys expire when their bucket is full again, not at a window's end, so expiries do not bunch"),
+    ("LOCAL_CACHE_SIZE_IN_BYTES", "tollgate keeps no local over-limit cache; every decision asks the backend, so a refill is seen at once"),
+    ("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT", "a denied request never consumes tokens in tollgate, as if this were always true"),
+    ("HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED", "tollgate is not ready before its rules have loaded"),
+    ("REDIS_PIPELINE_WINDOW", "tollgate batches the requests waiting for Redis by itself, with no timer"),
+    ("REDIS_PIPELINE_LIMIT", "tollgate batches the requests waiting for Redis by itself"),
+    ("REDIS_CLUSTER_PIPELINE_PARALLELISM", "tollgate sends one call per Cluster slot, all at once"),
+    ("REDIS_HEALTH_CHECK_ACTIVE_CONNECTION", "tollgate's readiness (/healthcheck, /readyz, gRPC health) always follows Redis"),
+    ("REDIS_STARTUP_INITIAL_INTERVAL", "tollgate starts not ready and keeps connecting to Redis in the background"),
+    ("REDIS_STARTUP_MAX_INTERVAL", "tollgate starts not ready and keeps connecting to Redis in the background"),
+    ("REDIS_STARTUP_MAX_ELAPSED_TIME", "tollgate keeps connecting to Redis until it answers (not ready meanwhile)"),
+    ("REDIS_PERSECOND_SOCKET_TYPE", "only read with REDIS_PERSECOND=true"),
+    ("REDIS_PERSECOND_TYPE", "only read with REDIS_PERSECOND=true"),
+    ("REDIS_PERSECOND_URL", "only read with REDIS_PERSECOND=true"),
+    ("REDIS_PERSECOND_POOL_SIZE", "only read with REDIS_PERSECOND=true"),
+    ("REDIS_PERSECOND_AUTH", "only read with REDIS_PERSECOND=true"),
+    ("REDIS_PERSECOND_TLS", "only read with REDIS_PERSECOND=true"),
+    ("REDIS_PERSECOND_SENTINEL_AUTH", "only read with REDIS_PERSECOND=true"),
+    ("REDIS_PERSECOND_PIPELINE_WINDOW", "only read with REDIS_PERSECOND=true"),
+    ("REDIS_PERSECOND_PIPELINE_LIMIT", "only read with REDIS_PERSECOND=true"),
+    ("REDIS_PERSECOND_CLUSTER_PIPELINE_PARALLELISM", "only read with REDIS_PERSECOND=true"),
+    ("REDIS_PERSECOND_TIMEOUT", "only read with REDIS_PERSECOND=true"),
+    ("REDIS_PERSECOND_POOL_ON_EMPTY_BEHAVIOR", "only read with REDIS_PERSECOND=true"),
+    ("REDIS_SENTINEL_AUTH", "only used with REDIS_TYPE=SENTINEL"),
+    ("MEMCACHE_HOST_PORT", "only used with BACKEND_TYPE=memcache"),
+    ("MEMCACHE_MAX_IDLE_CONNS", "only used with BACKEND_TYPE=memcache"),
+    ("MEMCACHE_SRV", "only used with BACKEND_TYPE=memcache"),
+    ("MEMCACHE_SRV_REFRESH", "only used with BACKEND_TYPE=memcache"),
+    ("MEMCACHE_TLS", "only used with BACKEND_TYPE=memcache"),
+    ("MEMCACHE_TLS_CLIENT_CERT", "only used with BACKEND_TYPE=memcache"),
+    ("MEMCACHE_TLS_CLIENT_KEY", "only used with BACKEND_TYPE=memcache"),
+    ("MEMCACHE_TLS_CACERT", "only used with BACKEND_TYPE=memcache"),
+    ("MEMCACHE_TLS_SKIP_HOSTNAME_VERIFICATION", "only used with BACKEND_TYPE=memcache"),
+    ("TRACING_SERVICE_NAME", "tollgate exports no traces"),
+    ("TRACING_SERVICE_NAMESPACE", "tollgate exports no traces"),
+    ("TRACING_SERVICE_INSTANCE_ID", "tollgate exports no traces"),
+    ("TRACING_EXPORTER_PROTOCOL", "tollgate exports no traces"),
+    ("TRACING_SAMPLING_RATE", "tollgate exports no traces"),
+];
+
+/// Variables tollgate reads into settings or checks (refusing some values).
+const HANDLED: &[&str] = &[
+    "HOST",
+    "PORT",
+    "GRPC_HOST",
+    "GRPC_PORT",
+    "GRPC_UDS",
+    "GRPC_SERVER_USE_TLS",
+    "LOG_LEVEL",
+    "LOG_FORMAT",
+    "CONFIG_TYPE",
+    "USE_DOG_STATSD",
+    "USE_STATSD",
+    "USE_PROMETHEUS",
+    "PROMETHEUS_ADDR",
+    "PROMETHEUS_PATH",
+    "PROMETHEUS_MAPPER_YAML",
+    "RUNTIME_ROOT",
+    "RUNTIME_SUBDIRECTORY",
+    "RUNTIME_APPDIRECTORY",
+    "NEAR_LIMIT_RATIO",
+    "CACHE_KEY_PREFIX",
+    "BACKEND_TYPE",
+    "LIMIT_RESPONSE_HEADERS_ENABLED",
+    "LIMIT_LIMIT_HEADER",
+    "LIMIT_REMAINING_HEADER",
+    "LIMIT_RESET_HEADER",
+    "REDIS_SOCKET_TYPE",
+    "REDIS_TYPE",
+    "REDIS_URL",
+    "REDIS_POOL_SIZE",
+    "REDIS_AUTH",
+    "REDIS_TLS",
+    "REDIS_TLS_CLIENT_CERT",
+    "REDIS_TLS_CLIENT_KEY",
+    "REDIS_TLS_CACERT",
+    "REDIS_TLS_SKIP_HOSTNAME_VERIFICATION",
+    "REDIS_TIMEOUT",
+    "REDIS_POOL_ON_EMPTY_BEHAVIOR",
+    "REDIS_PERSECOND",
+    "SHADOW_MODE",
+    "QUOTA_MODE",
+    "RESPONSE_DYNAMIC_METADATA",
+    "MERGE_DOMAIN_CONFIG",
+    "TRACING_ENABLED",
+];
+
+/// Whether `name` is one of envoyproxy/ratelimit's variables.
+pub fn is_theirs(name: &str) -> bool {
+    HANDLED.contains(&name) || IGNORED.iter().any(|(n, _)| *n == name)
+}
+
+/// One refused variable: what, why, and what to use instead. Never holds a secret's value.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EnvError {
+    /// The variable.
+    pub variable: String,
+    /// Why it is refused and what to use instead.
+    pub message: String,
+}
+
+impl fmt::Display for EnvError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.variable, self.message)
+    }
+}
+
+/// Every refused variable of one environment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EnvErrors(pub Vec<EnvError>);
+
+impl fmt::Display for EnvErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "envoyproxy/ratelimit environment not supported as given:")?;
+        for e in &self.0 {
+            writeln!(f, "  {e}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for EnvErrors {}
+
+/// The tollgate settings envoyproxy/ratelimit's environment asks for.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct EnvoyproxyEnv {
+    /// Whether their environment is in use (the binary runs as `ratelimit`, or one of their
+    /// variables other than `HOST`, `PORT`, `LOG_LEVEL`, `LOG_FORMAT` is set).
+    pub active: bool,
+    /// The settings, as the nested document figment merges (keys as in the settings file).
+    values: serde_json::Map<String, serde_json::Value>,
+    /// Per dotted setting key (`redis.urls`), the variables it came from (`REDIS_URL`).
+    pub origins: BTreeMap<String, String>,
+    /// Accepted variables that change nothing, with why (logged as warnings at start).
+    pub notes: Vec<(String, String)>,
+}
+
+impl EnvoyproxyEnv {
+    /// Reads the process environment; see [`EnvoyproxyEnv::read`].
+    ///
+    /// Errors: as [`EnvoyproxyEnv::read`].
+    pub fn from_process(as_ratelimit: bool) -> Result<EnvoyproxyEnv, EnvErrors> {
+        let vars = std::env::vars_os()
+            .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+            .filter(|(k, _)| is_theirs(k));
+        EnvoyproxyEnv::read(vars, as_ratelimit)
+    }
+
+    /// Reads their variables from `vars` (`as_ratelimit`: the binary runs as `ratelimit`, which
+    /// makes their environment active even when none of theirs is set). An empty value counts
+    /// as unset, as their loader (envconfig) treats it for most variables.
+    ///
+    /// Errors: every refused variable or value, each naming the variable, why, and what to use
+    /// instead; a secret's value is never part of them.
+    pub fn read(
+        vars: impl IntoIterator<Item = (String, String)>,
+        as_ratelimit: bool,
+    ) -> Result<EnvoyproxyEnv, EnvErrors> {
+        let vars: BTreeMap<String, String> = vars
+            .into_iter()
+            .filter(|(k, v)| is_theirs(k) && !v.trim().is_empty())
+            .collect();
+        let active = as_ratelimit || vars.keys().any(|k| !GENERIC.contains(&k.as_str()));
+        let mut out = EnvoyproxyEnv {
+            active,
+            ..Default::default()
+        };
+        if !active {
+            return Ok(out);
+        }
+        let mut r = Reader {
+            vars: &vars,
+            out: &mut out,
+            errors: Vec::new(),
+        };
+        r.listeners();
+        r.logging();
+        r.config_source();
+        r.stats();
+        r.rules(as_ratelimit);
+        r.limits();
+        r.headers();
+        r.backend();
+        r.modes();
+        for (name, why) in IGNORED {
+            if vars.contains_key(*name) {
+                r.out.notes.push(((*name).to_owned(), (*why).to_owned()));
+            }
+        }
+        let errors = std::mem::take(&mut r.errors);
+        if errors.is_empty() {
+            Ok(out)
+        } else {
+            Err(EnvErrors(errors))
+        }
+    }
+
+    /// Logs, once per setting, which of their variables it came from, or which of tollgate's
+    /// own sources overrode it (`figment` as [`crate::settings::Settings::load_layers`] built
+    /// it), and each accepted variable that changes nothing, with why. Values are not logged,
+    /// so a secret never is.
+    pub fn log_sources(&self, figment: &figment::Figment) {
+        if !self.active {
+            return;
+        }
+        let overridden = crate::settings::overridden_settings(figment, self);
+        for (setting, variables) in &self.origins {
+            match overridden.iter().find(|(key, _, _)| key == setting) {
+                Some((_, _, winner)) => tracing::info!(
+                    setting = %setting,
+                    variables = %variables,
+                    source = %winner,
+                    "setting from the envoyproxy/ratelimit environment overridden by tollgate's own"
+                ),
+                None => tracing::info!(
+                    setting = %setting,
+                    variables = %variables,
+                    "setting from the envoyproxy/ratelimit environment"
+                ),
+            }
+        }
+        for (variable, why) in &self.notes {
+            tracing::warn!(variable = %variable, "envoyproxy/ratelimit variable accepted, changes nothing: {why}");
+        }
+        if std::path::Path::new(crate::settings::DEFAULT_SETTINGS_FILE).is_file() {
+            tracing::info!(
+                file = crate::settings::DEFAULT_SETTINGS_FILE,
+                "not read: the envoyproxy/ratelimit environment is in use; pass --config to add a settings file"
+            );
+        }
+    }
+
+    /// Whether any setting came from their environment.
+    pub fn is_empty(&self) -> bool {
+        self.values.is_empty()
+    }
+
+    /// The settings as one JSON document (keys as in the settings file), for tests and
+    /// `/config`-style views.
+    pub fn document(&self) -> serde_json::Value {
+        serde_json::Value::Object(self.values.clone())
+    }
+}
+
+impl Provider for EnvoyproxyEnv {
+    fn metadata(&self) -> Metadata {
+        Metadata::named(SOURCE_NAME)
+    }
+
+    fn data(&self) -> Result<Map<Profile, Dict>, figment::Error> {
+        let value = Value::serialize(&self.values)?;
+        let dict = value.into_dict().unwrap_or_default();
+        Ok(Profile::Default.collect(dict))
+    }
+}
+
+struct Reader<'a> {
+    vars: &'a BTreeMap<String, String>,
+    out: &'a mut EnvoyproxyEnv,
+    errors: Vec<EnvError>,
+}
+
+impl Reader<'_> {
+    fn get(&self, name: &str) -> Option<&str> {
+        self.vars.get(name).map(|v| v.trim())
+    }
+
+    fn refuse(&mut self, variable: &str, message: impl Into<String>) {
+        self.errors.push(EnvError {
+            variable: variable.to_owned(),
+            message: message.into(),
+        });
+    }
+
+    /// `value` shown in a message, unless `variable` holds a secret.
+    fn shown(&self, variable: &str) -> String {
+        if SECRETS.contains(&variable) {
+            "<redacted>".into()
+        } else {
+            format!("{:?}", self.get(variable).unwrap_or_default())
+        }
+    }
+
+    /// Sets the setting at dotted `key` to `value`, recording `from` as its source.
+    fn set(&mut self, key: &str, value: serde_json::Value, from: &str) {
+        let mut parts: Vec<&str> = key.split('.').collect();
+        let last = parts.pop().expect("a key has one part at least");
+        let mut map = &mut self.out.values;
+        for part in parts {
+            map = map
+                .entry(part.to_owned())
+                .or_insert_with(|| json!({}))
+                .as_object_mut()
+                .expect("settings sections are maps");
+        }
+        map.insert(last.to_owned(), value);
+        self.out.origins.insert(key.to_owned(), from.to_owned());
+    }
+
+    /// A boolean as Go's `strconv.ParseBool` reads it (their loader's), or a refusal.
+    fn bool(&mut self, name: &str) -> Option<bool> {
+        let value = self.get(name)?;
+        match value {
+            "1" | "t" | "T" | "TRUE" | "true" | "True" => Some(true),
+            "0" | "f" | "F" | "FALSE" | "false" | "False" => Some(false),
+            _ => {
+                let shown = self.shown(name);
+                self.refuse(name, format!("{shown} is not a boolean; use true or false"));
+                None
+            }
+        }
+    }
+
+    fn port(&mut self, name: &str) -> Option<u16> {
+        let value = self.get(name)?;
+        match value.parse::<u16>() {
+            Ok(port) => Some(port),
+            Err(_) => {
+                let shown = self.shown(name);
+                self.refuse(name, format!("{shown} is not a TCP port (0 to 65535)"));
+                None
+            }
+        }
+    }
+
+    /// `HOST`/`PORT`-style pairs: an address for `key` when either is set.
+    fn address(&mut self, key: &str, host_var: &str, port_var: &str, default_port: u16) {
+        if self.get(host_var).is_none() && self.get(port_var).is_none() {
+            return;
+        }
+        let host = self.get(host_var).unwrap_or("0.0.0.0").to_owned();
+        let port = self.port(port_var).unwrap_or(default_port);
+        let Some(addr) = socket_addr(&host, port) else {
+            let shown = self.shown(host_var);
+            self.refuse(
+                host_var,
+                format!(
+                    "{shown} is not an IP address; tollgate listens on an IP address (0.0.0.0 for every interface)"
+                ),
+            );
+            return;
+        };
+        let from = [host_var, port_var]
+            .iter()
+            .filter(|v| self.get(v).is_some())
+            .copied()
+            .collect::<Vec<_>>()
+            .join(", ");
+        self.set(key, json!(addr.to_string()), &from);
+    }
+
+    fn listeners(&mut self) {
+        self.address("http_addr", "HOST", "PORT", 8080);
+        self.address("grpc_addr", "GRPC_HOST", "GRPC_PORT", 8081);
+        if self.get("GRPC_UDS").is_some() {
+            self.refuse(
+                "GRPC_UDS",
+                "tollgate does not serve gRPC on a Unix socket; unset it and point Envoy at GRPC_HOST:GRPC_PORT (TCP)",
+            );
+        }
+        if self.bool("GRPC_SERVER_USE_TLS") == Some(true) {
+            self.refuse(
+                "GRPC_SERVER_USE_TLS",
+                "gRPC over TLS is not supported yet; set it to false and terminate TLS in a sidecar or mesh (Istio mTLS)",
+            );
+        }
+    }
+
+    fn logging(&mut self) {
+        if let Some(level) = self.get("LOG_LEVEL") {
+            // logrus's level names; tracing has no fatal or panic level.
+            let mapped = match level.to_ascii_lowercase().as_str() {
+                "trace" => Some("trace"),
+                "debug" => Some("debug"),
+                "info" => Some("info"),
+                "warn" | "warning" => Some("warn"),
+                "error" | "fatal" | "panic" => Some("error"),
+                _ => None,
+            };
+            match mapped {
+                Some(l) => self.set("log.level", json!(l), "LOG_LEVEL"),
+                None => {
+                    let shown = self.shown("LOG_LEVEL");
+                    self.refuse(
+                        "LOG_LEVEL",
+                        format!("{shown} is not a log level; use trace, debug, info, warn, error, fatal or panic"),
+                    );
+                }
+            }
+        }
+        if let Some(format) = self.get("LOG_FORMAT") {
+            match format.to_ascii_lowercase().as_str() {
+                "text" => self.set("log.format", json!("text"), "LOG_FORMAT"),
+                "json" => self.set("log.format", json!("json"), "LOG_FORMAT"),
+                _ => {
+                    let shown = self.shown("LOG_FORMAT");
+                    self.refuse("LOG_FORMAT", format!("{shown} is not a log format; use text or json"));
+                }
+            }
+        }
+    }
+
+    fn config_source(&mut self) {
+        if let Some(kind) = self.get("CONFIG_TYPE") {
+            match kind.to_ascii_uppercase().as_str() {
+                "FILE" => {}
+                "GRPC_XDS_SOTW" => self.refuse(
+                    "CONFIG_TYPE",
+                    "GRPC_XDS_SOTW (rules from an xDS server) is not supported yet; use CONFIG_TYPE=FILE with rules files under RUNTIME_ROOT",
+                ),
+                _ => {
+                    let shown = self.shown("CONFIG_TYPE");
+                    self.refuse("CONFIG_TYPE", format!("{shown} is not a config type; use FILE"));
+                }
+            }
+        }
+    }
+
+    fn stats(&mut self) {
+        for name in ["USE_STATSD", "USE_DOG_STATSD"] {
+            if self.bool(name) == Some(true) {
+                self.refuse(
+                    name,
+                    "tollgate sends no statsd; set it to false and scrape Prometheus metrics instead (USE_PROMETHEUS=true, or /metrics on the HTTP port)",
+                );
+            }
+        }
+        if let Some(path) = self.get("PROMETHEUS_MAPPER_YAML").map(str::to_owned) {
+            match check_mapper(std::path::Path::new(&path)) {
+                Ok(()) => self.out.notes.push((
+                    "PROMETHEUS_MAPPER_YAML".into(),
+                    "its rate-limit mappings name and label the series as the default mapper does, which is what tollgate exports".into(),
+                )),
+                Err(why) => self.refuse(
+                    "PROMETHEUS_MAPPER_YAML",
+                    format!(
+                        "{why}; tollgate exports the default mapper's names and labels only: unset it, and rename series with metric_relabel_configs in Prometheus"
+                    ),
+                ),
+            }
+        }
+        // Their metric names are exported whenever their environment is in use.
+        self.set(
+            "metrics.envoyproxy_names",
+            json!(true),
+            "envoyproxy/ratelimit environment in use",
+        );
+        if self.bool("USE_PROMETHEUS") == Some(true) {
+            let addr = self.get("PROMETHEUS_ADDR").unwrap_or(":9090").to_owned();
+            match listen_addr(&addr) {
+                Some(a) => {
+                    let from = if self.get("PROMETHEUS_ADDR").is_some() {
+                        "USE_PROMETHEUS, PROMETHEUS_ADDR"
+                    } else {
+                        "USE_PROMETHEUS (their default address :9090)"
+                    };
+                    self.set("metrics.addr", json!(a.to_string()), from);
+                }
+                None => {
+                    let shown = self.shown("PROMETHEUS_ADDR");
+                    self.refuse(
+                        "PROMETHEUS_ADDR",
+                        format!("{shown} is not a listen address; use :PORT (every interface) or IP:PORT"),
+                    );
+                }
+            }
+            if let Some(path) = self.get("PROMETHEUS_PATH").map(str::to_owned) {
+                if path.starts_with('/') && !path.contains(char::is_whitespace) {
+                    self.set("metrics.path", json!(path), "PROMETHEUS_PATH");
+                } else {
+                    let shown = self.shown("PROMETHEUS_PATH");
+                    self.refuse(
+                        "PROMETHEUS_PATH",
+                        format!("{shown} is not a URL path; use one starting with /"),
+                    );
+                }
+            }
+        } else if self.get("PROMETHEUS_ADDR").is_some() || self.get("PROMETHEUS_PATH").is_some() {
+            self.out.notes.push((
+                "PROMETHEUS_ADDR".into(),
+                "only read with USE_PROMETHEUS=true (metrics are at /metrics on the HTTP port either way)".into(),
+            ));
+        }
+    }
+
+    fn rules(&mut self, as_ratelimit: bool) {
+        let set = ["RUNTIME_ROOT", "RUNTIME_SUBDIRECTORY", "RUNTIME_APPDIRECTORY"]
+            .into_iter()
+            .filter(|v| self.get(v).is_some())
+            .collect::<Vec<_>>();
+        if set.is_empty() && !as_ratelimit {
+            return;
+        }
+        // Their layout: $RUNTIME_ROOT/$RUNTIME_SUBDIRECTORY/$RUNTIME_APPDIRECTORY, each file a
+        // domain.
+        let mut path = std::path::PathBuf::from(self.get("RUNTIME_ROOT").unwrap_or("/srv/runtime_data/current"));
+        if let Some(sub) = self.get("RUNTIME_SUBDIRECTORY") {
+            path.push(sub);
+        }
+        path.push(self.get("RUNTIME_APPDIRECTORY").unwrap_or("config"));
+        let from = if set.is_empty() {
+            "their defaults (RUNTIME_ROOT=/srv/runtime_data/current, RUNTIME_APPDIRECTORY=config)".to_owned()
+        } else {
+            set.join(", ")
+        };
+        self.set("rules", json!(path.to_string_lossy()), &from);
+    }
+
+    fn limits(&mut self) {
+        if let Some(ratio) = self.get("NEAR_LIMIT_RATIO") {
+            match ratio.parse::<f64>() {
+                Ok(r) if r > 0.0 && r <= 1.0 => self.set("metrics.near_limit_ratio", json!(r), "NEAR_LIMIT_RATIO"),
+                _ => {
+                    let shown = self.shown("NEAR_LIMIT_RATIO");
+                    self.refuse(
+                        "NEAR_LIMIT_RATIO",
+                        format!(
+                            "{shown} is not a ratio; use a number greater than 0 and at most 1 (their default: 0.8)"
+                        ),
+                    );
+                }
+            }
+        }
+        if let Some(v) = self.bool("SHADOW_MODE") {
+            self.set("shadow_mode", json!(v), "SHADOW_MODE");
+        }
+    }
+
+    fn headers(&mut self) {
+        let names = [
+            ("LIMIT_LIMIT_HEADER", "RateLimit-Limit", "x-ratelimit-limit"),
+            ("LIMIT_REMAINING_HEADER", "RateLimit-Remaining", "x-ratelimit-remaining"),
+            ("LIMIT_RESET_HEADER", "RateLimit-Reset", "x-ratelimit-reset"),
+        ];
+        if self.bool("LIMIT_RESPONSE_HEADERS_ENABLED") != Some(true) {
+            return;
+        }
+        let mut all_x = true;
+        for (var, theirs, ours) in names {
+            let name = self.get(var).unwrap_or(theirs).to_ascii_lowercase();
+            if name != ours {
+                all_x = false;
+                let shown = self
+                    .get(var)
+                    .map_or(format!("{theirs:?} (their default)"), |v| format!("{v:?}"));
+                self.refuse(
+                    var,
+                    format!(
+                        "with LIMIT_RESPONSE_HEADERS_ENABLED=true the header {shown} is asked for; tollgate sends \
+                         X-RateLimit-Limit, -Remaining and -Reset under these names only: set {var}={}, \
+                         or unset LIMIT_RESPONSE_HEADERS_ENABLED and read the RateLimit-Policy and RateLimit \
+                         headers tollgate sends by default",
+                        canonical(ours)
+                    ),
+                );
+            }
+        }
+        if all_x {
+            self.set(
+                "headers.x_ratelimit",
+                json!(true),
+                "LIMIT_RESPONSE_HEADERS_ENABLED, LIMIT_LIMIT_HEADER, LIMIT_REMAINING_HEADER, LIMIT_RESET_HEADER",
+            );
+        }
+    }
+
+    fn backend(&mut self) {
+        match self.get("BACKEND_TYPE").map(str::to_ascii_lowercase).as_deref() {
+            None | Some("redis") => {}
+            Some("memcache") => self.refuse(
+                "BACKEND_TYPE",
+                "memcache is not supported; use BACKEND_TYPE=redis with REDIS_URL, or tollgate's postgres or memory backend (TOLLGATE_BACKEND)",
+            ),
+            Some(_) => {
+                let shown = self.shown("BACKEND_TYPE");
+                self.refuse("BACKEND_TYPE", format!("{shown} is not a backend; use redis"));
+            }
+        }
+        if self.bool("REDIS_PERSECOND") == Some(true) {
+            self.refuse(
+                "REDIS_PERSECOND",
+                "a second Redis for per-second limits is not supported; set it to false: every limit lives in the Redis of REDIS_URL",
+            );
+        }
+        let redis_vars = [
+            "REDIS_SOCKET_TYPE",
+            "REDIS_TYPE",
+            "REDIS_URL",
+            "REDIS_POOL_SIZE",
+            "REDIS_AUTH",
+            "REDIS_TLS",
+            "REDIS_TIMEOUT",
+            "CACHE_KEY_PREFIX",
+        ];
+        let set: Vec<&str> = redis_vars.into_iter().filter(|v| self.get(v).is_some()).collect();
+        let explicit = self
+            .get("BACKEND_TYPE")
+            .is_some_and(|b| b.eq_ignore_ascii_case("redis"));
+        if set.is_empty() && !explicit {
+            return;
+        }
+        let mut from: Vec<&str> = set.clone();
+        if explicit {
+            from.insert(0, "BACKEND_TYPE");
+        }
+        self.set("backend", json!("redis"), &from.join(", "));
+        // Their service retries Redis at start until it answers, failing health meanwhile.
+        self.set("redis.unreachable_at_start", json!("not_ready"), &from.join(", "));
+
+        let socket = self.get("REDIS_SOCKET_TYPE").unwrap_or("unix").to_ascii_lowercase();
+        if socket != "tcp" {
+            let shown = self
+                .get("REDIS_SOCKET_TYPE")
+                .map_or("unix (their default)".to_owned(), |v| format!("{v:?}"));
+            self.refuse(
+                "REDIS_SOCKET_TYPE",
+                format!(
+                    "{shown}: tollgate reaches Redis over TCP only; set REDIS_SOCKET_TYPE=tcp and REDIS_URL=host:port"
+                ),
+            );
+        }
+        let cluster = match self.get("REDIS_TYPE").map(str::to_ascii_uppercase).as_deref() {
+            None | Some("SINGLE") => false,
+            Some("CLUSTER") => true,
+            Some("SENTINEL") => {
+                self.refuse(
+                    "REDIS_TYPE",
+                    "SENTINEL is not supported; point REDIS_URL at the master (REDIS_TYPE=SINGLE) or use a Redis Cluster (REDIS_TYPE=CLUSTER)",
+                );
+                false
+            }
+            Some(_) => {
+                let shown = self.shown("REDIS_TYPE");
+                self.refuse(
+                    "REDIS_TYPE",
+                    format!("{shown} is not a Redis type; use SINGLE or CLUSTER"),
+                );
+                false
+            }
+        };
+        if self.get("REDIS_TYPE").is_some() {
+            self.set("redis.cluster", json!(cluster), "REDIS_TYPE");
+        }
+        let tls = self.bool("REDIS_TLS") == Some(true);
+        if self.get("REDIS_TLS").is_some() {
+            self.set("redis.tls", json!(tls), "REDIS_TLS");
+        }
+        if tls {
+            for var in ["REDIS_TLS_CLIENT_CERT", "REDIS_TLS_CLIENT_KEY", "REDIS_TLS_CACERT"] {
+                if self.get(var).is_some() {
+                    self.refuse(
+                        var,
+                        "client certificates and private CAs for Redis TLS are not supported; tollgate verifies Redis against the system's root certificates; unset it (or terminate TLS in a sidecar)",
+                    );
+                }
+            }
+            if self.bool("REDIS_TLS_SKIP_HOSTNAME_VERIFICATION") == Some(true) {
+                self.refuse(
+                    "REDIS_TLS_SKIP_HOSTNAME_VERIFICATION",
+                    "tollgate always verifies Redis's host name; set it to false and give Redis a certificate for the name in REDIS_URL",
+                );
+            }
+        }
+        match self.get("REDIS_URL").map(str::to_owned) {
+            Some(url) if socket == "tcp" => {
+                let scheme = if tls { "rediss" } else { "redis" };
+                let mut urls = Vec::new();
+                for part in url.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+                    let full = if part.contains("://") {
+                        part.to_owned()
+                    } else {
+                        format!("{scheme}://{part}")
+                    };
+                    if fred::types::config::Config::from_url(&full).is_err() || !full.starts_with("redis") {
+                        self.refuse(
+                            "REDIS_URL",
+                            format!(
+                                "{:?} is not host:port; use host:port, comma-separated for a Cluster's seed nodes",
+                                crate::settings::redact_url(part)
+                            ),
+                        );
+                    }
+                    urls.push(full);
+                }
+                if urls.len() > 1 && !cluster {
+                    self.refuse(
+                        "REDIS_URL",
+                        "lists several nodes but REDIS_TYPE is not CLUSTER; set REDIS_TYPE=CLUSTER for a Redis Cluster, or give one host:port",
+                    );
+                }
+                self.set("redis.urls", json!(urls), "REDIS_URL");
+            }
+            Some(_) => {}
+            None => self.refuse(
+                "REDIS_URL",
+                "is not set, so their default (the Unix socket /var/run/nutcracker/ratelimit.sock) would apply, which tollgate cannot reach; set REDIS_URL=host:port",
+            ),
+        }
+        if let Some(size) = self.get("REDIS_POOL_SIZE") {
+            match size.parse::<usize>() {
+                // Their pools hold a connection per concurrent request; tollgate pipelines
+                // every request over few connections, so a large pool only costs.
+                Ok(n) if n >= 1 => self.set("redis.pool_size", json!(n.min(256)), "REDIS_POOL_SIZE"),
+                _ => {
+                    let shown = self.shown("REDIS_POOL_SIZE");
+                    self.refuse(
+                        "REDIS_POOL_SIZE",
+                        format!("{shown} is not a pool size; use a whole number of at least 1"),
+                    );
+                }
+            }
+        }
+        if let Some(auth) = self.get("REDIS_AUTH").map(str::to_owned) {
+            // Theirs: `password`, or `user:password` for an ACL user.
+            match auth.split_once(':') {
+                Some((user, pass)) => {
+                    self.set("redis.username", json!(user), "REDIS_AUTH");
+                    self.set("redis.password", json!(pass), "REDIS_AUTH");
+                }
+                None => self.set("redis.password", json!(auth), "REDIS_AUTH"),
+            }
+        }
+        if let Some(timeout) = self.get("REDIS_TIMEOUT").map(str::to_owned) {
+            match go_duration_ms(&timeout) {
+                Some(ms) if ms >= 1 => self.set("redis.connect_timeout_ms", json!(ms), "REDIS_TIMEOUT"),
+                _ => {
+                    let shown = self.shown("REDIS_TIMEOUT");
+                    self.refuse(
+                        "REDIS_TIMEOUT",
+                        format!("{shown} is not a duration; use a Go duration such as 10s or 500ms"),
+                    );
+                }
+            }
+        }
+        if let Some(prefix) = self.get("CACHE_KEY_PREFIX").map(str::to_owned) {
+            if prefix.contains(['{', '}']) {
+                self.refuse(
+                    "CACHE_KEY_PREFIX",
+                    "must not contain { or } (tollgate puts a Cluster hash tag after it); choose a prefix without braces",
+                );
+            } else {
+                self.set("redis.key_prefix", json!(prefix), "CACHE_KEY_PREFIX");
+            }
+        }
+        if let Some(behavior) = self.get("REDIS_POOL_ON_EMPTY_BEHAVIOR") {
+            if !behavior.eq_ignore_ascii_case("WAIT") {
+                let shown = self.shown("REDIS_POOL_ON_EMPTY_BEHAVIOR");
+                self.refuse(
+                    "REDIS_POOL_ON_EMPTY_BEHAVIOR",
+                    format!("{shown} is not supported (theirs only supports WAIT too); unset it: tollgate's requests wait for Redis up to redis.command_timeout_ms"),
+                );
+            }
+        }
+    }
+
+    fn modes(&mut self) {
+        if self.bool("QUOTA_MODE") == Some(true) {
+            self.refuse(
+                "QUOTA_MODE",
+                "quota mode (metadata instead of OVER_LIMIT) is not supported; set it to false, and use shadow_mode on the rules that must not deny",
+            );
+        }
+        if self.bool("RESPONSE_DYNAMIC_METADATA") == Some(true) {
+            self.refuse(
+                "RESPONSE_DYNAMIC_METADATA",
+                "dynamic metadata in responses is not supported; set it to false (the decision is in the response's statuses and headers)",
+            );
+        }
+        if self.bool("MERGE_DOMAIN_CONFIG") == Some(true) {
+            self.refuse(
+                "MERGE_DOMAIN_CONFIG",
+                "merging one domain from several files is not supported; set it to false and keep each domain in one file",
+            );
+        }
+        if self.bool("TRACING_ENABLED") == Some(true) {
+            self.out.notes.push((
+                "TRACING_ENABLED".into(),
+                "tollgate exports no traces; decisions are unaffected".into(),
+            ));
+        }
+    }
+}
+
+/// Whether the statsd-exporter mapper file at `path` gives each of their per-rule series the
+/// names and labels tollgate exports: every mapping named like one of them labels it `domain`,
+/// `key1` (one level) or `domain`, `key1`, `key2` (two or more), and each series has both.
+/// Mappings of other series are not looked at.
+///
+/// Errors: the file cannot be read or is not a mapper, or a series is mapped otherwise.
+fn check_mapper(path: &std::path::Path) -> Result<(), String> {
+    #[derive(serde::Deserialize)]
+    struct Mapper {
+        mappings: Vec<Mapping>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Mapping {
+        name: Option<String>,
+        #[serde(default)]
+        labels: BTreeMap<String, String>,
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let mapper: Mapper =
+        serde_yaml::from_str(&text).map_err(|e| format!("{} is not a statsd-exporter mapper: {e}", path.display()))?;
+    let short: Vec<String> = vec!["domain".into(), "key1".into()];
+    let long: Vec<String> = vec!["domain".into(), "key1".into(), "key2".into()];
+    for name in crate::metrics::ENVOYPROXY_RULE_SERIES {
+        let sets: Vec<Vec<String>> = mapper
+            .mappings
+            .iter()
+            .filter(|m| m.name.as_deref() == Some(name))
+            .map(|m| m.labels.keys().cloned().collect())
+            .collect();
+        if !sets.contains(&short) || !sets.contains(&long) || sets.iter().any(|s| *s != short && *s != long) {
+            return Err(format!(
+                "{} maps {name} with labels {sets:?}, not (domain, key1) and (domain, key1, key2)",
+                path.display()
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// `X-RateLimit-Limit` from `x-ratelimit-limit`.
+fn canonical(name: &str) -> String {
+    name.split('-')
+        .map(|w| match w {
+            "x" => "X".to_owned(),
+            "ratelimit" => "RateLimit".to_owned(),
+            w => {
+                let mut c = w.chars();
+                c.next()
+                    .map(|f| f.to_ascii_uppercase().to_string() + c.as_str())
+                    .unwrap_or_default()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("-")
+}
+
+fn socket_addr(host: &str, port: u16) -> Option<std::net::SocketAddr> {
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let ip: std::net::IpAddr = if host.eq_ignore_ascii_case("localhost") {
+        std::net::Ipv4Addr::LOCALHOST.into()
+    } else {
+        host.parse().ok()?
+    };
+    Some(std::net::SocketAddr::new(ip, port))
+}
+
+/// Go's listen address forms: `:9090` (every interface), `host:9090`, `[::1]:9090`.
+pub fn listen_addr(text: &str) -> Option<std::net::SocketAddr> {
+    let (host, port) = text.rsplit_once(':')?;
+    let port: u16 = port.parse().ok()?;
+    if host.is_empty() {
+        return Some(std::net::SocketAddr::from(([0, 0, 0, 0], port)));
+    }
+    socket_addr(host, port)
+}
+
+/// A Go duration (`10s`, `500ms`, `1m30s`, `2h`) in whole milliseconds (rounded up).
+fn go_duration_ms(text: &str) -> Option<u64> {
+    let mut rest = text;
+    let mut total_us: f64 = 0.0;
+    if rest == "0" {
+        return Some(0);
+    }
+    while !rest.is_empty() {
+        let num_len = rest.find(|c: char| !(c.is_ascii_digit() || c == '.'))?;
+        let (num, tail) = rest.split_at(num_len);
+        let n: f64 = num.parse().ok()?;
+        let unit_len = tail
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(tail.len());
+        let (unit, tail) = tail.split_at(unit_len);
+        let us = match unit {
+            "ns" => 0.001,
+            "us" | "µs" => 1.0,
+            "ms" => 1_000.0,
+            "s" => 1_000_000.0,
+            "m" => 60_000_000.0,
+            "h" => 3_600_000_000.0,
+            _ => return None,
+        };
+        total_us += n * us;
+        rest = tail;
+    }
+    Some((total_us / 1000.0).ceil() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read(vars: &[(&str, &str)]) -> Result<EnvoyproxyEnv, EnvErrors> {
+        EnvoyproxyEnv::read(vars.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())), false)
+    }
+
+    #[test]
+    fn istio_sample_environment() {
+        let env = read(&[
+            ("LOG_LEVEL", "debug"),
+            ("REDIS_SOCKET_TYPE", "tcp"),
+            ("REDIS_URL", "redis:6379"),
+            ("USE_STATSD", "false"),
+            ("RUNTIME_ROOT", "/data"),
+            ("RUNTIME_SUBDIRECTORY", "ratelimit"),
+            ("RUNTIME_IGNOREDOTFILES", "true"),
+            ("RUNTIME_WATCH_ROOT", "false"),
+            ("HOST", "::"),
+            ("GRPC_HOST", "::"),
+        ])
+        .unwrap();
+        assert!(env.active);
+        let doc = env.document();
+        assert_eq!(doc["rules"], "/data/ratelimit/config");
+        assert_eq!(doc["http_addr"], "[::]:8080", "their default PORT");
+        assert_eq!(doc["grpc_addr"], "[::]:8081", "their default GRPC_PORT");
+        assert_eq!(doc["backend"], "redis");
+        assert_eq!(doc["redis"]["urls"], json!(["redis://redis:6379"]));
+        assert_eq!(doc["redis"]["unreachable_at_start"], "not_ready");
+        assert_eq!(doc["log"]["level"], "debug");
+        assert_eq!(doc["metrics"]["envoyproxy_names"], true);
+        assert_eq!(env.origins["rules"], "RUNTIME_ROOT, RUNTIME_SUBDIRECTORY");
+        assert_eq!(env.origins["redis.urls"], "REDIS_URL");
+        let noted: Vec<&str> = env.notes.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(noted, ["RUNTIME_IGNOREDOTFILES", "RUNTIME_WATCH_ROOT"]);
+    }
+
+    #[test]
+    fn generic_variables_alone_do_not_activate_it() {
+        let env = read(&[("PORT", "3000"), ("LOG_LEVEL", "debug")]).unwrap();
+        assert!(!env.active);
+        assert!(env.is_empty());
+        let env = EnvoyproxyEnv::read([("PORT".to_owned(), "3000".to_owned())], true).unwrap();
+        assert_eq!(env.document()["http_addr"], "0.0.0.0:3000");
+        assert_eq!(env.document()["rules"], "/srv/runtime_data/current/config");
+    }
+
+    #[test]
+    fn cluster_auth_and_addresses() {
+        let env = read(&[
+            ("REDIS_SOCKET_TYPE", "tcp"),
+            ("REDIS_TYPE", "cluster"),
+            ("REDIS_URL", "a:7000, b:7001"),
+            ("REDIS_AUTH", "app:s3cret"),
+            ("REDIS_TLS", "true"),
+            ("GRPC_HOST", "127.0.0.1"),
+            ("GRPC_PORT", "9000"),
+            ("USE_PROMETHEUS", "true"),
+            ("PROMETHEUS_ADDR", ":19001"),
+            ("REDIS_TIMEOUT", "1m30s"),
+        ])
+        .unwrap();
+        let doc = env.document();
+        assert_eq!(doc["redis"]["urls"], json!(["rediss://a:7000", "rediss://b:7001"]));
+        assert_eq!(doc["redis"]["cluster"], true);
+        assert_eq!(doc["redis"]["username"], "app");
+        assert_eq!(doc["redis"]["password"], "s3cret");
+        assert_eq!(doc["grpc_addr"], "127.0.0.1:9000");
+        assert_eq!(doc["metrics"]["addr"], "0.0.0.0:19001");
+        assert_eq!(doc["redis"]["connect_timeout_ms"], 90_000);
+    }
+
+    #[test]
+    fn refusals_name_the_variable_and_never_a_secret() {
+        let err = read(&[
+            ("REDIS_SOCKET_TYPE", "unix"),
+            ("REDIS_URL", "/var/run/redis.sock"),
+            ("REDIS_TYPE", "SENTINEL"),
+            ("REDIS_AUTH", "hunter2-secret"),
+            ("BACKEND_TYPE", "memcache"),
+            ("USE_STATSD", "true"),
+            ("CONFIG_TYPE", "GRPC_XDS_SOTW"),
+            ("GRPC_SERVER_USE_TLS", "true"),
+        ])
+        .unwrap_err();
+        let text = err.to_string();
+        for var in [
+            "REDIS_SOCKET_TYPE",
+            "REDIS_TYPE",
+            "BACKEND_TYPE",
+            "USE_STATSD",
+            "CONFIG_TYPE",
+            "GRPC_SERVER_USE_TLS",
+        ] {
+            assert!(err.0.iter().any(|e| e.variable == var), "{var} missing in {text}");
+        }
+        assert!(text.contains("not supported yet"), "{text}");
+        assert!(!text.contains("hunter2"), "{text}");
+    }
+
+    #[test]
+    fn durations_and_listen_addresses() {
+        assert_eq!(go_duration_ms("10s"), Some(10_000));
+        assert_eq!(go_duration_ms("250ms"), Some(250));
+        assert_eq!(go_duration_ms("1.5s"), Some(1_500));
+        assert_eq!(go_duration_ms("ten"), None);
+        assert_eq!(
+            listen_addr(":19001"),
+            Some(std::net::SocketAddr::from(([0, 0, 0, 0], 19001)))
+        );
+        assert_eq!(
+            listen_addr("127.0.0.1:9"),
+            Some(std::net::SocketAddr::from(([127, 0, 0, 1], 9)))
+        );
+        assert_eq!(listen_addr("nope"), None);
+        assert_eq!(canonical("x-ratelimit-remaining"), "X-RateLimit-Remaining");
+    }
+}
