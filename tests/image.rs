@@ -571,7 +571,7 @@ fn require_root(test: &str) -> bool {
 
 /// Starts the image's ENTRYPOINT (+ CMD) from the copy, or `argv` instead, and waits until
 /// `/readyz` answers 200 on its HTTP port.
-fn start(copy: &ImageCopy, ports: &Ports, argv: Option<Vec<String>>) -> ChildGuard {
+fn start(copy: &ImageCopy, ports: &Ports, argv: Option<Vec<String>>, extra_env: &[(&str, String)]) -> ChildGuard {
     let mut argv = argv.unwrap_or_else(|| {
         let mut argv = exec_form(&copy.image.runtime.last("ENTRYPOINT").expect("an ENTRYPOINT").args);
         if let Some(cmd) = copy.image.runtime.last("CMD") {
@@ -579,7 +579,8 @@ fn start(copy: &ImageCopy, ports: &Ports, argv: Option<Vec<String>>) -> ChildGua
         }
         argv
     });
-    let env = ports.env(&copy.image);
+    let mut env = ports.env(&copy.image);
+    env.extend(extra_env.iter().map(|(k, v)| (k.to_string(), v.clone())));
     let mut command = copy.command(&argv, &env);
     let name = Path::new(&argv.remove(0))
         .file_name()
@@ -734,7 +735,7 @@ async fn image_copy_runs_read_only_as_nobody_and_envoy_limits_through_it() {
         if copy.release { "release" } else { "debug" }
     );
     let ports = Ports::new();
-    let mut tollgate = tokio::task::block_in_place(|| start(&copy, &ports, None));
+    let mut tollgate = tokio::task::block_in_place(|| start(&copy, &ports, None, &[]));
     let log = tollgate.log();
     assert!(
         log.contains("read-only: writes as root and as 65534:65534 refused"),
@@ -846,10 +847,9 @@ async fn image_copy_runs_read_only_as_nobody_and_envoy_limits_through_it() {
 }
 
 /// The image's second name: `/bin/ratelimit` (envoyproxy/ratelimit's command) starts the same
-/// binary as `tollgate serve`. Needs the argv[0] handling (the binary serving when its file name
-/// is `ratelimit`), which the drop-in work adds to src/main.rs.
+/// binary as `tollgate serve` (the binary serves when its file name is `ratelimit`, with no
+/// arguments, as their manifests run it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs the argv[0] `ratelimit` handling in src/main.rs (drop-in branch); remove when merged"]
 async fn image_copy_serves_under_the_name_bin_ratelimit() {
     let test = "image_copy_serves_under_the_name_bin_ratelimit";
     if !require_root(test) {
@@ -857,11 +857,50 @@ async fn image_copy_serves_under_the_name_bin_ratelimit() {
     }
     let copy = ImageCopy::new();
     let ports = Ports::new();
-    let mut process = tokio::task::block_in_place(|| start(&copy, &ports, Some(vec!["/bin/ratelimit".into()])));
+    // Their manifests mount the rules (a ConfigMap) at $RUNTIME_ROOT/$RUNTIME_SUBDIRECTORY/config
+    // and set those variables, as Istio's sample does; the mount lies outside the image's files.
+    let mount = tempfile::tempdir().expect("a temp dir for the rules mount");
+    let config = mount.path().join("data/ratelimit/config");
+    fs::create_dir_all(&config).unwrap();
+    fs::write(
+        config.join("config.yaml"),
+        "domain: ratelimit\ndescriptors:\n  - key: PATH\n    value: /productpage\n    rate_limit: {unit: minute, requests_per_unit: 1}\n",
+    )
+    .unwrap();
+    // Readable by 65534, as a mounted volume is.
+    for dir in [
+        mount.path().to_owned(),
+        mount.path().join("data"),
+        mount.path().join("data/ratelimit"),
+        config.clone(),
+    ] {
+        fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    }
+    let env = [
+        ("RUNTIME_ROOT", mount.path().join("data").to_string_lossy().into_owned()),
+        ("RUNTIME_SUBDIRECTORY", "ratelimit".to_owned()),
+        ("RUNTIME_IGNOREDOTFILES", "true".to_owned()),
+        ("USE_STATSD", "false".to_owned()),
+        ("LOG_LEVEL", "debug".to_owned()),
+    ];
+    let mut process = tokio::task::block_in_place(|| start(&copy, &ports, Some(vec!["/bin/ratelimit".into()]), &env));
     let pid = tollgate_pid(&process);
     let cmdline = fs::read(format!("/proc/{pid}/cmdline")).unwrap();
     assert_eq!(cmdline, b"/bin/ratelimit\0");
     assert_eq!(http_get(ports.http, "/healthz").map(|(s, _)| s), Some(200));
+    // Their health check, and the rules from the mount (not the image's baked-in example).
+    let (status, body) = http_get(ports.http, "/healthcheck").expect("/healthcheck answers");
+    assert_eq!((status, body.trim()), (200, "OK"));
+    let (status, config) = http_get(ports.http, "/config").expect("/config answers");
+    assert_eq!(status, 200);
+    assert!(
+        config.contains("/productpage"),
+        "the mounted rules are not in force: {config}"
+    );
+    assert!(
+        !config.contains("uploads_per_key"),
+        "the image's example rules were loaded: {config}"
+    );
     assert!(process.exited().is_none());
 }
 
