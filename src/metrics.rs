@@ -48,7 +48,7 @@ pub const BACKEND_CALLS: &str = "tollgate_backend_calls_total";
 pub const BACKEND_ERRORS: &str = "tollgate_backend_errors_total";
 /// Backend call time in seconds, by `backend` (histogram).
 pub const BACKEND_DURATION: &str = "tollgate_backend_call_duration_seconds";
-/// Decisions taken by a fallback backend, by `backend` (the failed one) and `fallback`.
+/// Decisions taken by a fallback backend, by `backend` (the one that failed).
 pub const BACKEND_FALLBACKS: &str = "tollgate_backend_fallbacks_total";
 /// 1 while a backend's circuit breaker is open (calls are not tried), else 0, by `backend`.
 pub const BACKEND_CIRCUIT_OPEN: &str = "tollgate_backend_circuit_open";
@@ -325,6 +325,11 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
     metrics::set_global_recorder(recorder).map_err(|e| anyhow::anyhow!("cannot install the metrics recorder: {e}"))?;
     describe();
     gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+    // At zero from the start, so that `rate()` in an alert sees the first failure answer (a
+    // series that appears with its first increment has no earlier sample to rate against).
+    for answer in ["allow", "deny"] {
+        counter!(BACKEND_FAILURE_ANSWERS, "answer" => answer).increment(0);
+    }
     Ok(HANDLE.get_or_init(|| handle).clone())
 }
 

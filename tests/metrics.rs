@@ -151,6 +151,14 @@ async fn a_known_request_mix_gives_exact_counters() {
     // alice's bucket and the shadowed one are held (not full); nothing was evicted.
     assert_eq!(m.get("tollgate_memory_buckets", &[]), Some(2.0));
     assert_eq!(m.get("tollgate_memory_evicted_not_full_total", &[]), Some(0.0));
+    // Registered at zero before any failure, so that an alert's rate() sees the first one.
+    for answer in ["allow", "deny"] {
+        assert_eq!(
+            m.get("tollgate_backend_failure_answers_total", &[("answer", answer)]),
+            Some(0.0),
+            "{answer}"
+        );
+    }
     assert_eq!(
         m.types.get("tollgate_request_duration_seconds").map(String::as_str),
         Some("histogram")
