@@ -873,6 +873,11 @@ mod tests {
             .extract()
             .unwrap_or_else(|e| panic!("{path}: {e}"));
         assert_eq!(shipped, Settings::default());
+        // Every setting is written out, not left to its default: the file is the list of them.
+        let text = std::fs::read_to_string(path).unwrap();
+        let written: serde_yaml::Value = serde_yaml::from_str(&text).unwrap();
+        let defaults = serde_yaml::to_value(Settings::default()).unwrap();
+        assert_eq!(written, defaults, "{path} must list every setting with its default");
     }
 
     #[test]
