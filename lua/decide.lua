@@ -1,6 +1,6 @@
 -- Decides a batch of rate-limit requests, each over all its bucket instances in one atomic
 -- step: reads the clock with TIME once, then for each request in order brings every bucket
--- forward to now, checks every demand, and consumes from all of them or none (DESIGN 1.2).
+-- forward to now, checks every demand, and consumes from all of them or none (docs/rules.md).
 -- Requests of one batch are decided one after the other, so a later request sees what an
 -- earlier one consumed, exactly as if each had its own call. Tollgate's memory store runs the
 -- same arithmetic in Rust (src/bucket); tests/vectors/token_bucket.yaml pins both to the same

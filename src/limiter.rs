@@ -1,6 +1,6 @@
 //! The decision path, independent of gRPC: a `RateLimitRequest` in, a `RateLimitResponse` out.
 //!
-//! 1. validate the request (bounds and required fields, DESIGN 1.4);
+//! 1. validate the request (bounds and required fields, docs/rules.md);
 //! 2. per descriptor, find the rule ([`crate::matcher`]) or the Envoy `limit` override;
 //! 3. drop rules that another matched rule `replaces`;
 //! 4. build the distinct bucket instances and the demands on them (`hits_addend`);

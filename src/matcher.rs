@@ -1,4 +1,4 @@
-//! Request descriptors to rules, and rules to bucket instance keys (DESIGN 1.1).
+//! Request descriptors to rules, and rules to bucket instance keys (docs/rules.md).
 
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 

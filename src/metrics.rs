@@ -1,4 +1,4 @@
-//! Prometheus metrics (DESIGN 3): the names, their labels, and the handles the decision path
+//! Prometheus metrics (docs/operations.md): the names, their labels, and the handles the decision path
 //! keeps so that counting costs an atomic add, not a registry lookup.
 //!
 //! Names follow Prometheus conventions: a `tollgate_` prefix, `_total` on counters, base units

@@ -1,4 +1,4 @@
-//! Hot reload of the rules (DESIGN 3): when the files at the rules path change, on SIGHUP, and
+//! Hot reload of the rules (docs/operations.md): when the files at the rules path change, on SIGHUP, and
 //! on a poll, the rules are loaded again and, if every file is valid, swapped in whole.
 //!
 //! - **What counts as a change.** A [`Fingerprint`]: the list of rules files, their names and

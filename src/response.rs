@@ -1,5 +1,5 @@
 //! From a decision to a `RateLimitResponse`: statuses in request order and the headers Envoy
-//! forwards to the client (DESIGN 1.4).
+//! forwards to the client (docs/rules.md).
 
 use std::borrow::Cow;
 
@@ -73,7 +73,7 @@ struct Verdict<'a> {
 /// descriptor `OK`) or `deny` (`deny: true`: every enforced descriptor that matched a bucket
 /// `OVER_LIMIT`, others `OK`). Nothing is known about the buckets, so the statuses carry no
 /// limit or remaining count and no header is added: in particular no `Retry-After`, since no
-/// wait is known to succeed (DESIGN 2).
+/// wait is known to succeed (docs/backends.md).
 pub fn failure_response(targets: &[Option<Target<'_>>], deny: bool) -> RateLimitResponse {
     let statuses: Vec<DescriptorStatus> = targets
         .iter()
@@ -220,7 +220,7 @@ fn verdict<'a>(
 }
 
 /// The verdict a descriptor's status reports: its only one, or with a token bucket and a
-/// quota, the denying one when one denies, else the one with fewer tokens left (DESIGN 1.4).
+/// quota, the denying one when one denies, else the one with fewer tokens left (docs/rules.md).
 fn status_verdict<'v, 'a>(verdicts: &'v [Verdict<'a>], descriptor: usize) -> Option<&'v Verdict<'a>> {
     let mut own = verdicts.iter().filter(|v| v.descriptor == descriptor);
     let first = own.next()?;

@@ -100,7 +100,7 @@ pub struct BucketPolicy {
     pub name: String,
     /// Capacity and refill, and how they change over time.
     pub plan: Plan,
-    /// `current_limit` as sent to Envoy for the base limit (DESIGN 1.4); a policy whose limit
+    /// `current_limit` as sent to Envoy for the base limit (docs/rules.md); a policy whose limit
     /// varies is reported by the limit in force ([`BucketPolicy::reported_at`]).
     pub reported: ReportedLimit,
     /// For a scheduled policy, [`ReportedLimit::of`] each entry's limit, worked out once.
@@ -162,7 +162,7 @@ pub const UNITS: [(Unit, u64); 7] = [
 ];
 
 impl ReportedLimit {
-    /// How a [`Limit`] is reported (DESIGN 1.4): when its time to fill from empty is exactly
+    /// How a [`Limit`] is reported (docs/rules.md): when its time to fill from empty is exactly
     /// one unit, `capacity` per that unit; otherwise the refill rate in the first of SECOND,
     /// MINUTE, HOUR, DAY, WEEK, MONTH, YEAR in which it is a whole number (1 per 250 ms is 4
     /// per SECOND), else per YEAR rounded down, but at least 1: Envoy and clients read 0 as
@@ -324,7 +324,7 @@ impl Level {
     }
 
     /// The node an entry `(key, value)` leads to: the exact value first, then wildcard patterns
-    /// in config order, then the key-only default (DESIGN 1.1).
+    /// in config order, then the key-only default (docs/rules.md).
     pub fn find(&self, key: &str, value: &str) -> Option<usize> {
         if let Some(node) = self.exact.get(key).and_then(|values| values.get(value)) {
             return Some(*node);

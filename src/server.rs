@@ -383,7 +383,7 @@ fn local_clock() -> Arc<dyn Clock> {
     }
 }
 
-/// Builds and connects the Redis store (DESIGN 2) behind its circuit breaker.
+/// Builds and connects the Redis store (docs/backends.md) behind its circuit breaker.
 ///
 /// Errors: when Redis cannot be reached at start and `redis.unreachable_at_start` is `exit`.
 async fn redis_store(
@@ -439,7 +439,7 @@ async fn redis_store(
     ))
 }
 
-/// Builds and connects the Postgres store (DESIGN 2) behind its circuit breaker, and starts
+/// Builds and connects the Postgres store (docs/backends.md) behind its circuit breaker, and starts
 /// its sweep.
 ///
 /// Errors: invalid settings, or Postgres not reachable (or its migrations failing) at start

@@ -137,7 +137,7 @@ pub enum Backend {
     Postgres,
 }
 
-/// The Redis backend (DESIGN 2): where Redis is, how to reach it, and what to answer when it
+/// The Redis backend (docs/backends.md): where Redis is, how to reach it, and what to answer when it
 /// cannot be reached.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -186,7 +186,7 @@ pub enum FallbackBackend {
     Memory,
 }
 
-/// What a request gets when its backend fails (DESIGN 2).
+/// What a request gets when its backend fails (docs/backends.md).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum FailureMode {
@@ -233,7 +233,7 @@ impl Default for RedisSettings {
     }
 }
 
-/// The Postgres backend (DESIGN 2): where PostgreSQL is, how to use it, and what to answer
+/// The Postgres backend (docs/backends.md): where PostgreSQL is, how to use it, and what to answer
 /// when it cannot be reached. See `src/store/postgres/`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]

@@ -9,7 +9,7 @@
 //! messages, replacing invalid sequences with U+FFFD: such a value can never equal a rule's
 //! (UTF-8) value, still lands in a key-only bucket, and at worst shares that bucket with other
 //! malformed values, which errs on the side of limiting. A request that is not valid protobuf
-//! at all is answered `INVALID_ARGUMENT` (DESIGN 1.4), never `INTERNAL`.
+//! at all is answered `INVALID_ARGUMENT` (docs/rules.md), never `INTERNAL`.
 
 use std::sync::Arc;
 

@@ -1,5 +1,5 @@
 //! `tollgate check --rules PATH`: exit 1 with `FILE: rule `PATH`: REASON` for every invalid
-//! fixture, exit 0 and the compiled tree for every valid one (DESIGN 1.1, 1.3, 3).
+//! fixture, exit 0 and the compiled tree for every valid one (docs/rules.md, docs/schedules-and-quotas.md, docs/operations.md).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -227,7 +227,7 @@ const INVALID: &[Invalid] = &[
         Some("remote_address"),
         &["bucket `shared` is already declared with a different limit"],
     ),
-    // Schedules and quotas (DESIGN 1.3): an entry's problem names the entry.
+    // Schedules and quotas (docs/schedules-and-quotas.md): an entry's problem names the entry.
     inv(
         "schedule_bad_cron_hour.yaml",
         Some("buckets.per_key.schedule[0]"),

@@ -1,5 +1,5 @@
-//! envoyproxy/ratelimit's `rate_limit.name` is a label, not an identity (DESIGN 1.1, "their files
-//! load unchanged"): through the limiter, two different limits under one name each keep their
+//! envoyproxy/ratelimit's `rate_limit.name` is a label, not an identity ("their files load
+//! unchanged", docs/rules.md): through the limiter, two different limits under one name each keep their
 //! own limit, and `replaces` drops every bucket of that name. And the stat keys their metric
 //! names are labelled by (`metrics.envoyproxy_names`), built from the rules tree as theirs are.
 

@@ -1,4 +1,4 @@
-//! The decision path through the public API (DESIGN 1.1, 1.2, 1.4): a `RateLimitRequest` in,
+//! The decision path through the public API (docs/rules.md): a `RateLimitRequest` in,
 //! a `RateLimitResponse` out, with the memory store on a manual clock.
 
 mod harness;

@@ -1,4 +1,4 @@
-//! Schedules and quotas through the decision path (DESIGN 1.3, 1.4): rules from YAML, the memory
+//! Schedules and quotas through the decision path (docs/schedules-and-quotas.md, docs/rules.md): rules from YAML, the memory
 //! store on a manual clock moved across real window edges, DST days and month ends.
 
 mod harness;
@@ -406,7 +406,7 @@ descriptors:
     let resp = h.ask(&one(&[("c", "x")])).await;
     assert_eq!(resp.overall_code, OVER);
     assert_eq!(retry_after(&resp), None);
-    // And when one denied descriptor has no wait, the response has none (DESIGN 1.4).
+    // And when one denied descriptor has no wait, the response has none (docs/rules.md).
     let both = req("d", vec![desc(&[("m", "y")]), desc(&[("c", "y")])]);
     h.clock.set_us(utc(2026, 6, 1, 2, 10));
     let resp = h.ask(&both).await;

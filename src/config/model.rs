@@ -61,7 +61,7 @@ pub struct BucketSpec {
     pub quota: Option<QuotaSpec>,
 }
 
-/// One schedule window (DESIGN 1.3): a five-field `cron` in `timezone` (IANA, default UTC), and
+/// One schedule window (docs/schedules-and-quotas.md): a five-field `cron` in `timezone` (IANA, default UTC), and
 /// either `scale` or absolute `capacity` and/or `refill`.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -73,7 +73,7 @@ pub struct ScheduleEntrySpec {
     pub refill: Option<String>,
 }
 
-/// A calendar quota (DESIGN 1.3): `limit` tokens, handed back whole at each edge of the `reset`
+/// A calendar quota (docs/schedules-and-quotas.md): `limit` tokens, handed back whole at each edge of the `reset`
 /// cron in `timezone`. `refill` is read only to reject it with a clear reason: a quota does not
 /// drip.
 #[derive(Clone, Debug, Deserialize)]

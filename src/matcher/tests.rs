@@ -1,4 +1,4 @@
-//! DESIGN 1.1 descriptor matching, through rules loaded from YAML.
+//! Descriptor matching (docs/rules.md), through rules loaded from YAML.
 
 use std::io::Write;
 

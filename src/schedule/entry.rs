@@ -214,7 +214,7 @@ impl ScheduleEntry {
 }
 
 /// A parsed five-field cron pattern, matched against local wall-clock minutes. Schedule
-/// entries and quota resets (DESIGN 1.3) share it, so both read a pattern the same way. The
+/// entries and quota resets (docs/schedules-and-quotas.md) share it, so both read a pattern the same way. The
 /// minute and hour fields are kept as bit masks so that searches skip whole hours and days.
 #[derive(Clone)]
 pub(super) struct CronPattern {

@@ -1,4 +1,4 @@
-//! Schedules: limits that follow the clock (DESIGN 1.3). Pure like [`crate::bucket`]: every
+//! Schedules: limits that follow the clock (docs/schedules-and-quotas.md). Pure like [`crate::bucket`]: every
 //! function takes the time and returns an answer; nothing reads a clock or does I/O.
 //!
 //! A [`Schedule`] is a base [`Limit`] and a list of [`ScheduleEntry`]s, each a cron window in a
@@ -423,7 +423,7 @@ fn entry_limit(base: &Limit, effect: Effect, i: usize) -> Result<Limit, Schedule
 ///
 /// A bucket full at a change of limit is full under the next limit too ([`cross`]): raising a
 /// capacity grants nothing at once to a bucket that is not full, and a full one is the same as
-/// a missing one, which starts full at the capacity in force (DESIGN 1.3).
+/// a missing one, which starts full at the capacity in force (docs/schedules-and-quotas.md).
 ///
 /// Walks every change of limit in between, so callers should not bring a state forward over months
 /// of minute-by-minute windows (an idle bucket is full and can be dropped instead).

@@ -16,9 +16,9 @@ use crate::bucket::{refill, wait_us, BucketState, Limit, Refilling};
 pub enum Plan {
     /// A token bucket whose capacity and refill never change.
     Fixed(Limit),
-    /// A token bucket whose capacity and refill follow schedule windows (DESIGN 1.3).
+    /// A token bucket whose capacity and refill follow schedule windows (docs/schedules-and-quotas.md).
     Scheduled(Arc<Schedule>),
-    /// A calendar quota: no refill, back to full at each reset edge (DESIGN 1.3).
+    /// A calendar quota: no refill, back to full at each reset edge (docs/schedules-and-quotas.md).
     Quota(Arc<Quota>),
 }
 
@@ -42,7 +42,7 @@ impl Plan {
     }
 
     /// Microseconds from `now_us` until the bucket stored as `state` holds `need_ut`, by the
-    /// same arithmetic as [`Refilling::refill_to`]: the exact retry-after (DESIGN 1.4).
+    /// same arithmetic as [`Refilling::refill_to`]: the exact retry-after (docs/rules.md).
     /// `Some(0)` when it holds them already; `None` when nothing within the horizon admits it:
     /// none for a constant limit, [`DEFAULT_HORIZON_US`] (62 days) walking schedule windows,
     /// [`QUOTA_HORIZON_US`] for a quota's next reset edge.
@@ -73,7 +73,7 @@ impl Plan {
         }
     }
 
-    /// `duration_until_reset` and the `t` of the `RateLimit` header (DESIGN 1.4), in
+    /// `duration_until_reset` and the `t` of the `RateLimit` header (docs/rules.md), in
     /// microseconds from `now_us`: the time until the bucket stored as `state` is full again;
     /// for a quota, the time to its next reset edge. `None` for a bucket that never refills and
     /// when the instant lies beyond the horizon.

@@ -1,4 +1,4 @@
-//! Calendar quotas (DESIGN 1.3): a bucket that never refills on its own and is handed back
+//! Calendar quotas (docs/schedules-and-quotas.md): a bucket that never refills on its own and is handed back
 //! whole at each edge of a reset cron, such as `0 0 1 * *` for a monthly allowance.
 //!
 //! Pure like the rest of [`crate::schedule`]: the time is always passed in (microseconds since
@@ -44,7 +44,7 @@ const OVERLAP_SLACK_S: i64 = 12 * 3600;
 const OFFSET_BOUND_S: i64 = 16 * 3600;
 
 /// A calendar quota: `limit` whole tokens, no refill, handed back whole at each reset edge of a
-/// five-field cron in an IANA timezone (DESIGN 1.3).
+/// five-field cron in an IANA timezone (docs/schedules-and-quotas.md).
 ///
 /// The reset pattern is read exactly as a [`super::ScheduleEntry`] pattern is (five fields,
 /// names, day-of-month or day-of-week when both are restricted). Where its edges fall is
@@ -164,7 +164,7 @@ impl Quota {
         }
     }
 
-    /// The state of a quota bucket brought forward to `now_us` (DESIGN 1.3: the reset applies
+    /// The state of a quota bucket brought forward to `now_us` (docs/schedules-and-quotas.md: the reset applies
     /// on the first decision after an edge, and several missed edges apply once). If an edge
     /// lies in `(state.updated_us, now_us]` the bucket is full (`tokens_ut` = capacity, never
     /// more) as of `now_us`; otherwise the tokens are only trimmed to the capacity (a limit

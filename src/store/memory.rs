@@ -4,8 +4,8 @@
 //! a decision that leaves a bucket full removes it, and a periodic sweep drops buckets whose
 //! refill has reached full since. Memory is therefore bounded by active (not full) buckets,
 //! and by `max_buckets` beyond that: at the cap, the bucket closest to full among a small
-//! random sample of the shard is evicted (DESIGN.md suggests least recently used; closest to
-//! full is chosen because evicting it over-admits least).
+//! random sample of the shard is evicted (closest to full rather than least recently used, because
+//! evicting it over-admits least).
 //!
 //! Each bucket also costs the same small amount of memory, whatever the size of its key: a key
 //! is stored as its [`Digest`], 128 bits of keyed hash (a client can send header values of

@@ -31,7 +31,7 @@ pub struct BucketRef {
     /// The instance identity, from [`crate::matcher::instance_key`].
     pub key: String,
     /// Its limit and how the limit changes over time; the store evaluates it at its own clock's
-    /// now (DESIGN 1.5).
+    /// now (docs/backends.md).
     pub plan: Plan,
 }
 

@@ -1,5 +1,5 @@
 //! A shared backend with a circuit breaker ([`Guarded`]) and, optionally, a fallback store
-//! ([`Resilient`]) (DESIGN 2).
+//! ([`Resilient`]) (docs/backends.md).
 //!
 //! While the breaker is closed every call goes to the backend (Redis or Postgres). Repeated
 //! failures open it ([`Breaker`]): calls then skip the backend for a while instead of each

@@ -435,7 +435,7 @@ fn reference_edges(reset: &str, tz: Tz, lo_s: i64, hi_s: i64) -> Vec<u64> {
     out
 }
 
-/// The rules of DESIGN 1.3 applied to a list of edges.
+/// The quota rules of docs/schedules-and-quotas.md applied to a list of edges.
 struct Reference<'a>(&'a [u64]);
 
 impl Reference<'_> {

@@ -1,4 +1,4 @@
-//! The Postgres store (DESIGN 2): bucket state in one table, shared by every replica, each
+//! The Postgres store (docs/backends.md): bucket state in one table, shared by every replica, each
 //! request decided all or nothing inside a transaction that holds its buckets' rows locked.
 //!
 //! Concurrent requests share that transaction ([`batch`]: a lane per pooled connection takes

@@ -1,9 +1,9 @@
-//! The Redis store (DESIGN 2): bucket state shared by every tollgate replica, decided by a Lua
+//! The Redis store (docs/backends.md): bucket state shared by every tollgate replica, decided by a Lua
 //! script (`lua/decide.lua`) that reads Redis `TIME`, refills, checks and consumes from all of a
 //! request's buckets or none, atomically. On a single node, concurrent requests share a call
 //! ([`batch`]); each is still decided on its own.
 //!
-//! **Time.** Refill uses Redis time, so replicas with skewed clocks agree (DESIGN 1.5).
+//! **Time.** Refill uses Redis time, so replicas with skewed clocks agree (docs/backends.md).
 //! Schedules and quotas are evaluated here in Rust, at an estimate of Redis time: the local
 //! clock plus the offset to Redis `TIME` measured on the previous answer ([`ClockOffset`]).
 //! The script is told over which interval `[lo, hi)` of Redis time the limit it is given holds,
