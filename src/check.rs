@@ -201,7 +201,6 @@ fn instant(t_us: u64, tz: Tz) -> String {
         .unwrap_or_else(|| format!("{t_us}us"))
 }
 
-
 /// One way a rule's behaviour in tollgate differs from envoyproxy/ratelimit's, or a point a
 /// migration should know; `--explain` tags each rule with the ones that apply and explains each
 /// tag used once, at the end.
@@ -462,7 +461,8 @@ fn their_window(unit: Unit, unit_us: u64) -> String {
             let len_s = unit_us / 1_000_000;
             let start = AT_S / len_s * len_s;
             let day = |t: u64| {
-                DateTime::from_timestamp(t as i64, 0).map_or_else(|| format!("{t}"), |t| t.format("%Y-%m-%d").to_string())
+                DateTime::from_timestamp(t as i64, 0)
+                    .map_or_else(|| format!("{t}"), |t| t.format("%Y-%m-%d").to_string())
             };
             format!(
                 "of {} days counted from the Unix epoch (the one holding 2027-01-01 runs from {} to {})",
@@ -491,22 +491,35 @@ fn explain_rule(
         diffs.push((Difference::Wildcard, "the path holds a wildcard value".to_owned()));
     }
     if spec.share_threshold {
-        diffs.push((Difference::ShareThreshold, "share_threshold: true on this value".to_owned()));
+        diffs.push((
+            Difference::ShareThreshold,
+            "share_threshold: true on this value".to_owned(),
+        ));
     }
     if !spec.ignored_fields().is_empty() {
         diffs.push((
             Difference::Metrics,
-            format!("{}: accepted, no effect on tollgate's metrics", spec.ignored_fields().join(", ")),
+            format!(
+                "{}: accepted, no effect on tollgate's metrics",
+                spec.ignored_fields().join(", ")
+            ),
         ));
     }
     match rule {
         None => {
-            let _ = writeln!(out, "    no limit here: requests whose last entry is this one are not limited in either");
+            let _ = writeln!(
+                out,
+                "    no limit here: requests whose last entry is this one are not limited in either"
+            );
         }
         Some(Rule::Unlimited) => {
             let _ = writeln!(out, "    schema:   {}", schema(spec));
             let _ = writeln!(out, "    both:     unlimited: never limited, no counter or bucket");
-            let replaces = spec.replaces.iter().chain(rl.and_then(|r| r.replaces.as_ref())).flatten();
+            let replaces = spec
+                .replaces
+                .iter()
+                .chain(rl.and_then(|r| r.replaces.as_ref()))
+                .flatten();
             let names: Vec<&str> = replaces.map(|r| r.name.as_str()).collect();
             let detail = if names.is_empty() {
                 "never limited in either".to_owned()
@@ -552,8 +565,14 @@ fn explain_rule(
             match (envoy, &b.plan) {
                 (Some((unit, _, 0)), _) => {
                     let unit = unit.as_str_name();
-                    let _ = writeln!(out, "    theirs:   0 per {unit}: every request over the limit, hits still counted");
-                    let _ = writeln!(out, "    tollgate: denies every request, consumes nothing (reported as 0 per {unit})");
+                    let _ = writeln!(
+                        out,
+                        "    theirs:   0 per {unit}: every request over the limit, hits still counted"
+                    );
+                    let _ = writeln!(
+                        out,
+                        "    tollgate: denies every request, consumes nothing (reported as 0 per {unit})"
+                    );
                     diffs.push((Difference::Zero, "requests_per_unit is 0".to_owned()));
                 }
                 (Some((unit, unit_us, rpu)), plan) => {
@@ -579,7 +598,10 @@ fn explain_rule(
                     }
                     diffs.push((
                         Difference::TokenBucket,
-                        format!("after the first {rpu}, one token every {} instead of {rpu} at the next edge", seconds(unit_us / rpu)),
+                        format!(
+                            "after the first {rpu}, one token every {} instead of {rpu} at the next edge",
+                            seconds(unit_us / rpu)
+                        ),
                     ));
                     diffs.push((
                         Difference::WindowEdge,
@@ -599,9 +621,7 @@ fn explain_rule(
                     if let Some((what, cron)) = calendar {
                         diffs.push((
                             Difference::EpochWindow,
-                            format!(
-                                "their {name} is {what}; for one use `quota: {{limit: {rpu}, reset: \"{cron}\"}}`"
-                            ),
+                            format!("their {name} is {what}; for one use `quota: {{limit: {rpu}, reset: \"{cron}\"}}`"),
                         ));
                     } else if unit == Unit::Day {
                         diffs.push((
@@ -645,12 +665,18 @@ fn explain_rule(
                 }
             }
             if *shadow {
-                diffs.push((Difference::Shadow, "never denies; charged while it has tokens".to_owned()));
+                diffs.push((
+                    Difference::Shadow,
+                    "never denies; charged while it has tokens".to_owned(),
+                ));
             }
             if !replaces.is_empty() {
                 diffs.push((
                     Difference::Replaces,
-                    format!("drops {} when both match one request", d.replaced_names(replaces).join(", ")),
+                    format!(
+                        "drops {} when both match one request",
+                        d.replaced_names(replaces).join(", ")
+                    ),
                 ));
             }
         }

@@ -951,7 +951,12 @@ fn explain_matches_the_stored_snapshots() {
     let mut failures = Vec::new();
     for name in &names {
         let out = explain(&format!("tests/fixtures/envoyproxy/{name}"));
-        assert_eq!(out.status.code(), Some(0), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let got = String::from_utf8(out.stdout).unwrap();
         let stem = name.trim_end_matches(".yaml");
         let file = snapshots().join(format!("explain_{stem}.txt"));
@@ -967,7 +972,9 @@ fn explain_matches_the_stored_snapshots() {
                 .lines()
                 .zip(want.lines())
                 .position(|(a, b)| a != b)
-                .map_or("(a line added or missing at the end)".to_owned(), |i| format!("line {}", i + 1));
+                .map_or("(a line added or missing at the end)".to_owned(), |i| {
+                    format!("line {}", i + 1)
+                });
             failures.push(format!("{name}: differs from {} at {line}:\n{got}", file.display()));
         }
     }
@@ -993,7 +1000,10 @@ fn explain_is_stable_and_prints_paths_as_given() {
     let second = explain("tests/fixtures/envoyproxy/month_year.yaml");
     assert_eq!(first.stdout, second.stdout);
     let text = String::from_utf8(first.stdout).unwrap();
-    assert!(text.starts_with("domain billing (tests/fixtures/envoyproxy/month_year.yaml)\n"), "{text}");
+    assert!(
+        text.starts_with("domain billing (tests/fixtures/envoyproxy/month_year.yaml)\n"),
+        "{text}"
+    );
     assert!(!text.contains(env!("CARGO_MANIFEST_DIR")), "{text}");
 }
 
@@ -1014,16 +1024,30 @@ fn explain_names_each_difference_on_its_rule() {
     }
     let shared = text("share_threshold.yaml");
     assert!(
-        shared.contains("bucket:   `bucket=uploads-*`, one instance (every value of `bucket` matching `uploads-*` shares it)"),
+        shared.contains(
+            "bucket:   `bucket=uploads-*`, one instance (every value of `bucket` matching `uploads-*` shares it)"
+        ),
         "{shared}"
     );
     assert!(shared.contains("bucket:   `bucket=logs-*`, one instance per value of `bucket` matching `logs-*`"));
     let zero = text("zero.yaml");
-    assert!(zero.contains("tollgate: denies every request, consumes nothing (reported as 0 per SECOND)"), "{zero}");
+    assert!(
+        zero.contains("tollgate: denies every request, consumes nothing (reported as 0 per SECOND)"),
+        "{zero}"
+    );
     assert!(!zero.contains("[window-edge] theirs: up to 0"), "{zero}");
     assert!(text("shadow_mode.yaml").contains("[shadow] never denies"));
     assert!(text("replaces.yaml").contains("[replaces] drops per_region when both match one request"));
-    assert!(text("unlimited.yaml").contains("both:     unlimited: never limited, no counter or bucket"));
+    let unlimited = text("unlimited.yaml");
+    assert!(
+        unlimited.contains("both:     unlimited: never limited, no counter or bucket"),
+        "{unlimited}"
+    );
+    assert!(
+        unlimited
+            .contains("[unlimited] its `replaces` of per_caller applies in envoyproxy/ratelimit and not in tollgate"),
+        "{unlimited}"
+    );
     assert!(text("detailed_metric.yaml").contains("[metrics] value_to_metric: accepted, no effect"));
     // The legend explains only the tags used.
     assert!(!zero.contains("[shadow]"), "{zero}");

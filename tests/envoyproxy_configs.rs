@@ -19,7 +19,9 @@ use tollgate::store::MemoryStore;
 const T0: u64 = 1_700_000_000_000_000;
 
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/envoyproxy").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/envoyproxy")
+        .join(name)
 }
 
 /// A harness over the rules at `name` (a file or a folder), loaded from disk unchanged.
@@ -60,14 +62,24 @@ async fn nested_descriptors_apply_the_limit_where_the_last_entry_lands() {
     let tenant = one("storefront", &[("tenant", "t1")]);
     assert_eq!(codes(&h, &tenant, 6).await, admits(5));
     let checkout = one("storefront", &[("tenant", "t1"), ("route", "checkout")]);
-    assert_eq!(codes(&h, &checkout, 4).await, admits(3), "its own bucket, not the tenant's");
+    assert_eq!(
+        codes(&h, &checkout, 4).await,
+        admits(3),
+        "its own bucket, not the tenant's"
+    );
     let resp = h.ask(&checkout).await;
-    assert_eq!(limit_of(&resp.statuses[0]), Some(("tenant.route=checkout", 3, Unit::Minute)));
+    assert_eq!(
+        limit_of(&resp.statuses[0]),
+        Some(("tenant.route=checkout", 3, Unit::Minute))
+    );
     // Another route under the tenant only leads to `method`: no limit of its own.
     let other = one("storefront", &[("tenant", "t1"), ("route", "search")]);
     assert_eq!(codes(&h, &other, 10).await, vec![OK; 10]);
     assert_eq!(h.ask(&other).await.statuses[0].current_limit, None);
-    let post = one("storefront", &[("tenant", "t1"), ("route", "search"), ("method", "POST")]);
+    let post = one(
+        "storefront",
+        &[("tenant", "t1"), ("route", "search"), ("method", "POST")],
+    );
     assert_eq!(codes(&h, &post, 3).await, admits(2));
     // A deeper request than the tree: no limit (as theirs: the depth must match).
     let deeper = one("storefront", &[("tenant", "t1"), ("route", "checkout"), ("x", "y")]);
@@ -90,7 +102,11 @@ async fn wildcards_match_after_exact_values_and_before_the_key_alone() {
     // A `*` inside the value.
     assert_eq!(codes(&h, &path("/files/a/b/meta"), 5).await, admits(4));
     let resp = h.ask(&path("/files/x/data")).await;
-    assert_eq!(limit_of(&resp.statuses[0]), Some(("path", 6, Unit::Minute)), "no pattern matches");
+    assert_eq!(
+        limit_of(&resp.statuses[0]),
+        Some(("path", 6, Unit::Minute)),
+        "no pattern matches"
+    );
     // Refill: one token of `/v2/*` every 0.5 s.
     h.advance_ms(499);
     assert_eq!(h.ask(&path("/v2/users")).await.overall_code, OVER);
@@ -101,13 +117,19 @@ async fn wildcards_match_after_exact_values_and_before_the_key_alone() {
 #[tokio::test]
 async fn replaced_rule_is_not_applied_when_the_replacing_one_matches() {
     let h = load("replaces.yaml");
-    let both = req("mobile_api", vec![desc(&[("user_id", "u1")]), desc(&[("region", "eu")])]);
+    let both = req(
+        "mobile_api",
+        vec![desc(&[("user_id", "u1")]), desc(&[("region", "eu")])],
+    );
     // per_region (2 per minute) is replaced: 4 requests pass, limited by per_user alone.
     for i in 0..4 {
         let resp = h.ask(&both).await;
         assert_eq!(resp.overall_code, OK, "request {i}");
         assert_eq!(limit_of(&resp.statuses[0]), Some(("per_user", 4, Unit::Minute)));
-        assert_eq!(resp.statuses[1].current_limit, None, "the replaced descriptor has no limit");
+        assert_eq!(
+            resp.statuses[1].current_limit, None,
+            "the replaced descriptor has no limit"
+        );
     }
     assert_eq!(h.ask(&both).await.overall_code, OVER);
     // The region alone is limited by per_region, whose bucket the replaced requests never touched.
@@ -128,7 +150,11 @@ async fn shadow_mode_never_denies_but_its_bucket_still_counts() {
         }
         v
     };
-    assert_eq!(remaining, vec![1, 0, 0, 0, 0], "the shadow bucket runs dry like an enforced one");
+    assert_eq!(
+        remaining,
+        vec![1, 0, 0, 0, 0],
+        "the shadow bucket runs dry like an enforced one"
+    );
     // The same limit without shadow_mode denies the third.
     assert_eq!(codes(&h, &one("rollout", &[("feature", "stable")]), 3).await, admits(2));
 }
@@ -140,7 +166,25 @@ async fn unlimited_never_limits_and_the_other_callers_are_limited() {
     assert_eq!(codes(&h, &probe, 200).await, vec![OK; 200]);
     assert_eq!(h.ask(&probe).await.statuses[0].current_limit, None);
     assert_eq!(h.limiter.store().len(), 0, "an unlimited rule touches no bucket");
-    assert_eq!(codes(&h, &one("internal", &[("caller", "batch-job")]), 2).await, admits(1));
+    assert_eq!(
+        codes(&h, &one("internal", &[("caller", "batch-job")]), 2).await,
+        admits(1)
+    );
+    // A `replaces` on an unlimited rule is ignored (and noted): per_caller still applies beside it.
+    let job = req(
+        "internal",
+        vec![desc(&[("internal_job", "nightly")]), desc(&[("caller", "cron")])],
+    );
+    assert_eq!(codes(&h, &job, 2).await, admits(1));
+    let rules = load_rules(&fixture("unlimited.yaml")).unwrap();
+    let notes = &rules.domains["internal"].notes;
+    assert!(
+        notes.contains(&(
+            "internal_job".to_owned(),
+            "`replaces` has no effect on an unlimited rule".to_owned()
+        )),
+        "{notes:?}"
+    );
 }
 
 #[tokio::test]
@@ -150,8 +194,16 @@ async fn detailed_metric_and_value_to_metric_leave_the_limits_as_they_are() {
     let csv = one("reporting", &[("report", "sales"), ("format", "csv")]);
     assert_eq!(codes(&h, &csv, 3).await, admits(2));
     let rules = load_rules(&fixture("detailed_metric.yaml")).unwrap();
-    let notes: Vec<&str> = rules.domains["reporting"].notes.iter().map(|(r, _)| r.as_str()).collect();
-    assert_eq!(notes, vec!["client_id", "report", "report.format"], "each accepted field is listed");
+    let notes: Vec<&str> = rules.domains["reporting"]
+        .notes
+        .iter()
+        .map(|(r, _)| r.as_str())
+        .collect();
+    assert_eq!(
+        notes,
+        vec!["client_id", "report", "report.format"],
+        "each accepted field is listed"
+    );
 }
 
 #[tokio::test]
@@ -179,7 +231,11 @@ async fn several_domains_in_a_folder_each_keep_their_limits() {
     assert_eq!(names, vec!["auth", "checkout", "search"]);
     let addr = [("remote_address", "10.1.2.3")];
     assert_eq!(codes(&h, &one("checkout", &addr), 3).await, admits(2));
-    assert_eq!(codes(&h, &one("search", &addr), 4).await, admits(3), "same descriptor, another domain");
+    assert_eq!(
+        codes(&h, &one("search", &addr), 4).await,
+        admits(3),
+        "same descriptor, another domain"
+    );
     assert_eq!(codes(&h, &one("auth", &[("generic_key", "login")]), 2).await, admits(1));
 }
 
@@ -189,10 +245,17 @@ async fn requests_per_unit_zero_or_missing_denies_from_the_first_request() {
     for client in ["banned", "legacy"] {
         let resp = h.ask(&one("abuse", &[("client", client)])).await;
         assert_eq!(resp.overall_code, OVER, "{client}");
-        assert_eq!(resp.statuses[0].current_limit.as_ref().map(|l| l.requests_per_unit), Some(0));
+        assert_eq!(
+            resp.statuses[0].current_limit.as_ref().map(|l| l.requests_per_unit),
+            Some(0)
+        );
     }
     h.advance_ms(3_600_000);
-    assert_eq!(h.ask(&one("abuse", &[("client", "legacy")])).await.overall_code, OVER, "no refill");
+    assert_eq!(
+        h.ask(&one("abuse", &[("client", "legacy")])).await.overall_code,
+        OVER,
+        "no refill"
+    );
     assert_eq!(h.limiter.store().len(), 0, "denials consume nothing");
     assert_eq!(codes(&h, &one("abuse", &[("client", "anyone")]), 51).await, admits(50));
 }
@@ -268,7 +331,10 @@ async fn a_denied_request_consumes_nothing_in_any_of_its_descriptors() {
     assert_eq!(codes(&h, &small, 3).await, admits(2), "both tokens are still there");
     // Two descriptors: the second denies, so the first is not charged either.
     let fresh = one("checkout", &[("remote_address", "b")]);
-    let pair = req("checkout", vec![desc(&[("remote_address", "b")]), desc(&[("remote_address", "a")])]);
+    let pair = req(
+        "checkout",
+        vec![desc(&[("remote_address", "b")]), desc(&[("remote_address", "a")])],
+    );
     assert_eq!(h.ask(&pair).await.overall_code, OVER);
     assert_eq!(codes(&h, &fresh, 3).await, admits(2), "`b` kept its two tokens");
 }
