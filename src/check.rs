@@ -579,7 +579,8 @@ fn explain_rule(
                     let name = unit.as_str_name();
                     let _ = writeln!(
                         out,
-                        "    theirs:   up to {rpu} hits per fixed window {}; every hit counted, admitted or not",
+                        "    theirs:   up to {rpu} hit{} per fixed window {}; every hit counted, admitted or not",
+                        if rpu == 1 { "" } else { "s" },
                         their_window(unit, unit_us)
                     );
                     let _ = writeln!(
@@ -729,6 +730,29 @@ mod tests {
         let file = dir.path().join("rules.yaml");
         std::fs::write(&file, yaml).unwrap();
         load_rules(&file).unwrap_or_else(|e| panic!("rules should load: {e}"))
+    }
+
+    /// Their windows start at multiples of the unit since the Unix epoch: day 20790
+    /// (2026-12-03) is 693 x 30 days, and 57 x 365 days is day 20805 (2026-12-18).
+    #[test]
+    fn their_windows_are_counted_from_the_epoch() {
+        use super::{seconds, their_window, Unit, UNITS};
+        let unit_us = |u: Unit| UNITS.iter().find(|(x, _)| *x == u).unwrap().1;
+        assert_eq!(
+            their_window(Unit::Month, unit_us(Unit::Month)),
+            "of 30 days counted from the Unix epoch (the one holding 2027-01-01 runs from 2026-12-03 to 2027-01-02)"
+        );
+        assert_eq!(
+            their_window(Unit::Year, unit_us(Unit::Year)),
+            "of 365 days counted from the Unix epoch (the one holding 2027-01-01 runs from 2026-12-18 to 2027-12-18)"
+        );
+        assert_eq!(
+            their_window(Unit::Week, unit_us(Unit::Week)),
+            "of 604800s starting on Thursdays at 00:00 UTC"
+        );
+        assert_eq!(seconds(250_000), "0.25s");
+        assert_eq!(seconds(86_400_000_000), "86400s");
+        assert_eq!(seconds(1), "0.000001s");
     }
 
     /// 2026-03-06T15:00:00Z: Friday 10:00 EST, two days before New York moves to EDT (Sunday
