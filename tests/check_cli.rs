@@ -1062,3 +1062,21 @@ fn explain_covers_tollgate_schema_rules() {
     assert!(text.contains("    schema:   tollgate, bucket: per_api_key\n"), "{text}");
     assert!(!text.contains("theirs:"), "no envoyproxy/ratelimit rule in it: {text}");
 }
+
+/// The excerpt of `check --explain` that docs/migration.md shows is the stored output, line
+/// for line, so the guide cannot drift from what the command prints.
+#[test]
+fn migration_guide_shows_real_explain_output() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let guide = std::fs::read_to_string(root.join("docs/migration.md")).unwrap();
+    let start = guide
+        .find("```text\n")
+        .expect("docs/migration.md shows an excerpt in a ```text block")
+        + 8;
+    let excerpt = &guide[start..start + guide[start..].find("```").unwrap()];
+    let snapshot = std::fs::read_to_string(snapshots().join("explain_month_year.txt")).unwrap();
+    assert!(
+        snapshot.contains(excerpt),
+        "docs/migration.md's excerpt is not in explain_month_year.txt:\n{excerpt}"
+    );
+}
