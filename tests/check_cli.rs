@@ -1,5 +1,7 @@
 //! `tollgate check --rules PATH`: exit 1 with `FILE: rule `PATH`: REASON` for every invalid
 //! fixture, exit 0 and the compiled tree for every valid one (DESIGN 1.1, 1.3, 3).
+//! `check --explain` is compared with the stored outputs in tests/snapshots/
+//! (`TOLLGATE_UPDATE_SNAPSHOTS=1` rewrites them; see `explain_matches_the_stored_snapshots`).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
