@@ -44,6 +44,10 @@ enum Command {
         /// A rules file or a directory of rules files.
         #[arg(long, default_value = "config/rules")]
         rules: PathBuf,
+        /// Instead of the tree: for each rule, its bucket, what envoyproxy/ratelimit's fixed
+        /// window did with it and where tollgate behaves differently (reads no clock).
+        #[arg(long)]
+        explain: bool,
     },
     /// Create the Postgres schema and apply the migrations this build embeds, with the
     /// `postgres` settings `serve` would use (defaults, the settings file, TOLLGATE_POSTGRES__*);
@@ -154,10 +158,14 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Bucket { action } => bucket(action),
         Command::Probe { url, timeout_ms } => probe(&url, Duration::from_millis(timeout_ms)),
-        Command::Check { rules } => match tollgate::config::load_rules(&rules) {
+        Command::Check { rules, explain } => match tollgate::config::load_rules(&rules) {
             Ok(set) if set.is_empty() => {
                 eprintln!("{}", tollgate::config::ConfigError::no_rules_files(&rules));
                 ExitCode::FAILURE
+            }
+            Ok(set) if explain => {
+                print!("{}", tollgate::check::explain(&set));
+                ExitCode::SUCCESS
             }
             Ok(set) => {
                 let now = tollgate::clock::Clock::now_us(&tollgate::clock::SystemClock);

@@ -1,5 +1,7 @@
 //! `tollgate check --rules PATH`: exit 1 with `FILE: rule `PATH`: REASON` for every invalid
 //! fixture, exit 0 and the compiled tree for every valid one (docs/rules.md, docs/schedules-and-quotas.md, docs/operations.md).
+//! `check --explain` is compared with the stored outputs in tests/snapshots/
+//! (`TOLLGATE_UPDATE_SNAPSHOTS=1` rewrites them; see `explain_matches_the_stored_snapshots`).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -919,4 +921,165 @@ fn serve_takes_rules_from_the_flag() {
         fixture.display()
     );
     assert!(stderr.contains(&expected), "expected {expected:?} in:\n{stderr}");
+}
+
+// ---- check --explain: snapshots ---------------------------------------------------------
+
+/// The stored outputs of `check --explain`, one per envoyproxy/ratelimit fixture, compared
+/// exactly. After an intended change of the text, rewrite them with
+/// `TOLLGATE_UPDATE_SNAPSHOTS=1 cargo test --test check_cli explain_` and review the diff.
+fn snapshots() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/snapshots")
+}
+
+/// `check --explain` on `rules` (relative to the crate root, run from there so the paths it
+/// prints are relative too).
+fn explain(rules: &str) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(["check", "--explain", "--rules", rules])
+        .output()
+        .expect("run tollgate check --explain")
+}
+
+#[test]
+fn explain_matches_the_stored_snapshots() {
+    let update = std::env::var_os("TOLLGATE_UPDATE_SNAPSHOTS").is_some_and(|v| v == "1");
+    let dir = fixtures().join("envoyproxy");
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    let mut failures = Vec::new();
+    for name in &names {
+        let out = explain(&format!("tests/fixtures/envoyproxy/{name}"));
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let got = String::from_utf8(out.stdout).unwrap();
+        let stem = name.trim_end_matches(".yaml");
+        let file = snapshots().join(format!("explain_{stem}.txt"));
+        if update {
+            std::fs::create_dir_all(snapshots()).unwrap();
+            std::fs::write(&file, &got).unwrap();
+            continue;
+        }
+        let want = std::fs::read_to_string(&file)
+            .unwrap_or_else(|e| panic!("{}: {e}; create it with TOLLGATE_UPDATE_SNAPSHOTS=1", file.display()));
+        if got != want {
+            let line = got
+                .lines()
+                .zip(want.lines())
+                .position(|(a, b)| a != b)
+                .map_or("(a line added or missing at the end)".to_owned(), |i| {
+                    format!("line {}", i + 1)
+                });
+            failures.push(format!("{name}: differs from {} at {line}:\n{got}", file.display()));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    // No stored snapshot without its fixture.
+    for entry in std::fs::read_dir(snapshots()).unwrap() {
+        let file = entry.unwrap().file_name().into_string().unwrap();
+        if let Some(stem) = file.strip_prefix("explain_").and_then(|f| f.strip_suffix(".txt")) {
+            assert!(
+                names.iter().any(|n| n.trim_end_matches(".yaml") == stem),
+                "snapshot {file} has no fixture"
+            );
+        }
+    }
+}
+
+/// The explanation reads no clock: two runs a second apart give the same bytes, and it never
+/// prints the absolute path of the crate.
+#[test]
+fn explain_is_stable_and_prints_paths_as_given() {
+    let first = explain("tests/fixtures/envoyproxy/month_year.yaml");
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    let second = explain("tests/fixtures/envoyproxy/month_year.yaml");
+    assert_eq!(first.stdout, second.stdout);
+    let text = String::from_utf8(first.stdout).unwrap();
+    assert!(
+        text.starts_with("domain billing (tests/fixtures/envoyproxy/month_year.yaml)\n"),
+        "{text}"
+    );
+    assert!(!text.contains(env!("CARGO_MANIFEST_DIR")), "{text}");
+}
+
+/// Each difference the explanation claims, on the rule it concerns.
+#[test]
+fn explain_names_each_difference_on_its_rule() {
+    let text = |name: &str| String::from_utf8(explain(&format!("tests/fixtures/envoyproxy/{name}")).stdout).unwrap();
+    let month = text("month_year.yaml");
+    for expected in [
+        "tollgate: token bucket, capacity 30, refill 30 per 2592000s (one token every 86400s), reported as 30 per MONTH",
+        "fixed window of 30 days counted from the Unix epoch (the one holding 2027-01-01 runs from 2026-12-03 to 2027-01-02)",
+        "[window-edge] theirs: up to 60 within a moment across an edge; tollgate: at most 30 plus one per 86400s",
+        "[epoch-window] their MONTH is not a calendar month; for one use `quota: {limit: 30, reset: \"0 0 1 * *\"}`",
+        "[epoch-window] their YEAR is not a calendar year",
+        "\n  [denied-hits] Denied hits consume nothing in tollgate",
+    ] {
+        assert!(month.contains(expected), "missing {expected:?} in:\n{month}");
+    }
+    let shared = text("share_threshold.yaml");
+    assert!(
+        shared.contains(
+            "bucket:   `bucket=uploads-*`, one instance (every value of `bucket` matching `uploads-*` shares it)"
+        ),
+        "{shared}"
+    );
+    assert!(shared.contains("bucket:   `bucket=logs-*`, one instance per value of `bucket` matching `logs-*`"));
+    let zero = text("zero.yaml");
+    assert!(
+        zero.contains("tollgate: denies every request, consumes nothing (reported as 0 per SECOND)"),
+        "{zero}"
+    );
+    assert!(!zero.contains("[window-edge] theirs: up to 0"), "{zero}");
+    assert!(text("shadow_mode.yaml").contains("[shadow] never denies"));
+    assert!(text("replaces.yaml").contains("[replaces] drops per_region when both match one request"));
+    let unlimited = text("unlimited.yaml");
+    assert!(
+        unlimited.contains("both:     unlimited: never limited, no counter or bucket"),
+        "{unlimited}"
+    );
+    assert!(
+        unlimited
+            .contains("[unlimited] its `replaces` of per_caller applies in envoyproxy/ratelimit and not in tollgate"),
+        "{unlimited}"
+    );
+    assert!(text("detailed_metric.yaml").contains("[metrics] value_to_metric: accepted, no effect"));
+    // The legend explains only the tags used.
+    assert!(!zero.contains("[shadow]"), "{zero}");
+}
+
+/// A tollgate-schema rule is explained by its own limit, and a quota beside it is named.
+#[test]
+fn explain_covers_tollgate_schema_rules() {
+    let out = explain("tests/fixtures/valid/tollgate_schema.yaml");
+    assert_eq!(out.status.code(), Some(0));
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("    schema:   tollgate, bucket: per_api_key\n"), "{text}");
+    assert!(!text.contains("theirs:"), "no envoyproxy/ratelimit rule in it: {text}");
+}
+
+/// The excerpt of `check --explain` that docs/migration.md shows is the stored output, line
+/// for line, so the guide cannot drift from what the command prints.
+#[test]
+fn migration_guide_shows_real_explain_output() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let guide = std::fs::read_to_string(root.join("docs/migration.md")).unwrap();
+    let start = guide
+        .find("```text\n")
+        .expect("docs/migration.md shows an excerpt in a ```text block")
+        + 8;
+    let excerpt = &guide[start..start + guide[start..].find("```").unwrap()];
+    let snapshot = std::fs::read_to_string(snapshots().join("explain_month_year.txt")).unwrap();
+    assert!(
+        snapshot.contains(excerpt),
+        "docs/migration.md's excerpt is not in explain_month_year.txt:\n{excerpt}"
+    );
 }

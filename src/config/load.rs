@@ -64,6 +64,15 @@ pub fn load_rules(path: &Path) -> Result<RuleSet, ConfigErrors> {
     }
 }
 
+/// One rules file read and parsed as written, without compiling it: `tollgate check --explain`
+/// reads the fields as the file gives them (units, `requests_per_unit`) beside the compiled
+/// rules. Errors: the file cannot be read, or does not parse (the reason, as [`load_rules`]
+/// reports it).
+pub(crate) fn parse_file(path: &Path) -> Result<RulesFile, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read: {e}"))?;
+    parse(&text)
+}
+
 /// How many levels of merge keys within merge keys are expanded.
 const MAX_MERGE_DEPTH: usize = 32;
 

@@ -13,5 +13,7 @@ mod model;
 mod refill;
 
 pub use error::{ConfigError, ConfigErrors};
+pub(crate) use load::parse_file;
 pub use load::{load_rules, rule_files};
+pub(crate) use model::DescriptorSpec;
 pub use refill::{parse_duration_us, parse_refill, Refill};
