@@ -1091,6 +1091,69 @@ fn envoy_filters() -> Vec<Value> {
         .collect()
 }
 
+/// The Istio set's Gateways.
+fn gateways() -> Vec<Value> {
+    let k = kustomization("deploy/istio");
+    manifests(&k.files)
+        .into_iter()
+        .map(|(_, d)| d)
+        .filter(|d| str_at(d, &["kind"]) == "Gateway")
+        .collect()
+}
+
+/// The names Istio gives the gateway virtual hosts of `gateways`' servers: `<host>:<port>` for
+/// each host of each server (a namespace prefix `ns/` on a host is not part of the name).
+fn gateway_vhost_names(gateways: &[Value]) -> Vec<String> {
+    let mut names = Vec::new();
+    for g in gateways {
+        for server in seq(at(g, &["spec", "servers"])) {
+            let port = at(server, &["port", "number"]).as_u64().expect("a port number");
+            for host in strings(at(server, &["hosts"])) {
+                let host = host.rsplit('/').next().unwrap().to_owned();
+                names.push(format!("{host}:{port}"));
+            }
+        }
+    }
+    names
+}
+
+/// The sample Gateway: the pods the EnvoyFilters patch, and a server whose virtual host is the
+/// one the VIRTUAL_HOST patch names (Istio names gateway virtual hosts `<host>:<port>`; a patch
+/// naming anything else matches nothing and the gateway limits nothing).
+#[test]
+fn istio_virtual_host_patch_names_a_virtual_host_of_the_gateway() {
+    let gateways = gateways();
+    assert_eq!(gateways.len(), 1, "the sample Gateway");
+    let gateway = &gateways[0];
+    assert_eq!(str_at(gateway, &["apiVersion"]), "networking.istio.io/v1");
+    assert_eq!(str_at(gateway, &["metadata", "namespace"]), "istio-system");
+    let server = at(gateway, &["spec", "servers", "0"]);
+    assert_eq!(at(server, &["port", "number"]).as_u64(), Some(80));
+    assert_eq!(strings(at(server, &["hosts"])), ["*"]);
+    let selector = labels(at(gateway, &["spec", "selector"]));
+    for f in envoy_filters() {
+        assert_eq!(
+            labels(at(&f, &["spec", "workloadSelector", "labels"])),
+            selector,
+            "{}: the EnvoyFilter patches the Gateway's pods",
+            str_at(&f, &["metadata", "name"])
+        );
+    }
+    let names = gateway_vhost_names(&gateways);
+    let patched: Vec<String> = patches(&envoy_filters())
+        .iter()
+        .filter(|(apply, _, _)| apply == "VIRTUAL_HOST")
+        .map(|(_, m, _)| str_at(m, &["routeConfiguration", "vhost", "name"]).to_owned())
+        .collect();
+    assert!(!patched.is_empty());
+    for name in patched {
+        assert!(
+            names.contains(&name),
+            "the VIRTUAL_HOST patch matches {name:?}, no virtual host of the Gateway (those are {names:?})"
+        );
+    }
+}
+
 /// Every config patch of the EnvoyFilters: `(applyTo, match, patch)`.
 fn patches(filters: &[Value]) -> Vec<(String, Value, Value)> {
     filters
@@ -1271,14 +1334,14 @@ fn istio_rules_ship_address_and_gateway_wide_limits_in_shadow_mode() {
 }
 
 /// An Envoy bootstrap like the gateway's: a listener whose HTTP connection manager has the
-/// router and a virtual host named as the VIRTUAL_HOST patch matches, with the patches applied
-/// the way Istio applies them, and a cluster of the name the filter asks for.
+/// router and the virtual host Istio makes for the sample Gateway's first server (named
+/// `<host>:<port>`), with the patches applied the way Istio applies them (a VIRTUAL_HOST patch
+/// only to the virtual host of its name), and a cluster of the name the filter asks for.
 fn spliced_bootstrap(filters: &[Value], ratelimit_port: u16, upstream_port: u16) -> Value {
-    let vhost_name = patches(filters)
-        .iter()
-        .find(|(apply, _, _)| apply == "VIRTUAL_HOST")
-        .map(|(_, m, _)| str_at(m, &["routeConfiguration", "vhost", "name"]).to_owned())
-        .expect("a VIRTUAL_HOST patch");
+    let vhost_name = gateway_vhost_names(&gateways())
+        .into_iter()
+        .next()
+        .expect("a Gateway server");
     let config = ratelimit_filter(filters);
     let cluster = str_at(
         &config,
@@ -1354,6 +1417,12 @@ static_resources:
             }
             "VIRTUAL_HOST" => {
                 let vhost = &mut hcm["route_config"]["virtual_hosts"][0];
+                let wanted = str_at(&matched, &["routeConfiguration", "vhost", "name"]);
+                assert_eq!(
+                    vhost["name"].as_str(),
+                    Some(wanted),
+                    "the VIRTUAL_HOST patch matches no virtual host of the gateway"
+                );
                 for (k, v) in value.as_mapping().unwrap() {
                     vhost.as_mapping_mut().unwrap().insert(k.clone(), v.clone());
                 }
