@@ -1668,3 +1668,127 @@ fn probe_exits_1_with_the_reason_unless_2xx() {
     assert_eq!(code, Some(1));
     assert!(err.contains("not a usable URL"), "{err}");
 }
+
+// ---------------------------------------------------------------------------------------------
+// scripts/ensure-tools
+
+/// Writes an executable shell script.
+fn write_script(path: &Path, body: &str) {
+    use std::os::unix::fs::PermissionsExt;
+    fs::create_dir_all(path.parent().unwrap()).unwrap();
+    fs::write(path, format!("#!/bin/sh\n{body}")).unwrap();
+    fs::set_permissions(path, fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+/// `scripts/ensure-tools` in a home of its own, with its tools directory first on PATH (as a
+/// developer may have it): the machine's promtool and kubectl are linked, not the links
+/// themselves (a link to itself is a loop), a second run leaves correct links alone, and a cached
+/// Python tool of another version than the script pins is reinstalled at the pin. The virtualenv
+/// and the machine's tools are stand-ins (shell scripts answering `--version`, and a `python`
+/// answering `pip show` from a state directory and recording `pip install`), so nothing is
+/// downloaded.
+#[test]
+fn ensure_tools_links_the_machines_tools_and_enforces_the_pins() {
+    let script = repo_path("scripts/ensure-tools");
+    let text = fs::read_to_string(&script).unwrap();
+    let pins_line = text
+        .lines()
+        .find(|l| l.starts_with("pip_tools=("))
+        .expect("the pinned pip tools");
+    let pins: Vec<(String, String)> = pins_line
+        .split('"')
+        .filter(|w| w.contains("=="))
+        .map(|w| {
+            let (name, version) = w.split_once("==").unwrap();
+            (name.to_owned(), version.to_owned())
+        })
+        .collect();
+    assert_eq!(pins.len(), 2, "{pins_line}");
+
+    let home = tempfile::tempdir().unwrap();
+    let root = home.path().join(".cache/tollgate/tools");
+    let bin = root.join("bin");
+    let venv = root.join("venv/bin");
+    let state = root.join("venv/state");
+    fs::create_dir_all(&state).unwrap();
+    write_script(
+        &venv.join("python"),
+        r#"state="$(dirname "$0")/../state"
+if [ "$1 $2 $3" = "-m pip show" ]; then
+  [ -f "$state/$4" ] || exit 1
+  echo "Name: $4"; echo "Version: $(cat "$state/$4")"; exit 0
+fi
+if [ "$1 $2 $3" = "-m pip install" ]; then
+  shift 3
+  for a in "$@"; do
+    case "$a" in --*) ;; *) echo "$a" >> "$state/installed.log"; echo "${a##*==}" > "$state/${a%%==*}";; esac
+  done
+  exit 0
+fi
+exit 2
+"#,
+    );
+    for tool in ["hadolint", "kubernetes-validate"] {
+        write_script(&venv.join(tool), "echo 1.0\n");
+    }
+    // The first pin cached at another version, the second at its own.
+    fs::write(state.join(&pins[0].0), "0.0.1\n").unwrap();
+    fs::write(state.join(&pins[1].0), format!("{}\n", pins[1].1)).unwrap();
+    let machine = home.path().join("machine-bin");
+    for tool in ["promtool", "kubectl"] {
+        write_script(&machine.join(tool), "echo 1.0\n");
+    }
+    let path = format!("{}:{}:/usr/bin:/bin", bin.display(), machine.display());
+    let run = || {
+        let out = Command::new("bash")
+            .arg(&script)
+            .env("HOME", home.path())
+            .env("PATH", &path)
+            .output()
+            .expect("run scripts/ensure-tools");
+        assert!(
+            out.status.success(),
+            "scripts/ensure-tools: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).lines().last(),
+            Some(bin.to_str().unwrap()),
+            "the tools directory, last"
+        );
+    };
+    let resolved = |tool: &str| fs::canonicalize(bin.join(tool)).unwrap_or_else(|e| panic!("{tool}: {e}"));
+    let inode = |tool: &str| {
+        use std::os::unix::fs::MetadataExt;
+        fs::symlink_metadata(bin.join(tool)).unwrap().ino()
+    };
+    run();
+    let installed = fs::read_to_string(state.join("installed.log")).unwrap_or_default();
+    assert_eq!(
+        installed.lines().collect::<Vec<_>>(),
+        [format!("{}=={}", pins[0].0, pins[0].1)],
+        "only the tool off its pin is reinstalled, at the pin"
+    );
+    let before: Vec<u64> = ["hadolint", "kubernetes-validate", "promtool", "kubectl"]
+        .iter()
+        .map(|t| inode(t))
+        .collect();
+    // Now every link is on PATH (first): a lookup that finds them would link them to themselves.
+    run();
+    for tool in ["promtool", "kubectl"] {
+        assert_eq!(resolved(tool), fs::canonicalize(machine.join(tool)).unwrap(), "{tool}");
+    }
+    for tool in ["hadolint", "kubernetes-validate"] {
+        assert_eq!(resolved(tool), fs::canonicalize(venv.join(tool)).unwrap(), "{tool}");
+    }
+    let after: Vec<u64> = ["hadolint", "kubernetes-validate", "promtool", "kubectl"]
+        .iter()
+        .map(|t| inode(t))
+        .collect();
+    assert_eq!(before, after, "correct links are left alone");
+    assert_eq!(
+        fs::read_to_string(state.join("installed.log")).unwrap().lines().count(),
+        1,
+        "nothing reinstalled once on the pins"
+    );
+}
