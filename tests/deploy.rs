@@ -1792,3 +1792,89 @@ exit 2
         "nothing reinstalled once on the pins"
     );
 }
+
+/// `/readyz` of `tollgate`, polled until it answers 200 or `wait` passes: the status last seen.
+fn readyz_within(tollgate: &Tollgate, wait: std::time::Duration) -> Option<u16> {
+    let deadline = std::time::Instant::now() + wait;
+    loop {
+        let status = http_get(tollgate.http_addr, "/readyz").map(|(s, _)| s);
+        if status == Some(200) || std::time::Instant::now() > deadline {
+            return status;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+/// redis.yaml's Redis as its container runs it: a real `redis-server` with the manifest's args
+/// (the password of the Secret in place of `$(REDIS_PASSWORD)`, as the kubelet expands it) on a
+/// free loopback port. Its probes' `redis-cli ping` answers with `REDISCLI_AUTH`, the memory
+/// policy is `noeviction`, and tollgate with the Deployment's environment and that password gets
+/// ready, while without the password it stays not ready.
+#[test]
+fn kubernetes_redis_runs_with_the_manifest_args_and_tollgate_logs_in() {
+    let k = kustomization("deploy/kubernetes");
+    let docs = manifests(&k.files);
+    let redis_c = named_container(&docs, "tollgate-redis", "redis");
+    let (secret, key) = secret_env(&docs, redis_c)["REDIS_PASSWORD"].clone();
+    let password = str_at(find(&docs, "Secret", &secret), &["stringData", &key]).to_owned();
+    let port = support::free_port();
+    let dir = tempfile::tempdir().unwrap();
+    let mut args: Vec<String> = strings(at(redis_c, &["args"]))
+        .into_iter()
+        .map(|a| a.replace("$(REDIS_PASSWORD)", &password))
+        .collect();
+    args.extend(["--port", &port.to_string(), "--bind", "127.0.0.1", "--dir"].map(str::to_owned));
+    args.push(dir.path().to_string_lossy().into_owned());
+    let mut redis = support::ChildGuard::spawn(
+        "redis-server",
+        Command::new("redis-server").args(&args),
+        &dir.path().join("redis.log"),
+    );
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    support::wait_until(&mut redis, || {
+        support::redis::resp_command(addr, Some(&password), &[b"PING"]).ok()
+    })
+    .unwrap_or_else(|e| panic!("redis-server {args:?}: {e}"));
+
+    // The probes, as the container runs them.
+    let probe = strings(at(redis_c, &["readinessProbe", "exec", "command"]));
+    assert_eq!(probe, ["redis-cli", "ping"]);
+    assert_eq!(support::redis::redis_cli(port, Some(&password), &["ping"]), "PONG");
+    assert_eq!(
+        support::redis::redis_cli(port, Some(&password), &["config", "get", "maxmemory-policy"]),
+        "maxmemory-policy\nnoeviction"
+    );
+    let unauthenticated = support::redis::resp_command(addr, None, &[b"SET", b"k", b"v"]).and_then(|v| v.ok());
+    assert!(
+        unauthenticated.is_err(),
+        "Redis answers without the password: {unauthenticated:?}"
+    );
+
+    let (_, env) = container(&docs);
+    let start = |with_password: bool| {
+        let mut builder = Tollgate::builder().rules_path(repo_path("deploy/kubernetes/rules"));
+        for (k, v) in &env {
+            let v = if k == "TOLLGATE_REDIS__URLS" {
+                format!("[redis://127.0.0.1:{port}]")
+            } else {
+                v.clone()
+            };
+            builder = builder.env(k, &v);
+        }
+        if with_password {
+            builder = builder.env("TOLLGATE_REDIS__PASSWORD", &password);
+        }
+        builder.start()
+    };
+    let tollgate = start(true);
+    let status = readyz_within(&tollgate, std::time::Duration::from_secs(10));
+    assert_eq!(status, Some(200), "{}", tollgate.process.log_tail(20));
+    drop(tollgate);
+    let locked_out = start(false);
+    let status = readyz_within(&locked_out, std::time::Duration::from_secs(2));
+    assert_ne!(
+        status,
+        Some(200),
+        "ready without Redis's password: the password check proves nothing"
+    );
+}
