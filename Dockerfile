@@ -11,9 +11,11 @@ COPY . .
 # the binary is copied out of target/ in the same step. /out is laid out as the runtime's root:
 # the binary, and /bin/ratelimit as a second name for it (a symlink, so the image holds the
 # binary once), for manifests written for envoyproxy/ratelimit's image, which runs that path.
+# The release profile keeps line tables for backtraces (~94 MB); the image drops them (symbols
+# stay, so a panic's backtrace still names functions).
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
-    cargo build --release --locked --bin tollgate \
+    CARGO_PROFILE_RELEASE_STRIP=debuginfo cargo build --release --locked --bin tollgate \
     && install -D -m 0755 target/release/tollgate /out/usr/local/bin/tollgate \
     && mkdir -p /out/bin \
     && ln -s /usr/local/bin/tollgate /out/bin/ratelimit
@@ -36,6 +38,9 @@ USER 65534:65534
 # 8081: Envoy's RateLimitService (gRPC) and grpc.health.v1; 8080: /healthz /readyz /metrics
 # /config. The admin API (8082) listens on loopback inside the container only.
 EXPOSE 8081 8080
+# Liveness, not readiness: an orchestrator that restarts unhealthy containers (Swarm, ECS,
+# Nomad) would otherwise restart every replica during a backend outage, which a restart cannot
+# fix. Readiness (/readyz) is for load balancers and compose's depends_on.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=5s --retries=3 \
-    CMD ["/usr/local/bin/tollgate", "probe", "http://127.0.0.1:8080/readyz"]
+    CMD ["/usr/local/bin/tollgate", "probe", "http://127.0.0.1:8080/healthz"]
 ENTRYPOINT ["/usr/local/bin/tollgate", "serve"]

@@ -292,10 +292,21 @@ fn compose_file_names_only_what_exists() {
         upstream_command.contains(&"127.0.0.1".to_owned()),
         "{upstream_command:?}"
     );
+    // Published on the host's loopback only (the gRPC API takes refunds, /config shows the
+    // rules): `127.0.0.1:HOST:CONTAINER`, the same port outside.
+    for name in &names {
+        for p in service(&compose, name).get("ports").map(strings).unwrap_or_default() {
+            assert!(
+                p.starts_with("127.0.0.1:") && p.split(':').count() == 3,
+                "{name}: {p} is published beyond the host's loopback (write 127.0.0.1:{p})"
+            );
+        }
+    }
     let published: BTreeSet<u16> = strings(at(tollgate, &["ports"]))
         .iter()
         .map(|p| {
-            let (host, container) = p.split_once(':').unwrap_or_else(|| panic!("{p}: HOST:CONTAINER"));
+            let mut parts = p.split(':').skip(1);
+            let (host, container) = (parts.next().unwrap(), parts.next().unwrap());
             assert_eq!(host, container, "{p}: the same port outside");
             container.parse().unwrap()
         })
@@ -336,16 +347,99 @@ fn compose_file_names_only_what_exists() {
     }
 }
 
-/// `docker-compose.postgres.yml` over `docker-compose.yml`: the same tollgate on Postgres.
+/// Compose's merge of override file `over` onto `base` (the compose specification's rules for
+/// the shapes these files use): mappings merge key by key, sequences of `profiles`, `ports` and
+/// the like are appended, a scalar replaces, `!override` replaces the whole value and `!reset`
+/// removes it.
+fn compose_merge(base: &Value, over: &Value) -> Value {
+    match over {
+        Value::Tagged(tagged) if tagged.tag == "override" => tagged.value.clone(),
+        Value::Tagged(tagged) if tagged.tag == "reset" => Value::Null,
+        Value::Tagged(tagged) => panic!("compose has no tag {}", tagged.tag),
+        Value::Mapping(over_map) => {
+            let mut merged = base.as_mapping().cloned().unwrap_or_default();
+            for (k, v) in over_map {
+                let value = compose_merge(merged.get(k).unwrap_or(&Value::Null), v);
+                if value.is_null() {
+                    merged.remove(k);
+                } else {
+                    merged.insert(k.clone(), value);
+                }
+            }
+            Value::Mapping(merged)
+        }
+        Value::Sequence(over_seq) => {
+            let mut merged = base.as_sequence().cloned().unwrap_or_default();
+            merged.extend(
+                over_seq
+                    .iter()
+                    .filter(|v| !merged.contains(v))
+                    .cloned()
+                    .collect::<Vec<_>>(),
+            );
+            Value::Sequence(merged)
+        }
+        scalar => scalar.clone(),
+    }
+}
+
+/// `docker compose -f docker-compose.yml -f docker-compose.postgres.yml config`, as
+/// `compose_merge` makes it.
+fn compose_postgres() -> Value {
+    compose_merge(&compose(), &yaml("docker-compose.postgres.yml"))
+}
+
+/// The services `docker compose up` starts: those without `profiles`.
+fn started_services(compose: &Value) -> BTreeSet<String> {
+    at(compose, &["services"])
+        .as_mapping()
+        .unwrap()
+        .iter()
+        .filter(|(_, s)| s.get("profiles").is_none())
+        .map(|(k, _)| k.as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// `docker-compose.postgres.yml` over `docker-compose.yml`: the same tollgate on Postgres, with
+/// nothing of Redis left: no `TOLLGATE_REDIS__*` variable, no dependency on the `redis`
+/// service, which is not started.
 #[test]
 fn compose_postgres_override_names_real_settings() {
-    let base = compose();
-    let over = yaml("docker-compose.postgres.yml");
-    let mut env = compose_env(service(&base, "tollgate"));
-    env.extend(compose_env(service(&over, "tollgate")));
+    let merged = compose_postgres();
+    let env = compose_env(service(&merged, "tollgate"));
+    let redis_env: Vec<&String> = env.keys().filter(|k| k.starts_with("TOLLGATE_REDIS")).collect();
+    assert!(redis_env.is_empty(), "the Postgres variant still sets {redis_env:?}");
+    let deps: BTreeSet<&str> = at(service(&merged, "tollgate"), &["depends_on"])
+        .as_mapping()
+        .unwrap()
+        .keys()
+        .map(|k| k.as_str().unwrap())
+        .collect();
+    assert_eq!(deps, BTreeSet::from(["postgres"]), "tollgate waits for Postgres only");
+    let started = started_services(&merged);
+    assert!(
+        !started.contains("redis"),
+        "Redis is started with the Postgres variant: {started:?}"
+    );
+    for name in &started {
+        for dep in service(&merged, name)
+            .get("depends_on")
+            .and_then(Value::as_mapping)
+            .into_iter()
+            .flatten()
+        {
+            let dep = dep.0.as_str().unwrap();
+            assert!(started.contains(dep), "{name} depends on {dep}, which is not started");
+        }
+    }
     let settings = settings_with_env(&env);
     assert_eq!(settings.backend, Backend::Postgres);
-    let postgres = service(&over, "postgres");
+    assert_eq!(
+        env.get("TOLLGATE_LOG__FORMAT"),
+        compose_env(service(&compose(), "tollgate")).get("TOLLGATE_LOG__FORMAT"),
+        "the rest of the environment stays the base file's"
+    );
+    let postgres = service(&merged, "postgres");
     let pg_env = compose_env(postgres);
     let (host, port, path) = split_url(&settings.postgres.url);
     assert_eq!(host, "postgres", "the URL names the postgres service");
@@ -361,7 +455,7 @@ fn compose_postgres_override_names_real_settings() {
     );
     let check = healthcheck(postgres);
     assert_eq!(check[0], "pg_isready");
-    let deps = at(service(&over, "tollgate"), &["depends_on", "postgres", "condition"]);
+    let deps = at(service(&merged, "tollgate"), &["depends_on", "postgres", "condition"]);
     assert_eq!(deps.as_str(), Some("service_healthy"));
 }
 
@@ -575,15 +669,21 @@ fn kubernetes_and_istio_manifests_pass_kubernetes_validate_strict() {
     let test = "kubernetes_and_istio_manifests_pass_kubernetes_validate_strict";
     for dir in ["deploy/kubernetes", "deploy/istio"] {
         let k = kustomization(dir);
-        // EnvoyFilter is Istio's CRD: no schema; checked in the Istio tests.
+        // Every manifest file of the directory is applied (a file left out of `resources:` is
+        // neither applied nor validated).
+        for entry in fs::read_dir(repo_path(dir)).unwrap() {
+            let name = entry.unwrap().file_name().to_string_lossy().into_owned();
+            if name.ends_with(".yaml") && name != "kustomization.yaml" {
+                let path = format!("{dir}/{name}");
+                assert!(k.files.contains(&path), "{path} is not in {dir}/kustomization.yaml");
+            }
+        }
+        // EnvoyFilter and Gateway are Istio's CRDs: no schema; checked in the Istio tests.
+        let istio = |d: &Value| ["EnvoyFilter", "Gateway"].contains(&str_at(d, &["kind"]));
         let files: Vec<PathBuf> = k
             .files
             .iter()
-            .filter(|f| {
-                manifests(&[(*f).clone()])
-                    .iter()
-                    .all(|(_, d)| str_at(d, &["kind"]) != "EnvoyFilter")
-            })
+            .filter(|f| manifests(&[(*f).clone()]).iter().all(|(_, d)| !istio(d)))
             .map(|f| repo_path(f))
             .collect();
         assert!(!files.is_empty());
@@ -593,7 +693,7 @@ fn kubernetes_and_istio_manifests_pass_kubernetes_validate_strict() {
             let path = tmp.path().join("rendered.yaml");
             let docs: Vec<String> = rendered
                 .iter()
-                .filter(|d| str_at(d, &["kind"]) != "EnvoyFilter")
+                .filter(|d| !istio(d))
                 .map(|d| serde_yaml::to_string(d).unwrap())
                 .collect();
             fs::write(&path, docs.join("---\n")).unwrap();
@@ -616,22 +716,142 @@ fn kubernetes_and_istio_manifests_pass_kubernetes_validate_strict() {
     }
 }
 
-/// The tollgate container of the Deployment, and its environment.
-fn container(docs: &[(String, Value)]) -> (&Value, BTreeMap<String, String>) {
-    let deployment = find(docs, "Deployment", "tollgate");
-    let containers = seq(at(deployment, &["spec", "template", "spec", "containers"]));
-    let c = containers
+/// The container `name` of Deployment `deployment`.
+fn named_container<'a>(docs: &'a [(String, Value)], deployment: &str, name: &str) -> &'a Value {
+    let deployment = find(docs, "Deployment", deployment);
+    seq(at(deployment, &["spec", "template", "spec", "containers"]))
         .iter()
-        .find(|c| str_at(c, &["name"]) == "tollgate")
-        .expect("a container named tollgate");
+        .find(|c| str_at(c, &["name"]) == name)
+        .unwrap_or_else(|| panic!("a container named {name}"))
+}
+
+/// The tollgate container of the Deployment, and its environment given as values.
+fn container(docs: &[(String, Value)]) -> (&Value, BTreeMap<String, String>) {
+    let c = named_container(docs, "tollgate", "tollgate");
     let env = c
         .get("env")
         .map(seq)
         .into_iter()
         .flatten()
+        .filter(|e| e.get("valueFrom").is_none())
         .map(|e| (str_at(e, &["name"]).to_owned(), str_at(e, &["value"]).to_owned()))
         .collect();
     (c, env)
+}
+
+/// A container's variables taken from Secrets: name to `(secret, key)`. Every one names a Secret
+/// of `docs` that has the key.
+fn secret_env(docs: &[(String, Value)], c: &Value) -> BTreeMap<String, (String, String)> {
+    c.get("env")
+        .map(seq)
+        .into_iter()
+        .flatten()
+        .filter_map(|e| {
+            let from = e.get("valueFrom")?;
+            let secret = str_at(from, &["secretKeyRef", "name"]).to_owned();
+            let key = str_at(from, &["secretKeyRef", "key"]).to_owned();
+            let data = find(docs, "Secret", &secret);
+            let has = ["stringData", "data"]
+                .iter()
+                .any(|d| data.get(*d).and_then(|m| m.get(key.as_str())).is_some());
+            assert!(has, "Secret {secret} has no key {key}");
+            Some((str_at(e, &["name"]).to_owned(), (secret, key)))
+        })
+        .collect()
+}
+
+/// A NetworkPolicy's ingress rules as `(ports, from)`.
+fn policy_rules(policy: &Value) -> Vec<(BTreeSet<u64>, Vec<Value>)> {
+    seq(at(policy, &["spec", "ingress"]))
+        .iter()
+        .map(|rule| {
+            let ports = seq(at(rule, &["ports"]))
+                .iter()
+                .map(|p| at(p, &["port"]).as_u64().expect("numeric ports"))
+                .collect();
+            let from = rule.get("from").map(seq).cloned().unwrap_or_default();
+            (ports, from)
+        })
+        .collect()
+}
+
+/// The NetworkPolicies: tollgate's gRPC port only from the gateway's pods (a selector on
+/// namespace and pods, not everyone), its HTTP port from the monitoring namespace and its own,
+/// Redis only from tollgate's pods; each policy selects the pods it is named for.
+#[test]
+fn network_policies_admit_only_envoys_prometheus_and_tollgate() {
+    let k = kustomization("deploy/kubernetes");
+    let docs = manifests(&k.files);
+    let pod_labels = |name: &str| {
+        labels(at(
+            find(&docs, "Deployment", name),
+            &["spec", "template", "metadata", "labels"],
+        ))
+    };
+    let tollgate_pods = pod_labels("tollgate");
+    let redis_pods = pod_labels("tollgate-redis");
+    let selects = |selector: &Value, pods: &BTreeMap<String, String>| {
+        let wanted = labels(at(selector, &["matchLabels"]));
+        !wanted.is_empty() && wanted.iter().all(|(k, v)| pods.get(k) == Some(v))
+    };
+    let (_, env) = container(&docs);
+    let settings = settings_with_env(&env);
+    let (grpc, http) = (
+        u64::from(settings.grpc_addr.port()),
+        u64::from(settings.http_addr.port()),
+    );
+
+    let policy = find(&docs, "NetworkPolicy", "tollgate");
+    assert!(selects(at(policy, &["spec", "podSelector"]), &tollgate_pods));
+    assert_eq!(strings(at(policy, &["spec", "policyTypes"])), ["Ingress"]);
+    let rules = policy_rules(policy);
+    let opened: BTreeSet<u64> = rules.iter().flat_map(|(p, _)| p.iter().copied()).collect();
+    assert_eq!(opened, BTreeSet::from([grpc, http]), "only tollgate's two ports");
+    for (ports, from) in &rules {
+        assert!(!from.is_empty(), "{ports:?} open to every source");
+        if ports.contains(&grpc) {
+            assert_eq!(ports, &BTreeSet::from([grpc]), "the gRPC rule opens only the gRPC port");
+            for peer in from {
+                assert!(
+                    peer.get("namespaceSelector").is_some() && peer.get("podSelector").is_some(),
+                    "gRPC from a namespace and pod selector together (the gateway's pods): {peer:?}"
+                );
+                assert!(
+                    !labels(at(peer, &["podSelector", "matchLabels"])).is_empty(),
+                    "gRPC from chosen pods, not every pod of a namespace: {peer:?}"
+                );
+            }
+        } else {
+            assert_eq!(ports, &BTreeSet::from([http]));
+            let namespaces: Vec<String> = from
+                .iter()
+                .filter_map(|p| p.get("namespaceSelector"))
+                .map(|s| str_at(s, &["matchLabels", "kubernetes.io/metadata.name"]).to_owned())
+                .collect();
+            assert_eq!(namespaces, ["monitoring"]);
+            assert!(
+                from.iter().any(|p| p.get("namespaceSelector").is_none()
+                    && p.get("podSelector")
+                        .and_then(Value::as_mapping)
+                        .is_some_and(|m| m.is_empty())),
+                "HTTP from tollgate's own namespace (podSelector: {{}})"
+            );
+        }
+    }
+
+    let policy = find(&docs, "NetworkPolicy", "tollgate-redis");
+    assert!(selects(at(policy, &["spec", "podSelector"]), &redis_pods));
+    let rules = policy_rules(policy);
+    assert_eq!(rules.len(), 1);
+    let (ports, from) = &rules[0];
+    assert_eq!(ports, &BTreeSet::from([6379]));
+    assert_eq!(from.len(), 1);
+    assert!(from[0].get("namespaceSelector").is_none(), "tollgate's namespace only");
+    assert!(selects(at(&from[0], &["podSelector"]), &tollgate_pods), "{from:?}");
+    assert!(
+        !selects(at(&from[0], &["podSelector"]), &redis_pods),
+        "not Redis's own pods"
+    );
 }
 
 fn labels(v: &Value) -> BTreeMap<String, String> {
@@ -701,6 +921,55 @@ fn kubernetes_manifests_match_tollgate() {
     }
     let grace = at(pod, &["terminationGracePeriodSeconds"]).as_u64().unwrap();
     assert!(grace > settings.shutdown.drain_seconds + settings.shutdown.timeout_seconds);
+    assert!(
+        settings.shutdown.drain_seconds >= 5,
+        "the drain must outlast the endpoint removal reaching every Envoy: {}s",
+        settings.shutdown.drain_seconds
+    );
+
+    // Secrets: Redis's password from the Secret Redis itself requires; the admin API off unless
+    // its token comes from a Secret.
+    let secrets = secret_env(&docs, c);
+    let mut with_secrets = env.clone();
+    for name in secrets.keys() {
+        with_secrets.insert(name.clone(), "from-a-secret".into());
+    }
+    let settings_all = settings_with_env(&with_secrets);
+    let redis_c = named_container(&docs, "tollgate-redis", "redis");
+    let redis_secrets = secret_env(&docs, redis_c);
+    assert_eq!(
+        secrets.get("TOLLGATE_REDIS__PASSWORD"),
+        redis_secrets.get("REDIS_PASSWORD"),
+        "tollgate's Redis password is the one Redis requires"
+    );
+    assert_eq!(
+        redis_secrets.get("REDISCLI_AUTH"),
+        redis_secrets.get("REDIS_PASSWORD"),
+        "the probes' redis-cli"
+    );
+    let redis_args = strings(at(redis_c, &["args"]));
+    let arg = |flag: &str| {
+        let i = redis_args
+            .iter()
+            .position(|a| a == flag)
+            .unwrap_or_else(|| panic!("redis {flag}"));
+        redis_args[i + 1].clone()
+    };
+    assert_eq!(arg("--requirepass"), "$(REDIS_PASSWORD)");
+    // Evicting a bucket refills it (an over-admission): a full Redis must refuse instead.
+    assert_eq!(arg("--maxmemory-policy"), "noeviction");
+    assert!(!arg("--maxmemory").is_empty());
+    let redis_deploy = find(&docs, "Deployment", "tollgate-redis");
+    assert_eq!(
+        str_at(redis_deploy, &["spec", "strategy", "type"]),
+        "Recreate",
+        "never two Redis at once"
+    );
+    assert!(
+        !settings_all.admin.enabled || secrets.contains_key("TOLLGATE_ADMIN__TOKEN"),
+        "the admin API runs without a token from a Secret"
+    );
+    assert!(!settings.admin.enabled, "the admin API is off as shipped");
 
     // The rules: the ConfigMap mounted where the settings' rules path points from the WORKDIR.
     let mounts = seq(at(c, &["volumeMounts"]));
@@ -744,6 +1013,12 @@ fn kubernetes_manifests_match_tollgate() {
         let expected = if name == "grpc" { "grpc" } else { "http" };
         assert_eq!(str_at(p, &["appProtocol"]), expected);
     }
+    // The headless Service (per-pod DNS for Prometheus and Envoys outside the mesh): the same
+    // pods and ports, no virtual IP.
+    let headless = find(&docs, "Service", "tollgate-headless");
+    assert_eq!(str_at(headless, &["spec", "clusterIP"]), "None");
+    assert_eq!(labels(at(headless, &["spec", "selector"])), selector);
+    assert_eq!(at(headless, &["spec", "ports"]), at(svc, &["spec", "ports"]));
     let pdb = find(&docs, "PodDisruptionBudget", "tollgate");
     let pdb_selector = labels(at(pdb, &["spec", "selector", "matchLabels"]));
     assert!(pdb_selector.iter().all(|(k, v)| pod_labels.get(k) == Some(v)));
@@ -814,6 +1089,69 @@ fn envoy_filters() -> Vec<Value> {
         .map(|(_, d)| d)
         .filter(|d| str_at(d, &["kind"]) == "EnvoyFilter")
         .collect()
+}
+
+/// The Istio set's Gateways.
+fn gateways() -> Vec<Value> {
+    let k = kustomization("deploy/istio");
+    manifests(&k.files)
+        .into_iter()
+        .map(|(_, d)| d)
+        .filter(|d| str_at(d, &["kind"]) == "Gateway")
+        .collect()
+}
+
+/// The names Istio gives the gateway virtual hosts of `gateways`' servers: `<host>:<port>` for
+/// each host of each server (a namespace prefix `ns/` on a host is not part of the name).
+fn gateway_vhost_names(gateways: &[Value]) -> Vec<String> {
+    let mut names = Vec::new();
+    for g in gateways {
+        for server in seq(at(g, &["spec", "servers"])) {
+            let port = at(server, &["port", "number"]).as_u64().expect("a port number");
+            for host in strings(at(server, &["hosts"])) {
+                let host = host.rsplit('/').next().unwrap().to_owned();
+                names.push(format!("{host}:{port}"));
+            }
+        }
+    }
+    names
+}
+
+/// The sample Gateway: the pods the EnvoyFilters patch, and a server whose virtual host is the
+/// one the VIRTUAL_HOST patch names (Istio names gateway virtual hosts `<host>:<port>`; a patch
+/// naming anything else matches nothing and the gateway limits nothing).
+#[test]
+fn istio_virtual_host_patch_names_a_virtual_host_of_the_gateway() {
+    let gateways = gateways();
+    assert_eq!(gateways.len(), 1, "the sample Gateway");
+    let gateway = &gateways[0];
+    assert_eq!(str_at(gateway, &["apiVersion"]), "networking.istio.io/v1");
+    assert_eq!(str_at(gateway, &["metadata", "namespace"]), "istio-system");
+    let server = at(gateway, &["spec", "servers", "0"]);
+    assert_eq!(at(server, &["port", "number"]).as_u64(), Some(80));
+    assert_eq!(strings(at(server, &["hosts"])), ["*"]);
+    let selector = labels(at(gateway, &["spec", "selector"]));
+    for f in envoy_filters() {
+        assert_eq!(
+            labels(at(&f, &["spec", "workloadSelector", "labels"])),
+            selector,
+            "{}: the EnvoyFilter patches the Gateway's pods",
+            str_at(&f, &["metadata", "name"])
+        );
+    }
+    let names = gateway_vhost_names(&gateways);
+    let patched: Vec<String> = patches(&envoy_filters())
+        .iter()
+        .filter(|(apply, _, _)| apply == "VIRTUAL_HOST")
+        .map(|(_, m, _)| str_at(m, &["routeConfiguration", "vhost", "name"]).to_owned())
+        .collect();
+    assert!(!patched.is_empty());
+    for name in patched {
+        assert!(
+            names.contains(&name),
+            "the VIRTUAL_HOST patch matches {name:?}, no virtual host of the Gateway (those are {names:?})"
+        );
+    }
 }
 
 /// Every config patch of the EnvoyFilters: `(applyTo, match, patch)`.
@@ -934,15 +1272,76 @@ fn rules_dir(files: &[String]) -> tempfile::TempDir {
     dir
 }
 
+/// The rules of `files` with shadow mode switched off, as an operator does once the metrics look
+/// right: the tests that drive real Envoy see the limits deny. Panics when no rule was in shadow
+/// mode (then this copy would test nothing different).
+fn enforcing_rules_dir(files: &[String]) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let mut switched = 0;
+    for f in files {
+        let text = fs::read_to_string(repo_path(f)).unwrap();
+        switched += text.matches("shadow_mode: true").count();
+        fs::write(
+            dir.path().join(f.rsplit('/').next().unwrap()),
+            text.replace("shadow_mode: true", "shadow_mode: false"),
+        )
+        .unwrap();
+    }
+    assert!(switched > 0, "no rule of {files:?} is in shadow mode");
+    dir
+}
+
+/// Each descriptor of a rules file (nested ones too) with the keys of the path to it.
+fn rule_paths(descriptors: &Value, prefix: &[String], out: &mut Vec<(Vec<String>, Value)>) {
+    for d in descriptors.as_sequence().into_iter().flatten() {
+        let mut path = prefix.to_vec();
+        path.push(str_at(d, &["key"]).to_owned());
+        out.push((path.clone(), d.clone()));
+        if let Some(children) = d.get("descriptors") {
+            rule_paths(children, &path, out);
+        }
+    }
+}
+
+/// The Istio set's rules as shipped: every limit on the client address (which behind a load
+/// balancer without trusted proxy hops is the balancer's) and the gateway-wide one count but
+/// never deny (`shadow_mode: true`), and the rules still load.
+#[test]
+fn istio_rules_ship_address_and_gateway_wide_limits_in_shadow_mode() {
+    let k = kustomization("deploy/istio");
+    let (_, files, _) = k.generators.last().unwrap();
+    let mut checked = 0;
+    for f in files {
+        let rules = yaml(f);
+        let mut all = Vec::new();
+        rule_paths(at(&rules, &["descriptors"]), &[], &mut all);
+        for (path, rule) in all {
+            let limited = rule.get("bucket").is_some() || rule.get("token_bucket").is_some();
+            let risky = path.iter().any(|k| k == "remote_address" || k == "generic_key");
+            if limited && risky {
+                checked += 1;
+                assert_eq!(
+                    rule.get("shadow_mode").and_then(Value::as_bool),
+                    Some(true),
+                    "{f}: the rule {path:?} limits by client address or all traffic and must ship in shadow mode"
+                );
+            }
+        }
+    }
+    assert!(checked >= 2, "the per-address and gateway-wide rules: found {checked}");
+    let dir = rules_dir(files);
+    tollgate::config::load_rules(dir.path()).unwrap_or_else(|e| panic!("{e}"));
+}
+
 /// An Envoy bootstrap like the gateway's: a listener whose HTTP connection manager has the
-/// router and a virtual host named as the VIRTUAL_HOST patch matches, with the patches applied
-/// the way Istio applies them, and a cluster of the name the filter asks for.
+/// router and the virtual host Istio makes for the sample Gateway's first server (named
+/// `<host>:<port>`), with the patches applied the way Istio applies them (a VIRTUAL_HOST patch
+/// only to the virtual host of its name), and a cluster of the name the filter asks for.
 fn spliced_bootstrap(filters: &[Value], ratelimit_port: u16, upstream_port: u16) -> Value {
-    let vhost_name = patches(filters)
-        .iter()
-        .find(|(apply, _, _)| apply == "VIRTUAL_HOST")
-        .map(|(_, m, _)| str_at(m, &["routeConfiguration", "vhost", "name"]).to_owned())
-        .expect("a VIRTUAL_HOST patch");
+    let vhost_name = gateway_vhost_names(&gateways())
+        .into_iter()
+        .next()
+        .expect("a Gateway server");
     let config = ratelimit_filter(filters);
     let cluster = str_at(
         &config,
@@ -1018,6 +1417,12 @@ static_resources:
             }
             "VIRTUAL_HOST" => {
                 let vhost = &mut hcm["route_config"]["virtual_hosts"][0];
+                let wanted = str_at(&matched, &["routeConfiguration", "vhost", "name"]);
+                assert_eq!(
+                    vhost["name"].as_str(),
+                    Some(wanted),
+                    "the VIRTUAL_HOST patch matches no virtual host of the gateway"
+                );
                 for (k, v) in value.as_mapping().unwrap() {
                     vhost.as_mapping_mut().unwrap().insert(k.clone(), v.clone());
                 }
@@ -1115,17 +1520,18 @@ async fn istio_route_actions_reach_buckets_of_the_shipped_rules() {
 }
 
 /// The spliced gateway bootstrap running: Envoy asks a tollgate holding the Istio rules, and the
-/// login limit (5 per client a minute: the `header_value_match` and `remote_address` actions)
-/// denies the sixth login from one client while other paths still pass. The filter timeout is
-/// raised from the EnvoyFilter's 25 ms for a debug build on a busy machine: a late answer would
-/// fail open and pass the sixth login.
+/// login limit (5 per client a minute: the `header_value_match` and `remote_address` actions),
+/// with shadow mode switched off as the docs tell once the metrics look right, denies the sixth
+/// login from one client while other paths still pass. The filter timeout is raised from the
+/// EnvoyFilter's 25 ms for a debug build on a busy machine: a late answer would fail open and
+/// pass the sixth login.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn istio_gateway_patches_limit_logins_through_real_envoy() {
     let Some(envoy_bin) = envoy_or_skip("istio_gateway_patches_limit_logins_through_real_envoy") else {
         return;
     };
     let k = kustomization("deploy/istio");
-    let rules = rules_dir(&k.generators.last().unwrap().1);
+    let rules = enforcing_rules_dir(&k.generators.last().unwrap().1);
     let tollgate = tokio::task::block_in_place(|| Tollgate::builder().rules_path(rules.path()).start());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let upstream = listener.local_addr().unwrap();
@@ -1185,10 +1591,8 @@ async fn compose_postgres_environment_serves_and_its_health_checks_pass() {
     let Some(schema) = support::postgres::TestSchema::new(test).await else {
         return;
     };
-    let base = compose();
-    let over = yaml("docker-compose.postgres.yml");
-    let mut env = compose_env(service(&base, "tollgate"));
-    env.extend(compose_env(service(&over, "tollgate")));
+    let merged = compose_postgres();
+    let mut env = compose_env(service(&merged, "tollgate"));
     assert!(env.contains_key("TOLLGATE_POSTGRES__URL"));
     // The test server's URL carries what it needs; the demo's password is for the demo's server.
     env.insert("TOLLGATE_POSTGRES__URL".into(), schema.url.clone());
@@ -1199,7 +1603,7 @@ async fn compose_postgres_environment_serves_and_its_health_checks_pass() {
         builder = builder.env(k, v);
     }
     let tollgate = tokio::task::block_in_place(|| builder.start());
-    let check = healthcheck(service(&base, "tollgate"));
+    let check = healthcheck(service(&merged, "tollgate"));
     let out = probe(&check[2], tollgate.http_addr.port());
     assert!(out.status.success(), "{out:?}\n{}", tollgate.process.log_tail(20));
     let config: serde_json::Value =
@@ -1209,7 +1613,7 @@ async fn compose_postgres_environment_serves_and_its_health_checks_pass() {
 
     // pg_isready as the postgres service runs it, pointed at the test server.
     let (host, port, _) = split_url(&schema.url);
-    let mut args = healthcheck(service(&over, "postgres"));
+    let mut args = healthcheck(service(&merged, "postgres"));
     let program = args.remove(0);
     let h = args.iter().position(|a| a == "-h").expect("pg_isready -h");
     assert_eq!(args[h + 1], "127.0.0.1", "inside the container, loopback");
@@ -1263,4 +1667,214 @@ fn probe_exits_1_with_the_reason_unless_2xx() {
     let (code, err) = run(&["not a url"]);
     assert_eq!(code, Some(1));
     assert!(err.contains("not a usable URL"), "{err}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// scripts/ensure-tools
+
+/// Writes an executable shell script.
+fn write_script(path: &Path, body: &str) {
+    use std::os::unix::fs::PermissionsExt;
+    fs::create_dir_all(path.parent().unwrap()).unwrap();
+    fs::write(path, format!("#!/bin/sh\n{body}")).unwrap();
+    fs::set_permissions(path, fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+/// `scripts/ensure-tools` in a home of its own, with its tools directory first on PATH (as a
+/// developer may have it): the machine's promtool and kubectl are linked, not the links
+/// themselves (a link to itself is a loop), a second run leaves correct links alone, and a cached
+/// Python tool of another version than the script pins is reinstalled at the pin. The virtualenv
+/// and the machine's tools are stand-ins (shell scripts answering `--version`, and a `python`
+/// answering `pip show` from a state directory and recording `pip install`), so nothing is
+/// downloaded.
+#[test]
+fn ensure_tools_links_the_machines_tools_and_enforces_the_pins() {
+    let script = repo_path("scripts/ensure-tools");
+    let text = fs::read_to_string(&script).unwrap();
+    let pins_line = text
+        .lines()
+        .find(|l| l.starts_with("pip_tools=("))
+        .expect("the pinned pip tools");
+    let pins: Vec<(String, String)> = pins_line
+        .split('"')
+        .filter(|w| w.contains("=="))
+        .map(|w| {
+            let (name, version) = w.split_once("==").unwrap();
+            (name.to_owned(), version.to_owned())
+        })
+        .collect();
+    assert_eq!(pins.len(), 2, "{pins_line}");
+
+    let home = tempfile::tempdir().unwrap();
+    let root = home.path().join(".cache/tollgate/tools");
+    let bin = root.join("bin");
+    let venv = root.join("venv/bin");
+    let state = root.join("venv/state");
+    fs::create_dir_all(&state).unwrap();
+    write_script(
+        &venv.join("python"),
+        r#"state="$(dirname "$0")/../state"
+if [ "$1 $2 $3" = "-m pip show" ]; then
+  [ -f "$state/$4" ] || exit 1
+  echo "Name: $4"; echo "Version: $(cat "$state/$4")"; exit 0
+fi
+if [ "$1 $2 $3" = "-m pip install" ]; then
+  shift 3
+  for a in "$@"; do
+    case "$a" in --*) ;; *) echo "$a" >> "$state/installed.log"; echo "${a##*==}" > "$state/${a%%==*}";; esac
+  done
+  exit 0
+fi
+exit 2
+"#,
+    );
+    for tool in ["hadolint", "kubernetes-validate"] {
+        write_script(&venv.join(tool), "echo 1.0\n");
+    }
+    // The first pin cached at another version, the second at its own.
+    fs::write(state.join(&pins[0].0), "0.0.1\n").unwrap();
+    fs::write(state.join(&pins[1].0), format!("{}\n", pins[1].1)).unwrap();
+    let machine = home.path().join("machine-bin");
+    for tool in ["promtool", "kubectl"] {
+        write_script(&machine.join(tool), "echo 1.0\n");
+    }
+    let path = format!("{}:{}:/usr/bin:/bin", bin.display(), machine.display());
+    let run = || {
+        let out = Command::new("bash")
+            .arg(&script)
+            .env("HOME", home.path())
+            .env("PATH", &path)
+            .output()
+            .expect("run scripts/ensure-tools");
+        assert!(
+            out.status.success(),
+            "scripts/ensure-tools: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).lines().last(),
+            Some(bin.to_str().unwrap()),
+            "the tools directory, last"
+        );
+    };
+    let resolved = |tool: &str| fs::canonicalize(bin.join(tool)).unwrap_or_else(|e| panic!("{tool}: {e}"));
+    let inode = |tool: &str| {
+        use std::os::unix::fs::MetadataExt;
+        fs::symlink_metadata(bin.join(tool)).unwrap().ino()
+    };
+    run();
+    let installed = fs::read_to_string(state.join("installed.log")).unwrap_or_default();
+    assert_eq!(
+        installed.lines().collect::<Vec<_>>(),
+        [format!("{}=={}", pins[0].0, pins[0].1)],
+        "only the tool off its pin is reinstalled, at the pin"
+    );
+    let before: Vec<u64> = ["hadolint", "kubernetes-validate", "promtool", "kubectl"]
+        .iter()
+        .map(|t| inode(t))
+        .collect();
+    // Now every link is on PATH (first): a lookup that finds them would link them to themselves.
+    run();
+    for tool in ["promtool", "kubectl"] {
+        assert_eq!(resolved(tool), fs::canonicalize(machine.join(tool)).unwrap(), "{tool}");
+    }
+    for tool in ["hadolint", "kubernetes-validate"] {
+        assert_eq!(resolved(tool), fs::canonicalize(venv.join(tool)).unwrap(), "{tool}");
+    }
+    let after: Vec<u64> = ["hadolint", "kubernetes-validate", "promtool", "kubectl"]
+        .iter()
+        .map(|t| inode(t))
+        .collect();
+    assert_eq!(before, after, "correct links are left alone");
+    assert_eq!(
+        fs::read_to_string(state.join("installed.log")).unwrap().lines().count(),
+        1,
+        "nothing reinstalled once on the pins"
+    );
+}
+
+/// `/readyz` of `tollgate`, polled until it answers 200 or `wait` passes: the status last seen.
+fn readyz_within(tollgate: &Tollgate, wait: std::time::Duration) -> Option<u16> {
+    let deadline = std::time::Instant::now() + wait;
+    loop {
+        let status = http_get(tollgate.http_addr, "/readyz").map(|(s, _)| s);
+        if status == Some(200) || std::time::Instant::now() > deadline {
+            return status;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+/// redis.yaml's Redis as its container runs it: a real `redis-server` with the manifest's args
+/// (the password of the Secret in place of `$(REDIS_PASSWORD)`, as the kubelet expands it) on a
+/// free loopback port. Its probes' `redis-cli ping` answers with `REDISCLI_AUTH`, the memory
+/// policy is `noeviction`, and tollgate with the Deployment's environment and that password gets
+/// ready, while without the password it stays not ready.
+#[test]
+fn kubernetes_redis_runs_with_the_manifest_args_and_tollgate_logs_in() {
+    let k = kustomization("deploy/kubernetes");
+    let docs = manifests(&k.files);
+    let redis_c = named_container(&docs, "tollgate-redis", "redis");
+    let (secret, key) = secret_env(&docs, redis_c)["REDIS_PASSWORD"].clone();
+    let password = str_at(find(&docs, "Secret", &secret), &["stringData", &key]).to_owned();
+    let port = support::free_port();
+    let dir = tempfile::tempdir().unwrap();
+    let mut args: Vec<String> = strings(at(redis_c, &["args"]))
+        .into_iter()
+        .map(|a| a.replace("$(REDIS_PASSWORD)", &password))
+        .collect();
+    args.extend(["--port", &port.to_string(), "--bind", "127.0.0.1", "--dir"].map(str::to_owned));
+    args.push(dir.path().to_string_lossy().into_owned());
+    let mut redis = support::ChildGuard::spawn(
+        "redis-server",
+        Command::new("redis-server").args(&args),
+        &dir.path().join("redis.log"),
+    );
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    support::wait_until(&mut redis, || {
+        support::redis::resp_command(addr, Some(&password), &[b"PING"]).ok()
+    })
+    .unwrap_or_else(|e| panic!("redis-server {args:?}: {e}"));
+
+    // The probes, as the container runs them.
+    let probe = strings(at(redis_c, &["readinessProbe", "exec", "command"]));
+    assert_eq!(probe, ["redis-cli", "ping"]);
+    assert_eq!(support::redis::redis_cli(port, Some(&password), &["ping"]), "PONG");
+    assert_eq!(
+        support::redis::redis_cli(port, Some(&password), &["config", "get", "maxmemory-policy"]),
+        "maxmemory-policy\nnoeviction"
+    );
+    let unauthenticated = support::redis::resp_command(addr, None, &[b"SET", b"k", b"v"]).and_then(|v| v.ok());
+    assert!(
+        unauthenticated.is_err(),
+        "Redis answers without the password: {unauthenticated:?}"
+    );
+
+    let (_, env) = container(&docs);
+    let start = |with_password: bool| {
+        let mut builder = Tollgate::builder().rules_path(repo_path("deploy/kubernetes/rules"));
+        for (k, v) in &env {
+            let v = if k == "TOLLGATE_REDIS__URLS" {
+                format!("[redis://127.0.0.1:{port}]")
+            } else {
+                v.clone()
+            };
+            builder = builder.env(k, &v);
+        }
+        if with_password {
+            builder = builder.env("TOLLGATE_REDIS__PASSWORD", &password);
+        }
+        builder.start()
+    };
+    let tollgate = start(true);
+    let status = readyz_within(&tollgate, std::time::Duration::from_secs(10));
+    assert_eq!(status, Some(200), "{}", tollgate.process.log_tail(20));
+    drop(tollgate);
+    let locked_out = start(false);
+    let status = readyz_within(&locked_out, std::time::Duration::from_secs(2));
+    assert_ne!(
+        status,
+        Some(200),
+        "ready without Redis's password: the password check proves nothing"
+    );
 }

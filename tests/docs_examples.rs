@@ -11,7 +11,11 @@
 //! - `settings`: a tollgate settings file: `Settings::load` and `validate()`.
 //! - `envoy`: a whole Envoy bootstrap, `envoy --mode validate` (skipped without Envoy unless
 //!   `CI=true`, see `support::envoy_or_skip`). `envoy-fragment`: a YAML mapping or sequence.
-//! - `kubernetes`: `kubernetes-validate --strict`; `prometheus-rules`: `promtool check rules`;
+//! - `kubernetes`: `kubernetes-validate --strict`, whose warnings (a kind it has no schema for)
+//!   fail too; the CRD kinds the docs use (prometheus-operator's ServiceMonitor and
+//!   PrometheusRule, Istio's EnvoyFilter and Gateway), which it has no schema for, are checked
+//!   here instead: apiVersion, `metadata.name`, and the keys under `spec` against the fields
+//!   of those kinds (see `CRDS`). `prometheus-rules`: `promtool check rules`;
 //!   `prometheus-config`: `promtool check config` (each skipped without the tool unless
 //!   `CI=true`, see `support::tools::tool_or_skip`).
 //! - `compose`: a mapping whose `services` is a mapping of service mappings, with every
@@ -27,21 +31,15 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use pulldown_cmark::{CodeBlockKind, Event, Options, Parser, Tag, TagEnd};
+use serde::Deserialize;
 use support::tools::tool_or_skip;
 use support::{envoy_or_skip, envoy_validate};
 use tempfile::TempDir;
 
-/// Pages other branches of issue 17 add (the drop-in environment, the migration guide,
-/// deployment, monitoring, and the root compose file). A link to one of them is accepted while
-/// it is missing from this branch.
+/// Pages other branches of issue 17 add (the drop-in environment, the migration guide). A link
+/// to one of them is accepted while it is missing from this branch.
 // TODO(issue 17): remove once those branches are merged; every link must then resolve.
-const PENDING_FILES: [&str; 5] = [
-    "docs/envoyproxy-environment.md",
-    "docs/migration.md",
-    "docs/deployment.md",
-    "docs/monitoring.md",
-    "docker-compose.yml",
-];
+const PENDING_FILES: [&str; 2] = ["docs/envoyproxy-environment.md", "docs/migration.md"];
 
 /// The YAML kinds a fence may declare (see the module documentation).
 const KINDS: [&str; 9] = [
@@ -288,11 +286,41 @@ fn check_yaml(kind: &str, text: &str, dir: &Path, tools: &mut Tools) -> Result<b
             }
         }
         "kubernetes" => {
+            let mut plain = Vec::new();
+            for doc in serde_yaml::Deserializer::from_str(text) {
+                let doc = serde_yaml::Value::deserialize(doc).map_err(|e| format!("not YAML: {e}"))?;
+                if doc.is_null() {
+                    continue;
+                }
+                let kind = doc.get("kind").and_then(|k| k.as_str()).unwrap_or_default();
+                if CRDS.iter().any(|crd| crd.kind == kind) {
+                    check_crd(&doc)?;
+                } else {
+                    plain.push(serde_yaml::to_string(&doc).expect("YAML"));
+                }
+            }
+            if plain.is_empty() {
+                return Ok(true);
+            }
             let Some(tool) = tools.kubernetes_validate() else {
                 return Ok(false);
             };
-            let path = write("manifests.yaml");
-            run_checker(&tool, &["--strict", "--quiet"], &path)?;
+            let path = dir.path().join("manifests.yaml");
+            fs::write(&path, plain.join("---\n")).expect("write the block");
+            // Without --quiet: a kind it has no schema for is only a warning (exit 0).
+            let out = Command::new(&tool)
+                .arg("--strict")
+                .arg(&path)
+                .output()
+                .map_err(|e| format!("cannot run {}: {e}", tool.display()))?;
+            let report = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout).trim_end(),
+                String::from_utf8_lossy(&out.stderr).trim_end()
+            );
+            if !out.status.success() || report.contains("WARN") {
+                return Err(format!("kubernetes-validate --strict: {report} ({})", out.status));
+            }
             Ok(true)
         }
         "prometheus-rules" => {
@@ -310,6 +338,181 @@ fn check_yaml(kind: &str, text: &str, dir: &Path, tools: &mut Tools) -> Result<b
         "compose" => check_compose(text).map(|()| true),
         other => Err(format!("unknown kind `{other}` (one of: {})", KINDS.join(", "))),
     }
+}
+
+/// A custom resource kind kubernetes-validate has no schema for, and what its documents may
+/// hold: the API versions, and for each mapping (a dotted path from `spec`, `[]` for every item
+/// of a list) the keys allowed there. The keys come from the kinds' published references
+/// (prometheus-operator's API, Istio's networking API); only mappings listed are checked, the
+/// fields the docs use and their common neighbours.
+struct Crd {
+    kind: &'static str,
+    api_versions: &'static [&'static str],
+    fields: &'static [(&'static str, &'static [&'static str])],
+}
+
+const LABEL_SELECTOR: &[&str] = &["matchLabels", "matchExpressions"];
+
+const CRDS: [Crd; 4] = [
+    Crd {
+        kind: "ServiceMonitor",
+        api_versions: &["monitoring.coreos.com/v1"],
+        fields: &[
+            (
+                "spec",
+                &[
+                    "selector",
+                    "endpoints",
+                    "namespaceSelector",
+                    "jobLabel",
+                    "targetLabels",
+                    "podTargetLabels",
+                    "sampleLimit",
+                    "scrapeProtocols",
+                ],
+            ),
+            ("spec.selector", LABEL_SELECTOR),
+            ("spec.namespaceSelector", &["matchNames", "any"]),
+            (
+                "spec.endpoints[]",
+                &[
+                    "port",
+                    "targetPort",
+                    "path",
+                    "scheme",
+                    "interval",
+                    "scrapeTimeout",
+                    "honorLabels",
+                    "honorTimestamps",
+                    "params",
+                    "relabelings",
+                    "metricRelabelings",
+                    "tlsConfig",
+                    "bearerTokenSecret",
+                    "authorization",
+                    "basicAuth",
+                ],
+            ),
+        ],
+    },
+    Crd {
+        kind: "PrometheusRule",
+        api_versions: &["monitoring.coreos.com/v1"],
+        fields: &[
+            ("spec", &["groups"]),
+            (
+                "spec.groups[]",
+                &["name", "interval", "rules", "limit", "partial_response_strategy"],
+            ),
+            (
+                "spec.groups[].rules[]",
+                &[
+                    "alert",
+                    "record",
+                    "expr",
+                    "for",
+                    "keep_firing_for",
+                    "labels",
+                    "annotations",
+                ],
+            ),
+        ],
+    },
+    Crd {
+        kind: "EnvoyFilter",
+        api_versions: &["networking.istio.io/v1alpha3"],
+        fields: &[
+            ("spec", &["workloadSelector", "targetRefs", "configPatches", "priority"]),
+            ("spec.workloadSelector", &["labels"]),
+            ("spec.configPatches[]", &["applyTo", "match", "patch"]),
+            (
+                "spec.configPatches[].match",
+                &["context", "proxy", "listener", "routeConfiguration", "cluster"],
+            ),
+            ("spec.configPatches[].patch", &["operation", "value", "filterClass"]),
+        ],
+    },
+    Crd {
+        kind: "Gateway",
+        api_versions: &[
+            "networking.istio.io/v1",
+            "networking.istio.io/v1beta1",
+            "networking.istio.io/v1alpha3",
+        ],
+        fields: &[
+            ("spec", &["selector", "servers"]),
+            (
+                "spec.servers[]",
+                &["port", "hosts", "tls", "bind", "defaultEndpoint", "name"],
+            ),
+            ("spec.servers[].port", &["number", "name", "protocol", "targetPort"]),
+        ],
+    },
+];
+
+/// The values at dotted `path` of `value` (`name[]` steps into every item of the list `name`).
+fn values_at<'a>(value: &'a serde_yaml::Value, path: &str) -> Vec<&'a serde_yaml::Value> {
+    let mut current = vec![value];
+    for step in path.split('.') {
+        let (key, each) = match step.strip_suffix("[]") {
+            Some(key) => (key, true),
+            None => (step, false),
+        };
+        current = current
+            .into_iter()
+            .filter_map(|v| v.get(key))
+            .flat_map(|v| match (each, v.as_sequence()) {
+                (true, Some(items)) => items.iter().collect::<Vec<_>>(),
+                (true, None) => Vec::new(),
+                (false, _) => vec![v],
+            })
+            .collect();
+    }
+    current
+}
+
+/// Checks a document of a kind in `CRDS`: its apiVersion, a `metadata.name`, only known keys at
+/// the top and in `metadata`, a `spec`, and the keys of each listed mapping under it.
+fn check_crd(doc: &serde_yaml::Value) -> Result<(), String> {
+    let kind = doc.get("kind").and_then(|k| k.as_str()).unwrap_or_default();
+    let crd = CRDS.iter().find(|c| c.kind == kind).expect("a CRD kind");
+    let keys_of = |v: &serde_yaml::Value, at: &str| -> Result<Vec<String>, String> {
+        let map = v.as_mapping().ok_or_else(|| format!("{kind}: {at} is not a mapping"))?;
+        Ok(map.keys().map(|k| k.as_str().unwrap_or_default().to_owned()).collect())
+    };
+    let only = |v: &serde_yaml::Value, at: &str, allowed: &[&str]| -> Result<(), String> {
+        for key in keys_of(v, at)? {
+            if !allowed.contains(&key.as_str()) {
+                return Err(format!(
+                    "{kind}: unknown field `{key}` in {at} (known: {})",
+                    allowed.join(", ")
+                ));
+            }
+        }
+        Ok(())
+    };
+    only(doc, "the document", &["apiVersion", "kind", "metadata", "spec"])?;
+    let version = doc.get("apiVersion").and_then(|v| v.as_str()).unwrap_or_default();
+    if !crd.api_versions.contains(&version) {
+        return Err(format!(
+            "{kind}: apiVersion `{version}` (one of: {})",
+            crd.api_versions.join(", ")
+        ));
+    }
+    let metadata = doc.get("metadata").ok_or_else(|| format!("{kind}: no metadata"))?;
+    only(metadata, "metadata", &["name", "namespace", "labels", "annotations"])?;
+    if metadata.get("name").and_then(|n| n.as_str()).is_none_or(str::is_empty) {
+        return Err(format!("{kind}: no metadata.name"));
+    }
+    if doc.get("spec").is_none() {
+        return Err(format!("{kind}: no spec"));
+    }
+    for (path, allowed) in crd.fields {
+        for v in values_at(doc, path) {
+            only(v, path, allowed)?;
+        }
+    }
+    Ok(())
 }
 
 /// A compose file, or a fragment of one: `services` a mapping of mappings, every `depends_on`
@@ -611,9 +814,16 @@ fn the_external_checkers_refuse_bad_blocks() {
     let rules_bad = "groups:\n  - name: t\n    rules:\n      - alert: A\n        expr: up ==\n";
     let config_good = "scrape_configs:\n  - job_name: t\n    static_configs: [{targets: [\"127.0.0.1:8080\"]}]\n";
     let config_bad = "scrape_configs:\n  - job_name: t\n    scrape_interval: soon\n";
+    // A custom resource: kubernetes-validate only warns on it; a typo must still fail.
+    let monitor = "apiVersion: monitoring.coreos.com/v1\nkind: ServiceMonitor\nmetadata: {name: t}\n\
+        spec:\n  namespaceSelector: {matchNames: [t]}\n  selector:\n    matchLabels: {app: t}\n  endpoints: [{port: http}]\n";
+    let monitor_bad = monitor.replace("matchLabels", "matchLabelz");
+    let unknown_kind = "apiVersion: example.com/v1\nkind: Widget\nmetadata: {name: t}\nspec: {}\n";
     for (kind, good, bad) in [
         ("envoy", envoy_good, envoy_bad),
         ("kubernetes", k8s_good, k8s_bad),
+        ("kubernetes", monitor, monitor_bad.as_str()),
+        ("kubernetes", k8s_good, unknown_kind),
         ("prometheus-rules", rules_good, rules_bad),
         ("prometheus-config", config_good, config_bad),
     ] {

@@ -286,23 +286,117 @@ fn copy_tree(from: &Path, to: &Path) {
     }
 }
 
-/// Whether `.dockerignore` keeps context path `path` (a relative path) out of the build
-/// context: a pattern naming it or one of its parent directories (the patterns this project
-/// uses: plain paths, with or without a trailing `/`, and `*.ext` at the root).
-fn docker_ignored(path: &str) -> bool {
-    let ignore = fs::read_to_string(repo_path(".dockerignore")).expect("read .dockerignore");
-    let path = path.trim_end_matches('/');
-    ignore
-        .lines()
+/// One `.dockerignore` line: its path segments and whether it is an exception (`!pattern`).
+struct IgnorePattern {
+    segments: Vec<String>,
+    exception: bool,
+}
+
+/// The patterns of `.dockerignore`, in order. Docker's rules: `#` lines and blank lines are
+/// skipped, a leading `/` and a trailing `/` mean nothing, `!` re-includes, and the last
+/// pattern that matches a path decides.
+fn dockerignore() -> Vec<IgnorePattern> {
+    let text = fs::read_to_string(repo_path(".dockerignore")).expect("read .dockerignore");
+    text.lines()
         .map(str::trim)
         .filter(|l| !l.is_empty() && !l.starts_with('#'))
-        .any(|pattern| {
-            let pattern = pattern.trim_end_matches('/');
-            if let Some(ext) = pattern.strip_prefix("*.") {
-                return !path.contains('/') && path.ends_with(&format!(".{ext}"));
-            }
-            path == pattern || path.starts_with(&format!("{pattern}/"))
+        .map(|line| {
+            let (exception, pattern) = match line.strip_prefix('!') {
+                Some(rest) => (true, rest.trim()),
+                None => (false, line),
+            };
+            let segments = pattern
+                .split('/')
+                .filter(|s| !s.is_empty() && *s != ".")
+                .map(str::to_owned)
+                .collect();
+            IgnorePattern { segments, exception }
         })
+        .collect()
+}
+
+/// Whether path segment `name` matches glob segment `glob` (`*` any run, `?` one character;
+/// neither crosses a `/`, as in Go's filepath.Match, which Docker uses).
+fn segment_matches(glob: &[u8], name: &[u8]) -> bool {
+    match (glob.first(), name.first()) {
+        (None, None) => true,
+        (Some(b'*'), _) => segment_matches(&glob[1..], name) || (!name.is_empty() && segment_matches(glob, &name[1..])),
+        (Some(b'?'), Some(_)) => segment_matches(&glob[1..], &name[1..]),
+        (Some(g), Some(n)) if g == n => segment_matches(&glob[1..], &name[1..]),
+        _ => false,
+    }
+}
+
+/// Whether the pattern's segments match the path's exactly (`**` spans any number of segments).
+fn segments_match(glob: &[String], path: &[&str]) -> bool {
+    match glob.first() {
+        None => path.is_empty(),
+        Some(g) if g == "**" => (0..=path.len()).any(|skip| segments_match(&glob[1..], &path[skip..])),
+        Some(g) => {
+            !path.is_empty()
+                && segment_matches(g.as_bytes(), path[0].as_bytes())
+                && segments_match(&glob[1..], &path[1..])
+        }
+    }
+}
+
+/// Whether `.dockerignore` keeps context path `path` (relative, `/`-separated) out of the build
+/// context: the last pattern matching it or one of its parent directories decides.
+fn docker_ignored_by(patterns: &[IgnorePattern], path: &str) -> bool {
+    let parts: Vec<&str> = path.split('/').filter(|s| !s.is_empty() && *s != ".").collect();
+    let mut ignored = false;
+    for pattern in patterns {
+        let hit = (1..=parts.len()).any(|n| segments_match(&pattern.segments, &parts[..n]));
+        if hit {
+            ignored = !pattern.exception;
+        }
+    }
+    ignored
+}
+
+fn docker_ignored(path: &str) -> bool {
+    docker_ignored_by(&dockerignore(), path)
+}
+
+/// Copies the build context, the repository minus what `.dockerignore` leaves out, to `to`.
+/// A directory left out is not entered unless an exception pattern could re-include something
+/// in it.
+fn copy_build_context(to: &Path) {
+    fn walk(patterns: &[IgnorePattern], relative: &str, to: &Path) {
+        let dir = repo_path(relative);
+        for entry in fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+            let entry = entry.unwrap();
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let path = if relative.is_empty() {
+                name
+            } else {
+                format!("{relative}/{name}")
+            };
+            let kind = entry.file_type().unwrap();
+            let ignored = docker_ignored_by(patterns, &path);
+            if kind.is_dir() {
+                if ignored && !patterns.iter().any(|p| p.exception) {
+                    continue;
+                }
+                walk(patterns, &path, to);
+            } else if !ignored {
+                let target = to.join(&path);
+                make_dirs(target.parent().unwrap());
+                copy_tree(&entry.path(), &target);
+            }
+        }
+    }
+    walk(&dockerignore(), "", to);
+}
+
+/// Drops the debug sections of the copied binary, as the build stage's
+/// `CARGO_PROFILE_RELEASE_STRIP=debuginfo` does (symbols stay), when `strip` is installed; else
+/// the copy keeps them, which changes its size but not what it runs.
+fn strip_debuginfo(binary: &Path) {
+    match Command::new("strip").arg("--strip-debug").arg(binary).status() {
+        Ok(status) => assert!(status.success(), "strip --strip-debug {}: {status}", binary.display()),
+        Err(e) => eprintln!("NOTE: no `strip` ({e}): the copied binary keeps its debug info"),
+    }
 }
 
 /// Fills `root` with exactly what the runtime stage's COPY instructions put in the image.
@@ -371,6 +465,7 @@ fn build_copy(image: &Image, root: &Path, binary: &Path) {
                             Built::Binary => {
                                 fs::copy(binary, &to).expect("copy the binary");
                                 fs::set_permissions(&to, fs::Permissions::from_mode(0o755)).unwrap();
+                                strip_debuginfo(&to);
                             }
                             Built::Symlink(link) => std::os::unix::fs::symlink(link, &to).expect("make a symlink"),
                         }
@@ -634,6 +729,11 @@ fn dockerfile_has_the_documented_layout() {
         .collect::<Vec<_>>()
         .join(" ");
     assert!(run.contains("cargo build --release --locked"), "{run}");
+    // Without the debug line tables of the release profile (~94 MB of the binary).
+    assert!(
+        run.contains("CARGO_PROFILE_RELEASE_STRIP=debuginfo cargo build --release"),
+        "the build stage strips debug info: {run}"
+    );
     assert_eq!(image.runtime.base, "gcr.io/distroless/cc-debian12:nonroot");
     assert_eq!(image.runtime.last("WORKDIR").unwrap().args, "/srv/tollgate");
     assert_eq!(image.runtime.last("USER").unwrap().args, "65534:65534");
@@ -688,32 +788,154 @@ fn dockerfile_has_the_documented_layout() {
     expected.sort();
     assert_eq!(listing(root), expected);
 
-    // The health check is `tollgate probe` on the HTTP port's readiness path.
+    // The health check is `tollgate probe` on the HTTP port's liveness path: orchestrators that
+    // restart unhealthy containers must not restart them all while a backend is down (which
+    // `/readyz` reports).
     let health = &image.runtime.last("HEALTHCHECK").expect("a HEALTHCHECK").args;
     let cmd = health.split_once("CMD ").expect("HEALTHCHECK ... CMD [...]").1;
     assert_eq!(
         exec_form(cmd),
-        ["/usr/local/bin/tollgate", "probe", "http://127.0.0.1:8080/readyz"]
+        ["/usr/local/bin/tollgate", "probe", "http://127.0.0.1:8080/healthz"]
     );
 }
 
+/// The build context as `.dockerignore` leaves it, copied to a temporary directory: the big
+/// and unrelated directories are out, cargo reads the manifest, lock file and every target the
+/// manifest declares from it (`cargo metadata --locked --offline`), the build stage's COPY
+/// sources are in it, and every file src/ embeds (`include_str!`, `include_bytes!`,
+/// `sqlx::migrate!`) is in it.
 #[test]
 fn dockerignore_keeps_the_build_context_small_but_complete() {
-    for ignored in ["target/", ".git", "tests/", "docs/"] {
+    for ignored in ["target/", ".git", "tests/", "docs/", "target/release/tollgate"] {
         assert!(docker_ignored(ignored), "{ignored} should not be sent to the builder");
     }
-    // What `cargo build --release --locked` reads: the manifest and lock file, the sources,
-    // what they embed (Lua scripts, migrations), the bench targets the manifest declares.
-    for needed in [
-        "Cargo.toml",
-        "Cargo.lock",
-        "src/main.rs",
-        "lua/decide.lua",
-        "migrations",
-        "benches/decision.rs",
-    ] {
-        assert!(!docker_ignored(needed), "{needed} is needed by the build");
-        assert!(repo_path(needed).exists(), "{needed}");
+    let context = tempfile::tempdir().unwrap();
+    let root = context.path();
+    copy_build_context(root);
+    for absent in ["target", "tests", "docs", ".git"] {
+        assert!(!root.join(absent).exists(), "{absent} is in the build context");
+    }
+
+    // cargo checks every target the manifest names (bins, benches, examples) against the files.
+    let out = Command::new(env!("CARGO"))
+        .args([
+            "metadata",
+            "--no-deps",
+            "--locked",
+            "--offline",
+            "--format-version",
+            "1",
+        ])
+        .current_dir(root)
+        .env_remove("CARGO_TARGET_DIR")
+        .output()
+        .expect("run cargo metadata");
+    assert!(
+        out.status.success(),
+        "cargo metadata in the build context:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let metadata: serde_json::Value = serde_json::from_slice(&out.stdout).expect("cargo metadata JSON");
+    let targets = metadata["packages"][0]["targets"].as_array().expect("targets");
+    for target in targets {
+        let src = Path::new(target["src_path"].as_str().unwrap());
+        assert!(
+            src.starts_with(root) && src.is_file(),
+            "target source {} is not in the build context",
+            src.display()
+        );
+    }
+    // cargo metadata drops a declared target whose file is missing, where `cargo build` fails:
+    // every `[[bin]]`, `[[bench]]`, `[[example]]` and `[[test]]` of the manifest must be listed.
+    let manifest = fs::read_to_string(repo_path("Cargo.toml")).unwrap();
+    let mut section = "";
+    let mut declared = 0;
+    for line in manifest.lines().map(str::trim) {
+        if line.starts_with('[') {
+            section = line;
+            continue;
+        }
+        let kind = match section {
+            "[[bin]]" => "bin",
+            "[[bench]]" => "bench",
+            "[[example]]" => "example",
+            "[[test]]" => "test",
+            _ => continue,
+        };
+        let Some(name) = line
+            .strip_prefix("name")
+            .map(|r| r.trim_start().trim_start_matches('=').trim().trim_matches('"'))
+        else {
+            continue;
+        };
+        declared += 1;
+        assert!(
+            targets
+                .iter()
+                .any(|t| t["name"] == name && t["kind"].as_array().unwrap().iter().any(|k| k == kind)),
+            "Cargo.toml declares the {kind} {name}, whose source is not in the build context"
+        );
+    }
+    assert!(declared > 0, "Cargo.toml declares its binaries and benches");
+
+    let image = image();
+    for copy in image.build.all("COPY").map(|i| parse_copy(&i.args)) {
+        if copy.from.is_some() {
+            continue;
+        }
+        for source in &copy.sources {
+            assert!(
+                root.join(source).exists(),
+                "the build stage copies {source}, which is not in the build context"
+            );
+        }
+    }
+
+    // What the sources embed at compile time.
+    let mut embedded = Vec::new();
+    let mut sources = vec![repo_path("src")];
+    while let Some(dir) = sources.pop() {
+        for entry in fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                sources.push(path);
+                continue;
+            }
+            if path.extension().and_then(|e| e.to_str()) != Some("rs") {
+                continue;
+            }
+            let text = fs::read_to_string(&path).unwrap();
+            let relative_dir = path.parent().unwrap().strip_prefix(repo_path("")).unwrap().to_owned();
+            for (mac, from_manifest) in [
+                ("include_str!(\"", false),
+                ("include_bytes!(\"", false),
+                ("sqlx::migrate!(\"", true),
+            ] {
+                for (at, _) in text.match_indices(mac) {
+                    let arg = &text[at + mac.len()..];
+                    let arg = &arg[..arg.find('"').unwrap()];
+                    let base = if from_manifest {
+                        PathBuf::new()
+                    } else {
+                        relative_dir.clone()
+                    };
+                    embedded.push((path.clone(), base.join(arg)));
+                }
+            }
+        }
+    }
+    assert!(!embedded.is_empty(), "src/ embeds the Lua scripts and the migrations");
+    for (file, target) in embedded {
+        let in_context = root.join(&target);
+        assert!(
+            in_context.exists()
+                && fs::canonicalize(&in_context)
+                    .unwrap()
+                    .starts_with(fs::canonicalize(root).unwrap()),
+            "{} embeds {}, which is not in the build context",
+            file.display(),
+            target.display()
+        );
     }
 }
 

@@ -507,6 +507,127 @@ fn doc_rule_expressions() -> Vec<(String, String)> {
     out
 }
 
+/// The YAML blocks of the monitoring page fenced as ```yaml `kind` (one value per document).
+fn doc_blocks(kind: &str) -> Vec<serde_yaml::Value> {
+    use serde::Deserialize;
+    let text = read(DOC);
+    let fence = format!("```yaml {kind}");
+    let mut out = Vec::new();
+    let mut lines = text.lines();
+    while let Some(line) = lines.next() {
+        if line.trim() != fence {
+            continue;
+        }
+        let block: Vec<&str> = lines.by_ref().take_while(|l| l.trim() != "```").collect();
+        let block = block.join("\n");
+        for doc in serde_yaml::Deserializer::from_str(&block) {
+            out.push(serde_yaml::Value::deserialize(doc).unwrap_or_else(|e| panic!("{DOC}: not YAML: {e}")));
+        }
+    }
+    out
+}
+
+/// The namespace and the Services of `deploy/kubernetes/` (its kustomization's resource files).
+fn kubernetes_services() -> (String, Vec<serde_yaml::Value>) {
+    use serde::Deserialize;
+    let k: serde_yaml::Value = serde_yaml::from_str(&read("deploy/kubernetes/kustomization.yaml")).unwrap();
+    let namespace = k["namespace"]
+        .as_str()
+        .expect("the kustomization's namespace")
+        .to_owned();
+    let mut services = Vec::new();
+    for file in k["resources"].as_sequence().unwrap() {
+        let text = read(&format!("deploy/kubernetes/{}", file.as_str().unwrap()));
+        for doc in serde_yaml::Deserializer::from_str(&text) {
+            let doc = serde_yaml::Value::deserialize(doc).unwrap();
+            if doc["kind"] == "Service" {
+                services.push(doc);
+            }
+        }
+    }
+    (namespace, services)
+}
+
+/// The Kubernetes names the monitoring page uses exist in `deploy/kubernetes/`: the
+/// `dns_sd_configs` names are `<headless Service>.<namespace>.svc.cluster.local` with a port of
+/// it, and the ServiceMonitor looks in that namespace, selects exactly one Service (so every pod
+/// is scraped once) and scrapes a port of it by name.
+#[test]
+fn the_names_the_monitoring_page_uses_exist_in_the_manifests() {
+    let (namespace, services) = kubernetes_services();
+    let service = |name: &str| {
+        services
+            .iter()
+            .find(|s| s["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("{DOC} names the Service {name}, which deploy/kubernetes lacks"))
+    };
+    let ports = |svc: &serde_yaml::Value| -> Vec<(String, u64)> {
+        svc["spec"]["ports"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .map(|p| (p["name"].as_str().unwrap().to_owned(), p["port"].as_u64().unwrap()))
+            .collect()
+    };
+    let mut dns_names = 0;
+    for config in doc_blocks("prometheus-config") {
+        for job in config["scrape_configs"].as_sequence().into_iter().flatten() {
+            for sd in job["dns_sd_configs"].as_sequence().into_iter().flatten() {
+                let port = sd["port"].as_u64().expect("a dns_sd port");
+                for name in sd["names"].as_sequence().unwrap() {
+                    let name = name.as_str().unwrap();
+                    let parts: Vec<&str> = name.split('.').collect();
+                    assert_eq!(
+                        parts[1..],
+                        [namespace.as_str(), "svc", "cluster", "local"],
+                        "{DOC}: {name} is not a Service name of the namespace {namespace}"
+                    );
+                    let svc = service(parts[0]);
+                    assert_eq!(
+                        svc["spec"]["clusterIP"], "None",
+                        "{name}: only a headless Service resolves to the pods"
+                    );
+                    assert!(ports(svc).iter().any(|(_, p)| *p == port), "{name}: no port {port}");
+                    dns_names += 1;
+                }
+            }
+        }
+    }
+    assert!(dns_names > 0, "{DOC}: the dns_sd example");
+
+    let monitors: Vec<serde_yaml::Value> = doc_blocks("kubernetes")
+        .into_iter()
+        .filter(|d| d["kind"] == "ServiceMonitor")
+        .collect();
+    assert_eq!(monitors.len(), 1, "{DOC}: the ServiceMonitor example");
+    let spec = &monitors[0]["spec"];
+    let names: Vec<&str> = spec["namespaceSelector"]["matchNames"]
+        .as_sequence()
+        .expect("a namespaceSelector with matchNames")
+        .iter()
+        .map(|n| n.as_str().unwrap())
+        .collect();
+    assert_eq!(names, [namespace.as_str()]);
+    let wanted = spec["selector"]["matchLabels"].as_mapping().expect("matchLabels");
+    let selected: Vec<&serde_yaml::Value> = services
+        .iter()
+        .filter(|s| wanted.iter().all(|(k, v)| s["metadata"]["labels"].get(k) == Some(v)))
+        .collect();
+    assert_eq!(
+        selected.len(),
+        1,
+        "the ServiceMonitor selects {} Services",
+        selected.len()
+    );
+    for endpoint in spec["endpoints"].as_sequence().unwrap() {
+        let port = endpoint["port"].as_str().unwrap();
+        assert!(
+            ports(selected[0]).iter().any(|(n, _)| n == port),
+            "the ServiceMonitor scrapes port {port}, which the Service lacks"
+        );
+    }
+}
+
 /// The labels a Grafana legend format interpolates (`{{domain}}/{{bucket}}`).
 fn legend_labels(legend: &str) -> Vec<&str> {
     legend
