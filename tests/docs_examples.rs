@@ -36,11 +36,6 @@ use support::tools::tool_or_skip;
 use support::{envoy_or_skip, envoy_validate};
 use tempfile::TempDir;
 
-/// Pages other branches of issue 17 add (the drop-in environment, the migration guide). A link
-/// to one of them is accepted while it is missing from this branch.
-// TODO(issue 17): remove once those branches are merged; every link must then resolve.
-const PENDING_FILES: [&str; 2] = ["docs/envoyproxy-environment.md", "docs/migration.md"];
-
 /// The YAML kinds a fence may declare (see the module documentation).
 const KINDS: [&str; 9] = [
     "rules",
@@ -603,10 +598,7 @@ fn check_links(file: &Path, page: &Page, pages: &BTreeMap<PathBuf, Page>, root: 
             normalize(&file.parent().unwrap_or(Path::new("")).join(path))
         };
         if !root.join(&resolved).exists() {
-            let pending = PENDING_FILES.iter().any(|p| Path::new(p) == resolved);
-            if !pending {
-                problems.push(format!("{at}: link `{target}`: {} does not exist", resolved.display()));
-            }
+            problems.push(format!("{at}: link `{target}`: {} does not exist", resolved.display()));
             continue;
         }
         let Some(anchor) = anchor else { continue };
@@ -743,7 +735,7 @@ fn the_checks_catch_each_kind_of_problem() {
         ```yaml rules\ndomain: y\ndescriptors: [{key: k, rate_limit: {unit: minute, requests_per_unit: 1}}]\n```\n\n\
         ```sh\ntollgate check --rules no/such/dir\nmkdir -p mine && tollgate check --rules mine\n```\n\n\
         [gone](missing.md) [ok](other.md#same-1) [bad anchor](other.md#nope) [self](#title) \
-        [pending](migration.md) [up](../README.md)\n";
+        [up](../README.md)\n";
     fs::write(root.join("docs/page.md"), page).unwrap();
     let (counts, problems) = check_all(root, &[PathBuf::from("docs/page.md")]);
     let expect = [
