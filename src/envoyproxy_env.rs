@@ -504,18 +504,28 @@ impl Reader<'_> {
                 );
             }
         }
+        // Theirs reads the mapper only for its Prometheus sink.
+        let prometheus = self.bool("USE_PROMETHEUS") == Some(true);
         if let Some(path) = self.get("PROMETHEUS_MAPPER_YAML").map(str::to_owned) {
-            match check_mapper(std::path::Path::new(&path)) {
-                Ok(()) => self.out.notes.push((
+            if !prometheus {
+                self.out.notes.push((
                     "PROMETHEUS_MAPPER_YAML".into(),
-                    "its rate-limit mappings name and label the series as the default mapper does, which is what tollgate exports".into(),
-                )),
-                Err(why) => self.refuse(
-                    "PROMETHEUS_MAPPER_YAML",
-                    format!(
-                        "{why}; tollgate exports the default mapper's names and labels only: unset it, and rename series with metric_relabel_configs in Prometheus"
+                    "only read with USE_PROMETHEUS=true".into(),
+                ));
+            } else {
+                match check_mapper(std::path::Path::new(&path)) {
+                    Ok(warnings) => {
+                        for w in warnings {
+                            self.out.notes.push(("PROMETHEUS_MAPPER_YAML".into(), w));
+                        }
+                    }
+                    Err(why) => self.refuse(
+                        "PROMETHEUS_MAPPER_YAML",
+                        format!(
+                            "{why}; tollgate exports the default mapper's names and labels only: unset it, and rename series with metric_relabel_configs in Prometheus"
+                        ),
                     ),
-                ),
+                }
             }
         }
         // Their metric names are exported whenever their environment is in use.
@@ -524,7 +534,7 @@ impl Reader<'_> {
             json!(true),
             "envoyproxy/ratelimit environment in use",
         );
-        if self.bool("USE_PROMETHEUS") == Some(true) {
+        if prometheus {
             let addr = self.get("PROMETHEUS_ADDR").unwrap_or(":9090").to_owned();
             match listen_addr(&addr) {
                 Some(a) => {
@@ -554,11 +564,15 @@ impl Reader<'_> {
                     );
                 }
             }
-        } else if self.get("PROMETHEUS_ADDR").is_some() || self.get("PROMETHEUS_PATH").is_some() {
-            self.out.notes.push((
-                "PROMETHEUS_ADDR".into(),
-                "only read with USE_PROMETHEUS=true (metrics are at /metrics on the HTTP port either way)".into(),
-            ));
+        } else {
+            for name in ["PROMETHEUS_ADDR", "PROMETHEUS_PATH"] {
+                if self.get(name).is_some() {
+                    self.out.notes.push((
+                        name.into(),
+                        "only read with USE_PROMETHEUS=true (metrics are at /metrics on the HTTP port either way)".into(),
+                    ));
+                }
+            }
         }
     }
 
@@ -573,10 +587,12 @@ impl Reader<'_> {
         // Their layout: $RUNTIME_ROOT/$RUNTIME_SUBDIRECTORY/$RUNTIME_APPDIRECTORY, each file a
         // domain.
         let mut path = std::path::PathBuf::from(self.get("RUNTIME_ROOT").unwrap_or("/srv/runtime_data/current"));
+        // Go's filepath.Join keeps the root when a part starts with `/`; PathBuf::push would
+        // replace it, so the parts lose their leading slashes first.
         if let Some(sub) = self.get("RUNTIME_SUBDIRECTORY") {
-            path.push(sub);
+            path.push(sub.trim_start_matches('/'));
         }
-        path.push(self.get("RUNTIME_APPDIRECTORY").unwrap_or("config"));
+        path.push(self.get("RUNTIME_APPDIRECTORY").unwrap_or("config").trim_start_matches('/'));
         let from = if set.is_empty() {
             "their defaults (RUNTIME_ROOT=/srv/runtime_data/current, RUNTIME_APPDIRECTORY=config)".to_owned()
         } else {
@@ -860,43 +876,106 @@ impl Reader<'_> {
     }
 }
 
-/// Whether the statsd-exporter mapper file at `path` gives each of their per-rule series the
-/// names and labels tollgate exports: every mapping named like one of them labels it `domain`,
-/// `key1` (one level) or `domain`, `key1`, `key2` (two or more), and each series has both.
-/// Mappings of other series are not looked at.
+/// What the statsd-exporter mapper file at `path` (`PROMETHEUS_MAPPER_YAML`) does to their
+/// per-rule series, against what tollgate exports: `domain`, `key1` for a one-level stat key
+/// and `domain`, `key1`, `key2` for two or more. Returns warnings, one per difference that
+/// leaves tollgate exporting a series the mapper would drop or label with fewer labels (Envoy
+/// Gateway's file maps `_shadow_mode` only with all three labels, and matches `key2` as
+/// exactly one level). Their service ignores a mapper it cannot read or parse and starts with
+/// no mapping, so tollgate warns then too (Envoy Gateway mounts the file from an optional
+/// ConfigMap).
 ///
-/// Errors: the file cannot be read or is not a mapper, or a series is mapped otherwise.
-fn check_mapper(path: &std::path::Path) -> Result<(), String> {
+/// Errors: a mapping names one of these series with a label other than `domain`, `key1`,
+/// `key2`, or maps their rate-limit stats to another series name: dashboards built on that
+/// mapper would find nothing in what tollgate exports.
+fn check_mapper(path: &std::path::Path) -> Result<Vec<String>, String> {
     #[derive(serde::Deserialize)]
     struct Mapper {
+        #[serde(default)]
         mappings: Vec<Mapping>,
     }
     #[derive(serde::Deserialize)]
     struct Mapping {
+        #[serde(rename = "match")]
+        pattern: Option<String>,
+        match_type: Option<String>,
+        action: Option<String>,
         name: Option<String>,
         #[serde(default)]
         labels: BTreeMap<String, String>,
     }
-    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    let mapper: Mapper =
-        serde_yaml::from_str(&text).map_err(|e| format!("{} is not a statsd-exporter mapper: {e}", path.display()))?;
-    let short: Vec<String> = vec!["domain".into(), "key1".into()];
-    let long: Vec<String> = vec!["domain".into(), "key1".into(), "key2".into()];
-    for name in crate::metrics::ENVOYPROXY_RULE_SERIES {
-        let sets: Vec<Vec<String>> = mapper
-            .mappings
-            .iter()
-            .filter(|m| m.name.as_deref() == Some(name))
-            .map(|m| m.labels.keys().cloned().collect())
-            .collect();
-        if !sets.contains(&short) || !sets.contains(&long) || sets.iter().any(|s| *s != short && *s != long) {
+    let shown = path.display();
+    let unmapped = "tollgate exports the default mapper's names and labels";
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) => return Ok(vec![format!("cannot read {shown} ({e}); their service ignores that too; {unmapped}")]),
+    };
+    let mapper: Mapper = match serde_yaml::from_str(&text) {
+        Ok(m) => m,
+        Err(e) => {
+            return Ok(vec![format!(
+                "{shown} is not a statsd-exporter mapper ({e}); their service ignores that too; {unmapped}"
+            )])
+        }
+    };
+    const ALLOWED: [&str; 3] = ["domain", "key1", "key2"];
+    let series = crate::metrics::ENVOYPROXY_RULE_SERIES;
+    for m in &mapper.mappings {
+        let name = m.name.as_deref().unwrap_or_default();
+        let drops = m.action.as_deref().is_some_and(|a| a.eq_ignore_ascii_case("drop"));
+        let rate_limit_stat = m.pattern.as_deref().is_some_and(|p| {
+            p.starts_with("ratelimit.service.rate_limit.") || p.starts_with("ratelimit\\.service\\.rate_limit\\.")
+        });
+        if series.contains(&name) {
+            if let Some(other) = m.labels.keys().find(|k| !ALLOWED.contains(&k.as_str())) {
+                return Err(format!(
+                    "{shown} labels {name} with {other:?}; tollgate labels it with domain, key1, key2 only"
+                ));
+            }
+        } else if rate_limit_stat && !drops {
             return Err(format!(
-                "{} maps {name} with labels {sets:?}, not (domain, key1) and (domain, key1, key2)",
-                path.display()
+                "{shown} maps their rate-limit stats to {name:?}; tollgate exports them as {}",
+                series.join(", ")
             ));
         }
     }
-    Ok(())
+    let mut warnings = Vec::new();
+    for name in series {
+        let forms: Vec<(&Mapping, Vec<&str>)> = mapper
+            .mappings
+            .iter()
+            .filter(|m| m.name.as_deref() == Some(name))
+            .map(|m| (m, m.labels.keys().map(String::as_str).collect()))
+            .collect();
+        if forms.is_empty() {
+            warnings.push(format!(
+                "{shown} does not map {name}, so theirs would not export it; tollgate does"
+            ));
+            continue;
+        }
+        for (wanted, levels) in [(&ALLOWED[..2], "one-level"), (&ALLOWED[..], "two-level")] {
+            if !forms.iter().any(|(_, labels)| labels == wanted) {
+                warnings.push(format!(
+                    "{shown} has no {levels} mapping of {name} (labels {}); tollgate exports those stats anyway",
+                    wanted.join(", ")
+                ));
+            }
+        }
+        if let Some((_, labels)) = forms.iter().find(|(_, l)| l.len() < 2) {
+            warnings.push(format!(
+                "{shown} maps {name} with labels {labels:?} only; tollgate's series carry domain, key1 and, for two levels or more, key2"
+            ));
+        }
+        let glob_three = forms.iter().any(|(m, labels)| {
+            labels.len() == 3 && m.match_type.as_deref().is_none_or(|t| t.eq_ignore_ascii_case("glob"))
+        });
+        if glob_three {
+            warnings.push(format!(
+                "{shown} matches {name}'s key2 as exactly one level (a glob), so theirs would not map stats of three levels or more; tollgate counts those under their first two levels"
+            ));
+        }
+    }
+    Ok(warnings)
 }
 
 /// `X-RateLimit-Limit` from `x-ratelimit-limit`.
@@ -1084,5 +1163,112 @@ mod tests {
         );
         assert_eq!(listen_addr("nope"), None);
         assert_eq!(canonical("x-ratelimit-remaining"), "X-RateLimit-Remaining");
+    }
+
+    /// Their filepath.Join keeps RUNTIME_ROOT when a part starts with `/`.
+    #[test]
+    fn runtime_parts_with_a_leading_slash_stay_under_the_root() {
+        let env = read(&[
+            ("RUNTIME_ROOT", "/data"),
+            ("RUNTIME_SUBDIRECTORY", "/ratelimit"),
+            ("RUNTIME_APPDIRECTORY", "//config"),
+        ])
+        .unwrap();
+        assert_eq!(env.document()["rules"], "/data/ratelimit/config");
+    }
+
+    fn notes_of<'a>(env: &'a EnvoyproxyEnv, variable: &str) -> Vec<&'a str> {
+        env.notes
+            .iter()
+            .filter(|(n, _)| n == variable)
+            .map(|(_, why)| why.as_str())
+            .collect()
+    }
+
+    /// Envoy Gateway's mapper, in its shape: every series but `_shadow_mode` with
+    /// (domain, key1) and (domain, key1, key2) as globs, `_shadow_mode` with three labels only,
+    /// other series of theirs, and a catch-all drop at the end.
+    fn envoy_gateway_shaped_mapper() -> String {
+        let mut out = String::from("mappings:\n");
+        for stat in ["near_limit", "over_limit", "total_hits", "within_limit"] {
+            out += &format!(
+                "  - match: \"ratelimit.service.rate_limit.*.*.{stat}\"\n    name: \"ratelimit_service_rate_limit_{stat}\"\n    timer_type: histogram\n    labels:\n      domain: \"$1\"\n      key1: \"$2\"\n"
+            );
+        }
+        for stat in ["near_limit", "over_limit", "total_hits", "within_limit"] {
+            out += &format!(
+                "  - match: \"ratelimit.service.rate_limit.*.*.*.{stat}\"\n    name: \"ratelimit_service_rate_limit_{stat}\"\n    timer_type: histogram\n    labels:\n      domain: \"$1\"\n      key1: \"$2\"\n      key2: \"$3\"\n"
+            );
+        }
+        out += "  - match: \"ratelimit.service.call.should_rate_limit.*\"\n    name: \"ratelimit_service_should_rate_limit_error\"\n    match_metric_type: counter\n    labels:\n      err_type: \"$1\"\n";
+        out += "  - match: \"ratelimit_server.*.total_requests\"\n    name: \"ratelimit_service_total_requests\"\n    match_metric_type: counter\n    labels:\n      grpc_method: \"$1\"\n";
+        out += "  - match: \"ratelimit.service.config_load_success\"\n    name: \"ratelimit_service_config_load_success\"\n    match_metric_type: counter\n";
+        out += "  - match: \"ratelimit.service.rate_limit.*.*.*.shadow_mode\"\n    name: \"ratelimit_service_rate_limit_shadow_mode\"\n    timer_type: histogram\n    labels:\n      domain: \"$1\"\n      key1: \"$2\"\n      key2: \"$3\"\n";
+        out += "  - match: \".\"\n    match_type: regex\n    action: drop\n    name: dropped\n";
+        out
+    }
+
+    #[test]
+    fn an_envoy_gateway_mapper_is_accepted_with_warnings() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("conf.yaml");
+        std::fs::write(&path, envoy_gateway_shaped_mapper()).unwrap();
+        let path = path.to_string_lossy().into_owned();
+        let env = read(&[("USE_PROMETHEUS", "true"), ("PROMETHEUS_MAPPER_YAML", &path)])
+            .unwrap_or_else(|e| panic!("Envoy Gateway's mapper must be accepted: {e}"));
+        let warned = notes_of(&env, "PROMETHEUS_MAPPER_YAML");
+        assert!(
+            warned.iter().any(|w| w.contains("no one-level mapping of ratelimit_service_rate_limit_shadow_mode")),
+            "{warned:#?}"
+        );
+        assert!(
+            warned.iter().any(|w| w.contains("key2 as exactly one level")),
+            "{warned:#?}"
+        );
+        assert!(
+            !warned.iter().any(|w| w.contains("one-level mapping of ratelimit_service_rate_limit_total_hits")),
+            "total_hits has its one-level form: {warned:#?}"
+        );
+    }
+
+    /// Their service ignores a missing or broken mapper; Envoy Gateway's ConfigMap is optional.
+    #[test]
+    fn a_missing_or_broken_mapper_is_a_warning() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("absent.yaml").to_string_lossy().into_owned();
+        let env = read(&[("USE_PROMETHEUS", "true"), ("PROMETHEUS_MAPPER_YAML", &missing)]).unwrap();
+        let warned = notes_of(&env, "PROMETHEUS_MAPPER_YAML");
+        assert!(warned.len() == 1 && warned[0].starts_with("cannot read"), "{warned:?}");
+        let broken = dir.path().join("broken.yaml");
+        std::fs::write(&broken, "mappings: [unclosed\n").unwrap();
+        let broken = broken.to_string_lossy().into_owned();
+        let env = read(&[("USE_PROMETHEUS", "true"), ("PROMETHEUS_MAPPER_YAML", &broken)]).unwrap();
+        let warned = notes_of(&env, "PROMETHEUS_MAPPER_YAML");
+        assert!(warned.len() == 1 && warned[0].contains("is not a statsd-exporter mapper"), "{warned:?}");
+    }
+
+    /// Without USE_PROMETHEUS their service never opens the mapper, so neither does tollgate.
+    #[test]
+    fn the_mapper_is_read_only_with_use_prometheus() {
+        let env = read(&[("USE_STATSD", "false"), ("PROMETHEUS_MAPPER_YAML", "/nonexistent/conf.yaml")]).unwrap();
+        assert_eq!(notes_of(&env, "PROMETHEUS_MAPPER_YAML"), ["only read with USE_PROMETHEUS=true"]);
+        let env = read(&[("PROMETHEUS_PATH", "/stats"), ("USE_STATSD", "false")]).unwrap();
+        assert_eq!(notes_of(&env, "PROMETHEUS_ADDR").len(), 0, "the note names the variable set");
+        assert_eq!(notes_of(&env, "PROMETHEUS_PATH").len(), 1);
+    }
+
+    #[test]
+    fn a_mapper_renaming_their_series_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("conf.yaml");
+        std::fs::write(
+            &path,
+            "mappings:\n  - match: \"ratelimit.service.rate_limit.*.*.total_hits\"\n    name: my_hits\n    labels: {domain: \"$1\"}\n",
+        )
+        .unwrap();
+        let path = path.to_string_lossy().into_owned();
+        let err = read(&[("USE_PROMETHEUS", "true"), ("PROMETHEUS_MAPPER_YAML", &path)]).unwrap_err();
+        assert_eq!(err.0[0].variable, "PROMETHEUS_MAPPER_YAML");
+        assert!(err.0[0].message.contains("\"my_hits\""), "{err}");
     }
 }

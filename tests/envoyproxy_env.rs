@@ -654,7 +654,11 @@ fn refused_variables_name_the_variable_why_and_what_instead() {
         ),
         (
             "PROMETHEUS_MAPPER_YAML",
-            vec![("PROMETHEUS_MAPPER_YAML", custom_mapper.to_string_lossy().into_owned())],
+            vec![
+                ("USE_PROMETHEUS", "true".into()),
+                ("PROMETHEUS_ADDR", format!("127.0.0.1:{}", free_port())),
+                ("PROMETHEUS_MAPPER_YAML", custom_mapper.to_string_lossy().into_owned()),
+            ],
         ),
         (
             "LOG_LEVEL",
