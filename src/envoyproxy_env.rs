@@ -63,6 +63,7 @@ const IGNORED: &[(&str, &str)] = &[
     ("CONFIG_GRPC_XDS_CLIENT_TLS_KEY", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
     ("CONFIG_GRPC_XDS_SERVER_TLS_CACERT", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
     ("CONFIG_GRPC_XDS_SERVER_TLS_SAN", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
+    ("CONFIG_GRPC_XDS_SERVER_USE_TLS", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
     ("XDS_CLIENT_BACKOFF_INITIAL_INTERVAL", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
     ("XDS_CLIENT_BACKOFF_MAX_INTERVAL", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
     ("XDS_CLIENT_BACKOFF_RANDOM_FACTOR", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
@@ -256,6 +257,19 @@ impl EnvoyproxyEnv {
         r.logging();
         r.config_source();
         r.stats();
+        // Their metric names are exported whenever their environment is in use; the origin
+        // names what turned it on.
+        let turned_on = if as_ratelimit {
+            "the binary runs as `ratelimit`".to_owned()
+        } else {
+            let theirs: Vec<&str> = vars
+                .keys()
+                .map(String::as_str)
+                .filter(|k| !GENERIC.contains(k))
+                .collect();
+            theirs.join(", ")
+        };
+        r.set("metrics.envoyproxy_names", json!(true), &turned_on);
         r.rules(as_ratelimit);
         r.limits();
         r.headers();
@@ -528,12 +542,6 @@ impl Reader<'_> {
                 }
             }
         }
-        // Their metric names are exported whenever their environment is in use.
-        self.set(
-            "metrics.envoyproxy_names",
-            json!(true),
-            "envoyproxy/ratelimit environment in use",
-        );
         if prometheus {
             let addr = self.get("PROMETHEUS_ADDR").unwrap_or(":9090").to_owned();
             match listen_addr(&addr) {
@@ -660,6 +668,8 @@ impl Reader<'_> {
     }
 
     fn backend(&mut self) {
+        /// Most Redis connections their REDIS_POOL_SIZE gives tollgate.
+        const REDIS_POOL_MAX: usize = 256;
         match self.get("BACKEND_TYPE").map(str::to_ascii_lowercase).as_deref() {
             None | Some("redis") => {}
             Some("memcache") => self.refuse(
@@ -761,6 +771,20 @@ impl Reader<'_> {
                 let scheme = if tls { "rediss" } else { "redis" };
                 let mut urls = Vec::new();
                 for part in url.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+                    // Theirs dials host:port as given, so a missing port fails there.
+                    let has_port = part
+                        .rsplit_once(':')
+                        .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+                    if !part.contains("://") && !has_port {
+                        self.refuse(
+                            "REDIS_URL",
+                            format!(
+                                "{:?} has no port; use host:port (their service fails without one), e.g. redis:6379",
+                                crate::settings::redact_url(part)
+                            ),
+                        );
+                        continue;
+                    }
                     let full = if part.contains("://") {
                         part.to_owned()
                     } else {
@@ -795,7 +819,15 @@ impl Reader<'_> {
             match size.parse::<usize>() {
                 // Their pools hold a connection per concurrent request; tollgate pipelines
                 // every request over few connections, so a large pool only costs.
-                Ok(n) if n >= 1 => self.set("redis.pool_size", json!(n.min(256)), "REDIS_POOL_SIZE"),
+                Ok(n) if n >= 1 => {
+                    if n > REDIS_POOL_MAX {
+                        self.out.notes.push((
+                            "REDIS_POOL_SIZE".into(),
+                            format!("{n} is capped at {REDIS_POOL_MAX} connections: tollgate pipelines requests, so more only cost"),
+                        ));
+                    }
+                    self.set("redis.pool_size", json!(n.min(REDIS_POOL_MAX)), "REDIS_POOL_SIZE")
+                }
                 _ => {
                     let shown = self.shown("REDIS_POOL_SIZE");
                     self.refuse(
@@ -818,6 +850,11 @@ impl Reader<'_> {
         if let Some(timeout) = self.get("REDIS_TIMEOUT").map(str::to_owned) {
             match go_duration_ms(&timeout) {
                 Some(ms) if ms >= 1 => self.set("redis.connect_timeout_ms", json!(ms), "REDIS_TIMEOUT"),
+                // Go's dialer reads 0 as "no timeout"; tollgate keeps a bound, its default.
+                Some(_) => self.out.notes.push((
+                    "REDIS_TIMEOUT".into(),
+                    "0 (no timeout in theirs) keeps tollgate's default redis.connect_timeout_ms".into(),
+                )),
                 _ => {
                     let shown = self.shown("REDIS_TIMEOUT");
                     self.refuse(
@@ -1270,5 +1307,40 @@ mod tests {
         let err = read(&[("USE_PROMETHEUS", "true"), ("PROMETHEUS_MAPPER_YAML", &path)]).unwrap_err();
         assert_eq!(err.0[0].variable, "PROMETHEUS_MAPPER_YAML");
         assert!(err.0[0].message.contains("\"my_hits\""), "{err}");
+    }
+
+    #[test]
+    fn nits_of_their_environment() {
+        // Envoy Gateway sets it beside its xDS variables.
+        let env = read(&[("CONFIG_GRPC_XDS_SERVER_USE_TLS", "false")]).unwrap();
+        assert!(env.active);
+        assert_eq!(notes_of(&env, "CONFIG_GRPC_XDS_SERVER_USE_TLS").len(), 1);
+        // The origin of metrics.envoyproxy_names names what turned it on.
+        assert_eq!(env.origins["metrics.envoyproxy_names"], "CONFIG_GRPC_XDS_SERVER_USE_TLS");
+        let env = EnvoyproxyEnv::read(std::iter::empty(), true).unwrap();
+        assert_eq!(env.origins["metrics.envoyproxy_names"], "the binary runs as `ratelimit`");
+
+        let redis = |extra: &[(&'static str, &'static str)]| {
+            let mut vars = vec![("REDIS_SOCKET_TYPE", "tcp"), ("REDIS_URL", "redis:6379")];
+            vars.extend_from_slice(extra);
+            read(&vars)
+        };
+        // 0 is a Go duration (no timeout in theirs): tollgate's default stays, with a note.
+        for zero in ["0", "0s"] {
+            let env = redis(&[("REDIS_TIMEOUT", zero)]).unwrap_or_else(|e| panic!("{zero}: {e}"));
+            assert!(env.document()["redis"].get("connect_timeout_ms").is_none());
+            assert_eq!(notes_of(&env, "REDIS_TIMEOUT").len(), 1);
+        }
+        // A pool capped is said so.
+        let env = redis(&[("REDIS_POOL_SIZE", "1000")]).unwrap();
+        assert_eq!(env.document()["redis"]["pool_size"], 256);
+        assert!(notes_of(&env, "REDIS_POOL_SIZE")[0].contains("capped at 256"));
+        let env = redis(&[("REDIS_POOL_SIZE", "10")]).unwrap();
+        assert!(notes_of(&env, "REDIS_POOL_SIZE").is_empty());
+        // A host without a port fails in theirs; tollgate refuses it up front.
+        let err = read(&[("REDIS_SOCKET_TYPE", "tcp"), ("REDIS_URL", "redis")]).unwrap_err();
+        assert_eq!(err.0.len(), 1, "{err}");
+        assert_eq!(err.0[0].variable, "REDIS_URL");
+        assert!(err.0[0].message.contains("has no port"), "{err}");
     }
 }
