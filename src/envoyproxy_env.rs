@@ -312,6 +312,11 @@ impl EnvoyproxyEnv {
                 ),
             }
         }
+        if let Ok(settings) = figment.extract::<crate::settings::Settings>() {
+            if let Some(why) = crate::settings::admin_clash(&settings, figment, self) {
+                tracing::warn!("{why}");
+            }
+        }
         for (variable, why) in &self.notes {
             tracing::warn!(variable = %variable, "envoyproxy/ratelimit variable accepted, changes nothing: {why}");
         }
@@ -417,13 +422,17 @@ impl Reader<'_> {
     }
 
     /// `HOST`/`PORT`-style pairs: an address for `key` when either is set.
+    /// Always sets `key`: their default host (`0.0.0.0`) listens on IPv6 too, as Go's
+    /// `net.Listen` does for an unspecified address, which tollgate's own default does not.
     fn address(&mut self, key: &str, host_var: &str, port_var: &str, default_port: u16) {
-        if self.get(host_var).is_none() && self.get(port_var).is_none() {
-            return;
-        }
         let host = self.get(host_var).unwrap_or("0.0.0.0").to_owned();
         let port = self.port(port_var).unwrap_or(default_port);
-        let Some(addr) = socket_addr(&host, port) else {
+        let addr = if host == "0.0.0.0" {
+            Some(std::net::SocketAddr::new(unspecified_ip(), port))
+        } else {
+            socket_addr(&host, port)
+        };
+        let Some(addr) = addr else {
             let shown = self.shown(host_var);
             self.refuse(
                 host_var,
@@ -433,12 +442,15 @@ impl Reader<'_> {
             );
             return;
         };
-        let from = [host_var, port_var]
+        let mut from = [host_var, port_var]
             .iter()
             .filter(|v| self.get(v).is_some())
             .copied()
             .collect::<Vec<_>>()
             .join(", ");
+        if from.is_empty() {
+            from = format!("their defaults ({host_var}=0.0.0.0, {port_var}={default_port})");
+        }
         self.set(key, json!(addr.to_string()), &from);
     }
 
@@ -1042,14 +1054,35 @@ fn socket_addr(host: &str, port: u16) -> Option<std::net::SocketAddr> {
     Some(std::net::SocketAddr::new(ip, port))
 }
 
-/// Go's listen address forms: `:9090` (every interface), `host:9090`, `[::1]:9090`.
+/// Go's listen address forms: `:9090` (every interface, IPv4 and IPv6: see
+/// [`unspecified_ip`]), `host:9090`, `[::1]:9090`.
 pub fn listen_addr(text: &str) -> Option<std::net::SocketAddr> {
     let (host, port) = text.rsplit_once(':')?;
     let port: u16 = port.parse().ok()?;
-    if host.is_empty() {
-        return Some(std::net::SocketAddr::from(([0, 0, 0, 0], port)));
+    if host.is_empty() || host == "0.0.0.0" {
+        return Some(std::net::SocketAddr::new(unspecified_ip(), port));
     }
     socket_addr(host, port)
+}
+
+/// The address that means "every interface" as Go's `net.Listen` takes it for an empty or
+/// unspecified host: `::` where the machine has IPv6 (on Linux such a socket takes IPv4 too,
+/// unless `net.ipv6.bindv6only` is set), else `0.0.0.0`. Found by binding `[::]:0` once;
+/// with `bindv6only` on, `0.0.0.0`, so that IPv4 clients, the common case, are still served.
+pub fn unspecified_ip() -> std::net::IpAddr {
+    static IP: std::sync::OnceLock<std::net::IpAddr> = std::sync::OnceLock::new();
+    *IP.get_or_init(|| {
+        let v6only = std::fs::read_to_string("/proc/sys/net/ipv6/bindv6only").is_ok_and(|v| v.trim() == "1");
+        if v6only {
+            return std::net::Ipv4Addr::UNSPECIFIED.into();
+        }
+        match std::net::TcpListener::bind((std::net::Ipv6Addr::UNSPECIFIED, 0)) {
+            Ok(_) => std::net::Ipv6Addr::UNSPECIFIED.into(),
+            // EAFNOSUPPORT (no IPv6 in the kernel) or EADDRNOTAVAIL (IPv6 disabled), or any
+            // other failure: IPv4 alone still serves.
+            Err(_) => std::net::Ipv4Addr::UNSPECIFIED.into(),
+        }
+    })
 }
 
 /// A Go duration (`10s`, `500ms`, `1m30s`, `2h`) in whole milliseconds (rounded up).
@@ -1127,7 +1160,8 @@ mod tests {
         assert!(!env.active);
         assert!(env.is_empty());
         let env = EnvoyproxyEnv::read([("PORT".to_owned(), "3000".to_owned())], true).unwrap();
-        assert_eq!(env.document()["http_addr"], "0.0.0.0:3000");
+        let every = std::net::SocketAddr::new(unspecified_ip(), 3000).to_string();
+        assert_eq!(env.document()["http_addr"], every.as_str());
         assert_eq!(env.document()["rules"], "/srv/runtime_data/current/config");
     }
 
@@ -1152,7 +1186,8 @@ mod tests {
         assert_eq!(doc["redis"]["username"], "app");
         assert_eq!(doc["redis"]["password"], "s3cret");
         assert_eq!(doc["grpc_addr"], "127.0.0.1:9000");
-        assert_eq!(doc["metrics"]["addr"], "0.0.0.0:19001");
+        let every = std::net::SocketAddr::new(unspecified_ip(), 19001).to_string();
+        assert_eq!(doc["metrics"]["addr"], every.as_str());
         assert_eq!(doc["redis"]["connect_timeout_ms"], 90_000);
     }
 
@@ -1192,7 +1227,7 @@ mod tests {
         assert_eq!(go_duration_ms("ten"), None);
         assert_eq!(
             listen_addr(":19001"),
-            Some(std::net::SocketAddr::from(([0, 0, 0, 0], 19001)))
+            Some(std::net::SocketAddr::new(unspecified_ip(), 19001))
         );
         assert_eq!(
             listen_addr("127.0.0.1:9"),
