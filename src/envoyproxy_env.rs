@@ -316,6 +316,12 @@ impl EnvoyproxyEnv {
             if let Some(why) = crate::settings::admin_clash(&settings, figment, self) {
                 tracing::warn!("{why}");
             }
+            for file in files_not_loaded(&settings.rules) {
+                tracing::warn!(
+                    file = %file.display(),
+                    "not loaded as rules: tollgate reads the *.yaml and *.yml files directly in the rules folder, while envoyproxy/ratelimit loads every file under it"
+                );
+            }
         }
         for (variable, why) in &self.notes {
             tracing::warn!(variable = %variable, "envoyproxy/ratelimit variable accepted, changes nothing: {why}");
@@ -1025,6 +1031,44 @@ fn check_mapper(path: &std::path::Path) -> Result<Vec<String>, String> {
         }
     }
     Ok(warnings)
+}
+
+/// The files under the rules folder `dir` that their service would load and tollgate does not
+/// ([`crate::config::rule_files`]): not hidden (no part of the path under `dir` starts with
+/// `.`, which also skips a ConfigMap's `..data`), and either not `*.yaml`/`*.yml` or inside a
+/// subfolder. Sorted; at most 100 (the rest are not listed). Empty when `dir` is a file or
+/// cannot be read.
+pub fn files_not_loaded(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    const MAX: usize = 100;
+    fn walk(dir: &std::path::Path, top: bool, out: &mut Vec<std::path::PathBuf>) {
+        let Ok(entries) = std::fs::read_dir(dir) else { return };
+        let mut entries: Vec<_> = entries.filter_map(Result::ok).map(|e| e.path()).collect();
+        entries.sort();
+        for path in entries {
+            if out.len() >= MAX {
+                return;
+            }
+            let hidden = path.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.'));
+            if hidden {
+                continue;
+            }
+            if path.is_dir() {
+                walk(&path, false, out);
+            } else if path.is_file() {
+                let yaml = path
+                    .extension()
+                    .is_some_and(|e| e.eq_ignore_ascii_case("yaml") || e.eq_ignore_ascii_case("yml"));
+                if !top || !yaml {
+                    out.push(path);
+                }
+            }
+        }
+    }
+    let mut out = Vec::new();
+    if dir.is_dir() {
+        walk(dir, true, &mut out);
+    }
+    out
 }
 
 /// `X-RateLimit-Limit` from `x-ratelimit-limit`.

@@ -796,3 +796,26 @@ fn an_unset_host_answers_ipv4_and_ipv6() {
     assert_eq!(answer, (200, "OK".to_owned()));
     assert_eq!(http_get(v4, "/healthcheck"), Some((200, "OK".to_owned())));
 }
+
+/// Their service loads every file under the rules folder; tollgate only the `*.yaml`/`*.yml`
+/// directly in it. Under their environment each non-hidden file it skips is a warning at start.
+#[test]
+fn files_their_service_would_load_are_named_at_start() {
+    let data = tempfile::tempdir().unwrap();
+    let config = data.path().join("config");
+    std::fs::create_dir_all(config.join("team")).unwrap();
+    std::fs::create_dir_all(config.join("..data")).unwrap();
+    std::fs::write(config.join("config.yaml"), ISTIO_RULES).unwrap();
+    std::fs::write(config.join("limits.conf"), "domain: other\n").unwrap();
+    std::fs::write(config.join("team/extra.yaml"), "domain: team\n").unwrap();
+    std::fs::write(config.join(".hidden"), "x").unwrap();
+    std::fs::write(config.join("..data/config.yaml"), ISTIO_RULES).unwrap();
+    let env = [("RUNTIME_ROOT", data.path().to_string_lossy().into_owned())];
+    let started = start(false, &env);
+    let log = started.process.log();
+    let warned: Vec<&str> = log.lines().filter(|l| l.contains("not loaded as rules")).collect();
+    assert_eq!(warned.len(), 2, "{log}");
+    assert!(warned[0].contains("config/limits.conf"), "{log}");
+    assert!(warned[1].contains("config/team/extra.yaml"), "{log}");
+    assert!(!log.contains(".hidden") && !log.contains("..data"), "{log}");
+}
