@@ -463,7 +463,7 @@ impl<'a> DomainBuilder<'a> {
         for field in spec.ignored_fields() {
             self.note(
                 &path,
-                format!("`{field}` is accepted for envoyproxy/ratelimit compatibility and has no effect"),
+                format!("`{field}` {}", super::model::metric_field_note(field)),
             );
         }
         if spec.key.is_empty() {
