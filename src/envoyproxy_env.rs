@@ -595,7 +595,8 @@ impl Reader<'_> {
                 if self.get(name).is_some() {
                     self.out.notes.push((
                         name.into(),
-                        "only read with USE_PROMETHEUS=true (metrics are at /metrics on the HTTP port either way)".into(),
+                        "only read with USE_PROMETHEUS=true (metrics are at /metrics on the HTTP port either way)"
+                            .into(),
                     ));
                 }
             }
@@ -618,7 +619,11 @@ impl Reader<'_> {
         if let Some(sub) = self.get("RUNTIME_SUBDIRECTORY") {
             path.push(sub.trim_start_matches('/'));
         }
-        path.push(self.get("RUNTIME_APPDIRECTORY").unwrap_or("config").trim_start_matches('/'));
+        path.push(
+            self.get("RUNTIME_APPDIRECTORY")
+                .unwrap_or("config")
+                .trim_start_matches('/'),
+        );
         let from = if set.is_empty() {
             "their defaults (RUNTIME_ROOT=/srv/runtime_data/current, RUNTIME_APPDIRECTORY=config)".to_owned()
         } else {
@@ -963,7 +968,11 @@ fn check_mapper(path: &std::path::Path) -> Result<Vec<String>, String> {
     let unmapped = "tollgate exports the default mapper's names and labels";
     let text = match std::fs::read_to_string(path) {
         Ok(text) => text,
-        Err(e) => return Ok(vec![format!("cannot read {shown} ({e}); their service ignores that too; {unmapped}")]),
+        Err(e) => {
+            return Ok(vec![format!(
+                "cannot read {shown} ({e}); their service ignores that too; {unmapped}"
+            )])
+        }
     };
     let mapper: Mapper = match serde_yaml::from_str(&text) {
         Ok(m) => m,
@@ -1334,7 +1343,9 @@ mod tests {
             .unwrap_or_else(|e| panic!("Envoy Gateway's mapper must be accepted: {e}"));
         let warned = notes_of(&env, "PROMETHEUS_MAPPER_YAML");
         assert!(
-            warned.iter().any(|w| w.contains("no one-level mapping of ratelimit_service_rate_limit_shadow_mode")),
+            warned
+                .iter()
+                .any(|w| w.contains("no one-level mapping of ratelimit_service_rate_limit_shadow_mode")),
             "{warned:#?}"
         );
         assert!(
@@ -1342,7 +1353,9 @@ mod tests {
             "{warned:#?}"
         );
         assert!(
-            !warned.iter().any(|w| w.contains("one-level mapping of ratelimit_service_rate_limit_total_hits")),
+            !warned
+                .iter()
+                .any(|w| w.contains("one-level mapping of ratelimit_service_rate_limit_total_hits")),
             "total_hits has its one-level form: {warned:#?}"
         );
     }
@@ -1360,16 +1373,30 @@ mod tests {
         let broken = broken.to_string_lossy().into_owned();
         let env = read(&[("USE_PROMETHEUS", "true"), ("PROMETHEUS_MAPPER_YAML", &broken)]).unwrap();
         let warned = notes_of(&env, "PROMETHEUS_MAPPER_YAML");
-        assert!(warned.len() == 1 && warned[0].contains("is not a statsd-exporter mapper"), "{warned:?}");
+        assert!(
+            warned.len() == 1 && warned[0].contains("is not a statsd-exporter mapper"),
+            "{warned:?}"
+        );
     }
 
     /// Without USE_PROMETHEUS their service never opens the mapper, so neither does tollgate.
     #[test]
     fn the_mapper_is_read_only_with_use_prometheus() {
-        let env = read(&[("USE_STATSD", "false"), ("PROMETHEUS_MAPPER_YAML", "/nonexistent/conf.yaml")]).unwrap();
-        assert_eq!(notes_of(&env, "PROMETHEUS_MAPPER_YAML"), ["only read with USE_PROMETHEUS=true"]);
+        let env = read(&[
+            ("USE_STATSD", "false"),
+            ("PROMETHEUS_MAPPER_YAML", "/nonexistent/conf.yaml"),
+        ])
+        .unwrap();
+        assert_eq!(
+            notes_of(&env, "PROMETHEUS_MAPPER_YAML"),
+            ["only read with USE_PROMETHEUS=true"]
+        );
         let env = read(&[("PROMETHEUS_PATH", "/stats"), ("USE_STATSD", "false")]).unwrap();
-        assert_eq!(notes_of(&env, "PROMETHEUS_ADDR").len(), 0, "the note names the variable set");
+        assert_eq!(
+            notes_of(&env, "PROMETHEUS_ADDR").len(),
+            0,
+            "the note names the variable set"
+        );
         assert_eq!(notes_of(&env, "PROMETHEUS_PATH").len(), 1);
     }
 
@@ -1395,9 +1422,15 @@ mod tests {
         assert!(env.active);
         assert_eq!(notes_of(&env, "CONFIG_GRPC_XDS_SERVER_USE_TLS").len(), 1);
         // The origin of metrics.envoyproxy_names names what turned it on.
-        assert_eq!(env.origins["metrics.envoyproxy_names"], "CONFIG_GRPC_XDS_SERVER_USE_TLS");
+        assert_eq!(
+            env.origins["metrics.envoyproxy_names"],
+            "CONFIG_GRPC_XDS_SERVER_USE_TLS"
+        );
         let env = EnvoyproxyEnv::read(std::iter::empty(), true).unwrap();
-        assert_eq!(env.origins["metrics.envoyproxy_names"], "the binary runs as `ratelimit`");
+        assert_eq!(
+            env.origins["metrics.envoyproxy_names"],
+            "the binary runs as `ratelimit`"
+        );
 
         let redis = |extra: &[(&'static str, &'static str)]| {
             let mut vars = vec![("REDIS_SOCKET_TYPE", "tcp"), ("REDIS_URL", "redis:6379")];

@@ -198,9 +198,8 @@ mod tests {
         tokio::spawn(async move { axum::serve(listener, router(HttpState::basic(ready))).await });
         for method in ["GET", "HEAD", "POST", "PUT", "OPTIONS"] {
             let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
-            let request = format!(
-                "{method} /healthcheck HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-            );
+            let request =
+                format!("{method} /healthcheck HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
             conn.write_all(request.as_bytes()).await.unwrap();
             let mut answer = String::new();
             conn.read_to_string(&mut answer).await.unwrap();

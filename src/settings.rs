@@ -867,7 +867,10 @@ mod tests {
                 assert!(!s.admin.enabled, "{vars:?}");
                 let extracted: Settings = figment.extract().map_err(|e| e.to_string())?;
                 let why = admin_clash(&extracted, &figment, &env).unwrap_or_default();
-                assert!(why.contains("8082") && why.contains("TOLLGATE_ADMIN__ADDR"), "{vars:?}: {why}");
+                assert!(
+                    why.contains("8082") && why.contains("TOLLGATE_ADMIN__ADDR"),
+                    "{vars:?}: {why}"
+                );
             }
             let env = theirs(&[("USE_PROMETHEUS", "true"), ("PROMETHEUS_ADDR", "127.0.0.2:8082")]);
             let (s, _) = Settings::load_layers(None, Some(&env)).map_err(|e| e.to_string())?;

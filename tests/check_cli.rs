@@ -1051,8 +1051,9 @@ fn explain_names_each_difference_on_its_rule() {
             .contains("[unlimited] its `replaces` of per_caller applies in envoyproxy/ratelimit and not in tollgate"),
         "{unlimited}"
     );
-    assert!(text("detailed_metric.yaml")
-        .contains("[metrics] value_to_metric: affect at most the envoyproxy/ratelimit-named series, never tollgate's metrics"));
+    assert!(text("detailed_metric.yaml").contains(
+        "[metrics] value_to_metric: affect at most the envoyproxy/ratelimit-named series, never tollgate's metrics"
+    ));
     // The legend explains only the tags used.
     assert!(!zero.contains("[shadow]"), "{zero}");
 }
