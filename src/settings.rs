@@ -917,8 +917,8 @@ mod tests {
             );
             assert_eq!(
                 s.http_addr,
-                SocketAddr::from(([0, 0, 0, 0], 9101)),
-                "PORT beats the default"
+                SocketAddr::new(crate::envoyproxy_env::unspecified_ip(), 9101),
+                "PORT beats the default (their unspecified host: IPv4 and IPv6)"
             );
             let overridden = overridden_settings(&figment, &theirs);
             let keys: Vec<&str> = overridden.iter().map(|(k, _, _)| k.as_str()).collect();
