@@ -297,9 +297,11 @@ impl Difference {
             }
             Difference::Metrics => {
                 "detailed_metric and value_to_metric change only envoyproxy/ratelimit's stats keys (they \
-                 add the request's values to them). tollgate accepts both and they have no effect: its \
-                 tollgate_* metrics are labelled by domain and bucket name, never by a request's values, \
-                 so their number stays bounded."
+                 add the request's values to them). In tollgate they shape only the envoyproxy/ratelimit-named \
+                 series (metrics.envoyproxy_names): detailed_metric keys them by the request's values, for at \
+                 most 1000 keys per process; value_to_metric is not applied (the key alone). Its tollgate_* \
+                 metrics are labelled by domain and bucket name, never by a request's values, so their number \
+                 stays bounded."
             }
             Difference::Wildcard => {
                 "A value with `*` matches like envoyproxy/ratelimit's wildcards (a prefix `foo*`, or `*` \
@@ -500,7 +502,7 @@ fn explain_rule(
         diffs.push((
             Difference::Metrics,
             format!(
-                "{}: accepted, no effect on tollgate's metrics",
+                "{}: affect at most the envoyproxy/ratelimit-named series, never tollgate's metrics",
                 spec.ignored_fields().join(", ")
             ),
         ));

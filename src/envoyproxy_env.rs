@@ -63,6 +63,7 @@ const IGNORED: &[(&str, &str)] = &[
     ("CONFIG_GRPC_XDS_CLIENT_TLS_KEY", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
     ("CONFIG_GRPC_XDS_SERVER_TLS_CACERT", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
     ("CONFIG_GRPC_XDS_SERVER_TLS_SAN", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
+    ("CONFIG_GRPC_XDS_SERVER_USE_TLS", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
     ("XDS_CLIENT_BACKOFF_INITIAL_INTERVAL", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
     ("XDS_CLIENT_BACKOFF_MAX_INTERVAL", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
     ("XDS_CLIENT_BACKOFF_RANDOM_FACTOR", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
@@ -256,6 +257,19 @@ impl EnvoyproxyEnv {
         r.logging();
         r.config_source();
         r.stats();
+        // Their metric names are exported whenever their environment is in use; the origin
+        // names what turned it on.
+        let turned_on = if as_ratelimit {
+            "the binary runs as `ratelimit`".to_owned()
+        } else {
+            let theirs: Vec<&str> = vars
+                .keys()
+                .map(String::as_str)
+                .filter(|k| !GENERIC.contains(k))
+                .collect();
+            theirs.join(", ")
+        };
+        r.set("metrics.envoyproxy_names", json!(true), &turned_on);
         r.rules(as_ratelimit);
         r.limits();
         r.headers();
@@ -296,6 +310,17 @@ impl EnvoyproxyEnv {
                     variables = %variables,
                     "setting from the envoyproxy/ratelimit environment"
                 ),
+            }
+        }
+        if let Ok(settings) = figment.extract::<crate::settings::Settings>() {
+            if let Some(why) = crate::settings::admin_clash(&settings, figment, self) {
+                tracing::warn!("{why}");
+            }
+            for file in files_not_loaded(&settings.rules) {
+                tracing::warn!(
+                    file = %file.display(),
+                    "not loaded as rules: tollgate reads the *.yaml and *.yml files directly in the rules folder, while envoyproxy/ratelimit loads every file under it"
+                );
             }
         }
         for (variable, why) in &self.notes {
@@ -403,13 +428,17 @@ impl Reader<'_> {
     }
 
     /// `HOST`/`PORT`-style pairs: an address for `key` when either is set.
+    /// Always sets `key`: their default host (`0.0.0.0`) listens on IPv6 too, as Go's
+    /// `net.Listen` does for an unspecified address, which tollgate's own default does not.
     fn address(&mut self, key: &str, host_var: &str, port_var: &str, default_port: u16) {
-        if self.get(host_var).is_none() && self.get(port_var).is_none() {
-            return;
-        }
         let host = self.get(host_var).unwrap_or("0.0.0.0").to_owned();
         let port = self.port(port_var).unwrap_or(default_port);
-        let Some(addr) = socket_addr(&host, port) else {
+        let addr = if host == "0.0.0.0" {
+            Some(std::net::SocketAddr::new(unspecified_ip(), port))
+        } else {
+            socket_addr(&host, port)
+        };
+        let Some(addr) = addr else {
             let shown = self.shown(host_var);
             self.refuse(
                 host_var,
@@ -419,12 +448,15 @@ impl Reader<'_> {
             );
             return;
         };
-        let from = [host_var, port_var]
+        let mut from = [host_var, port_var]
             .iter()
             .filter(|v| self.get(v).is_some())
             .copied()
             .collect::<Vec<_>>()
             .join(", ");
+        if from.is_empty() {
+            from = format!("their defaults ({host_var}=0.0.0.0, {port_var}={default_port})");
+        }
         self.set(key, json!(addr.to_string()), &from);
     }
 
@@ -504,27 +536,31 @@ impl Reader<'_> {
                 );
             }
         }
+        // Theirs reads the mapper only for its Prometheus sink.
+        let prometheus = self.bool("USE_PROMETHEUS") == Some(true);
         if let Some(path) = self.get("PROMETHEUS_MAPPER_YAML").map(str::to_owned) {
-            match check_mapper(std::path::Path::new(&path)) {
-                Ok(()) => self.out.notes.push((
+            if !prometheus {
+                self.out.notes.push((
                     "PROMETHEUS_MAPPER_YAML".into(),
-                    "its rate-limit mappings name and label the series as the default mapper does, which is what tollgate exports".into(),
-                )),
-                Err(why) => self.refuse(
-                    "PROMETHEUS_MAPPER_YAML",
-                    format!(
-                        "{why}; tollgate exports the default mapper's names and labels only: unset it, and rename series with metric_relabel_configs in Prometheus"
+                    "only read with USE_PROMETHEUS=true".into(),
+                ));
+            } else {
+                match check_mapper(std::path::Path::new(&path)) {
+                    Ok(warnings) => {
+                        for w in warnings {
+                            self.out.notes.push(("PROMETHEUS_MAPPER_YAML".into(), w));
+                        }
+                    }
+                    Err(why) => self.refuse(
+                        "PROMETHEUS_MAPPER_YAML",
+                        format!(
+                            "{why}; tollgate exports the default mapper's names and labels only: unset it, and rename series with metric_relabel_configs in Prometheus"
+                        ),
                     ),
-                ),
+                }
             }
         }
-        // Their metric names are exported whenever their environment is in use.
-        self.set(
-            "metrics.envoyproxy_names",
-            json!(true),
-            "envoyproxy/ratelimit environment in use",
-        );
-        if self.bool("USE_PROMETHEUS") == Some(true) {
+        if prometheus {
             let addr = self.get("PROMETHEUS_ADDR").unwrap_or(":9090").to_owned();
             match listen_addr(&addr) {
                 Some(a) => {
@@ -554,11 +590,16 @@ impl Reader<'_> {
                     );
                 }
             }
-        } else if self.get("PROMETHEUS_ADDR").is_some() || self.get("PROMETHEUS_PATH").is_some() {
-            self.out.notes.push((
-                "PROMETHEUS_ADDR".into(),
-                "only read with USE_PROMETHEUS=true (metrics are at /metrics on the HTTP port either way)".into(),
-            ));
+        } else {
+            for name in ["PROMETHEUS_ADDR", "PROMETHEUS_PATH"] {
+                if self.get(name).is_some() {
+                    self.out.notes.push((
+                        name.into(),
+                        "only read with USE_PROMETHEUS=true (metrics are at /metrics on the HTTP port either way)"
+                            .into(),
+                    ));
+                }
+            }
         }
     }
 
@@ -573,10 +614,16 @@ impl Reader<'_> {
         // Their layout: $RUNTIME_ROOT/$RUNTIME_SUBDIRECTORY/$RUNTIME_APPDIRECTORY, each file a
         // domain.
         let mut path = std::path::PathBuf::from(self.get("RUNTIME_ROOT").unwrap_or("/srv/runtime_data/current"));
+        // Go's filepath.Join keeps the root when a part starts with `/`; PathBuf::push would
+        // replace it, so the parts lose their leading slashes first.
         if let Some(sub) = self.get("RUNTIME_SUBDIRECTORY") {
-            path.push(sub);
+            path.push(sub.trim_start_matches('/'));
         }
-        path.push(self.get("RUNTIME_APPDIRECTORY").unwrap_or("config"));
+        path.push(
+            self.get("RUNTIME_APPDIRECTORY")
+                .unwrap_or("config")
+                .trim_start_matches('/'),
+        );
         let from = if set.is_empty() {
             "their defaults (RUNTIME_ROOT=/srv/runtime_data/current, RUNTIME_APPDIRECTORY=config)".to_owned()
         } else {
@@ -644,6 +691,8 @@ impl Reader<'_> {
     }
 
     fn backend(&mut self) {
+        /// Most Redis connections their REDIS_POOL_SIZE gives tollgate.
+        const REDIS_POOL_MAX: usize = 256;
         match self.get("BACKEND_TYPE").map(str::to_ascii_lowercase).as_deref() {
             None | Some("redis") => {}
             Some("memcache") => self.refuse(
@@ -745,6 +794,20 @@ impl Reader<'_> {
                 let scheme = if tls { "rediss" } else { "redis" };
                 let mut urls = Vec::new();
                 for part in url.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+                    // Theirs dials host:port as given, so a missing port fails there.
+                    let has_port = part
+                        .rsplit_once(':')
+                        .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+                    if !part.contains("://") && !has_port {
+                        self.refuse(
+                            "REDIS_URL",
+                            format!(
+                                "{:?} has no port; use host:port (their service fails without one), e.g. redis:6379",
+                                crate::settings::redact_url(part)
+                            ),
+                        );
+                        continue;
+                    }
                     let full = if part.contains("://") {
                         part.to_owned()
                     } else {
@@ -779,7 +842,15 @@ impl Reader<'_> {
             match size.parse::<usize>() {
                 // Their pools hold a connection per concurrent request; tollgate pipelines
                 // every request over few connections, so a large pool only costs.
-                Ok(n) if n >= 1 => self.set("redis.pool_size", json!(n.min(256)), "REDIS_POOL_SIZE"),
+                Ok(n) if n >= 1 => {
+                    if n > REDIS_POOL_MAX {
+                        self.out.notes.push((
+                            "REDIS_POOL_SIZE".into(),
+                            format!("{n} is capped at {REDIS_POOL_MAX} connections: tollgate pipelines requests, so more only cost"),
+                        ));
+                    }
+                    self.set("redis.pool_size", json!(n.min(REDIS_POOL_MAX)), "REDIS_POOL_SIZE")
+                }
                 _ => {
                     let shown = self.shown("REDIS_POOL_SIZE");
                     self.refuse(
@@ -802,6 +873,11 @@ impl Reader<'_> {
         if let Some(timeout) = self.get("REDIS_TIMEOUT").map(str::to_owned) {
             match go_duration_ms(&timeout) {
                 Some(ms) if ms >= 1 => self.set("redis.connect_timeout_ms", json!(ms), "REDIS_TIMEOUT"),
+                // Go's dialer reads 0 as "no timeout"; tollgate keeps a bound, its default.
+                Some(_) => self.out.notes.push((
+                    "REDIS_TIMEOUT".into(),
+                    "0 (no timeout in theirs) keeps tollgate's default redis.connect_timeout_ms".into(),
+                )),
                 _ => {
                     let shown = self.shown("REDIS_TIMEOUT");
                     self.refuse(
@@ -860,43 +936,148 @@ impl Reader<'_> {
     }
 }
 
-/// Whether the statsd-exporter mapper file at `path` gives each of their per-rule series the
-/// names and labels tollgate exports: every mapping named like one of them labels it `domain`,
-/// `key1` (one level) or `domain`, `key1`, `key2` (two or more), and each series has both.
-/// Mappings of other series are not looked at.
+/// What the statsd-exporter mapper file at `path` (`PROMETHEUS_MAPPER_YAML`) does to their
+/// per-rule series, against what tollgate exports: `domain`, `key1` for a one-level stat key
+/// and `domain`, `key1`, `key2` for two or more. Returns warnings, one per difference that
+/// leaves tollgate exporting a series the mapper would drop or label with fewer labels (Envoy
+/// Gateway's file maps `_shadow_mode` only with all three labels, and matches `key2` as
+/// exactly one level). Their service ignores a mapper it cannot read or parse and starts with
+/// no mapping, so tollgate warns then too (Envoy Gateway mounts the file from an optional
+/// ConfigMap).
 ///
-/// Errors: the file cannot be read or is not a mapper, or a series is mapped otherwise.
-fn check_mapper(path: &std::path::Path) -> Result<(), String> {
+/// Errors: a mapping names one of these series with a label other than `domain`, `key1`,
+/// `key2`, or maps their rate-limit stats to another series name: dashboards built on that
+/// mapper would find nothing in what tollgate exports.
+fn check_mapper(path: &std::path::Path) -> Result<Vec<String>, String> {
     #[derive(serde::Deserialize)]
     struct Mapper {
+        #[serde(default)]
         mappings: Vec<Mapping>,
     }
     #[derive(serde::Deserialize)]
     struct Mapping {
+        #[serde(rename = "match")]
+        pattern: Option<String>,
+        match_type: Option<String>,
+        action: Option<String>,
         name: Option<String>,
         #[serde(default)]
         labels: BTreeMap<String, String>,
     }
-    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    let mapper: Mapper =
-        serde_yaml::from_str(&text).map_err(|e| format!("{} is not a statsd-exporter mapper: {e}", path.display()))?;
-    let short: Vec<String> = vec!["domain".into(), "key1".into()];
-    let long: Vec<String> = vec!["domain".into(), "key1".into(), "key2".into()];
-    for name in crate::metrics::ENVOYPROXY_RULE_SERIES {
-        let sets: Vec<Vec<String>> = mapper
-            .mappings
-            .iter()
-            .filter(|m| m.name.as_deref() == Some(name))
-            .map(|m| m.labels.keys().cloned().collect())
-            .collect();
-        if !sets.contains(&short) || !sets.contains(&long) || sets.iter().any(|s| *s != short && *s != long) {
+    let shown = path.display();
+    let unmapped = "tollgate exports the default mapper's names and labels";
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) => {
+            return Ok(vec![format!(
+                "cannot read {shown} ({e}); their service ignores that too; {unmapped}"
+            )])
+        }
+    };
+    let mapper: Mapper = match serde_yaml::from_str(&text) {
+        Ok(m) => m,
+        Err(e) => {
+            return Ok(vec![format!(
+                "{shown} is not a statsd-exporter mapper ({e}); their service ignores that too; {unmapped}"
+            )])
+        }
+    };
+    const ALLOWED: [&str; 3] = ["domain", "key1", "key2"];
+    let series = crate::metrics::ENVOYPROXY_RULE_SERIES;
+    for m in &mapper.mappings {
+        let name = m.name.as_deref().unwrap_or_default();
+        let drops = m.action.as_deref().is_some_and(|a| a.eq_ignore_ascii_case("drop"));
+        let rate_limit_stat = m.pattern.as_deref().is_some_and(|p| {
+            p.starts_with("ratelimit.service.rate_limit.") || p.starts_with("ratelimit\\.service\\.rate_limit\\.")
+        });
+        if series.contains(&name) {
+            if let Some(other) = m.labels.keys().find(|k| !ALLOWED.contains(&k.as_str())) {
+                return Err(format!(
+                    "{shown} labels {name} with {other:?}; tollgate labels it with domain, key1, key2 only"
+                ));
+            }
+        } else if rate_limit_stat && !drops {
             return Err(format!(
-                "{} maps {name} with labels {sets:?}, not (domain, key1) and (domain, key1, key2)",
-                path.display()
+                "{shown} maps their rate-limit stats to {name:?}; tollgate exports them as {}",
+                series.join(", ")
             ));
         }
     }
-    Ok(())
+    let mut warnings = Vec::new();
+    for name in series {
+        let forms: Vec<(&Mapping, Vec<&str>)> = mapper
+            .mappings
+            .iter()
+            .filter(|m| m.name.as_deref() == Some(name))
+            .map(|m| (m, m.labels.keys().map(String::as_str).collect()))
+            .collect();
+        if forms.is_empty() {
+            warnings.push(format!(
+                "{shown} does not map {name}, so theirs would not export it; tollgate does"
+            ));
+            continue;
+        }
+        for (wanted, levels) in [(&ALLOWED[..2], "one-level"), (&ALLOWED[..], "two-level")] {
+            if !forms.iter().any(|(_, labels)| labels == wanted) {
+                warnings.push(format!(
+                    "{shown} has no {levels} mapping of {name} (labels {}); tollgate exports those stats anyway",
+                    wanted.join(", ")
+                ));
+            }
+        }
+        if let Some((_, labels)) = forms.iter().find(|(_, l)| l.len() < 2) {
+            warnings.push(format!(
+                "{shown} maps {name} with labels {labels:?} only; tollgate's series carry domain, key1 and, for two levels or more, key2"
+            ));
+        }
+        let glob_three = forms.iter().any(|(m, labels)| {
+            labels.len() == 3 && m.match_type.as_deref().is_none_or(|t| t.eq_ignore_ascii_case("glob"))
+        });
+        if glob_three {
+            warnings.push(format!(
+                "{shown} matches {name}'s key2 as exactly one level (a glob), so theirs would not map stats of three levels or more; tollgate counts those under their first two levels"
+            ));
+        }
+    }
+    Ok(warnings)
+}
+
+/// The files under the rules folder `dir` that their service would load and tollgate does not
+/// ([`crate::config::rule_files`]): not hidden (no part of the path under `dir` starts with
+/// `.`, which also skips a ConfigMap's `..data`), and either not `*.yaml`/`*.yml` or inside a
+/// subfolder. Sorted; at most 100 (the rest are not listed). Empty when `dir` is a file or
+/// cannot be read.
+pub fn files_not_loaded(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    const MAX: usize = 100;
+    fn walk(dir: &std::path::Path, top: bool, out: &mut Vec<std::path::PathBuf>) {
+        let Ok(entries) = std::fs::read_dir(dir) else { return };
+        let mut entries: Vec<_> = entries.filter_map(Result::ok).map(|e| e.path()).collect();
+        entries.sort();
+        for path in entries {
+            if out.len() >= MAX {
+                return;
+            }
+            let hidden = path.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.'));
+            if hidden {
+                continue;
+            }
+            if path.is_dir() {
+                walk(&path, false, out);
+            } else if path.is_file() {
+                let yaml = path
+                    .extension()
+                    .is_some_and(|e| e.eq_ignore_ascii_case("yaml") || e.eq_ignore_ascii_case("yml"));
+                if !top || !yaml {
+                    out.push(path);
+                }
+            }
+        }
+    }
+    let mut out = Vec::new();
+    if dir.is_dir() {
+        walk(dir, true, &mut out);
+    }
+    out
 }
 
 /// `X-RateLimit-Limit` from `x-ratelimit-limit`.
@@ -926,14 +1107,35 @@ fn socket_addr(host: &str, port: u16) -> Option<std::net::SocketAddr> {
     Some(std::net::SocketAddr::new(ip, port))
 }
 
-/// Go's listen address forms: `:9090` (every interface), `host:9090`, `[::1]:9090`.
+/// Go's listen address forms: `:9090` (every interface, IPv4 and IPv6: see
+/// [`unspecified_ip`]), `host:9090`, `[::1]:9090`.
 pub fn listen_addr(text: &str) -> Option<std::net::SocketAddr> {
     let (host, port) = text.rsplit_once(':')?;
     let port: u16 = port.parse().ok()?;
-    if host.is_empty() {
-        return Some(std::net::SocketAddr::from(([0, 0, 0, 0], port)));
+    if host.is_empty() || host == "0.0.0.0" {
+        return Some(std::net::SocketAddr::new(unspecified_ip(), port));
     }
     socket_addr(host, port)
+}
+
+/// The address that means "every interface" as Go's `net.Listen` takes it for an empty or
+/// unspecified host: `::` where the machine has IPv6 (on Linux such a socket takes IPv4 too,
+/// unless `net.ipv6.bindv6only` is set), else `0.0.0.0`. Found by binding `[::]:0` once;
+/// with `bindv6only` on, `0.0.0.0`, so that IPv4 clients, the common case, are still served.
+pub fn unspecified_ip() -> std::net::IpAddr {
+    static IP: std::sync::OnceLock<std::net::IpAddr> = std::sync::OnceLock::new();
+    *IP.get_or_init(|| {
+        let v6only = std::fs::read_to_string("/proc/sys/net/ipv6/bindv6only").is_ok_and(|v| v.trim() == "1");
+        if v6only {
+            return std::net::Ipv4Addr::UNSPECIFIED.into();
+        }
+        match std::net::TcpListener::bind((std::net::Ipv6Addr::UNSPECIFIED, 0)) {
+            Ok(_) => std::net::Ipv6Addr::UNSPECIFIED.into(),
+            // EAFNOSUPPORT (no IPv6 in the kernel) or EADDRNOTAVAIL (IPv6 disabled), or any
+            // other failure: IPv4 alone still serves.
+            Err(_) => std::net::Ipv4Addr::UNSPECIFIED.into(),
+        }
+    })
 }
 
 /// A Go duration (`10s`, `500ms`, `1m30s`, `2h`) in whole milliseconds (rounded up).
@@ -1011,7 +1213,8 @@ mod tests {
         assert!(!env.active);
         assert!(env.is_empty());
         let env = EnvoyproxyEnv::read([("PORT".to_owned(), "3000".to_owned())], true).unwrap();
-        assert_eq!(env.document()["http_addr"], "0.0.0.0:3000");
+        let every = std::net::SocketAddr::new(unspecified_ip(), 3000).to_string();
+        assert_eq!(env.document()["http_addr"], every.as_str());
         assert_eq!(env.document()["rules"], "/srv/runtime_data/current/config");
     }
 
@@ -1036,7 +1239,8 @@ mod tests {
         assert_eq!(doc["redis"]["username"], "app");
         assert_eq!(doc["redis"]["password"], "s3cret");
         assert_eq!(doc["grpc_addr"], "127.0.0.1:9000");
-        assert_eq!(doc["metrics"]["addr"], "0.0.0.0:19001");
+        let every = std::net::SocketAddr::new(unspecified_ip(), 19001).to_string();
+        assert_eq!(doc["metrics"]["addr"], every.as_str());
         assert_eq!(doc["redis"]["connect_timeout_ms"], 90_000);
     }
 
@@ -1076,7 +1280,7 @@ mod tests {
         assert_eq!(go_duration_ms("ten"), None);
         assert_eq!(
             listen_addr(":19001"),
-            Some(std::net::SocketAddr::from(([0, 0, 0, 0], 19001)))
+            Some(std::net::SocketAddr::new(unspecified_ip(), 19001))
         );
         assert_eq!(
             listen_addr("127.0.0.1:9"),
@@ -1084,5 +1288,171 @@ mod tests {
         );
         assert_eq!(listen_addr("nope"), None);
         assert_eq!(canonical("x-ratelimit-remaining"), "X-RateLimit-Remaining");
+    }
+
+    /// Their filepath.Join keeps RUNTIME_ROOT when a part starts with `/`.
+    #[test]
+    fn runtime_parts_with_a_leading_slash_stay_under_the_root() {
+        let env = read(&[
+            ("RUNTIME_ROOT", "/data"),
+            ("RUNTIME_SUBDIRECTORY", "/ratelimit"),
+            ("RUNTIME_APPDIRECTORY", "//config"),
+        ])
+        .unwrap();
+        assert_eq!(env.document()["rules"], "/data/ratelimit/config");
+    }
+
+    fn notes_of<'a>(env: &'a EnvoyproxyEnv, variable: &str) -> Vec<&'a str> {
+        env.notes
+            .iter()
+            .filter(|(n, _)| n == variable)
+            .map(|(_, why)| why.as_str())
+            .collect()
+    }
+
+    /// Envoy Gateway's mapper, in its shape: every series but `_shadow_mode` with
+    /// (domain, key1) and (domain, key1, key2) as globs, `_shadow_mode` with three labels only,
+    /// other series of theirs, and a catch-all drop at the end.
+    fn envoy_gateway_shaped_mapper() -> String {
+        let mut out = String::from("mappings:\n");
+        for stat in ["near_limit", "over_limit", "total_hits", "within_limit"] {
+            out += &format!(
+                "  - match: \"ratelimit.service.rate_limit.*.*.{stat}\"\n    name: \"ratelimit_service_rate_limit_{stat}\"\n    timer_type: histogram\n    labels:\n      domain: \"$1\"\n      key1: \"$2\"\n"
+            );
+        }
+        for stat in ["near_limit", "over_limit", "total_hits", "within_limit"] {
+            out += &format!(
+                "  - match: \"ratelimit.service.rate_limit.*.*.*.{stat}\"\n    name: \"ratelimit_service_rate_limit_{stat}\"\n    timer_type: histogram\n    labels:\n      domain: \"$1\"\n      key1: \"$2\"\n      key2: \"$3\"\n"
+            );
+        }
+        out += "  - match: \"ratelimit.service.call.should_rate_limit.*\"\n    name: \"ratelimit_service_should_rate_limit_error\"\n    match_metric_type: counter\n    labels:\n      err_type: \"$1\"\n";
+        out += "  - match: \"ratelimit_server.*.total_requests\"\n    name: \"ratelimit_service_total_requests\"\n    match_metric_type: counter\n    labels:\n      grpc_method: \"$1\"\n";
+        out += "  - match: \"ratelimit.service.config_load_success\"\n    name: \"ratelimit_service_config_load_success\"\n    match_metric_type: counter\n";
+        out += "  - match: \"ratelimit.service.rate_limit.*.*.*.shadow_mode\"\n    name: \"ratelimit_service_rate_limit_shadow_mode\"\n    timer_type: histogram\n    labels:\n      domain: \"$1\"\n      key1: \"$2\"\n      key2: \"$3\"\n";
+        out += "  - match: \".\"\n    match_type: regex\n    action: drop\n    name: dropped\n";
+        out
+    }
+
+    #[test]
+    fn an_envoy_gateway_mapper_is_accepted_with_warnings() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("conf.yaml");
+        std::fs::write(&path, envoy_gateway_shaped_mapper()).unwrap();
+        let path = path.to_string_lossy().into_owned();
+        let env = read(&[("USE_PROMETHEUS", "true"), ("PROMETHEUS_MAPPER_YAML", &path)])
+            .unwrap_or_else(|e| panic!("Envoy Gateway's mapper must be accepted: {e}"));
+        let warned = notes_of(&env, "PROMETHEUS_MAPPER_YAML");
+        assert!(
+            warned
+                .iter()
+                .any(|w| w.contains("no one-level mapping of ratelimit_service_rate_limit_shadow_mode")),
+            "{warned:#?}"
+        );
+        assert!(
+            warned.iter().any(|w| w.contains("key2 as exactly one level")),
+            "{warned:#?}"
+        );
+        assert!(
+            !warned
+                .iter()
+                .any(|w| w.contains("one-level mapping of ratelimit_service_rate_limit_total_hits")),
+            "total_hits has its one-level form: {warned:#?}"
+        );
+    }
+
+    /// Their service ignores a missing or broken mapper; Envoy Gateway's ConfigMap is optional.
+    #[test]
+    fn a_missing_or_broken_mapper_is_a_warning() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("absent.yaml").to_string_lossy().into_owned();
+        let env = read(&[("USE_PROMETHEUS", "true"), ("PROMETHEUS_MAPPER_YAML", &missing)]).unwrap();
+        let warned = notes_of(&env, "PROMETHEUS_MAPPER_YAML");
+        assert!(warned.len() == 1 && warned[0].starts_with("cannot read"), "{warned:?}");
+        let broken = dir.path().join("broken.yaml");
+        std::fs::write(&broken, "mappings: [unclosed\n").unwrap();
+        let broken = broken.to_string_lossy().into_owned();
+        let env = read(&[("USE_PROMETHEUS", "true"), ("PROMETHEUS_MAPPER_YAML", &broken)]).unwrap();
+        let warned = notes_of(&env, "PROMETHEUS_MAPPER_YAML");
+        assert!(
+            warned.len() == 1 && warned[0].contains("is not a statsd-exporter mapper"),
+            "{warned:?}"
+        );
+    }
+
+    /// Without USE_PROMETHEUS their service never opens the mapper, so neither does tollgate.
+    #[test]
+    fn the_mapper_is_read_only_with_use_prometheus() {
+        let env = read(&[
+            ("USE_STATSD", "false"),
+            ("PROMETHEUS_MAPPER_YAML", "/nonexistent/conf.yaml"),
+        ])
+        .unwrap();
+        assert_eq!(
+            notes_of(&env, "PROMETHEUS_MAPPER_YAML"),
+            ["only read with USE_PROMETHEUS=true"]
+        );
+        let env = read(&[("PROMETHEUS_PATH", "/stats"), ("USE_STATSD", "false")]).unwrap();
+        assert_eq!(
+            notes_of(&env, "PROMETHEUS_ADDR").len(),
+            0,
+            "the note names the variable set"
+        );
+        assert_eq!(notes_of(&env, "PROMETHEUS_PATH").len(), 1);
+    }
+
+    #[test]
+    fn a_mapper_renaming_their_series_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("conf.yaml");
+        std::fs::write(
+            &path,
+            "mappings:\n  - match: \"ratelimit.service.rate_limit.*.*.total_hits\"\n    name: my_hits\n    labels: {domain: \"$1\"}\n",
+        )
+        .unwrap();
+        let path = path.to_string_lossy().into_owned();
+        let err = read(&[("USE_PROMETHEUS", "true"), ("PROMETHEUS_MAPPER_YAML", &path)]).unwrap_err();
+        assert_eq!(err.0[0].variable, "PROMETHEUS_MAPPER_YAML");
+        assert!(err.0[0].message.contains("\"my_hits\""), "{err}");
+    }
+
+    #[test]
+    fn nits_of_their_environment() {
+        // Envoy Gateway sets it beside its xDS variables.
+        let env = read(&[("CONFIG_GRPC_XDS_SERVER_USE_TLS", "false")]).unwrap();
+        assert!(env.active);
+        assert_eq!(notes_of(&env, "CONFIG_GRPC_XDS_SERVER_USE_TLS").len(), 1);
+        // The origin of metrics.envoyproxy_names names what turned it on.
+        assert_eq!(
+            env.origins["metrics.envoyproxy_names"],
+            "CONFIG_GRPC_XDS_SERVER_USE_TLS"
+        );
+        let env = EnvoyproxyEnv::read(std::iter::empty(), true).unwrap();
+        assert_eq!(
+            env.origins["metrics.envoyproxy_names"],
+            "the binary runs as `ratelimit`"
+        );
+
+        let redis = |extra: &[(&'static str, &'static str)]| {
+            let mut vars = vec![("REDIS_SOCKET_TYPE", "tcp"), ("REDIS_URL", "redis:6379")];
+            vars.extend_from_slice(extra);
+            read(&vars)
+        };
+        // 0 is a Go duration (no timeout in theirs): tollgate's default stays, with a note.
+        for zero in ["0", "0s"] {
+            let env = redis(&[("REDIS_TIMEOUT", zero)]).unwrap_or_else(|e| panic!("{zero}: {e}"));
+            assert!(env.document()["redis"].get("connect_timeout_ms").is_none());
+            assert_eq!(notes_of(&env, "REDIS_TIMEOUT").len(), 1);
+        }
+        // A pool capped is said so.
+        let env = redis(&[("REDIS_POOL_SIZE", "1000")]).unwrap();
+        assert_eq!(env.document()["redis"]["pool_size"], 256);
+        assert!(notes_of(&env, "REDIS_POOL_SIZE")[0].contains("capped at 256"));
+        let env = redis(&[("REDIS_POOL_SIZE", "10")]).unwrap();
+        assert!(notes_of(&env, "REDIS_POOL_SIZE").is_empty());
+        // A host without a port fails in theirs; tollgate refuses it up front.
+        let err = read(&[("REDIS_SOCKET_TYPE", "tcp"), ("REDIS_URL", "redis")]).unwrap_err();
+        assert_eq!(err.0.len(), 1, "{err}");
+        assert_eq!(err.0[0].variable, "REDIS_URL");
+        assert!(err.0[0].message.contains("has no port"), "{err}");
     }
 }

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{any, get};
 use axum::{Json, Router};
 use metrics_exporter_prometheus::PrometheusHandle;
 
@@ -73,7 +73,8 @@ pub fn router(state: HttpState) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
-        .route("/healthcheck", get(healthcheck))
+        // Theirs answers /healthcheck whatever the method; some probes send HEAD or POST.
+        .route("/healthcheck", any(healthcheck))
         .route("/metrics", get(metrics))
         .route("/config", get(config))
         .with_state(state)
@@ -85,7 +86,7 @@ pub fn metrics_router(state: HttpState, path: &str) -> Router {
     Router::new().route(path, get(metrics)).with_state(state)
 }
 
-/// envoyproxy/ratelimit's `/healthcheck`: what `/readyz` says, in their form.
+/// envoyproxy/ratelimit's `/healthcheck`, for any method: what `/readyz` says, in their form.
 async fn healthcheck(State(state): State<HttpState>) -> Response {
     let (code, _) = readyz(State(state)).await;
     if code == StatusCode::OK {
@@ -185,5 +186,27 @@ mod tests {
             assert!(answer.contains("\"slow\":true"), "{answer}");
             assert!(took < Duration::from_millis(200), "a 50 ms timer took {took:?}");
         });
+    }
+
+    /// Their `/healthcheck` answers any method; tollgate's answered GET (and HEAD) only.
+    #[tokio::test]
+    async fn healthcheck_answers_every_method() {
+        let ready = Readiness::default();
+        ready.set(true);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, router(HttpState::basic(ready))).await });
+        for method in ["GET", "HEAD", "POST", "PUT", "OPTIONS"] {
+            let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let request =
+                format!("{method} /healthcheck HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+            conn.write_all(request.as_bytes()).await.unwrap();
+            let mut answer = String::new();
+            conn.read_to_string(&mut answer).await.unwrap();
+            assert!(answer.starts_with("HTTP/1.1 200"), "{method}: {answer}");
+            if method != "HEAD" {
+                assert!(answer.ends_with("\r\n\r\nOK"), "{method}: {answer}");
+            }
+        }
     }
 }

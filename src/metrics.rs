@@ -167,10 +167,12 @@ fn envoyproxy_stat_key_walk(domain: &crate::rules::Domain, names: &[String], nod
 
 /// The labels their default Prometheus mapper gives a stat key (`domain.level1.level2...`):
 /// `domain` and `key1` for one level; `domain`, `key1`, `key2` for two or more (deeper levels
-/// are dropped). Their statsd names replace `:` and `|` with `_` first; a `.` inside a value
-/// splits it into levels, as it does in theirs.
+/// are dropped). Their stat-name sanitizer runs first: `:` and `|` become `_`, and so do the
+/// dots of anything shaped like an IPv4 address (`\d{1,3}` four times, joined by dots), so
+/// `remote_address_10.0.0.1` stays one level. Any other `.` inside a value splits it into
+/// levels, as it does in theirs.
 pub fn envoyproxy_labels(stat_key: &str) -> Vec<(&'static str, String)> {
-    let sanitized = stat_key.replace([':', '|'], "_");
+    let sanitized = ipv4_dots_to_underscores(&stat_key.replace([':', '|'], "_"));
     let parts: Vec<&str> = sanitized.split('.').collect();
     let mut labels = vec![("domain", parts[0].to_owned())];
     if let Some(k1) = parts.get(1) {
@@ -180,6 +182,43 @@ pub fn envoyproxy_labels(stat_key: &str) -> Vec<(&'static str, String)> {
         labels.push(("key2", (*k2).to_owned()));
     }
     labels
+}
+
+/// `text` with the dots of every IPv4-shaped run replaced by `_`, matched as their sanitizer's
+/// regular expression `\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3}` matches: leftmost first, each
+/// `\d{1,3}` as long as the rest still matches, matches not overlapping.
+fn ipv4_dots_to_underscores(text: &str) -> String {
+    /// The end of a match of `groups` more dot-separated `\d{1,3}` starting at `at`.
+    fn groups_end(b: &[u8], at: usize, groups: usize) -> Option<usize> {
+        let digits = b[at..].iter().take(3).take_while(|c| c.is_ascii_digit()).count();
+        (1..=digits).rev().find_map(|n| {
+            let end = at + n;
+            if groups == 1 {
+                Some(end)
+            } else if b.get(end) == Some(&b'.') {
+                groups_end(b, end + 1, groups - 1)
+            } else {
+                None
+            }
+        })
+    }
+    let b = text.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match groups_end(b, i, 4) {
+            Some(end) => {
+                out.extend(b[i..end].iter().map(|&c| if c == b'.' { b'_' } else { c }));
+                i = end;
+            }
+            None => {
+                out.push(b[i]);
+                i += 1;
+            }
+        }
+    }
+    // Only ASCII dots were replaced, by an ASCII byte: still UTF-8.
+    String::from_utf8(out).expect("ASCII replacements keep UTF-8")
 }
 
 /// One rule's envoyproxy/ratelimit-named counters. Each series is registered on its first count;

@@ -556,9 +556,55 @@ impl Settings {
             let top = k.as_str().split('.').next().unwrap_or_default();
             KEYS.iter().any(|known| known.eq_ignore_ascii_case(top))
         }));
-        let settings = figment.extract().map_err(Box::new)?;
+        let mut settings: Settings = figment.extract().map_err(Box::new)?;
+        if let Some(theirs) = theirs {
+            if admin_clash(&settings, &figment, theirs).is_some() {
+                settings.admin.enabled = false;
+            }
+        }
         Ok((settings, figment))
     }
+}
+
+/// Why the admin listener is turned off under envoyproxy/ratelimit's environment, if it is:
+/// their ports (`PORT`, `GRPC_PORT`, `PROMETHEUS_ADDR`) are free to be 8082, which is
+/// tollgate's default `admin.addr` port, and a clash would stop tollgate from starting where
+/// theirs starts. Only a default `admin.addr` gives way; one set in tollgate's own settings
+/// (file or `TOLLGATE_ADMIN__ADDR`) is kept, and a clash then fails at bind, naming it.
+/// `settings` and `figment` as [`Settings::load_layers`] extracted them.
+pub fn admin_clash(
+    settings: &Settings,
+    figment: &Figment,
+    theirs: &crate::envoyproxy_env::EnvoyproxyEnv,
+) -> Option<String> {
+    use figment::Provider;
+    if !theirs.active || !settings.admin.enabled {
+        return None;
+    }
+    let default_source = Serialized::defaults(Settings::default()).metadata().name;
+    let from_defaults = figment
+        .find_metadata("admin.addr")
+        .is_none_or(|meta| meta.name == default_source);
+    if !from_defaults {
+        return None;
+    }
+    let admin = settings.admin.addr;
+    let overlaps = |other: SocketAddr| {
+        other.port() == admin.port()
+            && (other.ip() == admin.ip() || other.ip().is_unspecified() || admin.ip().is_unspecified())
+    };
+    let listeners = [
+        ("http_addr", Some(settings.http_addr)),
+        ("grpc_addr", Some(settings.grpc_addr)),
+        ("metrics.addr", settings.metrics.addr),
+    ];
+    listeners.into_iter().find_map(|(key, addr)| {
+        let addr = addr.filter(|a| overlaps(*a))?;
+        let variables = theirs.origins.get(key).map_or("", String::as_str);
+        Some(format!(
+            "the admin API's default address {admin} clashes with {key} {addr} (from {variables}); the admin API is off: set admin.addr (TOLLGATE_ADMIN__ADDR) to a free address to turn it on"
+        ))
+    })
 }
 
 /// The settings envoyproxy/ratelimit's environment gave that a source of tollgate's own
@@ -798,6 +844,48 @@ mod tests {
         });
     }
 
+    /// Their ports may be 8082, tollgate's default admin port: under their environment the
+    /// default admin listener gives way (off), one set in tollgate's own settings stays.
+    #[test]
+    fn the_default_admin_listener_gives_way_to_their_ports() {
+        figment::Jail::expect_with(|jail| {
+            let theirs = |vars: &[(&str, &str)]| {
+                crate::envoyproxy_env::EnvoyproxyEnv::read(
+                    vars.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())),
+                    false,
+                )
+                .unwrap()
+            };
+            for vars in [
+                &[("USE_STATSD", "false"), ("PORT", "8082")][..],
+                &[("GRPC_PORT", "8082")][..],
+                &[("USE_PROMETHEUS", "true"), ("PROMETHEUS_ADDR", ":8082")][..],
+                &[("USE_PROMETHEUS", "true"), ("PROMETHEUS_ADDR", "127.0.0.1:8082")][..],
+            ] {
+                let env = theirs(vars);
+                let (s, figment) = Settings::load_layers(None, Some(&env)).map_err(|e| e.to_string())?;
+                assert!(!s.admin.enabled, "{vars:?}");
+                let extracted: Settings = figment.extract().map_err(|e| e.to_string())?;
+                let why = admin_clash(&extracted, &figment, &env).unwrap_or_default();
+                assert!(
+                    why.contains("8082") && why.contains("TOLLGATE_ADMIN__ADDR"),
+                    "{vars:?}: {why}"
+                );
+            }
+            let env = theirs(&[("USE_PROMETHEUS", "true"), ("PROMETHEUS_ADDR", "127.0.0.2:8082")]);
+            let (s, _) = Settings::load_layers(None, Some(&env)).map_err(|e| e.to_string())?;
+            assert!(s.admin.enabled, "another address on the same port does not clash");
+            let env = theirs(&[("GRPC_PORT", "9000")]);
+            let (s, _) = Settings::load_layers(None, Some(&env)).map_err(|e| e.to_string())?;
+            assert!(s.admin.enabled, "no clash");
+            jail.set_env("TOLLGATE_ADMIN__ADDR", "127.0.0.1:8082");
+            let env = theirs(&[("GRPC_PORT", "8082")]);
+            let (s, _) = Settings::load_layers(None, Some(&env)).map_err(|e| e.to_string())?;
+            assert!(s.admin.enabled, "tollgate's own admin.addr is kept");
+            Ok(())
+        });
+    }
+
     /// Defaults < envoyproxy/ratelimit's environment < the settings file < `TOLLGATE_*`, and
     /// the overridden settings name the source that won.
     #[test]
@@ -829,8 +917,8 @@ mod tests {
             );
             assert_eq!(
                 s.http_addr,
-                SocketAddr::from(([0, 0, 0, 0], 9101)),
-                "PORT beats the default"
+                SocketAddr::new(crate::envoyproxy_env::unspecified_ip(), 9101),
+                "PORT beats the default (their unspecified host: IPv4 and IPv6)"
             );
             let overridden = overridden_settings(&figment, &theirs);
             let keys: Vec<&str> = overridden.iter().map(|(k, _, _)| k.as_str()).collect();

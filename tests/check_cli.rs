@@ -501,8 +501,8 @@ fn envoyproxy_schema_loads_and_lists_ignored_fields() {
         "path=/health  unlimited",
         "database=users  (no limit)",
         "notes:",
-        "remote_address: `detailed_metric` is accepted for envoyproxy/ratelimit compatibility and has no effect",
-        "api_key: `value_to_metric` is accepted for envoyproxy/ratelimit compatibility and has no effect",
+        "remote_address: `detailed_metric` shapes only the envoyproxy/ratelimit-named series (metrics.envoyproxy_names)",
+        "api_key: `value_to_metric` is accepted for envoyproxy/ratelimit compatibility but not applied",
         "legacy: `requests_per_unit` is missing: read as 0, which denies every request",
     ];
     for e in expected {
@@ -1051,7 +1051,9 @@ fn explain_names_each_difference_on_its_rule() {
             .contains("[unlimited] its `replaces` of per_caller applies in envoyproxy/ratelimit and not in tollgate"),
         "{unlimited}"
     );
-    assert!(text("detailed_metric.yaml").contains("[metrics] value_to_metric: accepted, no effect"));
+    assert!(text("detailed_metric.yaml").contains(
+        "[metrics] value_to_metric: affect at most the envoyproxy/ratelimit-named series, never tollgate's metrics"
+    ));
     // The legend explains only the tags used.
     assert!(!zero.contains("[shadow]"), "{zero}");
 }

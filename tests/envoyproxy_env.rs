@@ -654,7 +654,11 @@ fn refused_variables_name_the_variable_why_and_what_instead() {
         ),
         (
             "PROMETHEUS_MAPPER_YAML",
-            vec![("PROMETHEUS_MAPPER_YAML", custom_mapper.to_string_lossy().into_owned())],
+            vec![
+                ("USE_PROMETHEUS", "true".into()),
+                ("PROMETHEUS_ADDR", format!("127.0.0.1:{}", free_port())),
+                ("PROMETHEUS_MAPPER_YAML", custom_mapper.to_string_lossy().into_owned()),
+            ],
         ),
         (
             "LOG_LEVEL",
@@ -762,4 +766,56 @@ async fn detailed_metric_labels_are_bounded() {
         Some(5.0),
         "the five values past the bound count under the rule's own series"
     );
+}
+
+/// Their service listens with Go's `net.Listen` on `0.0.0.0` when `HOST` is unset, which
+/// answers IPv4 and IPv6; so does tollgate under their environment: `[::1]` and 127.0.0.1
+/// both reach `/healthcheck`. Binds every interface on a free port; traffic stays on loopback.
+#[test]
+fn an_unset_host_answers_ipv4_and_ipv6() {
+    if std::net::TcpListener::bind("[::1]:0").is_err() {
+        eprintln!("skipped an_unset_host_answers_ipv4_and_ipv6: this machine has no IPv6 loopback");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("data/config")).unwrap();
+    std::fs::write(dir.path().join("data/config/config.yaml"), ISTIO_RULES).unwrap();
+    let (http_port, grpc_port, admin_port) = (free_port(), free_port(), free_port());
+    let mut command = command(false, dir.path());
+    command
+        .env("RUNTIME_ROOT", dir.path().join("data"))
+        .env("PORT", http_port.to_string())
+        .env("GRPC_HOST", "127.0.0.1")
+        .env("GRPC_PORT", grpc_port.to_string())
+        .env("TOLLGATE_ADMIN__ADDR", format!("127.0.0.1:{admin_port}"));
+    let mut process = ChildGuard::spawn("tollgate", &mut command, &dir.path().join("tollgate.log"));
+    let v4 = SocketAddr::from(([127, 0, 0, 1], http_port));
+    let v6 = SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, http_port));
+    let answer = support::wait_until(&mut process, || http_get(v6, "/healthcheck"))
+        .unwrap_or_else(|why| panic!("no answer on [::1]: {why}\n{}", process.log_tail(40)));
+    assert_eq!(answer, (200, "OK".to_owned()));
+    assert_eq!(http_get(v4, "/healthcheck"), Some((200, "OK".to_owned())));
+}
+
+/// Their service loads every file under the rules folder; tollgate only the `*.yaml`/`*.yml`
+/// directly in it. Under their environment each non-hidden file it skips is a warning at start.
+#[test]
+fn files_their_service_would_load_are_named_at_start() {
+    let data = tempfile::tempdir().unwrap();
+    let config = data.path().join("config");
+    std::fs::create_dir_all(config.join("team")).unwrap();
+    std::fs::create_dir_all(config.join("..data")).unwrap();
+    std::fs::write(config.join("config.yaml"), ISTIO_RULES).unwrap();
+    std::fs::write(config.join("limits.conf"), "domain: other\n").unwrap();
+    std::fs::write(config.join("team/extra.yaml"), "domain: team\n").unwrap();
+    std::fs::write(config.join(".hidden"), "x").unwrap();
+    std::fs::write(config.join("..data/config.yaml"), ISTIO_RULES).unwrap();
+    let env = [("RUNTIME_ROOT", data.path().to_string_lossy().into_owned())];
+    let started = start(false, &env);
+    let log = started.process.log();
+    let warned: Vec<&str> = log.lines().filter(|l| l.contains("not loaded as rules")).collect();
+    assert_eq!(warned.len(), 2, "{log}");
+    assert!(warned[0].contains("config/limits.conf"), "{log}");
+    assert!(warned[1].contains("config/team/extra.yaml"), "{log}");
+    assert!(!log.contains(".hidden") && !log.contains("..data"), "{log}");
 }

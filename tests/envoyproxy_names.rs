@@ -118,6 +118,9 @@ descriptors:
   - key: host
     value: a.example:8080
     rate_limit: {unit: second, requests_per_unit: 1}
+  - key: remote_address
+    value: 10.0.0.1
+    rate_limit: {unit: second, requests_per_unit: 1}
 ";
     let mut file = tempfile::Builder::new().suffix(".yaml").tempfile().unwrap();
     file.write_all(rules.as_bytes()).unwrap();
@@ -142,7 +145,7 @@ descriptors:
             .join(",")
     };
 
-    let k = key_of(&[("remote_address", "10.0.0.1")]);
+    let k = key_of(&[("remote_address", "10.0.0.2")]);
     assert_eq!(
         k, "shop.remote_address",
         "a key-only rule never carries the request's value"
@@ -164,4 +167,19 @@ descriptors:
     let k = key_of(&[("host", "a.example:8080")]);
     assert_eq!(k, "shop.host_a.example:8080");
     assert_eq!(labels(&k), "domain=shop,key1=host_a,key2=example_8080");
+
+    // Their sanitizer turns an IPv4 address's dots into `_` before the key is split.
+    let k = key_of(&[("remote_address", "10.0.0.1")]);
+    assert_eq!(k, "shop.remote_address_10.0.0.1", "the rule with that value");
+    assert_eq!(labels(&k), "domain=shop,key1=remote_address_10_0_0_1");
+    // A detailed_metric key carries the request's value the same way.
+    assert_eq!(
+        labels("shop.remote_address_192.168.1.20.user_u1"),
+        "domain=shop,key1=remote_address_192_168_1_20,key2=user_u1"
+    );
+    // Their expression's edges: leftmost match, \d{1,3} per group, no overlap.
+    assert_eq!(labels("d.k_1234.5.6.7"), "domain=d,key1=k_1234_5_6_7");
+    assert_eq!(labels("d.k_1.2.3.4567"), "domain=d,key1=k_1_2_3_4567");
+    assert_eq!(labels("d.k_1.2.3"), "domain=d,key1=k_1,key2=2");
+    assert_eq!(labels("d.k_1.2.3.4.5.6.7.8"), "domain=d,key1=k_1_2_3_4,key2=5_6_7_8");
 }

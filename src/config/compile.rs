@@ -461,10 +461,7 @@ impl<'a> DomainBuilder<'a> {
             format!("{parent}.{step}")
         };
         for field in spec.ignored_fields() {
-            self.note(
-                &path,
-                format!("`{field}` is accepted for envoyproxy/ratelimit compatibility and has no effect"),
-            );
+            self.note(&path, format!("`{field}` {}", super::model::metric_field_note(field)));
         }
         if spec.key.is_empty() {
             self.error(&path, "`key` must not be empty");

@@ -113,7 +113,8 @@ pub struct DescriptorSpec {
     pub replaces: Option<Vec<ReplaceSpec>>,
     #[serde(default)]
     pub descriptors: Vec<DescriptorSpec>,
-    /// envoyproxy/ratelimit fields tollgate accepts and ignores; `tollgate check` lists them.
+    /// envoyproxy/ratelimit's metric fields: they shape only the envoyproxy/ratelimit-named
+    /// series (`metrics.envoyproxy_names`), never tollgate's own; `tollgate check` lists them.
     pub detailed_metric: Option<serde_yaml::Value>,
     pub value_to_metric: Option<serde_yaml::Value>,
     /// envoyproxy/ratelimit: on a wildcard value, every matching value shares one bucket
@@ -123,7 +124,8 @@ pub struct DescriptorSpec {
 }
 
 impl DescriptorSpec {
-    /// The envoyproxy/ratelimit fields set on this node that have no effect in tollgate.
+    /// The envoyproxy/ratelimit metric fields set on this node ([`metric_field_note`] says
+    /// what each does in tollgate).
     pub fn ignored_fields(&self) -> Vec<&'static str> {
         let mut out = Vec::new();
         if self.detailed_metric.is_some() {
@@ -133,6 +135,22 @@ impl DescriptorSpec {
             out.push("value_to_metric");
         }
         out
+    }
+}
+
+/// What envoyproxy/ratelimit's metric `field` (from [`DescriptorSpec::ignored_fields`]) does
+/// in tollgate, as `tollgate check` prints it.
+pub fn metric_field_note(field: &str) -> &'static str {
+    match field {
+        "detailed_metric" => {
+            "shapes only the envoyproxy/ratelimit-named series (metrics.envoyproxy_names): their stat key \
+             carries the request's values, for at most 1000 keys; tollgate's own metrics are unchanged"
+        }
+        _ => {
+            "is accepted for envoyproxy/ratelimit compatibility but not applied: the envoyproxy/ratelimit-named \
+             series (metrics.envoyproxy_names) keep the key alone (detailed_metric adds request values); \
+             tollgate's own metrics are unchanged"
+        }
     }
 }
 
