@@ -38,3 +38,41 @@ async fn every_connect_sees_its_connections_come_up() {
     }
     assert!(failed.is_empty(), "{failed:#?}");
 }
+
+/// Loading the scripts (at connect, and in the readiness probe that reloads them) is not a
+/// decision: it may take longer than `command_timeout_ms` (a busy machine, a distant Redis) and
+/// still succeed within its own timeout. A private Redis holds every client's commands for
+/// 300 ms (`CLIENT PAUSE`) while a store with a 10 ms decision timeout probes with 2 s: the probe
+/// must pass once the pause ends. (Before, the `SCRIPT LOAD`s ran under the 10 ms decision
+/// timeout: the probe failed with "Request timed out", and so did a connect in the suite once,
+/// with Redis answering.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loading_the_scripts_is_not_held_to_the_decision_timeout() {
+    if support::redis::shared_redis("loading_the_scripts_is_not_held_to_the_decision_timeout").is_none() {
+        return;
+    }
+    let server = tokio::task::block_in_place(support::redis::RedisServer::start);
+    let settings = RedisSettings {
+        urls: vec![server.url()],
+        pool_size: 1,
+        command_timeout_ms: 10,
+        connect_timeout_ms: 2_000,
+        ..RedisSettings::default()
+    };
+    let store = RedisStore::new(&settings, Arc::new(SystemClock)).unwrap();
+    store
+        .connect(Duration::from_secs(2))
+        .await
+        .expect("connect to the private Redis");
+    let paused = support::redis::resp_command(server.addr(), None, &[b"CLIENT", b"PAUSE", b"300", b"ALL"]);
+    assert!(paused.is_ok(), "CLIENT PAUSE: {paused:?}");
+    let started = Instant::now();
+    let probed = store.probe(Duration::from_secs(2)).await;
+    let took = started.elapsed();
+    store.quit().await;
+    assert!(probed.is_ok(), "{probed:?} after {took:?}");
+    assert!(
+        took >= Duration::from_millis(250),
+        "probed in {took:?}: the pause did not hold it"
+    );
+}

@@ -147,13 +147,29 @@ fn store_error(e: &FredError) -> StoreError {
 }
 
 impl Conn {
-    async fn load_scripts(&self) -> Result<(), FredError> {
+    async fn load_scripts(&self, timeout: Option<Duration>) -> Result<(), FredError> {
+        // Each `SCRIPT LOAD` within `timeout` when given, not the decisions' few milliseconds
+        // (`default_command_timeout`): at start and in readiness probes a busy machine or a
+        // distant Redis may take longer than one decision may, and that is no failure (a
+        // connect once timed out so, with Redis answering, on a loaded test machine). `None`:
+        // the default, for the reload inside a decision. fred's script commands ignore per-command options, so on a single node `SCRIPT LOAD`
+        // is sent as a custom command, which takes them. In a Cluster, fred's per-primary load
+        // runs under the default timeout (its routing table is not exposed without the
+        // `i-cluster` feature).
         let client = self.pool.next();
         for lua in [DECIDE_LUA, PEEK_LUA, RESET_LUA] {
             if self.cluster {
                 client.script_load_cluster::<(), _>(lua).await?;
             } else {
-                client.script_load::<Value, _>(lua).await?;
+                let options = fred::types::config::Options {
+                    timeout,
+                    ..Default::default()
+                };
+                let load = fred::types::CustomCommand::new_static("SCRIPT", fred::types::ClusterHash::Random, false);
+                client
+                    .with_options(&options)
+                    .custom::<Value, _>(load, vec!["LOAD", lua])
+                    .await?;
             }
         }
         Ok(())
@@ -176,7 +192,7 @@ impl Conn {
         match client.evalsha::<Value, _, _, _>(sha, keys.clone(), argv.clone()).await {
             Err(e) if e.details().starts_with("NOSCRIPT") => {
                 tracing::info!(redis = %self.describe, "Redis lost the scripts; loading them again");
-                self.load_scripts().await.map_err(|e| store_error(&e))?;
+                self.load_scripts(None).await.map_err(|e| store_error(&e))?;
                 client
                     .evalsha::<Value, _, _, _>(sha, keys, argv)
                     .await
@@ -311,7 +327,7 @@ impl RedisStore {
                 Err(_) => {}
             }
         }
-        tokio::time::timeout(timeout, self.inner.conn.load_scripts())
+        tokio::time::timeout(timeout, self.inner.conn.load_scripts(Some(timeout)))
             .await
             .map_err(|_| fail("loading the scripts timed out".into()))?
             .map_err(|e| fail(e.to_string()))
@@ -325,7 +341,14 @@ impl RedisStore {
         tokio::spawn(async move {
             loop {
                 let connected = tokio::time::timeout(retry, store.inner.conn.pool.wait_for_connect()).await;
-                if matches!(connected, Ok(Ok(()))) && store.inner.conn.load_scripts().await.is_ok() {
+                if matches!(connected, Ok(Ok(())))
+                    && store
+                        .inner
+                        .conn
+                        .load_scripts(Some(retry.max(Duration::from_secs(1))))
+                        .await
+                        .is_ok()
+                {
                     tracing::info!(redis = %store.describe(), "connected to Redis");
                     return;
                 }
@@ -341,7 +364,7 @@ impl RedisStore {
     ///
     /// Errors: no answer in time, or an error answer.
     pub async fn probe(&self, timeout: Duration) -> Result<(), StoreError> {
-        match tokio::time::timeout(timeout, self.inner.conn.load_scripts()).await {
+        match tokio::time::timeout(timeout, self.inner.conn.load_scripts(Some(timeout))).await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) => Err(store_error(&e)),
             Err(_) => Err(StoreError::Timeout(format!(
