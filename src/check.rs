@@ -82,7 +82,10 @@ fn render_level(out: &mut String, d: &Domain, level: &Level, depth: usize, paren
         };
         let rule = match &node.rule {
             None => "(no limit)".to_owned(),
-            Some(Rule::Unlimited) => "unlimited".to_owned(),
+            Some(Rule::Unlimited { replaces }) if replaces.is_empty() => "unlimited".to_owned(),
+            Some(Rule::Unlimited { replaces }) => {
+                format!("unlimited [replaces {}]", d.replaced_names(replaces).join(", "))
+            }
             Some(Rule::Limited {
                 bucket,
                 quota,
@@ -274,10 +277,9 @@ impl Difference {
                  per its unit and consumes nothing; envoyproxy/ratelimit still counts the hits."
             }
             Difference::Unlimited => {
-                "unlimited: true is never limited in either and touches no counter or bucket. tollgate \
-                 ignores a `replaces` on an unlimited rule (listed under notes); envoyproxy/ratelimit \
-                 applies it, dropping the named limits from the request: move such a `replaces` to a \
-                 limited rule that matches the same requests."
+                "unlimited: true is never limited in either and touches no counter or bucket. A \
+                 `replaces` on an unlimited rule applies in both: it drops the named limits from the \
+                 request, an exception carved out of a wider limit."
             }
             Difference::Shadow => {
                 "shadow_mode: true never denies in either; the rule is still evaluated and its bucket \
@@ -514,7 +516,7 @@ fn explain_rule(
                 "    no limit here: requests whose last entry is this one are not limited in either"
             );
         }
-        Some(Rule::Unlimited) => {
+        Some(Rule::Unlimited { .. }) => {
             let _ = writeln!(out, "    schema:   {}", schema(spec));
             let _ = writeln!(out, "    both:     unlimited: never limited, no counter or bucket");
             let replaces = spec
@@ -527,7 +529,7 @@ fn explain_rule(
                 "never limited in either".to_owned()
             } else {
                 format!(
-                    "its `replaces` of {} applies in envoyproxy/ratelimit and not in tollgate",
+                    "never limited in either; its `replaces` of {} applies in both",
                     names.join(", ")
                 )
             };

@@ -337,7 +337,8 @@ fn walk<'a>(d: &'a Domain, level: &'a Level, prefix: &mut Vec<EntryView<'a>>, ou
                 shadow,
                 replaces,
             }) => (Some(*bucket), *quota, *shadow, replaces.as_slice()),
-            _ => (None, None, false, &[][..]),
+            Some(Rule::Unlimited { replaces }) => (None, None, false, replaces.as_slice()),
+            None => (None, None, false, &[][..]),
         };
         out.push(RuleView {
             path: &node.path,
@@ -346,7 +347,7 @@ fn walk<'a>(d: &'a Domain, level: &'a Level, prefix: &mut Vec<EntryView<'a>>, ou
             bucket_index: bucket,
             quota: quota.map(|q| d.buckets[q].name.as_str()),
             quota_index: quota,
-            unlimited: node.rule == Some(Rule::Unlimited),
+            unlimited: matches!(node.rule, Some(Rule::Unlimited { .. })),
             shadow_mode: shadow,
             share_threshold: node.shared_pattern.is_some(),
             replaces: d.replaced_names(replaces),

@@ -212,6 +212,8 @@ impl<S: Store> Limiter<S> {
         // A Vec: everything here that is alive across the store's await is part of the future
         // tonic boxes and moves, so the inline buffers are kept to what the store is handed.
         let mut matched: Vec<Option<Matched>> = Vec::with_capacity(req.descriptors.len());
+        // Buckets named by the `replaces` of matched unlimited rules (they match nothing else).
+        let mut unlimited_replaces: SmallVec<[usize; 4]> = SmallVec::new();
         for d in &req.descriptors {
             // As in envoyproxy/ratelimit, an unknown domain is OK before overrides are looked at.
             let m = match (&d.limit, self.options.overrides && domain.is_some()) {
@@ -227,11 +229,17 @@ impl<S: Store> Limiter<S> {
                     // Their override series are named by the request's values: unbounded.
                     envoyproxy: crate::metrics::EnvoyproxyStats::noop(),
                 }),
-                _ => domain.and_then(|dom| Matched::at(dom, find_node(dom, &d.entries)?, d.entries.len())),
+                _ => domain.and_then(|dom| {
+                    let node = find_node(dom, &d.entries)?;
+                    if let Some(Rule::Unlimited { replaces }) = &dom.nodes[node].rule {
+                        unlimited_replaces.extend_from_slice(replaces);
+                    }
+                    Matched::at(dom, node, d.entries.len())
+                }),
             };
             matched.push(m);
         }
-        drop_replaced(&mut matched);
+        drop_replaced(&mut matched, &unlimited_replaces);
 
         let mut buckets: SmallVec<[BucketRef; 4]> = SmallVec::new();
         let mut targets: Vec<Option<Target>> = Vec::with_capacity(matched.len());
@@ -315,7 +323,7 @@ impl<S: Store> Limiter<S> {
         let node = find_node(dom, entries).ok_or_else(no_rule)?;
         let Some(m) = Matched::at(dom, node, entries.len()) else {
             return Err(match find_rule(dom, entries) {
-                Some(Rule::Unlimited) => ResolveError::Unlimited(dom.nodes[node].path.clone()),
+                Some(Rule::Unlimited { .. }) => ResolveError::Unlimited(dom.nodes[node].path.clone()),
                 _ => no_rule(),
             });
         };
@@ -421,12 +429,14 @@ fn override_policy(requests_per_unit: u32, unit: i32) -> Result<BucketPolicy, Li
     ))
 }
 
-/// `replaces`: a matched rule drops every other matched rule whose bucket it names.
-fn drop_replaced(matched: &mut [Option<Matched>]) {
+/// `replaces`: a matched rule (limited, or unlimited with its replaced buckets in
+/// `by_unlimited`) drops every other matched rule whose bucket it names.
+fn drop_replaced(matched: &mut [Option<Matched>], by_unlimited: &[usize]) {
     let replaced: Vec<usize> = matched
         .iter()
         .flatten()
         .flat_map(|m| m.replaces.iter().copied())
+        .chain(by_unlimited.iter().copied())
         .collect();
     if replaced.is_empty() {
         return;

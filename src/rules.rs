@@ -252,8 +252,12 @@ pub struct Node {
 /// What a node does to a request that ends on it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Rule {
-    /// `unlimited: true`: never limited, no bucket touched.
-    Unlimited,
+    /// `unlimited: true`: never limited, no bucket touched. Its `replaces` still drop the rules
+    /// of those buckets from the request, as in envoyproxy/ratelimit (`rate_limit.replaces`).
+    Unlimited {
+        /// Bucket indices this rule replaces when both match one request.
+        replaces: Vec<usize>,
+    },
     /// A token bucket, a quota, or both.
     Limited {
         /// Index into [`Domain::buckets`].

@@ -539,8 +539,8 @@ fn missing_path_is_an_error() {
 }
 
 /// envoyproxy/ratelimit's `rate_limit.name` is a label: two different limits may carry one name
-/// (each keeps its limit), and `replaces` names all of them. A `replaces` on an unlimited rule
-/// naming a known bucket is only a note.
+/// (each keeps its limit), and `replaces` names all of them, on an unlimited rule too (as in
+/// envoyproxy/ratelimit, it drops the named rules from the request).
 #[test]
 fn envoyproxy_names_are_labels() {
     let out = check(&fixtures().join("valid/envoyproxy_duplicate_names.yaml"));
@@ -551,10 +551,11 @@ fn envoyproxy_names_are_labels() {
          per_client: capacity 100, refill 1.666667 tokens/s, full from empty in 60.000s (reported as 100 per minute)\n    \
          per_tenant:",
         "tenant  -> bucket per_tenant [replaces per_client]\n",
-        "internal: `replaces` has no effect on an unlimited rule",
+        "internal  unlimited [replaces per_tenant]\n",
     ] {
         assert!(stdout.contains(e), "missing {e:?} in:\n{stdout}");
     }
+    assert!(!stdout.contains("has no effect on an unlimited rule"), "{stdout}");
     // `user` declares the same name and limit as `remote_address`: one policy, listed once.
     assert_eq!(stdout.matches("    per_client: ").count(), 2, "{stdout}");
 }
@@ -1047,8 +1048,7 @@ fn explain_names_each_difference_on_its_rule() {
         "{unlimited}"
     );
     assert!(
-        unlimited
-            .contains("[unlimited] its `replaces` of per_caller applies in envoyproxy/ratelimit and not in tollgate"),
+        unlimited.contains("[unlimited] never limited in either; its `replaces` of per_caller applies in both"),
         "{unlimited}"
     );
     assert!(text("detailed_metric.yaml").contains(

@@ -570,8 +570,8 @@ impl<'a> DomainBuilder<'a> {
                 self.error(path, "`unlimited: true` cannot be combined with a limit");
                 return None;
             }
-            self.pending_replaces(path, replaces, Some("`replaces` has no effect on an unlimited rule"));
-            return Some(Rule::Unlimited);
+            self.pending_replaces(path, replaces, None);
+            return Some(Rule::Unlimited { replaces: Vec::new() });
         }
         if let Some(name) = &spec.bucket {
             let field = match (spec.schedule.is_some(), spec.quota.is_some()) {
@@ -824,8 +824,9 @@ impl<'a> DomainBuilder<'a> {
             }
             resolved.sort_unstable();
             resolved.dedup();
-            if let Some(Rule::Limited { replaces, .. }) = &mut self.nodes[p.node].rule {
-                *replaces = resolved;
+            match &mut self.nodes[p.node].rule {
+                Some(Rule::Limited { replaces, .. } | Rule::Unlimited { replaces }) => *replaces = resolved,
+                None => {}
             }
         }
         // A cycle (a replaces b, b replaces a) would drop both: reject it.

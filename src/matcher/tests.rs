@@ -26,7 +26,7 @@ fn entries(pairs: &[(&str, &str)]) -> Vec<Entry> {
 fn matched(set: &RuleSet, pairs: &[(&str, &str)]) -> Option<String> {
     let domain = set.domain("d").expect("domain d");
     find_rule(domain, &entries(pairs)).map(|rule| match rule {
-        Rule::Unlimited => "unlimited".to_owned(),
+        Rule::Unlimited { .. } => "unlimited".to_owned(),
         Rule::Limited { bucket, .. } => domain.buckets[*bucket].name.clone(),
     })
 }
