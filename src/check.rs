@@ -379,17 +379,9 @@ fn explain_node(
     steps: &mut Vec<Step>,
     used: &mut BTreeSet<Difference>,
 ) {
-    // The node's path exactly as the compiler builds it, to find its compiled rule.
+    // The node's path as the compiler builds it, to find its compiled rule.
     let value = spec.value.as_deref().filter(|v| !v.is_empty());
-    let step = match value {
-        Some(v) => format!("{}={v}", spec.key),
-        None => spec.key.clone(),
-    };
-    let path = if parent.is_empty() {
-        step
-    } else {
-        format!("{parent}.{step}")
-    };
+    let path = crate::config::node_path(parent, spec);
     steps.push(Step {
         key: spec.key.clone(),
         value: match value {

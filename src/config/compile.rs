@@ -451,15 +451,7 @@ impl<'a> DomainBuilder<'a> {
 
     fn node(&mut self, spec: &DescriptorSpec, parent: &str, parent_id: Option<usize>, level: &mut Level) {
         let value = spec.value.as_deref().filter(|v| !v.is_empty());
-        let step = match value {
-            Some(v) => format!("{}={v}", spec.key),
-            None => spec.key.clone(),
-        };
-        let path = if parent.is_empty() {
-            step
-        } else {
-            format!("{parent}.{step}")
-        };
+        let path = node_path(parent, spec);
         for field in spec.ignored_fields() {
             self.note(&path, format!("`{field}` {}", super::model::metric_field_note(field)));
         }
@@ -897,4 +889,20 @@ fn check_bucket_name(name: &str) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+/// The path of the node `spec` under the node at `parent` (empty for the root): the parent's
+/// path, a `.`, then `key`, or `key=value` when the node has a value (an empty value counts as
+/// none). Rules are named by it when they have no `name`, and messages and `tollgate check`
+/// show it.
+pub(crate) fn node_path(parent: &str, spec: &DescriptorSpec) -> String {
+    let step = match spec.value.as_deref().filter(|v| !v.is_empty()) {
+        Some(v) => format!("{}={v}", spec.key),
+        None => spec.key.clone(),
+    };
+    if parent.is_empty() {
+        step
+    } else {
+        format!("{parent}.{step}")
+    }
 }

@@ -12,6 +12,7 @@ mod load;
 mod model;
 mod refill;
 
+pub(crate) use compile::node_path;
 pub use error::{ConfigError, ConfigErrors};
 pub(crate) use load::parse_file;
 pub use load::{load_rules, rule_files};
