@@ -15,12 +15,15 @@
 --   (ms), #requests; then per request one string of little-endian doubles (struct.pack '<d';
 --   every value is an integer below 2^53, so exact), read here with no text parsing:
 --     #buckets, #demands, #replacements;
---     per bucket 8: kind (1 F a constant limit, 2 S a schedule, 3 Q a calendar quota);
+--     per bucket 9: kind (1 F a constant limit, 2 S a schedule, 3 Q a calendar quota);
 --       cap, num, den: the limit in force, capacity (µt) and rate (num µt per den µs);
 --       lo, hi: the limit holds over [lo, hi) (0 = unbounded); for Q, lo is the last reset
 --       edge (0 = none) and hi the next; outside that interval the script asks again;
 --       bound: S, when a bucket emptied at hi would be full again (0 = unknown), else unused;
 --       replaced: 1 if a replacement follows for this bucket;
+--       since: when a reload replaced the limit (0 = none remembered): a value written
+--       before it is sent back to tollgate ("walk"), which brings it forward under the old
+--       rules up to the reload; an F limit given with lo or hi holds only over [lo, hi);
 --     per demand 4: instance (1-based within the request), kind (1 consume, 2 check,
 --       3 refund), amount (µt), enforced (1 or 0);
 --   then per replaced bucket, in bucket order, two strings: the stored value tollgate read
@@ -49,7 +52,8 @@
 --   {"retry", now, t1, ..., tn} when some bucket's time t (now, or a later write) lies outside
 --    its [lo, hi); nothing was changed;
 --   {"walk", now, i, value, ...} for scheduled buckets crossed by a change of limit since they
---    were written; nothing was changed;
+--    were written, and buckets written before a reload that changed their limit; nothing was
+--    changed;
 --   {"bad", now, reason} for a stored value the script cannot read (or a key of another type);
 --    nothing was changed.
 -- A bad answer for one request leaves the others of the batch decided.
@@ -161,7 +165,7 @@ local has_pexpiretime
 local function decide(now, margin_ms, max_ttl_ms, ko, ao)
   local packed = ARGV[ao + 1]
   local nb, nd, nrep, pos = unpack_fields('<ddd', packed)
-  local f = read_numbers(packed, pos, nb * 8 + nd * 4)
+  local f = read_numbers(packed, pos, nb * 9 + nd * 4)
   local next_ao = ao + 1 + nrep * 2
 
   -- Read every bucket: absent means full at the capacity in force. The bucket tables are
@@ -171,7 +175,7 @@ local function decide(now, margin_ms, max_ttl_ms, ko, ao)
   local walk
   local reps = ao + 1
   for i = 1, nb do
-    local o = (i - 1) * 8
+    local o = (i - 1) * 9
     local key, kind, cap = KEYS[ko + i], f[o + 1], f[o + 2]
     local expect, replaced
     if f[o + 8] == 1 then
@@ -200,7 +204,7 @@ local function decide(now, margin_ms, max_ttl_ms, ko, ao)
         if #replaced ~= 16 then return {'bad', now, 'tollgate: bad replacement'}, next_ao end
         st, su = unpack_fields('<dd', replaced)
         if not (valid(st) and valid(su)) then return {'bad', now, 'tollgate: bad replacement'}, next_ao end
-      elseif kind == 2 and e > 0 and now >= e then
+      elseif (kind == 2 and e > 0 and now >= e) or (f[o + 9] > 0 and su < f[o + 9]) then
         walk = walk or {'walk', now}
         walk[#walk + 1] = i
         walk[#walk + 1] = raw
@@ -223,7 +227,7 @@ local function decide(now, margin_ms, max_ttl_ms, ko, ao)
   local stale = false
   for i = 1, nb do
     local x = b[i]
-    if x.kind ~= 1 then
+    if x.kind ~= 1 or x.lo > 0 or x.hi > 0 then
       local at = now
       if x.kind == 2 and x.su > now then at = x.su end
       if at < x.lo or (x.hi > 0 and at >= x.hi) then stale = true end
@@ -251,7 +255,7 @@ local function decide(now, margin_ms, max_ttl_ms, ko, ao)
       x.bt, x.bu = refill(x.st, x.su, x.cap, x.num, x.den, now)
     end
   end
-  local dofs = nb * 8
+  local dofs = nb * 9
   for j = 1, nd do
     local o = dofs + (j - 1) * 4
     local x, kind = b[f[o + 1]], f[o + 2]

@@ -161,6 +161,7 @@ impl PlanKind {
             Plan::Fixed(_) => PlanKind::TokenBucket,
             Plan::Scheduled(_) => PlanKind::Scheduled,
             Plan::Quota(_) => PlanKind::Quota,
+            Plan::Reloaded(r) => PlanKind::of(r.after()),
         }
     }
 }

@@ -35,7 +35,8 @@ fn render_domain(out: &mut String, d: &Domain, now_us: u64) {
     let _ = writeln!(out, "domain {} ({})", d.name, d.file.display());
     let _ = writeln!(out, "  buckets:");
     for b in &d.buckets {
-        match &b.plan {
+        // `check` compiles files afresh: a plan is never one a reload built.
+        match b.plan.current() {
             Plan::Fixed(limit) => {
                 let _ = writeln!(out, "    {}: {}", b.name, describe(limit, b));
             }
@@ -60,6 +61,8 @@ fn render_domain(out: &mut String, d: &Domain, now_us: u64) {
                     reported(b, now_us),
                 );
             }
+            // `current()` is the compiled plan, never one a reload built.
+            Plan::Reloaded(_) => {}
         }
     }
     let _ = writeln!(out, "  descriptors:");
@@ -558,7 +561,7 @@ fn explain_rule(
                     .copied()?;
                 Some((unit, unit_us, r.requests_per_unit.unwrap_or(0)))
             });
-            match (envoy, &b.plan) {
+            match (envoy, b.plan.current()) {
                 (Some((unit, _, 0)), _) => {
                     let unit = unit.as_str_name();
                     let _ = writeln!(
@@ -647,6 +650,8 @@ fn explain_rule(
                         q.timezone()
                     );
                 }
+                // `current()` is the compiled plan, never one a reload built.
+                (None, Plan::Reloaded(_)) => {}
             }
             if let Some(q) = quota {
                 let q = &d.buckets[*q];

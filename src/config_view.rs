@@ -358,7 +358,15 @@ fn walk<'a>(d: &'a Domain, level: &'a Level, prefix: &mut Vec<EntryView<'a>>, ou
 }
 
 fn bucket_view(b: &BucketPolicy) -> BucketView<'_> {
-    let kind = match &b.plan {
+    BucketView {
+        name: &b.name,
+        kind: kind_view(b, &b.plan),
+    }
+}
+
+/// What `plan` of `b` is; a plan a reload built is shown as the rules in force compiled it.
+fn kind_view<'a>(b: &'a BucketPolicy, plan: &'a Plan) -> KindView<'a> {
+    match plan {
         Plan::Fixed(limit) => KindView::TokenBucket {
             limit: limit_view(limit),
             reported_limit: reported_view(b.reported),
@@ -370,8 +378,8 @@ fn bucket_view(b: &BucketPolicy) -> BucketView<'_> {
             schedule: Some(windows(s)),
         },
         Plan::Quota(q) => KindView::Quota { quota: quota_view(q) },
-    };
-    BucketView { name: &b.name, kind }
+        Plan::Reloaded(r) => kind_view(b, r.after()),
+    }
 }
 
 fn windows(s: &Schedule) -> Vec<WindowView<'_>> {

@@ -192,7 +192,19 @@ impl<S: Store> Limiter<S> {
     }
 
     /// Replaces the rules in force; requests already being decided finish on the old ones.
-    pub fn swap_rules(&self, rules: RuleSet) {
+    ///
+    /// Rates change from now on, by the store's clock ([`RuleSet::carry_history`]): a bucket
+    /// policy whose limit changed brings its buckets forward under the old limit up to now.
+    /// The store is told twice ([`Store::rules_changed`]): now, and once the last request that
+    /// loaded the old rules is done ([`Store::on_rules_retired`]), so that what such a request
+    /// writes after the swap is not trusted as if the new rules had written it.
+    pub fn swap_rules(&self, mut rules: RuleSet) {
+        let old = self.rules.load_full();
+        rules.carry_history(&old, self.store.clock_estimate_us());
+        if let Some(hook) = self.store.on_rules_retired() {
+            old.on_retire.set(hook);
+        }
+        drop(old);
         self.rules.store(Arc::new(rules));
         self.store.rules_changed();
     }

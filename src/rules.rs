@@ -20,6 +20,38 @@ pub struct RuleSet {
     /// Which successful load this is: 1 for the rules read at start, one more for each reload
     /// that took effect (0: not loaded by a server, as in `tollgate check`).
     pub generation: u64,
+    /// Run when this set is dropped: after it was replaced, once the last request deciding on
+    /// it is done ([`crate::limiter::Limiter::swap_rules`]).
+    pub on_retire: OnRetire,
+}
+
+/// A callback run once, when the [`RuleSet`] holding it is dropped; set at most once.
+#[derive(Default)]
+pub struct OnRetire(std::sync::OnceLock<std::sync::Arc<dyn Fn() + Send + Sync>>);
+
+impl OnRetire {
+    /// Sets the callback; a second one is ignored (a set is replaced only once).
+    pub fn set(&self, hook: std::sync::Arc<dyn Fn() + Send + Sync>) {
+        let _ = self.0.set(hook);
+    }
+}
+
+impl Drop for OnRetire {
+    fn drop(&mut self) {
+        if let Some(hook) = self.0.get() {
+            hook();
+        }
+    }
+}
+
+impl std::fmt::Debug for OnRetire {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.get().is_some() {
+            "OnRetire(set)"
+        } else {
+            "OnRetire"
+        })
+    }
 }
 
 impl Domain {
@@ -53,6 +85,27 @@ impl RuleSet {
     /// The domain named `name`, if loaded.
     pub fn domain(&self, name: &str) -> Option<&Domain> {
         self.domains.get(name)
+    }
+
+    /// Makes this set, about to replace `old` at `at_us` (by the store's clock), change rates
+    /// from then on only: each bucket policy that `old` has too (same domain, same name, so
+    /// the same bucket instances) and whose behaviour changed gets a plan that brings a bucket
+    /// forward under the old plan up to `at_us` and under the new one from it
+    /// ([`Plan::after_reload`]); one whose behaviour did not change keeps `old`'s plan and
+    /// history. New policies are left as compiled.
+    pub fn carry_history(&mut self, old: &RuleSet, at_us: u64) {
+        for (name, domain) in &mut self.domains {
+            let Some(old_domain) = old.domains.get(name) else {
+                continue;
+            };
+            let old_plans: HashMap<&str, &Plan> =
+                old_domain.buckets.iter().map(|b| (b.name.as_str(), &b.plan)).collect();
+            for bucket in &mut domain.buckets {
+                if let Some(old_plan) = old_plans.get(bucket.name.as_str()) {
+                    bucket.plan = Plan::after_reload(old_plan, bucket.plan.clone(), at_us);
+                }
+            }
+        }
     }
 }
 
@@ -130,6 +183,10 @@ impl BucketPolicy {
     /// unit nearest its current period ([`ReportedLimit::quota`]).
     pub fn reported_at(&self, now_us: u64) -> ReportedLimit {
         match &self.plan {
+            Plan::Reloaded(r) if now_us < r.at_us() => self.reported,
+            Plan::Reloaded(r) => {
+                BucketPolicy::new(self.name.clone(), r.after().clone(), self.reported).reported_at(now_us)
+            }
             Plan::Fixed(_) => self.reported,
             Plan::Scheduled(s) => s
                 .limit_entry_at(now_us)

@@ -475,3 +475,101 @@ async fn a_reload_governs_buckets_that_were_not_full_when_it_happened() {
     h.limiter.swap_rules(harness::rules(&fixed(100, "10/m")));
     assert_eq!(admitted(&h, "k", "x", 200).await, 100);
 }
+
+/// A reload changes rates from the reload on (docs/operations.md): time before it counts at
+/// the old rate, time after at the new one, for token buckets, scheduled buckets and quotas.
+/// (Every store applied the new rate to the whole time since a bucket's last write: raising a
+/// rate granted at once what the idle time would have earned at the new rate.)
+#[tokio::test]
+async fn a_reload_changes_rates_from_the_reload_on() {
+    let t0 = utc(2026, 6, 1, 12, 0);
+    // Raised: drained, idle 10 s at 1/s, then 10/s.
+    let h = harness(&fixed(100, "1/s"), t0);
+    assert_eq!(admitted(&h, "k", "x", 100).await, 100);
+    h.clock.set_us(t0 + 10 * S);
+    h.limiter.swap_rules(harness::rules(&fixed(100, "10/s")));
+    assert_eq!(remaining(&h, "k").await, 10, "10 s at the old 1/s");
+    h.clock.set_us(t0 + 11 * S);
+    assert_eq!(admitted(&h, "k", "x", 200).await, 20, "and 1 s at the new 10/s");
+
+    // Lowered: what was earned at the old rate stays.
+    let h = harness(&fixed(100, "10/s"), t0);
+    assert_eq!(admitted(&h, "k", "x", 100).await, 100);
+    h.clock.set_us(t0 + 5 * S);
+    h.limiter.swap_rules(harness::rules(&fixed(100, "1/s")));
+    h.clock.set_us(t0 + 6 * S);
+    assert_eq!(admitted(&h, "k", "x", 200).await, 51);
+
+    // Scheduled: the same through a schedule's base rate.
+    let scheduled = |refill: &str| {
+        format!(
+            "domain: d\nbuckets:\n  b:\n    capacity: 100\n    refill: {refill}\n    schedule:\n      - {{cron: \"* 3 * * *\", capacity: 0}}\ndescriptors:\n  - {{key: k, bucket: b}}\n"
+        )
+    };
+    let h = harness(&scheduled("1/s"), t0);
+    assert_eq!(admitted(&h, "k", "x", 100).await, 100);
+    h.clock.set_us(t0 + 10 * S);
+    h.limiter.swap_rules(harness::rules(&scheduled("10/s")));
+    assert_eq!(remaining(&h, "k").await, 10);
+
+    // A quota replaced by a token bucket: nothing was left of the quota at the reload.
+    let quota =
+        "domain: d\nbuckets:\n  b: {quota: {limit: 3, reset: \"0 0 * * *\"}}\ndescriptors:\n  - {key: k, bucket: b}\n";
+    let h = harness(quota, t0);
+    assert_eq!(admitted(&h, "k", "x", 3).await, 3);
+    h.clock.set_us(utc(2026, 6, 1, 18, 0));
+    h.limiter.swap_rules(harness::rules(&fixed(10, "10/h")));
+    h.clock.set_us(utc(2026, 6, 1, 18, 30));
+    assert_eq!(admitted(&h, "k", "x", 10).await, 5, "half an hour at 10/h");
+
+    // Swept in between: the sweep must not forget a bucket by the old rules either.
+    let h = harness(&fixed(100, "10/s"), t0);
+    assert_eq!(admitted(&h, "k", "x", 100).await, 100);
+    h.clock.set_us(t0 + 5 * S);
+    h.limiter.swap_rules(harness::rules(&fixed(100, "1/s")));
+    h.clock.set_us(t0 + 10 * S);
+    h.limiter.store().sweep();
+    assert_eq!(remaining(&h, "k").await, 55, "50 at 10/s, then 5 at 1/s");
+}
+
+/// A request that loaded the rules before a reload and writes its bucket after it (in flight
+/// across the swap) must not make the memory store forget that bucket at the full time the
+/// old rules give: the new rules decide it from its state. (The store was told of the reload
+/// only at the swap, so such a write counted as one under the new rules, and the bucket,
+/// drained under a 10/s refill, read as full a second later although the new rules refill
+/// 1 per hour.)
+#[tokio::test]
+async fn a_request_in_flight_across_a_reload_does_not_make_the_store_forget_its_bucket() {
+    use tollgate::bucket::{Demand, DemandKind, MICRO};
+    use tollgate::store::Store;
+    let t0 = utc(2026, 6, 1, 12, 0);
+    let h = harness(&fixed(10, "10/s"), t0);
+    // The request in flight: it resolved its bucket under the old rules and holds them.
+    let entries = desc(&[("k", "x")]).entries;
+    let old_bucket = h.limiter.resolve("d", &entries).unwrap().buckets;
+    let in_flight = h.limiter.rules();
+    h.limiter.swap_rules(harness::rules(&fixed(10, "1/h")));
+    h.clock.set_us(t0 + 1000);
+    let take_all = [Demand {
+        instance: 0,
+        kind: DemandKind::Consume(10 * MICRO),
+        enforced: true,
+    }];
+    assert!(
+        !h.limiter
+            .store()
+            .apply(&old_bucket, &take_all)
+            .await
+            .unwrap()
+            .decision
+            .denied
+    );
+    h.clock.set_us(t0 + 2000);
+    drop(in_flight);
+    // Full by the old rules a second later; by the new ones a token takes an hour.
+    h.clock.set_us(t0 + 10 * S);
+    h.limiter.store().sweep();
+    assert_eq!(remaining(&h, "k").await, 0);
+    h.clock.set_us(t0 + 3600 * S + 1000);
+    assert_eq!(remaining(&h, "k").await, 1);
+}

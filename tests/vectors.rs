@@ -58,9 +58,15 @@ struct QuotaSpec {
 #[serde(deny_unknown_fields)]
 struct Step {
     at_us: u64,
+    /// The buckets' rules from this step on, as a reload replaces them (no request is sent).
+    reload: Option<Vec<BucketSpec>>,
+    #[serde(default)]
     demands: Vec<DemandSpec>,
+    #[serde(default)]
     denied: bool,
+    #[serde(default)]
     passed: Vec<bool>,
+    #[serde(default)]
     tokens: Vec<u64>,
 }
 
@@ -152,9 +158,23 @@ async fn check_vectors<S: Store, F: Future<Output = S>>(mut store_for: impl FnMu
         let start = start_us(&case);
         let clock = ManualClock::new(start);
         let store = store_for(clock.clone()).await;
-        let buckets = bucket_refs(&case);
+        let mut buckets = bucket_refs(&case);
         for (n, step) in case.steps.iter().enumerate() {
             clock.set_us(start + step.at_us);
+            if let Some(specs) = &step.reload {
+                // What `Limiter::swap_rules` does to a bucket policy whose rules changed.
+                assert_eq!(
+                    specs.len(),
+                    buckets.len(),
+                    "case `{}` step {n}: one spec per bucket",
+                    case.name
+                );
+                for (b, spec) in buckets.iter_mut().zip(specs) {
+                    b.plan = Plan::after_reload(&b.plan, plan(spec), start + step.at_us);
+                }
+                store.rules_changed();
+                continue;
+            }
             let demands: Vec<Demand> = step.demands.iter().map(demand).collect();
             let applied = store.apply(&buckets, &demands).await.unwrap();
             let at = format!("case `{}` step {n}", case.name);

@@ -13,10 +13,12 @@
 mod entry;
 mod plan;
 mod quota;
+mod reloaded;
 
 pub use entry::{Effect, ScheduleEntry, MAX_SCALE};
 pub use plan::Plan;
 pub use quota::{Quota, QUOTA_HORIZON_US};
+pub use reloaded::{Reloaded, MAX_RELOADS_REMEMBERED};
 
 use std::sync::Arc;
 

@@ -4,7 +4,8 @@
 use std::sync::Arc;
 
 use super::{
-    full_at_us, refill_scheduled, reopen_at_us, wait_until_us, Quota, Schedule, DEFAULT_HORIZON_US, QUOTA_HORIZON_US,
+    full_at_us, refill_scheduled, reopen_at_us, wait_until_us, Quota, Reloaded, Schedule, DEFAULT_HORIZON_US,
+    QUOTA_HORIZON_US,
 };
 use crate::bucket::{refill, wait_us, BucketState, Limit, Refilling};
 
@@ -20,6 +21,10 @@ pub enum Plan {
     Scheduled(Arc<Schedule>),
     /// A calendar quota: no refill, back to full at each reset edge (docs/schedules-and-quotas.md).
     Quota(Arc<Quota>),
+    /// One of the above replaced by a reload: the old plan up to the reload, the new one from
+    /// it ([`Reloaded`]; docs/operations.md). Never compiled from a rules file: a reload builds
+    /// it from the plan in force and the new one.
+    Reloaded(Arc<Reloaded>),
 }
 
 impl Plan {
@@ -29,6 +34,8 @@ impl Plan {
             Plan::Fixed(limit) => *limit,
             Plan::Scheduled(s) => s.limit_at(t_us),
             Plan::Quota(q) => q.limit(),
+            Plan::Reloaded(r) if t_us < r.at_us() => r.before().limit_at(t_us),
+            Plan::Reloaded(r) => r.after().limit_at(t_us),
         }
     }
 
@@ -38,6 +45,7 @@ impl Plan {
             Plan::Fixed(limit) => *limit,
             Plan::Scheduled(s) => *s.base(),
             Plan::Quota(q) => q.limit(),
+            Plan::Reloaded(r) => r.after().base(),
         }
     }
 
@@ -51,6 +59,15 @@ impl Plan {
             Plan::Fixed(limit) => wait_us(state, need_ut, limit, now_us),
             Plan::Scheduled(s) => wait_until_us(state, need_ut, s, now_us, DEFAULT_HORIZON_US),
             Plan::Quota(q) => q.wait_us(state, need_ut, now_us, QUOTA_HORIZON_US),
+            Plan::Reloaded(r) if !r.predates(state.updated_us) => r.after().wait_us(state, need_ut, now_us),
+            Plan::Reloaded(r) if now_us < r.at_us() => match r.before().wait_us(state, need_ut, now_us) {
+                Some(w) if now_us.saturating_add(w) < r.at_us() => Some(w),
+                _ => r
+                    .after()
+                    .wait_us(r.at_reload(state), need_ut, r.at_us())
+                    .map(|w| w.saturating_add(r.at_us() - now_us)),
+            },
+            Plan::Reloaded(r) => r.after().wait_us(r.at_reload(state), need_ut, now_us),
         }
     }
 
@@ -70,6 +87,12 @@ impl Plan {
                     q.next_edge(state.updated_us, state.updated_us.saturating_add(QUOTA_HORIZON_US))
                 }
             }
+            Plan::Reloaded(r) if !r.predates(state.updated_us) => r.after().full_at_us(state),
+            Plan::Reloaded(r) => match r.before().full_at_us(state) {
+                // Full before the reload: full under the new limit too (a full bucket is no bucket).
+                Some(full) if full <= r.at_us() => Some(full),
+                _ => r.after().full_at_us(r.at_reload(state)),
+            },
         }
     }
 
@@ -88,6 +111,9 @@ impl Plan {
             Plan::Quota(q) => q
                 .next_edge(now_us, now_us.saturating_add(QUOTA_HORIZON_US))
                 .map(|edge| edge - now_us),
+            Plan::Reloaded(r) if !r.predates(state.updated_us) => r.after().reset_in_us(state, now_us),
+            Plan::Reloaded(r) if now_us < r.at_us() => r.before().reset_in_us(state, now_us),
+            Plan::Reloaded(r) => r.after().reset_in_us(r.at_reload(state), now_us),
         }
     }
 
@@ -103,6 +129,8 @@ impl Plan {
                 let prev = q.prev_edge(now_us, now_us.saturating_sub(QUOTA_HORIZON_US))?;
                 Some(next - prev)
             }
+            Plan::Reloaded(r) if now_us < r.at_us() => r.before().window_us(now_us),
+            Plan::Reloaded(r) => r.after().window_us(now_us),
             _ => {
                 let limit = self.limit_at(now_us);
                 (!limit.rate.is_zero() && limit.capacity_ut > 0)
@@ -119,6 +147,9 @@ impl Refilling for Plan {
             Plan::Fixed(limit) => refill(state, limit, now_us),
             Plan::Scheduled(s) => refill_scheduled(state, s, now_us),
             Plan::Quota(q) => q.advance(state, now_us),
+            Plan::Reloaded(r) if !r.predates(state.updated_us) => r.after().refill_to(state, now_us),
+            Plan::Reloaded(r) if now_us < r.at_us() => r.before().refill_to(state, now_us),
+            Plan::Reloaded(r) => r.after().refill_to(r.at_reload(state), now_us),
         }
     }
 
@@ -144,6 +175,7 @@ impl PartialEq for Plan {
             (Plan::Quota(a), Plan::Quota(b)) => {
                 a.limit() == b.limit() && a.pattern() == b.pattern() && a.timezone() == b.timezone()
             }
+            (Plan::Reloaded(a), Plan::Reloaded(b)) => a == b,
             _ => false,
         }
     }

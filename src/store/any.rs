@@ -103,6 +103,22 @@ impl Store for AnyStore {
             AnyStore::Postgres(s) => s.rules_changed(),
         }
     }
+
+    fn on_rules_retired(&self) -> Option<super::RetireHook> {
+        match self {
+            AnyStore::Memory(s) => s.on_rules_retired(),
+            AnyStore::Redis(s) => s.on_rules_retired(),
+            AnyStore::Postgres(s) => s.on_rules_retired(),
+        }
+    }
+
+    fn clock_estimate_us(&self) -> u64 {
+        match self {
+            AnyStore::Memory(s) => s.clock_estimate_us(),
+            AnyStore::Redis(s) => s.clock_estimate_us(),
+            AnyStore::Postgres(s) => s.clock_estimate_us(),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -499,6 +499,17 @@ impl Store for MemoryStore {
         Ok(self.reset_now(buckets))
     }
 
+    fn on_rules_retired(&self) -> Option<super::RetireHook> {
+        let store = MemoryStore {
+            inner: self.inner.clone(),
+        };
+        Some(Arc::new(move || store.rules_changed()))
+    }
+
+    fn clock_estimate_us(&self) -> u64 {
+        self.inner.clock.now_us()
+    }
+
     fn rules_changed(&self) {
         let now = self.inner.clock.now_us();
         self.inner.reloads.rcu(|old| {

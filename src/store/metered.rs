@@ -71,4 +71,12 @@ impl<S: Store> Store for Metered<S> {
     fn rules_changed(&self) {
         self.inner.rules_changed();
     }
+
+    fn on_rules_retired(&self) -> Option<super::RetireHook> {
+        self.inner.on_rules_retired()
+    }
+
+    fn clock_estimate_us(&self) -> u64 {
+        self.inner.clock_estimate_us()
+    }
 }

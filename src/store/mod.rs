@@ -143,4 +143,34 @@ pub trait Store: Send + Sync + 'static {
     /// Told when the rules in force are replaced, so that what a store remembers about a bucket
     /// under the old rules (such as when it would be full) is not applied under the new ones.
     fn rules_changed(&self) {}
+
+    /// What to run when the replaced rules are retired (the last request deciding on them is
+    /// done), if this store needs telling then too: a request that loaded the old rules
+    /// before a reload and writes after it must not have its bucket's old "full again" time
+    /// trusted under the new rules. The memory store's answer calls [`Store::rules_changed`].
+    fn on_rules_retired(&self) -> Option<RetireHook> {
+        None
+    }
+
+    /// The store's clock as read without a call, in microseconds since the epoch: its own
+    /// (memory), tollgate's estimate of the backend's (Redis), tollgate's (Postgres, whose
+    /// clock is within the skew between hosts). The instant a reload takes effect at
+    /// ([`crate::schedule::Reloaded`]).
+    fn clock_estimate_us(&self) -> u64 {
+        crate::clock::Clock::now_us(&crate::clock::SystemClock)
+    }
+}
+
+/// A callback for [`Store::on_rules_retired`].
+pub type RetireHook = std::sync::Arc<dyn Fn() + Send + Sync>;
+
+/// Both hooks, or either, or none.
+pub fn both_hooks(a: Option<RetireHook>, b: Option<RetireHook>) -> Option<RetireHook> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(std::sync::Arc::new(move || {
+            a();
+            b();
+        })),
+        (a, b) => a.or(b),
+    }
 }

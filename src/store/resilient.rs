@@ -187,6 +187,14 @@ impl<P: Store> Store for Guarded<P> {
     fn rules_changed(&self) {
         self.primary.rules_changed();
     }
+
+    fn on_rules_retired(&self) -> Option<super::RetireHook> {
+        self.primary.on_rules_retired()
+    }
+
+    fn clock_estimate_us(&self) -> u64 {
+        self.primary.clock_estimate_us()
+    }
 }
 
 /// `P` behind a circuit breaker, with an optional fallback for the calls `P` fails or skips.
@@ -293,6 +301,17 @@ impl<P: Store> Store for Resilient<P> {
             f.rules_changed();
         }
     }
+
+    fn on_rules_retired(&self) -> Option<super::RetireHook> {
+        super::both_hooks(
+            self.guarded.on_rules_retired(),
+            self.fallback.as_ref().and_then(|f| f.on_rules_retired()),
+        )
+    }
+
+    fn clock_estimate_us(&self) -> u64 {
+        self.guarded.clock_estimate_us()
+    }
 }
 
 /// "`<backend>` at `<where>` is failing", with the circuit state and the latest failure.
@@ -370,6 +389,20 @@ impl Store for Fallback {
         match self {
             Fallback::Memory(s) => s.rules_changed(),
             Fallback::Postgres(s) => s.rules_changed(),
+        }
+    }
+
+    fn on_rules_retired(&self) -> Option<super::RetireHook> {
+        match self {
+            Fallback::Memory(s) => s.on_rules_retired(),
+            Fallback::Postgres(s) => s.on_rules_retired(),
+        }
+    }
+
+    fn clock_estimate_us(&self) -> u64 {
+        match self {
+            Fallback::Memory(s) => s.clock_estimate_us(),
+            Fallback::Postgres(s) => s.clock_estimate_us(),
         }
     }
 }

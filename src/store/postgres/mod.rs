@@ -631,6 +631,13 @@ impl PostgresStore {
 }
 
 impl Store for PostgresStore {
+    fn clock_estimate_us(&self) -> u64 {
+        match &self.inner.time_override {
+            Some(clock) => clock.now_us(),
+            None => crate::clock::Clock::now_us(&crate::clock::SystemClock),
+        }
+    }
+
     /// Queues the request for a lane ([`batch`]), which decides it in one transaction with
     /// the requests waiting with it, within `postgres.command_timeout_ms` of now.
     async fn apply(&self, buckets: &[BucketRef], demands: &[Demand]) -> Result<Applied, StoreError> {

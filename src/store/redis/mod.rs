@@ -644,6 +644,10 @@ impl RedisStore {
 }
 
 impl Store for RedisStore {
+    fn clock_estimate_us(&self) -> u64 {
+        self.estimate()
+    }
+
     async fn apply(&self, buckets: &[BucketRef], demands: &[Demand]) -> Result<Applied, StoreError> {
         match tokio::time::timeout(self.inner.timeout, self.apply_inner(buckets, demands)).await {
             Ok(result) => result,

@@ -26,6 +26,9 @@ pub struct BucketArgs {
     /// `S`: when a bucket emptied at `hi` would be full again (0: not within the horizon); the
     /// expiry of a bucket not full by `hi`. Otherwise 0.
     pub bound: u64,
+    /// When a reload replaced the limit (0: no reload is remembered): a value written before
+    /// it is brought forward here under the old rules first (the script answers "walk").
+    pub since: u64,
 }
 
 /// Works out [`BucketArgs`] for `plan` at `t_us`, tollgate's estimate of Redis time.
@@ -37,6 +40,7 @@ pub fn bucket_args(plan: &Plan, t_us: u64) -> BucketArgs {
             lo: 0,
             hi: 0,
             bound: 0,
+            since: 0,
         },
         Plan::Scheduled(s) => {
             let hi = s
@@ -51,6 +55,7 @@ pub fn bucket_args(plan: &Plan, t_us: u64) -> BucketArgs {
                 lo,
                 hi,
                 bound: s.full_from_empty_at(hi).unwrap_or(0),
+                since: 0,
             }
         }
         Plan::Quota(q) => BucketArgs {
@@ -61,7 +66,26 @@ pub fn bucket_args(plan: &Plan, t_us: u64) -> BucketArgs {
                 .next_edge(t_us, t_us.saturating_add(QUOTA_HORIZON_US))
                 .unwrap_or(t_us.saturating_add(QUOTA_HORIZON_US)),
             bound: 0,
+            since: 0,
         },
+        // From the reload on: the new limit, which holds only from the reload (an estimate of
+        // Redis time before it is asked again), for values written from then on.
+        Plan::Reloaded(r) if t_us >= r.at_us() => {
+            let mut args = bucket_args(r.after(), t_us);
+            args.lo = args.lo.max(r.at_us());
+            args.since = r.at_us();
+            args
+        }
+        // Before it (Redis's clock behind tollgate's): the old limit, up to the reload.
+        Plan::Reloaded(r) => {
+            let mut args = bucket_args(r.before(), t_us);
+            args.hi = if args.hi == 0 {
+                r.at_us()
+            } else {
+                args.hi.min(r.at_us())
+            };
+            args
+        }
     }
 }
 
@@ -118,9 +142,8 @@ fn parse_text_value(raw: &[u8]) -> Option<Vec<u64>> {
 /// The replacement for a scheduled bucket stored as `raw`, walked to the last change of limit
 /// at or before `now_us` (Redis time, as the script reported it).
 pub fn replacement(plan: &Plan, raw: &[u8], now_us: u64) -> Option<Replacement> {
-    let Plan::Scheduled(s) = plan else { return None };
     let (state, _) = parse_value(raw)?;
-    let at = refill_to_last_change(state, s, now_us);
+    let at = walked(plan, state, now_us)?;
     Some(Replacement {
         expect: raw.to_vec(),
         rep: [at.tokens_ut, at.updated_us]
@@ -128,6 +151,25 @@ pub fn replacement(plan: &Plan, raw: &[u8], now_us: u64) -> Option<Replacement> 
             .flat_map(|&n| (n as f64).to_le_bytes())
             .collect(),
     })
+}
+
+/// `state` brought forward to the last change of limit at or before `now_us` that the script
+/// cannot cross itself: a schedule's, or a reload's (the old rules up to it, then the new
+/// ones' schedule). `None` for a plan with no such change.
+fn walked(plan: &Plan, state: BucketState, now_us: u64) -> Option<BucketState> {
+    match plan {
+        Plan::Scheduled(s) => Some(refill_to_last_change(state, s, now_us)),
+        Plan::Reloaded(r) if now_us < r.at_us() => walked(r.before(), state, now_us),
+        Plan::Reloaded(r) => {
+            let at = if r.predates(state.updated_us) {
+                r.at_reload(state)
+            } else {
+                state
+            };
+            Some(walked(r.after(), at, now_us).unwrap_or(at))
+        }
+        Plan::Fixed(_) | Plan::Quota(_) => None,
+    }
 }
 
 /// Settings that go into every call.
@@ -159,13 +201,13 @@ fn int_value(n: u64) -> Value {
 }
 
 /// One request's ARGV fields (see `lua/decide.lua`): one string of little-endian `f64`s (the
-/// counts, 8 numbers per bucket, 4 per demand; every number an integer below 2^53, so exact),
+/// counts, 9 numbers per bucket, 4 per demand; every number an integer below 2^53, so exact),
 /// then the two strings of each [`Replacement`], in bucket order. Its keys go into KEYS in the
 /// same order as `buckets`. Packed numbers spare Redis a string object per number and the
 /// script a text-to-number parse per number.
 pub fn encode_request(buckets: &[(BucketArgs, Option<&Replacement>)], demands: &[Demand]) -> Vec<Value> {
     let replaced = buckets.iter().filter(|(_, r)| r.is_some()).count();
-    let mut packed = Vec::with_capacity(8 * (3 + buckets.len() * 8 + demands.len() * 4));
+    let mut packed = Vec::with_capacity(8 * (3 + buckets.len() * 9 + demands.len() * 4));
     // Lua's numbers are doubles: nothing tollgate sends exceeds 2^53 but an amount, which is
     // capped there (9 billion tokens is more than any capacity, so it still fails every
     // consume and fills every refund).
@@ -186,6 +228,7 @@ pub fn encode_request(buckets: &[(BucketArgs, Option<&Replacement>)], demands: &
         put(b.hi);
         put(b.bound);
         put(u64::from(rep.is_some()));
+        put(b.since);
     }
     for d in demands {
         put(d.instance as u64 + 1);
@@ -509,6 +552,34 @@ mod tests {
         assert!(parse_reply(out_of_range, 2, 1).is_err());
     }
 
+    /// A reloaded limit holds from the reload on (earlier Redis time asks again) and makes the
+    /// script send back values written before the reload; before it, the old limit holds up to
+    /// the reload.
+    #[test]
+    fn a_reloaded_limit_holds_from_the_reload_and_walks_older_values() {
+        let old = Plan::Fixed(Limit::new(10, Rate::per(1, 1_000_000).unwrap()));
+        let new = Plan::Fixed(Limit::new(10, Rate::per(10, 1_000_000).unwrap()));
+        let at = 1_700_000_000_000_000;
+        let plan = Plan::after_reload(&old, new.clone(), at);
+        let after = bucket_args(&plan, at + 5);
+        assert_eq!((after.kind, after.lo, after.hi, after.since), (b'F', at, 0, at));
+        assert_eq!(after.limit, new.limit_at(at));
+        let before = bucket_args(&plan, at - 5);
+        assert_eq!((before.kind, before.lo, before.hi, before.since), (b'F', 0, at, 0));
+        assert_eq!(before.limit, old.limit_at(at));
+        let packed = encode_request(&[(after, None)], &[]);
+        let numbers = unpack_numbers(packed[0].as_bytes().unwrap()).unwrap();
+        assert_eq!(numbers[3 + 8], at, "since is the ninth number of a bucket");
+        // A value written 10 s before the reload, empty: 10 tokens at the old 1/s by the reload.
+        let raw = [0.0f64, (at - 10_000_000) as f64, 0.0]
+            .iter()
+            .flat_map(|n| n.to_le_bytes())
+            .collect::<Vec<u8>>();
+        let rep = replacement(&plan, &raw, at + 1_000).unwrap();
+        assert_eq!(rep.rep, doubles(&[10_000_000.0, at as f64]));
+        assert_eq!(replacement(&old, &raw, at), None, "a constant limit is never walked");
+    }
+
     #[test]
     fn a_call_is_a_header_then_each_request() {
         let settings = CallSettings {
@@ -543,11 +614,11 @@ mod tests {
         let fields = encode_request(&[(args, None), (args, None)], &demands);
         assert_eq!(fields.len(), 1, "no replacements: one packed string");
         let numbers = unpack_numbers(fields[0].as_bytes().unwrap()).unwrap();
-        assert_eq!(numbers.len(), 3 + 2 * 8 + 2 * 4);
+        assert_eq!(numbers.len(), 3 + 2 * 9 + 2 * 4);
         assert_eq!(&numbers[..4], &[2, 2, 0, 1], "2 buckets, 2 demands, no replacement, F");
         assert_eq!(&numbers[4..7], &[10 * MICRO, limit.rate.num(), limit.rate.den()]);
         // The first demand: bucket 2 (1-based), consume 3 µt, enforced; then a check.
-        assert_eq!(&numbers[19..], &[2, 1, 3, 1, 1, 2, 0, 0]);
+        assert_eq!(&numbers[21..], &[2, 1, 3, 1, 1, 2, 0, 0]);
 
         let rep = Replacement {
             expect: doubles(&[1.0, 2.0, 3.0]),
@@ -562,7 +633,7 @@ mod tests {
             ]
         );
         let numbers = unpack_numbers(fields[0].as_bytes().unwrap()).unwrap();
-        assert_eq!((numbers[2], numbers[3 + 7], numbers[3 + 8 + 7]), (1, 0, 1));
+        assert_eq!((numbers[2], numbers[3 + 7], numbers[3 + 9 + 7]), (1, 0, 1));
         // Amounts past 2^53 µt are sent as 2^53, which Lua holds exactly.
         let huge = [Demand {
             instance: 0,
@@ -570,7 +641,7 @@ mod tests {
             enforced: true,
         }];
         let numbers = unpack_numbers(encode_request(&[(args, None)], &huge)[0].as_bytes().unwrap()).unwrap();
-        assert_eq!(numbers[3 + 8 + 2], crate::bucket::EXACT_LIMIT);
+        assert_eq!(numbers[3 + 9 + 2], crate::bucket::EXACT_LIMIT);
     }
 
     #[test]
