@@ -204,7 +204,9 @@ local function decide(now, margin_ms, max_ttl_ms, ko, ao)
         if #replaced ~= 16 then return {'bad', now, 'tollgate: bad replacement'}, next_ao end
         st, su = unpack_fields('<dd', replaced)
         if not (valid(st) and valid(su)) then return {'bad', now, 'tollgate: bad replacement'}, next_ao end
-      elseif (kind == 2 and e > 0 and now >= e) or (f[o + 9] > 0 and su < f[o + 9]) then
+      elseif (kind == 2 and (e == 0 or now >= e)) or (f[o + 9] > 0 and su < f[o + 9]) then
+        -- (A scheduled value always records its end: one without was written under another
+        -- kind of limit, by a request on the rules before a reload, so it is walked too.)
         walk = walk or {'walk', now}
         walk[#walk + 1] = i
         walk[#walk + 1] = raw
@@ -221,15 +223,15 @@ local function decide(now, margin_ms, max_ttl_ms, ko, ao)
   if walk then return walk, next_ao end
 
   -- The limit each bucket is decided under is the one at its own time: now, or for a
-  -- scheduled bucket written later than now (Redis's clock stepped back), its write, as the
-  -- memory store does. Outside [lo, hi) tollgate must look the limit up again for that time.
-  -- A constant limit (F) holds at every time.
+  -- bucket written later than now (Redis's clock stepped back), its write, as the memory
+  -- store does. Outside [lo, hi) tollgate must look the limit up again for that time. A
+  -- constant limit (F) holds at every time, unless a reload bounds it (lo or hi).
   local stale = false
   for i = 1, nb do
     local x = b[i]
     if x.kind ~= 1 or x.lo > 0 or x.hi > 0 then
       local at = now
-      if x.kind == 2 and x.su > now then at = x.su end
+      if x.su > now then at = x.su end
       if at < x.lo or (x.hi > 0 and at >= x.hi) then stale = true end
     end
   end
@@ -237,7 +239,7 @@ local function decide(now, margin_ms, max_ttl_ms, ko, ao)
     local retry = {'retry', now}
     for i = 1, nb do
       local x = b[i]
-      retry[i + 2] = (x.kind == 2 and x.su > now) and x.su or now
+      retry[i + 2] = (x.su > now) and x.su or now
     end
     return retry, next_ao
   end

@@ -266,7 +266,8 @@ mod random {
     //! Random plans and request sequences, decided side by side by the memory store and the
     //! Redis store at the same (injected) instants: every decision and every micro-token must
     //! agree. This covers what the hand-written vectors do not: schedule changes crossed in
-    //! any number, quota edges, a clock stepping back, many buckets per request.
+    //! any number, quota edges, a clock stepping back, many buckets per request, reloads that
+    //! replace any kind of limit by any other.
 
     use super::*;
     use proptest::prelude::*;
@@ -349,10 +350,15 @@ mod random {
         ]
     }
 
-    fn arb_case() -> impl Strategy<Value = (Vec<BucketSpec>, Vec<(i64, Vec<DemandSpec>)>)> {
+    /// A step: a time step, then a request, or now and then a reload that replaces every
+    /// bucket's rules.
+    type RandomStep = (i64, Vec<DemandSpec>, Option<Vec<BucketSpec>>);
+
+    fn arb_case() -> impl Strategy<Value = (Vec<BucketSpec>, Vec<RandomStep>)> {
         prop::collection::vec(arb_bucket(), 1..4).prop_flat_map(|buckets| {
             let n = buckets.len();
-            let steps = prop::collection::vec((arb_step(), prop::collection::vec(arb_demand(n), 1..4)), 1..25);
+            let reload = prop::option::weighted(0.15, prop::collection::vec(arb_bucket(), n..=n));
+            let steps = prop::collection::vec((arb_step(), prop::collection::vec(arb_demand(n), 1..4), reload), 1..25);
             (Just(buckets), steps)
         })
     }
@@ -381,15 +387,33 @@ mod random {
             let n = case_no.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             clock.set_us(START);
             let memory = MemoryStore::new(4, 1000, Arc::new(clock.clone()));
-            let buckets: Vec<BucketRef> = specs
+            let mut buckets: Vec<BucketRef> = specs
                 .iter()
                 .enumerate()
                 .map(|(i, b)| BucketRef { key: format!("case{n}#{i}"), plan: plan(b) })
                 .collect();
             let mut t = START;
-            for (k, (dt, demands)) in steps.iter().enumerate() {
-                t = t.saturating_add_signed(*dt);
+            let mut latest = START;
+            let mut reloaded_at = 0;
+            for (k, (dt, demands, reload)) in steps.iter().enumerate() {
+                // The clock steps back between requests, but never across a reload: a reload
+                // comes after every write so far, and no request after it reads a time before
+                // it. A clock stepping back across a reload is where the two stores may still
+                // differ (docs/operations.md).
+                t = t.saturating_add_signed(*dt).max(reloaded_at);
+                if reload.is_some() {
+                    t = t.max(latest + 1);
+                    reloaded_at = t;
+                }
+                latest = latest.max(t);
                 clock.set_us(t);
+                if let Some(specs) = reload {
+                    for (b, spec) in buckets.iter_mut().zip(specs) {
+                        b.plan = Plan::after_reload(&b.plan, plan(spec), t);
+                    }
+                    memory.rules_changed();
+                    continue;
+                }
                 let demands: Vec<Demand> = demands.iter().map(demand).collect();
                 let m = memory.apply_now(&buckets, &demands);
                 let r = rt.block_on(redis.apply(&buckets, &demands)).unwrap();

@@ -112,7 +112,16 @@ struct Inner {
     stats: MemoryStoreStats,
     /// When the rules were last replaced (see [`Store::rules_changed`]).
     reloads: ArcSwap<Reloads>,
+    /// Per shard, the latest `updated_us` written to it (written under its lock), so that a
+    /// reload counts as after every write before it even when the clock has stepped back.
+    written: Box<[LatestWrite]>,
 }
+
+/// The latest write of one shard, on a cache line of its own (shards are written from
+/// different cores).
+#[derive(Default)]
+#[repr(align(64))]
+struct LatestWrite(AtomicU64);
 
 /// The instants (by the store's clock) the rules were replaced at, the latest
 /// [`MAX_RELOADS_KEPT`] of them, ascending.
@@ -164,6 +173,7 @@ impl MemoryStore {
                 clock,
                 stats: MemoryStoreStats::default(),
                 reloads: ArcSwap::from_pointee(Reloads::default()),
+                written: (0..shards).map(|_| LatestWrite::default()).collect(),
             }),
         }
     }
@@ -289,6 +299,10 @@ impl MemoryStore {
                     } else {
                         self.inner.make_room(map, now);
                         map.insert(key, entry);
+                    }
+                    let latest = &self.inner.written[locked.bucket_shards[i]].0;
+                    if latest.load(Ordering::Relaxed) < out.after.updated_us {
+                        latest.store(out.after.updated_us, Ordering::Relaxed);
                     }
                 }
             }
@@ -511,13 +525,19 @@ impl Store for MemoryStore {
     }
 
     fn rules_changed(&self) {
-        let now = self.inner.clock.now_us();
+        // After every write so far, by their times too: a write stamped later than the clock
+        // reads now (it stepped back) was still made under the old rules.
+        let written = self.inner.written.iter().map(|w| w.0.load(Ordering::Relaxed)).max();
+        let now = self.inner.clock.now_us().max(written.unwrap_or(0));
         self.inner.reloads.rcu(|old| {
             let mut at_us = old.at_us.clone();
-            at_us.push(now.max(at_us.last().copied().unwrap_or(0)));
+            // In order of the instants, not of the calls: a reload read off a clock that
+            // stepped back lies before an earlier one, and a bucket not full by then is not
+            // full by the rules that replaced it then.
+            at_us.insert(at_us.partition_point(|r| *r <= now), now);
             let mut forgotten_until_us = old.forgotten_until_us;
             if at_us.len() > MAX_RELOADS_KEPT {
-                forgotten_until_us = at_us.remove(0);
+                forgotten_until_us = forgotten_until_us.max(at_us.remove(0));
             }
             Reloads {
                 at_us,

@@ -39,8 +39,8 @@ use futures_util::future::join_all;
 
 use self::batch::{Answer, Batcher, Job, LaneSettings};
 use self::script::{
-    bucket_args, encode_header, encode_request, parse_reply, replacement, split_answers, BucketArgs, CallSettings,
-    Replacement, Reply,
+    bucket_args, encode_header, encode_request, parse_reply, parse_value, replacement, split_answers, BucketArgs,
+    CallSettings, Replacement, Reply,
 };
 use super::{Applied, BucketRef, ConnectError, Peeked, Store, StoreError};
 use crate::bucket::{BucketState, Decision, Demand, DemandKind, InstanceOutcome, Refilling};
@@ -492,7 +492,12 @@ impl RedisStore {
                 Reply::Walk { now_us, stale } => {
                     at.fill(now_us);
                     for (i, raw) in stale {
-                        reps[i] = replacement(&buckets[i].plan, &raw, now_us);
+                        // Walked to the value's own time when Redis's clock reads before it (it
+                        // stepped back), the time its limit is then looked up at, as the
+                        // script and the memory store do.
+                        let t = parse_value(&raw).map_or(now_us, |(state, _)| now_us.max(state.updated_us));
+                        at[i] = t;
+                        reps[i] = replacement(&buckets[i].plan, &raw, t);
                         if reps[i].is_none() {
                             return Err(StoreError::Rejected(format!(
                                 "decide.lua: cannot read the stored value {:?}",

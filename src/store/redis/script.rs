@@ -305,8 +305,8 @@ pub enum Reply {
     Retry {
         /// Redis time, in microseconds.
         now_us: u64,
-        /// Per bucket, the instant its limit is wanted at: `now_us`, or a scheduled bucket's
-        /// last write when Redis's clock reads before it (a clock that stepped back).
+        /// Per bucket, the instant its limit is wanted at: `now_us`, or the bucket's last write
+        /// when Redis's clock reads before it (a clock that stepped back).
         at_us: Vec<u64>,
     },
     /// Scheduled buckets crossed by a change of limit since their write: walk them and ask
