@@ -30,6 +30,10 @@ pub struct Settings {
     pub shadow_mode: bool,
     /// Honour per-descriptor `limit` overrides sent by Envoy (`RateLimitOverride`).
     pub overrides: bool,
+    /// Honour `is_negative_hits` refunds sent over gRPC. `false`: such a descriptor is answered
+    /// `OK` without a bucket (nothing given back), so whoever reaches the gRPC port cannot
+    /// refill buckets; the rest of the request is decided as usual.
+    pub refunds: bool,
     /// The memory backend.
     pub memory: MemorySettings,
     /// The Redis backend (used when `backend: redis`).
@@ -75,8 +79,13 @@ pub struct AdminSettings {
     /// Its address; keep it on loopback (or a network only operators reach).
     pub addr: SocketAddr,
     /// When set, every admin request must carry `Authorization: Bearer <token>`.
-    /// Redacted in `/config`.
+    /// Redacted in `/config`. Required when `addr` is not a loopback address.
     pub token: Option<String>,
+    /// Host names accepted in an admin request's `Host` header besides `localhost` and IP
+    /// addresses (say the name a port-forward, a proxy or an ingress uses), without a port;
+    /// any other name is refused (`403`), so a page in an operator's browser cannot reach the
+    /// listener under a name of its own (DNS rebinding).
+    pub allowed_hosts: Vec<String>,
 }
 
 /// Watching the rules path.
@@ -399,6 +408,7 @@ impl Default for Settings {
             headers: HeaderSettings::default(),
             shadow_mode: false,
             overrides: true,
+            refunds: true,
             memory: MemorySettings::default(),
             redis: RedisSettings::default(),
             postgres: PostgresSettings::default(),
@@ -417,6 +427,7 @@ impl Default for AdminSettings {
             enabled: true,
             addr: SocketAddr::from(([127, 0, 0, 1], 8082)),
             token: None,
+            allowed_hosts: Vec::new(),
         }
     }
 }
@@ -494,7 +505,7 @@ pub const DEFAULT_SETTINGS_FILE: &str = "config/tollgate.yaml";
 
 /// Top-level settings keys; only these are read from `TOLLGATE_*`, so unrelated variables
 /// with the same prefix are not mistaken for settings.
-const KEYS: [&str; 17] = [
+const KEYS: [&str; 18] = [
     "grpc_addr",
     "http_addr",
     "rules",
@@ -504,6 +515,7 @@ const KEYS: [&str; 17] = [
     "headers",
     "shadow_mode",
     "overrides",
+    "refunds",
     "memory",
     "redis",
     "postgres",
@@ -757,7 +769,9 @@ impl Settings {
     ///
     /// Errors: a `log.level` that is not a `tracing` filter (`info`, `tollgate=debug,warn`);
     /// `metrics.near_limit_ratio` outside `(0, 1]`; an empty `admin.token` or one with
-    /// whitespace at either end (it could never match what a client sends); `shutdown.timeout_seconds` of 0.
+    /// whitespace at either end (it could never match what a client sends); an enabled admin
+    /// listener beyond loopback without `admin.token`; an `admin.allowed_hosts` entry that is not
+    /// a bare host name; `shutdown.timeout_seconds` of 0.
     pub fn validate(&self) -> Result<(), String> {
         let ratio = self.metrics.near_limit_ratio;
         if !(ratio > 0.0 && ratio <= 1.0) {
@@ -765,6 +779,25 @@ impl Settings {
         }
         if let Err(e) = tracing_subscriber::EnvFilter::try_new(&self.log.level) {
             return Err(format!("log.level {:?} is not a tracing filter: {e}", self.log.level));
+        }
+        if self.admin.enabled && self.admin.token.is_none() && !self.admin.addr.ip().is_loopback() {
+            return Err(format!(
+                "admin.addr {} is not a loopback address and admin.token is not set: anyone who reaches it \
+                 could reset or refund any bucket; set admin.token (TOLLGATE_ADMIN__TOKEN), bind admin.addr \
+                 to 127.0.0.1 or [::1], or set admin.enabled: false",
+                self.admin.addr
+            ));
+        }
+        for name in &self.admin.allowed_hosts {
+            let bad = name.is_empty()
+                || name.contains(|c: char| c.is_whitespace() || "/:@[]".contains(c))
+                || name.trim_end_matches('.').is_empty();
+            if bad {
+                return Err(format!(
+                    "admin.allowed_hosts: {name:?} is not a host name; give names without a scheme or port \
+                     (IP addresses and localhost are always accepted)"
+                ));
+            }
         }
         if let Some(token) = &self.admin.token {
             if token.is_empty() || token.trim() != token {
@@ -1183,6 +1216,38 @@ mod tests {
         }
         s.admin.token = Some("tok".into());
         assert_eq!(s.validate(), Ok(()));
+    }
+
+    /// Without a token, anyone who reaches a listener beyond loopback could reset every
+    /// bucket: refused at start, naming the settings.
+    #[test]
+    fn an_admin_listener_beyond_loopback_needs_a_token() {
+        let mut s = Settings::default();
+        for addr in ["0.0.0.0:8082", "10.1.2.3:8082", "[::]:8082"] {
+            s.admin.addr = addr.parse().unwrap();
+            let err = s.validate().unwrap_err();
+            assert!(
+                err.contains("admin.addr") && err.contains("admin.token") && err.contains(addr),
+                "{addr}: {err}"
+            );
+        }
+        s.admin.token = Some("tok".into());
+        assert_eq!(s.validate(), Ok(()));
+        s.admin.token = None;
+        s.admin.enabled = false;
+        assert_eq!(s.validate(), Ok(()), "an admin API that is off binds nothing");
+        s.admin.enabled = true;
+        for loopback in ["127.0.0.1:8082", "127.0.0.2:9000", "[::1]:8082"] {
+            s.admin.addr = loopback.parse().unwrap();
+            assert_eq!(s.validate(), Ok(()), "{loopback}");
+        }
+        s.admin.allowed_hosts = vec!["tollgate-admin.ops.svc".into(), "Admin.Example.".into()];
+        assert_eq!(s.validate(), Ok(()));
+        for bad in ["", "http://x", "x:8082", "a b", "[::1]"] {
+            s.admin.allowed_hosts = vec![bad.into()];
+            let err = s.validate().unwrap_err();
+            assert!(err.contains("admin.allowed_hosts"), "{bad:?}: {err}");
+        }
     }
 
     #[test]

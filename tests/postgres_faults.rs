@@ -650,7 +650,7 @@ async fn the_password_setting_logs_in_and_a_wrong_one_is_named_not_printed() {
     assert_eq!(readyz(&ok), (200, "ready\n".to_owned()));
     let mut c = connect(&ok).await;
     assert_eq!(exhaust(&mut c, "pw").await, real_decisions());
-    let config = block_in_place(|| support::http_get(ok.http_addr, "/config")).unwrap().1;
+    let config = block_in_place(|| ok.config()).unwrap().1;
     assert!(!config.contains("s3cret-pw"), "{config}");
 
     let dir = tempfile::tempdir().unwrap();
