@@ -63,7 +63,8 @@ pub struct HttpState {
 pub struct BackendNames {
     /// The backend deciding: `Redis`, `Postgres` or `memory`.
     pub primary: &'static str,
-    /// Its fallback under `failure_mode: fallback`: `Postgres` or `memory`.
+    /// Its fallback under `failure_mode: fallback`: `postgres` or `memory` (as the
+    /// `redis.fallback` setting names them).
     pub fallback: Option<&'static str>,
 }
 
@@ -147,18 +148,24 @@ async fn readyz(State(state): State<HttpState>) -> (StatusCode, String) {
     let BackendNames { primary, fallback } = state.backend_names;
     match (checked, fallback) {
         (Ok(None), _) => (StatusCode::OK, "ready\n".into()),
+        // `AnyStore::ready` says "deciding on the <name> fallback" when the primary fails and
+        // the fallback decides, "the <name> fallback is failing" when only the fallback fails.
+        (Ok(Some(why)), Some(fallback)) if why.contains("deciding on the") => (
+            StatusCode::OK,
+            format!("ready (degraded): {primary} is failing; deciding on the {fallback} fallback\n"),
+        ),
         (Ok(Some(_)), Some(fallback)) => (
             StatusCode::OK,
-            format!("ready (degraded): {primary} or the {fallback} fallback is failing; see the log\n"),
+            format!("ready (degraded): the {fallback} fallback is failing\n"),
         ),
         (Ok(Some(_)), None) => (StatusCode::OK, format!("ready (degraded): {primary}; see the log\n")),
         (Err(_), Some(fallback)) => (
             StatusCode::SERVICE_UNAVAILABLE,
-            format!("not ready: {primary} and the {fallback} fallback are unavailable; see the log\n"),
+            format!("not ready: {primary} and the {fallback} fallback are failing\n"),
         ),
         (Err(_), None) => (
             StatusCode::SERVICE_UNAVAILABLE,
-            format!("not ready: {primary} is unavailable; see the log\n"),
+            format!("not ready: {primary} is failing\n"),
         ),
     }
 }
@@ -266,8 +273,15 @@ mod tests {
                 Err(format!(
                     "{detail}; and the postgres fallback: postgres://u:pw2@db-3.internal/x"
                 )),
-                Some("Postgres"),
+                Some("postgres"),
                 503,
+            ),
+            (
+                Ok(Some(
+                    "the postgres fallback is failing: postgres://u:pw2@db-3.internal/x".to_owned(),
+                )),
+                Some("postgres"),
+                200,
             ),
             (
                 Ok(Some(format!("{detail}; deciding on the memory fallback"))),
@@ -295,13 +309,17 @@ mod tests {
                 "internal",
                 "6390",
                 "redis://",
+                "postgres://",
                 "pw2",
                 "db-3",
                 "app:",
             ] {
                 assert!(!response.contains(secret), "/readyz shows {secret:?}: {response}");
             }
-            assert!(response.contains("Redis"), "{response}");
+            assert!(
+                response.contains("Redis") || response.contains("fallback is failing"),
+                "{response}"
+            );
             if let Some(fallback) = fallback {
                 assert!(response.contains(&format!("{fallback} fallback")), "{response}");
             }

@@ -58,7 +58,7 @@ fn backend_names(settings: &Settings) -> crate::http::BackendNames {
             fallback: fallback_of(
                 settings.redis.failure_mode,
                 Some(match settings.redis.fallback {
-                    FallbackBackend::Postgres => "Postgres",
+                    FallbackBackend::Postgres => "postgres",
                     FallbackBackend::Memory => "memory",
                 }),
             ),
