@@ -829,6 +829,8 @@ async fn config_is_on_the_admin_listener_only() {
     let args = ["peek", "--domain", "api", "--entry", "user=erin", "--admin", &admin];
     let out = cli(&args, &[("TOLLGATE_ADMIN__TOKEN", "8675309")]).await;
     assert_eq!(only(&stdout_json(&out)).tokens, 10);
+    let log = tg.process.log();
+    assert!(!log.contains("8675309"), "the log shows the token: {log}");
 }
 
 /// Without a token, an admin listener beyond loopback would let anyone who reaches it reset
