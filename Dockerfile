@@ -35,8 +35,8 @@ ENV TOLLGATE_LOG__FORMAT=json
 # nobody:nogroup. The files above stay root's and read-only to it: tollgate writes nothing, so
 # the root filesystem may be mounted read-only.
 USER 65534:65534
-# 8081: Envoy's RateLimitService (gRPC) and grpc.health.v1; 8080: /healthz /readyz /metrics
-# /config. The admin API (8082) listens on loopback inside the container only.
+# 8081: Envoy's RateLimitService (gRPC) and grpc.health.v1; 8080: /healthz /readyz /metrics.
+# The admin API and /config (8082) listen on loopback inside the container only.
 EXPOSE 8081 8080
 # Liveness, not readiness: an orchestrator that restarts unhealthy containers (Swarm, ECS,
 # Nomad) would otherwise restart every replica during a backend outage, which a restart cannot

@@ -6,16 +6,26 @@
 //! listeners Envoy and probes use. Keep it on loopback (reach it with `kubectl exec` or
 //! `kubectl port-forward`), or behind a NetworkPolicy that admits operators alone, and set a
 //! token (`admin.token`, `TOLLGATE_ADMIN__TOKEN`): every request must then carry
-//! `Authorization: Bearer <token>`. A token set to the empty string admits nobody.
+//! `Authorization: Bearer <token>`. A token set to the empty string admits nobody; an
+//! `admin.addr` beyond loopback without a token is refused at start.
+//!
+//! **Browsers.** Without a token, the pages in an operator's browser can reach a loopback
+//! listener too. Every request must therefore name the listener in `Host` (an IP address,
+//! `localhost` or an `admin.allowed_hosts` name: DNS rebinding gives a page's own name), carry
+//! no `Origin` but the listener's own, and every `POST` must be `Content-Type:
+//! application/json` (a form or `text/plain` needs no CORS preflight; JSON does, and none is
+//! granted). Refusals come before the body is read and change nothing.
 //!
 //! **Addressing.** A bucket is addressed as a request would reach it: a domain and one
 //! descriptor's entries, matched by the rules in force exactly as `ShouldRateLimit` matches
 //! them ([`Limiter::resolve`]): wildcards, `share_threshold`, and a rule's quota beside its
 //! token bucket. Envoy `limit` overrides are not addressable.
 //!
-//! **Endpoints.** All `POST`, with a JSON [`BucketRequest`] body (at most
-//! [`MAX_BODY_BYTES`]); each answers `200` with a [`BucketsResponse`]: per bucket instance
-//! the descriptor reaches, its state after the operation.
+//! **Endpoints.** The bucket endpoints are all `POST`, with a JSON [`BucketRequest`] body (at
+//! most [`MAX_BODY_BYTES`]); each answers `200` with a [`BucketsResponse`]: per bucket instance
+//! the descriptor reaches, its state after the operation. `GET /config` ([`CONFIG_PATH`]) is the
+//! rules in force and the settings ([`crate::config_view`]), here rather than on the public
+//! HTTP port because rule values can be API keys and the settings name the backends.
 //!
 //! | path | body | does |
 //! |---|---|---|
@@ -25,7 +35,9 @@
 //!
 //! Errors are `{"error": "<message>"}` ([`ErrorResponse`]): `400` for a body that is not
 //! such JSON (unknown or missing fields, `tokens` or `hits` of 0, an empty domain or key),
-//! `401` when a token is configured and the request does not carry it, `404` for an unknown
+//! `401` when a token is configured and the request does not carry it, `403` for a `Host` that
+//! does not name the listener or a foreign `Origin`, `415` for a `POST` that is not
+//! `application/json`, `404` for an unknown
 //! domain, a descriptor no rule matches, or an `unlimited` rule (no bucket), `405` for a
 //! method other than `POST`, `413` for a body over the limit, `503` when the store fails.
 //!
@@ -36,10 +48,11 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::routing::post;
+use axum::routing::{get, post};
 use axum::{Json, Router};
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use serde::{Deserialize, Serialize};
@@ -224,29 +237,189 @@ pub struct ErrorResponse {
     pub error: String,
 }
 
-/// The admin API over `limiter`'s rules and store. With `token` set, every request must
-/// carry `Authorization: Bearer <token>` (compared in constant time); an empty token admits
-/// nobody. The caller binds the router to its listener (`admin.addr`).
-pub fn router<S: Store>(limiter: Arc<Limiter<S>>, token: Option<String>) -> Router {
-    if token.as_deref() == Some("") {
+/// Builds the `/config` document (the rules in force and the settings, secrets redacted) on
+/// each call; see [`crate::config_view`].
+pub type ConfigView = Arc<dyn Fn() -> serde_json::Value + Send + Sync>;
+
+/// How the admin listener admits requests, and what it serves beside the bucket endpoints.
+#[derive(Clone, Default)]
+pub struct AdminOptions {
+    /// With a token, every request must carry `Authorization: Bearer <token>` (compared in
+    /// constant time); an empty token admits nobody (`admin.token`).
+    pub token: Option<String>,
+    /// Host names accepted in `Host` besides `localhost` and IP addresses, compared without
+    /// the port and case (`admin.allowed_hosts`): the name a port-forward, a proxy or an
+    /// ingress uses to reach the listener.
+    pub allowed_hosts: Vec<String>,
+    /// `GET /config` when given (else it is 404).
+    pub config: Option<ConfigView>,
+}
+
+/// The admin API over `limiter`'s rules and store, admitting requests as `options` says
+/// (see [the module](self): who may reach it). The caller binds the router to its listener
+/// (`admin.addr`).
+pub fn router<S: Store>(limiter: Arc<Limiter<S>>, options: AdminOptions) -> Router {
+    if options.token.as_deref() == Some("") {
         tracing::warn!("admin.token is set but empty: every admin request will be refused");
     }
-    let admin = Arc::new(Admin {
-        limiter,
-        token: token.map(String::into_bytes),
+    let gate = Arc::new(Gate {
+        token: options.token.map(String::into_bytes),
+        allowed_hosts: options.allowed_hosts.iter().map(|h| normalise_host(h)).collect(),
     });
-    Router::new()
+    let admin = Arc::new(Admin { limiter });
+    let mut app = Router::new()
         .route(Operation::Peek.path(), post(peek::<S>).fallback(method_not_allowed))
         .route(Operation::Refund.path(), post(refund::<S>).fallback(method_not_allowed))
         .route(Operation::Reset.path(), post(reset::<S>).fallback(method_not_allowed))
-        .fallback(not_found)
+        .with_state(admin);
+    if let Some(view) = options.config {
+        app = app.route(CONFIG_PATH, get(move || config(view.clone())).fallback(get_only));
+    }
+    app.fallback(not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
-        .with_state(admin)
+        .layer(axum::middleware::from_fn_with_state(gate, admit))
 }
+
+/// The path of the rules-and-settings document on the admin listener.
+pub const CONFIG_PATH: &str = "/config";
 
 struct Admin<S> {
     limiter: Arc<Limiter<S>>,
+}
+
+/// What every request to the admin listener must pass before its endpoint runs.
+struct Gate {
     token: Option<Vec<u8>>,
+    /// Lower case, without a trailing dot.
+    allowed_hosts: Vec<String>,
+}
+
+/// Refuses, before any endpoint, what a browser page could send on an operator's behalf and
+/// what lacks the token: a `Host` that is not one of the listener's names (a DNS-rebinding
+/// page reaches a loopback listener under its own name, and could read the answers), an
+/// `Origin` other than the request's own host (a cross-site page), and, with a token set, a
+/// request without it. `POST`s must also be `Content-Type: application/json` ([`Admin::handle`]):
+/// a cross-site page can send a form or `text/plain` without asking, JSON only after a CORS
+/// preflight, which this listener never grants.
+async fn admit(State(gate): State<Arc<Gate>>, request: Request, next: Next) -> Response {
+    let headers = request.headers();
+    let host = headers
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .map(str::to_owned)
+        .or_else(|| request.uri().authority().map(|a| a.as_str().to_owned()));
+    let Some(host) = host.filter(|h| gate.host_allowed(h)) else {
+        return ApiError::new(
+            StatusCode::FORBIDDEN,
+            "the Host header is not one of the admin listener's names: use an IP address or localhost, \
+             or add the name to admin.allowed_hosts",
+        )
+        .into_response();
+    };
+    if let Some(origin) = headers.get(header::ORIGIN) {
+        let same = origin
+            .to_str()
+            .ok()
+            .and_then(|o| o.split_once("://"))
+            .is_some_and(|(_, authority)| authority.eq_ignore_ascii_case(&host));
+        if !same {
+            return ApiError::new(
+                StatusCode::FORBIDDEN,
+                "cross-origin requests are refused (the Origin header is not this listener)",
+            )
+            .into_response();
+        }
+    }
+    if !gate.authorized(headers) {
+        return ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "missing or wrong bearer token (Authorization: Bearer <admin.token>)",
+        )
+        .into_response();
+    }
+    next.run(request).await
+}
+
+impl Gate {
+    /// Whether `authority` (a `Host` value: `name`, `name:port`, `[v6]:port`) names this
+    /// listener: an IP address (no DNS name is involved, so no rebinding), `localhost`, or an
+    /// [`AdminOptions::allowed_hosts`] name. The port is not compared: a port-forward picks
+    /// its own, and a rebinding page controls the name, not the port.
+    fn host_allowed(&self, authority: &str) -> bool {
+        let Some(name) = host_of(authority) else {
+            return false;
+        };
+        let name = normalise_host(name);
+        let ip = name
+            .strip_prefix('[')
+            .and_then(|n| n.strip_suffix(']'))
+            .unwrap_or(&name);
+        ip.parse::<std::net::IpAddr>().is_ok() || name == "localhost" || self.allowed_hosts.contains(&name)
+    }
+
+    /// Whether `headers` carry the configured token (always, when none is configured).
+    fn authorized(&self, headers: &HeaderMap) -> bool {
+        let Some(expected) = &self.token else {
+            return true;
+        };
+        let given = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| bearer_token(v.as_bytes()));
+        match given {
+            Some(given) => !expected.is_empty() && constant_time_eq(given, expected),
+            None => false,
+        }
+    }
+}
+
+/// The host of a `Host` value without its port (`[::1]:8082` -> `[::1]`, `a:1` -> `a`); `None`
+/// for an empty one or one with a port that is not a number.
+fn host_of(authority: &str) -> Option<&str> {
+    let authority = authority.trim();
+    let (host, port) = if authority.starts_with('[') {
+        let end = authority.find(']')?;
+        let (host, rest) = authority.split_at(end + 1);
+        (host, rest.strip_prefix(':'))
+    } else {
+        match authority.rsplit_once(':') {
+            Some((host, port)) => (host, Some(port)),
+            None => (authority, None),
+        }
+    };
+    if host.is_empty() || port.is_some_and(|p| p.parse::<u16>().is_err()) {
+        return None;
+    }
+    Some(host)
+}
+
+/// A host name as compared: lower case, without a trailing dot.
+fn normalise_host(name: &str) -> String {
+    name.trim().trim_end_matches('.').to_ascii_lowercase()
+}
+
+/// Whether `headers` say the body is JSON (`application/json`, parameters allowed).
+fn is_json(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|media| media.trim().eq_ignore_ascii_case("application/json"))
+}
+
+async fn config(view: ConfigView) -> Response {
+    // As long as tens of milliseconds for 10,000 rules: off the runtime's threads.
+    match tokio::task::spawn_blocking(move || view()).await {
+        Ok(view) => Json(view).into_response(),
+        Err(_) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "building the view failed").into_response(),
+    }
+}
+
+async fn get_only() -> Response {
+    let mut response = ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "use GET").into_response();
+    response
+        .headers_mut()
+        .insert(header::ALLOW, HeaderValue::from_static("GET"));
+    response
 }
 
 type Body = Result<Bytes, BytesRejection>;
@@ -266,7 +439,7 @@ async fn reset<S: Store>(State(admin): State<Arc<Admin<S>>>, headers: HeaderMap,
 async fn not_found() -> Response {
     ApiError::new(
         StatusCode::NOT_FOUND,
-        "no such endpoint: POST /v1/buckets/peek, /v1/buckets/refund or /v1/buckets/reset",
+        "no such endpoint: POST /v1/buckets/peek, /v1/buckets/refund or /v1/buckets/reset, GET /config",
     )
     .into_response()
 }
@@ -288,10 +461,10 @@ fn answer(result: Result<BucketsResponse, ApiError>) -> Response {
 
 impl<S: Store> Admin<S> {
     async fn handle(&self, op: Operation, headers: &HeaderMap, body: Body) -> Result<BucketsResponse, ApiError> {
-        if !self.authorized(headers) {
+        if !is_json(headers) {
             return Err(ApiError::new(
-                StatusCode::UNAUTHORIZED,
-                "missing or wrong bearer token (Authorization: Bearer <admin.token>)",
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "the body must be sent with Content-Type: application/json",
             ));
         }
         let body = body.map_err(|e| ApiError::new(e.status(), e.body_text()))?;
@@ -361,20 +534,6 @@ impl<S: Store> Admin<S> {
             hits,
             buckets,
         })
-    }
-
-    /// Whether `headers` carry the configured token (always, when none is configured).
-    fn authorized(&self, headers: &HeaderMap) -> bool {
-        let Some(expected) = &self.token else {
-            return true;
-        };
-        let given = headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| bearer_token(v.as_bytes()));
-        match given {
-            Some(given) => !expected.is_empty() && constant_time_eq(given, expected),
-            None => false,
-        }
     }
 }
 

@@ -88,6 +88,11 @@ pub struct LimiterOptions {
     pub shadow_mode: bool,
     /// Honour Envoy's per-descriptor `limit` override.
     pub overrides: bool,
+    /// Honour `is_negative_hits` refunds from the gRPC port. When false, a refund descriptor
+    /// is answered `OK` (as a refund always is) without a bucket: nothing is given back, so a
+    /// caller of the gRPC port cannot refill buckets; the rest of the request is decided as
+    /// usual.
+    pub refunds: bool,
     /// Decisions are counted `near_limit` from this fraction of the capacity used.
     pub near_limit_ratio: f64,
     /// What to answer when the store fails (`redis.failure_mode`; `Error` for memory, which
@@ -227,6 +232,12 @@ impl<S: Store> Limiter<S> {
         // Buckets named by the `replaces` of matched unlimited rules (they match nothing else).
         let mut unlimited_replaces: SmallVec<[usize; 4]> = SmallVec::new();
         for d in &req.descriptors {
+            if d.is_negative_hits && !self.options.refunds {
+                // Refused: answered OK as a refund always is, nothing given back, no bucket
+                // (nor its `replaces`) involved.
+                matched.push(None);
+                continue;
+            }
             // As in envoyproxy/ratelimit, an unknown domain is OK before overrides are looked at.
             let m = match (&d.limit, self.options.overrides && domain.is_some()) {
                 (Some(o), true) => Some(Matched {

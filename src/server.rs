@@ -31,6 +31,7 @@ impl LimiterOptions {
             headers: settings.headers,
             shadow_mode: settings.shadow_mode,
             overrides: settings.overrides,
+            refunds: settings.refunds,
             near_limit_ratio: settings.metrics.near_limit_ratio,
             on_store_failure: match settings.backend {
                 Backend::Memory => FailureMode::Error,
@@ -38,6 +39,34 @@ impl LimiterOptions {
                 Backend::Postgres => settings.postgres.failure_mode,
             },
         }
+    }
+}
+
+/// How `/readyz` names the configured backend and its fallback.
+fn backend_names(settings: &Settings) -> crate::http::BackendNames {
+    let fallback_of = |mode: FailureMode, fallback: Option<&'static str>| match mode {
+        FailureMode::Fallback => fallback,
+        _ => None,
+    };
+    match settings.backend {
+        Backend::Memory => crate::http::BackendNames {
+            primary: "memory",
+            fallback: None,
+        },
+        Backend::Redis => crate::http::BackendNames {
+            primary: "Redis",
+            fallback: fallback_of(
+                settings.redis.failure_mode,
+                Some(match settings.redis.fallback {
+                    FallbackBackend::Postgres => "postgres",
+                    FallbackBackend::Memory => "memory",
+                }),
+            ),
+        },
+        Backend::Postgres => crate::http::BackendNames {
+            primary: "Postgres",
+            fallback: fallback_of(settings.postgres.failure_mode, Some("memory")),
+        },
     }
 }
 
@@ -116,12 +145,6 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
         metrics = %settings.metrics.addr.map_or("on the HTTP port".to_owned(), |a| format!("{a}{} and on the HTTP port", settings.metrics.path)),
         "listening"
     );
-    if admin.is_some() && settings.admin.token.is_none() && !settings.admin.addr.ip().is_loopback() {
-        tracing::warn!(
-            addr = %settings.admin.addr,
-            "the bucket admin API listens beyond loopback without a token: anyone who reaches it can reset limits"
-        );
-    }
 
     let ready = Readiness::default();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -131,10 +154,18 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
             let _ = stop.wait_for(|s| *s).await;
         }
     };
-    let http_state = {
+    // `/config`, on the admin listener: rule values can be API keys, and it names the backends.
+    let config_view: crate::admin::ConfigView = {
         let config_limiter = limiter.clone();
         let config_settings = settings.clone();
         let config_reloader = reloader.clone();
+        Arc::new(move || {
+            let mut config = config_json(&config_limiter.rules(), &config_settings);
+            config["reload"] = config_reloader.status_json();
+            config
+        })
+    };
+    let http_state = {
         let gauges = memory.clone();
         let buckets = metrics::gauge!(crate::metrics::MEMORY_BUCKETS);
         let evicted = metrics::counter!(crate::metrics::MEMORY_EVICTED_NOT_FULL);
@@ -142,27 +173,23 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
         // standard process metrics, read at each scrape.
         let process = metrics_process::Collector::default();
         process.describe();
-        HttpState {
-            ready: ready.clone(),
-            backend: {
+        HttpState::new(
+            ready.clone(),
+            {
                 let limiter = limiter.clone();
                 Arc::new(move || {
                     let limiter = limiter.clone();
                     Box::pin(async move { limiter.store().ready().await })
                 })
             },
-            metrics: Some(prometheus),
-            refresh: Arc::new(move || {
+            Some(prometheus),
+            Arc::new(move || {
                 process.collect();
                 buckets.set(gauges.len() as f64);
                 evicted.absolute(gauges.stats().evicted_not_full.load(Ordering::Relaxed));
             }),
-            config: Arc::new(move || {
-                let mut config = config_json(&config_limiter.rules(), &config_settings);
-                config["reload"] = config_reloader.status_json();
-                config
-            }),
-        }
+            backend_names(&settings),
+        )
     };
     let mut tasks = tokio::task::JoinSet::new();
     {
@@ -187,7 +214,12 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
     }
     if let Some(admin) = admin {
         let stop = stopped();
-        let app = crate::admin::router(limiter.clone(), settings.admin.token.clone());
+        let options = crate::admin::AdminOptions {
+            token: settings.admin.token.clone(),
+            allowed_hosts: settings.admin.allowed_hosts.clone(),
+            config: Some(config_view),
+        };
+        let app = crate::admin::router(limiter.clone(), options);
         tasks.spawn(async move {
             axum::serve(admin, app)
                 .with_graceful_shutdown(stop)

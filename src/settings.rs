@@ -30,6 +30,10 @@ pub struct Settings {
     pub shadow_mode: bool,
     /// Honour per-descriptor `limit` overrides sent by Envoy (`RateLimitOverride`).
     pub overrides: bool,
+    /// Honour `is_negative_hits` refunds sent over gRPC. `false`: such a descriptor is answered
+    /// `OK` without a bucket (nothing given back), so whoever reaches the gRPC port cannot
+    /// refill buckets; the rest of the request is decided as usual.
+    pub refunds: bool,
     /// The memory backend.
     pub memory: MemorySettings,
     /// The Redis backend (used when `backend: redis`).
@@ -75,8 +79,13 @@ pub struct AdminSettings {
     /// Its address; keep it on loopback (or a network only operators reach).
     pub addr: SocketAddr,
     /// When set, every admin request must carry `Authorization: Bearer <token>`.
-    /// Redacted in `/config`.
+    /// Redacted in `/config`. Required when `addr` is not a loopback address.
     pub token: Option<String>,
+    /// Host names accepted in an admin request's `Host` header besides `localhost` and IP
+    /// addresses (say the name a port-forward, a proxy or an ingress uses), without a port;
+    /// any other name is refused (`403`), so a page in an operator's browser cannot reach the
+    /// listener under a name of its own (DNS rebinding).
+    pub allowed_hosts: Vec<String>,
 }
 
 /// Watching the rules path.
@@ -399,6 +408,7 @@ impl Default for Settings {
             headers: HeaderSettings::default(),
             shadow_mode: false,
             overrides: true,
+            refunds: true,
             memory: MemorySettings::default(),
             redis: RedisSettings::default(),
             postgres: PostgresSettings::default(),
@@ -417,6 +427,7 @@ impl Default for AdminSettings {
             enabled: true,
             addr: SocketAddr::from(([127, 0, 0, 1], 8082)),
             token: None,
+            allowed_hosts: Vec::new(),
         }
     }
 }
@@ -494,7 +505,7 @@ pub const DEFAULT_SETTINGS_FILE: &str = "config/tollgate.yaml";
 
 /// Top-level settings keys; only these are read from `TOLLGATE_*`, so unrelated variables
 /// with the same prefix are not mistaken for settings.
-const KEYS: [&str; 17] = [
+const KEYS: [&str; 18] = [
     "grpc_addr",
     "http_addr",
     "rules",
@@ -504,6 +515,7 @@ const KEYS: [&str; 17] = [
     "headers",
     "shadow_mode",
     "overrides",
+    "refunds",
     "memory",
     "redis",
     "postgres",
@@ -552,11 +564,11 @@ impl Settings {
             None if theirs.is_some() => {}
             None => figment = figment.merge(Yaml::file(DEFAULT_SETTINGS_FILE)),
         }
-        let figment = figment.merge(Env::prefixed("TOLLGATE_").split("__").filter(|k| {
+        let figment = figment.merge(RawSecretsEnv(Env::prefixed("TOLLGATE_").split("__").filter(|k| {
             let top = k.as_str().split('.').next().unwrap_or_default();
             KEYS.iter().any(|known| known.eq_ignore_ascii_case(top))
-        }));
-        let mut settings: Settings = figment.extract().map_err(Box::new)?;
+        })));
+        let mut settings: Settings = figment.extract().map_err(|e| Box::new(hide_secrets(e)))?;
         if let Some(theirs) = theirs {
             if admin_clash(&settings, &figment, theirs).is_some() {
                 settings.admin.enabled = false;
@@ -564,6 +576,129 @@ impl Settings {
         }
         Ok((settings, figment))
     }
+}
+
+/// The settings whose values are secrets (or may hold one, as a URL's password does), by
+/// figment path. From the environment they are taken as the raw string, whatever it looks like,
+/// and no error message shows their value.
+pub const SECRET_SETTINGS: [&str; 5] = [
+    "admin.token",
+    "redis.password",
+    "redis.urls",
+    "postgres.url",
+    "postgres.password",
+];
+
+/// Whether the figment path `key` (`admin.token`) is, or holds, a secret setting.
+fn holds_secret(key: &str) -> bool {
+    SECRET_SETTINGS
+        .iter()
+        .any(|secret| secret.eq_ignore_ascii_case(key) || secret.starts_with(&format!("{}.", key.to_ascii_lowercase())))
+}
+
+/// `TOLLGATE_*` as figment's [`Env`] reads them, except the [`SECRET_SETTINGS`]: `Env` parses
+/// every value (`8675309` becomes an integer, `true` a bool, `[x]` an array), so a token or a
+/// password that looked like one failed to load, with its value quoted in the error, or loaded
+/// changed. A secret is taken as the raw string; `redis.urls` as a list of raw URLs (one URL,
+/// several separated by commas, or `[url, ...]` with optional quotes around each, as figment's
+/// array syntax had it).
+struct RawSecretsEnv(Env);
+
+impl figment::Provider for RawSecretsEnv {
+    fn metadata(&self) -> figment::Metadata {
+        self.0.metadata()
+    }
+
+    fn data(&self) -> Result<figment::value::Map<figment::Profile, figment::value::Dict>, figment::Error> {
+        use figment::value::{Dict, Value};
+        let mut dict = Dict::new();
+        for (key, raw) in self.0.iter() {
+            let key = key.as_str();
+            let value = if key.eq_ignore_ascii_case("redis.urls") {
+                Value::from(raw_list(&raw))
+            } else if SECRET_SETTINGS.iter().any(|s| s.eq_ignore_ascii_case(key)) {
+                Value::from(raw)
+            } else {
+                raw.parse().expect("figment's Value::from_str is infallible")
+            };
+            merge_into(&mut dict, key, value);
+        }
+        Ok(figment::Profile::Default.collect(dict))
+    }
+}
+
+/// Puts `value` at the dotted `key` of `dict`, creating the dictionaries on the way; a later
+/// variable wins over an earlier one for the same key, as in figment's `Env`.
+fn merge_into(dict: &mut figment::value::Dict, key: &str, value: figment::value::Value) {
+    use figment::value::{Dict, Value};
+    match key.split_once('.') {
+        Some((head, rest)) => {
+            let entry = dict.entry(head.to_owned()).or_insert_with(|| Value::from(Dict::new()));
+            if entry.as_dict().is_none() {
+                *entry = Value::from(Dict::new());
+            }
+            if let Value::Dict(_, inner) = entry {
+                merge_into(inner, rest, value);
+            }
+        }
+        None => match (dict.get_mut(key), value) {
+            (Some(Value::Dict(_, old)), Value::Dict(_, new)) => {
+                for (k, v) in new {
+                    merge_into(old, &k, v);
+                }
+            }
+            (_, value) => {
+                dict.insert(key.to_owned(), value);
+            }
+        },
+    }
+}
+
+/// The URLs in one environment value: `url`, `url,url`, or `[url, "url"]`.
+fn raw_list(raw: &str) -> Vec<String> {
+    let trimmed = raw.trim();
+    let inner = trimmed
+        .strip_prefix('[')
+        .and_then(|r| r.strip_suffix(']'))
+        .unwrap_or(trimmed);
+    inner
+        .split(',')
+        .map(|item| {
+            let item = item.trim();
+            let unquoted = ['"', '\'']
+                .iter()
+                .find_map(|q| item.strip_prefix(*q).and_then(|i| i.strip_suffix(*q)));
+            unquoted.unwrap_or(item).to_owned()
+        })
+        .filter(|item| !item.is_empty())
+        .collect()
+}
+
+/// `error` with the value taken out of every message about a secret setting (figment quotes
+/// the value it could not use: `invalid type: found unsigned int `8675309``), so that a token
+/// or password never reaches the log or the terminal, whichever source gave it.
+fn hide_secrets(error: figment::Error) -> figment::Error {
+    use figment::error::Kind;
+    let mut hidden: Option<figment::Error> = None;
+    // The iterator goes from the newest error back; chaining from the oldest keeps the order.
+    let errors: Vec<figment::Error> = error.into_iter().collect();
+    for mut e in errors.into_iter().rev() {
+        if holds_secret(&e.path.join(".")) {
+            e.kind = match e.kind {
+                Kind::InvalidType(_, expected) | Kind::InvalidValue(_, expected) => Kind::Message(format!(
+                    "invalid value for a secret setting (not shown): expected {expected}"
+                )),
+                // Names of fields, never values.
+                other @ (Kind::MissingField(_) | Kind::DuplicateField(_) | Kind::UnknownField(..)) => other,
+                _ => Kind::Message("invalid value for a secret setting (not shown)".into()),
+            };
+        }
+        hidden = Some(match hidden {
+            Some(chain) => chain.chain(e),
+            None => e,
+        });
+    }
+    hidden.unwrap_or_else(|| figment::Error::from("invalid settings".to_owned()))
 }
 
 /// Why the admin listener is turned off under envoyproxy/ratelimit's environment, if it is:
@@ -634,7 +769,9 @@ impl Settings {
     ///
     /// Errors: a `log.level` that is not a `tracing` filter (`info`, `tollgate=debug,warn`);
     /// `metrics.near_limit_ratio` outside `(0, 1]`; an empty `admin.token` or one with
-    /// whitespace at either end (it could never match what a client sends); `shutdown.timeout_seconds` of 0.
+    /// whitespace at either end (it could never match what a client sends); an enabled admin
+    /// listener beyond loopback without `admin.token`; an `admin.allowed_hosts` entry that is not
+    /// a bare host name; `shutdown.timeout_seconds` of 0.
     pub fn validate(&self) -> Result<(), String> {
         let ratio = self.metrics.near_limit_ratio;
         if !(ratio > 0.0 && ratio <= 1.0) {
@@ -642,6 +779,25 @@ impl Settings {
         }
         if let Err(e) = tracing_subscriber::EnvFilter::try_new(&self.log.level) {
             return Err(format!("log.level {:?} is not a tracing filter: {e}", self.log.level));
+        }
+        if self.admin.enabled && self.admin.token.is_none() && !self.admin.addr.ip().is_loopback() {
+            return Err(format!(
+                "admin.addr {} is not a loopback address and admin.token is not set: anyone who reaches it \
+                 could reset or refund any bucket; set admin.token (TOLLGATE_ADMIN__TOKEN), bind admin.addr \
+                 to 127.0.0.1 or [::1], or set admin.enabled: false",
+                self.admin.addr
+            ));
+        }
+        for name in &self.admin.allowed_hosts {
+            let bad = name.is_empty()
+                || name.contains(|c: char| c.is_whitespace() || "/:@[]".contains(c))
+                || name.trim_end_matches('.').is_empty();
+            if bad {
+                return Err(format!(
+                    "admin.allowed_hosts: {name:?} is not a host name; give names without a scheme or port \
+                     (IP addresses and localhost are always accepted)"
+                ));
+            }
         }
         if let Some(token) = &self.admin.token {
             if token.is_empty() || token.trim() != token {
@@ -940,6 +1096,87 @@ mod tests {
         });
     }
 
+    /// figment's `Env` parsed every value: a token `8675309` became an integer (load failed,
+    /// quoting it), `true` a bool, `[x]` an array. Secrets are the raw strings.
+    #[test]
+    fn secrets_from_the_environment_are_raw_strings() {
+        for raw in ["8675309", "true", "[x]", "{a=b}", "1.5", "-7", "null"] {
+            figment::Jail::expect_with(|jail| {
+                jail.set_env("TOLLGATE_ADMIN__TOKEN", raw);
+                jail.set_env("TOLLGATE_REDIS__PASSWORD", raw);
+                jail.set_env("TOLLGATE_POSTGRES__PASSWORD", raw);
+                let s = Settings::load(None).map_err(|e| e.to_string())?;
+                assert_eq!(s.admin.token.as_deref(), Some(raw), "admin.token");
+                assert_eq!(s.redis.password.as_deref(), Some(raw), "redis.password");
+                assert_eq!(s.postgres.password.as_deref(), Some(raw), "postgres.password");
+                Ok(())
+            });
+        }
+        figment::Jail::expect_with(|jail| {
+            jail.set_env("TOLLGATE_POSTGRES__URL", "postgres://u:8675309@db:5432/x");
+            jail.set_env("TOLLGATE_REDIS__URLS", "redis://:[x]@cache:6379");
+            let s = Settings::load(None).map_err(|e| e.to_string())?;
+            assert_eq!(s.postgres.url, "postgres://u:8675309@db:5432/x");
+            assert_eq!(s.redis.urls, ["redis://:[x]@cache:6379"]);
+            for (given, urls) in [
+                ("[redis://a:1]", &["redis://a:1"][..]),
+                ("[\"redis://a:1\", 'redis://b:2']", &["redis://a:1", "redis://b:2"][..]),
+                ("redis://a:1, redis://b:2", &["redis://a:1", "redis://b:2"][..]),
+            ] {
+                jail.set_env("TOLLGATE_REDIS__URLS", given);
+                assert_eq!(
+                    Settings::load(None).map_err(|e| e.to_string())?.redis.urls,
+                    urls,
+                    "{given}"
+                );
+            }
+            // envoyproxy/ratelimit's secrets too.
+            let theirs = crate::envoyproxy_env::EnvoyproxyEnv::read(
+                [
+                    ("REDIS_SOCKET_TYPE", "tcp"),
+                    ("REDIS_URL", "cache:6379"),
+                    ("REDIS_AUTH", "8675309"),
+                ]
+                .map(|(k, v)| (k.to_owned(), v.to_owned())),
+                false,
+            )
+            .map_err(|e| e.to_string())?;
+            jail.clear_env();
+            let (s, _) = Settings::load_layers(None, Some(&theirs)).map_err(|e| e.to_string())?;
+            assert_eq!(s.redis.password.as_deref(), Some("8675309"), "REDIS_AUTH");
+            // Other settings are still parsed.
+            jail.set_env("TOLLGATE_SHADOW_MODE", "true");
+            jail.set_env("TOLLGATE_MEMORY__SHARDS", "8");
+            let s = Settings::load(None).map_err(|e| e.to_string())?;
+            assert!(s.shadow_mode);
+            assert_eq!(s.memory.shards, 8);
+            Ok(())
+        });
+    }
+
+    /// figment's errors quote the value they could not use; about a secret they must not,
+    /// whichever source gave it.
+    #[test]
+    fn errors_about_secrets_never_show_them() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file("t.yaml", "admin: {token: 8675309}\nredis: {password: [hunter2x]}\n")?;
+            let err = Settings::load(Some(Path::new("t.yaml"))).unwrap_err().to_string();
+            assert!(err.contains("admin.token") || err.contains("token"), "{err}");
+            assert!(!err.contains("8675309") && !err.contains("hunter2x"), "{err}");
+            // A whole section from the environment, parsed as a dict.
+            jail.set_env("TOLLGATE_POSTGRES", "{password=[s3cr3tzz]}");
+            let err = Settings::load(None).unwrap_err().to_string();
+            assert!(err.to_lowercase().contains("postgres.password"), "{err}");
+            assert!(!err.contains("s3cr3tzz"), "{err}");
+            // Other settings' errors still show what was wrong.
+            jail.clear_env();
+            jail.set_env("TOLLGATE_MEMORY__SHARDS", "lots");
+            let err = Settings::load(None).unwrap_err().to_string();
+            assert!(err.contains("lots"), "{err}");
+            Ok(())
+        });
+    }
+
     #[test]
     fn unknown_keys_and_missing_files_are_errors() {
         figment::Jail::expect_with(|jail| {
@@ -979,6 +1216,38 @@ mod tests {
         }
         s.admin.token = Some("tok".into());
         assert_eq!(s.validate(), Ok(()));
+    }
+
+    /// Without a token, anyone who reaches a listener beyond loopback could reset every
+    /// bucket: refused at start, naming the settings.
+    #[test]
+    fn an_admin_listener_beyond_loopback_needs_a_token() {
+        let mut s = Settings::default();
+        for addr in ["0.0.0.0:8082", "10.1.2.3:8082", "[::]:8082"] {
+            s.admin.addr = addr.parse().unwrap();
+            let err = s.validate().unwrap_err();
+            assert!(
+                err.contains("admin.addr") && err.contains("admin.token") && err.contains(addr),
+                "{addr}: {err}"
+            );
+        }
+        s.admin.token = Some("tok".into());
+        assert_eq!(s.validate(), Ok(()));
+        s.admin.token = None;
+        s.admin.enabled = false;
+        assert_eq!(s.validate(), Ok(()), "an admin API that is off binds nothing");
+        s.admin.enabled = true;
+        for loopback in ["127.0.0.1:8082", "127.0.0.2:9000", "[::1]:8082"] {
+            s.admin.addr = loopback.parse().unwrap();
+            assert_eq!(s.validate(), Ok(()), "{loopback}");
+        }
+        s.admin.allowed_hosts = vec!["tollgate-admin.ops.svc".into(), "Admin.Example.".into()];
+        assert_eq!(s.validate(), Ok(()));
+        for bad in ["", "http://x", "x:8082", "a b", "[::1]"] {
+            s.admin.allowed_hosts = vec![bad.into()];
+            let err = s.validate().unwrap_err();
+            assert!(err.contains("admin.allowed_hosts"), "{bad:?}: {err}");
+        }
     }
 
     #[test]

@@ -19,7 +19,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::R
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use serde_json::{json, Value};
 use support::Tollgate;
-use tollgate::admin::{BucketView, BucketsResponse, PlanKind};
+use tollgate::admin::{AdminOptions, BucketView, BucketsResponse, PlanKind};
 use tollgate::bucket::{Demand, MICRO};
 use tollgate::clock::ManualClock;
 use tollgate::limiter::{Limiter, LimiterOptions};
@@ -83,16 +83,33 @@ fn body(entries: &[(&str, &str)], extra: Value) -> Value {
     body
 }
 
-/// POSTs `body` (raw) to `path` on `addr`: the status and the JSON answer.
+/// POSTs `body` (raw, as JSON) to `path` on `addr`: the status and the JSON answer.
 async fn post_raw(addr: SocketAddr, path: &str, body: &str, token: Option<&str>) -> (u16, Value) {
+    let auth = token.map(|t| format!("Bearer {t}"));
+    let mut headers = vec![("content-type", "application/json")];
+    if let Some(auth) = &auth {
+        headers.push(("authorization", auth));
+    }
+    send(reqwest::Method::POST, addr, path, body, &headers).await
+}
+
+/// Sends `body` to `path` on `addr` with exactly these `headers` (reqwest adds `Host` from
+/// `addr` unless one is given): the status and the JSON answer.
+async fn send(
+    method: reqwest::Method,
+    addr: SocketAddr,
+    path: &str,
+    body: &str,
+    headers: &[(&str, &str)],
+) -> (u16, Value) {
     let mut call = reqwest::Client::builder()
         .no_proxy()
         .build()
         .unwrap()
-        .post(format!("http://{addr}{path}"))
+        .request(method, format!("http://{addr}{path}"))
         .body(body.to_owned());
-    if let Some(token) = token {
-        call = call.header("authorization", format!("Bearer {token}"));
+    for (name, value) in headers {
+        call = call.header(*name, *value);
     }
     let response = call.send().await.expect("the admin API answers");
     let status = response.status().as_u16();
@@ -519,10 +536,15 @@ fn limiter_over<S: Store>(store: S) -> Limiter<S> {
 /// Serves the admin router over a limiter on `store` on a loopback port, for as long as the
 /// test's runtime runs.
 async fn serve_in_process<S: Store>(store: S) -> (SocketAddr, Arc<Limiter<S>>) {
+    serve_with(store, AdminOptions::default()).await
+}
+
+/// [`serve_in_process`] with these options.
+async fn serve_with<S: Store>(store: S, options: AdminOptions) -> (SocketAddr, Arc<Limiter<S>>) {
     let limiter = Arc::new(limiter_over(store));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let app = tollgate::admin::router(limiter.clone(), None);
+    let app = tollgate::admin::router(limiter.clone(), options);
     tokio::spawn(async move { axum::serve(listener, app).await });
     (addr, limiter)
 }
@@ -639,4 +661,226 @@ async fn a_failing_store_is_503() {
         404,
     )
     .await;
+}
+
+// ---- a closed surface ----------------------------------------------------------------------
+
+/// The tokens of `user=u` as a peek from the admin listener itself shows them.
+async fn tokens_of(addr: SocketAddr) -> u64 {
+    only(&call(addr, "peek", &body(&[("user", "u")], json!({})), None).await).tokens
+}
+
+/// A page in an operator's browser can send a form or `text/plain` to a loopback listener
+/// without asking, and through DNS rebinding reach it under its own name and read the
+/// answers: without a token, it could refund or reset any bucket. Every state-changing
+/// request must be JSON (415 otherwise), every request must name the listener in `Host`, and
+/// one with an `Origin` other than the listener is refused; nothing is changed by a refusal.
+#[tokio::test]
+async fn a_browser_page_cannot_reach_the_admin_api() {
+    let clock = ManualClock::new(T0);
+    let options = AdminOptions {
+        allowed_hosts: vec!["Tollgate-Admin.ops.svc".into()],
+        config: Some(Arc::new(|| json!({"settings": {"rules": "secret-api-key-value"}}))),
+        ..AdminOptions::default()
+    };
+    let (addr, limiter) = serve_with(MemoryStore::new(4, 1000, Arc::new(clock.clone())), options).await;
+    limiter.should_rate_limit(&decide_request("u", 4)).await.unwrap();
+    assert_eq!(tokens_of(addr).await, 6);
+    let refund = body(&[("user", "u")], json!({"tokens": 4})).to_string();
+    let reset = body(&[("user", "u")], json!({})).to_string();
+    let post = |path: &'static str, body: String, headers: Vec<(&'static str, String)>| async move {
+        let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        send(reqwest::Method::POST, addr, path, &body, &headers).await
+    };
+    // What a form or a no-cors fetch can send.
+    for content_type in [
+        None,
+        Some("text/plain"),
+        Some("application/x-www-form-urlencoded"),
+        Some("multipart/form-data; boundary=x"),
+    ] {
+        let headers: Vec<(&str, String)> = content_type
+            .map(|c| ("content-type", c.to_owned()))
+            .into_iter()
+            .collect();
+        for (path, body) in [
+            ("/v1/buckets/refund", &refund),
+            ("/v1/buckets/reset", &reset),
+            ("/v1/buckets/peek", &reset),
+        ] {
+            let (status, json) = post(path, body.clone(), headers.clone()).await;
+            assert_eq!(status, 415, "{path} as {content_type:?}: {json}");
+            assert!(json["error"].as_str().unwrap().contains("application/json"), "{json}");
+        }
+    }
+    assert_eq!(tokens_of(addr).await, 6, "a refused refund or reset changes nothing");
+    // DNS rebinding: the page's own name in Host; also for reads (peeks, /config).
+    let json_type = ("content-type", "application/json".to_owned());
+    for host in [
+        "evil.example",
+        "evil.example:8082",
+        "localhost.evil.example",
+        "127.0.0.1.nip.io",
+        "",
+    ] {
+        let (status, json) = post(
+            "/v1/buckets/reset",
+            reset.clone(),
+            vec![json_type.clone(), ("host", host.to_owned())],
+        )
+        .await;
+        assert_eq!(status, 403, "Host {host:?}: {json}");
+        let (status, json) = post(
+            "/v1/buckets/peek",
+            reset.clone(),
+            vec![json_type.clone(), ("host", host.to_owned())],
+        )
+        .await;
+        assert_eq!(status, 403, "peek with Host {host:?}: {json}");
+        let (status, json) = send(reqwest::Method::GET, addr, "/config", "", &[("host", host)]).await;
+        assert_eq!(status, 403, "/config with Host {host:?}: {json}");
+        assert!(!json.to_string().contains("secret-api-key-value"));
+    }
+    assert_eq!(tokens_of(addr).await, 6);
+    // A cross-site page: a foreign Origin, even with JSON (which a browser sends only after a
+    // preflight this listener never grants).
+    for origin in [
+        "http://evil.example",
+        "null",
+        "http://localhost:1",
+        "https://evil.example:443",
+    ] {
+        let (status, json) = post(
+            "/v1/buckets/refund",
+            refund.clone(),
+            vec![json_type.clone(), ("origin", origin.to_owned())],
+        )
+        .await;
+        assert_eq!(status, 403, "Origin {origin}: {json}");
+    }
+    let (status, _) = send(
+        reqwest::Method::OPTIONS,
+        addr,
+        "/v1/buckets/refund",
+        "",
+        &[
+            ("origin", "http://evil.example"),
+            ("access-control-request-method", "POST"),
+        ],
+    )
+    .await;
+    assert_ne!(status, 200, "no preflight is granted");
+    assert_eq!(tokens_of(addr).await, 6);
+    // The listener's names: any IP address, localhost, an allowed name, on any port (a
+    // port-forward picks its own); a same-origin Origin.
+    for host in [
+        addr.to_string(),
+        "localhost:9999".into(),
+        "LOCALHOST".into(),
+        "[::1]:8082".into(),
+        "10.0.0.7:8082".into(),
+        "tollgate-admin.ops.svc:8082".into(),
+        "tollgate-admin.ops.svc.".into(),
+    ] {
+        let (status, json) = post(
+            "/v1/buckets/peek",
+            reset.clone(),
+            vec![json_type.clone(), ("host", host.clone())],
+        )
+        .await;
+        assert_eq!(status, 200, "Host {host}: {json}");
+    }
+    let (status, json) = post(
+        "/v1/buckets/refund",
+        refund.clone(),
+        vec![json_type.clone(), ("origin", format!("http://{addr}"))],
+    )
+    .await;
+    assert_eq!(status, 200, "same origin: {json}");
+    let (status, json) = post(
+        "/v1/buckets/refund",
+        refund.clone(),
+        vec![("content-type", "Application/JSON; charset=utf-8".into())],
+    )
+    .await;
+    assert_eq!(status, 200, "{json}");
+    assert_eq!(tokens_of(addr).await, 10);
+    let (status, json) = send(reqwest::Method::GET, addr, "/config", "", &[]).await;
+    assert_eq!(
+        (status, json["settings"]["rules"].as_str()),
+        (200, Some("secret-api-key-value"))
+    );
+}
+
+/// `/config` shows rule values (which can be API keys) and backend hosts: it is on the admin
+/// listener, behind its token, and gone from the public HTTP port.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn config_is_on_the_admin_listener_only() {
+    let tg = start(Some("8675309"));
+    let (status, _) = tokio::task::block_in_place(|| support::http_get(tg.http_addr, "/config")).unwrap();
+    assert_eq!(status, 404, "/config on the public HTTP port");
+    let (status, _) = tokio::task::block_in_place(|| support::http_get(tg.admin_addr, "/config")).unwrap();
+    assert_eq!(status, 401, "/config without the token");
+    let (status, body) = tokio::task::block_in_place(|| tg.config()).unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("per_user") && !body.contains("8675309"), "{body}");
+    // A token that looks like a number is the string: the CLI, with the server's variable.
+    let admin = tg.admin_addr.to_string();
+    let args = ["peek", "--domain", "api", "--entry", "user=erin", "--admin", &admin];
+    let out = cli(&args, &[("TOLLGATE_ADMIN__TOKEN", "8675309")]).await;
+    assert_eq!(only(&stdout_json(&out)).tokens, 10);
+    let log = tg.process.log();
+    assert!(!log.contains("8675309"), "the log shows the token: {log}");
+}
+
+/// Without a token, an admin listener beyond loopback would let anyone who reaches it reset
+/// every bucket: `serve` refuses to start, naming the settings. And a secret that is wrong is
+/// refused without being shown.
+#[tokio::test]
+async fn serve_refuses_an_open_admin_listener_and_never_shows_a_secret() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("api.yaml"), RULES).unwrap();
+    let rules = dir.path().join("api.yaml").to_string_lossy().into_owned();
+    let serve = |env: &[(&str, &str)]| {
+        let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_tollgate"));
+        command.arg("serve").arg("--rules").arg(&rules).current_dir(dir.path());
+        for (key, _) in std::env::vars_os() {
+            if key.to_string_lossy().starts_with("TOLLGATE_") {
+                command.env_remove(key);
+            }
+        }
+        let port = support::free_port();
+        command
+            .env("TOLLGATE_GRPC_ADDR", format!("127.0.0.1:{}", support::free_port()))
+            .env("TOLLGATE_HTTP_ADDR", format!("127.0.0.1:{port}"))
+            .envs(env.iter().copied())
+            .kill_on_drop(true);
+        async move {
+            tokio::time::timeout(std::time::Duration::from_secs(60), command.output())
+                .await
+                .expect("serve exits within a minute")
+                .expect("run tollgate serve")
+        }
+    };
+    let open = format!("0.0.0.0:{}", support::free_port());
+    let out = serve(&[("TOLLGATE_ADMIN__ADDR", &open)]).await;
+    let err = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("admin.addr") && err.contains("admin.token") && err.contains(&open),
+        "{err}"
+    );
+    for env in [
+        &[("TOLLGATE_ADMIN__TOKEN", " Zq8675309secret")][..],
+        &[("TOLLGATE_POSTGRES", "{password=[Zq8675309secret]}")][..],
+        &[
+            ("TOLLGATE_BACKEND", "postgres"),
+            ("TOLLGATE_POSTGRES__URL", "mysql://u:Zq8675309secret@db.internal/x"),
+        ][..],
+    ] {
+        let out = serve(env).await;
+        let err = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(1), "{env:?}: {err}");
+        assert!(!err.contains("Zq8675309secret"), "{env:?} shows the secret: {err}");
+    }
 }

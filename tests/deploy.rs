@@ -480,8 +480,7 @@ fn compose_tollgate_environment_serves_and_its_health_checks_pass() {
     }
     let prefix = support::redis::unique_prefix(test);
     let tollgate = builder.env("TOLLGATE_REDIS__KEY_PREFIX", &prefix).start();
-    let config: serde_json::Value =
-        serde_json::from_str(&http_get(tollgate.http_addr, "/config").expect("/config").1).expect("/config JSON");
+    let config: serde_json::Value = serde_json::from_str(&tollgate.config().expect("/config").1).expect("/config JSON");
     assert_eq!(config["settings"]["backend"], "redis");
     assert_eq!(config["settings"]["redis"]["key_prefix"], prefix.as_str());
     let check = healthcheck(service(&compose, "tollgate"));
@@ -1606,8 +1605,7 @@ async fn compose_postgres_environment_serves_and_its_health_checks_pass() {
     let check = healthcheck(service(&merged, "tollgate"));
     let out = probe(&check[2], tollgate.http_addr.port());
     assert!(out.status.success(), "{out:?}\n{}", tollgate.process.log_tail(20));
-    let config: serde_json::Value =
-        serde_json::from_str(&http_get(tollgate.http_addr, "/config").expect("/config").1).expect("/config JSON");
+    let config: serde_json::Value = serde_json::from_str(&tollgate.config().expect("/config").1).expect("/config JSON");
     assert_eq!(config["settings"]["backend"], "postgres");
     assert_eq!(config["settings"]["postgres"]["schema"], schema.name.as_str());
 

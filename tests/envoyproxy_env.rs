@@ -163,6 +163,8 @@ struct Started {
     process: ChildGuard,
     http: SocketAddr,
     grpc: SocketAddr,
+    /// The admin API and `/config`.
+    admin: SocketAddr,
     _dir: tempfile::TempDir,
 }
 
@@ -220,6 +222,7 @@ fn spawn(as_ratelimit: bool, env: &[(&str, String)]) -> Started {
         process,
         http: SocketAddr::from(([127, 0, 0, 1], http_port)),
         grpc: SocketAddr::from(([127, 0, 0, 1], grpc_port)),
+        admin: SocketAddr::from(([127, 0, 0, 1], admin_port)),
         _dir: dir,
     }
 }
@@ -338,9 +341,9 @@ async fn istio_sample_environment_launched_as_ratelimit() {
 
     // The kubelet swaps the ConfigMap: `/swapped` becomes once a minute.
     volume.swap(ISTIO_RULES_SWAPPED);
-    let http = tollgate.http;
+    let admin = tollgate.admin;
     let deadline = Instant::now() + Duration::from_secs(20);
-    while !http_get(http, "/config").is_some_and(|(_, body)| body.contains("/swapped")) {
+    while !http_get(admin, "/config").is_some_and(|(_, body)| body.contains("/swapped")) {
         assert!(
             Instant::now() < deadline,
             "the swap was not picked up:\n{}",
@@ -351,7 +354,7 @@ async fn istio_sample_environment_launched_as_ratelimit() {
     assert_eq!(status(&c, &format!("{base}/swapped"), &[]).await, 200);
     assert_eq!(status(&c, &format!("{base}/swapped"), &[]).await, 429);
     assert_eq!(status(&c, &format!("{base}/"), &[]).await, 429, "`/` keeps its bucket");
-    assert_eq!(http_get(http, "/healthcheck"), Some((200, "OK".to_owned())));
+    assert_eq!(http_get(tollgate.http, "/healthcheck"), Some((200, "OK".to_owned())));
     // Every check was answered: no 200 above is Envoy failing open.
     assert_eq!(envoy.stat("cluster.ratelimit.ratelimit.error"), 0);
 }
@@ -570,7 +573,7 @@ fn tollgates_own_settings_win_and_the_log_says_so() {
             .any(|l| l.contains("DEBUG_PORT") && l.contains("changes nothing") && l.contains("no debug listener")),
         "{log}"
     );
-    let config = http_get(started.http, "/config").unwrap().1;
+    let config = http_get(started.admin, "/config").unwrap().1;
     assert!(config.contains("\"backend\":\"memory\""), "{config}");
 }
 
@@ -593,7 +596,7 @@ fn redis_auth_logs_in_and_is_never_shown() {
         ]
     };
     let good = start(true, &env(password));
-    let config = http_get(good.http, "/config").unwrap().1;
+    let config = http_get(good.admin, "/config").unwrap().1;
     assert!(config.contains("<redacted>"), "{config}");
     assert!(!config.contains(password), "{config}");
     assert!(!good.process.log().contains(password), "{}", good.process.log());

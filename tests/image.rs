@@ -1113,7 +1113,7 @@ async fn image_copy_serves_under_the_name_bin_ratelimit() {
     // Their health check, and the rules from the mount (not the image's baked-in example).
     let (status, body) = http_get(ports.http, "/healthcheck").expect("/healthcheck answers");
     assert_eq!((status, body.trim()), (200, "OK"));
-    let (status, config) = http_get(ports.http, "/config").expect("/config answers");
+    let (status, config) = http_get(ports.admin, "/config").expect("/config answers on the admin listener");
     assert_eq!(status, 200);
     assert!(
         config.contains("/productpage"),

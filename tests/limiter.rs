@@ -553,6 +553,40 @@ async fn negative_hits_refund_up_to_capacity_and_answer_ok() {
     assert_eq!(codes(&resp), vec![(OK, 5)]);
 }
 
+/// `refunds: false`: whoever reaches the gRPC port cannot refill a bucket with
+/// `is_negative_hits`; such a descriptor is answered `OK` (as a refund is) without a bucket,
+/// and the rest of the request is decided as usual.
+#[tokio::test]
+async fn with_refunds_off_a_refund_gives_nothing_back() {
+    let h = harness_with(
+        BASIC,
+        LimiterOptions {
+            refunds: false,
+            ..options()
+        },
+    );
+    h.ask(&req("d", vec![hits(&[("k", "a")], 5)])).await;
+    let resp = h.ask(&req("d", vec![refund(&[("k", "a")], 5)])).await;
+    assert_eq!(resp.overall_code, OK);
+    assert_eq!(codes(&resp), vec![(OK, 0)]);
+    assert_eq!(resp.statuses[0].current_limit, None, "no bucket was involved");
+    // Beside it, the rest is decided: b passes once, then is over.
+    let resp = h
+        .ask(&req("d", vec![refund(&[("k", "a")], 5), desc(&[("k", "b")])]))
+        .await;
+    assert_eq!(codes(&resp), vec![(OK, 0), (OK, 0)]);
+    assert_eq!(limit_of(&resp.statuses[1]).map(|l| l.0), Some("b"));
+    let resp = h
+        .ask(&req("d", vec![refund(&[("k", "b")], 1), desc(&[("k", "b")])]))
+        .await;
+    assert_eq!(resp.overall_code, OVER);
+    assert_eq!(
+        codes(&h.ask(&one(&[("k", "a")])).await),
+        vec![(OVER, 0)],
+        "a got nothing back"
+    );
+}
+
 #[tokio::test]
 async fn refunds_apply_even_in_a_denied_request_and_take_no_part_in_the_decision() {
     let h = harness(BASIC);

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
-use support::{http_get, Scrape, Tollgate};
+use support::{Scrape, Tollgate};
 use tollgate::clock::SystemClock;
 use tollgate::limiter::{Limiter, LimiterOptions};
 use tollgate::reload::{fingerprint, load_initial, ReloadOutcome, Reloader};
@@ -780,7 +780,7 @@ async fn await_failed_reload(tollgate: &Tollgate) {
 
 /// `GET /config` as JSON.
 fn config_json(tollgate: &Tollgate) -> serde_json::Value {
-    match http_get(tollgate.http_addr, "/config") {
+    match tollgate.config() {
         Some((200, body)) => serde_json::from_str(&body).expect("/config is JSON"),
         other => panic!("GET /config: {other:?}"),
     }

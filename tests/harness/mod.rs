@@ -37,6 +37,7 @@ pub fn options() -> LimiterOptions {
         headers: HeaderSettings::default(),
         shadow_mode: false,
         overrides: true,
+        refunds: true,
         near_limit_ratio: 0.8,
         on_store_failure: tollgate::settings::FailureMode::Error,
     }

@@ -55,11 +55,16 @@ pub fn yaml_str(text: &str) -> String {
 /// A minimal blocking HTTP/1.1 GET for health checks: the status code and body, or `None` if
 /// the server is not answering (yet).
 pub fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
+    http_get_with(addr, path, "")
+}
+
+/// [`http_get`] with `headers` (each line ending in `\r\n`) added to the request.
+pub fn http_get_with(addr: SocketAddr, path: &str, headers: &str) -> Option<(u16, String)> {
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()?;
     stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
     write!(
         stream,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\n{headers}Connection: close\r\n\r\n"
     )
     .ok()?;
     let mut response = String::new();
@@ -193,10 +198,12 @@ pub struct Tollgate {
     pub process: ChildGuard,
     /// `RateLimitService` and `grpc.health.v1`.
     pub grpc_addr: SocketAddr,
-    /// `/healthz`, `/readyz`, `/metrics`, `/config`.
+    /// `/healthz`, `/readyz`, `/metrics`.
     pub http_addr: SocketAddr,
-    /// The bucket admin API.
+    /// The bucket admin API and `/config`.
     pub admin_addr: SocketAddr,
+    /// `TOLLGATE_ADMIN__TOKEN` as given to [`TollgateBuilder::env`], for [`Tollgate::config`].
+    pub admin_token: Option<String>,
     /// Holds `tollgate.yaml`, `rules/` (unless another rules path was given) and the log.
     pub dir: TempDir,
 }
@@ -240,7 +247,7 @@ impl TollgateBuilder {
         self
     }
 
-    /// Starts `tollgate serve` on free loopback ports and waits until its `/config` answers
+    /// Starts `tollgate serve` on free loopback ports and waits until its admin `/config` answers
     /// 200 with its own gRPC address (the gRPC listener is bound before the HTTP one). Retries
     /// with new ports when a port was taken in the meantime. Panics, with the process log, if it does not come up.
     pub fn start(self) -> Tollgate {
@@ -302,11 +309,32 @@ impl TollgateBuilder {
             command.envs(self.env.iter().map(|(k, v)| (k, v)));
             let log = dir.path().join(format!("tollgate.{attempt}.log"));
             let mut process = ChildGuard::spawn("tollgate", &mut command, &log);
-            // `/config` names the gRPC address, so an answer from another process that holds
-            // the HTTP port (a test running alongside) is not taken for this one's.
+            // `/config` (on the admin listener) names the gRPC address, so an answer from
+            // another process that holds the port (a test running alongside) is not taken for
+            // this one's. With the admin API off, `/healthz` on the HTTP port has to do.
             let ours = format!("{grpc_addr}");
+            let admin_token = self
+                .env
+                .iter()
+                .rev()
+                .find(|(k, _)| k == "TOLLGATE_ADMIN__TOKEN")
+                .map(|(_, v)| v.clone());
+            let admin_off = self
+                .env
+                .iter()
+                .rev()
+                .find(|(k, _)| k == "TOLLGATE_ADMIN__ENABLED")
+                .is_some_and(|(_, v)| v == "false");
+            let auth = admin_token
+                .as_ref()
+                .map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
             match wait_until(&mut process, || {
-                http_get(http_addr, "/config").filter(|(status, body)| *status == 200 && body.contains(&ours))
+                if admin_off {
+                    http_get(http_addr, "/healthz").filter(|(status, _)| *status == 200)
+                } else {
+                    http_get_with(admin_addr, "/config", &auth)
+                        .filter(|(status, body)| *status == 200 && body.contains(&ours))
+                }
             }) {
                 Ok(_) => {
                     return Tollgate {
@@ -314,6 +342,7 @@ impl TollgateBuilder {
                         grpc_addr,
                         http_addr,
                         admin_addr,
+                        admin_token,
                         dir,
                     }
                 }
@@ -327,6 +356,16 @@ impl TollgateBuilder {
 }
 
 impl Tollgate {
+    /// `GET /config` on the admin listener (with the token, if one was given): the status and
+    /// body.
+    pub fn config(&self) -> Option<(u16, String)> {
+        let auth = self
+            .admin_token
+            .as_ref()
+            .map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
+        http_get_with(self.admin_addr, "/config", &auth)
+    }
+
     /// A builder: add rules files or a rules path, extra settings, environment.
     pub fn builder() -> TollgateBuilder {
         TollgateBuilder::default()
