@@ -59,10 +59,13 @@ pub const RESET_LUA: &str = include_str!("../../../lua/reset.lua");
 /// the expiry it finds while that stays in range (`lua/decide.lua`).
 pub const TTL_MARGIN_MS: u64 = 1_000;
 
-/// The longest time to live: a bucket that may never be full again (a zero refill rate, a
-/// schedule whose refill is not found within its horizon, a quota whose next reset is not)
-/// is forgotten after 400 days.
-pub const MAX_TTL_MS: u64 = 400 * 86_400_000;
+/// The time to live of a key whose bucket's full time is not known: 0, no expiry. Such a
+/// bucket (a schedule whose refill is not found within the look-ahead of
+/// [`crate::schedule::DEFAULT_HORIZON_US`] and [`crate::schedule::MAX_CHANGES_AHEAD`]) is
+/// kept until a write finds it full, as the memory and Postgres stores keep theirs: forgetting
+/// it at any fixed age could forget a bucket not yet full (it once was 400 days, while rules
+/// accept a 10-year fill). A known full time, however far, is the key's expiry.
+pub const UNKNOWN_TTL_MS: u64 = 0;
 
 /// Calls one decision may make: a retry for a wrong time estimate and a walk over changes of
 /// limit each cost one more.
@@ -283,7 +286,7 @@ impl RedisStore {
                 time_override: None,
                 call: CallSettings {
                     ttl_margin_ms: TTL_MARGIN_MS,
-                    max_ttl_ms: MAX_TTL_MS,
+                    unknown_ttl_ms: UNKNOWN_TTL_MS,
                 },
                 timeout,
             }),
