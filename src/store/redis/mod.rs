@@ -31,8 +31,8 @@ use std::time::Duration;
 use fred::bytes::Bytes;
 use fred::clients::Client;
 use fred::prelude::{
-    Builder, ClientLike, Config, Error as FredError, ErrorKind, LuaInterface, Pool, ReconnectPolicy, Server,
-    ServerConfig, TlsConnector,
+    Builder, ClientLike, Config, Error as FredError, ErrorKind, EventInterface, LuaInterface, Pool, ReconnectPolicy,
+    Server, ServerConfig, TlsConnector,
 };
 use fred::types::{Key, Value};
 use futures_util::future::join_all;
@@ -135,6 +135,26 @@ struct Inner {
     call: CallSettings,
     /// How long one decision may take, all calls included.
     timeout: Duration,
+    /// Whether a first connection that fails is an error at once (`unreachable_at_start: exit`).
+    fail_fast: bool,
+}
+
+/// A client's stream of connection errors.
+type ErrorStream = tokio::sync::broadcast::Receiver<(FredError, Option<Server>)>;
+
+/// The last error any of `streams` received since it was subscribed (or last read).
+fn last_error(streams: &mut [ErrorStream]) -> Option<FredError> {
+    let mut last = None;
+    for rx in streams.iter_mut() {
+        loop {
+            match rx.try_recv() {
+                Ok((e, _)) => last = Some(e),
+                Err(tokio::sync::broadcast::error::TryRecvError::Lagged(_)) => {}
+                Err(_) => break,
+            }
+        }
+    }
+    last
 }
 
 fn store_error(e: &FredError) -> StoreError {
@@ -246,6 +266,7 @@ impl RedisStore {
         // names the reason); a server that may start without Redis instead keeps its first
         // connection attempts going under the reconnect policy, like every later one.
         config.fail_fast = settings.unreachable_at_start == UnreachableAtStart::Exit;
+        let config_fail_fast = config.fail_fast;
         let timeout = Duration::from_millis(settings.command_timeout_ms);
         let pool = Builder::from_config(config)
             .with_connection_config(|c| {
@@ -289,6 +310,7 @@ impl RedisStore {
                     unknown_ttl_ms: UNKNOWN_TTL_MS,
                 },
                 timeout,
+                fail_fast: config_fail_fast,
             }),
         })
     }
@@ -312,22 +334,44 @@ impl RedisStore {
             reason,
         };
         let pool = &self.inner.conn.pool;
-        let _tasks = pool.connect_pool();
-        // fred's `wait_for_connect` reads a client's state, then subscribes to its connect
-        // notification: a connection that comes up in between is never announced to it (about
-        // one connect in 600 here), so the wait is renewed every CONNECT_RECHECK and a client
-        // already up answers at once. (A first-connect error, sent once with fail_fast, that
-        // lands in such a gap, or before the first wait as before, reads as this timeout.)
         let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            let step = deadline.min(tokio::time::Instant::now() + CONNECT_RECHECK);
-            match tokio::time::timeout_at(step, pool.wait_for_connect()).await {
-                Ok(Ok(())) => break,
+        // Every client's error stream is subscribed before its connection starts, so a
+        // timeout can still say what went wrong meanwhile (refused, reset) instead of only
+        // "not reachable".
+        let mut errors: Vec<_> = pool.clients().iter().map(|c| c.error_rx()).collect();
+        let not_reachable = |errors: &mut [ErrorStream]| {
+            let within = format!("not reachable within {} ms", timeout.as_millis());
+            match last_error(errors) {
+                Some(e) => fail(format!("{within} (last error: {e})")),
+                None => fail(within),
+            }
+        };
+        if self.inner.fail_fast {
+            // `init` subscribes to each client's connect notification before it starts the
+            // client, so the first attempt's own error (a refused password, an unknown host)
+            // always reaches it and wins over the timeout. (Starting the clients and then
+            // waiting, as before, lost an error that came before the wait began: `serve` then
+            // said "not reachable" for a wrong password.)
+            match tokio::time::timeout_at(deadline, pool.init()).await {
+                Ok(Ok(_task)) => {}
                 Ok(Err(e)) => return Err(fail(e.to_string())),
-                Err(_) if step >= deadline => {
-                    return Err(fail(format!("not reachable within {} ms", timeout.as_millis())));
+                Err(_) => return Err(not_reachable(&mut errors)),
+            }
+        } else {
+            let _tasks = pool.connect_pool();
+            // Without fail_fast a failed attempt is retried, never announced, so this waits for
+            // the connections to come up. fred's `wait_for_connect` reads a client's state, then
+            // subscribes to its connect notification: a connection that comes up in between is
+            // never announced to it (about one connect in 600 here), so the wait is renewed
+            // every CONNECT_RECHECK and a client already up answers at once.
+            loop {
+                let step = deadline.min(tokio::time::Instant::now() + CONNECT_RECHECK);
+                match tokio::time::timeout_at(step, pool.wait_for_connect()).await {
+                    Ok(Ok(())) => break,
+                    Ok(Err(e)) => return Err(fail(e.to_string())),
+                    Err(_) if step >= deadline => return Err(not_reachable(&mut errors)),
+                    Err(_) => {}
                 }
-                Err(_) => {}
             }
         }
         tokio::time::timeout(timeout, self.inner.conn.load_scripts(Some(timeout)))
