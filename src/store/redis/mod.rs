@@ -137,6 +137,18 @@ struct Inner {
     timeout: Duration,
     /// Whether a first connection that fails is an error at once (`unreachable_at_start: exit`).
     fail_fast: bool,
+    /// What `maxmemory-policy` showed at connect ([`RedisStore::eviction_warning`]).
+    eviction: std::sync::Mutex<Option<String>>,
+}
+
+/// The policy in an answer to `CONFIG GET maxmemory-policy`: a name and value pair (RESP2) or
+/// a map (RESP3).
+fn policy_of(answer: Value) -> Option<String> {
+    match answer {
+        Value::Array(items) => items.get(1).and_then(|v| v.as_string()),
+        Value::Map(map) => map.inner().into_iter().next().and_then(|(_, v)| v.as_string()),
+        _ => None,
+    }
 }
 
 /// A client's stream of connection errors.
@@ -311,6 +323,7 @@ impl RedisStore {
                 },
                 timeout,
                 fail_fast: config_fail_fast,
+                eviction: std::sync::Mutex::new(None),
             }),
         })
     }
@@ -377,7 +390,68 @@ impl RedisStore {
         tokio::time::timeout(timeout, self.inner.conn.load_scripts(Some(timeout)))
             .await
             .map_err(|_| fail("loading the scripts timed out".into()))?
-            .map_err(|e| fail(e.to_string()))
+            .map_err(|e| fail(e.to_string()))?;
+        self.check_eviction(timeout).await;
+        Ok(())
+    }
+
+    /// Reads `maxmemory-policy` on every node (`CONFIG GET`) and records, and logs, whether
+    /// Redis may evict tollgate's keys: an evicted drained bucket comes back full, an
+    /// over-admission. Every key of tollgate's has an expiry (but for buckets whose full time is
+    /// unknown), so `volatile-*` policies evict them as `allkeys-*` do; only `noeviction` is safe
+    /// (docs/backends.md). A Redis that refuses `CONFIG` (many managed ones) is reported as not
+    /// checked. Never fails: the decisions do not depend on it.
+    async fn check_eviction(&self, timeout: Duration) {
+        let conn = &self.inner.conn;
+        let client = conn.pool.next();
+        let nodes: Vec<Option<Server>> = if conn.cluster {
+            client.active_connections().into_iter().map(Some).collect()
+        } else {
+            vec![None]
+        };
+        let mut evicting = std::collections::BTreeSet::new();
+        let mut unchecked = None;
+        for node in nodes {
+            let options = fred::types::config::Options {
+                timeout: Some(timeout),
+                cluster_node: node,
+                ..Default::default()
+            };
+            let get = fred::types::CustomCommand::new_static("CONFIG", fred::types::ClusterHash::Random, false);
+            let answer = client
+                .with_options(&options)
+                .custom::<Value, _>(get, vec!["GET", "maxmemory-policy"])
+                .await;
+            match answer.map(policy_of) {
+                Ok(Some(policy)) if policy == "noeviction" => {}
+                Ok(Some(policy)) => {
+                    evicting.insert(policy);
+                }
+                Ok(None) => unchecked = Some("no policy in the answer".to_string()),
+                Err(e) => unchecked = Some(e.details().chars().take(80).collect()),
+            }
+        }
+        let warning = if !evicting.is_empty() {
+            let policies: Vec<String> = evicting.into_iter().collect();
+            Some(format!(
+                "Redis maxmemory-policy {} can evict buckets (an evicted bucket admits again); use noeviction",
+                policies.join(",")
+            ))
+        } else {
+            unchecked.map(|why| format!("Redis maxmemory-policy not checked ({why})"))
+        };
+        match &warning {
+            Some(w) => tracing::warn!(redis = %self.describe(), "{w}"),
+            None => tracing::info!(redis = %self.describe(), "Redis maxmemory-policy is noeviction"),
+        }
+        *self.inner.eviction.lock().unwrap_or_else(|p| p.into_inner()) = warning;
+    }
+
+    /// Why Redis may lose tollgate's keys to eviction, as found at connect: a short sentence
+    /// naming the `maxmemory-policy` (no host), or that it could not be checked; `None` when
+    /// every node has `noeviction` (or before the first connect). Readiness shows it.
+    pub fn eviction_warning(&self) -> Option<String> {
+        self.inner.eviction.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// Waits in the background until the connections started by [`RedisStore::connect`] are
@@ -397,6 +471,7 @@ impl RedisStore {
                         .is_ok()
                 {
                     tracing::info!(redis = %store.describe(), "connected to Redis");
+                    store.check_eviction(retry.max(Duration::from_secs(1))).await;
                     return;
                 }
                 tokio::time::sleep(retry).await;
@@ -727,5 +802,21 @@ impl Store for RedisStore {
             kept: states.clone(),
             states,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_policy_is_read_from_either_protocol() {
+        let pair = Value::Array(vec!["maxmemory-policy".into(), "allkeys-lru".into()]);
+        assert_eq!(policy_of(pair).as_deref(), Some("allkeys-lru"));
+        let mut map = fred::types::Map::new();
+        map.insert("maxmemory-policy".into(), "noeviction".into());
+        assert_eq!(policy_of(Value::Map(map)).as_deref(), Some("noeviction"));
+        assert_eq!(policy_of(Value::Array(vec![])), None);
+        assert_eq!(policy_of(Value::Null), None);
     }
 }
