@@ -296,3 +296,77 @@ async fn redis_keys_are_bounded_whatever_the_value() {
     store.quit().await;
     tokio::task::block_in_place(|| support::redis::delete_prefix(url.as_str(), &prefix));
 }
+
+/// Redis Cluster, a request over buckets in three slots, one of which denies: every bucket is
+/// left as it was, but for the request's own refund, which applies. The admitting slots had
+/// taken their consumption (a shadow demand's too) and give back exactly that; a shadow demand
+/// a bucket could not cover took nothing and gives back nothing. (Before, a bucket with both a
+/// refund and a shadow demand it could not cover was "refunded" the shadow demand it never
+/// took: 5 tokens out of nothing.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_denial_across_slots_refunds_exactly_what_was_taken() {
+    if support::redis::shared_redis("a_denial_across_slots_refunds_exactly_what_was_taken").is_none() {
+        return;
+    }
+    let cluster = tokio::task::block_in_place(support::redis::RedisCluster::start);
+    let prefix = support::redis::unique_prefix("cluster-refunds");
+    let clock = ManualClock::new(utc_us(2026, 6, 1));
+    let settings = RedisSettings {
+        urls: cluster.urls(),
+        cluster: true,
+        key_prefix: prefix.clone(),
+        command_timeout_ms: 5_000,
+        ..RedisSettings::default()
+    };
+    let store = RedisStore::new(&settings, Arc::new(SystemClock))
+        .unwrap()
+        .with_time_override(Arc::new(clock.clone()));
+    store.connect(Duration::from_secs(10)).await.unwrap();
+    let plan = Plan::Fixed(Limit::new(10, Rate::per(1, DAY_US).unwrap()));
+    let buckets: Vec<BucketRef> = ["drained", "three_left", "five_left"]
+        .iter()
+        .map(|k| BucketRef {
+            key: (*k).into(),
+            plan: plan.clone(),
+        })
+        .collect();
+    let slots: std::collections::HashSet<u16> = buckets
+        .iter()
+        .map(|b| tollgate::store::redis::keys::slot(&tollgate::store::redis::keys::bucket_key(&prefix, &b.key)))
+        .collect();
+    assert_eq!(slots.len(), 3, "three slots");
+    let demand = |instance, kind, enforced| Demand {
+        instance,
+        kind,
+        enforced,
+    };
+    for (i, take) in [(0, 10), (1, 7), (2, 5)] {
+        let one = std::slice::from_ref(&buckets[i]);
+        assert!(!store.apply(one, &consume(take)).await.unwrap().decision.denied);
+    }
+    let tokens = |p: tollgate::store::Peeked| p.states.iter().map(|s| s.tokens_ut / MICRO).collect::<Vec<_>>();
+    assert_eq!(tokens(store.peek(&buckets).await.unwrap()), [0, 3, 5]);
+
+    let request = [
+        demand(0, DemandKind::Consume(MICRO), true),      // denies: nothing left
+        demand(1, DemandKind::Consume(5 * MICRO), false), // shadow, more than it holds
+        demand(1, DemandKind::Refund(MICRO), true),       // always applies
+        demand(2, DemandKind::Consume(2 * MICRO), true),  // taken, then given back
+        demand(2, DemandKind::Consume(MICRO), false),     // shadow, taken with it, given back
+    ];
+    let applied = store.apply(&buckets, &request).await.unwrap();
+    assert!(applied.decision.denied);
+    let reported: Vec<u64> = applied
+        .decision
+        .instances
+        .iter()
+        .map(|o| o.after.tokens_ut / MICRO)
+        .collect();
+    assert_eq!(reported, [0, 4, 5], "as the decision reports them");
+    assert_eq!(
+        tokens(store.peek(&buckets).await.unwrap()),
+        [0, 4, 5],
+        "as Redis holds them: the refund applied, nothing else changed"
+    );
+    store.quit().await;
+}

@@ -680,18 +680,22 @@ impl RedisStore {
         let denied = results.iter().any(|r| matches!(r, Ok(d) if d.denied));
         let failed = results.iter().any(|r| r.is_err());
         if denied || failed {
-            // All or nothing across slots: give back what the admitting slots took.
+            // All or nothing across slots: give back exactly what the admitting slots took,
+            // shadow demands' share included (a single call takes nothing on a denial either);
+            // their refunds stay applied, as refunds always are.
             let refunds = split.iter().zip(&results).filter_map(|((refs, _, _), r)| {
                 let d = r.as_ref().ok()?;
                 let back: Vec<Demand> = d
                     .instances
                     .iter()
                     .enumerate()
-                    .filter(|(_, o)| !d.denied && o.consumed_ut > 0 && o.changed)
-                    .map(|(i, o)| Demand {
-                        instance: i,
-                        kind: DemandKind::Refund(o.consumed_ut),
-                        enforced: false,
+                    .filter_map(|(i, o)| {
+                        let taken = taken_ut(d, o);
+                        (taken > 0).then_some(Demand {
+                            instance: i,
+                            kind: DemandKind::Refund(taken),
+                            enforced: false,
+                        })
                     })
                     .collect();
                 (!back.is_empty()).then_some(async move { self.decide_group(refs, &back).await })
@@ -703,35 +707,11 @@ impl RedisStore {
                 }
             }
         }
-        let mut passed = vec![false; demands.len()];
-        let mut instances = vec![None; buckets.len()];
-        let mut now_us = 0;
-        for ((_, _, idx), (g, r)) in split.iter().zip(groups.iter().zip(results)) {
-            let d = r?;
-            now_us = now_us.max(d.now_us);
-            for (local, &j) in idx.iter().enumerate() {
-                passed[j] = d.passed[local];
-            }
-            for (local, &i) in g.iter().enumerate() {
-                let mut o: InstanceOutcome = d.instances[local];
-                if denied && !d.denied && o.changed {
-                    // Refunded: report it as a denied request leaves it.
-                    o.after = o.before;
-                }
-                instances[i] = Some(o);
-            }
+        let mut decided = Vec::with_capacity(results.len());
+        for r in results {
+            decided.push(r?);
         }
-        Ok(Applied {
-            now_us,
-            decision: Decision {
-                denied,
-                passed,
-                instances: instances
-                    .into_iter()
-                    .map(|o| o.expect("every bucket is in a group"))
-                    .collect(),
-            },
-        })
+        Ok(merge_slots(buckets, demands.len(), &groups, &split, decided, denied))
     }
 
     async fn read(&self, sha: &str, buckets: &[BucketRef]) -> Result<(u64, Vec<Option<Vec<u8>>>), StoreError> {
@@ -762,6 +742,72 @@ impl RedisStore {
             }
         }
         Ok((now, values))
+    }
+}
+
+/// Micro-tokens a slot's decision `d` took from the bucket `o` (the script takes a bucket's
+/// consuming demands, shadow ones included, only when the request is admitted and the bucket
+/// holds them all): what a refund must give back. Not `consumed_ut`, which is what was asked.
+fn taken_ut(d: &script::Decided, o: &InstanceOutcome) -> u64 {
+    if !d.denied && o.consumed_ut > 0 && o.before.tokens_ut >= o.consumed_ut {
+        o.consumed_ut
+    } else {
+        0
+    }
+}
+
+/// Puts the slots' decisions of one request back together in the request's order. Each slot
+/// was decided at the clock of the node holding it, and nodes' clocks may differ: the request's
+/// `now_us` is the latest, and every other slot's states are moved by the difference, so a wait
+/// measured from them at that `now_us` is the wait at their own node's clock (a client told to
+/// retry then is not early on a node that runs behind). When another slot denied, an admitting
+/// slot's buckets are reported as its refund left them: as before, less nothing, plus their own
+/// refunds.
+fn merge_slots(
+    buckets: &[BucketRef],
+    demands: usize,
+    groups: &[Vec<usize>],
+    split: &[(Vec<&BucketRef>, Vec<Demand>, Vec<usize>)],
+    decided: Vec<script::Decided>,
+    denied: bool,
+) -> Applied {
+    let now_us = decided.iter().map(|d| d.now_us).max().unwrap_or(0);
+    let mut passed = vec![false; demands];
+    let mut instances = vec![None; buckets.len()];
+    for ((_, _, idx), (g, d)) in split.iter().zip(groups.iter().zip(decided)) {
+        let shift = now_us - d.now_us;
+        for (local, &j) in idx.iter().enumerate() {
+            passed[j] = d.passed[local];
+        }
+        for (local, &i) in g.iter().enumerate() {
+            let mut o: InstanceOutcome = d.instances[local];
+            if denied && !d.denied {
+                let taken = taken_ut(&d, &o);
+                if taken > 0 {
+                    let capacity = buckets[i].plan.limit_at(o.after.updated_us).capacity_ut;
+                    o.after.tokens_ut = o
+                        .after
+                        .tokens_ut
+                        .saturating_add(taken)
+                        .min(capacity.max(o.before.tokens_ut));
+                }
+            }
+            for state in [&mut o.stored, &mut o.before, &mut o.after] {
+                state.updated_us = state.updated_us.saturating_add(shift);
+            }
+            instances[i] = Some(o);
+        }
+    }
+    Applied {
+        now_us,
+        decision: Decision {
+            denied,
+            passed,
+            instances: instances
+                .into_iter()
+                .map(|o| o.expect("every bucket is in a group"))
+                .collect(),
+        },
     }
 }
 
@@ -808,6 +854,66 @@ impl Store for RedisStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn outcome(tokens: u64, updated_us: u64) -> InstanceOutcome {
+        let state = BucketState {
+            tokens_ut: tokens,
+            updated_us,
+        };
+        InstanceOutcome {
+            stored: state,
+            before: state,
+            after: state,
+            consumed_ut: 0,
+            changed: false,
+        }
+    }
+
+    /// Two slots on nodes whose clocks differ by 5 s: the request's time is the later one and
+    /// the other slot's states move by the difference, so that a wait measured from them at
+    /// that time is the wait at their own node's clock. (Before, they kept their own node's
+    /// times and a wait on the node behind came out 5 s short: a client retried too early.)
+    #[test]
+    fn slots_decided_at_different_clocks_are_merged_at_the_latest() {
+        let plan = crate::schedule::Plan::Fixed(crate::bucket::Limit::new(
+            10,
+            crate::bucket::Rate::per(1, 1_000_000).unwrap(),
+        ));
+        let buckets = vec![
+            BucketRef {
+                key: "ahead".into(),
+                plan: plan.clone(),
+            },
+            BucketRef {
+                key: "behind".into(),
+                plan: plan.clone(),
+            },
+        ];
+        let groups = vec![vec![0], vec![1]];
+        let split: Vec<(Vec<&BucketRef>, Vec<Demand>, Vec<usize>)> =
+            vec![(vec![&buckets[0]], vec![], vec![]), (vec![&buckets[1]], vec![], vec![])];
+        let t = 1_780_000_000_000_000;
+        let decided = vec![
+            script::Decided {
+                now_us: t + 5_000_000,
+                denied: false,
+                passed: vec![],
+                instances: vec![outcome(0, t + 5_000_000)],
+            },
+            script::Decided {
+                now_us: t,
+                denied: false,
+                passed: vec![],
+                instances: vec![outcome(0, t)],
+            },
+        ];
+        let merged = merge_slots(&buckets, 0, &groups, &split, decided, false);
+        assert_eq!(merged.now_us, t + 5_000_000);
+        let behind = merged.decision.instances[1];
+        assert_eq!(behind.after.updated_us, t + 5_000_000);
+        // Empty at one token a second: a token in a second on its own node's clock.
+        assert_eq!(plan.wait_us(behind.kept(), 1_000_000, merged.now_us), Some(1_000_000));
+    }
 
     #[test]
     fn the_policy_is_read_from_either_protocol() {
