@@ -38,6 +38,10 @@ impl AnyStore {
                 let redis = r.primary();
                 let problem = if !redis.is_connected() {
                     Some(format!("not connected to Redis at {}", redis.describe()))
+                } else if !redis.is_warm() {
+                    // Connected, but the scripts are still loading (`unreachable_at_start:
+                    // not_ready` connects in the background).
+                    Some("Redis scripts not loaded yet".to_string())
                 } else if !r.probe_if_open(|| redis.probe(PROBE_TIMEOUT)).await {
                     Some(failing("Redis", redis.describe(), r.guarded()))
                 } else {

@@ -139,6 +139,8 @@ struct Inner {
     fail_fast: bool,
     /// What `maxmemory-policy` showed at connect ([`RedisStore::eviction_warning`]).
     eviction: std::sync::Mutex<Option<String>>,
+    /// Whether the scripts have been loaded since start ([`RedisStore::is_warm`]).
+    warm: std::sync::atomic::AtomicBool,
 }
 
 /// The policy in an answer to `CONFIG GET maxmemory-policy`: a name and value pair (RESP2) or
@@ -324,6 +326,7 @@ impl RedisStore {
                 timeout,
                 fail_fast: config_fail_fast,
                 eviction: std::sync::Mutex::new(None),
+                warm: std::sync::atomic::AtomicBool::new(false),
             }),
         })
     }
@@ -391,8 +394,17 @@ impl RedisStore {
             .await
             .map_err(|_| fail("loading the scripts timed out".into()))?
             .map_err(|e| fail(e.to_string()))?;
+        self.inner.warm.store(true, Ordering::Release);
         self.check_eviction(timeout).await;
         Ok(())
+    }
+
+    /// Whether the store is ready for its first decisions: the scripts loaded (on every
+    /// primary of a Cluster) and, by then, every connection of the pool opened. Readiness waits
+    /// for it, so the first decisions after start do not pay a connection or a `NOSCRIPT`
+    /// reload under `command_timeout_ms` (10 ms by default) and fail.
+    pub fn is_warm(&self) -> bool {
+        self.inner.warm.load(Ordering::Acquire)
     }
 
     /// Reads `maxmemory-policy` on every node (`CONFIG GET`) and records, and logs, whether
@@ -471,6 +483,7 @@ impl RedisStore {
                         .is_ok()
                 {
                     tracing::info!(redis = %store.describe(), "connected to Redis");
+                    store.inner.warm.store(true, Ordering::Release);
                     store.check_eviction(retry.max(Duration::from_secs(1))).await;
                     return;
                 }
