@@ -11,8 +11,8 @@
 -- the rules (capacity <= 10^9 tokens, refill num * den < 2^53): see src/bucket/rate.rs.
 --
 -- KEYS: each request's bucket instances, request after request (one Cluster slot per call).
--- ARGV: now override in µs ("" = Redis TIME; tests only), TTL margin (ms), the longest TTL
---   (ms), #requests; then per request one string of little-endian doubles (struct.pack '<d';
+-- ARGV: now override in µs ("" = Redis TIME; tests only), TTL margin (ms), the TTL (ms) of a
+--   bucket whose full time is unknown (0: no expiry), #requests; then per request one string of little-endian doubles (struct.pack '<d';
 --   every value is an integer below 2^53, so exact), read here with no text parsing:
 --     #buckets, #demands, #replacements;
 --     per bucket 9: kind (1 F a constant limit, 2 S a schedule, 3 Q a calendar quota);
@@ -38,7 +38,10 @@
 -- by the binary one at the bucket's next write.
 --
 -- Expiry: a written key must expire between due = now + (time until full) + margin and
--- due + margin (Redis's clock, ms). A key whose expiry (PEXPIRETIME, so whatever set it)
+-- due + margin (Redis's clock, ms), however far away that is (a 10-year fill, a quota reset on
+-- 29 February): expiring earlier would forget a drained bucket. A bucket whose full time is
+-- unknown (a schedule whose refill tollgate's look-ahead does not reach) keeps no expiry
+-- until a write finds it, as the memory and Postgres stores keep theirs. A key whose expiry (PEXPIRETIME, so whatever set it)
 -- already lies in that range keeps it (SET ... KEEPTTL); any other, including none, is set to
 -- due + margin with PXAT. Setting an expiry costs Redis a third of a SET, reading one far less,
 -- and a busy bucket's range moves slowly, so most writes keep it. Needs Redis 6.2 (PXAT,
@@ -162,7 +165,7 @@ local has_pexpiretime
 
 -- Decides one request whose keys start after KEYS[ko] and whose fields start after ARGV[ao];
 -- returns its answer and where the next request's fields start.
-local function decide(now, margin_ms, max_ttl_ms, ko, ao)
+local function decide(now, margin_ms, unknown_ttl_ms, ko, ao)
   local packed = ARGV[ao + 1]
   local nb, nd, nrep, pos = unpack_fields('<ddd', packed)
   local f = read_numbers(packed, pos, nb * 9 + nd * 4)
@@ -302,20 +305,24 @@ local function decide(now, margin_ms, max_ttl_ms, ko, ao)
         elseif x.hi > 0 then
           full_at = x.hi
         end
-        local ttl = max_ttl_ms
-        if full_at then
-          ttl = min(max_ttl_ms, ceil((full_at - now) / 1000) + margin_ms)
-        end
-        if ttl < 1 then ttl = 1 end
         local e = 0
         if x.kind == 2 then e = x.hi end
-        local due = clock_ms + ttl
-        local expires = -1
-        if x.stored and has_pexpiretime then expires = call('PEXPIRETIME', x.key) end
-        if expires >= due and expires <= due + margin_ms then
-          call('SET', x.key, pack('<ddd', t, x.bu, e), 'KEEPTTL')
+        local value = pack('<ddd', t, x.bu, e)
+        if not full_at and unknown_ttl_ms == 0 then
+          -- Plain SET drops any expiry: kept until a write finds the bucket full.
+          call('SET', x.key, value)
         else
-          call('SET', x.key, pack('<ddd', t, x.bu, e), 'PXAT', format('%d', due + margin_ms))
+          local ttl = unknown_ttl_ms
+          if full_at then ttl = ceil((full_at - now) / 1000) + margin_ms end
+          if ttl < 1 then ttl = 1 end
+          local due = clock_ms + ttl
+          local expires = -1
+          if x.stored and has_pexpiretime then expires = call('PEXPIRETIME', x.key) end
+          if expires >= due and expires <= due + margin_ms then
+            call('SET', x.key, value, 'KEEPTTL')
+          else
+            call('SET', x.key, value, 'PXAT', format('%d', due + margin_ms))
+          end
         end
       end
     end
@@ -331,13 +338,13 @@ local now = tonum(time[1]) * MICRO + tonum(time[2])
 clock_ms = floor(now / 1000)
 has_pexpiretime = #KEYS == 0 or type(pcall_('PEXPIRETIME', KEYS[1])) == 'number'
 if ARGV[1] ~= '' then now = tonum(ARGV[1]) end
-local margin_ms, max_ttl_ms, nreq = tonum(ARGV[2]), tonum(ARGV[3]), tonum(ARGV[4])
+local margin_ms, unknown_ttl_ms, nreq = tonum(ARGV[2]), tonum(ARGV[3]), tonum(ARGV[4])
 
 local answers = {}
 local ko, ao = 0, 4
 for r = 1, nreq do
   local nb = unpack_fields('<d', ARGV[ao + 1])
-  answers[r], ao = decide(now, margin_ms, max_ttl_ms, ko, ao)
+  answers[r], ao = decide(now, margin_ms, unknown_ttl_ms, ko, ao)
   ko = ko + nb
 end
 return answers

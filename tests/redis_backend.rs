@@ -163,10 +163,11 @@ impl Backend {
         let pttls = self.pttls();
         let forever: Vec<&(String, i64)> = pttls.iter().filter(|(_, t)| *t < 0).collect();
         assert!(forever.is_empty(), "keys without a time to live: {forever:#?}");
-        // At most the longest time to live (400 days) plus the margin.
-        let longest = 400 * 86_400_000 + 1_000;
+        // At most the longest fill the rules accept (10 years; these tests' rules have no
+        // rarer quota) plus the two margins.
+        let longest = 3_650 * 86_400_000 + 2_000;
         let too_long: Vec<&(String, i64)> = pttls.iter().filter(|(_, t)| *t > longest).collect();
-        assert!(too_long.is_empty(), "keys living longer than 400 days: {too_long:#?}");
+        assert!(too_long.is_empty(), "keys living longer than 10 years: {too_long:#?}");
         pttls.len()
     }
 
@@ -1123,4 +1124,57 @@ fn concurrent_requests_share_calls_and_a_corrupt_value_refuses_only_its_own() {
         Some("garbage")
     );
     backend.assert_every_key_expires();
+}
+
+// ---- maxmemory-policy ---------------------------------------------------------------------
+
+/// A Redis whose `maxmemory-policy` can evict keys (`allkeys-lru`) may drop a drained bucket,
+/// which then admits again: tollgate says so at start (log) and on `/readyz`, still ready (a
+/// setting is no reason to leave Envoy without a rate-limit service), with a short reason that
+/// names no host. With `noeviction`, the only safe policy, `/readyz` is plain "ready", and on a
+/// Cluster every node is checked.
+fn eviction_is_reported(deployment: Deployment, test: &str) {
+    let Some(backend) = Backend::new(deployment, test) else {
+        return;
+    };
+    let set_policy = |policy: &str, nodes: &[RedisTarget]| {
+        for node in nodes {
+            let answer = node.cmd(&[b"CONFIG", b"SET", b"maxmemory-policy", policy.as_bytes()]);
+            assert!(matches!(answer, RespValue::Simple(_)), "CONFIG SET: {answer:?}");
+        }
+    };
+    // On a Cluster only the last node evicts: every node must be looked at.
+    set_policy("noeviction", &backend.nodes);
+    set_policy("allkeys-lru", &backend.nodes[backend.nodes.len() - 1..]);
+    let tg = backend.start(ONE_PER_HOUR, &[], &[]);
+    let (status, body) = http_get(tg.http_addr, "/readyz").expect("/readyz");
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("maxmemory-policy allkeys-lru"), "{body}");
+    assert!(body.contains("noeviction"), "says what to use: {body}");
+    assert!(!body.contains("127.0.0.1"), "names a host: {body}");
+    let log = tg.process.log();
+    assert!(
+        log.contains("maxmemory-policy allkeys-lru"),
+        "{}",
+        tg.process.log_tail(40)
+    );
+    drop(tg);
+
+    set_policy("noeviction", &backend.nodes);
+    let tg = backend.start(ONE_PER_HOUR, &[], &[]);
+    let (status, body) = http_get(tg.http_addr, "/readyz").expect("/readyz");
+    assert_eq!((status, body.as_str()), (200, "ready\n"));
+}
+
+#[test]
+fn an_evicting_maxmemory_policy_is_reported() {
+    eviction_is_reported(Deployment::Private, "an_evicting_maxmemory_policy_is_reported");
+}
+
+#[test]
+fn an_evicting_maxmemory_policy_is_reported_on_a_cluster() {
+    eviction_is_reported(
+        Deployment::Cluster,
+        "an_evicting_maxmemory_policy_is_reported_on_a_cluster",
+    );
 }

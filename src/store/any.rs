@@ -28,7 +28,9 @@ impl AnyStore {
     /// its circuit is closed; Postgres while its schema is in place and it answers a `SELECT 1`
     /// (sent on each call: with no traffic nothing else would notice it is gone; while its
     /// circuit is open, at most once per `breaker_open_ms`). So a replica taken out of rotation
-    /// comes back when its backend does, without needing requests.
+    /// comes back when its backend does, without needing requests. A Redis whose
+    /// `maxmemory-policy` may evict buckets, or could not be checked, is ready with that said
+    /// ([`RedisStore::eviction_warning`]).
     pub async fn ready(&self) -> Result<Option<String>, String> {
         let (problem, fallback) = match self {
             AnyStore::Memory(_) => return Ok(None),
@@ -36,6 +38,10 @@ impl AnyStore {
                 let redis = r.primary();
                 let problem = if !redis.is_connected() {
                     Some(format!("not connected to Redis at {}", redis.describe()))
+                } else if !redis.is_warm() {
+                    // Connected, but the scripts are still loading (`unreachable_at_start:
+                    // not_ready` connects in the background).
+                    Some("Redis scripts not loaded yet".to_string())
                 } else if !r.probe_if_open(|| redis.probe(PROBE_TIMEOUT)).await {
                     Some(failing("Redis", redis.describe(), r.guarded()))
                 } else {
@@ -59,7 +65,13 @@ impl AnyStore {
             Some(f) => Some((f.name(), f.ready(PROBE_TIMEOUT).await)),
             None => None,
         };
-        match (problem, fallback_ready) {
+        // Redis that may evict buckets still decides (taking every replica out of rotation for
+        // a setting would leave Envoy no one to ask), but says so.
+        let eviction = match self {
+            AnyStore::Redis(r) => r.primary().eviction_warning(),
+            _ => None,
+        };
+        let ready = match (problem, fallback_ready) {
             (None, None | Some((_, Ok(())))) => Ok(None),
             // The backend decides, but the safety net is gone: say so (and the fallback's
             // circuit gauge clears once it answers again).
@@ -67,6 +79,11 @@ impl AnyStore {
             (Some(problem), None) => Err(problem),
             (Some(problem), Some((name, Ok(())))) => Ok(Some(format!("{problem}; deciding on the {name} fallback"))),
             (Some(problem), Some((name, Err(also)))) => Err(format!("{problem}; and the {name} fallback: {also}")),
+        };
+        match (ready, eviction) {
+            (Ok(None), Some(warning)) => Ok(Some(warning)),
+            (Ok(Some(degraded)), Some(warning)) => Ok(Some(format!("{degraded}; {warning}"))),
+            (ready, _) => ready,
         }
     }
 }

@@ -1042,7 +1042,7 @@ fn cluster_ports(count: usize) -> Vec<u16> {
 }
 
 /// Deletes every key starting with `prefix` on one server (a test's own keys on the shared
-/// server: they would otherwise live until their TTL, up to 400 days for some buckets).
+/// server: they would otherwise live until their TTL, years for some buckets).
 /// Returns how many were deleted.
 pub fn delete_prefix(target: impl Into<RedisTarget>, prefix: &str) -> usize {
     let target = target.into();

@@ -6,12 +6,28 @@
 //! that identity (XXH3-64). Redis Cluster hashes only what lies between the first `{` and the
 //! next `}`; the prefix may hold neither (checked when settings load), so that is always the
 //! tag, whatever bytes a descriptor value carries, and no client picks a slot.
+//!
+//! **Bounded.** A descriptor value can be as long as a header Envoy accepts (tens of KiB), so
+//! an identity longer than [`MAX_VERBATIM_IDENTITY`] bytes is stored as [`DIGEST_TAG`] and its
+//! SHA-256 instead (as the Postgres store stores its rows' keys): a key is at most the prefix
+//! and 530 bytes. Identities up to the bound keep the keys earlier versions wrote, so an
+//! upgrade loses no bucket. No two identities share a key: a digest starts with a byte that
+//! UTF-8 text never holds, so it never equals an identity kept as it is, and SHA-256 is
+//! collision-resistant.
 
+use sha2::Digest;
 use xxhash_rust::xxh3::xxh3_64;
 
-/// The Redis key of the bucket instance `identity` under `prefix`.
+/// The longest identity (bytes) a key holds as it is; a longer one is replaced by its digest.
+pub const MAX_VERBATIM_IDENTITY: usize = 512;
+
+/// The first byte of an identity's digest in a key: never found in UTF-8 text.
+pub const DIGEST_TAG: u8 = 0xFF;
+
+/// The Redis key of the bucket instance `identity` under `prefix`: at most `prefix.len() + 18 +`
+/// [`MAX_VERBATIM_IDENTITY`] bytes.
 pub fn bucket_key(prefix: &str, identity: &str) -> Vec<u8> {
-    let mut key = Vec::with_capacity(prefix.len() + 18 + identity.len());
+    let mut key = Vec::with_capacity(prefix.len() + 18 + identity.len().min(MAX_VERBATIM_IDENTITY));
     key.extend_from_slice(prefix.as_bytes());
     key.push(b'{');
     let tag = xxh3_64(identity.as_bytes());
@@ -19,7 +35,12 @@ pub fn bucket_key(prefix: &str, identity: &str) -> Vec<u8> {
         key.push(b"0123456789abcdef"[((tag >> (shift * 4)) & 0xf) as usize]);
     }
     key.push(b'}');
-    key.extend_from_slice(identity.as_bytes());
+    if identity.len() <= MAX_VERBATIM_IDENTITY {
+        key.extend_from_slice(identity.as_bytes());
+    } else {
+        key.push(DIGEST_TAG);
+        key.extend_from_slice(&sha2::Sha256::digest(identity.as_bytes()));
+    }
     key
 }
 
@@ -63,6 +84,32 @@ mod tests {
         let values = ["a", "a:", "1:a", "{a}", "}", "{", "é", "e\u{301}", "a\u{0}b"];
         let keys: std::collections::HashSet<Vec<u8>> = values.iter().map(|v| bucket_key("p:", &identity(v))).collect();
         assert_eq!(keys.len(), values.len());
+    }
+
+    #[test]
+    fn long_identities_are_digested_and_still_distinct() {
+        let long = "v".repeat(64 * 1024);
+        let key = bucket_key("tollgate:", &identity(&long));
+        assert!(
+            key.len() <= "tollgate:".len() + 18 + MAX_VERBATIM_IDENTITY,
+            "{} bytes",
+            key.len()
+        );
+        assert_eq!(key.len(), "tollgate:".len() + 18 + 33);
+        assert_eq!(key["tollgate:".len() + 18], DIGEST_TAG);
+        // One byte apart, and at the bound on either side: all distinct.
+        let mut other = long.clone();
+        other.replace_range(..1, "w");
+        let at_bound = "x".repeat(MAX_VERBATIM_IDENTITY);
+        let over = "x".repeat(MAX_VERBATIM_IDENTITY + 1);
+        let keys: std::collections::HashSet<Vec<u8>> = [&long, &other, &at_bound, &over]
+            .iter()
+            .map(|v| bucket_key("p:", &identity(v)))
+            .chain([bucket_key("p:", &at_bound), bucket_key("p:", &over)])
+            .collect();
+        assert_eq!(keys.len(), 6);
+        // At the bound the identity is kept as it is: the key earlier versions wrote.
+        assert!(bucket_key("p:", &at_bound).ends_with(at_bound.as_bytes()));
     }
 
     #[test]

@@ -31,8 +31,8 @@ use std::time::Duration;
 use fred::bytes::Bytes;
 use fred::clients::Client;
 use fred::prelude::{
-    Builder, ClientLike, Config, Error as FredError, ErrorKind, LuaInterface, Pool, ReconnectPolicy, Server,
-    ServerConfig, TlsConnector,
+    Builder, ClientLike, Config, Error as FredError, ErrorKind, EventInterface, LuaInterface, Pool, ReconnectPolicy,
+    Server, ServerConfig, TlsConnector,
 };
 use fred::types::{Key, Value};
 use futures_util::future::join_all;
@@ -59,10 +59,13 @@ pub const RESET_LUA: &str = include_str!("../../../lua/reset.lua");
 /// the expiry it finds while that stays in range (`lua/decide.lua`).
 pub const TTL_MARGIN_MS: u64 = 1_000;
 
-/// The longest time to live: a bucket that may never be full again (a zero refill rate, a
-/// schedule whose refill is not found within its horizon, a quota whose next reset is not)
-/// is forgotten after 400 days.
-pub const MAX_TTL_MS: u64 = 400 * 86_400_000;
+/// The time to live of a key whose bucket's full time is not known: 0, no expiry. Such a
+/// bucket (a schedule whose refill is not found within the look-ahead of
+/// [`crate::schedule::DEFAULT_HORIZON_US`] and [`crate::schedule::MAX_CHANGES_AHEAD`]) is
+/// kept until a write finds it full, as the memory and Postgres stores keep theirs: forgetting
+/// it at any fixed age could forget a bucket not yet full (it once was 400 days, while rules
+/// accept a 10-year fill). A known full time, however far, is the key's expiry.
+pub const UNKNOWN_TTL_MS: u64 = 0;
 
 /// Calls one decision may make: a retry for a wrong time estimate and a walk over changes of
 /// limit each cost one more.
@@ -132,6 +135,40 @@ struct Inner {
     call: CallSettings,
     /// How long one decision may take, all calls included.
     timeout: Duration,
+    /// Whether a first connection that fails is an error at once (`unreachable_at_start: exit`).
+    fail_fast: bool,
+    /// What `maxmemory-policy` showed at connect ([`RedisStore::eviction_warning`]).
+    eviction: std::sync::Mutex<Option<String>>,
+    /// Whether the scripts have been loaded since start ([`RedisStore::is_warm`]).
+    warm: std::sync::atomic::AtomicBool,
+}
+
+/// The policy in an answer to `CONFIG GET maxmemory-policy`: a name and value pair (RESP2) or
+/// a map (RESP3).
+fn policy_of(answer: Value) -> Option<String> {
+    match answer {
+        Value::Array(items) => items.get(1).and_then(|v| v.as_string()),
+        Value::Map(map) => map.inner().into_iter().next().and_then(|(_, v)| v.as_string()),
+        _ => None,
+    }
+}
+
+/// A client's stream of connection errors.
+type ErrorStream = tokio::sync::broadcast::Receiver<(FredError, Option<Server>)>;
+
+/// The last error any of `streams` received since it was subscribed (or last read).
+fn last_error(streams: &mut [ErrorStream]) -> Option<FredError> {
+    let mut last = None;
+    for rx in streams.iter_mut() {
+        loop {
+            match rx.try_recv() {
+                Ok((e, _)) => last = Some(e),
+                Err(tokio::sync::broadcast::error::TryRecvError::Lagged(_)) => {}
+                Err(_) => break,
+            }
+        }
+    }
+    last
 }
 
 fn store_error(e: &FredError) -> StoreError {
@@ -243,6 +280,7 @@ impl RedisStore {
         // names the reason); a server that may start without Redis instead keeps its first
         // connection attempts going under the reconnect policy, like every later one.
         config.fail_fast = settings.unreachable_at_start == UnreachableAtStart::Exit;
+        let config_fail_fast = config.fail_fast;
         let timeout = Duration::from_millis(settings.command_timeout_ms);
         let pool = Builder::from_config(config)
             .with_connection_config(|c| {
@@ -283,9 +321,12 @@ impl RedisStore {
                 time_override: None,
                 call: CallSettings {
                     ttl_margin_ms: TTL_MARGIN_MS,
-                    max_ttl_ms: MAX_TTL_MS,
+                    unknown_ttl_ms: UNKNOWN_TTL_MS,
                 },
                 timeout,
+                fail_fast: config_fail_fast,
+                eviction: std::sync::Mutex::new(None),
+                warm: std::sync::atomic::AtomicBool::new(false),
             }),
         })
     }
@@ -309,28 +350,120 @@ impl RedisStore {
             reason,
         };
         let pool = &self.inner.conn.pool;
-        let _tasks = pool.connect_pool();
-        // fred's `wait_for_connect` reads a client's state, then subscribes to its connect
-        // notification: a connection that comes up in between is never announced to it (about
-        // one connect in 600 here), so the wait is renewed every CONNECT_RECHECK and a client
-        // already up answers at once. (A first-connect error, sent once with fail_fast, that
-        // lands in such a gap, or before the first wait as before, reads as this timeout.)
         let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            let step = deadline.min(tokio::time::Instant::now() + CONNECT_RECHECK);
-            match tokio::time::timeout_at(step, pool.wait_for_connect()).await {
-                Ok(Ok(())) => break,
+        // Every client's error stream is subscribed before its connection starts, so a
+        // timeout can still say what went wrong meanwhile (refused, reset) instead of only
+        // "not reachable".
+        let mut errors: Vec<_> = pool.clients().iter().map(|c| c.error_rx()).collect();
+        let not_reachable = |errors: &mut [ErrorStream]| {
+            let within = format!("not reachable within {} ms", timeout.as_millis());
+            match last_error(errors) {
+                Some(e) => fail(format!("{within} (last error: {e})")),
+                None => fail(within),
+            }
+        };
+        if self.inner.fail_fast {
+            // `init` subscribes to each client's connect notification before it starts the
+            // client, so the first attempt's own error (a refused password, an unknown host)
+            // always reaches it and wins over the timeout. (Starting the clients and then
+            // waiting, as before, lost an error that came before the wait began: `serve` then
+            // said "not reachable" for a wrong password.)
+            match tokio::time::timeout_at(deadline, pool.init()).await {
+                Ok(Ok(_task)) => {}
                 Ok(Err(e)) => return Err(fail(e.to_string())),
-                Err(_) if step >= deadline => {
-                    return Err(fail(format!("not reachable within {} ms", timeout.as_millis())));
+                Err(_) => return Err(not_reachable(&mut errors)),
+            }
+        } else {
+            let _tasks = pool.connect_pool();
+            // Without fail_fast a failed attempt is retried, never announced, so this waits for
+            // the connections to come up. fred's `wait_for_connect` reads a client's state, then
+            // subscribes to its connect notification: a connection that comes up in between is
+            // never announced to it (about one connect in 600 here), so the wait is renewed
+            // every CONNECT_RECHECK and a client already up answers at once.
+            loop {
+                let step = deadline.min(tokio::time::Instant::now() + CONNECT_RECHECK);
+                match tokio::time::timeout_at(step, pool.wait_for_connect()).await {
+                    Ok(Ok(())) => break,
+                    Ok(Err(e)) => return Err(fail(e.to_string())),
+                    Err(_) if step >= deadline => return Err(not_reachable(&mut errors)),
+                    Err(_) => {}
                 }
-                Err(_) => {}
             }
         }
         tokio::time::timeout(timeout, self.inner.conn.load_scripts(Some(timeout)))
             .await
             .map_err(|_| fail("loading the scripts timed out".into()))?
-            .map_err(|e| fail(e.to_string()))
+            .map_err(|e| fail(e.to_string()))?;
+        self.inner.warm.store(true, Ordering::Release);
+        self.check_eviction(timeout).await;
+        Ok(())
+    }
+
+    /// Whether the store is ready for its first decisions: the scripts loaded (on every
+    /// primary of a Cluster) and, by then, every connection of the pool opened. Readiness waits
+    /// for it, so the first decisions after start do not pay a connection or a `NOSCRIPT`
+    /// reload under `command_timeout_ms` (10 ms by default) and fail.
+    pub fn is_warm(&self) -> bool {
+        self.inner.warm.load(Ordering::Acquire)
+    }
+
+    /// Reads `maxmemory-policy` on every node (`CONFIG GET`) and records, and logs, whether
+    /// Redis may evict tollgate's keys: an evicted drained bucket comes back full, an
+    /// over-admission. Every key of tollgate's has an expiry (but for buckets whose full time is
+    /// unknown), so `volatile-*` policies evict them as `allkeys-*` do; only `noeviction` is safe
+    /// (docs/backends.md). A Redis that refuses `CONFIG` (many managed ones) is reported as not
+    /// checked. Never fails: the decisions do not depend on it.
+    async fn check_eviction(&self, timeout: Duration) {
+        let conn = &self.inner.conn;
+        let client = conn.pool.next();
+        let nodes: Vec<Option<Server>> = if conn.cluster {
+            client.active_connections().into_iter().map(Some).collect()
+        } else {
+            vec![None]
+        };
+        let mut evicting = std::collections::BTreeSet::new();
+        let mut unchecked = None;
+        for node in nodes {
+            let options = fred::types::config::Options {
+                timeout: Some(timeout),
+                cluster_node: node,
+                ..Default::default()
+            };
+            let get = fred::types::CustomCommand::new_static("CONFIG", fred::types::ClusterHash::Random, false);
+            let answer = client
+                .with_options(&options)
+                .custom::<Value, _>(get, vec!["GET", "maxmemory-policy"])
+                .await;
+            match answer.map(policy_of) {
+                Ok(Some(policy)) if policy == "noeviction" => {}
+                Ok(Some(policy)) => {
+                    evicting.insert(policy);
+                }
+                Ok(None) => unchecked = Some("no policy in the answer".to_string()),
+                Err(e) => unchecked = Some(e.details().chars().take(80).collect()),
+            }
+        }
+        let warning = if !evicting.is_empty() {
+            let policies: Vec<String> = evicting.into_iter().collect();
+            Some(format!(
+                "Redis maxmemory-policy {} can evict buckets (an evicted bucket admits again); use noeviction",
+                policies.join(",")
+            ))
+        } else {
+            unchecked.map(|why| format!("Redis maxmemory-policy not checked ({why})"))
+        };
+        match &warning {
+            Some(w) => tracing::warn!(redis = %self.describe(), "{w}"),
+            None => tracing::info!(redis = %self.describe(), "Redis maxmemory-policy is noeviction"),
+        }
+        *self.inner.eviction.lock().unwrap_or_else(|p| p.into_inner()) = warning;
+    }
+
+    /// Why Redis may lose tollgate's keys to eviction, as found at connect: a short sentence
+    /// naming the `maxmemory-policy` (no host), or that it could not be checked; `None` when
+    /// every node has `noeviction` (or before the first connect). Readiness shows it.
+    pub fn eviction_warning(&self) -> Option<String> {
+        self.inner.eviction.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// Waits in the background until the connections started by [`RedisStore::connect`] are
@@ -350,6 +483,8 @@ impl RedisStore {
                         .is_ok()
                 {
                     tracing::info!(redis = %store.describe(), "connected to Redis");
+                    store.inner.warm.store(true, Ordering::Release);
+                    store.check_eviction(retry.max(Duration::from_secs(1))).await;
                     return;
                 }
                 tokio::time::sleep(retry).await;
@@ -563,18 +698,22 @@ impl RedisStore {
         let denied = results.iter().any(|r| matches!(r, Ok(d) if d.denied));
         let failed = results.iter().any(|r| r.is_err());
         if denied || failed {
-            // All or nothing across slots: give back what the admitting slots took.
+            // All or nothing across slots: give back exactly what the admitting slots took,
+            // shadow demands' share included (a single call takes nothing on a denial either);
+            // their refunds stay applied, as refunds always are.
             let refunds = split.iter().zip(&results).filter_map(|((refs, _, _), r)| {
                 let d = r.as_ref().ok()?;
                 let back: Vec<Demand> = d
                     .instances
                     .iter()
                     .enumerate()
-                    .filter(|(_, o)| !d.denied && o.consumed_ut > 0 && o.changed)
-                    .map(|(i, o)| Demand {
-                        instance: i,
-                        kind: DemandKind::Refund(o.consumed_ut),
-                        enforced: false,
+                    .filter_map(|(i, o)| {
+                        let taken = taken_ut(d, o);
+                        (taken > 0).then_some(Demand {
+                            instance: i,
+                            kind: DemandKind::Refund(taken),
+                            enforced: false,
+                        })
                     })
                     .collect();
                 (!back.is_empty()).then_some(async move { self.decide_group(refs, &back).await })
@@ -586,35 +725,11 @@ impl RedisStore {
                 }
             }
         }
-        let mut passed = vec![false; demands.len()];
-        let mut instances = vec![None; buckets.len()];
-        let mut now_us = 0;
-        for ((_, _, idx), (g, r)) in split.iter().zip(groups.iter().zip(results)) {
-            let d = r?;
-            now_us = now_us.max(d.now_us);
-            for (local, &j) in idx.iter().enumerate() {
-                passed[j] = d.passed[local];
-            }
-            for (local, &i) in g.iter().enumerate() {
-                let mut o: InstanceOutcome = d.instances[local];
-                if denied && !d.denied && o.changed {
-                    // Refunded: report it as a denied request leaves it.
-                    o.after = o.before;
-                }
-                instances[i] = Some(o);
-            }
+        let mut decided = Vec::with_capacity(results.len());
+        for r in results {
+            decided.push(r?);
         }
-        Ok(Applied {
-            now_us,
-            decision: Decision {
-                denied,
-                passed,
-                instances: instances
-                    .into_iter()
-                    .map(|o| o.expect("every bucket is in a group"))
-                    .collect(),
-            },
-        })
+        Ok(merge_slots(buckets, demands.len(), &groups, &split, decided, denied))
     }
 
     async fn read(&self, sha: &str, buckets: &[BucketRef]) -> Result<(u64, Vec<Option<Vec<u8>>>), StoreError> {
@@ -645,6 +760,72 @@ impl RedisStore {
             }
         }
         Ok((now, values))
+    }
+}
+
+/// Micro-tokens a slot's decision `d` took from the bucket `o` (the script takes a bucket's
+/// consuming demands, shadow ones included, only when the request is admitted and the bucket
+/// holds them all): what a refund must give back. Not `consumed_ut`, which is what was asked.
+fn taken_ut(d: &script::Decided, o: &InstanceOutcome) -> u64 {
+    if !d.denied && o.consumed_ut > 0 && o.before.tokens_ut >= o.consumed_ut {
+        o.consumed_ut
+    } else {
+        0
+    }
+}
+
+/// Puts the slots' decisions of one request back together in the request's order. Each slot
+/// was decided at the clock of the node holding it, and nodes' clocks may differ: the request's
+/// `now_us` is the latest, and every other slot's states are moved by the difference, so a wait
+/// measured from them at that `now_us` is the wait at their own node's clock (a client told to
+/// retry then is not early on a node that runs behind). When another slot denied, an admitting
+/// slot's buckets are reported as its refund left them: as before, less nothing, plus their own
+/// refunds.
+fn merge_slots(
+    buckets: &[BucketRef],
+    demands: usize,
+    groups: &[Vec<usize>],
+    split: &[(Vec<&BucketRef>, Vec<Demand>, Vec<usize>)],
+    decided: Vec<script::Decided>,
+    denied: bool,
+) -> Applied {
+    let now_us = decided.iter().map(|d| d.now_us).max().unwrap_or(0);
+    let mut passed = vec![false; demands];
+    let mut instances = vec![None; buckets.len()];
+    for ((_, _, idx), (g, d)) in split.iter().zip(groups.iter().zip(decided)) {
+        let shift = now_us - d.now_us;
+        for (local, &j) in idx.iter().enumerate() {
+            passed[j] = d.passed[local];
+        }
+        for (local, &i) in g.iter().enumerate() {
+            let mut o: InstanceOutcome = d.instances[local];
+            if denied && !d.denied {
+                let taken = taken_ut(&d, &o);
+                if taken > 0 {
+                    let capacity = buckets[i].plan.limit_at(o.after.updated_us).capacity_ut;
+                    o.after.tokens_ut = o
+                        .after
+                        .tokens_ut
+                        .saturating_add(taken)
+                        .min(capacity.max(o.before.tokens_ut));
+                }
+            }
+            for state in [&mut o.stored, &mut o.before, &mut o.after] {
+                state.updated_us = state.updated_us.saturating_add(shift);
+            }
+            instances[i] = Some(o);
+        }
+    }
+    Applied {
+        now_us,
+        decision: Decision {
+            denied,
+            passed,
+            instances: instances
+                .into_iter()
+                .map(|o| o.expect("every bucket is in a group"))
+                .collect(),
+        },
     }
 }
 
@@ -689,5 +870,81 @@ impl Store for RedisStore {
             kept: states.clone(),
             states,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn outcome(tokens: u64, updated_us: u64) -> InstanceOutcome {
+        let state = BucketState {
+            tokens_ut: tokens,
+            updated_us,
+        };
+        InstanceOutcome {
+            stored: state,
+            before: state,
+            after: state,
+            consumed_ut: 0,
+            changed: false,
+        }
+    }
+
+    /// Two slots on nodes whose clocks differ by 5 s: the request's time is the later one and
+    /// the other slot's states move by the difference, so that a wait measured from them at
+    /// that time is the wait at their own node's clock. (Before, they kept their own node's
+    /// times and a wait on the node behind came out 5 s short: a client retried too early.)
+    #[test]
+    fn slots_decided_at_different_clocks_are_merged_at_the_latest() {
+        let plan = crate::schedule::Plan::Fixed(crate::bucket::Limit::new(
+            10,
+            crate::bucket::Rate::per(1, 1_000_000).unwrap(),
+        ));
+        let buckets = vec![
+            BucketRef {
+                key: "ahead".into(),
+                plan: plan.clone(),
+            },
+            BucketRef {
+                key: "behind".into(),
+                plan: plan.clone(),
+            },
+        ];
+        let groups = vec![vec![0], vec![1]];
+        let split: Vec<(Vec<&BucketRef>, Vec<Demand>, Vec<usize>)> =
+            vec![(vec![&buckets[0]], vec![], vec![]), (vec![&buckets[1]], vec![], vec![])];
+        let t = 1_780_000_000_000_000;
+        let decided = vec![
+            script::Decided {
+                now_us: t + 5_000_000,
+                denied: false,
+                passed: vec![],
+                instances: vec![outcome(0, t + 5_000_000)],
+            },
+            script::Decided {
+                now_us: t,
+                denied: false,
+                passed: vec![],
+                instances: vec![outcome(0, t)],
+            },
+        ];
+        let merged = merge_slots(&buckets, 0, &groups, &split, decided, false);
+        assert_eq!(merged.now_us, t + 5_000_000);
+        let behind = merged.decision.instances[1];
+        assert_eq!(behind.after.updated_us, t + 5_000_000);
+        // Empty at one token a second: a token in a second on its own node's clock.
+        assert_eq!(plan.wait_us(behind.kept(), 1_000_000, merged.now_us), Some(1_000_000));
+    }
+
+    #[test]
+    fn the_policy_is_read_from_either_protocol() {
+        let pair = Value::Array(vec!["maxmemory-policy".into(), "allkeys-lru".into()]);
+        assert_eq!(policy_of(pair).as_deref(), Some("allkeys-lru"));
+        let mut map = fred::types::Map::new();
+        map.insert("maxmemory-policy".into(), "noeviction".into());
+        assert_eq!(policy_of(Value::Map(map)).as_deref(), Some("noeviction"));
+        assert_eq!(policy_of(Value::Array(vec![])), None);
+        assert_eq!(policy_of(Value::Null), None);
     }
 }

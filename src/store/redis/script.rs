@@ -11,6 +11,13 @@ use crate::schedule::{refill_to_last_change, Plan, DEFAULT_HORIZON_US, QUOTA_HOR
 /// to cover the error of tollgate's estimate of Redis time (well under a second).
 pub const LOOKBACK_US: u64 = 1_000_000;
 
+/// The longest time between two reset edges of a quota that rules may declare: 8 years and
+/// 10 days. The rarest day a pattern can match is 29 February, 8 years apart across a century
+/// that is not a leap year (2096 to 2104); the days over cover a zone changing its UTC offset in
+/// between. A quota's next edge is searched this far, so its key expires at that edge, not at
+/// the 368 days of [`QUOTA_HORIZON_US`] that bound a retry-after.
+pub const QUOTA_LONGEST_PERIOD_US: u64 = (8 * 365 + 2 + 10) * 86_400 * 1_000_000;
+
 /// What the script needs about one bucket instance's limit at (about) an instant `t`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BucketArgs {
@@ -21,7 +28,8 @@ pub struct BucketArgs {
     /// `F`: 0. `S`: where the stretch of that limit starts (or `t - LOOKBACK_US`). `Q`: the last
     /// reset edge at or before `t` (0: none within the quota horizon).
     pub lo: u64,
-    /// `F`: 0 (unbounded). `S`: the next change of limit (or the horizon). `Q`: the next edge.
+    /// `F`: 0 (unbounded). `S`: the next change of limit (or the horizon). `Q`: the next edge
+    /// (searched [`QUOTA_LONGEST_PERIOD_US`] ahead).
     pub hi: u64,
     /// `S`: when a bucket emptied at `hi` would be full again (0: not within the horizon); the
     /// expiry of a bucket not full by `hi`. Otherwise 0.
@@ -62,9 +70,10 @@ pub fn bucket_args(plan: &Plan, t_us: u64) -> BucketArgs {
             kind: b'Q',
             limit: q.limit(),
             lo: q.prev_edge(t_us, t_us.saturating_sub(QUOTA_HORIZON_US)).unwrap_or(0),
+            // The next edge however far (a quota reset on 29 February): it is the key's expiry.
             hi: q
-                .next_edge(t_us, t_us.saturating_add(QUOTA_HORIZON_US))
-                .unwrap_or(t_us.saturating_add(QUOTA_HORIZON_US)),
+                .next_edge(t_us, t_us.saturating_add(QUOTA_LONGEST_PERIOD_US))
+                .unwrap_or(t_us.saturating_add(QUOTA_LONGEST_PERIOD_US)),
             bound: 0,
             since: 0,
         },
@@ -177,13 +186,15 @@ fn walked(plan: &Plan, state: BucketState, now_us: u64) -> Option<BucketState> {
 pub struct CallSettings {
     /// Added to every key's time to live, in milliseconds.
     pub ttl_margin_ms: u64,
-    /// The longest time to live, in milliseconds (a bucket that may never be full again).
-    pub max_ttl_ms: u64,
+    /// The time to live, in milliseconds, of a key whose bucket's full time is not known (a
+    /// schedule whose refill the look-ahead does not reach); 0: no expiry, so that it is kept
+    /// until a write finds it full. A known full time is never cut short.
+    pub unknown_ttl_ms: u64,
 }
 
 /// The start of the script's ARGV for a call deciding `requests` requests (see
 /// `lua/decide.lua`): the time override (tests; `None` = Redis `TIME`), the TTL margin, the
-/// longest TTL, the number of requests. Each request's own fields ([`encode_request`]) follow.
+/// TTL of a bucket whose full time is unknown, the number of requests. Each request's own fields ([`encode_request`]) follow.
 pub fn encode_header(now_override: Option<u64>, settings: CallSettings, requests: usize) -> Vec<Value> {
     vec![
         match now_override {
@@ -191,7 +202,7 @@ pub fn encode_header(now_override: Option<u64>, settings: CallSettings, requests
             None => Value::String("".into()),
         },
         int_value(settings.ttl_margin_ms),
-        int_value(settings.max_ttl_ms),
+        int_value(settings.unknown_ttl_ms),
         int_value(requests as u64),
     ]
 }
@@ -584,7 +595,7 @@ mod tests {
     fn a_call_is_a_header_then_each_request() {
         let settings = CallSettings {
             ttl_margin_ms: 1000,
-            max_ttl_ms: 5000,
+            unknown_ttl_ms: 5000,
         };
         assert_eq!(
             encode_header(None, settings, 3),
