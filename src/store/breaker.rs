@@ -13,6 +13,12 @@
 //! from deciding on their own: at low traffic, a dead backend still opens it after
 //! `min_failures` failed calls, as a consecutive count did.
 //!
+//! A dead backend that each call waits a timeout for slows closed-loop clients down, so its
+//! failures can take long to outweigh the window's earlier successes. Hence a fast path: it also
+//! opens when `min_failures` calls failed since the last success and nothing succeeded for a
+//! whole slot (`window / SLOTS`). Under load successes keep coming between the misses, so that
+//! does not happen on a latency tail.
+//!
 //! A request of a batch whose one backend call failed ([`Outcome::FailedInBatch`]) counts in the
 //! ratio (its request failed) but not as a failed call: the batch's first request counted that.
 //! Time is an argument (microseconds, any monotonic source), so the logic is tested without
@@ -101,6 +107,9 @@ struct Slot {
 #[derive(Debug)]
 struct Inner {
     state: BreakerState,
+    /// When a call last succeeded (or the breaker closed), and the calls failed since.
+    last_success_us: u64,
+    failed_calls_since_success: u64,
     /// Boxed: a breaker sits inside every guarded store, and the stores are enum variants.
     slots: Box<[Slot; SLOTS]>,
 }
@@ -133,6 +142,8 @@ impl Breaker {
             policy,
             inner: Mutex::new(Inner {
                 state: BreakerState::Closed,
+                last_success_us: 0,
+                failed_calls_since_success: 0,
                 slots: Box::new([Slot::default(); SLOTS]),
             }),
         }
@@ -177,15 +188,21 @@ impl Breaker {
                 let slot = self.slot(&mut inner, now_us);
                 slot.requests += 1;
                 if outcome == Outcome::Success {
+                    inner.last_success_us = inner.last_success_us.max(now_us);
+                    inner.failed_calls_since_success = 0;
                     return Transition::None;
                 }
                 slot.failed_requests += 1;
                 if outcome == Outcome::Failure {
                     slot.failed_calls += 1;
+                    inner.failed_calls_since_success += 1;
                 }
+                let min = u64::from(self.policy.min_failures);
                 let (requests, failed_requests, failed_calls) = self.totals(&inner, now_us);
                 let ratio_reached = failed_requests as f64 >= self.policy.failure_ratio * requests as f64;
-                if failed_calls >= u64::from(self.policy.min_failures) && ratio_reached {
+                let dead = inner.failed_calls_since_success >= min
+                    && now_us.saturating_sub(inner.last_success_us) >= self.slot_us;
+                if (failed_calls >= min && ratio_reached) || dead {
                     self.open(&mut inner, now_us);
                     return Transition::Opened;
                 }
@@ -195,6 +212,8 @@ impl Breaker {
                 if outcome == Outcome::Success {
                     inner.state = BreakerState::Closed;
                     *inner.slots = [Slot::default(); SLOTS];
+                    inner.last_success_us = now_us;
+                    inner.failed_calls_since_success = 0;
                     Transition::Closed
                 } else {
                     self.open(&mut inner, now_us);
@@ -209,8 +228,10 @@ impl Breaker {
         inner.state = BreakerState::Open {
             until_us: now_us.saturating_add(self.policy.open_for_us),
         };
-        // Closing starts a new window: the outage's failures must not reopen it at once.
+        // Each open (and close) starts a new window: the outage's failures must not reopen it
+        // at once after a successful probe.
         *inner.slots = [Slot::default(); SLOTS];
+        inner.failed_calls_since_success = 0;
     }
 
     /// The slot of `now_us`, cleared first if it still holds an older epoch's counts.
@@ -359,13 +380,30 @@ mod tests {
         assert!(opened, "50 failed requests of 100, 5 failed calls");
     }
 
+    /// A closed-loop client on a backend that stopped answering: each call waits its timeout,
+    /// so failures trickle in after many successes. With no success for a slot (100 ms here)
+    /// and 5 failed calls since the last one, it opens without waiting for the share.
+    #[test]
+    fn a_backend_that_stopped_answering_opens_it_without_the_share() {
+        let b = Breaker::new(policy());
+        for t in 0..1_000 {
+            call(&b, 200_000 + t * 100, Outcome::Success);
+        }
+        let last = 200_000 + 999 * 100;
+        for i in 1..=4 {
+            assert_eq!(call(&b, last + i * 30_000, Outcome::Failure), Transition::None);
+        }
+        assert_eq!(call(&b, last + 150_000, Outcome::Failure), Transition::Opened);
+    }
+
     #[test]
     fn failures_older_than_the_window_are_forgotten() {
         let b = Breaker::new(policy());
         for t in 0..4 {
             call(&b, t, Outcome::Failure);
         }
-        // A window later the four are gone: four more do not open it.
+        // A success in between, and a window later the four are gone: four more do not open it.
+        call(&b, 500_000, Outcome::Success);
         for t in 0..4 {
             assert_eq!(call(&b, 1_000_000 + t, Outcome::Failure), Transition::None);
         }
@@ -444,6 +482,8 @@ mod tests {
             // The model: outcomes (time, outcome) since the last open or close.
             let mut seen: Vec<(u64, Outcome)> = Vec::new();
             let mut open_until: Option<u64> = None;
+            let mut last_success = 0u64;
+            let mut since_success = 0u32;
             for s in steps {
                 match s {
                     Step::Wait(d) => now += d,
@@ -462,27 +502,38 @@ mod tests {
                             if outcome == Outcome::Success {
                                 prop_assert_eq!(got, Transition::Closed);
                                 open_until = None;
+                                last_success = now;
                             } else {
                                 prop_assert_eq!(got, Transition::Opened);
                                 open_until = Some(now + p.open_for_us);
                             }
                             seen.clear();
+                            since_success = 0;
                             continue;
                         }
                         seen.push((now, outcome));
+                        match outcome {
+                            Outcome::Success => {
+                                last_success = now;
+                                since_success = 0;
+                            }
+                            Outcome::Failure => since_success += 1,
+                            Outcome::FailedInBatch => {}
+                        }
                         let oldest = (now / slot).saturating_sub(SLOTS as u64 - 1) * slot;
                         let window: Vec<Outcome> =
                             seen.iter().filter(|(t, _)| *t >= oldest).map(|(_, o)| *o).collect();
                         let requests = window.len() as f64;
                         let failed = window.iter().filter(|o| **o != Outcome::Success).count() as f64;
                         let calls = window.iter().filter(|o| **o == Outcome::Failure).count() as u32;
+                        let dead = since_success >= min_failures && now - last_success >= slot;
                         let opens = outcome != Outcome::Success
-                            && calls >= min_failures
-                            && failed >= p.failure_ratio * requests;
+                            && ((calls >= min_failures && failed >= p.failure_ratio * requests) || dead);
                         if opens {
                             prop_assert_eq!(got, Transition::Opened);
                             open_until = Some(now + p.open_for_us);
                             seen.clear();
+                            since_success = 0;
                         } else {
                             prop_assert_eq!(got, Transition::None);
                         }
