@@ -453,20 +453,18 @@ async fn redis_store(
                 )
             })?;
             let p = &settings.postgres;
-            Some(Fallback::Postgres(Guarded::new(
+            Some(Fallback::Postgres(Guarded::with_policy(
                 Metered::new(postgres, "postgres"),
                 "postgres",
-                p.breaker_failures,
-                Duration::from_millis(p.breaker_open_ms),
+                p.breaker_policy(),
             )))
         }
         _ => None,
     };
-    Ok(Resilient::new(
+    Ok(Resilient::with_policy(
         Metered::new(redis, "redis"),
         "redis",
-        r.breaker_failures,
-        Duration::from_millis(r.breaker_open_ms),
+        r.breaker_policy(),
         fallback,
     ))
 }
@@ -480,11 +478,10 @@ async fn postgres_store(settings: &Settings, memory: MemoryStore) -> anyhow::Res
     let p = &settings.postgres;
     let postgres = connect_postgres(settings).await?;
     let fallback = (p.failure_mode == FailureMode::Fallback).then(|| Fallback::Memory(Metered::new(memory, "memory")));
-    Ok(Resilient::new(
+    Ok(Resilient::with_policy(
         Metered::new(postgres, "postgres"),
         "postgres",
-        p.breaker_failures,
-        Duration::from_millis(p.breaker_open_ms),
+        p.breaker_policy(),
         fallback,
     ))
 }

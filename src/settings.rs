@@ -167,8 +167,10 @@ pub struct RedisSettings {
     pub pool_size: usize,
     /// Milliseconds to connect (and reconnect) before a connection attempt fails.
     pub connect_timeout_ms: u64,
-    /// Milliseconds a decision may wait for Redis before it counts as a failure. Keep it well
-    /// under Envoy's rate-limit filter timeout (20 ms by default).
+    /// Milliseconds a decision may wait for Redis (from its arrival) before it counts as a
+    /// failure. The default (1000) holds a loaded machine; with `failure_mode` `allow`, `deny` or
+    /// `fallback` behind Envoy, keep it under Envoy's rate-limit filter timeout (20 ms by
+    /// default), or Envoy gives up first and its own `failure_mode_deny` decides.
     pub command_timeout_ms: u64,
     /// Every key starts with this (no `{` or `}`: the hash tag follows it).
     pub key_prefix: String,
@@ -176,10 +178,18 @@ pub struct RedisSettings {
     pub failure_mode: FailureMode,
     /// What to do when Redis cannot be reached at start.
     pub unreachable_at_start: UnreachableAtStart,
-    /// Consecutive failures that open the circuit breaker (then Redis is not asked at all).
+    /// Failed Redis calls within `breaker_window_ms` below which the circuit breaker never
+    /// opens (then Redis is not asked at all): at low traffic, a dead Redis opens it after this
+    /// many. A failed pipelined batch is one call, however many requests it held.
     pub breaker_failures: u32,
     /// Milliseconds the breaker stays open before one request probes Redis again.
     pub breaker_open_ms: u64,
+    /// The percentage (1 to 100) of the requests of the last `breaker_window_ms` that must have
+    /// failed, beside `breaker_failures` failed calls, for the breaker to open: a timeout now
+    /// and then under load does not open it, an outage does.
+    pub breaker_failure_percent: u8,
+    /// Milliseconds of the breaker's rolling window (ten slots of a tenth each).
+    pub breaker_window_ms: u64,
     /// With `failure_mode: fallback`, where decisions go while Redis fails: `postgres` (the
     /// `postgres` section; shared by every replica) or `memory` (a local store per replica).
     pub fallback: FallbackBackend,
@@ -231,12 +241,14 @@ impl Default for RedisSettings {
             tls: false,
             pool_size: 4,
             connect_timeout_ms: 1000,
-            command_timeout_ms: 10,
+            command_timeout_ms: 1000,
             key_prefix: "tollgate:".into(),
             failure_mode: FailureMode::Error,
             unreachable_at_start: UnreachableAtStart::Exit,
             breaker_failures: 5,
             breaker_open_ms: 1000,
+            breaker_failure_percent: 50,
+            breaker_window_ms: 1000,
             fallback: FallbackBackend::Postgres,
         }
     }
@@ -271,10 +283,16 @@ pub struct PostgresSettings {
     pub failure_mode: FailureMode,
     /// When Postgres cannot be reached at start: exit, or start not ready.
     pub unreachable_at_start: UnreachableAtStart,
-    /// Consecutive failures that open the circuit breaker.
+    /// Failed Postgres calls within `breaker_window_ms` below which the circuit breaker never
+    /// opens; a failed batch (one transaction) is one call.
     pub breaker_failures: u32,
     /// How long an open circuit skips Postgres before a probe, in milliseconds.
     pub breaker_open_ms: u64,
+    /// The percentage (1 to 100) of the requests of the last `breaker_window_ms` that must have
+    /// failed, beside `breaker_failures` failed calls, for the breaker to open.
+    pub breaker_failure_percent: u8,
+    /// Milliseconds of the breaker's rolling window (ten slots of a tenth each).
+    pub breaker_window_ms: u64,
     /// How often rows whose bucket is full again are deleted, in seconds.
     pub sweep_interval_seconds: u64,
     /// Rows a sweep deletes per statement (a pass runs at most 10 of them).
@@ -295,6 +313,8 @@ impl Default for PostgresSettings {
             unreachable_at_start: UnreachableAtStart::Exit,
             breaker_failures: 5,
             breaker_open_ms: 1_000,
+            breaker_failure_percent: 50,
+            breaker_window_ms: 1_000,
             sweep_interval_seconds: 10,
             sweep_batch: 1_000,
         }
@@ -304,7 +324,8 @@ impl Default for PostgresSettings {
 impl PostgresSettings {
     /// Errors: a URL that is not `postgres://` or `postgresql://`, a pool of 0 or more than
     /// 1,000 connections, a zero timeout, sweep interval or batch, a zero `breaker_failures`,
-    /// or a schema that is not a lower-case identifier.
+    /// a `breaker_failure_percent` outside 1..=100, a `breaker_window_ms` under 10, or a schema
+    /// that is not a lower-case identifier.
     pub fn validate(&self) -> Result<(), String> {
         if !(self.url.starts_with("postgres://") || self.url.starts_with("postgresql://")) {
             return Err(format!(
@@ -324,6 +345,7 @@ impl PostgresSettings {
         if self.breaker_failures == 0 {
             return Err("postgres.breaker_failures must be at least 1".into());
         }
+        breaker_window("postgres", self.breaker_failure_percent, self.breaker_window_ms)?;
         let s = self.schema.as_bytes();
         let identifier = !s.is_empty()
             && s.len() <= 63
@@ -819,7 +841,8 @@ impl Settings {
 
 impl RedisSettings {
     /// Errors: no URL, a URL that is not `redis://` or `rediss://` (or does not parse), a key
-    /// prefix with `{` or `}`, a zero pool size or timeout, or a zero `breaker_failures`.
+    /// prefix with `{` or `}`, a zero pool size or timeout, a zero `breaker_failures`, a
+    /// `breaker_failure_percent` outside 1..=100 or a `breaker_window_ms` under 10.
     pub fn validate(&self) -> Result<(), String> {
         if self.urls.is_empty() {
             return Err("redis.urls must name at least one Redis node".into());
@@ -854,8 +877,56 @@ impl RedisSettings {
         if self.breaker_failures == 0 {
             return Err("redis.breaker_failures must be at least 1".into());
         }
+        breaker_window("redis", self.breaker_failure_percent, self.breaker_window_ms)?;
         Ok(())
     }
+
+    /// The circuit breaker of these settings (`breaker_*`).
+    pub fn breaker_policy(&self) -> crate::store::BreakerPolicy {
+        breaker_policy(
+            self.breaker_failures,
+            self.breaker_failure_percent,
+            self.breaker_window_ms,
+            self.breaker_open_ms,
+        )
+    }
+}
+
+impl PostgresSettings {
+    /// The circuit breaker of these settings (`breaker_*`).
+    pub fn breaker_policy(&self) -> crate::store::BreakerPolicy {
+        breaker_policy(
+            self.breaker_failures,
+            self.breaker_failure_percent,
+            self.breaker_window_ms,
+            self.breaker_open_ms,
+        )
+    }
+}
+
+fn breaker_policy(failures: u32, percent: u8, window_ms: u64, open_ms: u64) -> crate::store::BreakerPolicy {
+    crate::store::BreakerPolicy {
+        min_failures: failures,
+        failure_ratio: f64::from(percent) / 100.0,
+        window_us: window_ms.saturating_mul(1_000),
+        open_for_us: open_ms.saturating_mul(1_000),
+    }
+}
+
+/// Refuses a `breaker_failure_percent` outside 1..=100 and a `breaker_window_ms` under 10 (the
+/// window's ten slots need a millisecond each) in section `section`.
+fn breaker_window(section: &str, percent: u8, window_ms: u64) -> Result<(), String> {
+    if !(1..=100).contains(&percent) {
+        return Err(format!(
+            "{section}.breaker_failure_percent must be between 1 and 100, not {percent}"
+        ));
+    }
+    if window_ms < 10 {
+        return Err(format!(
+            "{section}.breaker_window_ms must be at least 10, not {window_ms}"
+        ));
+    }
+    Ok(())
 }
 
 /// `url` with any password replaced by `<redacted>`, for messages and `/config`: the password

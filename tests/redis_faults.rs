@@ -214,7 +214,12 @@ impl Outage {
                 self.readyz_during
             );
         }
-        assert_eq!(self.circuit_during, 1.0, "circuit gauge during the outage");
+        assert_eq!(
+            self.circuit_during,
+            1.0,
+            "circuit gauge during the outage\n{}",
+            self.tollgate.process.log()
+        );
         let log = self.tollgate.process.log();
         assert!(
             log.contains("backend failing: circuit open"),

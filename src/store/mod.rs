@@ -15,7 +15,7 @@ mod resilient;
 use std::future::Future;
 
 pub use any::AnyStore;
-pub use breaker::Breaker;
+pub use breaker::{Breaker, BreakerPolicy, BreakerState, Outcome, Permit, Transition};
 pub use memory::{MemoryStore, MemoryStoreStats};
 pub use metered::Metered;
 pub use postgres::PostgresStore;

@@ -13,7 +13,10 @@ use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use super::{Applied, Breaker, BucketRef, MemoryStore, Metered, Peeked, PostgresStore, Store, StoreError};
+use super::{
+    Applied, Breaker, BreakerPolicy, BucketRef, MemoryStore, Metered, Outcome, Peeked, Permit, PostgresStore, Store,
+    StoreError, Transition,
+};
 use crate::bucket::Demand;
 use crate::metrics::BACKEND_FALLBACKS;
 
@@ -36,21 +39,36 @@ pub struct Guarded<P> {
     last_error: std::sync::Mutex<Option<String>>,
 }
 
+/// The breaker policy of `failures` failed calls, the default share (half the requests) and
+/// window (1 s) of the settings, and `open`.
+fn default_policy(failures: u32, open: Duration) -> BreakerPolicy {
+    BreakerPolicy {
+        min_failures: failures,
+        failure_ratio: 0.5,
+        window_us: 1_000_000,
+        open_for_us: u64::try_from(open.as_micros()).unwrap_or(u64::MAX),
+    }
+}
+
 impl<P: Store> Guarded<P> {
     /// `primary` (whose calls are counted under its `backend` label) with a breaker that opens
-    /// after `breaker_failures` consecutive failures for `breaker_open`.
+    /// once `breaker_failures` calls failed in a second, half its requests with them, for
+    /// `breaker_open` (the settings' default share and window; see [`Guarded::with_policy`]).
     pub fn new(
         primary: Metered<P>,
         backend: &'static str,
         breaker_failures: u32,
         breaker_open: Duration,
     ) -> Guarded<P> {
+        Guarded::with_policy(primary, backend, default_policy(breaker_failures, breaker_open))
+    }
+
+    /// `primary` (whose calls are counted under its `backend` label) behind a breaker with
+    /// `policy` (`RedisSettings::breaker_policy`, `PostgresSettings::breaker_policy`).
+    pub fn with_policy(primary: Metered<P>, backend: &'static str, policy: BreakerPolicy) -> Guarded<P> {
         Guarded {
             primary,
-            breaker: Breaker::new(
-                breaker_failures,
-                u64::try_from(breaker_open.as_micros()).unwrap_or(u64::MAX),
-            ),
+            breaker: Breaker::new(policy),
             started: Instant::now(),
             last_logged_us: AtomicU64::new(0),
             backend,
@@ -80,10 +98,10 @@ impl<P: Store> Guarded<P> {
         if !self.breaker.is_open() {
             return true;
         }
-        if self.breaker.allow(self.mono_us()) {
+        if let Some(permit) = self.breaker.allow(self.mono_us()) {
             match probe().await {
-                Ok(()) => self.succeeded(),
-                Err(e) => self.failed(&e),
+                Ok(()) => self.succeeded(permit),
+                Err(e) => self.failed(permit, &e),
             }
         }
         !self.breaker.is_open()
@@ -100,14 +118,14 @@ impl<P: Store> Guarded<P> {
         match probe().await {
             Ok(()) => true,
             Err(e) => {
-                self.failed(&e);
+                self.failed(Permit::Call, &e);
                 false
             }
         }
     }
 
-    fn succeeded(&self) {
-        if self.breaker.success() {
+    fn succeeded(&self, permit: Permit) {
+        if self.breaker.record(self.mono_us(), permit, Outcome::Success) == Transition::Closed {
             self.primary.metrics().circuit_open.set(0.0);
             tracing::info!(
                 backend = self.backend,
@@ -121,10 +139,10 @@ impl<P: Store> Guarded<P> {
         self.last_error.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    fn failed(&self, error: &StoreError) {
+    fn failed(&self, permit: Permit, error: &StoreError) {
         *self.last_error.lock().unwrap_or_else(|e| e.into_inner()) = Some(error.to_string());
         let now = self.mono_us();
-        if self.breaker.failure(now) {
+        if self.breaker.record(now, permit, Outcome::Failure) == Transition::Opened {
             self.primary.metrics().circuit_open.set(1.0);
             tracing::error!(
                 backend = self.backend,
@@ -152,19 +170,35 @@ impl<P: Store> Guarded<P> {
         &self,
         call: impl FnOnce() -> F,
     ) -> Result<T, StoreError> {
-        if !self.breaker.allow(self.mono_us()) {
+        let Some(permit) = self.breaker.allow(self.mono_us()) else {
             return Err(StoreError::Unavailable(format!("{} circuit open", self.backend)));
-        }
+        };
         match call().await {
             Ok(v) => {
-                self.succeeded();
+                self.succeeded(permit);
                 Ok(v)
             }
-            // A refusal concerns this request's buckets only: the backend itself is fine. A
-            // request of a failed batch: the batch's first request counted the failure.
-            Err(e @ (StoreError::Rejected(_) | StoreError::InFailedBatch(_))) => Err(e),
+            // A refusal concerns this request's buckets only: the backend itself answered.
+            Err(e @ StoreError::Rejected(_)) => {
+                self.succeeded(permit);
+                Err(e)
+            }
+            // A request of a failed batch: a failed request for the breaker's share, but the
+            // batch's first request counted the failed call.
+            Err(e @ StoreError::InFailedBatch(_)) => {
+                if self.breaker.record(self.mono_us(), permit, Outcome::FailedInBatch) == Transition::Opened {
+                    self.primary.metrics().circuit_open.set(1.0);
+                    tracing::error!(
+                        backend = self.backend,
+                        error = %e,
+                        fallback = self.has_fallback,
+                        "backend failing: circuit open, not asking it until a probe succeeds"
+                    );
+                }
+                Err(e)
+            }
             Err(e) => {
-                self.failed(&e);
+                self.failed(permit, &e);
                 Err(e)
             }
         }
@@ -206,8 +240,9 @@ pub struct Resilient<P> {
 
 impl<P: Store> Resilient<P> {
     /// `primary` (whose calls are counted under its `backend` label) with a breaker that opens
-    /// after `breaker_failures` consecutive failures for `breaker_open`, and `fallback` for
-    /// the calls the primary fails or skips (counted in `tollgate_backend_fallbacks_total`).
+    /// once `breaker_failures` calls failed in a second, half its requests with them, for
+    /// `breaker_open`, and `fallback` for the calls the primary fails or skips (counted in
+    /// `tollgate_backend_fallbacks_total`). See [`Resilient::with_policy`].
     pub fn new(
         primary: Metered<P>,
         backend: &'static str,
@@ -215,9 +250,24 @@ impl<P: Store> Resilient<P> {
         breaker_open: Duration,
         fallback: Option<Fallback>,
     ) -> Resilient<P> {
+        Resilient::with_policy(
+            primary,
+            backend,
+            default_policy(breaker_failures, breaker_open),
+            fallback,
+        )
+    }
+
+    /// As [`Resilient::new`], with the breaker's `policy`.
+    pub fn with_policy(
+        primary: Metered<P>,
+        backend: &'static str,
+        policy: BreakerPolicy,
+        fallback: Option<Fallback>,
+    ) -> Resilient<P> {
         let fallbacks = metrics::counter!(BACKEND_FALLBACKS, "backend" => backend);
         fallbacks.increment(0);
-        let mut guarded = Guarded::new(primary, backend, breaker_failures, breaker_open);
+        let mut guarded = Guarded::with_policy(primary, backend, policy);
         guarded.has_fallback = fallback.is_some();
         Resilient {
             guarded,
