@@ -19,7 +19,9 @@ use crate::http::{router, HttpState, Readiness};
 use crate::limiter::{Limiter, LimiterOptions};
 use crate::reload::{load_initial, Reloader};
 use crate::service::RateLimitGrpc;
-use crate::settings::{Backend, FailureMode, FallbackBackend, RuntimeFlavor, Settings, UnreachableAtStart};
+use crate::settings::{
+    Backend, FailureMode, FallbackBackend, GrpcSettings, RuntimeFlavor, Settings, UnreachableAtStart,
+};
 use crate::store::{AnyStore, Fallback, Guarded, MemoryStore, Metered, PostgresStore, RedisStore, Resilient, Store};
 use crate::wire::RateLimitServer;
 
@@ -202,7 +204,13 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
     {
         let stop = stopped();
         let service = RateLimitGrpc::new(limiter.clone());
-        tasks.spawn(serve_rate_limit_service_with_health(grpc, service, health, stop));
+        tasks.spawn(serve_rate_limit_service_with_limits(
+            grpc,
+            service,
+            health,
+            settings.grpc,
+            stop,
+        ));
     }
     ready.set(true);
     let health_follower = tokio::spawn(follow_readiness(health_reporter.clone(), limiter.clone()));
@@ -344,19 +352,36 @@ pub async fn serve_rate_limit_service<T: RateLimitService>(
 }
 
 /// [`serve_rate_limit_service`] with a health service the caller keeps the reporter of (to
-/// report `NOT_SERVING` while shutting down).
+/// report `NOT_SERVING` while shutting down), and the default [`GrpcSettings`].
 pub async fn serve_rate_limit_service_with_health<T: RateLimitService>(
     listener: TcpListener,
     service: T,
     health: HealthServer<impl Health>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
+    serve_rate_limit_service_with_limits(listener, service, health, GrpcSettings::default(), shutdown).await
+}
+
+/// [`serve_rate_limit_service_with_health`] with the gRPC server's limits of `limits` (the
+/// `grpc` settings: message size, streams per connection, keep-alive).
+pub async fn serve_rate_limit_service_with_limits<T: RateLimitService>(
+    listener: TcpListener,
+    service: T,
+    health: HealthServer<impl Health>,
+    limits: GrpcSettings,
+    shutdown: impl Future<Output = ()> + Send,
+) -> anyhow::Result<()> {
+    let keepalive =
+        (limits.keepalive_interval_seconds > 0).then(|| Duration::from_secs(limits.keepalive_interval_seconds));
     // TCP_NODELAY must be set on the accepted sockets here: tonic ignores `Server::tcp_nodelay`
     // for a caller-supplied incoming stream. With Nagle on, a response written in two pieces
     // waits for Envoy's delayed ACK (~40 ms), past Envoy's default 20 ms filter timeout.
     tonic::transport::Server::builder()
+        .max_concurrent_streams(limits.max_concurrent_streams)
+        .http2_keepalive_interval(keepalive)
+        .http2_keepalive_timeout(Some(Duration::from_secs(limits.keepalive_timeout_seconds.max(1))))
         .add_service(health)
-        .add_service(RateLimitServer::new(service))
+        .add_service(RateLimitServer::new(service).max_message_bytes(limits.max_message_bytes))
         .serve_with_incoming_shutdown(TcpIncoming::from(listener).with_nodelay(Some(true)), shutdown)
         .await
         .context("gRPC server failed")
