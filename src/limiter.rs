@@ -1,6 +1,9 @@
 //! The decision path, independent of gRPC: a `RateLimitRequest` in, a `RateLimitResponse` out.
 //!
-//! 1. validate the request (bounds and required fields, docs/rules.md);
+//! 1. screen the request (bounds and required fields, docs/rules.md): a malformed part is
+//!    counted in [`crate::metrics::MALFORMED`] and decided as documented, never an error (an
+//!    error is a failed check, which Envoy lets through by default: every other limit of the
+//!    request with it);
 //! 2. per descriptor, find the rule ([`crate::matcher`]) or the Envoy `limit` override;
 //! 3. drop rules that another matched rule `replaces`;
 //! 4. build the distinct bucket instances and the demands on them (`hits_addend`);
@@ -35,7 +38,9 @@ pub const OVERRIDE_BUCKET: &str = "override";
 /// Why a request got no decision.
 #[derive(Debug, thiserror::Error)]
 pub enum LimitError {
-    /// The request is malformed; answered `INVALID_ARGUMENT`.
+    /// The request is malformed; answered `INVALID_ARGUMENT`. [`Limiter::should_rate_limit`]
+    /// no longer returns it (a malformed part is decided, see [`Malformed`]); kept for
+    /// callers that match on it.
     #[error("{0}")]
     InvalidRequest(String),
     /// The store failed.
@@ -60,6 +65,120 @@ pub enum ResolveError {
     /// rule's path in the descriptor tree.
     #[error("rule {0} is unlimited: it has no bucket")]
     Unlimited(String),
+}
+
+/// A malformed part of a request, and how it is decided (docs/rules.md, "Malformed requests").
+/// Each is counted in [`crate::metrics::MALFORMED`] with [`Malformed::as_str`] as its `reason`
+/// and logged at most once a second per reason; none makes the request an error.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Malformed {
+    /// An empty domain: no rules file can declare it, so it is answered as an unknown domain
+    /// (`OK`, no limits, no override).
+    EmptyDomain,
+    /// More descriptors than `limits.max_descriptors`: the first that many are decided, the
+    /// rest denied (`OVER_LIMIT` without a limit), so the request is denied.
+    TooManyDescriptors,
+    /// A descriptor without entries: it reaches no rule (and no override applies), `OK`.
+    NoEntries,
+    /// More entries than `limits.max_entries`: the descriptor is denied.
+    TooManyEntries,
+    /// An entry with an empty key: decided as sent (no rule key is empty, so matching stops
+    /// there; an override still applies).
+    EmptyKey,
+    /// A value longer than `limits.max_value_bytes`: cut to that length (at a character
+    /// boundary), U+FFFD appended so it equals no rule value, and decided on its rule.
+    ValueTooLong,
+    /// An override with an unknown unit: the override is ignored, the descriptor decided on
+    /// its rule.
+    OverrideUnit,
+    /// An override beyond what every backend computes exactly: capped (or rounded down), and
+    /// applied as capped.
+    OverrideCapped,
+}
+
+impl Malformed {
+    /// Every reason, in [`Malformed::index`] order.
+    pub const ALL: [Malformed; 8] = [
+        Malformed::EmptyDomain,
+        Malformed::TooManyDescriptors,
+        Malformed::NoEntries,
+        Malformed::TooManyEntries,
+        Malformed::EmptyKey,
+        Malformed::ValueTooLong,
+        Malformed::OverrideUnit,
+        Malformed::OverrideCapped,
+    ];
+
+    /// The `reason` label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Malformed::EmptyDomain => "empty_domain",
+            Malformed::TooManyDescriptors => "too_many_descriptors",
+            Malformed::NoEntries => "no_entries",
+            Malformed::TooManyEntries => "too_many_entries",
+            Malformed::EmptyKey => "empty_key",
+            Malformed::ValueTooLong => "value_too_long",
+            Malformed::OverrideUnit => "override_unit",
+            Malformed::OverrideCapped => "override_capped",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// At most one log line per second per [`Malformed`] reason, and the count left unlogged:
+/// a client sending malformed requests at line rate must not turn into a log flood.
+struct LogGate {
+    /// Per reason, when it was last logged (ms since [`log_epoch`], 0: never).
+    last_ms: [std::sync::atomic::AtomicU64; Malformed::ALL.len()],
+    unlogged: [std::sync::atomic::AtomicU64; Malformed::ALL.len()],
+}
+
+static LOG_GATE: LogGate = LogGate {
+    last_ms: [const { std::sync::atomic::AtomicU64::new(0) }; Malformed::ALL.len()],
+    unlogged: [const { std::sync::atomic::AtomicU64::new(0) }; Malformed::ALL.len()],
+};
+
+fn log_epoch() -> std::time::Instant {
+    static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    *EPOCH.get_or_init(std::time::Instant::now)
+}
+
+impl LogGate {
+    /// `Some(unlogged since the last line)` when a line for `reason` may be written now.
+    fn admit(&self, reason: Malformed) -> Option<u64> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let i = reason.index();
+        // +1: 0 means "never logged".
+        let now_ms = u64::try_from(log_epoch().elapsed().as_millis()).unwrap_or(u64::MAX - 1) + 1;
+        let last = self.last_ms[i].load(Relaxed);
+        if (last == 0 || now_ms.saturating_sub(last) >= 1_000)
+            && self.last_ms[i].compare_exchange(last, now_ms, Relaxed, Relaxed).is_ok()
+        {
+            return Some(self.unlogged[i].swap(0, Relaxed));
+        }
+        self.unlogged[i].fetch_add(1, Relaxed);
+        None
+    }
+}
+
+/// Counts a malformed part of a request and logs it, rate-limited. `detail` never holds a
+/// descriptor value (values carry API keys and addresses) and is only built when logged.
+fn report(reason: Malformed, domain: &str, detail: impl FnOnce() -> String) {
+    metrics::counter!(crate::metrics::MALFORMED, "reason" => reason.as_str()).increment(1);
+    if let Some(also) = LOG_GATE.admit(reason) {
+        // The domain is the client's too: a prefix is enough to find the route.
+        let domain: String = domain.chars().take(64).collect();
+        tracing::warn!(
+            reason = reason.as_str(),
+            %domain,
+            also_unlogged = also,
+            "malformed request part, decided anyway: {}",
+            detail()
+        );
+    }
 }
 
 /// The bucket instances one descriptor reaches, found by [`Limiter::resolve`].
@@ -214,52 +333,84 @@ impl<S: Store> Limiter<S> {
         self.store.rules_changed();
     }
 
-    /// Decides one request.
+    /// Decides one request. A malformed part of it (see [`Malformed`]) is counted, logged at a
+    /// bounded rate and decided as documented there; it never makes the request an error.
     ///
-    /// Errors: [`LimitError::InvalidRequest`] for an empty domain, a descriptor with no
-    /// entries, an entry with an empty key, more descriptors or entries than the configured
-    /// maximum, or an override with an unknown unit; [`LimitError::Store`] when the store fails.
+    /// Errors: [`LimitError::Store`] when the store fails (and `on_store_failure` says to
+    /// answer an error).
     pub async fn should_rate_limit(&self, req: &RateLimitRequest) -> Result<RateLimitResponse, LimitError> {
-        validate(req, &self.options.limits)?;
+        let screened = screen(req, &self.options.limits);
         let rules = self.rules.load();
-        let domain = rules.domain(&req.domain);
-        if domain.is_none() {
+        // An empty domain cannot be declared by a rules file: it is an unknown one.
+        let domain = if screened.empty_domain {
+            None
+        } else {
+            rules.domain(&req.domain)
+        };
+        if domain.is_none() && !screened.empty_domain {
             self.unknown_domain.increment(1);
         }
+        // Descriptors denied as malformed make the request denied: the others are then only
+        // checked, so that, as for any denied request, nothing is consumed anywhere (global
+        // shadow mode denies nothing, so there they are decided as usual).
+        let denying = screened.denies() && !self.options.shadow_mode;
         // A Vec: everything here that is alive across the store's await is part of the future
         // tonic boxes and moves, so the inline buffers are kept to what the store is handed.
         let mut matched: Vec<Option<Matched>> = Vec::with_capacity(req.descriptors.len());
         // Buckets named by the `replaces` of matched unlimited rules (they match nothing else).
         let mut unlimited_replaces: SmallVec<[usize; 4]> = SmallVec::new();
-        for d in &req.descriptors {
-            if d.is_negative_hits && !self.options.refunds {
-                // Refused: answered OK as a refund always is, nothing given back, no bucket
-                // (nor its `replaces`) involved.
+        for (i, d) in req.descriptors.iter().enumerate() {
+            if screened.skipped(i) || (d.is_negative_hits && !self.options.refunds) {
+                // Skipped by the screen; or a refund refused (`refunds: false`): answered OK
+                // as a refund always is, nothing given back, no bucket (nor its `replaces`)
+                // involved.
                 matched.push(None);
                 continue;
             }
+            let entries = screened.entries(i, d);
             // As in envoyproxy/ratelimit, an unknown domain is OK before overrides are looked at.
-            let m = match (&d.limit, self.options.overrides && domain.is_some()) {
-                (Some(o), true) => Some(Matched {
-                    policy: Cow::Owned(override_policy(o.requests_per_unit, o.unit)?),
-                    quota: None,
-                    shadow: false,
-                    replaces: &[],
-                    bucket_index: None,
-                    shared: Vec::new(),
-                    counters: domain.map_or(DecisionCounters::noop(), |d| &d.override_counters),
-                    quota_counters: DecisionCounters::noop(),
-                    // Their override series are named by the request's values: unbounded.
-                    envoyproxy: crate::metrics::EnvoyproxyStats::noop(),
-                }),
-                _ => domain.and_then(|dom| {
-                    let node = find_node(dom, &d.entries)?;
+            let by_override = match (&d.limit, self.options.overrides && domain.is_some()) {
+                (Some(o), true) => match override_policy(o.requests_per_unit, o.unit) {
+                    Ok((policy, capped)) => {
+                        if capped {
+                            report(Malformed::OverrideCapped, &req.domain, || {
+                                format!(
+                                    "descriptor {i}: override of {} per unit capped to {} per unit",
+                                    o.requests_per_unit, policy.reported.requests_per_unit
+                                )
+                            });
+                        }
+                        Some(Matched {
+                            policy: Cow::Owned(policy),
+                            quota: None,
+                            shadow: false,
+                            replaces: &[],
+                            bucket_index: None,
+                            shared: Vec::new(),
+                            counters: domain.map_or(DecisionCounters::noop(), |d| &d.override_counters),
+                            quota_counters: DecisionCounters::noop(),
+                            // Their override series are named by the request's values: unbounded.
+                            envoyproxy: crate::metrics::EnvoyproxyStats::noop(),
+                        })
+                    }
+                    Err(()) => {
+                        report(Malformed::OverrideUnit, &req.domain, || {
+                            format!("descriptor {i}: override with unknown unit {}, ignored", o.unit)
+                        });
+                        None
+                    }
+                },
+                _ => None,
+            };
+            let m = by_override.or_else(|| {
+                domain.and_then(|dom| {
+                    let node = find_node(dom, entries)?;
                     if let Some(Rule::Unlimited { replaces }) = &dom.nodes[node].rule {
                         unlimited_replaces.extend_from_slice(replaces);
                     }
-                    Matched::at(dom, node, d.entries.len())
-                }),
-            };
+                    Matched::at(dom, node, entries.len())
+                })
+            });
             matched.push(m);
         }
         drop_replaced(&mut matched, &unlimited_replaces);
@@ -272,12 +423,16 @@ impl<S: Store> Limiter<S> {
                 targets.push(None);
                 continue;
             };
-            let key = m.bucket_key(&req.domain, &d.entries);
-            let kind = demand_kind(d, req.hits_addend);
+            let entries = screened.entries(targets.len(), d);
+            let key = m.bucket_key(&req.domain, entries);
+            let kind = match demand_kind(d, req.hits_addend) {
+                DemandKind::Consume(_) if denying => DemandKind::Check,
+                kind => kind,
+            };
             let shadow = m.shadow || self.options.shadow_mode;
             let (instance, demand) = add_demand(&mut buckets, &mut demands, key, &m.policy.plan, kind, shadow);
             let quota = m.quota.map(|policy| {
-                let key = m.quota_key(&req.domain, policy, &d.entries);
+                let key = m.quota_key(&req.domain, policy, entries);
                 let (instance, demand) = add_demand(&mut buckets, &mut demands, key, &policy.plan, kind, shadow);
                 Part {
                     policy,
@@ -295,12 +450,18 @@ impl<S: Store> Limiter<S> {
                 quota,
                 counters: m.counters,
                 envoyproxy: m.envoyproxy,
-                entries: &d.entries,
+                entries,
                 shared: m.shared,
             }));
         }
+        let deny_malformed = |mut resp: RateLimitResponse| {
+            if denying {
+                screened.deny(&mut resp);
+            }
+            resp
+        };
         if buckets.is_empty() {
-            return Ok(build_response(&targets, None, &self.options.headers));
+            return Ok(deny_malformed(build_response(&targets, None, &self.options.headers)));
         }
         let applied = match self.store.apply(&buckets, &demands).await {
             Ok(applied) => applied,
@@ -313,11 +474,15 @@ impl<S: Store> Limiter<S> {
                     FailureMode::Error | FailureMode::Fallback => return Err(e.into()),
                 };
                 crate::metrics::count_failure_answer(self.options.on_store_failure);
-                return Ok(answer);
+                return Ok(deny_malformed(answer));
             }
         };
         count_decisions(&targets, &applied, self.options.near_limit_ratio);
-        Ok(build_response(&targets, Some(&applied), &self.options.headers))
+        Ok(deny_malformed(build_response(
+            &targets,
+            Some(&applied),
+            &self.options.headers,
+        )))
     }
 
     /// The bucket instances a request descriptor with `entries` in `domain` reaches under the
@@ -338,6 +503,17 @@ impl<S: Store> Limiter<S> {
             return Err(ResolveError::Invalid("domain must not be empty".into()));
         }
         check_entries(entries, &self.options.limits).map_err(|e| ResolveError::Invalid(format!("descriptor {e}")))?;
+        // The same cut as a request's, so an over-long value addresses the bucket it reaches.
+        let cut;
+        let entries = if entries
+            .iter()
+            .any(|e| e.value.len() > self.options.limits.max_value_bytes)
+        {
+            cut = cut_values(entries, self.options.limits.max_value_bytes);
+            &cut[..]
+        } else {
+            entries
+        };
         let rules = self.rules.load();
         let dom = rules
             .domain(domain)
@@ -422,34 +598,41 @@ fn demand_kind(d: &RateLimitDescriptor, request_hits: u32) -> DemandKind {
     }
 }
 
-/// Envoy's `RateLimitOverride`: a bucket of `requests_per_unit` refilled that many per unit.
+/// Envoy's `RateLimitOverride`: a bucket of `requests_per_unit` refilled that many per unit,
+/// and whether the count had to be brought within bounds.
 ///
 /// Overrides come from Envoy's configuration, not from a rules file tollgate could reject, so
 /// one beyond the bounds every backend computes exactly is brought within them and reported as
 /// applied: above [`MAX_CAPACITY`] it is capped, and a count too fine for its unit (only large
 /// counts per MONTH or YEAR) is rounded down to a multiple of 1,000, which is always exact.
-fn override_policy(requests_per_unit: u32, unit: i32) -> Result<BucketPolicy, LimitError> {
+///
+/// Errors: `()` for a unit Envoy does not define (the override is then ignored).
+fn override_policy(requests_per_unit: u32, unit: i32) -> Result<(BucketPolicy, bool), ()> {
     let (unit, unit_us) = Unit::try_from(unit)
         .ok()
         .and_then(|u| UNITS.iter().find(|(x, _)| *x == u).copied())
-        .ok_or_else(|| LimitError::InvalidRequest(format!("descriptor limit override has unknown unit {unit}")))?;
-    let mut rpu = u64::from(requests_per_unit).min(MAX_CAPACITY);
+        .ok_or(())?;
+    let asked = u64::from(requests_per_unit);
+    let mut rpu = asked.min(MAX_CAPACITY);
     let rate = match Rate::per(rpu, unit_us) {
         _ if rpu == 0 => Rate::ZERO,
         Ok(rate) => rate,
         Err(_) => {
             rpu = rpu / 1000 * 1000;
-            Rate::per(rpu, unit_us).map_err(|e| LimitError::InvalidRequest(e.to_string()))?
+            // A multiple of 1,000 per unit is exact for every unit; should one ever not be,
+            // the override is ignored rather than the request failed.
+            Rate::per(rpu, unit_us).map_err(|_| ())?
         }
     };
-    Ok(BucketPolicy::new(
+    let policy = BucketPolicy::new(
         OVERRIDE_BUCKET.to_owned(),
         Plan::Fixed(Limit::new(rpu, rate)),
         ReportedLimit {
             requests_per_unit: u32::try_from(rpu).unwrap_or(u32::MAX),
             unit,
         },
-    ))
+    );
+    Ok((policy, rpu != asked))
 }
 
 /// `replaces`: a matched rule (limited, or unlimited with its replaced buckets in
@@ -474,24 +657,149 @@ fn drop_replaced(matched: &mut [Option<Matched>], by_unlimited: &[usize]) {
     }
 }
 
-fn validate(req: &RateLimitRequest, limits: &RequestLimits) -> Result<(), LimitError> {
-    let invalid = |msg: String| Err(LimitError::InvalidRequest(msg));
-    if req.domain.is_empty() {
-        return invalid("domain must not be empty".into());
+/// What [`screen`] found malformed in a request, beyond what matching handles by itself.
+/// Empty (and allocation-free) for a well-formed request.
+struct Screened {
+    empty_domain: bool,
+    /// The descriptors from this index on are beyond `limits.max_descriptors`.
+    decided: usize,
+    /// Descriptors (below `decided`) denied as malformed.
+    denied: SmallVec<[usize; 2]>,
+    /// Descriptors decided on no rule (no entries).
+    no_entries: SmallVec<[usize; 2]>,
+    /// Descriptors with a value cut to `limits.max_value_bytes`, and their cut entries.
+    cut: Vec<(usize, Vec<Entry>)>,
+}
+
+impl Screened {
+    /// Whether the request has descriptors denied as malformed.
+    fn denies(&self) -> bool {
+        !self.denied.is_empty() || self.decided < usize::MAX
     }
-    if req.descriptors.len() > limits.max_descriptors {
-        return invalid(format!(
-            "{} descriptors exceed the maximum of {}",
-            req.descriptors.len(),
-            limits.max_descriptors
-        ));
+
+    /// Whether descriptor `i` matches nothing: the whole request (an empty domain), or the
+    /// descriptor, is malformed beyond deciding on a rule.
+    fn skipped(&self, i: usize) -> bool {
+        self.empty_domain || i >= self.decided || self.denied.contains(&i) || self.no_entries.contains(&i)
     }
-    for (i, d) in req.descriptors.iter().enumerate() {
-        if let Err(e) = check_entries(&d.entries, limits) {
-            return invalid(format!("descriptor {i} {e}"));
+
+    /// The entries descriptor `i` (`d`) is decided with.
+    fn entries<'a>(&'a self, i: usize, d: &'a RateLimitDescriptor) -> &'a [Entry] {
+        match self.cut.iter().find(|(j, _)| *j == i) {
+            Some((_, cut)) => cut,
+            None => &d.entries,
         }
     }
-    Ok(())
+
+    /// Marks the denied descriptors `OVER_LIMIT` (without a limit: none applies) and so the
+    /// request. A `Retry-After` from the other descriptors goes: no wait lets it pass.
+    fn deny(&self, resp: &mut RateLimitResponse) {
+        use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{Code, DescriptorStatus};
+        let over = DescriptorStatus {
+            code: Code::OverLimit as i32,
+            ..Default::default()
+        };
+        for (i, status) in resp.statuses.iter_mut().enumerate() {
+            if i >= self.decided || self.denied.contains(&i) {
+                *status = over.clone();
+            }
+        }
+        resp.overall_code = Code::OverLimit as i32;
+        resp.response_headers_to_add.retain(|h| h.key != "retry-after");
+    }
+}
+
+/// Screens a request against `limits` (see [`Malformed`] for what each finding means),
+/// reporting each malformed part. Reads every entry once; allocates only for a cut value.
+fn screen(req: &RateLimitRequest, limits: &RequestLimits) -> Screened {
+    let mut s = Screened {
+        empty_domain: req.domain.is_empty(),
+        decided: usize::MAX,
+        denied: SmallVec::new(),
+        no_entries: SmallVec::new(),
+        cut: Vec::new(),
+    };
+    let domain = &req.domain;
+    if s.empty_domain {
+        report(Malformed::EmptyDomain, domain, || {
+            "empty domain: answered as an unknown domain".into()
+        });
+        return s;
+    }
+    let n = req.descriptors.len();
+    if n > limits.max_descriptors {
+        s.decided = limits.max_descriptors;
+        report(Malformed::TooManyDescriptors, domain, || {
+            format!(
+                "{n} descriptors, more than limits.max_descriptors {}: the rest are denied",
+                limits.max_descriptors
+            )
+        });
+    }
+    for (i, d) in req.descriptors.iter().enumerate().take(limits.max_descriptors) {
+        if d.entries.is_empty() {
+            s.no_entries.push(i);
+            report(Malformed::NoEntries, domain, || {
+                format!("descriptor {i} has no entries: it reaches no rule")
+            });
+            continue;
+        }
+        if d.entries.len() > limits.max_entries {
+            s.denied.push(i);
+            report(Malformed::TooManyEntries, domain, || {
+                format!(
+                    "descriptor {i} has {} entries, more than limits.max_entries {}: denied",
+                    d.entries.len(),
+                    limits.max_entries
+                )
+            });
+            continue;
+        }
+        if let Some(j) = d.entries.iter().position(|e| e.key.is_empty()) {
+            report(Malformed::EmptyKey, domain, || {
+                format!("descriptor {i} entry {j} has an empty key: decided as sent")
+            });
+        }
+        if let Some(j) = d.entries.iter().position(|e| e.value.len() > limits.max_value_bytes) {
+            report(Malformed::ValueTooLong, domain, || {
+                format!(
+                    "descriptor {i} entry {j} (key of {} bytes) has a value of {} bytes, more than \
+                     limits.max_value_bytes {}: cut",
+                    d.entries[j].key.len(),
+                    d.entries[j].value.len(),
+                    limits.max_value_bytes
+                )
+            });
+            s.cut.push((i, cut_values(&d.entries, limits.max_value_bytes)));
+        }
+    }
+    s
+}
+
+/// `entries` with every value longer than `max` bytes cut to at most `max` (at a character
+/// boundary) and U+FFFD appended: the mark keeps a cut value from equalling a rule's value
+/// (or a value sent whole), while a wildcard rule still sees its prefix, and values alike in
+/// their first `max` bytes share a bucket (which errs on the side of limiting).
+fn cut_values(entries: &[Entry], max: usize) -> Vec<Entry> {
+    entries
+        .iter()
+        .map(|e| {
+            if e.value.len() <= max {
+                return e.clone();
+            }
+            let mut end = max;
+            while !e.value.is_char_boundary(end) {
+                end -= 1;
+            }
+            let mut value = String::with_capacity(end + 3);
+            value.push_str(&e.value[..end]);
+            value.push('\u{fffd}');
+            Entry {
+                key: e.key.clone(),
+                value,
+            }
+        })
+        .collect()
 }
 
 /// Whether a descriptor's `entries` are acceptable: at least one, at most the maximum, no

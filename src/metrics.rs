@@ -29,7 +29,8 @@ use crate::rules::RuleSet;
 use crate::store::Applied;
 
 /// `RateLimitRequest`s answered, by `code`: `ok`, `over_limit` (the `overall_code`),
-/// `invalid_argument` (rejected as malformed), `unavailable` (the backend failed).
+/// `invalid_argument` (not a `RateLimitRequest` at all), `out_of_range` (a message over
+/// `grpc.max_message_bytes`), `unavailable` (the backend failed).
 pub const REQUESTS: &str = "tollgate_requests_total";
 /// Time from a decoded request to its response, in seconds (histogram).
 pub const REQUEST_DURATION: &str = "tollgate_request_duration_seconds";
@@ -40,7 +41,9 @@ pub const UNKNOWN_DOMAIN: &str = "tollgate_unknown_domain_requests_total";
 /// used), `over_limit`, `shadow_over_limit` (would have been over, but shadow mode), `refund`
 /// (`is_negative_hits`). The codes exclude each other, so their sum is every decision.
 pub const DECISIONS: &str = "tollgate_decisions_total";
-/// Hits (`hits_addend` summed) by `domain`, `bucket` and the same `code`s as [`DECISIONS`].
+/// Hits (`hits_addend` summed) by `domain`, `bucket` and the same `code`s as [`DECISIONS`];
+/// a denial adds at most the capacity + 1 and a refund at most the capacity (what could
+/// matter), whatever `hits_addend` says.
 pub const HITS: &str = "tollgate_hits_total";
 /// Calls to the backend, by `backend`.
 pub const BACKEND_CALLS: &str = "tollgate_backend_calls_total";
@@ -68,6 +71,12 @@ pub const MEMORY_BUCKETS: &str = "tollgate_memory_buckets";
 /// Buckets the memory store evicted before they were full, to stay under `max_buckets`; each
 /// may let a client through early.
 pub const MEMORY_EVICTED_NOT_FULL: &str = "tollgate_memory_evicted_not_full_total";
+/// Malformed parts of requests, by `reason` (docs/rules.md, "Malformed requests"): one per
+/// descriptor for a descriptor's reason (`no_entries`, `too_many_entries`, `empty_key`,
+/// `value_too_long`, `override_unit`, `override_capped`), one per request for a request's
+/// (`empty_domain`, `too_many_descriptors`), and one per message for `message_too_large`. None
+/// of them makes the request an error Envoy would let through.
+pub const MALFORMED: &str = "tollgate_malformed_total";
 /// Always 1, with the `version` label.
 pub const BUILD_INFO: &str = "tollgate_build_info";
 
@@ -386,6 +395,7 @@ fn describe() {
     describe_counter!(REQUESTS, "RateLimitRequests answered, by code");
     describe_histogram!(REQUEST_DURATION, Unit::Seconds, "Time to decide one RateLimitRequest");
     describe_counter!(UNKNOWN_DOMAIN, "Requests for a domain no rules file declares");
+    describe_counter!(MALFORMED, "Malformed parts of requests, by reason (none is an error)");
     describe_counter!(DECISIONS, "Bucket decisions, one per descriptor and bucket, by code");
     describe_counter!(HITS, "Hits (hits_addend) per bucket decision code");
     describe_counter!(BACKEND_CALLS, "Calls to the bucket backend");
@@ -537,7 +547,7 @@ pub fn count_decisions(targets: &[Option<Target<'_>>], applied: &Applied, near_l
                 applied.decision.passed[t.demand] && t.quota.as_ref().is_none_or(|q| applied.decision.passed[q.demand]);
             let detailed = t.envoyproxy.for_request(t.entries, &t.shared);
             detailed.as_ref().unwrap_or(t.envoyproxy).count(
-                ut / MICRO,
+                counted_hits(ut / MICRO, capacity, admitted),
                 capacity,
                 used_before,
                 admitted,
@@ -571,8 +581,27 @@ pub fn count_decisions(targets: &[Option<Target<'_>>], applied: &Applied, near_l
                     DecisionCode::Ok
                 }
             };
-            counters.count(code, hits_ut / MICRO);
+            let capacity = policy.plan.limit_at(applied.now_us).capacity();
+            let hits = match t.kind {
+                // A refund beyond the capacity gives back nothing more: the bucket is full.
+                DemandKind::Refund(_) => (hits_ut / MICRO).min(capacity),
+                _ => counted_hits(hits_ut / MICRO, capacity, passed),
+            };
+            counters.count(code, hits);
         }
+    }
+}
+
+/// The hits one decision adds to [`HITS`] (and to envoyproxy/ratelimit's hit series): all of
+/// them when admitted (at most the capacity, but for a shadow rule's would-be denials, which
+/// are not admitted), and for a denial at most `capacity + 1`, the least that cannot pass: a
+/// single request with `hits_addend` near 2^64 would otherwise add about 1.8e13 to a counter
+/// whose rate is read as traffic.
+fn counted_hits(hits: u64, capacity: u64, admitted: bool) -> u64 {
+    if admitted {
+        hits
+    } else {
+        hits.min(capacity.saturating_add(1))
     }
 }
 

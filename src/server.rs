@@ -19,7 +19,9 @@ use crate::http::{router, HttpState, Readiness};
 use crate::limiter::{Limiter, LimiterOptions};
 use crate::reload::{load_initial, Reloader};
 use crate::service::RateLimitGrpc;
-use crate::settings::{Backend, FailureMode, FallbackBackend, RuntimeFlavor, Settings, UnreachableAtStart};
+use crate::settings::{
+    Backend, FailureMode, FallbackBackend, GrpcSettings, RuntimeFlavor, Settings, UnreachableAtStart,
+};
 use crate::store::{AnyStore, Fallback, Guarded, MemoryStore, Metered, PostgresStore, RedisStore, Resilient, Store};
 use crate::wire::RateLimitServer;
 
@@ -73,7 +75,9 @@ fn backend_names(settings: &Settings) -> crate::http::BackendNames {
 /// Runs tollgate with `settings` until SIGINT or SIGTERM, then shuts down gracefully: reports
 /// not ready (`/readyz` 503, gRPC health `NOT_SERVING`) for `shutdown.drain_seconds` while
 /// still answering, then stops accepting and gives in-flight requests
-/// `shutdown.timeout_seconds` to finish. A second signal skips the wait.
+/// `shutdown.timeout_seconds` to finish; open gRPC connections keep being served, new streams
+/// too, until [`go_away_margin`] before that deadline, then get a graceful GOAWAY. A second
+/// signal skips the wait.
 ///
 /// Errors: invalid settings or rules (every problem, with file, rule and reason), or a listener
 /// that cannot bind.
@@ -232,9 +236,27 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
         .set_serving::<RateLimitServer<RateLimitGrpc<AnyStore>>>()
         .await;
     {
+        // At the stop the gRPC listener closes, but the connections already open keep serving
+        // new streams: Envoy keeps its connections and sends on them until told otherwise, so
+        // a GOAWAY at the stop refused (or sent elsewhere, to a listener now closed) every
+        // request of the last moments. Told to go away only shortly before the deadline,
+        // Envoy moves on while the streams it already sent are still answered.
+        let close = stopped();
         let stop = stopped();
+        let timeout = Duration::from_secs(settings.shutdown.timeout_seconds);
+        let go_away = async move {
+            stop.await;
+            tokio::time::sleep(timeout.saturating_sub(go_away_margin(timeout))).await;
+        };
         let service = RateLimitGrpc::new(limiter.clone());
-        tasks.spawn(serve_rate_limit_service_with_health(grpc, service, health, stop));
+        tasks.spawn(serve_rate_limit_service_draining(
+            grpc,
+            service,
+            health,
+            settings.grpc,
+            close,
+            go_away,
+        ));
     }
     ready.set(true);
     let health_follower = tokio::spawn(follow_readiness(health_reporter.clone(), limiter.clone()));
@@ -376,20 +398,94 @@ pub async fn serve_rate_limit_service<T: RateLimitService>(
 }
 
 /// [`serve_rate_limit_service`] with a health service the caller keeps the reporter of (to
-/// report `NOT_SERVING` while shutting down).
+/// report `NOT_SERVING` while shutting down), and the default [`GrpcSettings`].
 pub async fn serve_rate_limit_service_with_health<T: RateLimitService>(
     listener: TcpListener,
     service: T,
     health: HealthServer<impl Health>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
+    serve_rate_limit_service_with_limits(listener, service, health, GrpcSettings::default(), shutdown).await
+}
+
+/// [`serve_rate_limit_service_with_health`] with the gRPC server's limits of `limits` (the
+/// `grpc` settings: message size, streams per connection, keep-alive).
+pub async fn serve_rate_limit_service_with_limits<T: RateLimitService>(
+    listener: TcpListener,
+    service: T,
+    health: HealthServer<impl Health>,
+    limits: GrpcSettings,
+    shutdown: impl Future<Output = ()> + Send,
+) -> anyhow::Result<()> {
+    // The listener closes with the GOAWAY, at `shutdown`.
+    serve_rate_limit_service_draining(listener, service, health, limits, std::future::pending(), shutdown).await
+}
+
+/// How long before the shutdown deadline open gRPC connections are sent their GOAWAY: enough
+/// for the streams sent meanwhile to be answered (a decision takes milliseconds), at most half
+/// the timeout.
+fn go_away_margin(timeout: Duration) -> Duration {
+    (timeout / 2).min(Duration::from_secs(1))
+}
+
+/// The listener, until `close` completes: then it is dropped (new connections are refused) and
+/// the stream stays pending, without ending, so the connections already accepted keep being
+/// served (an ended stream makes tonic tell them to go away at once).
+struct ClosableIncoming<F> {
+    incoming: Option<TcpIncoming>,
+    close: std::pin::Pin<Box<F>>,
+}
+
+impl<F: Future<Output = ()>> futures_util::Stream for ClosableIncoming<F> {
+    type Item = std::io::Result<tokio::net::TcpStream>;
+
+    fn poll_next(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        let this = self.get_mut();
+        // Polled only until it completes (`incoming` is then gone).
+        if this.incoming.is_some() && this.close.as_mut().poll(cx).is_ready() {
+            this.incoming = None;
+            tracing::info!("gRPC listener closed; open connections still served until told to go away");
+        }
+        match &mut this.incoming {
+            Some(incoming) => std::pin::Pin::new(incoming).poll_next(cx),
+            None => std::task::Poll::Pending,
+        }
+    }
+}
+
+/// [`serve_rate_limit_service_with_limits`] that stops accepting connections at `close` but
+/// keeps serving every stream of the open ones until `go_away`, when each is sent a graceful
+/// GOAWAY (HTTP/2's two-step one: streams the client sent before it saw it are still served);
+/// returns once every connection has closed.
+pub async fn serve_rate_limit_service_draining<T: RateLimitService>(
+    listener: TcpListener,
+    service: T,
+    health: HealthServer<impl Health>,
+    limits: GrpcSettings,
+    close: impl Future<Output = ()> + Send + 'static,
+    go_away: impl Future<Output = ()> + Send,
+) -> anyhow::Result<()> {
+    let keepalive =
+        (limits.keepalive_interval_seconds > 0).then(|| Duration::from_secs(limits.keepalive_interval_seconds));
     // TCP_NODELAY must be set on the accepted sockets here: tonic ignores `Server::tcp_nodelay`
     // for a caller-supplied incoming stream. With Nagle on, a response written in two pieces
     // waits for Envoy's delayed ACK (~40 ms), past Envoy's default 20 ms filter timeout.
     tonic::transport::Server::builder()
+        .max_concurrent_streams(limits.max_concurrent_streams)
+        .http2_keepalive_interval(keepalive)
+        .http2_keepalive_timeout(Some(Duration::from_secs(limits.keepalive_timeout_seconds.max(1))))
         .add_service(health)
-        .add_service(RateLimitServer::new(service))
-        .serve_with_incoming_shutdown(TcpIncoming::from(listener).with_nodelay(Some(true)), shutdown)
+        .add_service(RateLimitServer::new(service).max_message_bytes(limits.max_message_bytes))
+        .serve_with_incoming_shutdown(
+            ClosableIncoming {
+                incoming: Some(TcpIncoming::from(listener).with_nodelay(Some(true))),
+                close: Box::pin(close),
+            },
+            go_away,
+        )
         .await
         .context("gRPC server failed")
 }

@@ -22,8 +22,10 @@ pub struct Settings {
     pub backend: Backend,
     /// Logging.
     pub log: LogSettings,
-    /// Bounds on a request; beyond them it is answered `INVALID_ARGUMENT`.
+    /// Bounds on a request's contents; what happens beyond each is in docs/rules.md.
     pub limits: RequestLimits,
+    /// Limits of the gRPC server: message size, streams per connection, keep-alive.
+    pub grpc: GrpcSettings,
     /// Which headers go into `response_headers_to_add`.
     pub headers: HeaderSettings,
     /// Global shadow mode: evaluate and count every rule, never answer `OVER_LIMIT`.
@@ -392,6 +394,29 @@ pub struct RequestLimits {
     pub max_descriptors: usize,
     /// Most entries in one descriptor.
     pub max_entries: usize,
+    /// Longest descriptor value, in bytes (of UTF-8). A longer value is cut to this length
+    /// (at a character boundary) and marked, then decided like any other (docs/rules.md).
+    pub max_value_bytes: usize,
+}
+
+/// Limits of the gRPC server (HTTP/2) Envoy talks to; all explicit, so that what a connection
+/// may cost tollgate is a setting and not a library's default.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GrpcSettings {
+    /// Largest `RateLimitRequest` message read, in bytes (after decompression); a larger one is
+    /// answered `OUT_OF_RANGE` unread.
+    pub max_message_bytes: usize,
+    /// Most streams (requests in flight) per HTTP/2 connection, announced in
+    /// `SETTINGS_MAX_CONCURRENT_STREAMS`: a client waits for a stream or opens another
+    /// connection (Envoy does); a stream beyond it is refused (`REFUSED_STREAM`, never
+    /// processed, so safe to retry).
+    pub max_concurrent_streams: u32,
+    /// Seconds between HTTP/2 PINGs on an idle connection (0: none), so a peer that vanished
+    /// without closing is noticed.
+    pub keepalive_interval_seconds: u64,
+    /// Seconds to wait for a PING's answer before closing the connection.
+    pub keepalive_timeout_seconds: u64,
 }
 
 /// Response headers tollgate asks Envoy to add (`response_headers_to_add`).
@@ -427,6 +452,7 @@ impl Default for Settings {
             backend: Backend::Memory,
             log: LogSettings::default(),
             limits: RequestLimits::default(),
+            grpc: GrpcSettings::default(),
             headers: HeaderSettings::default(),
             shadow_mode: false,
             overrides: true,
@@ -498,6 +524,18 @@ impl Default for RequestLimits {
         RequestLimits {
             max_descriptors: 64,
             max_entries: 32,
+            max_value_bytes: 4096,
+        }
+    }
+}
+
+impl Default for GrpcSettings {
+    fn default() -> Self {
+        GrpcSettings {
+            max_message_bytes: 4 * 1024 * 1024,
+            max_concurrent_streams: 1024,
+            keepalive_interval_seconds: 30,
+            keepalive_timeout_seconds: 10,
         }
     }
 }
@@ -527,7 +565,7 @@ pub const DEFAULT_SETTINGS_FILE: &str = "config/tollgate.yaml";
 
 /// Top-level settings keys; only these are read from `TOLLGATE_*`, so unrelated variables
 /// with the same prefix are not mistaken for settings.
-const KEYS: [&str; 18] = [
+const KEYS: [&str; 19] = [
     "grpc_addr",
     "http_addr",
     "rules",
@@ -546,6 +584,7 @@ const KEYS: [&str; 18] = [
     "shutdown",
     "metrics",
     "runtime",
+    "grpc",
 ];
 
 impl Settings {
@@ -827,6 +866,17 @@ impl Settings {
                             (a YAML block scalar `|` adds a newline; use a plain string)"
                     .into());
             }
+        }
+        if self.limits.max_value_bytes == 0 {
+            return Err("limits.max_value_bytes must be at least 1".into());
+        }
+        if self.grpc.max_message_bytes < 1024 || self.grpc.max_concurrent_streams == 0 {
+            return Err(
+                "grpc.max_message_bytes must be at least 1024 and grpc.max_concurrent_streams at least 1".into(),
+            );
+        }
+        if self.grpc.keepalive_interval_seconds > 0 && self.grpc.keepalive_timeout_seconds == 0 {
+            return Err("grpc.keepalive_timeout_seconds must be at least 1 when keep-alive is on".into());
         }
         if !self.metrics.path.starts_with('/') {
             return Err(format!("metrics.path {:?} must start with /", self.metrics.path));

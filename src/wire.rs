@@ -146,12 +146,28 @@ const SHOULD_RATE_LIMIT: &str = "/envoy.service.ratelimit.v3.RateLimitService/Sh
 #[derive(Debug)]
 pub struct RateLimitServer<T> {
     inner: Arc<T>,
+    /// The largest request message read, in bytes (`grpc.max_message_bytes`).
+    max_message_bytes: usize,
 }
 
+/// The default of [`RateLimitServer::max_message_bytes`]: tonic's, 4 MiB, made explicit.
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
+
 impl<T> RateLimitServer<T> {
-    /// Serves `inner`.
+    /// Serves `inner`, reading requests of up to [`DEFAULT_MAX_MESSAGE_BYTES`].
     pub fn new(inner: T) -> Self {
-        RateLimitServer { inner: Arc::new(inner) }
+        RateLimitServer {
+            inner: Arc::new(inner),
+            max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
+        }
+    }
+
+    /// Reads requests of up to `bytes` (after decompression); a larger one is answered
+    /// `OUT_OF_RANGE` unread and counted ([`crate::metrics::MALFORMED`],
+    /// `reason="message_too_large"`).
+    pub fn max_message_bytes(mut self, bytes: usize) -> Self {
+        self.max_message_bytes = bytes;
+        self
     }
 }
 
@@ -159,6 +175,7 @@ impl<T> Clone for RateLimitServer<T> {
     fn clone(&self) -> Self {
         RateLimitServer {
             inner: Arc::clone(&self.inner),
+            max_message_bytes: self.max_message_bytes,
         }
     }
 }
@@ -198,7 +215,22 @@ where
             return Box::pin(async { Ok(Status::unimplemented("no such method").into_http()) });
         }
         let method = ShouldRateLimit(Arc::clone(&self.inner));
-        Box::pin(async move { Ok(tonic::server::Grpc::new(LenientCodec).unary(method, req).await) })
+        let max = self.max_message_bytes;
+        Box::pin(async move {
+            let resp = tonic::server::Grpc::new(LenientCodec)
+                .max_decoding_message_size(max)
+                .unary(method, req)
+                .await;
+            // tonic refuses a message over the limit before the codec sees it, answering
+            // OUT_OF_RANGE (trailers-only, so the status is in the headers); nothing else
+            // here answers that code.
+            if resp.headers().get("grpc-status").is_some_and(|v| v == "11") {
+                metrics::counter!(crate::metrics::REQUESTS, "code" => "out_of_range").increment(1);
+                metrics::counter!(crate::metrics::MALFORMED, "reason" => "message_too_large").increment(1);
+                tracing::debug!(max_message_bytes = max, "request message over grpc.max_message_bytes");
+            }
+            Ok(resp)
+        })
     }
 }
 

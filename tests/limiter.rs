@@ -223,16 +223,23 @@ async fn override_replaces_the_matching_rule_and_can_be_turned_off() {
     }
 }
 
+/// An override with a unit Envoy does not define is ignored: the descriptor is decided on its
+/// rule and the request's other descriptors as usual (it used to fail the whole request, which
+/// Envoy lets through by default).
 #[tokio::test]
-async fn override_with_an_unknown_unit_is_invalid() {
+async fn override_with_an_unknown_unit_is_ignored_and_the_rule_decides() {
     let h = harness(BASIC);
     for unit in [RateLimitUnit::Unknown as i32, 99, -1] {
-        let r = req("d", vec![desc(&[("k", "a")]), with_override(&[("k", "a")], 10, unit)]);
-        let msg = h.invalid(&r).await;
-        assert!(msg.contains("unit"), "{msg}");
+        let r = req("d", vec![desc(&[("k", "b")]), with_override(&[("k", "a")], 10, unit)]);
+        let resp = h.ask(&r).await;
+        assert_eq!(resp.overall_code, OK, "unit {unit}");
+        let limit = resp.statuses[1].current_limit.as_ref().expect("rule a decided it");
+        assert_eq!((limit.name.as_str(), limit.requests_per_unit), ("a", 5));
+        h.advance_ms(60_000);
     }
-    // Nothing was consumed by the rejected requests.
-    assert!(h.limiter.store().is_empty());
+    // Rule b (capacity 1) counted the first descriptor: a second one now is over.
+    let r = req("d", vec![desc(&[("k", "b")]), with_override(&[("k", "b")], 10, 99)]);
+    assert_eq!(h.ask(&r).await.overall_code, OVER);
 }
 
 #[tokio::test]
@@ -365,7 +372,7 @@ async fn descriptor_hits_addend_zero_is_a_check_that_changes_nothing() {
     assert_eq!(codes(&resp), vec![(OK, 3)]);
     assert_eq!(resp.statuses[0].duration_until_reset, dur(0));
     assert!(h.limiter.store().is_empty());
-    // Empty the bucket, then check: OVER_LIMIT, with the wait for one token.
+    // Empty the bucket, then check: OVER, with the wait for one token.
     let r = RateLimitRequest {
         hits_addend: 3,
         ..one(&[("k", "c")])
@@ -850,40 +857,70 @@ async fn ratelimit_headers_list_a_bucket_once_with_its_lowest_instance() {
 
 // ---- invalid requests -----------------------------------------------------------------
 
+/// No malformed part of a request makes it an error (which Envoy lets through by default, with
+/// every other limit of the request): each is decided as docs/rules.md says.
 #[tokio::test]
-async fn malformed_requests_are_invalid() {
+async fn malformed_parts_are_decided_never_errors() {
     let h = harness(BASIC);
-    let msg = h.invalid(&req("", vec![desc(&[("k", "a")])])).await;
-    assert!(msg.contains("domain"), "{msg}");
-    let msg = h.invalid(&req("d", vec![desc(&[("k", "a")]), desc(&[])])).await;
-    assert!(msg.contains("descriptor 1 has no entries"), "{msg}");
-    let msg = h.invalid(&req("d", vec![desc(&[("k", "a"), ("", "v")])])).await;
-    assert!(msg.contains("descriptor 0 entry 1 has an empty key"), "{msg}");
+    // An empty domain is an unknown domain: OK, no limits, and an override is not looked at.
+    let r = req("", vec![desc(&[("k", "b")]), with_override(&[("k", "b")], 0, 1)]);
+    let resp = h.ask(&r).await;
+    assert_eq!(resp.overall_code, OK);
+    assert!(resp.statuses.iter().all(|s| s.current_limit.is_none()));
+    // A descriptor without entries reaches no rule; the others are decided.
+    let resp = h.ask(&req("d", vec![desc(&[("k", "b")]), desc(&[])])).await;
+    assert_eq!(codes(&resp), vec![(OK, 0), (OK, 0)]);
+    assert_eq!(resp.statuses[0].current_limit.as_ref().unwrap().name, "b");
+    assert_eq!(h.ask(&one(&[("k", "b")])).await.overall_code, OVER, "b was consumed");
+    // An empty key is decided as sent: it equals no rule key, so `per_key` alone is not reached.
+    let resp = h.ask(&req("d", vec![desc(&[("per_key", "x"), ("", "v")])])).await;
+    assert_eq!(resp.overall_code, OK);
+    assert_eq!(resp.statuses[0].current_limit, None);
     // An empty value is fine.
     assert_eq!(h.ask(&one(&[("k", "")])).await.overall_code, OK);
 
+    // Too many descriptors: the first `max` are decided, the rest denied, so is the request,
+    // and (all or nothing) nothing is consumed.
     let max = RequestLimits::default();
     let r = req("d", (0..=max.max_descriptors).map(|_| desc(&[("k", "a")])).collect());
-    let msg = h.invalid(&r).await;
-    assert!(
-        msg.contains(&format!("exceed the maximum of {}", max.max_descriptors)),
-        "{msg}"
+    let resp = h.ask(&r).await;
+    assert_eq!(resp.overall_code, OVER);
+    assert_eq!(resp.statuses.len(), max.max_descriptors + 1);
+    assert_eq!(resp.statuses[max.max_descriptors].code, OVER);
+    assert_eq!(resp.statuses[max.max_descriptors].current_limit, None);
+    assert!(resp.statuses[..max.max_descriptors].iter().all(|s| s.code == OK));
+    assert_eq!(
+        h.ask(&one(&[("k", "a")])).await.statuses[0].limit_remaining,
+        4,
+        "a kept 5"
     );
     let ok = req("d", (0..max.max_descriptors).map(|_| desc(&[("x", "a")])).collect());
     assert_eq!(h.ask(&ok).await.statuses.len(), max.max_descriptors);
 
+    // Too many entries: that descriptor is denied, the request with it, nothing consumed.
     let long: Vec<(String, String)> = (0..=max.max_entries)
         .map(|i| (format!("k{i}"), "v".to_owned()))
         .collect();
     let pairs: Vec<(&str, &str)> = long.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    let msg = h.invalid(&req("d", vec![desc(&pairs)])).await;
-    assert!(
-        msg.contains(&format!("more than the maximum of {}", max.max_entries)),
-        "{msg}"
+    let resp = h.ask(&req("d", vec![desc(&[("k", "a")]), desc(&pairs)])).await;
+    assert_eq!(codes(&resp), vec![(OK, 4), (OVER, 0)]);
+    assert!(!resp.response_headers_to_add.iter().any(|h| h.key == "retry-after"));
+    assert_eq!(
+        h.ask(&one(&[("k", "a")])).await.statuses[0].limit_remaining,
+        3,
+        "one taken above"
     );
     assert_eq!(h.ask(&req("d", vec![desc(&pairs[1..])])).await.overall_code, OK);
-    // Rejected requests consumed nothing, even from descriptors before the bad one.
-    assert!(h.limiter.store().is_empty());
+
+    // Global shadow mode denies nothing, malformed or not.
+    let shadow = harness_with(
+        BASIC,
+        LimiterOptions {
+            shadow_mode: true,
+            ..options()
+        },
+    );
+    assert_eq!(shadow.ask(&req("d", vec![desc(&pairs)])).await.overall_code, OK);
 
     let h = harness_with(
         BASIC,
@@ -891,19 +928,62 @@ async fn malformed_requests_are_invalid() {
             limits: RequestLimits {
                 max_descriptors: 1,
                 max_entries: 1,
+                ..RequestLimits::default()
             },
             ..options()
         },
     );
-    let msg = h
-        .invalid(&req("d", vec![desc(&[("k", "a")]), desc(&[("k", "b")])]))
-        .await;
-    assert!(msg.contains("2 descriptors exceed the maximum of 1"), "{msg}");
-    let msg = h.invalid(&req("d", vec![desc(&[("k", "a"), ("x", "y")])])).await;
-    assert!(
-        msg.contains("descriptor 0 has 2 entries, more than the maximum of 1"),
-        "{msg}"
+    let resp = h.ask(&req("d", vec![desc(&[("k", "a")]), desc(&[("k", "b")])])).await;
+    assert_eq!(codes(&resp), vec![(OK, 5), (OVER, 0)]);
+    let resp = h.ask(&req("d", vec![desc(&[("k", "a"), ("x", "y")])])).await;
+    assert_eq!(codes(&resp), vec![(OVER, 0)]);
+}
+
+const LONG_VALUES: &str = "domain: d
+descriptors:
+  - key: path
+    value: /api/*
+    name: api
+    token_bucket: {capacity: 2, refill: 2/1m}
+  - key: user
+    name: per_user
+    token_bucket: {capacity: 2, refill: 2/1m}
+";
+
+/// A value over `limits.max_value_bytes` is cut to it and decided on its rule: a wildcard
+/// still sees its prefix, and values alike in their first bytes share a key-only bucket.
+#[tokio::test]
+async fn a_value_over_the_limit_is_cut_and_decided_on_its_rule() {
+    let h = harness_with(
+        LONG_VALUES,
+        LimiterOptions {
+            limits: RequestLimits {
+                max_value_bytes: 8,
+                ..RequestLimits::default()
+            },
+            ..options()
+        },
     );
+    let long_path = format!("/api/{}", "x".repeat(70_000));
+    let resp = h.ask(&one(&[("path", &long_path)])).await;
+    assert_eq!(resp.statuses[0].current_limit.as_ref().unwrap().name, "api");
+    // Two users alike in their first 8 bytes share one bucket (2 tokens); the third is over.
+    let resp = h
+        .ask(&req(
+            "d",
+            vec![desc(&[("user", "aaaaaaaa-1")]), desc(&[("user", "aaaaaaaa-2")])],
+        ))
+        .await;
+    assert_eq!(resp.overall_code, OK);
+    assert_eq!(h.ask(&one(&[("user", "aaaaaaaa-3")])).await.overall_code, OVER);
+    // A value within the limit is its own bucket; a cut value never shares one with it.
+    assert_eq!(
+        h.ask(&one(&[("user", "aaaaaaaa")])).await.statuses[0].limit_remaining,
+        1
+    );
+    // Cut at a character boundary: a multi-byte character across the limit is dropped whole.
+    let resp = h.ask(&one(&[("user", "aaaaaaa\u{e9}\u{e9}")])).await;
+    assert_eq!(resp.overall_code, OK);
 }
 
 // ---- the repository's example rules ---------------------------------------------------

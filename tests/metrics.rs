@@ -86,12 +86,9 @@ async fn a_known_request_mix_gives_exact_counters() {
             Code::Ok
         );
     }
-    // One invalid request, one request for an unknown domain, one that matches no rule.
-    let invalid = c
-        .should_rate_limit(request("", vec![descriptor("user", "x")]))
-        .await
-        .unwrap_err();
-    assert_eq!(invalid.code(), tonic::Code::InvalidArgument);
+    // One request with an empty domain (malformed, answered OK as an unknown domain), one for
+    // an unknown domain, one that matches no rule.
+    assert_eq!(code(&mut c, request("", vec![descriptor("user", "x")])).await, Code::Ok);
     // And one that is not a RateLimitRequest at all, rejected before the service runs.
     let target = format!("http://{}", tollgate.grpc_addr);
     let malformed = support::raw_call(&target, support::NotARequest { domain: 7 })
@@ -121,11 +118,15 @@ async fn a_known_request_mix_gives_exact_counters() {
     assert_eq!(decisions(&m, DECISIONS, "shadowed", "over_limit"), 0.0);
 
     let requests = |code| m.counter("tollgate_requests_total", &[("code", code)]);
-    // 7 + refund + 3 shadow + unknown domain + no rule = 13 answered, 2 of them over limit;
-    // the malformed message is not timed (it never reached the service).
-    assert_eq!(requests("ok"), 11.0);
+    // 7 + refund + 3 shadow + empty domain + unknown domain + no rule = 14 answered, 2 of
+    // them over limit; the malformed message is not timed (it never reached the service).
+    assert_eq!(requests("ok"), 12.0);
     assert_eq!(requests("over_limit"), 2.0);
-    assert_eq!(requests("invalid_argument"), 2.0);
+    assert_eq!(requests("invalid_argument"), 1.0);
+    assert_eq!(
+        m.counter("tollgate_malformed_total", &[("reason", "empty_domain")]),
+        1.0
+    );
     assert_eq!(requests("unavailable"), 0.0);
     assert_eq!(m.histogram_count("tollgate_request_duration_seconds"), Some(14.0));
     assert_eq!(m.counter("tollgate_unknown_domain_requests_total", &[]), 1.0);
@@ -211,4 +212,59 @@ fn an_out_of_range_near_limit_ratio_is_refused_at_start() {
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("near_limit_ratio"), "{stderr}");
+}
+
+/// One descriptor with `hits_addend` near 2^64 adds at most what could matter to the hit
+/// counters: capacity + 1 for a denial (shadow or not), the capacity for a refund. Malformed
+/// parts are counted by reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn huge_hits_addend_counts_at_most_capacity_plus_one_and_malformed_parts_are_counted() {
+    let tollgate = block_in_place(|| {
+        Tollgate::builder()
+            .rules_file("shop.yaml", RULES)
+            .settings("limits: {max_entries: 2, max_value_bytes: 16}")
+            .start()
+    });
+    let mut c = connect(&tollgate).await;
+    let huge = |key: &str, value: &str, negative: bool| {
+        let mut d = descriptor(key, value);
+        d.hits_addend = Some(UInt64Value { value: u64::MAX });
+        d.is_negative_hits = negative;
+        request("shop", vec![d])
+    };
+    assert_eq!(code(&mut c, huge("user", "dave", false)).await, Code::OverLimit);
+    assert_eq!(code(&mut c, huge("user", "dave", true)).await, Code::Ok);
+    assert_eq!(code(&mut c, huge("path", "/shadow", false)).await, Code::Ok);
+    // Malformed: three entries (denied), a 40-byte value (cut, decided on per_user).
+    let deep = RateLimitDescriptor {
+        entries: (0..3)
+            .map(|i| Entry {
+                key: format!("k{i}"),
+                value: "v".into(),
+            })
+            .collect(),
+        ..Default::default()
+    };
+    assert_eq!(code(&mut c, request("shop", vec![deep])).await, Code::OverLimit);
+    let long = "e".repeat(40);
+    let resp = c
+        .should_rate_limit(request("shop", vec![descriptor("user", &long)]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        resp.statuses[0].current_limit.as_ref().map(|l| l.name.as_str()),
+        Some("per_user")
+    );
+
+    let m = block_in_place(|| Scrape::from(tollgate.http_addr));
+    assert_eq!(decisions(&m, DECISIONS, "per_user", "over_limit"), 1.0);
+    assert_eq!(decisions(&m, HITS, "per_user", "over_limit"), 6.0);
+    assert_eq!(decisions(&m, HITS, "per_user", "refund"), 5.0);
+    assert_eq!(decisions(&m, HITS, "shadowed", "shadow_over_limit"), 2.0);
+    let malformed = |reason| m.counter("tollgate_malformed_total", &[("reason", reason)]);
+    assert_eq!(malformed("too_many_entries"), 1.0);
+    assert_eq!(malformed("value_too_long"), 1.0);
+    // The cut value was decided: one admission on per_user.
+    assert_eq!(decisions(&m, DECISIONS, "per_user", "ok"), 1.0);
 }

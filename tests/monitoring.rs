@@ -689,7 +689,7 @@ async fn exported(test: &str) -> Option<Exported> {
     });
     let mut c = connect(&redis).await;
     // Capacity 5: ok, near_limit and over_limit decisions; a refund; shadow mode (near_limit,
-    // then shadow_over_limit); an invalid request and an unknown domain.
+    // then shadow_over_limit); a malformed request, an invalid one and an unknown domain.
     for _ in 0..7 {
         code(&mut c, request("shop", &[("user", "alice")], 0)).await;
     }
@@ -705,7 +705,15 @@ async fn exported(test: &str) -> Option<Exported> {
     for _ in 0..3 {
         assert_eq!(code(&mut c, request("shop", &[("path", "/shadow")], 0)).await, Code::Ok);
     }
-    let invalid = c.should_rate_limit(request("", &[("user", "x")], 0)).await.unwrap_err();
+    // A malformed part is decided (an empty domain is an unknown one); only a message that is
+    // not a RateLimitRequest at all is INVALID_ARGUMENT.
+    assert_eq!(code(&mut c, request("", &[("user", "x")], 0)).await, Code::Ok);
+    let invalid = support::raw_call(
+        &format!("http://{}", redis.grpc_addr),
+        support::NotARequest { domain: 7 },
+    )
+    .await
+    .unwrap_err();
     assert_eq!(invalid.code(), tonic::Code::InvalidArgument);
     assert_eq!(code(&mut c, request("nowhere", &[("user", "bob")], 0)).await, Code::Ok);
 

@@ -197,3 +197,96 @@ async fn a_second_signal_exits_at_once() {
     });
     assert!(exited.success(), "{exited:?}");
 }
+
+/// Envoy keeps its connections and keeps sending on them until told to go away: every request
+/// on an open connection is answered from the signal until shortly before the deadline, also
+/// after the listener closed (64 callers on their own connections; before, the GOAWAY sent when
+/// the listener closed made the last moments' requests fail on a closed listener).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_four_callers_keep_being_answered_on_open_connections_until_the_deadline() {
+    let mut tollgate = block_in_place(|| {
+        Tollgate::builder()
+            .rules_file("shutdown.yaml", RULES)
+            .settings("shutdown: {drain_seconds: 2, timeout_seconds: 5}")
+            .start()
+    });
+    let target = format!("http://{}", tollgate.grpc_addr);
+    let answered = Arc::new(AtomicU64::new(0));
+    let answered_after_close = Arc::new(AtomicU64::new(0));
+    let failed = Arc::new(AtomicU64::new(0));
+    // The listener closes 2 s after the signal, the GOAWAY comes 4 s after that (5 s timeout,
+    // 1 s before the deadline): callers send until 4.5 s after the signal, 1.5 s before it.
+    let signal_at: Arc<std::sync::OnceLock<Instant>> = Arc::new(std::sync::OnceLock::new());
+    let mut clients = Vec::new();
+    for i in 0..64u64 {
+        let (target, answered, after, failed, signal_at) = (
+            target.clone(),
+            answered.clone(),
+            answered_after_close.clone(),
+            failed.clone(),
+            signal_at.clone(),
+        );
+        clients.push(tokio::spawn(async move {
+            let mut c = RateLimitServiceClient::connect(target)
+                .await
+                .expect("connect before the signal");
+            let mut n = i;
+            loop {
+                let since = signal_at.get().map(Instant::elapsed);
+                if since.is_some_and(|s| s >= Duration::from_millis(4500)) {
+                    return;
+                }
+                n += 64;
+                match c.should_rate_limit(request(n)).await {
+                    Ok(_) => {
+                        answered.fetch_add(1, Ordering::Relaxed);
+                        if since.is_some_and(|s| s >= Duration::from_millis(2300)) {
+                            after.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    Err(status) => {
+                        eprintln!("failed {since:?} after the signal: {status:?}");
+                        failed.fetch_add(1, Ordering::Relaxed);
+                        return;
+                    }
+                }
+            }
+        }));
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while answered.load(Ordering::Relaxed) < 64 {
+        assert!(Instant::now() < deadline, "load is not running");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    signal_at.set(Instant::now()).unwrap();
+    let status = Command::new("kill")
+        .args(["-TERM", &tollgate.process.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    for c in clients {
+        c.await.unwrap();
+    }
+    assert_eq!(failed.load(Ordering::Relaxed), 0, "requests on open connections failed");
+    assert!(
+        answered_after_close.load(Ordering::Relaxed) > 0,
+        "nothing was answered after the listener closed"
+    );
+    // The callers hung up: with no connection left it exits before the deadline.
+    let signal_at = *signal_at.get().unwrap();
+    let exited = block_in_place(|| loop {
+        if let Some(status) = tollgate.process.exited() {
+            break status;
+        }
+        assert!(
+            signal_at.elapsed() < Duration::from_secs(12),
+            "still running {:?} after SIGTERM\n{}",
+            signal_at.elapsed(),
+            tollgate.process.log_tail(30)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    });
+    assert!(exited.success(), "{exited:?}\n{}", tollgate.process.log_tail(30));
+    let log = tollgate.process.log();
+    assert!(log.contains("all requests in flight answered"), "{log}");
+}

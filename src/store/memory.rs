@@ -3,8 +3,10 @@
 //! A bucket that has refilled to full is the same as no bucket, so full buckets are not kept:
 //! a decision that leaves a bucket full removes it, and a periodic sweep drops buckets whose
 //! refill has reached full since. Memory is therefore bounded by active (not full) buckets,
-//! and by `max_buckets` beyond that: at the cap, the bucket closest to full among a small
-//! random sample of the shard is evicted (closest to full rather than least recently used, because
+//! and by `max_buckets` beyond that, a cap on the whole store (an atomic count of the buckets
+//! held, so no lock beyond the shards a request already holds): at the cap, the bucket closest
+//! to full among a small random sample of the inserting shard (or, if that one is empty, of
+//! another) is evicted (closest to full rather than least recently used, because
 //! evicting it over-admits least).
 //!
 //! Each bucket also costs the same small amount of memory, whatever the size of its key: a key
@@ -17,8 +19,8 @@
 
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -107,7 +109,12 @@ struct Inner {
     digest_key: [u8; 16],
     /// Counts eviction samples drawn: hashed with `hasher`, a fresh seed for each.
     samples: AtomicU64,
-    per_shard_cap: usize,
+    /// The cap on buckets held in all shards together (`memory.max_buckets`, at least 1).
+    max_buckets: usize,
+    /// Buckets held in all shards together: every insert and removal moves it, under the
+    /// shard's lock. An insert at the cap evicts first, so it exceeds `max_buckets` only while
+    /// concurrent inserts find every other bucket in a shard someone else holds.
+    held: AtomicUsize,
     clock: Arc<dyn Clock>,
     stats: MemoryStoreStats,
     /// When the rules were last replaced (see [`Store::rules_changed`]).
@@ -157,7 +164,7 @@ impl Reloads {
 }
 
 impl MemoryStore {
-    /// A store of `shards` shards (at least one) holding at most about `max_buckets` buckets,
+    /// A store of `shards` shards (at least one) holding at most `max_buckets` buckets in all,
     /// reading time from `clock`.
     pub fn new(shards: usize, max_buckets: usize, clock: Arc<dyn Clock>) -> MemoryStore {
         let shards = shards.max(1);
@@ -169,7 +176,8 @@ impl MemoryStore {
                 hasher: RandomState::new(),
                 digest_key: random_key(),
                 samples: AtomicU64::new(0),
-                per_shard_cap: max_buckets.div_ceil(shards).max(1),
+                max_buckets: max_buckets.max(1),
+                held: AtomicUsize::new(0),
                 clock,
                 stats: MemoryStoreStats::default(),
                 reloads: ArcSwap::from_pointee(Reloads::default()),
@@ -230,6 +238,7 @@ impl MemoryStore {
                     let e = &map[next];
                     if reloads.forgotten(e.state.updated_us, e.full_at_us, now) {
                         map.swap_remove_index(next);
+                        self.inner.held.fetch_sub(1, Ordering::Relaxed);
                         dropped += 1;
                     }
                 }
@@ -282,11 +291,14 @@ impl MemoryStore {
             if !out.changed {
                 continue;
             }
+            let shard = locked.bucket_shards[i];
             let (map, key) = locked.map_of(i);
             // From the state's own time: after a clock step back it is ahead of `now`.
             match b.plan.full_at_us(out.after) {
                 Some(at) if at <= out.after.updated_us => {
-                    map.swap_remove(&key);
+                    if map.swap_remove(&key).is_some() {
+                        self.inner.held.fetch_sub(1, Ordering::Relaxed);
+                    }
                 }
                 full_at => {
                     let full_at_us = full_at.unwrap_or(u64::MAX);
@@ -297,7 +309,7 @@ impl MemoryStore {
                     if let Some(slot) = map.get_mut(&key) {
                         *slot = entry;
                     } else {
-                        self.inner.make_room(map, now);
+                        self.inner.make_room(map, shard, now);
                         map.insert(key, entry);
                     }
                     let latest = &self.inner.written[locked.bucket_shards[i]].0;
@@ -336,7 +348,9 @@ impl MemoryStore {
         let now = locked.now;
         for i in 0..buckets.len() {
             let (map, key) = locked.map_of(i);
-            map.swap_remove(&key);
+            if map.swap_remove(&key).is_some() {
+                self.inner.held.fetch_sub(1, Ordering::Relaxed);
+            }
         }
         drop(locked);
         let full: Vec<BucketState> = buckets
@@ -439,28 +453,74 @@ const SWEEP_PAUSE: Duration = Duration::from_micros(10);
 const EVICTION_SAMPLE: usize = 16;
 
 impl Inner {
-    /// Keeps a shard under its cap before an insert: evicts the bucket closest to full (the
-    /// least possible over-admission) among [`EVICTION_SAMPLE`] entries drawn at random from
-    /// the whole shard (all of them in a shard this small), so the cost stays constant however
-    /// large the shard (a flood of new keys must not make every request scan it) and no part
-    /// of the shard is favoured. Evicting a bucket that is not yet full is counted.
-    fn make_room(&self, map: &mut Shard, now: u64) {
-        while map.len() >= self.per_shard_cap {
-            let len = map.len();
-            let full_at = |i: usize| map.get_index(i).map_or(u64::MAX, |(_, e)| e.full_at_us);
-            let victim = if len <= EVICTION_SAMPLE {
-                (0..len).min_by_key(|&i| full_at(i))
-            } else {
-                let mut rng = SplitMix64(self.hasher.hash_one(self.samples.fetch_add(1, Ordering::Relaxed)));
-                (0..EVICTION_SAMPLE).map(|_| rng.below(len)).min_by_key(|&i| full_at(i))
-            };
-            let Some((_, evicted)) = victim.and_then(|i| map.swap_remove_index(i)) else {
+    /// Keeps the store within `max_buckets` before an insert into `map` (shard `shard`, locked
+    /// by the caller): counts the insert, and when that reaches past the cap evicts one bucket,
+    /// from `map` when it holds any (hashing spreads buckets evenly over the shards, so a
+    /// random shard's sample is a random sample of the store), else from the first other shard
+    /// not locked at the moment (`try_lock`: waiting for a shard while holding one could
+    /// deadlock), starting at a random one.
+    /// An insert that finds the store already past the cap (concurrent inserts that found
+    /// nothing to evict) evicts until it is back within it.
+    fn make_room(&self, map: &mut Shard, shard: usize, now: u64) {
+        self.held.fetch_add(1, Ordering::Relaxed);
+        while self.held.load(Ordering::Relaxed) > self.max_buckets {
+            if !self.evict_anywhere(map, shard, now) {
                 return;
-            };
-            if evicted.full_at_us > now {
-                self.stats.evicted_not_full.fetch_add(1, Ordering::Relaxed);
             }
         }
+    }
+
+    /// Evicts one bucket, from `map` (shard `shard`) or another shard: see [`Inner::make_room`].
+    fn evict_anywhere(&self, map: &mut Shard, shard: usize, now: u64) -> bool {
+        if self.evict_one(map, now) {
+            return true;
+        }
+        let n = self.shards.len();
+        let start = self.rng().below(n);
+        for k in 0..n {
+            let other = (start + k) % n;
+            if other == shard {
+                continue;
+            }
+            let mut guard = match self.shards[other].try_lock() {
+                Ok(guard) => guard,
+                Err(TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(TryLockError::WouldBlock) => continue,
+            };
+            if self.evict_one(&mut guard, now) {
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Evicts the bucket closest to full (the least possible over-admission) among
+    /// [`EVICTION_SAMPLE`] entries drawn at random from the whole of `map` (all of them in a
+    /// shard this small), so the cost stays constant however large the shard (a flood of new
+    /// keys must not make every request scan it) and no part of it is favoured. Evicting a
+    /// bucket that is not yet full is counted. Returns whether `map` had one to evict.
+    fn evict_one(&self, map: &mut Shard, now: u64) -> bool {
+        let len = map.len();
+        let full_at = |i: usize| map.get_index(i).map_or(u64::MAX, |(_, e)| e.full_at_us);
+        let victim = if len <= EVICTION_SAMPLE {
+            (0..len).min_by_key(|&i| full_at(i))
+        } else {
+            let mut rng = self.rng();
+            (0..EVICTION_SAMPLE).map(|_| rng.below(len)).min_by_key(|&i| full_at(i))
+        };
+        let Some((_, evicted)) = victim.and_then(|i| map.swap_remove_index(i)) else {
+            return false;
+        };
+        self.held.fetch_sub(1, Ordering::Relaxed);
+        if evicted.full_at_us > now {
+            self.stats.evicted_not_full.fetch_add(1, Ordering::Relaxed);
+        }
+        true
+    }
+
+    /// A fresh generator for an eviction sample.
+    fn rng(&self) -> SplitMix64 {
+        SplitMix64(self.hasher.hash_one(self.samples.fetch_add(1, Ordering::Relaxed)))
     }
 }
 

@@ -15,7 +15,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimit
 use envoy_types::pb::google::protobuf::UInt64Value;
 use tollgate::clock::ManualClock;
 use tollgate::config::load_rules;
-use tollgate::limiter::{LimitError, Limiter, LimiterOptions};
+use tollgate::limiter::{Limiter, LimiterOptions};
 use tollgate::rules::RuleSet;
 use tollgate::settings::{HeaderSettings, RequestLimits};
 use tollgate::store::MemoryStore;
@@ -68,14 +68,6 @@ impl Harness {
             .should_rate_limit(req)
             .await
             .unwrap_or_else(|e| panic!("request should be decided: {e}"))
-    }
-
-    /// The message of the `INVALID_ARGUMENT` `req` must get.
-    pub async fn invalid(&self, req: &RateLimitRequest) -> String {
-        match self.limiter.should_rate_limit(req).await {
-            Err(LimitError::InvalidRequest(msg)) => msg,
-            other => panic!("expected InvalidRequest, got {other:?}"),
-        }
     }
 
     pub fn advance_ms(&self, ms: u64) {
