@@ -87,6 +87,14 @@ impl From<WireRequest> for RateLimitRequest {
     }
 }
 
+/// Decodes one `RateLimitRequest` leniently (see the module docs): what [`RequestDecoder`]
+/// does with a gRPC message's bytes, callable on plain bytes (the fuzz targets in fuzz/).
+///
+/// Errors: the bytes are not protobuf of that message's shape.
+pub fn decode_request(bytes: impl prost::bytes::Buf) -> Result<RateLimitRequest, prost::DecodeError> {
+    WireRequest::decode(bytes).map(RateLimitRequest::from)
+}
+
 /// Decodes requests leniently (see the module docs) and encodes responses with prost.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct LenientCodec;
@@ -129,7 +137,7 @@ impl Decoder for RequestDecoder {
     type Error = Status;
 
     fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<RateLimitRequest>, Status> {
-        WireRequest::decode(src).map(|w| Some(w.into())).map_err(|e| {
+        decode_request(src).map(Some).map_err(|e| {
             // Rejected before the service sees it, so counted here.
             metrics::counter!(crate::metrics::REQUESTS, "code" => "invalid_argument").increment(1);
             Status::invalid_argument(format!("malformed RateLimitRequest: {e}"))

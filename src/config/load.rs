@@ -47,10 +47,9 @@ pub fn load_rules(path: &Path) -> Result<RuleSet, ConfigErrors> {
     for file in files {
         match std::fs::read_to_string(&file) {
             Err(e) => errors.push(ConfigError::file(&file, format!("cannot read: {e}"))),
-            Ok(text) if text.trim().is_empty() => errors.push(ConfigError::file(&file, "the file is empty")),
-            Ok(text) => match parse(&text) {
+            Ok(text) => match parse_one(&file, &text) {
                 Ok(rules) => parsed.push((file, rules)),
-                Err(reason) => errors.push(ConfigError::file(&file, format!("invalid rules: {reason}"))),
+                Err(e) => errors.push(e),
             },
         }
     }
@@ -62,6 +61,24 @@ pub fn load_rules(path: &Path) -> Result<RuleSet, ConfigErrors> {
             Err(ConfigErrors(errors))
         }
     }
+}
+
+/// Compiles one rules file from its text, exactly as [`load_rules`] compiles a file `file` holding
+/// it (`file` only names it in errors and in [`RuleSet::files`]): for callers that hold the text
+/// already, such as the fuzz targets (fuzz/), which must not touch the disk per input.
+///
+/// Errors: the file is empty, does not parse, or does not compile; each error names `file`.
+pub fn load_rules_text(file: &Path, text: &str) -> Result<RuleSet, ConfigErrors> {
+    let rules = parse_one(file, text).map_err(|e| ConfigErrors(vec![e]))?;
+    compile(vec![(file.to_owned(), rules)]).map_err(ConfigErrors)
+}
+
+/// One file's text parsed, or the error [`load_rules`] reports for it.
+fn parse_one(file: &Path, text: &str) -> Result<RulesFile, ConfigError> {
+    if text.trim().is_empty() {
+        return Err(ConfigError::file(file, "the file is empty"));
+    }
+    parse(text).map_err(|reason| ConfigError::file(file, format!("invalid rules: {reason}")))
 }
 
 /// One rules file read and parsed as written, without compiling it: `tollgate check --explain`

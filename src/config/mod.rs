@@ -15,6 +15,6 @@ mod refill;
 pub(crate) use compile::node_path;
 pub use error::{ConfigError, ConfigErrors};
 pub(crate) use load::parse_file;
-pub use load::{load_rules, rule_files};
+pub use load::{load_rules, load_rules_text, rule_files};
 pub(crate) use model::DescriptorSpec;
 pub use refill::{parse_duration_us, parse_refill, Refill};
