@@ -182,17 +182,19 @@ impl BucketPolicy {
     /// one, [`ReportedLimit::of`] the limit in force; for a quota, its allowance per the Envoy
     /// unit nearest its current period ([`ReportedLimit::quota`]).
     pub fn reported_at(&self, now_us: u64) -> ReportedLimit {
-        match &self.plan {
-            Plan::Reloaded(r) if now_us < r.at_us() => self.reported,
-            Plan::Reloaded(r) => {
-                BucketPolicy::new(self.name.clone(), r.after().clone(), self.reported).reported_at(now_us)
-            }
-            Plan::Fixed(_) => self.reported,
+        // `reported` and `entry_reported` describe the plan the rules file compiled, which a
+        // reload's plan follows from the reload on.
+        let plan = match &self.plan {
+            Plan::Reloaded(r) if now_us < r.at_us() => return self.reported,
+            plan => plan.current(),
+        };
+        match plan {
+            Plan::Fixed(_) | Plan::Reloaded(_) => self.reported,
             Plan::Scheduled(s) => s
                 .limit_entry_at(now_us)
                 .and_then(|i| self.entry_reported.get(i).copied())
                 .unwrap_or(self.reported),
-            Plan::Quota(q) => ReportedLimit::quota(q.limit().capacity(), self.plan.window_us(now_us)),
+            Plan::Quota(q) => ReportedLimit::quota(q.limit().capacity(), plan.window_us(now_us)),
         }
     }
 }

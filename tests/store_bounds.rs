@@ -178,16 +178,7 @@ async fn redis_keys_live_until_their_bucket_is_full_at_the_bounds() {
     };
     let prefix = support::redis::unique_prefix("lifetime");
     let clock = ManualClock::new(utc_us(2026, 1, 1));
-    let settings = RedisSettings {
-        urls: vec![url.clone()],
-        key_prefix: prefix.clone(),
-        command_timeout_ms: 5_000,
-        ..RedisSettings::default()
-    };
-    let store = RedisStore::new(&settings, Arc::new(SystemClock))
-        .unwrap()
-        .with_time_override(Arc::new(clock.clone()));
-    store.connect(Duration::from_secs(10)).await.unwrap();
+    let store = support::redis::store_on_clock(vec![url.clone()], false, &prefix, &clock).await;
     let target = support::redis::RedisTarget::from(&url);
     let pttl = |identity: &str| {
         let key = tollgate::store::redis::keys::bucket_key(&prefix, identity);
@@ -311,17 +302,7 @@ async fn a_denial_across_slots_refunds_exactly_what_was_taken() {
     let cluster = tokio::task::block_in_place(support::redis::RedisCluster::start);
     let prefix = support::redis::unique_prefix("cluster-refunds");
     let clock = ManualClock::new(utc_us(2026, 6, 1));
-    let settings = RedisSettings {
-        urls: cluster.urls(),
-        cluster: true,
-        key_prefix: prefix.clone(),
-        command_timeout_ms: 5_000,
-        ..RedisSettings::default()
-    };
-    let store = RedisStore::new(&settings, Arc::new(SystemClock))
-        .unwrap()
-        .with_time_override(Arc::new(clock.clone()));
-    store.connect(Duration::from_secs(10)).await.unwrap();
+    let store = support::redis::store_on_clock(cluster.urls(), true, &prefix, &clock).await;
     let plan = Plan::Fixed(Limit::new(10, Rate::per(1, DAY_US).unwrap()));
     let buckets: Vec<BucketRef> = ["drained", "three_left", "five_left"]
         .iter()

@@ -5,17 +5,15 @@ mod support;
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
 
 use chrono::DateTime;
 
 use serde::Deserialize;
 use tollgate::bucket::{Demand, DemandKind, Limit, Rate, MICRO};
-use tollgate::clock::{ManualClock, SystemClock};
+use tollgate::clock::ManualClock;
 use tollgate::config::parse_refill;
 use tollgate::schedule::{Plan, Quota, Schedule, ScheduleEntry};
-use tollgate::settings::RedisSettings;
-use tollgate::store::{BucketRef, MemoryStore, RedisStore, Store};
+use tollgate::store::{BucketRef, MemoryStore, Store};
 
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -196,22 +194,6 @@ async fn memory_store_matches_the_shared_vectors() {
     check_vectors(|clock| async move { MemoryStore::new(8, 1000, Arc::new(clock)) }).await;
 }
 
-/// A Redis store on `urls` whose scripts decide at `clock`'s time instead of Redis `TIME`.
-async fn redis_store(urls: Vec<String>, cluster: bool, prefix: &str, clock: &ManualClock) -> RedisStore {
-    let settings = RedisSettings {
-        urls,
-        cluster,
-        key_prefix: prefix.to_string(),
-        command_timeout_ms: 2_000,
-        ..RedisSettings::default()
-    };
-    let store = RedisStore::new(&settings, Arc::new(SystemClock))
-        .unwrap()
-        .with_time_override(Arc::new(clock.clone()));
-    store.connect(Duration::from_secs(5)).await.unwrap();
-    store
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn redis_store_matches_the_shared_vectors() {
     let Some(url) = support::redis::shared_redis("redis_store_matches_the_shared_vectors") else {
@@ -220,7 +202,7 @@ async fn redis_store_matches_the_shared_vectors() {
     let prefix = support::redis::unique_prefix("vectors");
     check_vectors(|clock| {
         let (url, prefix) = (url.clone(), prefix.clone());
-        async move { redis_store(vec![url], false, &prefix, &clock).await }
+        async move { support::redis::store_on_clock(vec![url], false, &prefix, &clock).await }
     })
     .await;
     let without_ttl = tokio::task::block_in_place(|| support::redis::keys_without_ttl(url.as_str(), &prefix));
@@ -240,7 +222,7 @@ async fn redis_cluster_matches_the_shared_vectors() {
     let prefix = support::redis::unique_prefix("vectors-cluster");
     check_vectors(|clock| {
         let (urls, prefix) = (urls.clone(), prefix.clone());
-        async move { redis_store(urls, true, &prefix, &clock).await }
+        async move { support::redis::store_on_clock(urls, true, &prefix, &clock).await }
     })
     .await;
     let without_ttl = tokio::task::block_in_place(|| cluster.keys_without_ttl(&prefix));
@@ -371,7 +353,12 @@ mod random {
         let rt = tokio::runtime::Runtime::new().unwrap();
         let clock = ManualClock::new(START);
         let prefix = support::redis::unique_prefix("vectors-random");
-        let redis = rt.block_on(redis_store(vec![url.clone()], false, &prefix, &clock));
+        let redis = rt.block_on(support::redis::store_on_clock(
+            vec![url.clone()],
+            false,
+            &prefix,
+            &clock,
+        ));
         let case_no = std::sync::atomic::AtomicU64::new(0);
         // Buckets whose full time the script may not know (a schedule walked beyond its
         // look-ahead, a refill of zero): their keys are kept without expiry, as memory keeps them.
@@ -395,11 +382,16 @@ mod random {
                 .enumerate()
                 .map(|(i, b)| BucketRef { key: format!("case{n}#{i}"), plan: plan(b) })
                 .collect();
-            for b in &buckets {
-                if matches!(&b.plan, Plan::Scheduled(_)) || matches!(&b.plan, Plan::Fixed(l) if l.rate.is_zero()) {
-                    unbounded.lock().unwrap().insert(b.key.clone());
+            // Any plan a bucket has had, a reload's included, may have written its key.
+            let note_unbounded = |buckets: &[BucketRef]| {
+                for b in buckets {
+                    let plan = b.plan.current();
+                    if matches!(plan, Plan::Scheduled(_)) || matches!(plan, Plan::Fixed(l) if l.rate.is_zero()) {
+                        unbounded.lock().unwrap().insert(b.key.clone());
+                    }
                 }
-            }
+            };
+            note_unbounded(&buckets);
             let mut t = START;
             let mut latest = START;
             let mut reloaded_at = 0;
@@ -419,6 +411,7 @@ mod random {
                     for (b, spec) in buckets.iter_mut().zip(specs) {
                         b.plan = Plan::after_reload(&b.plan, plan(spec), t);
                     }
+                    note_unbounded(&buckets);
                     memory.rules_changed();
                     continue;
                 }
@@ -460,7 +453,7 @@ async fn redis_store_decides_a_request_of_a_thousand_buckets() {
     };
     let prefix = support::redis::unique_prefix("huge");
     let clock = ManualClock::new(1_700_000_000_000_000);
-    let store = redis_store(vec![url.clone()], false, &prefix, &clock).await;
+    let store = support::redis::store_on_clock(vec![url.clone()], false, &prefix, &clock).await;
     let limit = Limit::new(10, Rate::per(10, 3_600_000_000).unwrap());
     let bucket = |key: String| BucketRef {
         key,

@@ -24,13 +24,12 @@ use prost::Message;
 use tollgate::bucket::MICRO;
 use tollgate::clock::{Clock, ManualClock};
 use tollgate::config::load_rules;
-use tollgate::limiter::{LimitError, Limiter, LimiterOptions};
+use tollgate::limiter::{LimitError, Limiter};
 use tollgate::rules::{Level, RuleSet};
 use tollgate::schedule::Plan;
-use tollgate::settings::{FailureMode, HeaderSettings, RequestLimits};
 use tollgate::bucket::Demand;
 use tollgate::store::{Applied, BucketRef, MemoryStore, Peeked, Store, StoreError};
-use tollgate_fuzz::{check_response, now};
+use tollgate_fuzz::{check_response, limiter_options, now};
 
 /// 2026-03-29 00:30 UTC, an hour before Europe's clocks move on: schedules and quotas in the
 /// fixtures change within a run.
@@ -177,20 +176,6 @@ struct Account {
     refunded_ut: u128,
 }
 
-fn options() -> LimiterOptions {
-    LimiterOptions {
-        limits: RequestLimits::default(),
-        headers: HeaderSettings {
-            retry_after: true,
-            ratelimit: true,
-            x_ratelimit: true,
-        },
-        shadow_mode: false,
-        overrides: true,
-        near_limit_ratio: 0.8,
-        on_store_failure: FailureMode::Error,
-    }
-}
 
 /// The memory store of the input being run. Compiling the rules costs far more than a run, so
 /// the limiter is built once; a fresh store (and clock) per input keeps inputs independent.
@@ -222,7 +207,7 @@ impl Store for Current {
 
 static LIMITER: LazyLock<Limiter<Current>> = LazyLock::new(|| {
     let placeholder = MemoryStore::new(1, 1, Arc::new(ManualClock::new(START_US)));
-    Limiter::new(load(), Current(Mutex::new(Arc::new(placeholder))), options())
+    Limiter::new(load(), Current(Mutex::new(Arc::new(placeholder))), limiter_options())
 });
 
 fuzz_target!(|steps: Vec<Step>| {

@@ -19,10 +19,9 @@ use envoy_types::pb::google::protobuf::UInt64Value;
 use libfuzzer_sys::fuzz_target;
 use tollgate::clock::ManualClock;
 use tollgate::config::load_rules_text;
-use tollgate::limiter::{Limiter, LimiterOptions};
-use tollgate::settings::{FailureMode, HeaderSettings, RequestLimits};
+use tollgate::limiter::Limiter;
 use tollgate::store::MemoryStore;
-use tollgate_fuzz::{check_response, now};
+use tollgate_fuzz::{check_response, limiter_options, now};
 
 const UNITS: [&str; 4] = ["ms", "s", "m", "h"];
 
@@ -91,19 +90,7 @@ fuzz_target!(|input: Input| {
 
     let clock = ManualClock::new(1_774_744_200_000_000);
     let store = MemoryStore::new(1, 16, Arc::new(clock.clone()));
-    let options = LimiterOptions {
-        limits: RequestLimits::default(),
-        headers: HeaderSettings {
-            retry_after: true,
-            ratelimit: true,
-            x_ratelimit: true,
-        },
-        shadow_mode: false,
-        overrides: true,
-        near_limit_ratio: 0.8,
-        on_store_failure: FailureMode::Error,
-    };
-    let limiter = Limiter::new(rules, store, options);
+    let limiter = Limiter::new(rules, store, limiter_options());
     let capacity = u64::from(input.capacity);
     let ask = |req: &RateLimitRequest| {
         let resp = now(limiter.should_rate_limit(req)).expect("decided");

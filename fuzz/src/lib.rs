@@ -7,6 +7,8 @@ use std::task::{Context, Poll, Waker};
 
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
+use tollgate::limiter::LimiterOptions;
+use tollgate::settings::{FailureMode, HeaderSettings, RequestLimits};
 
 /// Runs a future that completes without waiting, as every memory-store decision does (it never
 /// leaves the calling thread): a tokio runtime per input would cost more than the decision.
@@ -145,4 +147,22 @@ pub fn check_response(resp: &RateLimitResponse, descriptors: usize) -> Headers {
         assert!(r <= q, "{}: r={r} > q={q}", p.name);
     }
     h
+}
+
+/// The limiter options the targets decide with: the default request bounds, every header on
+/// (so each header builder is exercised), Envoy overrides and refunds honoured, no shadow mode.
+pub fn limiter_options() -> LimiterOptions {
+    LimiterOptions {
+        limits: RequestLimits::default(),
+        headers: HeaderSettings {
+            retry_after: true,
+            ratelimit: true,
+            x_ratelimit: true,
+        },
+        shadow_mode: false,
+        overrides: true,
+        refunds: true,
+        near_limit_ratio: 0.8,
+        on_store_failure: FailureMode::Error,
+    }
 }

@@ -1052,3 +1052,25 @@ pub fn delete_prefix(target: impl Into<RedisTarget>, prefix: &str) -> usize {
     }
     keys.len()
 }
+
+/// A Redis store on `urls` (a Cluster when `cluster`) under `prefix` whose scripts decide at
+/// `clock`'s time instead of Redis `TIME`, connected: what the tests that pin exact states use.
+pub async fn store_on_clock(
+    urls: Vec<String>,
+    cluster: bool,
+    prefix: &str,
+    clock: &tollgate::clock::ManualClock,
+) -> tollgate::store::RedisStore {
+    let settings = tollgate::settings::RedisSettings {
+        urls,
+        cluster,
+        key_prefix: prefix.to_string(),
+        command_timeout_ms: 5_000,
+        ..tollgate::settings::RedisSettings::default()
+    };
+    let store = tollgate::store::RedisStore::new(&settings, std::sync::Arc::new(tollgate::clock::SystemClock))
+        .expect("a valid Redis store")
+        .with_time_override(std::sync::Arc::new(clock.clone()));
+    store.connect(Duration::from_secs(10)).await.expect("Redis connects");
+    store
+}
