@@ -1,5 +1,5 @@
 //! The Redis script's calling convention (`store/redis/script.rs`), pure: what tollgate packs
-//! for `lua/decide.lua` read back by the script's layout (three counts, then 8 numbers per
+//! for `lua/decide.lua` read back by the script's layout (three counts, then 9 numbers per
 //! bucket and 4 per demand, little-endian doubles, then two strings per replacement), stored
 //! values and replacements packed and parsed back, decisions packed as the script packs them
 //! and parsed back; and the parsers on arbitrary bytes and arbitrary answers never panic and
@@ -39,6 +39,7 @@ struct Bucket {
     lo: u64,
     hi: u64,
     bound: u64,
+    since: u64,
     replacement: Option<(Vec<u8>, Vec<u8>)>,
 }
 
@@ -145,6 +146,7 @@ fuzz_target!(|input: Input| {
                 lo: b.lo,
                 hi: b.hi,
                 bound: b.bound,
+                since: b.since,
             };
             let rep = b.replacement.clone().map(|(expect, rep)| Replacement { expect, rep });
             Some((args, rep))
@@ -172,11 +174,11 @@ fuzz_target!(|input: Input| {
     let f = read(argv[0].as_bytes().expect("a packed string"));
     let (nb, nd, nrep) = (f[0] as usize, f[1] as usize, f[2] as usize);
     assert_eq!((nb, nd), (buckets.len(), demands.len()));
-    assert_eq!(f.len(), 3 + nb * 8 + nd * 4);
+    assert_eq!(f.len(), 3 + nb * 9 + nd * 4);
     assert_eq!(argv.len(), 1 + 2 * nrep);
     let mut reps = argv[1..].chunks_exact(2);
     for (i, (args, rep)) in buckets.iter().enumerate() {
-        let o = 3 + i * 8;
+        let o = 3 + i * 9;
         let kind = match args.kind {
             b'F' => 1,
             b'S' => 2,
@@ -191,8 +193,9 @@ fuzz_target!(|input: Input| {
             clamp(args.hi),
             clamp(args.bound),
             u64::from(rep.is_some()),
+            clamp(args.since),
         ];
-        assert_eq!(&f[o..o + 8], &want, "bucket {i}");
+        assert_eq!(&f[o..o + 9], &want, "bucket {i}");
         if let Some(rep) = rep {
             let pair = reps.next().expect("a replacement's strings");
             assert_eq!(pair[0].as_bytes(), Some(&rep.expect[..]));
@@ -201,7 +204,7 @@ fuzz_target!(|input: Input| {
     }
     assert!(reps.next().is_none(), "strings for replacements that are not there");
     for (j, d) in demands.iter().enumerate() {
-        let o = 3 + nb * 8 + j * 4;
+        let o = 3 + nb * 9 + j * 4;
         let (kind, n) = match d.kind {
             DemandKind::Consume(n) => (1, clamp(n)),
             DemandKind::Check => (2, 0),
