@@ -1165,6 +1165,7 @@ fn every_alert_is_tested_firing_and_not_and_is_annotated() {
         "TollgateFailureAnswers",
         "TollgateSlowDecisions",
         "TollgateInvalidRequests",
+        "TollgateMalformedRequests",
         "TollgateTargetDown",
         "TollgateTargetMissing",
     ] {

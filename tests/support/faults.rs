@@ -234,3 +234,166 @@ pub fn summary(samples: &[Sample]) -> String {
     let max = samples.iter().map(|s| s.took).max().unwrap_or_default();
     format!("{by_phase}{straddling} straddling a change; max latency overall {max:?}")
 }
+
+// ---- a fault under load, checked ------------------------------------------------------------
+
+/// What a fault test expects of tollgate on one backend while the backend cannot be used.
+pub struct Expect {
+    /// The backend's label in the metrics: `redis` or `postgres`.
+    pub backend: &'static str,
+    /// The configured failure mode's answer to a request (OK for `allow`, UNAVAILABLE for
+    /// `error`; the load's users are spent, so a real decision is OVER_LIMIT).
+    pub failure_answer: Result<(Code, bool), tonic::Code>,
+    /// Its label in `tollgate_backend_failure_answers_total`; `None` for `error`, answered as a
+    /// gRPC error rather than a response.
+    pub failure_label: Option<&'static str>,
+    /// The most any request may take: the command timeout plus a margin.
+    pub max_latency: Duration,
+    /// How long tollgate may take to decide on the backend again once it is healthy.
+    pub recovery: Duration,
+}
+
+/// A fault under [`Load`]: phase BEFORE from [`FaultRun::start`], CHANGING from
+/// [`FaultRun::changing`] (call it before making the backend fail), OUTAGE from
+/// [`FaultRun::faulty`], and [`FaultRun::recover`] once the fault is over.
+pub struct FaultRun<'a> {
+    tollgate: &'a Tollgate,
+    expect: &'a Expect,
+    load: Load,
+    before: Scrape,
+}
+
+/// What the load saw, with tollgate's own counts of the run.
+pub struct Run {
+    pub samples: Vec<Sample>,
+    /// Counted in `tollgate_backend_failure_answers_total` during the run (`None` for `error`).
+    pub failure_answers: Option<f64>,
+    /// `tollgate_backend_errors_total` of the backend, every kind, during the run.
+    pub errors: f64,
+    /// How long after the fault ended tollgate was ready with its breaker closed.
+    pub recovered_in: Duration,
+}
+
+impl<'a> FaultRun<'a> {
+    /// Starts the load and lets every user spend its bucket.
+    pub async fn start(tollgate: &'a Tollgate, expect: &'a Expect) -> FaultRun<'a> {
+        let load = Load::start(tollgate).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        FaultRun {
+            before: scrape(tollgate),
+            tollgate,
+            expect,
+            load,
+        }
+    }
+
+    /// The fault is being made (or undone): requests now belong to no phase.
+    pub fn changing(&self) {
+        self.load.set_phase(CHANGING);
+    }
+
+    /// The fault is in force.
+    pub fn faulty(&self) {
+        self.load.set_phase(OUTAGE_PHASE);
+    }
+
+    /// The fault is over: waits until tollgate has recovered by itself (breaker closed,
+    /// `/readyz` 200), then runs the AFTER phase a while and stops the load.
+    pub async fn recover(self) -> Run {
+        let FaultRun {
+            tollgate,
+            expect,
+            load,
+            before,
+        } = self;
+        load.set_phase(CHANGING);
+        let recovered_in = eventually(
+            expect.recovery,
+            "circuit closed and /readyz 200 after the fault",
+            || circuit_open(tollgate, expect.backend) == 0.0 && readyz(tollgate).0 == 200,
+        )
+        .await;
+        // A request the breaker let through as its probe just before it closed may still be on
+        // its way back: let that round finish before counting on real decisions only.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        load.set_phase(AFTER);
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let samples = load.stop().await;
+        let after = scrape(tollgate);
+        let backend = [("backend", expect.backend)];
+        Run {
+            failure_answers: expect.failure_label.map(|label| {
+                let answer = [("answer", label)];
+                after.counter(FAILURE_ANSWERS, &answer) - before.counter(FAILURE_ANSWERS, &answer)
+            }),
+            errors: after.sum(BACKEND_ERRORS, &backend) - before.sum(BACKEND_ERRORS, &backend),
+            recovered_in,
+            samples,
+        }
+    }
+}
+
+/// `tollgate_backend_failure_answers_total`.
+pub const FAILURE_ANSWERS: &str = "tollgate_backend_failure_answers_total";
+/// `tollgate_backend_errors_total`.
+pub const BACKEND_ERRORS: &str = "tollgate_backend_errors_total";
+
+impl Run {
+    /// Every request answered within the bound, each by a real decision or the failure mode's
+    /// answer, and only by real decisions before and after the fault (each user's first
+    /// [`CAPACITY`] admitted before it); tollgate never panicked, and decides for real for a
+    /// new user. Panics, with a summary, otherwise.
+    pub async fn check(&self, tollgate: &Tollgate, expect: &Expect) {
+        let slow: Vec<&Sample> = self.samples.iter().filter(|s| s.took > expect.max_latency).collect();
+        assert!(
+            slow.is_empty(),
+            "{} requests took over {:?}: {:?}\n{}",
+            slow.len(),
+            expect.max_latency,
+            slow.iter().take(10).collect::<Vec<_>>(),
+            summary(&self.samples)
+        );
+        let spending = Ok((Code::Ok, false));
+        let admitted_before = self
+            .samples
+            .iter()
+            .filter(|s| s.within(BEFORE) && s.result == spending)
+            .count();
+        assert_eq!(
+            admitted_before,
+            CLIENTS * CAPACITY,
+            "admitted before the fault\n{}",
+            summary(&self.samples)
+        );
+        let real = Ok((Code::OverLimit, true));
+        for s in &self.samples {
+            if s.sent == BEFORE && s.result == spending {
+                continue;
+            }
+            assert!(
+                s.result == real || s.result == expect.failure_answer,
+                "neither a decision nor the failure mode's answer: {s:?}"
+            );
+            if s.within(BEFORE) || s.within(AFTER) {
+                assert_eq!(s.result, real, "a request while the backend was healthy: {s:?}");
+            }
+        }
+        assert!(
+            self.samples.iter().any(|s| s.within(AFTER)),
+            "no request after recovery\n{}",
+            summary(&self.samples)
+        );
+        let log = tollgate.process.log();
+        assert!(!log.contains("panicked"), "tollgate panicked:\n{log}");
+        let mut probe = connect(tollgate).await;
+        assert_eq!(
+            exhaust(&mut probe, "probe-after", expect.max_latency).await,
+            real_decisions()
+        );
+    }
+
+    /// The requests sent and answered while the fault was in force.
+    pub fn during(&self) -> impl Iterator<Item = &Sample> {
+        self.samples.iter().filter(|s| s.within(OUTAGE_PHASE))
+    }
+}

@@ -12,6 +12,7 @@
 
 pub mod faults;
 pub mod postgres;
+pub mod proxy;
 pub mod redis;
 pub mod tools;
 
@@ -622,6 +623,21 @@ impl Scrape {
     /// The value of [`Scrape::get`], or 0 when no sample matches (a counter not yet created).
     pub fn counter(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
         self.get(name, labels).unwrap_or(0.0)
+    }
+
+    /// The sum of every counter or gauge sample named `name` whose labels include `labels` (0
+    /// when none does): e.g. a backend's errors of every kind.
+    pub fn sum(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        self.samples
+            .iter()
+            .filter(|s| s.metric == name && labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v)))
+            .map(|s| match s.value {
+                prometheus_parse::Value::Counter(v)
+                | prometheus_parse::Value::Gauge(v)
+                | prometheus_parse::Value::Untyped(v) => v,
+                ref other => panic!("{name} is not a counter or gauge: {other:?}"),
+            })
+            .sum()
     }
 
     /// A histogram's `_count` (prometheus-parse reads it as a separate sample).

@@ -197,6 +197,8 @@ pub struct PostgresServer {
     tls: bool,
     /// The password of `postgres`, if not trust.
     password: Option<String>,
+    /// `max_connections` from the next start ([`PostgresServer::set_max_connections`]).
+    max_connections: u32,
 }
 
 impl PostgresServer {
@@ -257,6 +259,7 @@ impl PostgresServer {
             starts: 0,
             tls: false,
             password: password.map(str::to_owned),
+            max_connections: 60,
         }
     }
 
@@ -298,7 +301,10 @@ impl PostgresServer {
                 "-c",
                 "full_page_writes=off",
                 "-c",
-                "max_connections=60",
+                &format!("max_connections={}", self.max_connections),
+                // Superusers get no slots of their own: every client counts against the limit.
+                "-c",
+                "superuser_reserved_connections=0",
                 "-c",
                 "shared_buffers=16MB",
             ]);
@@ -328,6 +334,11 @@ impl PostgresServer {
             );
         }
         self.process = Some(process);
+    }
+
+    /// At most `n` client connections from the next start (60 unless set); superusers included.
+    pub fn set_max_connections(&mut self, n: u32) {
+        self.max_connections = n;
     }
 
     /// Makes the server (from its next start) accept TLS, with a self-signed certificate made by
