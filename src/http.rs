@@ -18,6 +18,8 @@ use axum::routing::{any, get};
 use axum::Router;
 use metrics_exporter_prometheus::PrometheusHandle;
 
+use crate::store::Health;
+
 /// Shared readiness flag: set once serving, cleared when shutting down.
 #[derive(Clone, Debug, Default)]
 pub struct Readiness(Arc<AtomicBool>);
@@ -34,11 +36,9 @@ impl Readiness {
     }
 }
 
-/// Whether decisions can be taken: `Ok(None)`, `Ok(Some(why))` when only a fallback can take
-/// them (still ready, `/readyz` says why), or `Err(why)` (not ready); see
+/// Whether decisions can be taken, and what `/readyz` may say about it; see
 /// [`crate::store::AnyStore::ready`].
-pub type BackendCheck =
-    Arc<dyn Fn() -> Pin<Box<dyn Future<Output = Result<Option<String>, String>> + Send>> + Send + Sync>;
+pub type BackendCheck = Arc<dyn Fn() -> Pin<Box<dyn Future<Output = Health> + Send>> + Send + Sync>;
 
 /// What the HTTP routes read.
 #[derive(Clone)]
@@ -94,7 +94,14 @@ impl HttpState {
     pub fn basic(ready: Readiness) -> HttpState {
         HttpState::new(
             ready,
-            Arc::new(|| Box::pin(async { Ok(None) })),
+            Arc::new(|| {
+                Box::pin(async {
+                    Health {
+                        verdict: Ok(None),
+                        notice: None,
+                    }
+                })
+            }),
             None,
             Arc::new(|| {}),
             BackendNames {
@@ -139,14 +146,34 @@ async fn readyz(State(state): State<HttpState>) -> (StatusCode, String) {
             "not ready: shutting down or starting\n".into(),
         );
     }
-    let checked = (state.backend)().await;
-    let detail = match &checked {
-        Ok(None) => None,
-        Ok(Some(why)) | Err(why) => Some(why.clone()),
+    let Health { verdict, notice } = (state.backend)().await;
+    let detail = match (&verdict, &notice) {
+        (Ok(None), None) => None,
+        (Ok(None), Some(why)) => Some(why.clone()),
+        (Ok(Some(why)) | Err(why), None) => Some(why.clone()),
+        (Ok(Some(why)) | Err(why), Some(notice)) => Some(format!("{why}; {notice}")),
     };
-    log_change(&state.last_reason, detail, checked.is_ok());
+    log_change(&state.last_reason, detail, verdict.is_ok());
     let BackendNames { primary, fallback } = state.backend_names;
-    match (checked, fallback) {
+    let (status, reason) = short_reason(verdict, primary, fallback);
+    // The notice names no host (`Health::notice`): a Redis that may evict buckets says so
+    // where readiness is read.
+    match notice {
+        Some(notice) if status == StatusCode::OK && reason == "ready\n" => {
+            (status, format!("ready (degraded): {notice}\n"))
+        }
+        Some(notice) => (status, format!("{}; {notice}\n", reason.trim_end())),
+        None => (status, reason),
+    }
+}
+
+/// `/readyz`'s short reason for a verdict: the kinds of backend, never a URL or a host.
+fn short_reason(
+    verdict: Result<Option<String>, String>,
+    primary: &str,
+    fallback: Option<&str>,
+) -> (StatusCode, String) {
+    match (verdict, fallback) {
         (Ok(None), _) => (StatusCode::OK, "ready\n".into()),
         // `AnyStore::ready` says "deciding on the <name> fallback" when the primary fails and
         // the fallback decides, "the <name> fallback is failing" when only the fallback fails.
@@ -295,7 +322,12 @@ mod tests {
             let answer = check.clone();
             state.backend = Arc::new(move || {
                 let answer = answer.clone();
-                Box::pin(async move { answer })
+                Box::pin(async move {
+                    Health {
+                        verdict: answer,
+                        notice: None,
+                    }
+                })
             });
             state.backend_names = BackendNames {
                 primary: "Redis",
@@ -323,6 +355,42 @@ mod tests {
             if let Some(fallback) = fallback {
                 assert!(response.contains(&format!("{fallback} fallback")), "{response}");
             }
+        }
+    }
+
+    /// A notice (a Redis `maxmemory-policy` that may evict buckets) is served on `/readyz`
+    /// whatever the verdict: degraded when all else is well, added to the reason otherwise. It
+    /// read "ready (degraded): Redis; see the log", which left an operator to guess.
+    #[tokio::test]
+    async fn readyz_serves_the_notice() {
+        let notice = "Redis maxmemory-policy allkeys-lru can evict buckets; use noeviction";
+        for (verdict, status, start) in [
+            (Ok(None), 200, "ready (degraded): "),
+            (
+                Err("not connected to Redis at redis://h:1".to_owned()),
+                503,
+                "not ready: Redis is failing; ",
+            ),
+        ] {
+            let ready = Readiness::default();
+            ready.set(true);
+            let mut state = HttpState::basic(ready);
+            state.backend = Arc::new(move || {
+                let verdict = verdict.clone();
+                Box::pin(async move {
+                    Health {
+                        verdict,
+                        notice: Some(notice.to_owned()),
+                    }
+                })
+            });
+            state.backend_names = BackendNames {
+                primary: "Redis",
+                fallback: None,
+            };
+            let response = get(serve(state).await, "/readyz").await;
+            assert!(response.starts_with(&format!("HTTP/1.1 {status}")), "{response}");
+            assert!(response.ends_with(&format!("\r\n\r\n{start}{notice}\n")), "{response}");
         }
     }
 

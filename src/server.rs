@@ -354,7 +354,7 @@ async fn follow_readiness(reporter: tonic_health::server::HealthReporter, limite
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let now = limiter.store().ready().await.is_ok();
+        let now = limiter.store().ready().await.is_ready();
         if now == serving {
             continue;
         }

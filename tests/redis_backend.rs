@@ -253,6 +253,7 @@ async fn peek(admin: SocketAddr, entries: &[(&str, &str)]) -> BucketsResponse {
         .build()
         .unwrap()
         .post(format!("http://{admin}/v1/buckets/peek"))
+        .header("content-type", "application/json")
         .body(body.to_string())
         .send()
         .await

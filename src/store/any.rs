@@ -19,6 +19,27 @@ pub enum AnyStore {
     Postgres(Resilient<PostgresStore>),
 }
 
+/// What a readiness check of the backend found ([`AnyStore::ready`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Health {
+    /// `Ok(None)`: decisions are taken as configured (but see `notice`); `Ok(Some(detail))`:
+    /// ready, but degraded (a fallback decides, or is failing);
+    /// `Err(detail)`: nothing can decide. The details may name hosts (redacted URLs): they are
+    /// logged, never served.
+    pub verdict: Result<Option<String>, String>,
+    /// A short sentence naming no host or secret, fit for the public `/readyz`: the Redis
+    /// `maxmemory-policy` warning ([`RedisStore::eviction_warning`]), which an operator must
+    /// see where readiness is read, not only in the log.
+    pub notice: Option<String>,
+}
+
+impl Health {
+    /// Whether decisions can be taken (degraded or not).
+    pub fn is_ready(&self) -> bool {
+        self.verdict.is_ok()
+    }
+}
+
 impl AnyStore {
     /// Whether decisions can be taken now (`/readyz`, gRPC health): `Ok(None)` when the
     /// backend answers (and its fallback, if any, does too); `Ok(Some(why))` when only one of
@@ -31,9 +52,14 @@ impl AnyStore {
     /// comes back when its backend does, without needing requests. A Redis whose
     /// `maxmemory-policy` may evict buckets, or could not be checked, is ready with that said
     /// ([`RedisStore::eviction_warning`]).
-    pub async fn ready(&self) -> Result<Option<String>, String> {
+    pub async fn ready(&self) -> Health {
         let (problem, fallback) = match self {
-            AnyStore::Memory(_) => return Ok(None),
+            AnyStore::Memory(_) => {
+                return Health {
+                    verdict: Ok(None),
+                    notice: None,
+                }
+            }
             AnyStore::Redis(r) => {
                 let redis = r.primary();
                 let problem = if !redis.is_connected() {
@@ -80,10 +106,9 @@ impl AnyStore {
             (Some(problem), Some((name, Ok(())))) => Ok(Some(format!("{problem}; deciding on the {name} fallback"))),
             (Some(problem), Some((name, Err(also)))) => Err(format!("{problem}; and the {name} fallback: {also}")),
         };
-        match (ready, eviction) {
-            (Ok(None), Some(warning)) => Ok(Some(warning)),
-            (Ok(Some(degraded)), Some(warning)) => Ok(Some(format!("{degraded}; {warning}"))),
-            (ready, _) => ready,
+        Health {
+            verdict: ready,
+            notice: eviction,
         }
     }
 }

@@ -14,7 +14,7 @@ mod resilient;
 
 use std::future::Future;
 
-pub use any::AnyStore;
+pub use any::{AnyStore, Health};
 pub use breaker::{Breaker, BreakerPolicy, BreakerState, Outcome, Permit, Transition};
 pub use memory::{MemoryStore, MemoryStoreStats};
 pub use metered::Metered;

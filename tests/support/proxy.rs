@@ -39,10 +39,15 @@ impl FaultProxy {
             .enable_all()
             .build()
             .expect("a runtime for the proxy");
-        let listener = runtime
-            .block_on(TcpListener::bind("127.0.0.1:0"))
-            .expect("bind the proxy");
-        let addr = listener.local_addr().expect("the proxy's address");
+        // Bound here and handed over, so this works from inside a test's runtime too (where
+        // blocking on another runtime is not allowed).
+        let std_listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind the proxy");
+        std_listener.set_nonblocking(true).expect("a non-blocking listener");
+        let addr = std_listener.local_addr().expect("the proxy's address");
+        let listener = {
+            let _entered = runtime.enter();
+            TcpListener::from_std(std_listener).expect("the proxy's listener")
+        };
         let (resets, _) = watch::channel(0);
         let state = Arc::new(State {
             upstream,
@@ -70,7 +75,8 @@ impl FaultProxy {
     }
 
     /// Holds every chunk, in both directions, back for `delay` before forwarding it (zero:
-    /// forward at once). Applies to open connections too.
+    /// forward at once), as a network path that long each way would: a round trip costs twice
+    /// `delay`. Applies to open connections too, from the next chunk read.
     pub fn set_delay(&self, delay: Duration) {
         let ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
         self.state.delay_ms.store(ms, Ordering::SeqCst);
@@ -123,22 +129,33 @@ async fn forward(client: TcpStream, state: Arc<State>) {
     // Both halves of both sockets are dropped here: closed with an RST.
 }
 
-/// Copies `from` to `to`, each chunk after the delay set then; at end of stream, half-closes
-/// `to` as the peer did.
+/// Copies `from` to `to`, each chunk `delay` after it was read (the delay set when it was
+/// read): a delay line, so chunks in flight together arrive together, as over a long network
+/// path, rather than one delay after another. At end of stream, half-closes `to` as the peer
+/// did.
 async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, state: &State) {
-    let mut buf = vec![0u8; 16 * 1024];
-    loop {
-        let n = match from.read(&mut buf).await {
-            Ok(0) | Err(_) => break,
-            Ok(n) => n,
-        };
-        let delay = state.delay_ms.load(Ordering::SeqCst);
-        if delay > 0 {
-            tokio::time::sleep(Duration::from_millis(delay)).await;
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(tokio::time::Instant, Vec<u8>)>();
+    let read = async move {
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            let n = match from.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            let due = tokio::time::Instant::now() + Duration::from_millis(state.delay_ms.load(Ordering::SeqCst));
+            if tx.send((due, buf[..n].to_vec())).is_err() {
+                break;
+            }
         }
-        if to.write_all(&buf[..n]).await.is_err() {
-            break;
+    };
+    let write = async move {
+        while let Some((due, chunk)) = rx.recv().await {
+            tokio::time::sleep_until(due).await;
+            if to.write_all(&chunk).await.is_err() {
+                return;
+            }
         }
-    }
-    let _ = to.shutdown().await;
+        let _ = to.shutdown().await;
+    };
+    tokio::join!(read, write);
 }

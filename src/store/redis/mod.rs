@@ -402,7 +402,7 @@ impl RedisStore {
     /// Whether the store is ready for its first decisions: the scripts loaded (on every
     /// primary of a Cluster) and, by then, every connection of the pool opened. Readiness waits
     /// for it, so the first decisions after start do not pay a connection or a `NOSCRIPT`
-    /// reload under `command_timeout_ms` (10 ms by default) and fail.
+    /// reload under `command_timeout_ms` and fail.
     pub fn is_warm(&self) -> bool {
         self.inner.warm.load(Ordering::Acquire)
     }
