@@ -4,26 +4,21 @@
 //! The crate is a library so the core can be tested and benchmarked without gRPC; the
 //! `tollgate` binary in `main.rs` is a thin CLI over it. See `ARCHITECTURE.md` for the map.
 
-pub mod admin;
-pub mod bucket;
-pub mod check;
-pub mod clock;
-pub mod config;
-pub mod config_view;
-pub mod envoyproxy_env;
-pub mod http;
-pub mod limiter;
-pub mod matcher;
-pub mod metrics;
-pub mod reload;
-pub mod response;
+pub mod core;
+pub mod decision;
 pub mod rules;
-pub mod schedule;
 pub mod server;
-pub mod service;
-pub mod settings;
 pub mod store;
-pub mod wire;
+pub mod telemetry;
+
+// Transitional paths while the layers settle (binaries, benches and tests).
+pub use crate::core::{bucket, clock, schedule};
+pub use crate::decision::{limiter, response};
+pub use crate::rules::file as config;
+pub use crate::rules::matcher;
+pub use crate::server::settings::envoyproxy_env;
+pub use crate::server::{admin, check, config_view, http, reload, service, settings, wire};
+pub use crate::telemetry as metrics;
 
 /// An error and its sources, `: `-separated, each said once (a layer that only wraps another
 /// repeats its text): `transport error: tcp connect error: Connection refused (os error 111)`

@@ -829,12 +829,12 @@ fn the_external_checkers_refuse_bad_blocks() {
     }
 }
 
-/// Every field of the rules model (`src/config/model.rs`, both schemas) is documented in the
+/// Every field of the rules model (`src/rules/file/model.rs`, both schemas) is documented in the
 /// rules reference or on the schedules page, so a new field cannot go undocumented.
 #[test]
 fn every_rules_field_is_documented() {
     let root = repo();
-    let model = fs::read_to_string(root.join("src/config/model.rs")).expect("read src/config/model.rs");
+    let model = fs::read_to_string(root.join("src/rules/file/model.rs")).expect("read src/rules/file/model.rs");
     let docs = ["docs/rules.md", "docs/schedules-and-quotas.md"]
         .map(|f| fs::read_to_string(root.join(f)).unwrap_or_else(|e| panic!("read {f}: {e}")))
         .join("\n");

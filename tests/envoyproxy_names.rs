@@ -101,7 +101,8 @@ async fn replaces_drops_every_bucket_of_the_name() {
 /// dropped); a `.` in a value splits it as it does in theirs; `:` becomes `_`.
 #[test]
 fn stat_keys_and_their_labels() {
-    use tollgate::metrics::{envoyproxy_labels, envoyproxy_stat_key};
+    use tollgate::metrics::envoyproxy_labels;
+    use tollgate::rules::counters::envoyproxy_stat_key;
     let rules = "domain: shop
 descriptors:
   - key: remote_address

@@ -14,7 +14,8 @@ use envoy_types::pb::google::protobuf::Duration;
 use harness::{desc, header, hits, limit_of, one, options, refund, req, Harness, OK, OVER};
 use tollgate::clock::ManualClock;
 use tollgate::config::load_rules;
-use tollgate::limiter::{Limiter, LimiterOptions, OVERRIDE_BUCKET};
+use tollgate::limiter::{Limiter, LimiterOptions};
+use tollgate::rules::OVERRIDE_BUCKET;
 use tollgate::settings::{HeaderSettings, RequestLimits};
 use tollgate::store::MemoryStore;
 

@@ -2,7 +2,7 @@
 //! whatever the descriptor values.
 //!
 //! State outlives the bucket on every store, at the load-time bounds of the rules: a bucket
-//! drained under a 10-year fill (`MAX_FILL_US`, the slowest fill `src/config/compile.rs`
+//! drained under a 10-year fill (`MAX_FILL_US`, the slowest fill `src/rules/file/compile.rs`
 //! accepts), a quota reset on 29 February (up to 8 years between resets, 2096 to 2104), and a
 //! schedule whose refill lies beyond the look-ahead must keep what they consumed until they
 //! are full again, whatever expires, is swept or evicted meanwhile.

@@ -4,7 +4,7 @@ use super::resilient::failing;
 use super::{
     Applied, BucketRef, MemoryStore, Metered, Peeked, PostgresStore, RedisStore, Resilient, Store, StoreError,
 };
-use crate::bucket::Demand;
+use crate::core::bucket::Demand;
 
 /// How long the readiness probe of an open circuit may take: it is off the request path.
 const PROBE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
@@ -169,8 +169,8 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::clock::{Clock, SystemClock};
-    use crate::settings::{PostgresSettings, RedisSettings};
+    use crate::core::clock::{Clock, SystemClock};
+    use crate::server::settings::{PostgresSettings, RedisSettings};
 
     /// A decision's future is moved at least once per request (tonic boxes it), so its size is
     /// CPU on every request: it once reached 24 KiB (a Redis call's future held inline, and
@@ -211,9 +211,10 @@ mod tests {
         }
         // And the whole decision path's, which tonic boxes.
         let request = envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest::default();
-        let options = crate::limiter::LimiterOptions::from_settings(&crate::settings::Settings::default());
+        let options =
+            crate::decision::limiter::LimiterOptions::from_settings(&crate::server::settings::Settings::default());
         for store in stores {
-            let limiter = crate::limiter::Limiter::new(crate::rules::RuleSet::default(), store, options);
+            let limiter = crate::decision::limiter::Limiter::new(crate::rules::RuleSet::default(), store, options);
             let size = std::mem::size_of_val(&limiter.should_rate_limit(&request));
             assert!(size < 2048, "the limiter's decision future is {size} bytes");
         }

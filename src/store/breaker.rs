@@ -38,7 +38,7 @@ pub struct BreakerPolicy {
     pub min_failures: u32,
     /// The share of the window's requests that must have failed for it to open, in (0, 1].
     pub failure_ratio: f64,
-    /// The rolling window, in microseconds (at least [`SLOTS`]).
+    /// The rolling window, in microseconds (at least `SLOTS`).
     pub window_us: u64,
     /// How long it stays open before a probe, in microseconds.
     pub open_for_us: u64,
@@ -124,7 +124,7 @@ pub struct Breaker {
 
 impl Breaker {
     /// A closed breaker with `policy` (clamped: `min_failures` at least 1, `failure_ratio` into
-    /// (0, 1], `window_us` at least [`SLOTS`]; settings validation refuses values outside).
+    /// (0, 1], `window_us` at least `SLOTS`; settings validation refuses values outside).
     pub fn new(policy: BreakerPolicy) -> Breaker {
         let ratio = if policy.failure_ratio > 0.0 && policy.failure_ratio <= 1.0 {
             policy.failure_ratio

@@ -27,14 +27,18 @@ use arc_swap::ArcSwap;
 use indexmap::IndexMap;
 use smallvec::SmallVec;
 
+mod settings;
+
+pub use settings::MemorySettings;
+
 use super::{Applied, BucketRef, Peeked, Store, StoreError};
-use crate::bucket::{decide, BucketState, Demand, Refilling};
-use crate::clock::Clock;
+use crate::core::bucket::{decide, BucketState, Demand, Refilling};
+use crate::core::clock::Clock;
 
 struct Entry {
     state: BucketState,
     /// When the bucket will be full again, by the plan of its last decision
-    /// ([`crate::schedule::Plan::full_at_us`]): from then on it reads as absent and the sweep
+    /// ([`crate::core::schedule::Plan::full_at_us`]): from then on it reads as absent and the sweep
     /// drops it.
     full_at_us: u64,
 }
@@ -212,8 +216,8 @@ impl MemoryStore {
 
     /// Drops every bucket that is full by now, and gives back a shard's memory once it holds
     /// far fewer buckets than it has room for. Locks one shard at a time, and holds it for at
-    /// most [`SWEEP_CHUNK`] entries before letting requests in (staying off it for
-    /// [`SWEEP_PAUSE`], so they can), so a sweep of a million buckets makes no request wait for
+    /// most `SWEEP_CHUNK` entries before letting requests in (staying off it for
+    /// `SWEEP_PAUSE`, so they can), so a sweep of a million buckets makes no request wait for
     /// the whole of a shard.
     /// Giving memory back moves a shard's remaining buckets (at most a quarter of its room)
     /// under its lock: with the default 64 shards and a million buckets, a few thousand. A
@@ -284,7 +288,7 @@ impl MemoryStore {
     pub fn apply_now(&self, buckets: &[BucketRef], demands: &[Demand]) -> Applied {
         let mut locked = self.lock_buckets(buckets);
         let now = locked.now;
-        let plans: SmallVec<[&crate::schedule::Plan; 4]> = buckets.iter().map(|b| &b.plan).collect();
+        let plans: SmallVec<[&crate::core::schedule::Plan; 4]> = buckets.iter().map(|b| &b.plan).collect();
         let states = locked.read(buckets);
         let decision = decide(now, &states, &plans, demands);
         for (i, (b, out)) in buckets.iter().zip(&decision.instances).enumerate() {

@@ -1,12 +1,12 @@
 //! A store wrapper that counts and times every backend call in the backend metrics
-//! ([`crate::metrics::BACKEND_CALLS`], [`crate::metrics::BACKEND_ERRORS`],
-//! [`crate::metrics::BACKEND_DURATION`]), whatever the backend.
+//! ([`crate::telemetry::BACKEND_CALLS`], [`crate::telemetry::BACKEND_ERRORS`],
+//! [`crate::telemetry::BACKEND_DURATION`]), whatever the backend.
 
 use std::time::Instant;
 
 use super::{Applied, BucketRef, Peeked, Store, StoreError};
-use crate::bucket::Demand;
-use crate::metrics::BackendMetrics;
+use crate::core::bucket::Demand;
+use crate::telemetry::BackendMetrics;
 
 /// `S`, with its calls counted under the `backend` label given to [`Metered::new`].
 pub struct Metered<S> {

@@ -1,8 +1,8 @@
 //! Where bucket state lives. A store runs one request's decision atomically: it reads the
-//! states of the request's bucket instances, calls [`crate::bucket::decide`], and writes back
+//! states of the request's bucket instances, calls [`crate::core::bucket::decide`], and writes back
 //! what changed, all before any other request may see those buckets. Operators can also look
 //! at buckets without changing them ([`Store::peek`]) and fill them again ([`Store::reset`]);
-//! a refund is an [`Store::apply`] with [`crate::bucket::DemandKind::Refund`] demands.
+//! a refund is an [`Store::apply`] with [`crate::core::bucket::DemandKind::Refund`] demands.
 
 mod any;
 mod breaker;
@@ -11,24 +11,29 @@ mod metered;
 pub mod postgres;
 pub mod redis;
 mod resilient;
+pub mod settings;
 
 use std::future::Future;
 
 pub use any::{AnyStore, Health};
 pub use breaker::{Breaker, BreakerPolicy, BreakerState, Outcome, Permit, Transition};
+pub use memory::MemorySettings;
 pub use memory::{MemoryStore, MemoryStoreStats};
 pub use metered::Metered;
+pub use postgres::PostgresSettings;
 pub use postgres::PostgresStore;
 pub use redis::RedisStore;
+pub use redis::{FallbackBackend, RedisSettings};
 pub use resilient::{Fallback, Guarded, Resilient};
+pub use settings::{redact_url, FailureMode, UnreachableAtStart};
 
-use crate::bucket::{BucketState, Decision, Demand};
-use crate::schedule::Plan;
+use crate::core::bucket::{BucketState, Decision, Demand};
+use crate::core::schedule::Plan;
 
 /// One bucket instance a request touches.
 #[derive(Clone, Debug)]
 pub struct BucketRef {
-    /// The instance identity, from [`crate::matcher::instance_key`].
+    /// The instance identity, from [`crate::rules::matcher::instance_key`].
     pub key: String,
     /// Its limit and how the limit changes over time; the store evaluates it at its own clock's
     /// now (docs/backends.md).
@@ -57,7 +62,7 @@ pub struct Peeked {
     pub states: Vec<BucketState>,
     /// Per bucket, the state as the store keeps it (a bucket not held: full at `now_us`).
     /// Waits are measured from it ([`Plan::wait_us`], [`Plan::full_at_us`]), as for a decision
-    /// ([`crate::bucket::InstanceOutcome::kept`]): it still counts the refill that flooring
+    /// ([`crate::core::bucket::InstanceOutcome::kept`]): it still counts the refill that flooring
     /// leaves out of `states`.
     pub kept: Vec<BucketState>,
 }
@@ -155,9 +160,9 @@ pub trait Store: Send + Sync + 'static {
     /// The store's clock as read without a call, in microseconds since the epoch: its own
     /// (memory), tollgate's estimate of the backend's (Redis), tollgate's (Postgres, whose
     /// clock is within the skew between hosts). The instant a reload takes effect at
-    /// ([`crate::schedule::Reloaded`]).
+    /// ([`crate::core::schedule::Reloaded`]).
     fn clock_estimate_us(&self) -> u64 {
-        crate::clock::Clock::now_us(&crate::clock::SystemClock)
+        crate::core::clock::Clock::now_us(&crate::core::clock::SystemClock)
     }
 }
 

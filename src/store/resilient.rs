@@ -17,8 +17,8 @@ use super::{
     Applied, Breaker, BreakerPolicy, BucketRef, MemoryStore, Metered, Outcome, Peeked, Permit, PostgresStore, Store,
     StoreError, Transition,
 };
-use crate::bucket::Demand;
-use crate::metrics::BACKEND_FALLBACKS;
+use crate::core::bucket::Demand;
+use crate::telemetry::BACKEND_FALLBACKS;
 
 /// Logged failures are at least this far apart.
 const LOG_EVERY_US: u64 = 1_000_000;

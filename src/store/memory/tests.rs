@@ -1,9 +1,9 @@
 use std::sync::Arc;
 
 use super::*;
-use crate::bucket::{DemandKind, Limit, Rate, MICRO};
-use crate::clock::ManualClock;
-use crate::schedule::Plan;
+use crate::core::bucket::{DemandKind, Limit, Rate, MICRO};
+use crate::core::clock::ManualClock;
+use crate::core::schedule::Plan;
 
 const HOUR_US: u64 = 3_600_000_000;
 
@@ -26,7 +26,7 @@ fn consume(instance: usize, n: u64) -> Demand {
 /// exactly 100 admissions (a run of a few seconds accrues no whole token).
 #[test]
 fn sixty_four_threads_admit_exactly_capacity() {
-    let store = MemoryStore::new(64, 1_000_000, Arc::new(crate::clock::SystemClock));
+    let store = MemoryStore::new(64, 1_000_000, Arc::new(crate::core::clock::SystemClock));
     let admitted = std::sync::atomic::AtomicU64::new(0);
     std::thread::scope(|s| {
         for _ in 0..64 {
@@ -163,7 +163,7 @@ fn eviction_samples_the_whole_shard_and_spares_drained_buckets() {
     );
 }
 
-/// An instance key of `len` bytes, shaped like one ([`crate::matcher::instance_key`]), ending
+/// An instance key of `len` bytes, shaped like one ([`crate::rules::matcher::instance_key`]), ending
 /// with `last`.
 fn long_key(len: usize, last: char) -> String {
     let prefix = "6:domain4:rule3:key";
@@ -534,7 +534,7 @@ fn max_buckets_caps_the_whole_store_across_shards() {
     assert_eq!(store.len(), 10);
     assert!(store.peek("left").is_some() && store.peek("right").is_some());
 
-    let store = MemoryStore::new(64, 10, Arc::new(crate::clock::SystemClock));
+    let store = MemoryStore::new(64, 10, Arc::new(crate::core::clock::SystemClock));
     std::thread::scope(|s| {
         for t in 0..8 {
             let store = &store;

@@ -25,8 +25,8 @@ use tokio::sync::{mpsc, oneshot, Mutex};
 use tokio::time::Instant;
 
 use super::{column, row_state, store_error, CLOCK_US};
-use crate::bucket::{decide, BucketState, Demand};
-use crate::clock::Clock;
+use crate::core::bucket::{decide, BucketState, Demand};
+use crate::core::clock::Clock;
 use crate::store::{batch_failure, Applied, BucketRef, StoreError};
 
 /// The most requests one transaction decides. Bounds how long its rows stay locked.
@@ -410,8 +410,8 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::bucket::{DemandKind, Limit, Rate, MICRO};
-    use crate::schedule::Plan;
+    use crate::core::bucket::{DemandKind, Limit, Rate, MICRO};
+    use crate::core::schedule::Plan;
 
     fn bucket(key: &str) -> BucketRef {
         BucketRef {

@@ -1,7 +1,7 @@
 //! The Postgres store (docs/backends.md): bucket state in one table, shared by every replica, each
 //! request decided all or nothing inside a transaction that holds its buckets' rows locked.
 //!
-//! Concurrent requests share that transaction ([`batch`]: a lane per pooled connection takes
+//! Concurrent requests share that transaction (`batch`: a lane per pooled connection takes
 //! every request waiting, up to 64). **A transaction** (`READ COMMITTED`):
 //! 1. One `INSERT ... ON CONFLICT DO UPDATE ... RETURNING` over the buckets of all its requests,
 //!    deduplicated and in ascending key order, takes each bucket's row and its lock in the same
@@ -14,8 +14,8 @@
 //!    the row vanish: a lost write.)
 //! 2. Reads Postgres's `clock_timestamp()` (after the locks, so a bucket's decisions follow its
 //!    lock order in time), and decides each request in turn in Rust with the same pure core as
-//!    the memory store ([`crate::bucket::decide`], schedules and quotas through each bucket's
-//!    [`Plan`](crate::schedule::Plan)): the same micro-tokens, bit for bit, and what the same
+//!    the memory store ([`crate::core::bucket::decide`], schedules and quotas through each bucket's
+//!    [`Plan`](crate::core::schedule::Plan)): the same micro-tokens, bit for bit, and what the same
 //!    requests would get one transaction each.
 //! 3. Writes the changed rows (a bucket full again is deleted, as is a row created here and
 //!    left unchanged) in one statement and commits. If PostgreSQL refuses a statement, the
@@ -26,6 +26,10 @@
 
 mod batch;
 
+mod settings;
+
+pub use settings::PostgresSettings;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -34,10 +38,10 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{Postgres, Row, Transaction};
 
 use self::batch::{Batcher, Job};
+use super::redact_url;
 use super::{Applied, BucketRef, ConnectError, Peeked, Store, StoreError};
-use crate::bucket::{BucketState, Demand, Refilling};
-use crate::clock::Clock;
-use crate::settings::{redact_url, PostgresSettings};
+use crate::core::bucket::{BucketState, Demand, Refilling};
+use crate::core::clock::Clock;
 
 /// How long past a request's deadline its caller still waits for the lane's answer.
 const LANE_MARGIN: Duration = Duration::from_millis(50);
@@ -634,11 +638,11 @@ impl Store for PostgresStore {
     fn clock_estimate_us(&self) -> u64 {
         match &self.inner.time_override {
             Some(clock) => clock.now_us(),
-            None => crate::clock::Clock::now_us(&crate::clock::SystemClock),
+            None => crate::core::clock::Clock::now_us(&crate::core::clock::SystemClock),
         }
     }
 
-    /// Queues the request for a lane ([`batch`]), which decides it in one transaction with
+    /// Queues the request for a lane (`batch`), which decides it in one transaction with
     /// the requests waiting with it, within `postgres.command_timeout_ms` of now.
     async fn apply(&self, buckets: &[BucketRef], demands: &[Demand]) -> Result<Applied, StoreError> {
         let timeout = self.inner.timeout;

@@ -26,7 +26,7 @@ use tokio::sync::{mpsc, oneshot, Mutex};
 
 use super::script::{encode_header, split_answers, CallSettings};
 use super::Conn;
-use crate::clock::Clock;
+use crate::core::clock::Clock;
 use crate::store::{batch_failure, StoreError};
 
 /// The most requests one call decides. Bounds the script's run time (Redis serves nothing else

@@ -1,7 +1,7 @@
 //! Redis keys for bucket instances.
 //!
 //! A key is `<prefix>{<tag>}<identity>`: the identity is the instance key of
-//! [`crate::matcher::instance_key`] (domain, bucket name and entries, each length-prefixed, so
+//! [`crate::rules::matcher::instance_key`] (domain, bucket name and entries, each length-prefixed, so
 //! no value can forge another instance's identity), and the tag is 16 hex digits of a hash of
 //! that identity (XXH3-64). Redis Cluster hashes only what lies between the first `{` and the
 //! next `}`; the prefix may hold neither (checked when settings load), so that is always the
@@ -52,7 +52,7 @@ pub fn slot(key: &[u8]) -> u16 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::matcher::instance_key;
+    use crate::rules::matcher::instance_key;
     use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 
     fn identity(value: &str) -> String {

@@ -23,6 +23,9 @@
 pub mod batch;
 pub mod keys;
 pub mod script;
+mod settings;
+
+pub use settings::{FallbackBackend, RedisSettings};
 
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -42,10 +45,10 @@ use self::script::{
     bucket_args, encode_header, encode_request, parse_reply, parse_value, replacement, split_answers, BucketArgs,
     CallSettings, Replacement, Reply,
 };
+use super::{redact_url, UnreachableAtStart};
 use super::{Applied, BucketRef, ConnectError, Peeked, Store, StoreError};
-use crate::bucket::{BucketState, Decision, Demand, DemandKind, InstanceOutcome, Refilling};
-use crate::clock::Clock;
-use crate::settings::{redact_url, RedisSettings, UnreachableAtStart};
+use crate::core::bucket::{BucketState, Decision, Demand, DemandKind, InstanceOutcome, Refilling};
+use crate::core::clock::Clock;
 
 /// The decision script.
 pub const DECIDE_LUA: &str = include_str!("../../../lua/decide.lua");
@@ -61,7 +64,7 @@ pub const TTL_MARGIN_MS: u64 = 1_000;
 
 /// The time to live of a key whose bucket's full time is not known: 0, no expiry. Such a
 /// bucket (a schedule whose refill is not found within the look-ahead of
-/// [`crate::schedule::DEFAULT_HORIZON_US`] and [`crate::schedule::MAX_CHANGES_AHEAD`]) is
+/// [`crate::core::schedule::DEFAULT_HORIZON_US`] and [`crate::core::schedule::MAX_CHANGES_AHEAD`]) is
 /// kept until a write finds it full, as the memory and Postgres stores keep theirs: forgetting
 /// it at any fixed age could forget a bucket not yet full (it once was 400 days, while rules
 /// accept a 10-year fill). A known full time, however far, is the key's expiry.
@@ -897,9 +900,9 @@ mod tests {
     /// times and a wait on the node behind came out 5 s short: a client retried too early.)
     #[test]
     fn slots_decided_at_different_clocks_are_merged_at_the_latest() {
-        let plan = crate::schedule::Plan::Fixed(crate::bucket::Limit::new(
+        let plan = crate::core::schedule::Plan::Fixed(crate::core::bucket::Limit::new(
             10,
-            crate::bucket::Rate::per(1, 1_000_000).unwrap(),
+            crate::core::bucket::Rate::per(1, 1_000_000).unwrap(),
         ));
         let buckets = vec![
             BucketRef {

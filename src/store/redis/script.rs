@@ -3,8 +3,8 @@
 
 use fred::types::Value;
 
-use crate::bucket::{BucketState, Demand, DemandKind, InstanceOutcome, Limit};
-use crate::schedule::{refill_to_last_change, Plan, DEFAULT_HORIZON_US, QUOTA_HORIZON_US};
+use crate::core::bucket::{BucketState, Demand, DemandKind, InstanceOutcome, Limit};
+use crate::core::schedule::{refill_to_last_change, Plan, DEFAULT_HORIZON_US, QUOTA_HORIZON_US};
 
 /// How far back the start of the stretch of constant limit holding an instant is looked for:
 /// the script asks again ([`Reply::Retry`]) when Redis time falls before it, so it only needs
@@ -145,7 +145,7 @@ fn parse_text_value(raw: &[u8]) -> Option<Vec<u64>> {
             digits.then(|| p.parse::<u64>().ok()).flatten()
         })
         .collect::<Option<_>>()?;
-    (n.len() == 3 && n.iter().all(|&x| x <= crate::bucket::EXACT_LIMIT)).then_some(n)
+    (n.len() == 3 && n.iter().all(|&x| x <= crate::core::bucket::EXACT_LIMIT)).then_some(n)
 }
 
 /// The replacement for a scheduled bucket stored as `raw`, walked to the last change of limit
@@ -222,7 +222,7 @@ pub fn encode_request(buckets: &[(BucketArgs, Option<&Replacement>)], demands: &
     // Lua's numbers are doubles: nothing tollgate sends exceeds 2^53 but an amount, which is
     // capped there (9 billion tokens is more than any capacity, so it still fails every
     // consume and fills every refund).
-    let mut put = |n: u64| packed.extend_from_slice(&(n.min(crate::bucket::EXACT_LIMIT) as f64).to_le_bytes());
+    let mut put = |n: u64| packed.extend_from_slice(&(n.min(crate::core::bucket::EXACT_LIMIT) as f64).to_le_bytes());
     put(buckets.len() as u64);
     put(demands.len() as u64);
     put(replaced as u64);
@@ -273,7 +273,7 @@ fn unpack_numbers(bytes: &[u8]) -> Result<Vec<u64>, String> {
             // The cast saturates (NaN to 0), so only an integer in range survives the round
             // trip; cheaper than `fract`, a libm call on baseline x86-64.
             let n = x as u64;
-            if n <= crate::bucket::EXACT_LIMIT && n as f64 == x {
+            if n <= crate::core::bucket::EXACT_LIMIT && n as f64 == x {
                 Ok(n)
             } else {
                 Err(format!("{x} is not a count from the script"))
@@ -448,7 +448,7 @@ pub fn parse_reply(value: Value, buckets: usize, demands: usize) -> Result<Reply
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bucket::{Rate, MICRO};
+    use crate::core::bucket::{Rate, MICRO};
 
     fn doubles(numbers: &[f64]) -> Vec<u8> {
         numbers.iter().flat_map(|x| x.to_le_bytes()).collect()
@@ -652,7 +652,7 @@ mod tests {
             enforced: true,
         }];
         let numbers = unpack_numbers(encode_request(&[(args, None)], &huge)[0].as_bytes().unwrap()).unwrap();
-        assert_eq!(numbers[3 + 9 + 2], crate::bucket::EXACT_LIMIT);
+        assert_eq!(numbers[3 + 9 + 2], crate::core::bucket::EXACT_LIMIT);
     }
 
     #[test]

@@ -1,0 +1,327 @@
+//! From a decision to a `RateLimitResponse`: statuses in request order and the headers Envoy
+//! forwards to the client (docs/rules.md).
+
+use std::borrow::Cow;
+
+use envoy_types::pb::envoy::config::core::v3::HeaderValue;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{Code, DescriptorStatus, RateLimit};
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
+use envoy_types::pb::google::protobuf::Duration;
+
+use super::settings::HeaderSettings;
+use crate::core::bucket::{DemandKind, Limit, MICRO};
+use crate::rules::{BucketPolicy, ReportedLimit};
+use crate::store::Applied;
+use crate::telemetry::DecisionCounters;
+
+/// A descriptor that matched a bucket.
+#[derive(Clone, Debug)]
+pub struct Target<'r> {
+    /// The policy in force, borrowed from the rules where it can be.
+    pub policy: Cow<'r, BucketPolicy>,
+    /// Index of the bucket instance in the store request.
+    pub instance: usize,
+    /// Index of the descriptor's demand in the store request.
+    pub demand: usize,
+    /// What the descriptor asked of the bucket.
+    pub kind: DemandKind,
+    /// Shadow mode (the rule's or the global switch).
+    pub shadow: bool,
+    /// The calendar quota the descriptor must also pass, when its rule has one beside a token
+    /// bucket: decided as a second instance with the same demand.
+    pub quota: Option<Part<'r>>,
+    /// Where the decision is counted.
+    pub counters: &'r DecisionCounters,
+    /// Where the decision is counted under envoyproxy/ratelimit's names (the rule's node).
+    pub envoyproxy: &'r crate::telemetry::EnvoyproxyStats,
+    /// The descriptor's entries, for envoyproxy/ratelimit's `detailed_metric` series.
+    pub entries: &'r [envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry],
+    /// Per entry, the `share_threshold` pattern standing for its value (usually empty).
+    pub shared: Vec<Option<&'r str>>,
+}
+
+/// A second bucket instance one descriptor asks of (a quota beside a token bucket).
+#[derive(Clone, Debug)]
+pub struct Part<'r> {
+    /// The quota's policy.
+    pub policy: &'r BucketPolicy,
+    /// Index of the bucket instance in the store request.
+    pub instance: usize,
+    /// Index of the demand in the store request.
+    pub demand: usize,
+    /// Where the quota's decision is counted.
+    pub counters: &'r DecisionCounters,
+}
+
+/// One bucket's verdict for one descriptor, before it becomes a `DescriptorStatus`.
+struct Verdict<'a> {
+    /// Index of the request descriptor.
+    descriptor: usize,
+    policy: &'a BucketPolicy,
+    /// The limit in force at the decision.
+    limit: Limit,
+    /// `current_limit` at the decision.
+    reported: ReportedLimit,
+    over: bool,
+    remaining_ut: u64,
+    until_full_us: Option<u64>,
+    /// For a denied enforced descriptor: the wait until the same demand would pass.
+    retry_after_us: Option<u64>,
+}
+
+/// The answer when the backend failed and `failure_mode` says `allow` (`deny: false`: every
+/// descriptor `OK`) or `deny` (`deny: true`: every enforced descriptor that matched a bucket
+/// `OVER_LIMIT`, others `OK`). Nothing is known about the buckets, so the statuses carry no
+/// limit or remaining count and no header is added: in particular no `Retry-After`, since no
+/// wait is known to succeed (docs/backends.md).
+pub fn failure_response(targets: &[Option<Target<'_>>], deny: bool) -> RateLimitResponse {
+    let statuses: Vec<DescriptorStatus> = targets
+        .iter()
+        .map(|t| {
+            let over = deny
+                && t.as_ref()
+                    .is_some_and(|t| !t.shadow && !matches!(t.kind, DemandKind::Refund(_)));
+            DescriptorStatus {
+                code: if over { Code::OverLimit } else { Code::Ok } as i32,
+                ..Default::default()
+            }
+        })
+        .collect();
+    let denied = statuses.iter().any(|s| s.code == Code::OverLimit as i32);
+    RateLimitResponse {
+        overall_code: if denied { Code::OverLimit } else { Code::Ok } as i32,
+        statuses,
+        ..Default::default()
+    }
+}
+
+/// Builds the response. `targets` has one entry per request descriptor (`None`: no limit
+/// applies); `applied` is the store's decision, absent when no descriptor matched a bucket.
+pub fn build_response(
+    targets: &[Option<Target<'_>>],
+    applied: Option<&Applied>,
+    headers: &HeaderSettings,
+) -> RateLimitResponse {
+    let mut verdicts: Vec<Verdict<'_>> = Vec::with_capacity(targets.len());
+    for (descriptor, t) in targets.iter().enumerate() {
+        let Some(t) = t else { continue };
+        let applied = applied.expect("a matched descriptor has a decision");
+        verdicts.push(verdict(
+            descriptor, &t.policy, t.instance, t.demand, t.kind, t.shadow, applied,
+        ));
+        if let Some(q) = &t.quota {
+            verdicts.push(verdict(
+                descriptor, q.policy, q.instance, q.demand, t.kind, t.shadow, applied,
+            ));
+        }
+    }
+    let denied = verdicts.iter().any(|v| v.over);
+    let statuses = targets
+        .iter()
+        .enumerate()
+        .map(
+            |(descriptor, t)| match t.as_ref().and_then(|_| status_verdict(&verdicts, descriptor)) {
+                None => DescriptorStatus {
+                    code: Code::Ok as i32,
+                    ..Default::default()
+                },
+                Some(v) => DescriptorStatus {
+                    code: if v.over { Code::OverLimit } else { Code::Ok } as i32,
+                    current_limit: Some(RateLimit {
+                        name: v.policy.name.clone(),
+                        requests_per_unit: v.reported.requests_per_unit,
+                        unit: v.reported.unit as i32,
+                    }),
+                    limit_remaining: whole_tokens(v.remaining_ut),
+                    duration_until_reset: v.until_full_us.map(duration),
+                    ..Default::default()
+                },
+            },
+        )
+        .collect();
+    let mut response_headers_to_add = Vec::new();
+    if denied && headers.retry_after {
+        if let Some(wait) = retry_after_us(&verdicts) {
+            response_headers_to_add.push(header("retry-after", ceil_seconds(wait).to_string()));
+        }
+    }
+    let per_bucket = lowest_per_bucket(&verdicts);
+    if let Some(now_us) = applied
+        .map(|a| a.now_us)
+        .filter(|_| headers.ratelimit && !per_bucket.is_empty())
+    {
+        // Built in place, item after item: this runs on every decision.
+        let mut policy = String::with_capacity(48 * per_bucket.len());
+        let mut state = String::with_capacity(48 * per_bucket.len());
+        for (i, v) in per_bucket.iter().enumerate() {
+            if i > 0 {
+                policy.push_str(", ");
+                state.push_str(", ");
+            }
+            push_policy_item(&mut policy, v, now_us);
+            push_state_item(&mut state, v);
+        }
+        response_headers_to_add.push(header("ratelimit-policy", policy));
+        response_headers_to_add.push(header("ratelimit", state));
+    }
+    if headers.x_ratelimit {
+        if let Some(v) = per_bucket.iter().min_by_key(|v| v.remaining_ut) {
+            response_headers_to_add.push(header("x-ratelimit-limit", v.limit.capacity().to_string()));
+            response_headers_to_add.push(header(
+                "x-ratelimit-remaining",
+                whole_tokens(v.remaining_ut).to_string(),
+            ));
+            response_headers_to_add.push(header(
+                "x-ratelimit-reset",
+                v.until_full_us.map_or(0, ceil_seconds).to_string(),
+            ));
+        }
+    }
+    RateLimitResponse {
+        overall_code: if denied { Code::OverLimit } else { Code::Ok } as i32,
+        statuses,
+        response_headers_to_add,
+        ..Default::default()
+    }
+}
+
+/// One bucket's verdict for the descriptor `descriptor`, from the store's decision.
+fn verdict<'a>(
+    descriptor: usize,
+    policy: &'a BucketPolicy,
+    instance: usize,
+    demand: usize,
+    kind: DemandKind,
+    shadow: bool,
+    applied: &Applied,
+) -> Verdict<'a> {
+    let out = &applied.decision.instances[instance];
+    let now = applied.now_us;
+    let plan = &policy.plan;
+    let passed = applied.decision.passed[demand];
+    let need = match kind {
+        DemandKind::Check => out.consumed_ut.saturating_add(MICRO),
+        _ => out.consumed_ut,
+    };
+    // Waits run from the state the store keeps, not from the one refilled to now: its refill
+    // is floored (overstating a wait by up to a micro-token's refill time) and it cannot tell a
+    // clock that stepped back (understating it).
+    let kept = out.kept();
+    Verdict {
+        descriptor,
+        policy,
+        limit: plan.limit_at(now),
+        reported: policy.reported_at(now),
+        over: !passed && !shadow,
+        remaining_ut: out.after.tokens_ut,
+        until_full_us: plan.reset_in_us(kept, now),
+        retry_after_us: if passed { None } else { plan.wait_us(kept, need, now) },
+    }
+}
+
+/// The verdict a descriptor's status reports: its only one, or with a token bucket and a
+/// quota, the denying one when one denies, else the one with fewer tokens left (docs/rules.md).
+fn status_verdict<'v, 'a>(verdicts: &'v [Verdict<'a>], descriptor: usize) -> Option<&'v Verdict<'a>> {
+    let mut own = verdicts.iter().filter(|v| v.descriptor == descriptor);
+    let first = own.next()?;
+    Some(own.fold(first, |best, v| {
+        let better = match (v.over, best.over) {
+            (true, false) => true,
+            (false, true) => false,
+            _ => v.remaining_ut < best.remaining_ut,
+        };
+        if better {
+            v
+        } else {
+            best
+        }
+    }))
+}
+
+/// The largest wait among the denied descriptors; `None` if any of them can never pass (a
+/// wait that cannot succeed would mislead the client).
+fn retry_after_us(verdicts: &[Verdict<'_>]) -> Option<u64> {
+    let mut longest = 0;
+    for v in verdicts.iter().filter(|v| v.over) {
+        longest = longest.max(v.retry_after_us?);
+    }
+    Some(longest)
+}
+
+/// One verdict per bucket name, in request order of first appearance: the one with the fewest
+/// tokens left when several instances share a name.
+fn lowest_per_bucket<'v, 'a>(verdicts: &'v [Verdict<'a>]) -> Vec<&'v Verdict<'a>> {
+    let mut out: Vec<&Verdict<'_>> = Vec::new();
+    for v in verdicts {
+        match out.iter_mut().find(|o| o.policy.name == v.policy.name) {
+            Some(o) if v.remaining_ut < o.remaining_ut => *o = v,
+            Some(_) => {}
+            None => out.push(v),
+        }
+    }
+    out
+}
+
+/// Appends a `RateLimit-Policy` item: `"name";q=<capacity>;w=<seconds to fill from empty>`
+/// (draft-ietf-httpapi-ratelimit-headers-10 section 4), by the limit in force now; for a quota
+/// `w` is its current period. `w` is left out for a bucket that never refills.
+fn push_policy_item(out: &mut String, v: &Verdict<'_>, now_us: u64) {
+    push_sf_string(out, &v.policy.name);
+    out.push_str(";q=");
+    out.push_str(itoa::Buffer::new().format(v.limit.capacity()));
+    if let Some(fill) = v.policy.plan.window_us(now_us) {
+        out.push_str(";w=");
+        out.push_str(itoa::Buffer::new().format(ceil_seconds(fill)));
+    }
+}
+
+/// Appends a `RateLimit` item: `"name";r=<whole tokens left>;t=<seconds until full, rounded
+/// up>` (draft-ietf-httpapi-ratelimit-headers-10 section 5). `t` is left out for a bucket that
+/// never refills.
+fn push_state_item(out: &mut String, v: &Verdict<'_>) {
+    push_sf_string(out, &v.policy.name);
+    out.push_str(";r=");
+    out.push_str(itoa::Buffer::new().format(whole_tokens(v.remaining_ut)));
+    if let Some(t) = v.until_full_us {
+        out.push_str(";t=");
+        out.push_str(itoa::Buffer::new().format(ceil_seconds(t)));
+    }
+}
+
+/// Appends a structured-field String (RFC 8941 section 3.3.3): quoted, with `"` and `\`
+/// escaped. Bucket names are printable ASCII, checked at load.
+fn push_sf_string(out: &mut String, s: &str) {
+    out.push('"');
+    for c in s.chars() {
+        if c == '"' || c == '\\' {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out.push('"');
+}
+
+fn header(key: &str, value: String) -> HeaderValue {
+    HeaderValue {
+        key: key.to_owned(),
+        value,
+        ..Default::default()
+    }
+}
+
+fn whole_tokens(ut: u64) -> u32 {
+    u32::try_from(ut / MICRO).unwrap_or(u32::MAX)
+}
+
+/// Microseconds as whole seconds, rounded up, as `Retry-After` and the `RateLimit` headers
+/// give them (a client that waits that long is never early).
+pub fn ceil_seconds(us: u64) -> u64 {
+    us.div_ceil(1_000_000)
+}
+
+fn duration(us: u64) -> Duration {
+    Duration {
+        seconds: i64::try_from(us / 1_000_000).unwrap_or(i64::MAX),
+        nanos: ((us % 1_000_000) * 1000) as i32,
+    }
+}

@@ -1,0 +1,908 @@
+//! Validation and compilation of parsed rules files into a [`RuleSet`].
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use super::model::{BucketSpec, DescriptorSpec, QuotaSpec, RulesFile, ScheduleEntrySpec};
+use super::{parse_refill, ConfigError};
+use crate::core::bucket::{Limit, Rate, RateError, MAX_CAPACITY};
+use crate::core::schedule::{Plan, Quota, Schedule, ScheduleEntry, ScheduleError};
+use crate::rules::OVERRIDE_BUCKET;
+use crate::rules::{BucketPolicy, Domain, Level, Node, Pattern, ReportedLimit, Rule, RuleSet, UNITS};
+
+const DAY_US: u64 = 86_400_000_000;
+
+/// The longest time a bucket may take to fill from empty: 10 years of 365 days. Slower buckets
+/// are almost certainly a mistake (`capacity: 1000000000, refill: 1/d`), and every wait and
+/// reset time then stays far from saturating.
+const MAX_FILL_US: u64 = 10 * 365 * DAY_US;
+
+/// Compiles parsed files into one rule set, or every problem found.
+pub(super) fn compile(files: Vec<(PathBuf, RulesFile)>) -> Result<RuleSet, Vec<ConfigError>> {
+    let mut errors = Vec::new();
+    let mut set = RuleSet::default();
+    for (path, file) in files {
+        set.files.push(path.clone());
+        if file.domain.trim().is_empty() {
+            errors.push(ConfigError::file(&path, "`domain` must not be empty"));
+            continue;
+        }
+        if let Some(other) = set.domains.get(&file.domain) {
+            errors.push(ConfigError::file(
+                &path,
+                format!(
+                    "domain `{}` is already declared in {}",
+                    file.domain,
+                    other.file.display()
+                ),
+            ));
+            continue;
+        }
+        let mut builder = DomainBuilder::new(&path);
+        builder.compile(file.buckets, &file.descriptors);
+        match builder.finish(&file.domain) {
+            Ok(domain) => {
+                set.domains.insert(file.domain, domain);
+            }
+            Err(mut e) => errors.append(&mut e),
+        }
+    }
+    if errors.is_empty() {
+        Ok(set)
+    } else {
+        Err(errors)
+    }
+}
+
+/// A bucket spec compiled: a token bucket (constant or scheduled), a quota, or both.
+struct Compiled {
+    bucket: Option<Plan>,
+    quota: Option<Arc<Quota>>,
+}
+
+/// The name under which the quota of a policy that also has a token bucket is reported and
+/// stored: `<name>.quota`.
+fn quota_name(name: &str) -> String {
+    format!("{name}.quota")
+}
+
+struct PendingReplaces {
+    node: usize,
+    path: String,
+    names: Vec<String>,
+    /// Set on a rule that cannot replace anything (unlimited, or without a limit): the names are
+    /// still checked, then this note says the `replaces` has no effect.
+    no_effect: Option<&'static str>,
+}
+
+struct DomainBuilder<'a> {
+    file: &'a Path,
+    buckets: Vec<BucketPolicy>,
+    /// Buckets declared in tollgate's schema (`buckets:`, `token_bucket` with its name), which
+    /// `bucket:` references and where a name is one bucket. An envoyproxy/ratelimit
+    /// `rate_limit.name` is only a label and is not here (see [`DomainBuilder::add_label`]).
+    by_name: HashMap<String, usize>,
+    /// A policy with a token bucket and a quota: the token bucket's index to the quota's.
+    companions: HashMap<usize, usize>,
+    /// Names under `buckets:` that were rejected, so references to them are not also reported.
+    rejected: HashSet<String>,
+    nodes: Vec<Node>,
+    notes: Vec<(String, String)>,
+    replaces: Vec<PendingReplaces>,
+    errors: Vec<ConfigError>,
+}
+
+impl<'a> DomainBuilder<'a> {
+    fn new(file: &'a Path) -> Self {
+        DomainBuilder {
+            file,
+            buckets: Vec::new(),
+            by_name: HashMap::new(),
+            companions: HashMap::new(),
+            rejected: HashSet::new(),
+            nodes: Vec::new(),
+            notes: Vec::new(),
+            replaces: Vec::new(),
+            errors: Vec::new(),
+        }
+    }
+
+    fn note(&mut self, rule: &str, note: impl Into<String>) {
+        self.notes.push((rule.to_owned(), note.into()));
+    }
+
+    fn error(&mut self, rule: &str, reason: impl Into<String>) {
+        self.errors.push(ConfigError::rule(self.file, rule, reason));
+    }
+
+    fn compile(&mut self, buckets: std::collections::BTreeMap<String, BucketSpec>, descriptors: &[DescriptorSpec]) {
+        for (name, spec) in buckets {
+            let rule = format!("buckets.{name}");
+            if let Err(reason) = check_bucket_name(&name) {
+                self.error(&rule, reason);
+                self.rejected.insert(name);
+                continue;
+            }
+            let registered = self
+                .bucket_spec(&rule, &spec)
+                .and_then(|compiled| self.register(&rule, name.clone(), compiled));
+            if registered.is_none() {
+                self.rejected.insert(name);
+            }
+        }
+        let mut root = Level::default();
+        for spec in descriptors {
+            self.node(spec, "", None, &mut root);
+        }
+        self.nodes.push(Node {
+            path: String::new(),
+            children: root,
+            rule: None,
+            parent: None,
+            shared_pattern: None,
+            detailed_metric: false,
+        });
+        self.resolve_replaces();
+    }
+
+    fn finish(self, name: &str) -> Result<Domain, Vec<ConfigError>> {
+        if !self.errors.is_empty() {
+            return Err(self.errors);
+        }
+        let mut nodes = self.nodes;
+        let root = nodes.pop().expect("compile pushes the root last").children;
+        Ok(Domain {
+            name: name.to_owned(),
+            file: self.file.to_owned(),
+            buckets: self.buckets,
+            has_shared: nodes.iter().any(|n| n.shared_pattern.is_some()),
+            nodes,
+            root,
+            notes: self.notes,
+            counters: Vec::new(),
+            override_counters: Default::default(),
+            envoyproxy_stats: Vec::new(),
+        })
+    }
+
+    /// A bucket spec: its token bucket (with its schedule) and its quota, each validated.
+    fn bucket_spec(&mut self, rule: &str, spec: &BucketSpec) -> Option<Compiled> {
+        let quota = match &spec.quota {
+            Some(q) => Some(self.quota(rule, q)?),
+            None => None,
+        };
+        let token = match (spec.capacity, &spec.refill) {
+            (Some(capacity), Some(refill)) => Some(self.limit(rule, capacity, refill)?),
+            (None, None) => None,
+            (Some(_), None) => {
+                self.error(rule, "`capacity` without `refill`: a token bucket needs both");
+                return None;
+            }
+            (None, Some(_)) if quota.is_some() => {
+                self.error(
+                    rule,
+                    "a quota does not refill between its resets: `refill` needs a `capacity` too, for a token \
+                     bucket beside the quota",
+                );
+                return None;
+            }
+            (None, Some(_)) => {
+                self.error(rule, "`refill` without `capacity`: a token bucket needs both");
+                return None;
+            }
+        };
+        let schedule = spec.schedule.as_deref().unwrap_or_default();
+        let bucket = match token {
+            Some(limit) => Some(self.scheduled(rule, limit, schedule)?),
+            None if !schedule.is_empty() => {
+                self.error(
+                    rule,
+                    "`schedule` changes a token bucket's capacity and refill, and this bucket has none (a quota \
+                     resets on its own `reset` cron)",
+                );
+                return None;
+            }
+            None if quota.is_none() => {
+                self.error(
+                    rule,
+                    "a bucket needs `capacity` and `refill` (a token bucket), a `quota`, or both",
+                );
+                return None;
+            }
+            None => None,
+        };
+        Some(Compiled { bucket, quota })
+    }
+
+    /// A token bucket's limit: `capacity` whole tokens refilled at `refill`.
+    fn limit(&mut self, rule: &str, capacity: u64, refill: &str) -> Option<Limit> {
+        if capacity == 0 {
+            self.error(rule, "capacity must be at least 1 token");
+            return None;
+        }
+        if capacity > MAX_CAPACITY {
+            self.error(
+                rule,
+                format!("capacity {capacity} is above the maximum of {MAX_CAPACITY} tokens"),
+            );
+            return None;
+        }
+        let rate = self.rate(rule, refill)?;
+        let limit = Limit::new(capacity, rate);
+        self.check_fill(rule, &limit, refill).then_some(limit)
+    }
+
+    /// A refill string as an exact rate.
+    fn rate(&mut self, rule: &str, refill: &str) -> Option<Rate> {
+        let parsed = match parse_refill(refill) {
+            Ok(r) => r,
+            Err(reason) => {
+                self.error(rule, reason);
+                return None;
+            }
+        };
+        match Rate::per(parsed.tokens, parsed.period_us) {
+            Ok(rate) => Some(rate),
+            Err(RateError::TooFine { .. }) => {
+                self.error(
+                    rule,
+                    format!(
+                        "refill `{refill}` cannot be computed exactly on every backend; use a token count that is a \
+                         multiple of 1000 with a period in whole minutes, hours or days, or a shorter period"
+                    ),
+                );
+                None
+            }
+            Err(e) => {
+                self.error(rule, format!("refill `{refill}`: {e}"));
+                None
+            }
+        }
+    }
+
+    /// Whether `limit` fills from empty within [`MAX_FILL_US`]; records the error if not.
+    /// `refill` is for the message.
+    fn check_fill(&mut self, rule: &str, limit: &Limit, refill: &str) -> bool {
+        let rate = limit.rate;
+        if rate.is_zero() || limit.capacity_ut == 0 {
+            return true;
+        }
+        // Exact, without the saturation of `time_to_fill_us`: capacity * den / num, rounded up.
+        let fill_us = (u128::from(limit.capacity_ut) * u128::from(rate.den())).div_ceil(u128::from(rate.num()));
+        if fill_us <= u128::from(MAX_FILL_US) {
+            return true;
+        }
+        let days = fill_us.div_ceil(u128::from(DAY_US));
+        self.error(
+            rule,
+            format!(
+                "capacity {} at refill `{refill}` takes {days} days (about {} years) to fill from empty, \
+                 more than the maximum of 10 years ({} days); raise the refill or lower the capacity",
+                limit.capacity(),
+                days / 365,
+                MAX_FILL_US / DAY_US
+            ),
+        );
+        false
+    }
+
+    /// `base` under the schedule `entries`: a constant plan when there are none.
+    fn scheduled(&mut self, rule: &str, base: Limit, entries: &[ScheduleEntrySpec]) -> Option<Plan> {
+        if entries.is_empty() {
+            return Some(Plan::Fixed(base));
+        }
+        let mut built = Vec::with_capacity(entries.len());
+        let mut ok = true;
+        for (i, e) in entries.iter().enumerate() {
+            let refill = match &e.refill {
+                Some(text) => match self.rate(&format!("{rule}.schedule[{i}]"), text) {
+                    Some(rate) => Some(rate),
+                    None => {
+                        ok = false;
+                        continue;
+                    }
+                },
+                None => None,
+            };
+            match ScheduleEntry::new(&e.cron, e.timezone.as_deref(), e.scale, e.capacity, refill) {
+                Ok(entry) => built.push(entry),
+                Err(reason) => {
+                    self.error(&format!("{rule}.schedule[{i}]"), reason.to_string());
+                    ok = false;
+                }
+            }
+        }
+        if !ok {
+            return None;
+        }
+        let schedule = match Schedule::new(base, built) {
+            Ok(s) => s,
+            Err(reason) => {
+                let at = match reason {
+                    ScheduleError::ScaledCapacityTooLarge { entry, .. }
+                    | ScheduleError::ScaledBelowOneToken { entry, .. }
+                    | ScheduleError::InexactScaledRate { entry, .. } => {
+                        format!("{rule}.schedule[{entry}]")
+                    }
+                    _ => rule.to_owned(),
+                };
+                self.error(&at, reason.to_string());
+                return None;
+            }
+        };
+        for (i, e) in entries.iter().enumerate() {
+            let limit = *schedule.entry_limit(i).expect("one limit per entry");
+            let refill = e.refill.clone().unwrap_or_else(|| "(scaled)".to_owned());
+            if !self.check_fill(&format!("{rule}.schedule[{i}]"), &limit, &refill) {
+                return None;
+            }
+        }
+        Some(Plan::Scheduled(Arc::new(schedule)))
+    }
+
+    /// A quota block; a `refill` in it is rejected (a quota does not drip).
+    fn quota(&mut self, rule: &str, q: &QuotaSpec) -> Option<Arc<Quota>> {
+        if q.refill.is_some() {
+            self.error(
+                rule,
+                "a quota does not refill between its resets: remove `refill` from `quota` (for a token bucket \
+                 beside the quota, give the bucket `capacity` and `refill`)",
+            );
+            return None;
+        }
+        match Quota::new(q.limit, &q.reset, q.timezone.as_deref()) {
+            Ok(quota) => Some(Arc::new(quota)),
+            Err(reason) => {
+                self.error(rule, format!("quota: {reason}"));
+                None
+            }
+        }
+    }
+
+    /// Registers a compiled tollgate-schema bucket under `name`: the token bucket (or the quota
+    /// alone) under `name`, and a quota beside a token bucket under `<name>.quota`. Returns the
+    /// index of the first and, when there are both, of the quota.
+    fn register(&mut self, rule: &str, name: String, compiled: Compiled) -> Option<(usize, Option<usize>)> {
+        match compiled {
+            Compiled {
+                bucket: Some(plan),
+                quota: Some(quota),
+            } => {
+                let bucket = self.add_policy(rule, name.clone(), plan)?;
+                let companion = quota_name(&name);
+                if self.by_name.contains_key(&companion) {
+                    self.error(
+                        rule,
+                        format!(
+                            "the quota of bucket `{name}` is named `{companion}`, which is already a bucket of this \
+                             file; rename one of them"
+                        ),
+                    );
+                    return None;
+                }
+                let quota = self.add_policy(rule, companion, Plan::Quota(quota))?;
+                self.companions.insert(bucket, quota);
+                Some((bucket, Some(quota)))
+            }
+            Compiled {
+                bucket: Some(plan),
+                quota: None,
+            } => Some((self.add_policy(rule, name, plan)?, None)),
+            Compiled {
+                bucket: None,
+                quota: Some(quota),
+            } => Some((self.add_policy(rule, name, Plan::Quota(quota))?, None)),
+            Compiled {
+                bucket: None,
+                quota: None,
+            } => None,
+        }
+    }
+
+    /// The name of the bucket whose quota policy `idx` is, if it is one.
+    fn companion_of(&self, idx: usize) -> Option<&str> {
+        self.companions
+            .iter()
+            .find(|(_, q)| **q == idx)
+            .map(|(b, _)| self.buckets[*b].name.as_str())
+    }
+
+    /// Registers a tollgate-schema policy under `name`; a second declaration of the same name
+    /// must be identical (then both rules share the bucket).
+    fn add_policy(&mut self, rule: &str, name: String, plan: Plan) -> Option<usize> {
+        let reported = reported_base(&plan);
+        if let Some(&idx) = self.by_name.get(&name) {
+            let existing = &self.buckets[idx];
+            if existing.plan == plan && existing.reported == reported {
+                return Some(idx);
+            }
+            let reason = match self.companion_of(idx) {
+                Some(owner) => format!(
+                    "bucket `{name}` is the name of bucket `{owner}`'s quota (a quota beside a token bucket is \
+                     named `<bucket>.quota`); rename one of them"
+                ),
+                None => format!("bucket `{name}` is already declared with a different limit"),
+            };
+            self.error(rule, reason);
+            return None;
+        }
+        self.buckets.push(BucketPolicy::new(name.clone(), plan, reported));
+        self.by_name.insert(name, self.buckets.len() - 1);
+        Some(self.buckets.len() - 1)
+    }
+
+    /// Registers an envoyproxy/ratelimit limit named `name`. There a `rate_limit.name` is a label
+    /// (what `replaces` refers to), not an identity: a policy with the same name and the same
+    /// limit is shared, and a different limit gets a policy of its own under the same name. Two
+    /// such policies never share an instance: an instance key holds the request's entries, and
+    /// one list of entries reaches one node.
+    fn add_label(&mut self, name: String, plan: Plan, reported: ReportedLimit) -> usize {
+        if let Some(idx) = self
+            .buckets
+            .iter()
+            .position(|b| b.name == name && b.plan == plan && b.reported == reported)
+        {
+            return idx;
+        }
+        self.buckets.push(BucketPolicy::new(name, plan, reported));
+        self.buckets.len() - 1
+    }
+
+    fn node(&mut self, spec: &DescriptorSpec, parent: &str, parent_id: Option<usize>, level: &mut Level) {
+        let value = spec.value.as_deref().filter(|v| !v.is_empty());
+        let path = node_path(parent, spec);
+        for field in spec.ignored_fields() {
+            self.note(&path, format!("`{field}` {}", super::model::metric_field_note(field)));
+        }
+        if spec.key.is_empty() {
+            self.error(&path, "`key` must not be empty");
+            return;
+        }
+        let rule = self.rule(spec, &path);
+        let id = self.nodes.len();
+        let duplicate = match value {
+            None => level.any.insert(spec.key.clone(), id).is_some(),
+            Some(v) => match Pattern::parse(v) {
+                Some(pattern) => {
+                    let dup = level.wildcard.iter().any(|(k, p, _)| *k == spec.key && *p == pattern);
+                    level.wildcard.push((spec.key.clone(), pattern, id));
+                    dup
+                }
+                None => level
+                    .exact
+                    .entry(spec.key.clone())
+                    .or_default()
+                    .insert(v.into(), id)
+                    .is_some(),
+            },
+        };
+        if duplicate {
+            self.error(
+                &path,
+                "duplicate descriptor: the same key and value appear twice at this level",
+            );
+        }
+        let shared_pattern = match value {
+            Some(v) if spec.share_threshold && v.contains('*') => Some(v.to_owned()),
+            _ => {
+                if spec.share_threshold {
+                    self.note(&path, "`share_threshold` has no effect on a value without `*`");
+                }
+                None
+            }
+        };
+        self.nodes.push(Node {
+            path: path.clone(),
+            children: Level::default(),
+            rule,
+            parent: parent_id,
+            shared_pattern,
+            detailed_metric: matches!(spec.detailed_metric, Some(serde_yaml::Value::Bool(true))),
+        });
+        let mut children = Level::default();
+        for child in &spec.descriptors {
+            self.node(child, &path, Some(id), &mut children);
+        }
+        self.nodes[id].children = children;
+    }
+
+    /// The node's rule; errors are recorded and give `None`.
+    fn rule(&mut self, spec: &DescriptorSpec, path: &str) -> Option<Rule> {
+        let rl = spec.rate_limit.as_ref();
+        let unlimited = spec.unlimited || rl.is_some_and(|r| r.unlimited);
+        // envoyproxy/ratelimit rejects a unit on an unlimited rate_limit but ignores a count; an
+        // empty `unit: ""` is no unit there.
+        if let Some(r) = rl.filter(|r| r.unlimited) {
+            if r.unit.as_deref().is_some_and(|u| !u.is_empty()) {
+                self.error(
+                    path,
+                    "`unlimited: true` with a `unit`: an unlimited rate_limit has no unit",
+                );
+                return None;
+            }
+            if r.requests_per_unit.is_some() {
+                self.note(path, "`requests_per_unit` has no effect on an unlimited rate_limit");
+            }
+        }
+        let rl_limit = rl.filter(|r| !r.unlimited);
+        let sources = [spec.bucket.is_some(), spec.token_bucket.is_some(), rl_limit.is_some()];
+        let count = sources.iter().filter(|s| **s).count();
+        if count > 1 {
+            self.error(
+                path,
+                "a rule gives its limit once: use one of `bucket`, `token_bucket`, `rate_limit`",
+            );
+            return None;
+        }
+        let replaces: Vec<String> = match (&spec.replaces, rl.and_then(|r| r.replaces.as_ref())) {
+            (Some(_), Some(_)) => {
+                self.error(
+                    path,
+                    "`replaces` is given twice (on the descriptor and in `rate_limit`)",
+                );
+                return None;
+            }
+            (Some(r), None) | (None, Some(r)) => r.iter().map(|r| r.name.clone()).collect(),
+            (None, None) => Vec::new(),
+        };
+        if unlimited {
+            if spec.schedule.is_some() {
+                self.error(
+                    path,
+                    "`schedule` on an unlimited rule: an unlimited rule has no limit for a schedule to change",
+                );
+                return None;
+            }
+            if spec.quota.is_some() {
+                self.error(path, "`unlimited: true` cannot be combined with a quota");
+                return None;
+            }
+            if count > 0 {
+                self.error(path, "`unlimited: true` cannot be combined with a limit");
+                return None;
+            }
+            self.pending_replaces(path, replaces, None);
+            return Some(Rule::Unlimited { replaces: Vec::new() });
+        }
+        if let Some(name) = &spec.bucket {
+            let field = match (spec.schedule.is_some(), spec.quota.is_some()) {
+                (true, true) => Some("`schedule` and `quota`"),
+                (true, false) => Some("`schedule`"),
+                (false, true) => Some("`quota`"),
+                (false, false) => None,
+            };
+            if let Some(field) = field {
+                self.error(
+                    path,
+                    format!(
+                        "{field} on a rule that references bucket `{name}`: declare it on the bucket under `buckets:`"
+                    ),
+                );
+                return None;
+            }
+        }
+        if spec.name.is_some() && (spec.bucket.is_some() || rl.is_some()) {
+            let why = if spec.bucket.is_some() {
+                "`name` names an inline limit; this rule references a bucket, whose name is used"
+            } else {
+                "`name` goes inside `rate_limit` in the envoyproxy/ratelimit schema"
+            };
+            self.error(path, why);
+            return None;
+        }
+        let (bucket, quota) = if let Some(name) = &spec.bucket {
+            match self.by_name.get(name) {
+                Some(&idx) => (idx, self.companions.get(&idx).copied()),
+                // The bucket's own error is reported; an "unknown bucket" here would only add noise.
+                None if self.rejected.contains(name) => return None,
+                None => {
+                    let mut known: Vec<&str> = self.by_name.keys().map(String::as_str).collect();
+                    known.sort_unstable();
+                    self.error(
+                        path,
+                        format!("unknown bucket `{name}`; declared buckets: [{}]", known.join(", ")),
+                    );
+                    return None;
+                }
+            }
+        } else if spec.token_bucket.is_some() || (spec.quota.is_some() && rl_limit.is_none()) {
+            // An inline token bucket, a quota alone, or both; the rule's `schedule` and `quota`
+            // join the inline bucket's own (given twice is an error).
+            let mut merged = spec.token_bucket.clone().unwrap_or(BucketSpec {
+                capacity: None,
+                refill: None,
+                schedule: None,
+                quota: None,
+            });
+            for (field, twice) in [
+                ("schedule", merged.schedule.is_some() && spec.schedule.is_some()),
+                ("quota", merged.quota.is_some() && spec.quota.is_some()),
+            ] {
+                if twice {
+                    self.error(
+                        path,
+                        format!("`{field}` is given twice (on the rule and in `token_bucket`)"),
+                    );
+                    return None;
+                }
+            }
+            merged.schedule = merged.schedule.or_else(|| spec.schedule.clone());
+            merged.quota = merged.quota.or_else(|| spec.quota.clone());
+            let name = spec.name.clone().unwrap_or_else(|| path.to_owned());
+            if let Err(reason) = check_bucket_name(&name) {
+                self.error(path, format!("{reason}; give the rule a `name`"));
+                return None;
+            }
+            let compiled = self.bucket_spec(path, &merged)?;
+            self.register(path, name, compiled)?
+        } else if let Some(rl) = rl_limit {
+            let name = rl.name.clone().unwrap_or_else(|| path.to_owned());
+            if let Err(reason) = check_bucket_name(&name) {
+                self.error(path, format!("{reason}; give the rate_limit a `name`"));
+                return None;
+            }
+            let (limit, reported) = self.envoy_limit(path, rl.unit.as_deref(), rl.requests_per_unit)?;
+            if limit.rate.is_zero() && spec.schedule.is_some() {
+                self.error(
+                    path,
+                    "`schedule` on a rule with `requests_per_unit: 0`, which blocks every request: give it a \
+                     positive limit, and a window with `capacity: 0` where it should block",
+                );
+                return None;
+            }
+            let plan = self.scheduled(path, limit, spec.schedule.as_deref().unwrap_or_default())?;
+            let bucket = self.add_label(name.clone(), plan, reported);
+            let quota = match &spec.quota {
+                Some(q) => {
+                    let quota = Plan::Quota(self.quota(path, q)?);
+                    let reported = reported_base(&quota);
+                    let idx = self.add_label(quota_name(&name), quota, reported);
+                    self.companions.insert(bucket, idx);
+                    Some(idx)
+                }
+                None => None,
+            };
+            (bucket, quota)
+        } else if spec.schedule.is_some() {
+            self.error(
+                path,
+                "`schedule` changes a limit, and this rule has none: add `token_bucket` or `rate_limit`, or \
+                 reference a bucket",
+            );
+            return None;
+        } else {
+            if spec.shadow_mode {
+                self.note(path, "`shadow_mode` has no effect on a rule without a limit");
+            }
+            self.pending_replaces(
+                path,
+                replaces,
+                Some("`replaces` has no effect on a rule without a limit"),
+            );
+            return None;
+        };
+        self.pending_replaces(path, replaces, None);
+        Some(Rule::Limited {
+            bucket,
+            quota,
+            shadow: spec.shadow_mode,
+            replaces: Vec::new(),
+        })
+    }
+
+    /// Records the `replaces` of the node being built (the next in `nodes`), resolved once every
+    /// bucket of the file is known.
+    fn pending_replaces(&mut self, path: &str, names: Vec<String>, no_effect: Option<&'static str>) {
+        if !names.is_empty() {
+            self.replaces.push(PendingReplaces {
+                node: self.nodes.len(),
+                path: path.to_owned(),
+                names,
+                no_effect,
+            });
+        }
+    }
+
+    /// envoyproxy/ratelimit's `{unit, requests_per_unit}`: N per unit is a bucket of capacity N
+    /// refilled N per unit; 0 denies everything.
+    fn envoy_limit(&mut self, path: &str, unit: Option<&str>, rpu: Option<u64>) -> Option<(Limit, ReportedLimit)> {
+        let Some(unit_text) = unit else {
+            self.error(
+                path,
+                "`rate_limit` needs `unit` (second, minute, hour, day, week, month or year)",
+            );
+            return None;
+        };
+        let Some((unit, unit_us)) = UNITS
+            .iter()
+            .find(|(u, _)| u.as_str_name().eq_ignore_ascii_case(unit_text))
+            .copied()
+        else {
+            self.error(
+                path,
+                format!("unknown unit `{unit_text}`: expected second, minute, hour, day, week, month or year"),
+            );
+            return None;
+        };
+        // envoyproxy/ratelimit reads a missing requests_per_unit as 0, which denies everything.
+        let rpu = rpu.unwrap_or_else(|| {
+            self.note(
+                path,
+                "`requests_per_unit` is missing: read as 0, which denies every request",
+            );
+            0
+        });
+        if rpu > MAX_CAPACITY {
+            self.error(
+                path,
+                format!("requests_per_unit {rpu} is above the maximum of {MAX_CAPACITY}"),
+            );
+            return None;
+        }
+        let reported = ReportedLimit {
+            requests_per_unit: u32::try_from(rpu).unwrap_or(u32::MAX),
+            unit,
+        };
+        if rpu == 0 {
+            return Some((Limit::new(0, Rate::ZERO), reported));
+        }
+        match Rate::per(rpu, unit_us) {
+            Ok(rate) => Some((Limit::new(rpu, rate), reported)),
+            Err(RateError::TooFine { .. }) => {
+                let unit = unit.as_str_name().to_lowercase();
+                self.error(
+                    path,
+                    format!(
+                        "{rpu} per {unit} cannot be computed exactly on every backend; use a count that is a \
+                         multiple of 1000, or a shorter unit"
+                    ),
+                );
+                None
+            }
+            Err(e) => {
+                self.error(path, e.to_string());
+                None
+            }
+        }
+    }
+
+    /// Resolves every `replaces` to bucket indices: a name stands for every bucket that carries it
+    /// (several, for an envoyproxy/ratelimit name given to different limits). A name no bucket
+    /// carries is an error, on any rule.
+    fn resolve_replaces(&mut self) {
+        let pending = std::mem::take(&mut self.replaces);
+        for p in &pending {
+            let own = match &self.nodes[p.node].rule {
+                Some(Rule::Limited { bucket, .. }) => Some(*bucket),
+                _ => None,
+            };
+            let mut resolved = Vec::new();
+            let mut unknown = false;
+            for name in &p.names {
+                let named: Vec<usize> = (0..self.buckets.len())
+                    .filter(|&i| self.buckets[i].name == *name)
+                    .collect();
+                if named.is_empty() && self.rejected.contains(name) {
+                    // The bucket's own error is reported already.
+                    unknown = true;
+                } else if named.is_empty() {
+                    unknown = true;
+                    let mut known: Vec<&str> = self.buckets.iter().map(|b| b.name.as_str()).collect();
+                    known.sort_unstable();
+                    known.dedup();
+                    let reason = format!(
+                        "`replaces` names unknown bucket `{name}`; buckets in this file: [{}]",
+                        known.join(", ")
+                    );
+                    self.error(&p.path, reason);
+                } else if own.is_some_and(|own| self.buckets[own].name == *name) {
+                    self.error(&p.path, format!("`replaces` names the rule's own bucket `{name}`"));
+                } else if let Some(owner) = named.iter().find_map(|&i| self.companion_of(i)) {
+                    let reason = format!(
+                        "`replaces` names `{name}`, the quota of bucket `{owner}`: a token bucket and its quota \
+                         are replaced together, so name `{owner}`"
+                    );
+                    self.error(&p.path, reason);
+                } else {
+                    resolved.extend(named);
+                }
+            }
+            if let Some(note) = p.no_effect {
+                if !unknown {
+                    self.note(&p.path, note);
+                }
+                continue;
+            }
+            resolved.sort_unstable();
+            resolved.dedup();
+            match &mut self.nodes[p.node].rule {
+                Some(Rule::Limited { replaces, .. } | Rule::Unlimited { replaces }) => *replaces = resolved,
+                None => {}
+            }
+        }
+        // A cycle (a replaces b, b replaces a) would drop both: reject it.
+        let mut edges: HashMap<usize, Vec<usize>> = HashMap::new();
+        for node in &self.nodes {
+            if let Some(Rule::Limited { bucket, replaces, .. }) = &node.rule {
+                edges.entry(*bucket).or_default().extend(replaces);
+            }
+        }
+        for p in &pending {
+            if let Some(Rule::Limited { bucket, .. }) = &self.nodes[p.node].rule {
+                if let Some(cycle) = find_cycle(*bucket, &edges) {
+                    let names: Vec<&str> = cycle.iter().map(|b| self.buckets[*b].name.as_str()).collect();
+                    let reason = format!("`replaces` forms a cycle: {}", names.join(" -> "));
+                    self.error(&p.path.clone(), reason);
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// A path from `start` back to itself through `edges`, if there is one.
+fn find_cycle(start: usize, edges: &HashMap<usize, Vec<usize>>) -> Option<Vec<usize>> {
+    let mut stack = vec![(start, vec![start])];
+    let mut seen = HashSet::new();
+    while let Some((at, path)) = stack.pop() {
+        for &next in edges.get(&at).into_iter().flatten() {
+            if next == start {
+                let mut cycle = path.clone();
+                cycle.push(start);
+                return Some(cycle);
+            }
+            if seen.insert(next) {
+                let mut longer = path.clone();
+                longer.push(next);
+                stack.push((next, longer));
+            }
+        }
+    }
+    None
+}
+
+/// `current_limit` for a policy's base limit; a quota's depends on its period and is worked out
+/// per decision ([`BucketPolicy::reported_at`]).
+fn reported_base(plan: &Plan) -> ReportedLimit {
+    match plan {
+        Plan::Quota(q) => ReportedLimit::quota(q.limit().capacity(), None),
+        _ => ReportedLimit::of(&plan.base()),
+    }
+}
+
+/// Bucket names are shown in headers and metrics: non-empty printable ASCII, and not
+/// `override`, the name under which Envoy's per-descriptor limit overrides are reported.
+fn check_bucket_name(name: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err("a bucket name must not be empty".into());
+    }
+    if name == OVERRIDE_BUCKET {
+        return Err(format!(
+            "the bucket name `{OVERRIDE_BUCKET}` is reserved for Envoy's per-descriptor limit overrides"
+        ));
+    }
+    if !name.bytes().all(|b| (0x20..=0x7e).contains(&b)) {
+        return Err(format!(
+            "bucket name `{}` must be printable ASCII",
+            name.escape_default()
+        ));
+    }
+    Ok(())
+}
+
+/// The path of the node `spec` under the node at `parent` (empty for the root): the parent's
+/// path, a `.`, then `key`, or `key=value` when the node has a value (an empty value counts as
+/// none). Rules are named by it when they have no `name`, and messages and `tollgate check`
+/// show it.
+pub(crate) fn node_path(parent: &str, spec: &DescriptorSpec) -> String {
+    let step = match spec.value.as_deref().filter(|v| !v.is_empty()) {
+        Some(v) => format!("{}={v}", spec.key),
+        None => spec.key.clone(),
+    };
+    if parent.is_empty() {
+        step
+    } else {
+        format!("{parent}.{step}")
+    }
+}

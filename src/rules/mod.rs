@@ -1,0 +1,549 @@
+//! The compiled rule set: per domain, a tree of descriptor nodes and the named bucket policies
+//! they point at. Built by [`crate::rules::file`], walked by [`crate::rules::matcher`], swapped whole.
+
+pub mod counters;
+pub mod file;
+pub mod matcher;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
+
+use crate::core::bucket::Limit;
+use crate::core::schedule::Plan;
+use crate::telemetry::DecisionCounters;
+
+/// The bucket name an Envoy `limit` override is decided and counted under (the
+/// `RateLimitDescriptor.limit` field of the request); no rule may use it.
+pub const OVERRIDE_BUCKET: &str = "override";
+
+/// All loaded domains.
+#[derive(Debug, Default)]
+pub struct RuleSet {
+    /// Domains by name.
+    pub domains: HashMap<String, Domain>,
+    /// The files the rules came from, in load order.
+    pub files: Vec<PathBuf>,
+    /// Which successful load this is: 1 for the rules read at start, one more for each reload
+    /// that took effect (0: not loaded by a server, as in `tollgate check`).
+    pub generation: u64,
+    /// Run when this set is dropped: after it was replaced, once the last request deciding on
+    /// it is done ([`crate::decision::limiter::Limiter::swap_rules`]).
+    pub on_retire: OnRetire,
+}
+
+/// A callback run once, when the [`RuleSet`] holding it is dropped; set at most once.
+#[derive(Default)]
+pub struct OnRetire(std::sync::OnceLock<std::sync::Arc<dyn Fn() + Send + Sync>>);
+
+impl OnRetire {
+    /// Sets the callback; a second one is ignored (a set is replaced only once).
+    pub fn set(&self, hook: std::sync::Arc<dyn Fn() + Send + Sync>) {
+        let _ = self.0.set(hook);
+    }
+}
+
+impl Drop for OnRetire {
+    fn drop(&mut self) {
+        if let Some(hook) = self.0.get() {
+            hook();
+        }
+    }
+}
+
+impl std::fmt::Debug for OnRetire {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.get().is_some() {
+            "OnRetire(set)"
+        } else {
+            "OnRetire"
+        })
+    }
+}
+
+impl Domain {
+    /// The names of the buckets `replaces` points at, each once (several buckets may carry one
+    /// envoyproxy/ratelimit name), in order.
+    pub fn replaced_names(&self, replaces: &[usize]) -> Vec<&str> {
+        let mut names: Vec<&str> = Vec::new();
+        for name in replaces.iter().map(|r| self.buckets[*r].name.as_str()) {
+            if !names.contains(&name) {
+                names.push(name);
+            }
+        }
+        names
+    }
+
+    /// The decision counters of bucket `index` (no-ops before
+    /// [`counters::register_rules`] ran).
+    pub fn counters_of(&self, index: usize) -> &DecisionCounters {
+        self.counters.get(index).unwrap_or_else(|| DecisionCounters::noop())
+    }
+}
+
+impl RuleSet {
+    /// Whether no rules file was found (an empty directory, or one whose files are all hidden
+    /// or not `*.yaml` / `*.yml`): almost always a mistyped path. `tollgate check` fails on it
+    /// with [`crate::rules::file::ConfigError::no_rules_files`].
+    pub fn is_empty(&self) -> bool {
+        self.files.is_empty()
+    }
+
+    /// The domain named `name`, if loaded.
+    pub fn domain(&self, name: &str) -> Option<&Domain> {
+        self.domains.get(name)
+    }
+
+    /// Makes this set, about to replace `old` at `at_us` (by the store's clock), change rates
+    /// from then on only: each bucket policy that `old` has too (same domain, same name, so
+    /// the same bucket instances) and whose behaviour changed gets a plan that brings a bucket
+    /// forward under the old plan up to `at_us` and under the new one from it
+    /// ([`Plan::after_reload`]); one whose behaviour did not change keeps `old`'s plan and
+    /// history. New policies are left as compiled.
+    pub fn carry_history(&mut self, old: &RuleSet, at_us: u64) {
+        for (name, domain) in &mut self.domains {
+            let Some(old_domain) = old.domains.get(name) else {
+                continue;
+            };
+            let old_plans: HashMap<&str, &Plan> =
+                old_domain.buckets.iter().map(|b| (b.name.as_str(), &b.plan)).collect();
+            for bucket in &mut domain.buckets {
+                if let Some(old_plan) = old_plans.get(bucket.name.as_str()) {
+                    bucket.plan = Plan::after_reload(old_plan, bucket.plan.clone(), at_us);
+                }
+            }
+        }
+    }
+}
+
+/// One domain: its descriptor tree and bucket policies.
+#[derive(Debug)]
+pub struct Domain {
+    /// The `domain` field of the file.
+    pub name: String,
+    /// The file that declared it.
+    pub file: PathBuf,
+    /// Bucket policies; [`Rule::Limited`] points into this by index.
+    pub buckets: Vec<BucketPolicy>,
+    /// Node arena; [`Level`] refers to nodes by index.
+    pub nodes: Vec<Node>,
+    /// The first level of the tree.
+    pub root: Level,
+    /// Whether any node has a [`Node::shared_pattern`]; when not, instance keys skip the walk.
+    pub has_shared: bool,
+    /// Things `tollgate check` should tell the operator that are not errors, such as
+    /// envoyproxy/ratelimit fields without effect here: `(rule path, note)`.
+    pub notes: Vec<(String, String)>,
+    /// Per bucket (same index as `buckets`), its decision counters; empty until
+    /// [`counters::register_rules`] fills it.
+    pub counters: Vec<DecisionCounters>,
+    /// The decision counters of Envoy `limit` overrides in this domain.
+    pub override_counters: DecisionCounters,
+    /// Per node (same index as `nodes`), its envoyproxy/ratelimit-named counters; empty
+    /// unless [`counters::register_rules`] ran with their names on.
+    pub envoyproxy_stats: Vec<crate::telemetry::EnvoyproxyStats>,
+}
+
+impl Domain {
+    /// The envoyproxy/ratelimit-named counters of node `node` (no-ops when not registered).
+    pub fn envoyproxy_stats_of(&self, node: usize) -> &crate::telemetry::EnvoyproxyStats {
+        self.envoyproxy_stats
+            .get(node)
+            .unwrap_or(crate::telemetry::EnvoyproxyStats::noop())
+    }
+}
+
+/// A named bucket policy: a token bucket (constant or scheduled) or a calendar quota.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BucketPolicy {
+    /// What operators see: `current_limit.name`, the `RateLimit-Policy` item, metrics labels.
+    pub name: String,
+    /// Capacity and refill, and how they change over time.
+    pub plan: Plan,
+    /// `current_limit` as sent to Envoy for the base limit (docs/rules.md); a policy whose limit
+    /// varies is reported by the limit in force ([`BucketPolicy::reported_at`]).
+    pub reported: ReportedLimit,
+    /// For a scheduled policy, [`ReportedLimit::of`] each entry's limit, worked out once.
+    entry_reported: Vec<ReportedLimit>,
+}
+
+impl BucketPolicy {
+    /// A policy named `name` following `plan`, reported to Envoy as `reported` when its base
+    /// limit is in force.
+    pub fn new(name: String, plan: Plan, reported: ReportedLimit) -> BucketPolicy {
+        let entry_reported = match &plan {
+            Plan::Scheduled(s) => (0..s.entries().len())
+                .filter_map(|i| s.entry_limit(i).map(ReportedLimit::of))
+                .collect(),
+            _ => Vec::new(),
+        };
+        BucketPolicy {
+            name,
+            plan,
+            reported,
+            entry_reported,
+        }
+    }
+
+    /// `current_limit` at `now_us`: the precomputed one for a constant limit; for a scheduled
+    /// one, [`ReportedLimit::of`] the limit in force; for a quota, its allowance per the Envoy
+    /// unit nearest its current period ([`ReportedLimit::quota`]).
+    pub fn reported_at(&self, now_us: u64) -> ReportedLimit {
+        // `reported` and `entry_reported` describe the plan the rules file compiled, which a
+        // reload's plan follows from the reload on.
+        let plan = match &self.plan {
+            Plan::Reloaded(r) if now_us < r.at_us() => return self.reported,
+            plan => plan.current(),
+        };
+        match plan {
+            Plan::Fixed(_) | Plan::Reloaded(_) => self.reported,
+            Plan::Scheduled(s) => s
+                .limit_entry_at(now_us)
+                .and_then(|i| self.entry_reported.get(i).copied())
+                .unwrap_or(self.reported),
+            Plan::Quota(q) => ReportedLimit::quota(q.limit().capacity(), plan.window_us(now_us)),
+        }
+    }
+}
+
+/// `DescriptorStatus.current_limit`: requests per unit, as Envoy understands a limit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReportedLimit {
+    /// `RateLimit.requests_per_unit`.
+    pub requests_per_unit: u32,
+    /// `RateLimit.unit`.
+    pub unit: Unit,
+}
+
+/// Envoy's fixed-length units, in microseconds; MONTH and YEAR as envoyproxy/ratelimit counts
+/// them (30 and 365 days).
+pub const UNITS: [(Unit, u64); 7] = [
+    (Unit::Second, 1_000_000),
+    (Unit::Minute, 60_000_000),
+    (Unit::Hour, 3_600_000_000),
+    (Unit::Day, 86_400_000_000),
+    (Unit::Week, 7 * 86_400_000_000),
+    (Unit::Month, 30 * 86_400_000_000),
+    (Unit::Year, 365 * 86_400_000_000),
+];
+
+impl ReportedLimit {
+    /// How a [`Limit`] is reported (docs/rules.md): when its time to fill from empty is exactly
+    /// one unit, `capacity` per that unit; otherwise the refill rate in the first of SECOND,
+    /// MINUTE, HOUR, DAY, WEEK, MONTH, YEAR in which it is a whole number (1 per 250 ms is 4
+    /// per SECOND), else per YEAR rounded down, but at least 1: Envoy and clients read 0 as
+    /// "blocks everything", which a bucket that refills does not (1 per 400 days is reported as
+    /// 1 per YEAR). Saturates at `u32::MAX`. Only a limit that denies every request (a zero
+    /// rate, or a zero capacity such as a maintenance window's) reports 0, per SECOND.
+    pub fn of(limit: &Limit) -> ReportedLimit {
+        let sat = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
+        if limit.rate.is_zero() || limit.capacity_ut == 0 {
+            return ReportedLimit {
+                requests_per_unit: 0,
+                unit: Unit::Second,
+            };
+        }
+        if let Some(fill) = limit.time_to_fill_us() {
+            if let Some((unit, _)) = UNITS.iter().find(|(_, us)| *us == fill) {
+                return ReportedLimit {
+                    requests_per_unit: sat(limit.capacity()),
+                    unit: *unit,
+                };
+            }
+        }
+        for (unit, us) in &UNITS {
+            if let Some(n) = limit.rate.whole_tokens_per(*us).filter(|n| *n > 0) {
+                return ReportedLimit {
+                    requests_per_unit: sat(n),
+                    unit: *unit,
+                };
+            }
+        }
+        let per_year = u128::from(limit.rate.num()) * u128::from(UNITS[6].1)
+            / (u128::from(limit.rate.den()) * u128::from(crate::core::bucket::MICRO));
+        ReportedLimit {
+            requests_per_unit: sat(u64::try_from(per_year).unwrap_or(u64::MAX)).max(1),
+            unit: Unit::Year,
+        }
+    }
+}
+
+impl ReportedLimit {
+    /// How a quota of `allowance` tokens per period of `period_us` is reported: the allowance
+    /// per the Envoy unit whose length is nearest the period (by ratio, so a month of 28 to 31
+    /// days is a MONTH and a day of 23 or 25 hours around a DST change is a DAY). Envoy has no
+    /// unit for other periods (every two weeks, say): the nearest is the honest approximation.
+    /// Without a period (no edge within the horizon) the unit is YEAR.
+    pub fn quota(allowance: u64, period_us: Option<u64>) -> ReportedLimit {
+        let unit = period_us.map_or(Unit::Year, |period| {
+            let ratio = |unit_us: u64| {
+                let (a, b) = (period.max(1) as f64, unit_us as f64);
+                if a > b {
+                    a / b
+                } else {
+                    b / a
+                }
+            };
+            UNITS
+                .iter()
+                .min_by(|a, b| ratio(a.1).total_cmp(&ratio(b.1)))
+                .map_or(Unit::Year, |(unit, _)| *unit)
+        });
+        ReportedLimit {
+            requests_per_unit: u32::try_from(allowance).unwrap_or(u32::MAX),
+            unit,
+        }
+    }
+}
+
+/// One node of a descriptor tree.
+#[derive(Debug)]
+pub struct Node {
+    /// The node's path: keys and values joined with `.`, e.g. `api_key.path=/upload`.
+    pub path: String,
+    /// The next level.
+    pub children: Level,
+    /// What applies when a descriptor's last entry lands here; `None` means no limit.
+    pub rule: Option<Rule>,
+    /// The node one level up; `None` at the first level.
+    pub parent: Option<usize>,
+    /// `share_threshold: true` on a wildcard node: the pattern, which stands in the bucket
+    /// instance key for the value, so every matching value shares one bucket.
+    pub shared_pattern: Option<String>,
+    /// envoyproxy/ratelimit's `detailed_metric: true`: their metric names (when exported) are
+    /// labelled by the request's entries, within a bound ([`crate::telemetry::DETAILED_SERIES_MAX`]).
+    pub detailed_metric: bool,
+}
+
+/// What a node does to a request that ends on it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Rule {
+    /// `unlimited: true`: never limited, no bucket touched. Its `replaces` still drop the rules
+    /// of those buckets from the request, as in envoyproxy/ratelimit (`rate_limit.replaces`).
+    Unlimited {
+        /// Bucket indices this rule replaces when both match one request.
+        replaces: Vec<usize>,
+    },
+    /// A token bucket, a quota, or both.
+    Limited {
+        /// Index into [`Domain::buckets`].
+        bucket: usize,
+        /// A calendar quota the request must also pass (all or nothing), when the policy has a
+        /// token bucket and a quota: index into [`Domain::buckets`].
+        quota: Option<usize>,
+        /// `shadow_mode: true`: evaluated and counted, never denies.
+        shadow: bool,
+        /// Bucket indices this rule replaces when both match one request.
+        replaces: Vec<usize>,
+    },
+}
+
+/// The children of one node (or the root): how one descriptor entry is matched.
+#[derive(Debug, Default)]
+pub struct Level {
+    /// `key` -> `value` -> node, for exact values (a short value inline in its map slot, so
+    /// comparing it reads no other memory: a big tree's lookups miss the cache once, not
+    /// twice).
+    pub exact: HashMap<String, HashMap<compact_str::CompactString, usize>>,
+    /// `(key, pattern, node)` for values with `*`, in config order.
+    pub wildcard: Vec<(String, Pattern, usize)>,
+    /// `key` -> node, for nodes with no value (any value).
+    pub any: HashMap<String, usize>,
+}
+
+/// What a node of a [`Level`] matches in an entry's value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LevelValue<'a> {
+    /// Exactly this value.
+    Exact(&'a str),
+    /// Values matching this pattern.
+    Wildcard(&'a Pattern),
+    /// Any value (a key-only node).
+    Any,
+}
+
+impl Level {
+    /// Every node of this level as `(key, value, node)`, in matching precedence: exact values,
+    /// then wildcards in config order, then key-only nodes; exact and key-only nodes sorted by
+    /// their path in `domain`, so listings are stable.
+    pub fn in_match_order<'a>(&'a self, domain: &Domain) -> Vec<(&'a str, LevelValue<'a>, usize)> {
+        let by_path = |a: &(&str, LevelValue, usize), b: &(&str, LevelValue, usize)| {
+            domain.nodes[a.2].path.cmp(&domain.nodes[b.2].path)
+        };
+        let mut exact: Vec<_> = self
+            .exact
+            .iter()
+            .flat_map(|(k, values)| {
+                values
+                    .iter()
+                    .map(move |(v, n)| (k.as_str(), LevelValue::Exact(v.as_str()), *n))
+            })
+            .collect();
+        exact.sort_by(by_path);
+        let mut any: Vec<_> = self
+            .any
+            .iter()
+            .map(|(k, n)| (k.as_str(), LevelValue::Any, *n))
+            .collect();
+        any.sort_by(by_path);
+        let wildcard = self
+            .wildcard
+            .iter()
+            .map(|(k, p, n)| (k.as_str(), LevelValue::Wildcard(p), *n));
+        exact.into_iter().chain(wildcard).chain(any).collect()
+    }
+
+    /// The node an entry `(key, value)` leads to: the exact value first, then wildcard patterns
+    /// in config order, then the key-only default (docs/rules.md).
+    pub fn find(&self, key: &str, value: &str) -> Option<usize> {
+        if let Some(node) = self.exact.get(key).and_then(|values| values.get(value)) {
+            return Some(*node);
+        }
+        if let Some((_, _, node)) = self
+            .wildcard
+            .iter()
+            .find(|(k, pattern, _)| k == key && pattern.matches(value))
+        {
+            return Some(*node);
+        }
+        self.any.get(key).copied()
+    }
+}
+
+/// A value pattern where `*` matches any run of characters (possibly empty).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Pattern {
+    /// The literal pieces between stars; the first is a prefix, the last a suffix.
+    pieces: Vec<String>,
+}
+
+impl Pattern {
+    /// A pattern from its text; `None` when it has no `*` (an exact value).
+    pub fn parse(text: &str) -> Option<Pattern> {
+        text.contains('*').then(|| Pattern {
+            pieces: text.split('*').map(str::to_owned).collect(),
+        })
+    }
+
+    /// The pattern as written, stars included (`/api/*`).
+    pub fn text(&self) -> String {
+        self.pieces.join("*")
+    }
+
+    /// Whether `value` matches: the first piece is a prefix, the last a suffix, and the middle
+    /// pieces occur in order, without overlapping, in between.
+    pub fn matches(&self, value: &str) -> bool {
+        let (first, rest) = self.pieces.split_first().expect("a pattern has two pieces at least");
+        let (last, middle) = rest.split_last().expect("a pattern has two pieces at least");
+        if value.len() < first.len() + last.len()
+            || !value.starts_with(first.as_str())
+            || !value.ends_with(last.as_str())
+        {
+            return false;
+        }
+        let mut inner = &value[first.len()..value.len() - last.len()];
+        for piece in middle {
+            match inner.find(piece.as_str()) {
+                Some(at) => inner = &inner[at + piece.len()..],
+                None => return false,
+            }
+        }
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::bucket::Rate;
+
+    #[test]
+    fn patterns() {
+        let p = |t| Pattern::parse(t).unwrap();
+        assert!(p("*").matches(""));
+        assert!(p("/api/*").matches("/api/v1"));
+        assert!(!p("/api/*").matches("/apx/v1"));
+        assert!(p("*.png").matches("a.png"));
+        assert!(p("a*b*c").matches("abc"));
+        assert!(p("a*b*c").matches("aXbYc"));
+        assert!(!p("a*b*c").matches("acb"));
+        assert!(!p("ab*ba").matches("aba"), "prefix and suffix must not overlap");
+        assert!(p("*x*x*").matches("xx"));
+        assert!(!p("*x*x*").matches("x"));
+        assert!(Pattern::parse("plain").is_none());
+        for text in ["*", "/api/*", "a*b*c", "*x*x*", "**"] {
+            assert_eq!(p(text).text(), text);
+        }
+    }
+
+    #[test]
+    fn reported_limits() {
+        let rl = |cap, tokens, period_us| ReportedLimit::of(&Limit::new(cap, Rate::per(tokens, period_us).unwrap()));
+        assert_eq!(
+            rl(10, 10, 60_000_000),
+            ReportedLimit {
+                requests_per_unit: 10,
+                unit: Unit::Minute
+            }
+        );
+        assert_eq!(
+            rl(7, 1, 250_000),
+            ReportedLimit {
+                requests_per_unit: 4,
+                unit: Unit::Second
+            }
+        );
+        assert_eq!(
+            rl(100, 10, 1_000_000),
+            ReportedLimit {
+                requests_per_unit: 10,
+                unit: Unit::Second
+            }
+        );
+        assert_eq!(
+            rl(5, 1, 90_000_000),
+            ReportedLimit {
+                requests_per_unit: 40,
+                unit: Unit::Hour
+            }
+        );
+        assert_eq!(
+            rl(5, 1, 7 * 86_400_000_000),
+            ReportedLimit {
+                requests_per_unit: 1,
+                unit: Unit::Week
+            }
+        );
+        assert_eq!(
+            rl(5, 7, 3 * 1_000_000),
+            ReportedLimit {
+                requests_per_unit: 140,
+                unit: Unit::Minute
+            }
+        );
+        // Slower than one per year: still 1 per YEAR, never the 0 that means "blocks everything".
+        assert_eq!(
+            rl(1, 1, 400 * 86_400_000_000),
+            ReportedLimit {
+                requests_per_unit: 1,
+                unit: Unit::Year
+            }
+        );
+        // Whole per YEAR only when exact: 3 per 2 years is reported as 1 per YEAR (floor).
+        assert_eq!(
+            rl(1, 3, 2 * 365 * 86_400_000_000),
+            ReportedLimit {
+                requests_per_unit: 1,
+                unit: Unit::Year
+            }
+        );
+        assert_eq!(
+            ReportedLimit::of(&Limit::new(0, Rate::ZERO)),
+            ReportedLimit {
+                requests_per_unit: 0,
+                unit: Unit::Second
+            }
+        );
+    }
+}

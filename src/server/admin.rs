@@ -1,0 +1,685 @@
+//! The bucket admin API: look at one client's buckets on a running server and fix them.
+//!
+//! **Who may reach it.** Operators only. It can refill or empty any client's limits (a reset
+//! hands a client its whole capacity again, a refund any number of tokens), so it listens on
+//! its own address, `127.0.0.1:8082` by default (`admin.addr`), apart from the gRPC and HTTP
+//! listeners Envoy and probes use. Keep it on loopback (reach it with `kubectl exec` or
+//! `kubectl port-forward`), or behind a NetworkPolicy that admits operators alone, and set a
+//! token (`admin.token`, `TOLLGATE_ADMIN__TOKEN`): every request must then carry
+//! `Authorization: Bearer <token>`. A token set to the empty string admits nobody; an
+//! `admin.addr` beyond loopback without a token is refused at start.
+//!
+//! **Browsers.** Without a token, the pages in an operator's browser can reach a loopback
+//! listener too. Every request must therefore name the listener in `Host` (an IP address,
+//! `localhost` or an `admin.allowed_hosts` name: DNS rebinding gives a page's own name), carry
+//! no `Origin` but the listener's own, and every `POST` must be `Content-Type:
+//! application/json` (a form or `text/plain` needs no CORS preflight; JSON does, and none is
+//! granted). Refusals come before the body is read and change nothing.
+//!
+//! **Addressing.** A bucket is addressed as a request would reach it: a domain and one
+//! descriptor's entries, matched by the rules in force exactly as `ShouldRateLimit` matches
+//! them ([`Limiter::resolve`]): wildcards, `share_threshold`, and a rule's quota beside its
+//! token bucket. Envoy `limit` overrides are not addressable.
+//!
+//! **Endpoints.** The bucket endpoints are all `POST`, with a JSON [`BucketRequest`] body (at
+//! most [`MAX_BODY_BYTES`]); each answers `200` with a [`BucketsResponse`]: per bucket instance
+//! the descriptor reaches, its state after the operation. `GET /config` ([`CONFIG_PATH`]) is the
+//! rules in force and the settings ([`crate::server::config_view`]), here rather than on the public
+//! HTTP port because rule values can be API keys and the settings name the backends.
+//!
+//! | path | body | does |
+//! |---|---|---|
+//! | `/v1/buckets/peek` | `{"domain":"api","descriptor":[{"key":"user","value":"alice"}],"hits":1}` (`hits` optional, default 1) | nothing: reads the buckets as a decision would, and when `hits` tokens would be there |
+//! | `/v1/buckets/refund` | `{"domain":..., "descriptor":..., "tokens":5}` (required, at least 1) | gives `tokens` back to every instance, never above its capacity in force (as `is_negative_hits` does) |
+//! | `/v1/buckets/reset` | `{"domain":..., "descriptor":...}` | makes every instance full again, as if never used |
+//!
+//! Errors are `{"error": "<message>"}` ([`ErrorResponse`]): `400` for a body that is not
+//! such JSON (unknown or missing fields, `tokens` or `hits` of 0, an empty domain or key),
+//! `401` when a token is configured and the request does not carry it, `403` for a `Host` that
+//! does not name the listener or a foreign `Origin`, `415` for a `POST` that is not
+//! `application/json`, `404` for an unknown
+//! domain, a descriptor no rule matches, or an `unlimited` rule (no bucket), `405` for a
+//! method other than `POST`, `413` for a body over the limit, `503` when the store fails.
+//!
+//! Refunds and resets are logged (`info`) with the domain, rule and bucket names, never the
+//! descriptor values, which can be client identities or keys.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use serde::{Deserialize, Serialize};
+
+use crate::core::bucket::{BucketState, Demand, DemandKind, MICRO};
+use crate::core::schedule::Plan;
+use crate::decision::limiter::{Limiter, ResolveError, Resolved};
+use crate::decision::response::ceil_seconds;
+use crate::rules::BucketPolicy;
+use crate::store::{Store, StoreError};
+
+/// The largest request body accepted, in bytes; a larger one is answered `413`.
+pub const MAX_BODY_BYTES: usize = 64 * 1024;
+
+/// What an admin endpoint does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Operation {
+    /// `POST /v1/buckets/peek`: read, change nothing.
+    Peek,
+    /// `POST /v1/buckets/refund`: give tokens back.
+    Refund,
+    /// `POST /v1/buckets/reset`: back to full.
+    Reset,
+}
+
+impl Operation {
+    /// The endpoint's path, e.g. `/v1/buckets/peek`.
+    pub fn path(self) -> &'static str {
+        match self {
+            Operation::Peek => "/v1/buckets/peek",
+            Operation::Refund => "/v1/buckets/refund",
+            Operation::Reset => "/v1/buckets/reset",
+        }
+    }
+
+    /// `peek`, `refund` or `reset`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Operation::Peek => "peek",
+            Operation::Refund => "refund",
+            Operation::Reset => "reset",
+        }
+    }
+}
+
+/// One entry of a request descriptor: `{"key": "user", "value": "alice"}`. Both fields are
+/// required; the value may be empty, the key may not.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DescriptorEntry {
+    /// The descriptor key, as Envoy sends it.
+    pub key: String,
+    /// The descriptor value, as Envoy sends it.
+    pub value: String,
+}
+
+/// The body of every endpoint: which buckets, and for peek and refund how many tokens.
+///
+/// ```json
+/// {"domain": "api", "descriptor": [{"key": "user", "value": "alice"}], "hits": 1}
+/// ```
+///
+/// Unknown fields are rejected, so a misspelt `tokens` is an error rather than a no-op.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BucketRequest {
+    /// The rate-limit domain (Envoy's `domain`); not empty.
+    pub domain: String,
+    /// One descriptor's entries, in order, as Envoy would send them; at least one.
+    pub descriptor: Vec<DescriptorEntry>,
+    /// Peek only: the whole tokens a request would ask for (its `hits_addend`), for
+    /// [`BucketView::retry_after`]; at least 1, default 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hits: Option<u64>,
+    /// Refund only, required: the whole tokens to give back to each instance, at least 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<u64>,
+}
+
+/// The answer of every endpoint: the buckets the descriptor reaches, after the operation
+/// (a peek: as they are).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BucketsResponse {
+    /// The domain, as asked.
+    pub domain: String,
+    /// The descriptor, as asked.
+    pub descriptor: Vec<DescriptorEntry>,
+    /// The path of the matched rule in the domain's descriptor tree, e.g. `user` or
+    /// `api_key.path=/upload`.
+    pub rule: String,
+    /// Whether the rule is in shadow mode (its own `shadow_mode` or the global switch): its
+    /// buckets are kept but never deny.
+    pub shadow: bool,
+    /// The instant the store read or changed the buckets, in microseconds since the Unix
+    /// epoch by the store's clock; every figure below is as of then.
+    pub now_us: u64,
+    /// Peek only: the `hits` the retry-afters are for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hits: Option<u64>,
+    /// The instances: the rule's bucket, then its calendar quota when it has one.
+    pub buckets: Vec<BucketView>,
+}
+
+/// How a bucket's limit behaves over time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PlanKind {
+    /// A token bucket whose capacity and refill never change.
+    TokenBucket,
+    /// A token bucket whose capacity and refill follow schedule windows.
+    Scheduled,
+    /// A calendar quota: no refill, full again at each reset.
+    Quota,
+}
+
+impl PlanKind {
+    fn of(plan: &Plan) -> PlanKind {
+        match plan {
+            Plan::Fixed(_) => PlanKind::TokenBucket,
+            Plan::Scheduled(_) => PlanKind::Scheduled,
+            Plan::Quota(_) => PlanKind::Quota,
+            Plan::Reloaded(r) => PlanKind::of(r.after()),
+        }
+    }
+}
+
+/// One bucket instance's state at [`BucketsResponse::now_us`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BucketView {
+    /// The bucket name (`current_limit.name`; a quota beside a token bucket is
+    /// `<name>.quota`).
+    pub name: String,
+    /// `token_bucket`, `scheduled` or `quota`.
+    pub kind: PlanKind,
+    /// Whole tokens held (rounded down), as `limit_remaining` would report them.
+    pub tokens: u64,
+    /// Tokens held, in micro-tokens (millionths of a token).
+    pub tokens_micro: u64,
+    /// The capacity in force, in whole tokens (a schedule window may change it).
+    pub capacity: u64,
+    /// The limit in force.
+    pub limit: LimitView,
+    /// Seconds until the bucket is full again, rounded up (the `t` of the `RateLimit`
+    /// header); 0 when it is full; `null` when it never refills (or not within the horizon
+    /// the schedules and quotas are walked to).
+    pub full_in_seconds: Option<u64>,
+    /// The same, exact, in microseconds.
+    pub full_in_us: Option<u64>,
+    /// Peek only: when a request for `hits` tokens would pass this bucket.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_after: Option<RetryAfter>,
+}
+
+/// The limit in force, as Envoy is told it and as the bucket refills.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LimitView {
+    /// `current_limit.requests_per_unit` as reported to Envoy now.
+    pub requests_per_unit: u32,
+    /// `current_limit.unit` as reported to Envoy now: `SECOND`, `MINUTE`, `HOUR`, `DAY`,
+    /// `WEEK`, `MONTH` or `YEAR`.
+    pub unit: String,
+    /// The refill rate in force, in tokens per second (0 for a quota or a bucket that never
+    /// refills). For display: the bucket computes with the exact fraction.
+    pub refill_per_second: f64,
+}
+
+/// When a request for [`BucketsResponse::hits`] tokens would pass one bucket, as
+/// `Retry-After` would say it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RetryAfter {
+    /// Seconds, rounded up: 0 if it would pass now; `null` if never within the horizon
+    /// (more than the capacity, or a bucket that never refills).
+    pub seconds: Option<u64>,
+    /// The same, exact, in microseconds.
+    pub us: Option<u64>,
+}
+
+/// The body of every error answer: `{"error": "<message>"}`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorResponse {
+    /// What went wrong, for a person to read.
+    pub error: String,
+}
+
+/// Builds the `/config` document (the rules in force and the settings, secrets redacted) on
+/// each call; see [`crate::server::config_view`].
+pub type ConfigView = Arc<dyn Fn() -> serde_json::Value + Send + Sync>;
+
+/// How the admin listener admits requests, and what it serves beside the bucket endpoints.
+#[derive(Clone, Default)]
+pub struct AdminOptions {
+    /// With a token, every request must carry `Authorization: Bearer <token>` (compared in
+    /// constant time); an empty token admits nobody (`admin.token`).
+    pub token: Option<String>,
+    /// Host names accepted in `Host` besides `localhost` and IP addresses, compared without
+    /// the port and case (`admin.allowed_hosts`): the name a port-forward, a proxy or an
+    /// ingress uses to reach the listener.
+    pub allowed_hosts: Vec<String>,
+    /// `GET /config` when given (else it is 404).
+    pub config: Option<ConfigView>,
+}
+
+/// The admin API over `limiter`'s rules and store, admitting requests as `options` says
+/// (see [the module](self): who may reach it). The caller binds the router to its listener
+/// (`admin.addr`).
+pub fn router<S: Store>(limiter: Arc<Limiter<S>>, options: AdminOptions) -> Router {
+    if options.token.as_deref() == Some("") {
+        tracing::warn!("admin.token is set but empty: every admin request will be refused");
+    }
+    let gate = Arc::new(Gate {
+        token: options.token.map(String::into_bytes),
+        allowed_hosts: options.allowed_hosts.iter().map(|h| normalise_host(h)).collect(),
+    });
+    let admin = Arc::new(Admin { limiter });
+    let mut app = Router::new()
+        .route(Operation::Peek.path(), post(peek::<S>).fallback(method_not_allowed))
+        .route(Operation::Refund.path(), post(refund::<S>).fallback(method_not_allowed))
+        .route(Operation::Reset.path(), post(reset::<S>).fallback(method_not_allowed))
+        .with_state(admin);
+    if let Some(view) = options.config {
+        app = app.route(CONFIG_PATH, get(move || config(view.clone())).fallback(get_only));
+    }
+    app.fallback(not_found)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(axum::middleware::from_fn_with_state(gate, admit))
+}
+
+/// The path of the rules-and-settings document on the admin listener.
+pub const CONFIG_PATH: &str = "/config";
+
+struct Admin<S> {
+    limiter: Arc<Limiter<S>>,
+}
+
+/// What every request to the admin listener must pass before its endpoint runs.
+struct Gate {
+    token: Option<Vec<u8>>,
+    /// Lower case, without a trailing dot.
+    allowed_hosts: Vec<String>,
+}
+
+/// Refuses, before any endpoint, what a browser page could send on an operator's behalf and
+/// what lacks the token: a `Host` that is not one of the listener's names (a DNS-rebinding
+/// page reaches a loopback listener under its own name, and could read the answers), an
+/// `Origin` other than the request's own host (a cross-site page), and, with a token set, a
+/// request without it. `POST`s must also be `Content-Type: application/json` ([`Admin::handle`]):
+/// a cross-site page can send a form or `text/plain` without asking, JSON only after a CORS
+/// preflight, which this listener never grants.
+async fn admit(State(gate): State<Arc<Gate>>, request: Request, next: Next) -> Response {
+    let headers = request.headers();
+    let host = headers
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .map(str::to_owned)
+        .or_else(|| request.uri().authority().map(|a| a.as_str().to_owned()));
+    let Some(host) = host.filter(|h| gate.host_allowed(h)) else {
+        return ApiError::new(
+            StatusCode::FORBIDDEN,
+            "the Host header is not one of the admin listener's names: use an IP address or localhost, \
+             or add the name to admin.allowed_hosts",
+        )
+        .into_response();
+    };
+    if let Some(origin) = headers.get(header::ORIGIN) {
+        let same = origin
+            .to_str()
+            .ok()
+            .and_then(|o| o.split_once("://"))
+            .is_some_and(|(_, authority)| authority.eq_ignore_ascii_case(&host));
+        if !same {
+            return ApiError::new(
+                StatusCode::FORBIDDEN,
+                "cross-origin requests are refused (the Origin header is not this listener)",
+            )
+            .into_response();
+        }
+    }
+    if !gate.authorized(headers) {
+        return ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "missing or wrong bearer token (Authorization: Bearer <admin.token>)",
+        )
+        .into_response();
+    }
+    next.run(request).await
+}
+
+impl Gate {
+    /// Whether `authority` (a `Host` value: `name`, `name:port`, `[v6]:port`) names this
+    /// listener: an IP address (no DNS name is involved, so no rebinding), `localhost`, or an
+    /// [`AdminOptions::allowed_hosts`] name. The port is not compared: a port-forward picks
+    /// its own, and a rebinding page controls the name, not the port.
+    fn host_allowed(&self, authority: &str) -> bool {
+        let Some(name) = host_of(authority) else {
+            return false;
+        };
+        let name = normalise_host(name);
+        let ip = name
+            .strip_prefix('[')
+            .and_then(|n| n.strip_suffix(']'))
+            .unwrap_or(&name);
+        ip.parse::<std::net::IpAddr>().is_ok() || name == "localhost" || self.allowed_hosts.contains(&name)
+    }
+
+    /// Whether `headers` carry the configured token (always, when none is configured).
+    fn authorized(&self, headers: &HeaderMap) -> bool {
+        let Some(expected) = &self.token else {
+            return true;
+        };
+        let given = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| bearer_token(v.as_bytes()));
+        match given {
+            Some(given) => !expected.is_empty() && constant_time_eq(given, expected),
+            None => false,
+        }
+    }
+}
+
+/// The host of a `Host` value without its port (`[::1]:8082` -> `[::1]`, `a:1` -> `a`); `None`
+/// for an empty one or one with a port that is not a number.
+fn host_of(authority: &str) -> Option<&str> {
+    let authority = authority.trim();
+    let (host, port) = if authority.starts_with('[') {
+        let end = authority.find(']')?;
+        let (host, rest) = authority.split_at(end + 1);
+        (host, rest.strip_prefix(':'))
+    } else {
+        match authority.rsplit_once(':') {
+            Some((host, port)) => (host, Some(port)),
+            None => (authority, None),
+        }
+    };
+    if host.is_empty() || port.is_some_and(|p| p.parse::<u16>().is_err()) {
+        return None;
+    }
+    Some(host)
+}
+
+/// A host name as compared: lower case, without a trailing dot.
+fn normalise_host(name: &str) -> String {
+    name.trim().trim_end_matches('.').to_ascii_lowercase()
+}
+
+/// Whether `headers` say the body is JSON (`application/json`, parameters allowed).
+fn is_json(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|media| media.trim().eq_ignore_ascii_case("application/json"))
+}
+
+async fn config(view: ConfigView) -> Response {
+    // As long as tens of milliseconds for 10,000 rules: off the runtime's threads.
+    match tokio::task::spawn_blocking(move || view()).await {
+        Ok(view) => Json(view).into_response(),
+        Err(_) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "building the view failed").into_response(),
+    }
+}
+
+async fn get_only() -> Response {
+    let mut response = ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "use GET").into_response();
+    response
+        .headers_mut()
+        .insert(header::ALLOW, HeaderValue::from_static("GET"));
+    response
+}
+
+type Body = Result<Bytes, BytesRejection>;
+
+async fn peek<S: Store>(State(admin): State<Arc<Admin<S>>>, headers: HeaderMap, body: Body) -> Response {
+    answer(admin.handle(Operation::Peek, &headers, body).await)
+}
+
+async fn refund<S: Store>(State(admin): State<Arc<Admin<S>>>, headers: HeaderMap, body: Body) -> Response {
+    answer(admin.handle(Operation::Refund, &headers, body).await)
+}
+
+async fn reset<S: Store>(State(admin): State<Arc<Admin<S>>>, headers: HeaderMap, body: Body) -> Response {
+    answer(admin.handle(Operation::Reset, &headers, body).await)
+}
+
+async fn not_found() -> Response {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "no such endpoint: POST /v1/buckets/peek, /v1/buckets/refund or /v1/buckets/reset, GET /config",
+    )
+    .into_response()
+}
+
+async fn method_not_allowed() -> Response {
+    let mut response = ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "use POST").into_response();
+    response
+        .headers_mut()
+        .insert(header::ALLOW, HeaderValue::from_static("POST"));
+    response
+}
+
+fn answer(result: Result<BucketsResponse, ApiError>) -> Response {
+    match result {
+        Ok(body) => Json(body).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+impl<S: Store> Admin<S> {
+    async fn handle(&self, op: Operation, headers: &HeaderMap, body: Body) -> Result<BucketsResponse, ApiError> {
+        if !is_json(headers) {
+            return Err(ApiError::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "the body must be sent with Content-Type: application/json",
+            ));
+        }
+        let body = body.map_err(|e| ApiError::new(e.status(), e.body_text()))?;
+        let req: BucketRequest =
+            serde_json::from_slice(&body).map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))?;
+        let unexpected = |field: &str| ApiError::bad_request(format!("{} takes no `{field}`", op.name()));
+        let hits = match op {
+            Operation::Peek if req.tokens.is_some() => return Err(unexpected("tokens")),
+            Operation::Peek => Some(req.hits.unwrap_or(1)),
+            Operation::Refund | Operation::Reset if req.hits.is_some() => return Err(unexpected("hits")),
+            Operation::Refund if req.tokens.is_none() => return Err(ApiError::bad_request("refund needs `tokens`")),
+            Operation::Reset if req.tokens.is_some() => return Err(unexpected("tokens")),
+            Operation::Refund | Operation::Reset => None,
+        };
+        if hits == Some(0) || req.tokens == Some(0) {
+            return Err(ApiError::bad_request("`hits` and `tokens` must be at least 1"));
+        }
+        let entries: Vec<Entry> = req
+            .descriptor
+            .iter()
+            .map(|e| Entry {
+                key: e.key.clone(),
+                value: e.value.clone(),
+            })
+            .collect();
+        let resolved = self.limiter.resolve(&req.domain, &entries).map_err(ApiError::from)?;
+        let store = self.limiter.store();
+        let (now_us, states): (u64, Vec<(BucketState, BucketState)>) = match op {
+            Operation::Peek | Operation::Reset => {
+                let read = if op == Operation::Peek {
+                    store.peek(&resolved.buckets).await
+                } else {
+                    store.reset(&resolved.buckets).await
+                };
+                let read = read.map_err(ApiError::from)?;
+                (read.now_us, read.states.into_iter().zip(read.kept).collect())
+            }
+            Operation::Refund => {
+                let give = req.tokens.unwrap_or(0).saturating_mul(MICRO);
+                let demands: Vec<Demand> = (0..resolved.buckets.len())
+                    .map(|instance| Demand {
+                        instance,
+                        kind: DemandKind::Refund(give),
+                        enforced: true,
+                    })
+                    .collect();
+                let applied = store.apply(&resolved.buckets, &demands).await.map_err(ApiError::from)?;
+                let outs = applied.decision.instances.iter().map(|o| (o.after, o.kept()));
+                (applied.now_us, outs.collect())
+            }
+        };
+        if op != Operation::Peek {
+            log_change(op, &req, &resolved);
+        }
+        let buckets = resolved
+            .policies
+            .iter()
+            .zip(states)
+            .map(|(policy, (state, kept))| view(policy, state, kept, now_us, hits))
+            .collect();
+        Ok(BucketsResponse {
+            domain: req.domain,
+            descriptor: req.descriptor,
+            rule: resolved.rule,
+            shadow: resolved.shadow,
+            now_us,
+            hits,
+            buckets,
+        })
+    }
+}
+
+/// The token of an `Authorization: Bearer <token>` value (the scheme is case-insensitive).
+fn bearer_token(value: &[u8]) -> Option<&[u8]> {
+    const SCHEME: &[u8] = b"bearer ";
+    if value.len() < SCHEME.len() || !value[..SCHEME.len()].eq_ignore_ascii_case(SCHEME) {
+        return None;
+    }
+    let token = value[SCHEME.len()..].trim_ascii();
+    (!token.is_empty()).then_some(token)
+}
+
+/// Whether `given` equals `expected`, in a time that depends on the length of `given` alone
+/// (which the client knows anyway): every byte is compared, and nothing tells how many
+/// matched or how long `expected` is.
+fn constant_time_eq(given: &[u8], expected: &[u8]) -> bool {
+    let mut diff = given.len() ^ expected.len();
+    let n = expected.len().max(1);
+    for (i, g) in given.iter().enumerate() {
+        let e = expected.get(i % n).copied().unwrap_or(0);
+        diff |= usize::from(g ^ e);
+    }
+    std::hint::black_box(diff) == 0
+}
+
+/// One bucket instance as the admin API shows it, from the state brought forward to `now_us`
+/// and the state the store keeps (waits are measured from it, as for a decision).
+fn view(policy: &BucketPolicy, state: BucketState, kept: BucketState, now_us: u64, hits: Option<u64>) -> BucketView {
+    let plan = &policy.plan;
+    let limit = plan.limit_at(now_us);
+    let reported = policy.reported_at(now_us);
+    let full_in_us = plan.full_at_us(kept).map(|at| at.saturating_sub(now_us));
+    let retry_after = hits.map(|hits| {
+        let us = plan.wait_us(kept, hits.saturating_mul(MICRO), now_us);
+        RetryAfter {
+            seconds: us.map(ceil_seconds),
+            us,
+        }
+    });
+    BucketView {
+        name: policy.name.clone(),
+        kind: PlanKind::of(plan),
+        tokens: state.tokens_ut / MICRO,
+        tokens_micro: state.tokens_ut,
+        capacity: limit.capacity(),
+        limit: LimitView {
+            requests_per_unit: reported.requests_per_unit,
+            unit: reported.unit.as_str_name().to_owned(),
+            refill_per_second: limit.rate.num() as f64 / limit.rate.den() as f64,
+        },
+        full_in_seconds: full_in_us.map(ceil_seconds),
+        full_in_us,
+        retry_after,
+    }
+}
+
+/// Logs a refund or reset for the audit trail, without the descriptor's values.
+fn log_change(op: Operation, req: &BucketRequest, resolved: &Resolved) {
+    let names: Vec<&str> = resolved.policies.iter().map(|p| p.name.as_str()).collect();
+    tracing::info!(
+        operation = op.name(),
+        domain = %req.domain,
+        rule = %resolved.rule,
+        buckets = ?names,
+        tokens = req.tokens,
+        "admin changed buckets"
+    );
+}
+
+/// An error answer: a status and `{"error": message}`.
+#[derive(Debug)]
+struct ApiError {
+    status: StatusCode,
+    message: String,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            message: message.into(),
+        }
+    }
+
+    fn bad_request(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::BAD_REQUEST, message)
+    }
+}
+
+impl From<ResolveError> for ApiError {
+    fn from(e: ResolveError) -> ApiError {
+        let status = match e {
+            ResolveError::Invalid(_) => StatusCode::BAD_REQUEST,
+            ResolveError::UnknownDomain(_) | ResolveError::NoRule(_) | ResolveError::Unlimited(_) => {
+                StatusCode::NOT_FOUND
+            }
+        };
+        ApiError::new(status, e.to_string())
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> ApiError {
+        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut response = (self.status, Json(ErrorResponse { error: self.message })).into_response();
+        if self.status == StatusCode::UNAUTHORIZED {
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bearer_tokens() {
+        assert_eq!(bearer_token(b"Bearer abc"), Some(&b"abc"[..]));
+        assert_eq!(bearer_token(b"bearer  abc "), Some(&b"abc"[..]));
+        assert_eq!(bearer_token(b"Basic abc"), None);
+        assert_eq!(bearer_token(b"Bearer "), None);
+        assert_eq!(bearer_token(b"Bearer"), None);
+        assert_eq!(bearer_token(b""), None);
+    }
+
+    #[test]
+    fn constant_time_comparison() {
+        assert!(constant_time_eq(b"secret", b"secret"));
+        assert!(!constant_time_eq(b"secreT", b"secret"));
+        assert!(!constant_time_eq(b"secret2", b"secret"));
+        assert!(!constant_time_eq(b"secre", b"secret"));
+        assert!(
+            !constant_time_eq(b"secretsecret", b"secret"),
+            "a repeat is not the token"
+        );
+        assert!(!constant_time_eq(b"", b"secret"));
+        assert!(constant_time_eq(b"", b""));
+        assert!(!constant_time_eq(b"x", b""));
+    }
+}

@@ -1,0 +1,678 @@
+//! Wiring for `tollgate serve`: load settings and rules, build the store and limiter, and run
+//! the gRPC and HTTP listeners until a shutdown signal.
+
+pub mod admin;
+pub mod check;
+pub mod config_view;
+pub mod http;
+pub mod metrics;
+pub mod reload;
+pub mod service;
+pub mod settings;
+pub mod wire;
+
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
+use tokio::net::TcpListener;
+use tonic::transport::server::TcpIncoming;
+use tonic_health::pb::health_server::{Health, HealthServer};
+use tonic_health::ServingStatus;
+
+use crate::core::clock::{Clock, SkewedClock, SystemClock};
+use crate::decision::limiter::{Limiter, LimiterOptions};
+use crate::server::config_view::config_json;
+use crate::server::http::{router, HttpState, Readiness};
+use crate::server::reload::{load_initial, Reloader};
+use crate::server::service::RateLimitGrpc;
+use crate::server::settings::{
+    Backend, FailureMode, FallbackBackend, GrpcSettings, RuntimeFlavor, Settings, UnreachableAtStart,
+};
+use crate::server::wire::RateLimitServer;
+use crate::store::{AnyStore, Fallback, Guarded, MemoryStore, Metered, PostgresStore, RedisStore, Resilient, Store};
+
+impl LimiterOptions {
+    /// The limiter options in `settings`.
+    pub fn from_settings(settings: &Settings) -> LimiterOptions {
+        LimiterOptions {
+            limits: settings.limits,
+            headers: settings.headers,
+            shadow_mode: settings.shadow_mode,
+            overrides: settings.overrides,
+            refunds: settings.refunds,
+            near_limit_ratio: settings.metrics.near_limit_ratio,
+            on_store_failure: match settings.backend {
+                Backend::Memory => FailureMode::Error,
+                Backend::Redis => settings.redis.failure_mode,
+                Backend::Postgres => settings.postgres.failure_mode,
+            },
+        }
+    }
+}
+
+/// How `/readyz` names the configured backend and its fallback.
+fn backend_names(settings: &Settings) -> crate::server::http::BackendNames {
+    let fallback_of = |mode: FailureMode, fallback: Option<&'static str>| match mode {
+        FailureMode::Fallback => fallback,
+        _ => None,
+    };
+    match settings.backend {
+        Backend::Memory => crate::server::http::BackendNames {
+            primary: "memory",
+            fallback: None,
+        },
+        Backend::Redis => crate::server::http::BackendNames {
+            primary: "Redis",
+            fallback: fallback_of(
+                settings.redis.failure_mode,
+                Some(match settings.redis.fallback {
+                    FallbackBackend::Postgres => "postgres",
+                    FallbackBackend::Memory => "memory",
+                }),
+            ),
+        },
+        Backend::Postgres => crate::server::http::BackendNames {
+            primary: "Postgres",
+            fallback: fallback_of(settings.postgres.failure_mode, Some("memory")),
+        },
+    }
+}
+
+/// Runs tollgate with `settings` until SIGINT or SIGTERM, then shuts down gracefully: reports
+/// not ready (`/readyz` 503, gRPC health `NOT_SERVING`) for `shutdown.drain_seconds` while
+/// still answering, then stops accepting and gives in-flight requests
+/// `shutdown.timeout_seconds` to finish; open gRPC connections keep being served, new streams
+/// too, until `go_away_margin` before that deadline, then get a graceful GOAWAY. A second
+/// signal skips the wait.
+///
+/// Errors: invalid settings or rules (every problem, with file, rule and reason), or a listener
+/// that cannot bind.
+pub async fn serve(settings: Settings) -> anyhow::Result<()> {
+    settings
+        .validate()
+        .map_err(|e| anyhow::anyhow!("invalid settings: {e}"))?;
+    // Before the rules, so their decision counters register with it.
+    let prometheus = crate::server::metrics::install()?;
+    tokio::spawn(crate::server::metrics::run_upkeep(
+        prometheus.clone(),
+        Duration::from_secs(5),
+    ));
+    crate::telemetry::set_envoyproxy_names(settings.metrics.envoyproxy_names);
+    let (rules, fingerprint) = load_initial(&settings.rules).map_err(|e| anyhow::anyhow!("invalid rules:\n{e}"))?;
+    if rules.is_empty() {
+        tracing::warn!(
+            path = %settings.rules.display(),
+            "no rules files found (*.yaml, *.yml): nothing will be limited"
+        );
+    }
+    tracing::info!(
+        path = %settings.rules.display(),
+        domains = rules.domains.len(),
+        files = rules.files.len(),
+        generation = rules.generation,
+        "rules loaded"
+    );
+    let clock = local_clock();
+    // The memory store: the backend itself, or Redis's fallback (`failure_mode: fallback`).
+    let memory = MemoryStore::new(settings.memory.shards, settings.memory.max_buckets, clock.clone());
+    spawn_sweeper(
+        memory.clone(),
+        Duration::from_secs(settings.memory.sweep_interval_seconds.max(1)),
+    );
+    let store = match settings.backend {
+        Backend::Memory => AnyStore::Memory(Metered::new(memory.clone(), "memory")),
+        Backend::Redis => AnyStore::Redis(redis_store(&settings, memory.clone(), clock).await?),
+        Backend::Postgres => AnyStore::Postgres(postgres_store(&settings, memory.clone()).await?),
+    };
+    let limiter = Arc::new(Limiter::new(rules, store, LimiterOptions::from_settings(&settings)));
+    let reloader = Reloader::new(limiter.clone(), settings.rules.clone(), fingerprint);
+    let reload_task = reloader.spawn(settings.reload);
+
+    let grpc = TcpListener::bind(settings.grpc_addr)
+        .await
+        .with_context(|| format!("cannot listen for gRPC on {}", settings.grpc_addr))?;
+    let http = TcpListener::bind(settings.http_addr)
+        .await
+        .with_context(|| format!("cannot listen for HTTP on {}", settings.http_addr))?;
+    let metrics_listener = match settings.metrics.addr {
+        Some(addr) => Some(
+            TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen for metrics on {addr} (metrics.addr)"))?,
+        ),
+        None => None,
+    };
+    let admin = match settings.admin.enabled {
+        true => Some(
+            TcpListener::bind(settings.admin.addr)
+                .await
+                .with_context(|| format!("cannot listen for the admin API on {}", settings.admin.addr))?,
+        ),
+        false => None,
+    };
+    tracing::info!(
+        grpc = %settings.grpc_addr,
+        http = %settings.http_addr,
+        admin = %admin.as_ref().map_or("disabled".to_owned(), |_| settings.admin.addr.to_string()),
+        admin_token = settings.admin.token.is_some(),
+        metrics = %settings.metrics.addr.map_or("on the HTTP port".to_owned(), |a| format!("{a}{} and on the HTTP port", settings.metrics.path)),
+        "listening"
+    );
+
+    let ready = Readiness::default();
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stopped = move || {
+        let mut stop = stop_rx.clone();
+        async move {
+            let _ = stop.wait_for(|s| *s).await;
+        }
+    };
+    // `/config`, on the admin listener: rule values can be API keys, and it names the backends.
+    let config_view: crate::server::admin::ConfigView = {
+        let config_limiter = limiter.clone();
+        let config_settings = settings.clone();
+        let config_reloader = reloader.clone();
+        Arc::new(move || {
+            let mut config = config_json(&config_limiter.rules(), &config_settings);
+            config["reload"] = config_reloader.status_json();
+            config
+        })
+    };
+    let http_state = {
+        let gauges = memory.clone();
+        let buckets = ::metrics::gauge!(crate::telemetry::MEMORY_BUCKETS);
+        let evicted = ::metrics::counter!(crate::telemetry::MEMORY_EVICTED_NOT_FULL);
+        // process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds, ...: the
+        // standard process metrics, read at each scrape.
+        let process = metrics_process::Collector::default();
+        process.describe();
+        HttpState::new(
+            ready.clone(),
+            {
+                let limiter = limiter.clone();
+                Arc::new(move || {
+                    let limiter = limiter.clone();
+                    Box::pin(async move { limiter.store().ready().await })
+                })
+            },
+            Some(prometheus),
+            Arc::new(move || {
+                process.collect();
+                buckets.set(gauges.len() as f64);
+                evicted.absolute(gauges.stats().evicted_not_full.load(Ordering::Relaxed));
+            }),
+            backend_names(&settings),
+        )
+    };
+    let mut tasks = tokio::task::JoinSet::new();
+    {
+        let stop = stopped();
+        let app = router(http_state.clone());
+        tasks.spawn(async move {
+            axum::serve(http, app)
+                .with_graceful_shutdown(stop)
+                .await
+                .context("HTTP server failed")
+        });
+    }
+    if let Some(listener) = metrics_listener {
+        let stop = stopped();
+        let app = crate::server::http::metrics_router(http_state, &settings.metrics.path);
+        tasks.spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(stop)
+                .await
+                .context("metrics server failed")
+        });
+    }
+    if let Some(admin) = admin {
+        let stop = stopped();
+        let options = crate::server::admin::AdminOptions {
+            token: settings.admin.token.clone(),
+            allowed_hosts: settings.admin.allowed_hosts.clone(),
+            config: Some(config_view),
+        };
+        let app = crate::server::admin::router(limiter.clone(), options);
+        tasks.spawn(async move {
+            axum::serve(admin, app)
+                .with_graceful_shutdown(stop)
+                .await
+                .context("admin server failed")
+        });
+    }
+    let (health_reporter, health) = tonic_health::server::health_reporter();
+    health_reporter
+        .set_serving::<RateLimitServer<RateLimitGrpc<AnyStore>>>()
+        .await;
+    {
+        // At the stop the gRPC listener closes, but the connections already open keep serving
+        // new streams: Envoy keeps its connections and sends on them until told otherwise, so
+        // a GOAWAY at the stop refused (or sent elsewhere, to a listener now closed) every
+        // request of the last moments. Told to go away only shortly before the deadline,
+        // Envoy moves on while the streams it already sent are still answered.
+        let close = stopped();
+        let stop = stopped();
+        let timeout = Duration::from_secs(settings.shutdown.timeout_seconds);
+        let go_away = async move {
+            stop.await;
+            tokio::time::sleep(timeout.saturating_sub(go_away_margin(timeout))).await;
+        };
+        let service = RateLimitGrpc::new(limiter.clone());
+        tasks.spawn(serve_rate_limit_service_draining(
+            grpc,
+            service,
+            health,
+            settings.grpc,
+            close,
+            go_away,
+        ));
+    }
+    ready.set(true);
+    let health_follower = tokio::spawn(follow_readiness(health_reporter.clone(), limiter.clone()));
+
+    let failed = tokio::select! {
+        // A listener ended by itself: that is an error (or a bug); shut the rest down.
+        Some(done) = tasks.join_next() => Some(done),
+        _ = shutdown_signal() => None,
+    };
+    ready.set(false);
+    health_follower.abort();
+    health_reporter
+        .set_not_serving::<RateLimitServer<RateLimitGrpc<AnyStore>>>()
+        .await;
+    health_reporter.set_service_status("", ServingStatus::NotServing).await;
+    if failed.is_none() && settings.shutdown.drain_seconds > 0 {
+        tracing::info!(
+            drain_seconds = settings.shutdown.drain_seconds,
+            "shutting down: not ready; still answering while load balancers move away"
+        );
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_secs(settings.shutdown.drain_seconds)) => {}
+            _ = shutdown_signal() => {
+                tracing::warn!("second signal: exiting now, without waiting for requests in flight");
+                reload_task.abort();
+                tasks.abort_all();
+                return Ok(());
+            }
+        }
+    }
+    tracing::info!(
+        timeout_seconds = settings.shutdown.timeout_seconds,
+        "closing the listeners; finishing requests in flight"
+    );
+    reload_task.abort();
+    let _ = stop_tx.send(true);
+    let deadline = Duration::from_secs(settings.shutdown.timeout_seconds);
+    let mut result = match failed {
+        Some(done) => done.context("a listener task panicked")?,
+        None => Ok(()),
+    };
+    let finish = async {
+        while let Some(done) = tasks.join_next().await {
+            if let Err(e) = done.context("a listener task panicked").and_then(|r| r) {
+                tracing::error!("{e:#}");
+            }
+        }
+    };
+    tokio::select! {
+        _ = finish => tracing::info!("all requests in flight answered; bye"),
+        _ = tokio::time::sleep(deadline) => {
+            tracing::warn!(?deadline, "requests still in flight at the shutdown deadline; exiting anyway");
+            tasks.abort_all();
+        }
+        _ = shutdown_signal() => {
+            tracing::warn!("another signal: exiting without waiting for requests in flight");
+            tasks.abort_all();
+        }
+    }
+    if let Err(e) = &result {
+        tracing::error!("{e:#}");
+        result = Err(anyhow::anyhow!("a listener stopped unexpectedly"));
+    }
+    result
+}
+
+/// The runtime for `flavor` (`tollgate serve`'s `runtime` setting; the load generator's no-op
+/// server takes the same): see [`RuntimeFlavor`].
+///
+/// Errors: the runtime cannot be built (the operating system refused a thread or an epoll
+/// instance).
+pub fn runtime(flavor: RuntimeFlavor) -> std::io::Result<tokio::runtime::Runtime> {
+    let one_cpu = std::thread::available_parallelism().is_ok_and(|n| n.get() == 1);
+    let current = match flavor {
+        RuntimeFlavor::Auto => one_cpu,
+        RuntimeFlavor::CurrentThread => true,
+        RuntimeFlavor::MultiThread => false,
+    };
+    if current {
+        tokio::runtime::Builder::new_current_thread().enable_all().build()
+    } else {
+        tokio::runtime::Runtime::new()
+    }
+}
+
+/// How often gRPC health is brought in line with the backend's readiness.
+const HEALTH_EVERY: Duration = Duration::from_secs(1);
+
+/// Keeps gRPC health (`""` and the `RateLimitService`) saying what `/readyz` says about the
+/// backend: `NOT_SERVING` while it cannot decide (no fallback that can), `SERVING` again once
+/// it can. Checked every [`HEALTH_EVERY`]; runs until aborted at shutdown.
+async fn follow_readiness(reporter: tonic_health::server::HealthReporter, limiter: Arc<Limiter<AnyStore>>) {
+    let mut serving = true;
+    let mut tick = tokio::time::interval(HEALTH_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let now = limiter.store().ready().await.is_ready();
+        if now == serving {
+            continue;
+        }
+        serving = now;
+        let status = if now {
+            ServingStatus::Serving
+        } else {
+            ServingStatus::NotServing
+        };
+        reporter
+            .set_service_status(
+                <RateLimitServer<RateLimitGrpc<AnyStore>> as tonic::server::NamedService>::NAME,
+                status,
+            )
+            .await;
+        reporter.set_service_status("", status).await;
+    }
+}
+
+/// Serves tollgate's `RateLimitService` and `grpc.health.v1` on `listener` until `shutdown`
+/// completes.
+pub async fn serve_grpc<S: Store>(
+    listener: TcpListener,
+    limiter: Arc<Limiter<S>>,
+    shutdown: impl Future<Output = ()> + Send,
+) -> anyhow::Result<()> {
+    serve_rate_limit_service(listener, RateLimitGrpc::new(limiter), shutdown).await
+}
+
+/// Serves any `RateLimitService` implementation, and `grpc.health.v1` reporting it serving, on
+/// `listener` until `shutdown` completes. This is the whole gRPC stack; the load generator's
+/// no-op server uses it too, so measurements compare decision paths and nothing else.
+pub async fn serve_rate_limit_service<T: RateLimitService>(
+    listener: TcpListener,
+    service: T,
+    shutdown: impl Future<Output = ()> + Send,
+) -> anyhow::Result<()> {
+    let (health_reporter, health) = tonic_health::server::health_reporter();
+    health_reporter.set_serving::<RateLimitServer<T>>().await;
+    serve_rate_limit_service_with_health(listener, service, health, shutdown).await
+}
+
+/// [`serve_rate_limit_service`] with a health service the caller keeps the reporter of (to
+/// report `NOT_SERVING` while shutting down), and the default [`GrpcSettings`].
+pub async fn serve_rate_limit_service_with_health<T: RateLimitService>(
+    listener: TcpListener,
+    service: T,
+    health: HealthServer<impl Health>,
+    shutdown: impl Future<Output = ()> + Send,
+) -> anyhow::Result<()> {
+    serve_rate_limit_service_with_limits(listener, service, health, GrpcSettings::default(), shutdown).await
+}
+
+/// [`serve_rate_limit_service_with_health`] with the gRPC server's limits of `limits` (the
+/// `grpc` settings: message size, streams per connection, keep-alive).
+pub async fn serve_rate_limit_service_with_limits<T: RateLimitService>(
+    listener: TcpListener,
+    service: T,
+    health: HealthServer<impl Health>,
+    limits: GrpcSettings,
+    shutdown: impl Future<Output = ()> + Send,
+) -> anyhow::Result<()> {
+    // The listener closes with the GOAWAY, at `shutdown`.
+    serve_rate_limit_service_draining(listener, service, health, limits, std::future::pending(), shutdown).await
+}
+
+/// How long before the shutdown deadline open gRPC connections are sent their GOAWAY: enough
+/// for the streams sent meanwhile to be answered (a decision takes milliseconds), at most half
+/// the timeout.
+fn go_away_margin(timeout: Duration) -> Duration {
+    (timeout / 2).min(Duration::from_secs(1))
+}
+
+/// The listener, until `close` completes: then it is dropped (new connections are refused) and
+/// the stream stays pending, without ending, so the connections already accepted keep being
+/// served (an ended stream makes tonic tell them to go away at once).
+struct ClosableIncoming<F> {
+    incoming: Option<TcpIncoming>,
+    close: std::pin::Pin<Box<F>>,
+}
+
+impl<F: Future<Output = ()>> futures_util::Stream for ClosableIncoming<F> {
+    type Item = std::io::Result<tokio::net::TcpStream>;
+
+    fn poll_next(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        let this = self.get_mut();
+        // Polled only until it completes (`incoming` is then gone).
+        if this.incoming.is_some() && this.close.as_mut().poll(cx).is_ready() {
+            this.incoming = None;
+            tracing::info!("gRPC listener closed; open connections still served until told to go away");
+        }
+        match &mut this.incoming {
+            Some(incoming) => std::pin::Pin::new(incoming).poll_next(cx),
+            None => std::task::Poll::Pending,
+        }
+    }
+}
+
+/// [`serve_rate_limit_service_with_limits`] that stops accepting connections at `close` but
+/// keeps serving every stream of the open ones until `go_away`, when each is sent a graceful
+/// GOAWAY (HTTP/2's two-step one: streams the client sent before it saw it are still served);
+/// returns once every connection has closed.
+pub async fn serve_rate_limit_service_draining<T: RateLimitService>(
+    listener: TcpListener,
+    service: T,
+    health: HealthServer<impl Health>,
+    limits: GrpcSettings,
+    close: impl Future<Output = ()> + Send + 'static,
+    go_away: impl Future<Output = ()> + Send,
+) -> anyhow::Result<()> {
+    let keepalive =
+        (limits.keepalive_interval_seconds > 0).then(|| Duration::from_secs(limits.keepalive_interval_seconds));
+    // TCP_NODELAY must be set on the accepted sockets here: tonic ignores `Server::tcp_nodelay`
+    // for a caller-supplied incoming stream. With Nagle on, a response written in two pieces
+    // waits for Envoy's delayed ACK (~40 ms), past Envoy's default 20 ms filter timeout.
+    tonic::transport::Server::builder()
+        .max_concurrent_streams(limits.max_concurrent_streams)
+        .http2_keepalive_interval(keepalive)
+        .http2_keepalive_timeout(Some(Duration::from_secs(limits.keepalive_timeout_seconds.max(1))))
+        .add_service(health)
+        .add_service(RateLimitServer::new(service).max_message_bytes(limits.max_message_bytes))
+        .serve_with_incoming_shutdown(
+            ClosableIncoming {
+                incoming: Some(TcpIncoming::from(listener).with_nodelay(Some(true))),
+                close: Box::pin(close),
+            },
+            go_away,
+        )
+        .await
+        .context("gRPC server failed")
+}
+
+/// The environment variable that skews the local clock, for tests of replicas whose clocks
+/// disagree (milliseconds, may be negative). Not a setting: nothing in production should set it.
+pub const TEST_CLOCK_SKEW_ENV: &str = "TOLLGATE_TEST_CLOCK_SKEW_MS";
+
+/// The system clock, skewed by [`TEST_CLOCK_SKEW_ENV`] when that is set.
+fn local_clock() -> Arc<dyn Clock> {
+    match std::env::var(TEST_CLOCK_SKEW_ENV)
+        .ok()
+        .and_then(|v| v.parse::<i64>().ok())
+    {
+        Some(ms) => {
+            tracing::warn!(
+                skew_ms = ms,
+                "{TEST_CLOCK_SKEW_ENV} is set: the local clock is skewed (for tests only)"
+            );
+            Arc::new(SkewedClock::new(SystemClock, ms.saturating_mul(1000)))
+        }
+        None => Arc::new(SystemClock),
+    }
+}
+
+/// Builds and connects the Redis store (docs/backends.md) behind its circuit breaker.
+///
+/// Errors: when Redis cannot be reached at start and `redis.unreachable_at_start` is `exit`.
+async fn redis_store(
+    settings: &Settings,
+    memory: MemoryStore,
+    clock: Arc<dyn Clock>,
+) -> anyhow::Result<Resilient<RedisStore>> {
+    let r = &settings.redis;
+    let redis = RedisStore::new(r, clock)?;
+    let connect_timeout = Duration::from_millis(r.connect_timeout_ms);
+    match r.unreachable_at_start {
+        UnreachableAtStart::Exit => {
+            redis
+                .connect(connect_timeout)
+                .await
+                .map_err(|e| anyhow::anyhow!("cannot use {e}"))?;
+            tracing::info!(redis = %redis.describe(), cluster = r.cluster, "connected to Redis");
+        }
+        UnreachableAtStart::NotReady => match redis.connect(connect_timeout).await {
+            Ok(()) => tracing::info!(redis = %redis.describe(), cluster = r.cluster, "connected to Redis"),
+            Err(e) => {
+                tracing::warn!(error = %e, "Redis not reachable at start: not ready until it is; connecting in the background");
+                redis.connect_in_background(Duration::from_millis(200));
+            }
+        },
+    }
+    let fallback = match (r.failure_mode, r.fallback) {
+        (FailureMode::Fallback, FallbackBackend::Memory) => Some(Fallback::Memory(Metered::new(memory, "memory"))),
+        (FailureMode::Fallback, FallbackBackend::Postgres) => {
+            let postgres = connect_postgres(settings).await.map_err(|e| {
+                anyhow::anyhow!(
+                    "redis.failure_mode: fallback decides on Postgres (redis.fallback: postgres, the default), \
+                     which cannot be used: {e:#}; configure the postgres section, or set redis.fallback: memory \
+                     for a local store per replica"
+                )
+            })?;
+            let p = &settings.postgres;
+            Some(Fallback::Postgres(Guarded::with_policy(
+                Metered::new(postgres, "postgres"),
+                "postgres",
+                p.breaker_policy(),
+            )))
+        }
+        _ => None,
+    };
+    Ok(Resilient::with_policy(
+        Metered::new(redis, "redis"),
+        "redis",
+        r.breaker_policy(),
+        fallback,
+    ))
+}
+
+/// Builds and connects the Postgres store (docs/backends.md) behind its circuit breaker, and starts
+/// its sweep.
+///
+/// Errors: invalid settings, or Postgres not reachable (or its migrations failing) at start
+/// when `postgres.unreachable_at_start` is `exit`.
+async fn postgres_store(settings: &Settings, memory: MemoryStore) -> anyhow::Result<Resilient<PostgresStore>> {
+    let p = &settings.postgres;
+    let postgres = connect_postgres(settings).await?;
+    let fallback = (p.failure_mode == FailureMode::Fallback).then(|| Fallback::Memory(Metered::new(memory, "memory")));
+    Ok(Resilient::with_policy(
+        Metered::new(postgres, "postgres"),
+        "postgres",
+        p.breaker_policy(),
+        fallback,
+    ))
+}
+
+/// Builds and connects the Postgres store of the `postgres` section (as the backend, or as
+/// Redis's fallback), and starts its sweep.
+///
+/// Errors: invalid settings, or Postgres not reachable (or its migrations failing) at start
+/// when `postgres.unreachable_at_start` is `exit`.
+async fn connect_postgres(settings: &Settings) -> anyhow::Result<PostgresStore> {
+    let p = &settings.postgres;
+    let postgres = PostgresStore::new(p)?;
+    let connect_timeout = Duration::from_millis(p.connect_timeout_ms);
+    match p.unreachable_at_start {
+        UnreachableAtStart::Exit => {
+            postgres
+                .connect(connect_timeout)
+                .await
+                .map_err(|e| anyhow::anyhow!("cannot use {e}"))?;
+            tracing::info!(postgres = %postgres.describe(), schema = %p.schema, "connected to Postgres");
+        }
+        UnreachableAtStart::NotReady => match postgres.connect(connect_timeout).await {
+            Ok(()) => tracing::info!(postgres = %postgres.describe(), schema = %p.schema, "connected to Postgres"),
+            Err(e) => {
+                tracing::warn!(error = %e, "Postgres not reachable at start: not ready until it is; connecting in the background");
+                postgres.connect_in_background(Duration::from_millis(500), connect_timeout);
+            }
+        },
+    }
+    let sweeper = postgres.clone();
+    let (every, batch) = (Duration::from_secs(p.sweep_interval_seconds), p.sweep_batch);
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            if !sweeper.is_migrated() {
+                continue;
+            }
+            // Bounded work per pass: at most 10 statements of `batch` rows.
+            sweeper.sweep_pass(batch, 10).await;
+        }
+    });
+    Ok(postgres)
+}
+
+fn spawn_sweeper(store: MemoryStore, every: Duration) {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            // Off the runtime's threads: on a current-thread runtime a sweep of a million
+            // buckets would otherwise hold up every request for its whole length (it locks one
+            // shard at a time, a few hundred buckets at a time, so requests wait microseconds).
+            let store = store.clone();
+            let swept = tokio::task::spawn_blocking(move || (store.sweep(), store.len())).await;
+            if let Ok((dropped, held)) = swept {
+                tracing::trace!(dropped, held, "swept full buckets");
+            }
+        }
+    });
+}
+
+/// Completes on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term => {}
+    }
+}

@@ -1,0 +1,467 @@
+//! Prometheus metrics (docs/operations.md): the names, their labels, and the handles the decision path
+//! keeps so that counting costs an atomic add, not a registry lookup.
+//!
+//! Names follow Prometheus conventions: a `tollgate_` prefix, `_total` on counters, base units
+//! (`_seconds`). Label values are bounded: `domain` and `bucket` come from the loaded rules
+//! (never from a request: a request for an unknown domain is counted without its name), `code`,
+//! `result` and `backend` from fixed sets. No rule can opt runtime descriptor values into
+//! tollgate's own labels; envoyproxy/ratelimit's `detailed_metric` only shapes their series,
+//! within [`DETAILED_SERIES_MAX`].
+//!
+//! With `metrics.envoyproxy_names` (on when envoyproxy/ratelimit's environment is in use),
+//! their series are exported too, named and labelled as their default Prometheus mapper names
+//! them ([`EnvoyproxyStats`]; the stat keys are the rules' own, `rules::counters`).
+//!
+//! Without an installed recorder (tests, `tollgate check`) every handle is a no-op.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use metrics::{counter, gauge, Counter, Gauge, Histogram};
+
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+
+/// `RateLimitRequest`s answered, by `code`: `ok`, `over_limit` (the `overall_code`),
+/// `invalid_argument` (not a `RateLimitRequest` at all), `out_of_range` (a message over
+/// `grpc.max_message_bytes`), `unavailable` (the backend failed).
+pub const REQUESTS: &str = "tollgate_requests_total";
+/// Time from a decoded request to its response, in seconds (histogram).
+pub const REQUEST_DURATION: &str = "tollgate_request_duration_seconds";
+/// Requests whose domain no rules file declares (answered OK).
+pub const UNKNOWN_DOMAIN: &str = "tollgate_unknown_domain_requests_total";
+/// Bucket decisions, one per descriptor and bucket it reaches, by `domain`, `bucket` and
+/// `code`: `ok`, `near_limit` (admitted, with at least the near-limit ratio of the capacity
+/// used), `over_limit`, `shadow_over_limit` (would have been over, but shadow mode), `refund`
+/// (`is_negative_hits`). The codes exclude each other, so their sum is every decision.
+pub const DECISIONS: &str = "tollgate_decisions_total";
+/// Hits (`hits_addend` summed) by `domain`, `bucket` and the same `code`s as [`DECISIONS`];
+/// a denial adds at most the capacity + 1 and a refund at most the capacity (what could
+/// matter), whatever `hits_addend` says.
+pub const HITS: &str = "tollgate_hits_total";
+/// Calls to the backend, by `backend`.
+pub const BACKEND_CALLS: &str = "tollgate_backend_calls_total";
+/// Failed backend calls, by `backend` and `kind` (`error`, `timeout`).
+pub const BACKEND_ERRORS: &str = "tollgate_backend_errors_total";
+/// Backend call time in seconds, by `backend` (histogram).
+pub const BACKEND_DURATION: &str = "tollgate_backend_call_duration_seconds";
+/// Decisions taken by a fallback backend, by `backend` (the one that failed).
+pub const BACKEND_FALLBACKS: &str = "tollgate_backend_fallbacks_total";
+/// 1 while a backend's circuit breaker is open (calls are not tried), else 0, by `backend`.
+pub const BACKEND_CIRCUIT_OPEN: &str = "tollgate_backend_circuit_open";
+/// Counter `{answer}`: requests answered by `failure_mode` because the backend failed
+/// (`allow`: OK without a decision; `deny`: OVER_LIMIT without one).
+pub const BACKEND_FAILURE_ANSWERS: &str = "tollgate_backend_failure_answers_total";
+/// Rules reloads by `result`: `success`, `failure` (the previous rules stay in force).
+pub const RELOADS: &str = "tollgate_rules_reloads_total";
+/// The generation of the rules in force: 1 at start, plus one per reload that took effect.
+pub const RULES_GENERATION: &str = "tollgate_rules_generation";
+/// 1 when the latest reload attempt succeeded (or none was made), 0 when it failed.
+pub const LAST_RELOAD_SUCCESSFUL: &str = "tollgate_rules_last_reload_successful";
+/// Unix time, in seconds, of the latest reload that took effect (or of the start).
+pub const LAST_RELOAD_SUCCESS_TIME: &str = "tollgate_rules_last_reload_success_timestamp_seconds";
+/// Buckets the memory store holds (not full).
+pub const MEMORY_BUCKETS: &str = "tollgate_memory_buckets";
+/// Buckets the memory store evicted before they were full, to stay under `max_buckets`; each
+/// may let a client through early.
+pub const MEMORY_EVICTED_NOT_FULL: &str = "tollgate_memory_evicted_not_full_total";
+/// Malformed parts of requests, by `reason` (docs/rules.md, "Malformed requests"): one per
+/// descriptor for a descriptor's reason (`no_entries`, `too_many_entries`, `empty_key`,
+/// `value_too_long`, `override_unit`, `override_capped`), one per request for a request's
+/// (`empty_domain`, `too_many_descriptors`), and one per message for `message_too_large`. None
+/// of them makes the request an error Envoy would let through.
+pub const MALFORMED: &str = "tollgate_malformed_total";
+/// Always 1, with the `version` label.
+pub const BUILD_INFO: &str = "tollgate_build_info";
+
+/// envoyproxy/ratelimit's `ratelimit_service_rate_limit_total_hits`: hits (`hits_addend`) of
+/// every decision of a rule with a limit, by `domain`, `key1`, `key2` ([`envoyproxy_labels`]).
+pub const ERL_TOTAL_HITS: &str = "ratelimit_service_rate_limit_total_hits";
+/// Their `_over_limit`: hits of denied decisions (in shadow mode too, as theirs counts).
+pub const ERL_OVER_LIMIT: &str = "ratelimit_service_rate_limit_over_limit";
+/// Their `_near_limit`: hits of admitted decisions that landed beyond the near-limit
+/// threshold (`floor(capacity * near_limit_ratio)` tokens used).
+pub const ERL_NEAR_LIMIT: &str = "ratelimit_service_rate_limit_near_limit";
+/// Their `_within_limit`: hits of admitted decisions.
+pub const ERL_WITHIN_LIMIT: &str = "ratelimit_service_rate_limit_within_limit";
+/// Their `_shadow_mode`: hits a rule with `shadow_mode: true` would have denied.
+pub const ERL_SHADOW_MODE: &str = "ratelimit_service_rate_limit_shadow_mode";
+/// Their `ratelimit_service_should_rate_limit_error{err_type}`: requests answered with an
+/// error because the backend failed (`err_type="redis_error"`, whatever the backend).
+pub const ERL_SHOULD_RATE_LIMIT_ERROR: &str = "ratelimit_service_should_rate_limit_error";
+
+static ENVOYPROXY_NAMES: AtomicBool = AtomicBool::new(false);
+
+/// Turns envoyproxy/ratelimit's series on or off for rules registered from now on
+/// (`metrics.envoyproxy_names`); `serve` sets it before loading rules.
+pub fn set_envoyproxy_names(on: bool) {
+    ENVOYPROXY_NAMES.store(on, Ordering::Relaxed);
+    if on {
+        counter!(ERL_SHOULD_RATE_LIMIT_ERROR, "err_type" => "redis_error").increment(0);
+    }
+}
+
+/// Whether envoyproxy/ratelimit's series are exported.
+pub fn envoyproxy_names() -> bool {
+    ENVOYPROXY_NAMES.load(Ordering::Relaxed)
+}
+
+/// Counts a request that failed because the backend did, in
+/// [`ERL_SHOULD_RATE_LIMIT_ERROR`] (when their names are on).
+pub fn count_envoyproxy_backend_error() {
+    if envoyproxy_names() {
+        counter!(ERL_SHOULD_RATE_LIMIT_ERROR, "err_type" => "redis_error").increment(1);
+    }
+}
+
+/// The labels their default Prometheus mapper gives a stat key (`domain.level1.level2...`):
+/// `domain` and `key1` for one level; `domain`, `key1`, `key2` for two or more (deeper levels
+/// are dropped). Their stat-name sanitizer runs first: `:` and `|` become `_`, and so do the
+/// dots of anything shaped like an IPv4 address (`\d{1,3}` four times, joined by dots), so
+/// `remote_address_10.0.0.1` stays one level. Any other `.` inside a value splits it into
+/// levels, as it does in theirs.
+pub fn envoyproxy_labels(stat_key: &str) -> Vec<(&'static str, String)> {
+    let sanitized = ipv4_dots_to_underscores(&stat_key.replace([':', '|'], "_"));
+    let parts: Vec<&str> = sanitized.split('.').collect();
+    let mut labels = vec![("domain", parts[0].to_owned())];
+    if let Some(k1) = parts.get(1) {
+        labels.push(("key1", (*k1).to_owned()));
+    }
+    if let Some(k2) = parts.get(2) {
+        labels.push(("key2", (*k2).to_owned()));
+    }
+    labels
+}
+
+/// `text` with the dots of every IPv4-shaped run replaced by `_`, matched as their sanitizer's
+/// regular expression `\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3}` matches: leftmost first, each
+/// `\d{1,3}` as long as the rest still matches, matches not overlapping.
+fn ipv4_dots_to_underscores(text: &str) -> String {
+    /// The end of a match of `groups` more dot-separated `\d{1,3}` starting at `at`.
+    fn groups_end(b: &[u8], at: usize, groups: usize) -> Option<usize> {
+        let digits = b[at..].iter().take(3).take_while(|c| c.is_ascii_digit()).count();
+        (1..=digits).rev().find_map(|n| {
+            let end = at + n;
+            if groups == 1 {
+                Some(end)
+            } else if b.get(end) == Some(&b'.') {
+                groups_end(b, end + 1, groups - 1)
+            } else {
+                None
+            }
+        })
+    }
+    let b = text.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match groups_end(b, i, 4) {
+            Some(end) => {
+                out.extend(b[i..end].iter().map(|&c| if c == b'.' { b'_' } else { c }));
+                i = end;
+            }
+            None => {
+                out.push(b[i]);
+                i += 1;
+            }
+        }
+    }
+    // Only ASCII dots were replaced, by an ASCII byte: still UTF-8.
+    String::from_utf8(out).expect("ASCII replacements keep UTF-8")
+}
+
+/// One rule's envoyproxy/ratelimit-named counters. Each series is registered on its first count;
+/// rules whose stat keys give the same labels (levels beyond the second) add up, as theirs do.
+#[derive(Debug, Default)]
+pub struct EnvoyproxyStats {
+    inner: Option<Box<ErlLabelled>>,
+}
+
+#[derive(Debug)]
+struct ErlLabelled {
+    /// The rule's domain, for `detailed_metric` stat keys.
+    domain: String,
+    /// `detailed_metric: true` on the rule.
+    detailed: bool,
+    labels: Vec<metrics::Label>,
+    /// `shadow_mode: true` on the rule itself (their `_shadow_mode` ignores global shadow mode).
+    rule_shadow: bool,
+    series: [OnceLock<Counter>; 5],
+}
+
+/// Most distinct `detailed_metric` stat keys (request values in labels) a process exports;
+/// beyond it, decisions count under their rule's own series.
+pub const DETAILED_SERIES_MAX: usize = 1000;
+
+static DETAILED_KEYS: std::sync::Mutex<std::collections::BTreeSet<String>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+
+/// Their per-rule series, in [`EnvoyproxyStats`] order.
+pub const ENVOYPROXY_RULE_SERIES: [&str; 5] = ERL_NAMES;
+
+const ERL_NAMES: [&str; 5] = [
+    ERL_TOTAL_HITS,
+    ERL_OVER_LIMIT,
+    ERL_NEAR_LIMIT,
+    ERL_WITHIN_LIMIT,
+    ERL_SHADOW_MODE,
+];
+
+impl EnvoyproxyStats {
+    /// The counters of a rule of `domain` with stat key `stat_key` (`rules::counters::envoyproxy_stat_key`);
+    /// `detailed`: the rule has `detailed_metric: true` ([`EnvoyproxyStats::for_request`]).
+    pub fn new(domain: &str, stat_key: &str, rule_shadow: bool, detailed: bool) -> EnvoyproxyStats {
+        let labels = envoyproxy_labels(stat_key)
+            .into_iter()
+            .map(|(k, v)| metrics::Label::new(k, v))
+            .collect();
+        EnvoyproxyStats {
+            inner: Some(Box::new(ErlLabelled {
+                domain: domain.to_owned(),
+                detailed,
+                labels,
+                rule_shadow,
+                series: Default::default(),
+            })),
+        }
+    }
+
+    /// Where a decision for a descriptor with `entries` is counted: the rule's own series, or,
+    /// for a rule with `detailed_metric: true`, series keyed as theirs by the request's entries
+    /// (`domain.key_value.key_value...`; a `share_threshold` entry shows its pattern). Label sets
+    /// are bounded: once [`DETAILED_SERIES_MAX`] detailed stat keys exist in the process, new
+    /// ones are counted under their rule's own series.
+    pub fn for_request(&self, entries: &[Entry], shared: &[Option<&str>]) -> Option<EnvoyproxyStats> {
+        let l = self.inner.as_ref()?;
+        if !l.detailed {
+            return None;
+        }
+        let mut key = l.domain.clone();
+        for (i, e) in entries.iter().enumerate() {
+            key.push('.');
+            key.push_str(&e.key);
+            key.push('_');
+            key.push_str(shared.get(i).copied().flatten().unwrap_or(&e.value));
+        }
+        let mut seen = DETAILED_KEYS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !seen.contains(&key) {
+            if seen.len() >= DETAILED_SERIES_MAX {
+                return None;
+            }
+            seen.insert(key.clone());
+        }
+        drop(seen);
+        Some(EnvoyproxyStats::new(&l.domain, &key, l.rule_shadow, false))
+    }
+
+    /// Counters that count nothing.
+    pub fn noop() -> &'static EnvoyproxyStats {
+        static NOOP: EnvoyproxyStats = EnvoyproxyStats { inner: None };
+        &NOOP
+    }
+
+    fn add(&self, which: usize, n: u64) {
+        let Some(l) = &self.inner else { return };
+        l.series[which]
+            .get_or_init(|| metrics::counter!(ERL_NAMES[which], l.labels.clone()))
+            .increment(n);
+    }
+
+    /// Counts one decision of `hits` hits as theirs would: `used_before` whole tokens of
+    /// `capacity` were used before it, `admitted` whether the bucket (and its quota) had room.
+    pub fn count(&self, hits: u64, capacity: u64, used_before: u64, admitted: bool, near_limit_ratio: f64) {
+        let Some(l) = &self.inner else { return };
+        self.add(0, hits);
+        if admitted {
+            // Their near-limit threshold, in tokens used; the hits past it are near the limit.
+            let near = (capacity as f64 * near_limit_ratio).floor() as u64;
+            let after = used_before + hits;
+            if after > near {
+                self.add(2, after - used_before.max(near));
+            }
+            self.add(3, hits);
+        } else {
+            self.add(1, hits);
+            if l.rule_shadow {
+                self.add(4, hits);
+            }
+        }
+    }
+}
+
+/// A decision's `code` label (see [`DECISIONS`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecisionCode {
+    /// Admitted, below the near-limit ratio.
+    Ok,
+    /// Admitted, at or above the near-limit ratio of the capacity used.
+    NearLimit,
+    /// Denied.
+    OverLimit,
+    /// Would have been denied; shadow mode admitted it.
+    ShadowOverLimit,
+    /// Tokens returned (`is_negative_hits`).
+    Refund,
+}
+
+impl DecisionCode {
+    /// Every code, in label order.
+    pub const ALL: [DecisionCode; 5] = [
+        DecisionCode::Ok,
+        DecisionCode::NearLimit,
+        DecisionCode::OverLimit,
+        DecisionCode::ShadowOverLimit,
+        DecisionCode::Refund,
+    ];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DecisionCode::Ok => "ok",
+            DecisionCode::NearLimit => "near_limit",
+            DecisionCode::OverLimit => "over_limit",
+            DecisionCode::ShadowOverLimit => "shadow_over_limit",
+            DecisionCode::Refund => "refund",
+        }
+    }
+}
+
+/// One bucket's [`DECISIONS`] and [`HITS`] counters, per [`DecisionCode`] (index: the code's
+/// position in [`DecisionCode::ALL`]). Each series is registered on its first count, so
+/// `/metrics` lists the codes a bucket has seen, not five series for every rule of a large
+/// tree; after that a count is an atomic add. Cloning shares the counters.
+#[derive(Clone, Debug, Default)]
+pub struct DecisionCounters {
+    inner: Option<Arc<Labelled>>,
+}
+
+#[derive(Debug)]
+struct Labelled {
+    domain: String,
+    bucket: String,
+    decisions: [OnceLock<Counter>; 5],
+    hits: [OnceLock<Counter>; 5],
+}
+
+impl DecisionCounters {
+    /// The counters of bucket `bucket` in domain `domain`, registered with the recorder
+    /// installed when each is first counted (no-ops without one).
+    pub fn new(domain: &str, bucket: &str) -> DecisionCounters {
+        DecisionCounters {
+            inner: Some(Arc::new(Labelled {
+                domain: domain.to_owned(),
+                bucket: bucket.to_owned(),
+                decisions: Default::default(),
+                hits: Default::default(),
+            })),
+        }
+    }
+
+    /// Shared counters that count nothing, for rules not registered (`rules::counters::register_rules`).
+    pub fn noop() -> &'static DecisionCounters {
+        static NOOP: DecisionCounters = DecisionCounters { inner: None };
+        &NOOP
+    }
+
+    /// Counts one decision of `hits` hits with `code`.
+    pub fn count(&self, code: DecisionCode, hits: u64) {
+        let Some(l) = &self.inner else { return };
+        let i = code as usize;
+        let make = |name: &'static str| counter!(name, "domain" => l.domain.clone(), "bucket" => l.bucket.clone(), "code" => code.as_str());
+        l.decisions[i].get_or_init(|| make(DECISIONS)).increment(1);
+        l.hits[i].get_or_init(|| make(HITS)).increment(hits);
+    }
+}
+
+/// The request-level handles: [`REQUESTS`] by code, [`REQUEST_DURATION`].
+#[derive(Clone, Debug)]
+pub struct RequestMetrics {
+    /// `code="ok"`.
+    pub ok: Counter,
+    /// `code="over_limit"`.
+    pub over_limit: Counter,
+    /// `code="invalid_argument"`.
+    pub invalid: Counter,
+    /// `code="unavailable"`.
+    pub unavailable: Counter,
+    /// [`REQUEST_DURATION`].
+    pub duration: Histogram,
+}
+
+impl RequestMetrics {
+    /// Handles registered with the installed recorder (no-ops without one).
+    pub fn new() -> RequestMetrics {
+        RequestMetrics {
+            ok: counter!(REQUESTS, "code" => "ok"),
+            over_limit: counter!(REQUESTS, "code" => "over_limit"),
+            invalid: counter!(REQUESTS, "code" => "invalid_argument"),
+            unavailable: counter!(REQUESTS, "code" => "unavailable"),
+            duration: metrics::histogram!(REQUEST_DURATION),
+        }
+    }
+}
+
+impl Default for RequestMetrics {
+    fn default() -> Self {
+        RequestMetrics::new()
+    }
+}
+
+/// A backend's handles: [`BACKEND_CALLS`], [`BACKEND_ERRORS`], [`BACKEND_DURATION`], and its
+/// circuit-breaker gauge, all labelled `backend`.
+#[derive(Clone, Debug)]
+pub struct BackendMetrics {
+    /// Calls made.
+    pub calls: Counter,
+    /// Calls that failed with an error.
+    pub errors: Counter,
+    /// Calls that timed out.
+    pub timeouts: Counter,
+    /// Call time.
+    pub duration: Histogram,
+    /// 1 while the circuit is open.
+    pub circuit_open: Gauge,
+}
+
+impl BackendMetrics {
+    /// The handles for `backend` (`memory`, `redis`, `postgres`). Registers its error, timeout
+    /// and fallback series at zero so that alerts on their rate see them from the start.
+    pub fn new(backend: &'static str) -> BackendMetrics {
+        let m = BackendMetrics {
+            calls: counter!(BACKEND_CALLS, "backend" => backend),
+            errors: counter!(BACKEND_ERRORS, "backend" => backend, "kind" => "error"),
+            timeouts: counter!(BACKEND_ERRORS, "backend" => backend, "kind" => "timeout"),
+            duration: metrics::histogram!(BACKEND_DURATION, "backend" => backend),
+            circuit_open: gauge!(BACKEND_CIRCUIT_OPEN, "backend" => backend),
+        };
+        m.errors.increment(0);
+        m.timeouts.increment(0);
+        m.circuit_open.set(0.0);
+        m
+    }
+}
+
+/// The rules files are back to the rules in force after a failed reload (an invalid edit was
+/// reverted): the latest attempt no longer stands, so `tollgate_rules_last_reload_successful`
+/// reads 1 again; nothing was loaded, so no reload is counted and the generation stays.
+pub fn reload_failure_cleared() {
+    gauge!(LAST_RELOAD_SUCCESSFUL).set(1.0);
+}
+
+/// Records a rules load: `generation` is the generation now in force; `success` whether this
+/// attempt took effect. The load at start counts as a success but not as a reload.
+pub fn rules_loaded(generation: u64, success: bool, at_start: bool) {
+    if !at_start {
+        counter!(RELOADS, "result" => if success { "success" } else { "failure" }).increment(1);
+    } else {
+        counter!(RELOADS, "result" => "success").increment(0);
+        counter!(RELOADS, "result" => "failure").increment(0);
+    }
+    gauge!(LAST_RELOAD_SUCCESSFUL).set(if success { 1.0 } else { 0.0 });
+    if success {
+        gauge!(RULES_GENERATION).set(generation as f64);
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        gauge!(LAST_RELOAD_SUCCESS_TIME).set(now.as_secs_f64());
+    }
+}
