@@ -6,3 +6,4 @@
 pub mod bucket;
 pub mod clock;
 pub mod schedule;
+pub mod units;

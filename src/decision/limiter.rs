@@ -27,9 +27,10 @@ use super::counting::{count_decisions, count_failure_answer};
 use super::settings::{HeaderSettings, RequestLimits};
 use crate::core::bucket::{Demand, DemandKind, Limit, Rate, MAX_CAPACITY, MICRO};
 use crate::core::schedule::Plan;
+use crate::core::units::envoy_unit_us;
 use crate::decision::response::{build_response, failure_response, Part, Target};
 use crate::rules::matcher::{find_node, find_rule, instance_key, shared_patterns};
-use crate::rules::{BucketPolicy, Domain, ReportedLimit, Rule, RuleSet, OVERRIDE_BUCKET, UNITS};
+use crate::rules::{BucketPolicy, Domain, ReportedLimit, Rule, RuleSet, OVERRIDE_BUCKET};
 use crate::store::FailureMode;
 use crate::store::{BucketRef, Store, StoreError};
 use crate::telemetry::DecisionCounters;
@@ -609,7 +610,7 @@ fn demand_kind(d: &RateLimitDescriptor, request_hits: u32) -> DemandKind {
 fn override_policy(requests_per_unit: u32, unit: i32) -> Result<(BucketPolicy, bool), ()> {
     let (unit, unit_us) = Unit::try_from(unit)
         .ok()
-        .and_then(|u| UNITS.iter().find(|(x, _)| *x == u).copied())
+        .and_then(|u| Some((u, envoy_unit_us(u)?)))
         .ok_or(())?;
     let asked = u64::from(requests_per_unit);
     let mut rpu = asked.min(MAX_CAPACITY);

@@ -12,6 +12,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_li
 
 use crate::core::bucket::Limit;
 use crate::core::schedule::Plan;
+use crate::core::units::ENVOY_UNITS;
 use crate::telemetry::DecisionCounters;
 
 /// The bucket name an Envoy `limit` override is decided and counted under (the
@@ -216,18 +217,6 @@ pub struct ReportedLimit {
     pub unit: Unit,
 }
 
-/// Envoy's fixed-length units, in microseconds; MONTH and YEAR as envoyproxy/ratelimit counts
-/// them (30 and 365 days).
-pub const UNITS: [(Unit, u64); 7] = [
-    (Unit::Second, 1_000_000),
-    (Unit::Minute, 60_000_000),
-    (Unit::Hour, 3_600_000_000),
-    (Unit::Day, 86_400_000_000),
-    (Unit::Week, 7 * 86_400_000_000),
-    (Unit::Month, 30 * 86_400_000_000),
-    (Unit::Year, 365 * 86_400_000_000),
-];
-
 impl ReportedLimit {
     /// How a [`Limit`] is reported (docs/rules.md): when its time to fill from empty is exactly
     /// one unit, `capacity` per that unit; otherwise the refill rate in the first of SECOND,
@@ -245,14 +234,18 @@ impl ReportedLimit {
             };
         }
         if let Some(fill) = limit.time_to_fill_us() {
-            if let Some((unit, _)) = UNITS.iter().find(|(_, us)| *us == fill) {
+            if let Some((unit, _)) = ENVOY_UNITS
+                .iter()
+                .map(|(u, _, us)| (u, *us))
+                .find(|(_, us)| *us == fill)
+            {
                 return ReportedLimit {
                     requests_per_unit: sat(limit.capacity()),
                     unit: *unit,
                 };
             }
         }
-        for (unit, us) in &UNITS {
+        for (unit, _, us) in &ENVOY_UNITS {
             if let Some(n) = limit.rate.whole_tokens_per(*us).filter(|n| *n > 0) {
                 return ReportedLimit {
                     requests_per_unit: sat(n),
@@ -260,7 +253,7 @@ impl ReportedLimit {
                 };
             }
         }
-        let per_year = u128::from(limit.rate.num()) * u128::from(UNITS[6].1)
+        let per_year = u128::from(limit.rate.num()) * u128::from(ENVOY_UNITS[6].2)
             / (u128::from(limit.rate.den()) * u128::from(crate::core::bucket::MICRO));
         ReportedLimit {
             requests_per_unit: sat(u64::try_from(per_year).unwrap_or(u64::MAX)).max(1),
@@ -285,10 +278,10 @@ impl ReportedLimit {
                     b / a
                 }
             };
-            UNITS
+            ENVOY_UNITS
                 .iter()
-                .min_by(|a, b| ratio(a.1).total_cmp(&ratio(b.1)))
-                .map_or(Unit::Year, |(unit, _)| *unit)
+                .min_by(|a, b| ratio(a.2).total_cmp(&ratio(b.2)))
+                .map_or(Unit::Year, |(unit, _, _)| *unit)
         });
         ReportedLimit {
             requests_per_unit: u32::try_from(allowance).unwrap_or(u32::MAX),

@@ -11,8 +11,9 @@ use crate::core::bucket::Limit;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 
 use crate::core::schedule::{Effect, Plan, Schedule, DEFAULT_HORIZON_US, QUOTA_HORIZON_US};
+use crate::core::units::ENVOY_UNITS;
 use crate::rules::file::DescriptorSpec;
-use crate::rules::{BucketPolicy, Domain, Level, Rule, RuleSet, UNITS};
+use crate::rules::{BucketPolicy, Domain, Level, Rule, RuleSet};
 
 /// How many upcoming changes of limit the preview lists per scheduled bucket.
 const PREVIEW_CHANGES: usize = 4;
@@ -555,9 +556,9 @@ fn explain_rule(
             }
             let envoy = rl.filter(|r| !r.unlimited).and_then(|r| {
                 let unit_text = r.unit.as_deref()?;
-                let (unit, unit_us) = UNITS
+                let (unit, _, unit_us) = ENVOY_UNITS
                     .iter()
-                    .find(|(u, _)| u.as_str_name().eq_ignore_ascii_case(unit_text))
+                    .find(|(_, name, _)| name.eq_ignore_ascii_case(unit_text))
                     .copied()?;
                 Some((unit, unit_us, r.requests_per_unit.unwrap_or(0)))
             });
@@ -737,8 +738,8 @@ mod tests {
     /// (2026-12-03) is 693 x 30 days, and 57 x 365 days is day 20805 (2026-12-18).
     #[test]
     fn their_windows_are_counted_from_the_epoch() {
-        use super::{seconds, their_window, Unit, UNITS};
-        let unit_us = |u: Unit| UNITS.iter().find(|(x, _)| *x == u).unwrap().1;
+        use super::{seconds, their_window, Unit};
+        let unit_us = |u: Unit| crate::core::units::envoy_unit_us(u).unwrap();
         assert_eq!(
             their_window(Unit::Month, unit_us(Unit::Month)),
             "of 30 days counted from the Unix epoch (the one holding 2027-01-01 runs from 2026-12-03 to 2027-01-02)"

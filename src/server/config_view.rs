@@ -58,6 +58,7 @@ use serde_json::{Number, Value};
 
 use crate::core::bucket::{Limit, Rate, MICRO};
 use crate::core::schedule::{Effect, Plan, Quota, Schedule};
+use crate::core::units::{gcd, DURATION_SUFFIXES};
 use crate::rules::{BucketPolicy, Domain, Level, LevelValue, ReportedLimit, Rule, RuleSet};
 use crate::server::settings::Settings;
 
@@ -433,23 +434,13 @@ fn reported_view(r: ReportedLimit) -> ReportedView {
     }
 }
 
-/// Periods a refill is preferably shown per, and the rules' duration suffixes, longest first
-/// for [`duration_text`].
-const PERIODS: [(&str, u64); 5] = [
-    ("d", 86_400_000_000),
-    ("h", 3_600_000_000),
-    ("m", 60_000_000),
-    ("s", 1_000_000),
-    ("ms", 1_000),
-];
-
 /// A rate as whole tokens per period: per second, minute, hour or day, the first in which the
 /// count is whole; else the shortest period with a whole count. `None` for the zero rate.
 fn refill_view(rate: Rate) -> Option<RefillView> {
     if rate.is_zero() {
         return None;
     }
-    let preferred = PERIODS[..4]
+    let preferred = DURATION_SUFFIXES[..4]
         .iter()
         .rev()
         .find_map(|(_, us)| rate.whole_tokens_per(*us).filter(|n| *n > 0).map(|n| (n, *us)));
@@ -468,7 +459,7 @@ fn refill_view(rate: Rate) -> Option<RefillView> {
 
 /// A duration in the rules' syntax: `s`, `12s`, `250ms`, `7d`; `us` below a millisecond.
 fn duration_text(us: u64) -> String {
-    match PERIODS.iter().find(|(_, unit)| us.is_multiple_of(*unit)) {
+    match DURATION_SUFFIXES.iter().find(|(_, unit)| us.is_multiple_of(*unit)) {
         Some((suffix, unit)) if us == *unit => (*suffix).to_owned(),
         Some((suffix, unit)) => format!("{}{suffix}", us / unit),
         None => format!("{us}us"),
@@ -482,13 +473,6 @@ fn fraction(n: u64, per: u64) -> Number {
     } else {
         Number::from_f64(n as f64 / per as f64).unwrap_or_else(|| Number::from(n / per))
     }
-}
-
-fn gcd(mut a: u64, mut b: u64) -> u64 {
-    while b != 0 {
-        (a, b) = (b, a % b);
-    }
-    a
 }
 
 #[cfg(test)]

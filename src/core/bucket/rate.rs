@@ -5,6 +5,7 @@
 //! (whose numbers are IEEE doubles) and the Postgres SQL compute bit-identical results.
 
 use super::MICRO;
+use crate::core::units::{gcd, DURATION_SUFFIXES, ENVOY_UNITS};
 
 /// The largest value every intermediate of the refill formula may reach: 2^53, the limit of
 /// exact integers in an IEEE double (Lua's only number type on Redis 7).
@@ -38,44 +39,19 @@ pub enum RateError {
     },
 }
 
-/// Envoy's units by name, in microseconds (a month of 30 days, a year of 365), for messages.
-const UNIT_NAMES: [(&str, u64); 7] = [
-    ("second", 1_000_000),
-    ("minute", 60_000_000),
-    ("hour", 3_600_000_000),
-    ("day", 86_400_000_000),
-    ("week", 604_800_000_000),
-    ("month", 2_592_000_000_000),
-    ("year", 31_536_000_000_000),
-];
-
 fn is_envoy_unit(period_us: u64) -> bool {
-    UNIT_NAMES.iter().any(|(_, us)| *us == period_us)
+    ENVOY_UNITS.iter().any(|(_, _, us)| *us == period_us)
 }
 
 /// `999999937 per year`, or `7 per 3650d` for a period that is not one of Envoy's units.
 fn describe_rate(tokens: u64, period_us: u64) -> String {
-    if let Some((name, _)) = UNIT_NAMES.iter().find(|(_, us)| *us == period_us) {
+    if let Some((_, name, _)) = ENVOY_UNITS.iter().find(|(_, _, us)| *us == period_us) {
         return format!("{tokens} per {name}");
     }
-    let units = [
-        ("d", 86_400_000_000),
-        ("h", 3_600_000_000),
-        ("m", 60_000_000),
-        ("s", 1_000_000),
-        ("ms", 1_000),
-    ];
-    match units.iter().find(|(_, us)| period_us.is_multiple_of(*us)) {
+    match DURATION_SUFFIXES.iter().find(|(_, us)| period_us.is_multiple_of(*us)) {
         Some((suffix, us)) => format!("{tokens} per {}{suffix}", period_us / us),
         None => format!("{tokens} per {period_us}µs"),
     }
-}
-
-fn gcd(mut a: u64, mut b: u64) -> u64 {
-    while b != 0 {
-        (a, b) = (b, a % b);
-    }
-    a
 }
 
 impl Rate {
@@ -204,7 +180,7 @@ mod tests {
     /// capacity) is exact over each of Envoy's units, from a second to a year. Exhaustive.
     #[test]
     fn multiples_of_1000_are_exact_for_every_envoy_unit() {
-        for (name, unit_us) in UNIT_NAMES {
+        for (_, name, unit_us) in crate::core::units::ENVOY_UNITS {
             for k in 1..=1_000_000u64 {
                 assert!(Rate::per(1000 * k, unit_us).is_ok(), "{} per {name}", 1000 * k);
             }

@@ -8,10 +8,9 @@ use super::model::{BucketSpec, DescriptorSpec, QuotaSpec, RulesFile, ScheduleEnt
 use super::{parse_refill, ConfigError};
 use crate::core::bucket::{Limit, Rate, RateError, MAX_CAPACITY};
 use crate::core::schedule::{Plan, Quota, Schedule, ScheduleEntry, ScheduleError};
+use crate::core::units::{DAY_US, ENVOY_UNITS};
 use crate::rules::OVERRIDE_BUCKET;
-use crate::rules::{BucketPolicy, Domain, Level, Node, Pattern, ReportedLimit, Rule, RuleSet, UNITS};
-
-const DAY_US: u64 = 86_400_000_000;
+use crate::rules::{BucketPolicy, Domain, Level, Node, Pattern, ReportedLimit, Rule, RuleSet};
 
 /// The longest time a bucket may take to fill from empty: 10 years of 365 days. Slower buckets
 /// are almost certainly a mistake (`capacity: 1000000000, refill: 1/d`), and every wait and
@@ -714,9 +713,9 @@ impl<'a> DomainBuilder<'a> {
             );
             return None;
         };
-        let Some((unit, unit_us)) = UNITS
+        let Some((unit, _, unit_us)) = ENVOY_UNITS
             .iter()
-            .find(|(u, _)| u.as_str_name().eq_ignore_ascii_case(unit_text))
+            .find(|(_, name, _)| name.eq_ignore_ascii_case(unit_text))
             .copied()
         else {
             self.error(

@@ -1,5 +1,7 @@
 //! Refill strings (`10/s`, `600/1m`, `1/250ms`) and durations (`250ms`, `1m`, `s`).
 
+use crate::core::units::DURATION_SUFFIXES;
+
 /// A refill rate as written: `tokens` every `period_us` microseconds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Refill {
@@ -9,14 +11,6 @@ pub struct Refill {
     pub period_us: u64,
 }
 
-const UNITS: [(&str, u64); 5] = [
-    ("ms", 1_000),
-    ("s", 1_000_000),
-    ("m", 60_000_000),
-    ("h", 3_600_000_000),
-    ("d", 86_400_000_000),
-];
-
 /// Parses a duration: an optional whole number followed by a unit, one of `ms`, `s`, `m`, `h`,
 /// `d` (`s` alone means `1s`). Returns microseconds. Errors with a sentence saying what is
 /// expected.
@@ -24,7 +18,7 @@ pub fn parse_duration_us(text: &str) -> Result<u64, String> {
     let text = text.trim();
     let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
     let (digits, unit) = text.split_at(split);
-    let Some((_, unit_us)) = UNITS.iter().find(|(name, _)| *name == unit) else {
+    let Some((_, unit_us)) = DURATION_SUFFIXES.iter().find(|(name, _)| *name == unit) else {
         return Err(format!(
             "bad duration `{text}`: expected a whole number and a unit (ms, s, m, h, d), like 250ms or 1m"
         ));
