@@ -32,7 +32,7 @@ mod settings;
 pub use settings::MemorySettings;
 
 use super::{Applied, BucketRef, Peeked, Store, StoreError};
-use crate::core::bucket::{decide, BucketState, Demand, Refilling};
+use crate::core::bucket::{decide, BucketState, Demand};
 use crate::core::clock::Clock;
 
 struct Entry {
@@ -334,16 +334,7 @@ impl MemoryStore {
         let now = locked.now;
         let kept = locked.read(buckets);
         drop(locked);
-        let states = buckets
-            .iter()
-            .zip(&kept)
-            .map(|(b, s)| b.plan.refill_to(*s, now))
-            .collect();
-        Peeked {
-            now_us: now,
-            states,
-            kept: kept.into_vec(),
-        }
+        Peeked::from_stored(buckets, kept.into_iter().map(Some), now)
     }
 
     /// Forgets `buckets` synchronously, so each is full again; [`Store::reset`] wraps this.
@@ -357,15 +348,7 @@ impl MemoryStore {
             }
         }
         drop(locked);
-        let full: Vec<BucketState> = buckets
-            .iter()
-            .map(|b| BucketState::full(&b.plan.limit_at(now), now))
-            .collect();
-        Peeked {
-            now_us: now,
-            states: full.clone(),
-            kept: full,
-        }
+        Peeked::all_full(buckets, now)
     }
 
     /// Locks the shards holding `buckets`, in ascending order so that two requests never wait

@@ -27,7 +27,7 @@ pub use redis::{FallbackBackend, RedisSettings};
 pub use resilient::{Fallback, Guarded, Resilient};
 pub use settings::{redact_url, FailureMode, UnreachableAtStart};
 
-use crate::core::bucket::{BucketState, Decision, Demand};
+use crate::core::bucket::{BucketState, Decision, Demand, Refilling};
 use crate::core::schedule::Plan;
 
 /// One bucket instance a request touches.
@@ -65,6 +65,41 @@ pub struct Peeked {
     /// ([`crate::core::bucket::InstanceOutcome::kept`]): it still counts the refill that flooring
     /// leaves out of `states`.
     pub kept: Vec<BucketState>,
+}
+
+impl Peeked {
+    /// What a peek answers from what a store holds at `now_us`: per bucket its stored state
+    /// (`None`: not held, so full at the capacity in force) brought forward with its plan.
+    pub fn from_stored(
+        buckets: &[BucketRef],
+        stored: impl IntoIterator<Item = Option<BucketState>>,
+        now_us: u64,
+    ) -> Peeked {
+        let kept: Vec<BucketState> = buckets
+            .iter()
+            .zip(stored)
+            .map(|(b, s)| s.unwrap_or_else(|| BucketState::full(&b.plan.limit_at(now_us), now_us)))
+            .collect();
+        let states = buckets
+            .iter()
+            .zip(&kept)
+            .map(|(b, s)| b.plan.refill_to(*s, now_us))
+            .collect();
+        Peeked { now_us, states, kept }
+    }
+
+    /// What a reset answers: every bucket full at the capacity in force at `now_us`.
+    pub fn all_full(buckets: &[BucketRef], now_us: u64) -> Peeked {
+        let full: Vec<BucketState> = buckets
+            .iter()
+            .map(|b| BucketState::full(&b.plan.limit_at(now_us), now_us))
+            .collect();
+        Peeked {
+            now_us,
+            states: full.clone(),
+            kept: full,
+        }
+    }
 }
 
 /// Why a store could not decide.

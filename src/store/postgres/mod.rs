@@ -40,7 +40,7 @@ use sqlx::{Postgres, Row, Transaction};
 use self::batch::{Batcher, Job};
 use super::redact_url;
 use super::{Applied, BucketRef, ConnectError, Peeked, Store, StoreError};
-use crate::core::bucket::{BucketState, Demand, Refilling};
+use crate::core::bucket::{BucketState, Demand};
 use crate::core::clock::Clock;
 
 /// How long past a request's deadline its caller still waits for the lane's answer.
@@ -589,21 +589,7 @@ impl PostgresStore {
         let stored = Self::read(&mut tx, &keys).await?;
         let now = self.now_in(&mut tx).await?;
         tx.commit().await.map_err(store_error)?;
-        let kept: Vec<BucketState> = buckets
-            .iter()
-            .zip(index)
-            .map(|(b, &k)| stored[k].unwrap_or_else(|| BucketState::full(&b.plan.limit_at(now), now)))
-            .collect();
-        let states = buckets
-            .iter()
-            .zip(&kept)
-            .map(|(b, s)| b.plan.refill_to(*s, now))
-            .collect();
-        Ok(Peeked {
-            now_us: now,
-            states,
-            kept,
-        })
+        Ok(Peeked::from_stored(buckets, index.iter().map(|&k| stored[k]), now))
     }
 
     async fn reset_inner(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
@@ -622,15 +608,7 @@ impl PostgresStore {
         .map_err(store_error)?;
         let now = self.now_in(&mut tx).await?;
         tx.commit().await.map_err(store_error)?;
-        let states: Vec<BucketState> = buckets
-            .iter()
-            .map(|b| BucketState::full(&b.plan.limit_at(now), now))
-            .collect();
-        Ok(Peeked {
-            now_us: now,
-            kept: states.clone(),
-            states,
-        })
+        Ok(Peeked::all_full(buckets, now))
     }
 }
 

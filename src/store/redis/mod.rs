@@ -47,7 +47,7 @@ use self::script::{
 };
 use super::{redact_url, UnreachableAtStart};
 use super::{Applied, BucketRef, ConnectError, Peeked, Store, StoreError};
-use crate::core::bucket::{BucketState, Decision, Demand, DemandKind, InstanceOutcome, Refilling};
+use crate::core::bucket::{Decision, Demand, DemandKind, InstanceOutcome};
 use crate::core::clock::Clock;
 
 /// The decision script.
@@ -849,36 +849,22 @@ impl Store for RedisStore {
 
     async fn peek(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
         let (now_us, values) = self.read(&self.inner.conn.scripts.peek, buckets).await?;
-        let mut states = Vec::with_capacity(buckets.len());
-        let mut kept = Vec::with_capacity(buckets.len());
-        for (b, raw) in buckets.iter().zip(values) {
-            let stored = match raw.as_deref().and_then(script::parse_value) {
-                Some((state, _)) => state,
-                None => BucketState::full(&b.plan.limit_at(now_us), now_us),
-            };
-            kept.push(stored);
-            states.push(b.plan.refill_to(stored, now_us));
-        }
-        Ok(Peeked { now_us, states, kept })
+        let stored = values
+            .into_iter()
+            .map(|raw| raw.as_deref().and_then(script::parse_value).map(|(state, _)| state));
+        Ok(Peeked::from_stored(buckets, stored, now_us))
     }
 
     async fn reset(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
         let (now_us, _) = self.read(&self.inner.conn.scripts.reset, buckets).await?;
-        let states: Vec<BucketState> = buckets
-            .iter()
-            .map(|b| BucketState::full(&b.plan.limit_at(now_us), now_us))
-            .collect();
-        Ok(Peeked {
-            now_us,
-            kept: states.clone(),
-            states,
-        })
+        Ok(Peeked::all_full(buckets, now_us))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::bucket::BucketState;
 
     fn outcome(tokens: u64, updated_us: u64) -> InstanceOutcome {
         let state = BucketState {
