@@ -29,11 +29,11 @@ use crate::server::config_view::config_json;
 use crate::server::http::{router, HttpState, Readiness};
 use crate::server::reload::{load_initial, Reloader};
 use crate::server::service::RateLimitGrpc;
-use crate::server::settings::{
-    Backend, FailureMode, FallbackBackend, GrpcSettings, RuntimeFlavor, Settings, UnreachableAtStart,
-};
+use crate::server::settings::{Backend, FailureMode, FallbackBackend, GrpcSettings, RuntimeFlavor, Settings};
 use crate::server::wire::RateLimitServer;
-use crate::store::{AnyStore, Fallback, Guarded, MemoryStore, Metered, PostgresStore, RedisStore, Resilient, Store};
+use crate::store::{
+    start_shared, AnyStore, Fallback, Guarded, MemoryStore, Metered, PostgresStore, RedisStore, Resilient, Store,
+};
 
 impl LimiterOptions {
     /// The limiter options in `settings`.
@@ -534,23 +534,15 @@ async fn redis_store(
 ) -> anyhow::Result<Resilient<RedisStore>> {
     let r = &settings.redis;
     let redis = RedisStore::new(r, clock)?;
-    let connect_timeout = Duration::from_millis(r.connect_timeout_ms);
-    match r.unreachable_at_start {
-        UnreachableAtStart::Exit => {
-            redis
-                .connect(connect_timeout)
-                .await
-                .map_err(|e| anyhow::anyhow!("cannot use {e}"))?;
-            tracing::info!(redis = %redis.describe(), cluster = r.cluster, "connected to Redis");
-        }
-        UnreachableAtStart::NotReady => match redis.connect(connect_timeout).await {
-            Ok(()) => tracing::info!(redis = %redis.describe(), cluster = r.cluster, "connected to Redis"),
-            Err(e) => {
-                tracing::warn!(error = %e, "Redis not reachable at start: not ready until it is; connecting in the background");
-                redis.connect_in_background(Duration::from_millis(200));
-            }
-        },
-    }
+    let detail = if r.cluster { "cluster" } else { "single node" };
+    start_shared(
+        &redis,
+        r.unreachable_at_start,
+        Duration::from_millis(r.connect_timeout_ms),
+        detail,
+    )
+    .await
+    .map_err(|e| anyhow::anyhow!("cannot use {e}"))?;
     let fallback = match (r.failure_mode, r.fallback) {
         (FailureMode::Fallback, FallbackBackend::Memory) => Some(Fallback::Memory(Metered::new(memory, "memory"))),
         (FailureMode::Fallback, FallbackBackend::Postgres) => {
@@ -603,23 +595,15 @@ async fn postgres_store(settings: &Settings, memory: MemoryStore) -> anyhow::Res
 async fn connect_postgres(settings: &Settings) -> anyhow::Result<PostgresStore> {
     let p = &settings.postgres;
     let postgres = PostgresStore::new(p)?;
-    let connect_timeout = Duration::from_millis(p.connect_timeout_ms);
-    match p.unreachable_at_start {
-        UnreachableAtStart::Exit => {
-            postgres
-                .connect(connect_timeout)
-                .await
-                .map_err(|e| anyhow::anyhow!("cannot use {e}"))?;
-            tracing::info!(postgres = %postgres.describe(), schema = %p.schema, "connected to Postgres");
-        }
-        UnreachableAtStart::NotReady => match postgres.connect(connect_timeout).await {
-            Ok(()) => tracing::info!(postgres = %postgres.describe(), schema = %p.schema, "connected to Postgres"),
-            Err(e) => {
-                tracing::warn!(error = %e, "Postgres not reachable at start: not ready until it is; connecting in the background");
-                postgres.connect_in_background(Duration::from_millis(500), connect_timeout);
-            }
-        },
-    }
+    let detail = format!("schema {}", p.schema);
+    start_shared(
+        &postgres,
+        p.unreachable_at_start,
+        Duration::from_millis(p.connect_timeout_ms),
+        &detail,
+    )
+    .await
+    .map_err(|e| anyhow::anyhow!("cannot use {e}"))?;
     let sweeper = postgres.clone();
     let (every, batch) = (Duration::from_secs(p.sweep_interval_seconds), p.sweep_batch);
     tokio::spawn(async move {

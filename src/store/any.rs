@@ -2,7 +2,8 @@
 
 use super::resilient::failing;
 use super::{
-    Applied, BucketRef, MemoryStore, Metered, Peeked, PostgresStore, RedisStore, Resilient, Store, StoreError,
+    Applied, BucketRef, MemoryStore, Metered, Peeked, PostgresStore, RedisStore, Resilient, SharedBackend, Store,
+    StoreError,
 };
 use crate::core::bucket::Demand;
 
@@ -60,32 +61,8 @@ impl AnyStore {
                     notice: None,
                 }
             }
-            AnyStore::Redis(r) => {
-                let redis = r.primary();
-                let problem = if !redis.is_connected() {
-                    Some(format!("not connected to Redis at {}", redis.describe()))
-                } else if !redis.is_warm() {
-                    // Connected, but the scripts are still loading (`unreachable_at_start:
-                    // not_ready` connects in the background).
-                    Some("Redis scripts not loaded yet".to_string())
-                } else if !r.probe_if_open(|| redis.probe(PROBE_TIMEOUT)).await {
-                    Some(failing("Redis", redis.describe(), r.guarded()))
-                } else {
-                    None
-                };
-                (problem, r.fallback())
-            }
-            AnyStore::Postgres(p) => {
-                let postgres = p.primary();
-                let problem = if !postgres.is_migrated() {
-                    Some(format!("not connected to Postgres at {}", postgres.describe()))
-                } else if !p.guarded().check(|| postgres.probe(PROBE_TIMEOUT)).await {
-                    Some(failing("Postgres", postgres.describe(), p.guarded()))
-                } else {
-                    None
-                };
-                (problem, p.fallback())
-            }
+            AnyStore::Redis(r) => (shared_problem(r).await, r.fallback()),
+            AnyStore::Postgres(p) => (shared_problem(p).await, p.fallback()),
         };
         let fallback_ready = match fallback {
             Some(f) => Some((f.name(), f.ready(PROBE_TIMEOUT).await)),
@@ -111,6 +88,23 @@ impl AnyStore {
             notice: eviction,
         }
     }
+}
+
+/// Why a shared backend cannot decide now, with its address (for the log): not connected or
+/// prepared yet, or failing its probe (sent on every check, or only while its circuit is open,
+/// as [`SharedBackend::PROBE_EVERY_CHECK`] says); `None` when it answers.
+async fn shared_problem<B: SharedBackend + Store>(store: &Resilient<B>) -> Option<String> {
+    let backend = store.primary();
+    if let Some(why) = backend.not_ready_yet() {
+        return Some(why);
+    }
+    let probe = || backend.probe(PROBE_TIMEOUT);
+    let answers = if B::PROBE_EVERY_CHECK {
+        store.guarded().check(probe).await
+    } else {
+        store.probe_if_open(probe).await
+    };
+    (!answers).then(|| failing(B::NAME, backend.describe(), store.guarded()))
 }
 
 impl Store for AnyStore {

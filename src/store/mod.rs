@@ -12,6 +12,7 @@ pub mod postgres;
 pub mod redis;
 mod resilient;
 pub mod settings;
+mod shared;
 
 use std::future::Future;
 
@@ -26,6 +27,7 @@ pub use redis::RedisStore;
 pub use redis::{FallbackBackend, RedisSettings};
 pub use resilient::{Fallback, Guarded, Resilient};
 pub use settings::{redact_url, FailureMode, UnreachableAtStart};
+pub use shared::{start_shared, SharedBackend};
 
 use crate::core::bucket::{BucketState, Decision, Demand, Refilling};
 use crate::core::schedule::Plan;

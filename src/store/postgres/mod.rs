@@ -662,6 +662,32 @@ impl Store for PostgresStore {
     }
 }
 
+impl super::SharedBackend for PostgresStore {
+    const NAME: &'static str = "Postgres";
+    const PROBE_EVERY_CHECK: bool = true;
+
+    fn describe(&self) -> &str {
+        PostgresStore::describe(self)
+    }
+
+    fn connect(&self, timeout: Duration) -> impl std::future::Future<Output = Result<(), ConnectError>> + Send {
+        PostgresStore::connect(self, timeout)
+    }
+
+    /// An attempt every 500 ms, each within `timeout`.
+    fn connect_in_background(&self, timeout: Duration) {
+        PostgresStore::connect_in_background(self, Duration::from_millis(500), timeout);
+    }
+
+    fn not_ready_yet(&self) -> Option<String> {
+        (!self.is_migrated()).then(|| format!("not connected to Postgres at {}", self.describe()))
+    }
+
+    fn probe(&self, timeout: Duration) -> impl std::future::Future<Output = Result<(), StoreError>> + Send {
+        PostgresStore::probe(self, timeout)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

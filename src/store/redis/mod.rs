@@ -861,6 +861,40 @@ impl Store for RedisStore {
     }
 }
 
+impl super::SharedBackend for RedisStore {
+    const NAME: &'static str = "Redis";
+    const PROBE_EVERY_CHECK: bool = false;
+
+    fn describe(&self) -> &str {
+        RedisStore::describe(self)
+    }
+
+    fn connect(&self, timeout: Duration) -> impl std::future::Future<Output = Result<(), ConnectError>> + Send {
+        RedisStore::connect(self, timeout)
+    }
+
+    /// The pool keeps reconnecting on its own; this waits for it, 200 ms at a time.
+    fn connect_in_background(&self, _timeout: Duration) {
+        RedisStore::connect_in_background(self, Duration::from_millis(200));
+    }
+
+    fn not_ready_yet(&self) -> Option<String> {
+        if !self.is_connected() {
+            Some(format!("not connected to Redis at {}", self.describe()))
+        } else if !self.is_warm() {
+            // Connected, but the scripts are still loading (`unreachable_at_start: not_ready`
+            // connects in the background).
+            Some("Redis scripts not loaded yet".to_string())
+        } else {
+            None
+        }
+    }
+
+    fn probe(&self, timeout: Duration) -> impl std::future::Future<Output = Result<(), StoreError>> + Send {
+        RedisStore::probe(self, timeout)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
