@@ -251,7 +251,7 @@ fn migrate(settings: &Settings) -> ExitCode {
     };
     let p = &settings.postgres;
     // Migrations may wait for another replica's advisory lock: far longer than a connection.
-    let timeout = Duration::from_millis(p.connect_timeout_ms).max(Duration::from_secs(60));
+    let timeout = p.connect_timeout_ms.duration().max(Duration::from_secs(60));
     let outcome = runtime.block_on(async {
         let store = tollgate::store::PostgresStore::new(p)?;
         let report = store.migrate(timeout).await?;

@@ -919,11 +919,11 @@ fn kubernetes_manifests_match_tollgate() {
         );
     }
     let grace = at(pod, &["terminationGracePeriodSeconds"]).as_u64().unwrap();
-    assert!(grace > settings.shutdown.drain_seconds + settings.shutdown.timeout_seconds);
+    assert!(grace > settings.shutdown.drain_seconds.0 + settings.shutdown.timeout_seconds.0);
     assert!(
-        settings.shutdown.drain_seconds >= 5,
+        settings.shutdown.drain_seconds.0 >= 5,
         "the drain must outlast the endpoint removal reaching every Envoy: {}s",
-        settings.shutdown.drain_seconds
+        settings.shutdown.drain_seconds.0
     );
 
     // Secrets: Redis's password from the Secret Redis itself requires; the admin API off unless

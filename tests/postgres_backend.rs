@@ -737,7 +737,7 @@ async fn a_request_that_waited_too_long_does_not_time_out_the_rest_of_its_batch(
     };
     let mut settings = support::postgres::settings(&db.url, &db.name);
     settings.pool_size = 1;
-    settings.command_timeout_ms = 2_000;
+    settings.command_timeout_ms.0 = 2_000;
     let store = PostgresStore::new(&settings).unwrap();
     store.connect(Duration::from_secs(10)).await.unwrap();
     // The rows exist (one token taken), then two transactions lock one each.

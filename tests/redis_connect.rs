@@ -56,8 +56,8 @@ async fn loading_the_scripts_is_not_held_to_the_decision_timeout() {
     let settings = RedisSettings {
         urls: vec![server.url()],
         pool_size: 1,
-        command_timeout_ms: 10,
-        connect_timeout_ms: 2_000,
+        command_timeout_ms: tollgate::core::units::Millis(10),
+        connect_timeout_ms: tollgate::core::units::Millis(2_000),
         ..RedisSettings::default()
     };
     let store = RedisStore::new(&settings, Arc::new(SystemClock)).unwrap();
@@ -93,7 +93,7 @@ async fn a_wrong_password_is_named_every_time() {
     let settings = RedisSettings {
         urls: vec![format!("redis://:wrong@127.0.0.1:{}", server.port())],
         pool_size: 4,
-        connect_timeout_ms: 10_000,
+        connect_timeout_ms: tollgate::core::units::Millis(10_000),
         ..RedisSettings::default()
     };
     let mut wrong = Vec::new();

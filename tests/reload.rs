@@ -172,8 +172,8 @@ async fn await_tenant_capacity(limiter: &MemLimiter, expected: u32, what: &str) 
 fn watch_only() -> ReloadSettings {
     ReloadSettings {
         watch: true,
-        debounce_ms: 20,
-        poll_seconds: 0,
+        debounce_ms: tollgate::core::units::Millis(20),
+        poll_seconds: tollgate::core::units::Seconds(0),
     }
 }
 
@@ -423,8 +423,8 @@ async fn polling_alone_picks_up_changes() {
     let (limiter, reloader) = reloader(&file);
     let task = reloader.spawn(ReloadSettings {
         watch: false,
-        debounce_ms: 20,
-        poll_seconds: 1,
+        debounce_ms: tollgate::core::units::Millis(20),
+        poll_seconds: tollgate::core::units::Seconds(1),
     });
     std::fs::write(&file, rules(5)).unwrap();
     await_tenant_capacity(&limiter, 5, "poll").await;

@@ -239,7 +239,7 @@ async fn redis_keys_are_bounded_whatever_the_value() {
     let settings = RedisSettings {
         urls: vec![url.clone()],
         key_prefix: prefix.clone(),
-        command_timeout_ms: 5_000,
+        command_timeout_ms: tollgate::core::units::Millis(5_000),
         ..RedisSettings::default()
     };
     let store = RedisStore::new(&settings, Arc::new(SystemClock)).unwrap();

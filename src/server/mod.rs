@@ -121,7 +121,7 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
     let memory = MemoryStore::new(settings.memory.shards, settings.memory.max_buckets, clock.clone());
     spawn_sweeper(
         memory.clone(),
-        Duration::from_secs(settings.memory.sweep_interval_seconds.max(1)),
+        Duration::from_secs(settings.memory.sweep_interval_seconds.0.max(1)),
     );
     let store = match settings.backend {
         Backend::Memory => AnyStore::Memory(Metered::new(memory.clone(), "memory")),
@@ -256,7 +256,7 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
         // Envoy moves on while the streams it already sent are still answered.
         let close = stopped();
         let stop = stopped();
-        let timeout = Duration::from_secs(settings.shutdown.timeout_seconds);
+        let timeout = settings.shutdown.timeout_seconds.duration();
         let go_away = async move {
             stop.await;
             tokio::time::sleep(timeout.saturating_sub(go_away_margin(timeout))).await;
@@ -285,13 +285,13 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
         .set_not_serving::<RateLimitServer<RateLimitGrpc<AnyStore>>>()
         .await;
     health_reporter.set_service_status("", ServingStatus::NotServing).await;
-    if failed.is_none() && settings.shutdown.drain_seconds > 0 {
+    if failed.is_none() && settings.shutdown.drain_seconds.0 > 0 {
         tracing::info!(
-            drain_seconds = settings.shutdown.drain_seconds,
+            drain_seconds = settings.shutdown.drain_seconds.0,
             "shutting down: not ready; still answering while load balancers move away"
         );
         tokio::select! {
-            _ = tokio::time::sleep(Duration::from_secs(settings.shutdown.drain_seconds)) => {}
+            _ = tokio::time::sleep(settings.shutdown.drain_seconds.duration()) => {}
             _ = shutdown_signal() => {
                 tracing::warn!("second signal: exiting now, without waiting for requests in flight");
                 reload_task.abort();
@@ -301,12 +301,12 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
         }
     }
     tracing::info!(
-        timeout_seconds = settings.shutdown.timeout_seconds,
+        timeout_seconds = settings.shutdown.timeout_seconds.0,
         "closing the listeners; finishing requests in flight"
     );
     reload_task.abort();
     let _ = stop_tx.send(true);
-    let deadline = Duration::from_secs(settings.shutdown.timeout_seconds);
+    let deadline = settings.shutdown.timeout_seconds.duration();
     let mut result = match failed {
         Some(done) => done.context("a listener task panicked")?,
         None => Ok(()),
@@ -481,15 +481,14 @@ pub async fn serve_rate_limit_service_draining<T: RateLimitService>(
     close: impl Future<Output = ()> + Send + 'static,
     go_away: impl Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
-    let keepalive =
-        (limits.keepalive_interval_seconds > 0).then(|| Duration::from_secs(limits.keepalive_interval_seconds));
+    let keepalive = (limits.keepalive_interval_seconds.0 > 0).then(|| limits.keepalive_interval_seconds.duration());
     // TCP_NODELAY must be set on the accepted sockets here: tonic ignores `Server::tcp_nodelay`
     // for a caller-supplied incoming stream. With Nagle on, a response written in two pieces
     // waits for Envoy's delayed ACK (~40 ms), past Envoy's default 20 ms filter timeout.
     tonic::transport::Server::builder()
         .max_concurrent_streams(limits.max_concurrent_streams)
         .http2_keepalive_interval(keepalive)
-        .http2_keepalive_timeout(Some(Duration::from_secs(limits.keepalive_timeout_seconds.max(1))))
+        .http2_keepalive_timeout(Some(Duration::from_secs(limits.keepalive_timeout_seconds.0.max(1))))
         .add_service(health)
         .add_service(RateLimitServer::new(service).max_message_bytes(limits.max_message_bytes))
         .serve_with_incoming_shutdown(
@@ -535,14 +534,9 @@ async fn redis_store(
     let r = &settings.redis;
     let redis = RedisStore::new(r, clock)?;
     let detail = if r.cluster { "cluster" } else { "single node" };
-    start_shared(
-        &redis,
-        r.unreachable_at_start,
-        Duration::from_millis(r.connect_timeout_ms),
-        detail,
-    )
-    .await
-    .map_err(|e| anyhow::anyhow!("cannot use {e}"))?;
+    start_shared(&redis, r.unreachable_at_start, r.connect_timeout_ms.duration(), detail)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot use {e}"))?;
     let fallback = match (r.failure_mode, r.fallback) {
         (FailureMode::Fallback, FallbackBackend::Memory) => Some(Fallback::Memory(Metered::new(memory, "memory"))),
         (FailureMode::Fallback, FallbackBackend::Postgres) => {
@@ -599,13 +593,13 @@ async fn connect_postgres(settings: &Settings) -> anyhow::Result<PostgresStore> 
     start_shared(
         &postgres,
         p.unreachable_at_start,
-        Duration::from_millis(p.connect_timeout_ms),
+        p.connect_timeout_ms.duration(),
         &detail,
     )
     .await
     .map_err(|e| anyhow::anyhow!("cannot use {e}"))?;
     let sweeper = postgres.clone();
-    let (every, batch) = (Duration::from_secs(p.sweep_interval_seconds), p.sweep_batch);
+    let (every, batch) = (p.sweep_interval_seconds.duration(), p.sweep_batch);
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

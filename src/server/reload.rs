@@ -20,7 +20,6 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::Duration;
 
 use notify::event::{AccessKind, AccessMode};
 use notify::{Event, EventKind, RecursiveMode, Watcher};
@@ -280,7 +279,7 @@ impl<S: Store> Reloader<S> {
     pub fn spawn(self: &Arc<Self>, settings: ReloadSettings) -> tokio::task::JoinHandle<()> {
         let (tx, rx) = mpsc::unbounded_channel();
         let watch = if settings.watch {
-            Watch::start(&self.path, tx.clone(), settings.poll_seconds)
+            Watch::start(&self.path, tx.clone(), settings.poll_seconds.0)
         } else {
             None
         };
@@ -298,10 +297,10 @@ impl<S: Store> Reloader<S> {
         mut rx: mpsc::UnboundedReceiver<notify::Result<Event>>,
         mut hangup: Hangup,
     ) {
-        let debounce = Duration::from_millis(settings.debounce_ms);
+        let debounce = settings.debounce_ms.duration();
         let longest_wait = debounce * 10;
-        let mut poll = (settings.poll_seconds > 0).then(|| {
-            let every = Duration::from_secs(settings.poll_seconds);
+        let mut poll = (settings.poll_seconds.0 > 0).then(|| {
+            let every = settings.poll_seconds.duration();
             let mut poll = tokio::time::interval_at(Instant::now() + every, every);
             poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             poll

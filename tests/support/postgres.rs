@@ -67,8 +67,8 @@ pub fn settings(url: &str, schema: &str) -> PostgresSettings {
         url: url.to_owned(),
         schema: schema.to_owned(),
         pool_size: 8,
-        connect_timeout_ms: 10_000,
-        command_timeout_ms: 10_000,
+        connect_timeout_ms: tollgate::core::units::Millis(10_000),
+        command_timeout_ms: tollgate::core::units::Millis(10_000),
         ..PostgresSettings::default()
     }
 }

@@ -1065,7 +1065,7 @@ pub async fn store_on_clock(
         urls,
         cluster,
         key_prefix: prefix.to_string(),
-        command_timeout_ms: 5_000,
+        command_timeout_ms: tollgate::core::units::Millis(5_000),
         ..tollgate::settings::RedisSettings::default()
     };
     let store = tollgate::store::RedisStore::new(&settings, std::sync::Arc::new(tollgate::clock::SystemClock))

@@ -6,6 +6,7 @@ pub mod envoyproxy_env;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
+use crate::core::units::{Millis, Seconds};
 use figment::providers::{Env, Format, Serialized, Yaml};
 use figment::Figment;
 use serde::{Deserialize, Serialize};
@@ -106,10 +107,10 @@ pub struct ReloadSettings {
     pub watch: bool,
     /// Quiet time after the last file event before reloading, in milliseconds, so an editor's
     /// or ConfigMap's several writes become one reload.
-    pub debounce_ms: u64,
+    pub debounce_ms: Millis,
     /// Also compare the rules files' contents every this many seconds (0: never), for
     /// filesystems whose changes raise no events (some network and overlay mounts).
-    pub poll_seconds: u64,
+    pub poll_seconds: Seconds,
 }
 
 /// Graceful shutdown.
@@ -119,10 +120,10 @@ pub struct ShutdownSettings {
     /// Seconds between the signal and closing the listeners, during which `/readyz` and
     /// gRPC health report not serving while requests are still answered, so load balancers
     /// stop sending first.
-    pub drain_seconds: u64,
+    pub drain_seconds: Seconds,
     /// Seconds after closing the listeners that in-flight requests have to finish; then the
     /// process exits anyway.
-    pub timeout_seconds: u64,
+    pub timeout_seconds: Seconds,
 }
 
 /// Prometheus metrics.
@@ -191,9 +192,9 @@ pub struct GrpcSettings {
     pub max_concurrent_streams: u32,
     /// Seconds between HTTP/2 PINGs on an idle connection (0: none), so a peer that vanished
     /// without closing is noticed.
-    pub keepalive_interval_seconds: u64,
+    pub keepalive_interval_seconds: Seconds,
     /// Seconds to wait for a PING's answer before closing the connection.
-    pub keepalive_timeout_seconds: u64,
+    pub keepalive_timeout_seconds: Seconds,
 }
 
 impl Default for Settings {
@@ -237,8 +238,8 @@ impl Default for ReloadSettings {
     fn default() -> Self {
         ReloadSettings {
             watch: true,
-            debounce_ms: 200,
-            poll_seconds: 10,
+            debounce_ms: Millis(200),
+            poll_seconds: Seconds(10),
         }
     }
 }
@@ -246,8 +247,8 @@ impl Default for ReloadSettings {
 impl Default for ShutdownSettings {
     fn default() -> Self {
         ShutdownSettings {
-            drain_seconds: 2,
-            timeout_seconds: 10,
+            drain_seconds: Seconds(2),
+            timeout_seconds: Seconds(10),
         }
     }
 }
@@ -277,8 +278,8 @@ impl Default for GrpcSettings {
         GrpcSettings {
             max_message_bytes: 4 * 1024 * 1024,
             max_concurrent_streams: 1024,
-            keepalive_interval_seconds: 30,
-            keepalive_timeout_seconds: 10,
+            keepalive_interval_seconds: Seconds(30),
+            keepalive_timeout_seconds: Seconds(10),
         }
     }
 }
@@ -598,13 +599,13 @@ impl Settings {
                 "grpc.max_message_bytes must be at least 1024 and grpc.max_concurrent_streams at least 1".into(),
             );
         }
-        if self.grpc.keepalive_interval_seconds > 0 && self.grpc.keepalive_timeout_seconds == 0 {
+        if self.grpc.keepalive_interval_seconds.0 > 0 && self.grpc.keepalive_timeout_seconds.0 == 0 {
             return Err("grpc.keepalive_timeout_seconds must be at least 1 when keep-alive is on".into());
         }
         if !self.metrics.path.starts_with('/') {
             return Err(format!("metrics.path {:?} must start with /", self.metrics.path));
         }
-        if self.shutdown.timeout_seconds == 0 {
+        if self.shutdown.timeout_seconds.0 == 0 {
             return Err("shutdown.timeout_seconds must be at least 1".into());
         }
         self.redis.validate()?;
@@ -753,6 +754,33 @@ mod tests {
 
     /// figment's `Env` parsed every value: a token `8675309` became an integer (load failed,
     /// quoting it), `true` a bool, `[x]` an array. Secrets are the raw strings.
+    #[test]
+    fn durations_take_a_unit_in_the_file_and_the_environment() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file(
+                "t.yaml",
+                "redis:\n  command_timeout_ms: 250ms\n  breaker_window_ms: 2000\nshutdown:\n  drain_seconds: 1m\n",
+            )?;
+            jail.set_env("TOLLGATE_REDIS__BREAKER_OPEN_MS", "2s");
+            jail.set_env("TOLLGATE_RELOAD__POLL_SECONDS", "30");
+            let s = Settings::load(Some(std::path::Path::new("t.yaml"))).map_err(|e| e.to_string())?;
+            assert_eq!(s.redis.command_timeout_ms, Millis(250));
+            assert_eq!(s.redis.breaker_window_ms, Millis(2_000));
+            assert_eq!(s.redis.breaker_open_ms, Millis(2_000));
+            assert_eq!(s.shutdown.drain_seconds, Seconds(60));
+            assert_eq!(s.reload.poll_seconds, Seconds(30));
+            jail.set_env("TOLLGATE_RELOAD__POLL_SECONDS", "1500ms");
+            let e = Settings::load(Some(std::path::Path::new("t.yaml")))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("whole number of seconds") && e.to_lowercase().contains("poll_seconds"),
+                "{e}"
+            );
+            Ok(())
+        });
+    }
+
     #[test]
     fn secrets_from_the_environment_are_raw_strings() {
         for raw in ["8675309", "true", "[x]", "{a=b}", "1.5", "-7", "null"] {

@@ -1,5 +1,6 @@
 //! The `memory` settings section, as the memory store takes it.
 
+use crate::core::units::Seconds;
 use serde::{Deserialize, Serialize};
 
 /// The memory backend.
@@ -11,7 +12,7 @@ pub struct MemorySettings {
     /// Most buckets held; beyond it the bucket closest to full is evicted (and counted).
     pub max_buckets: usize,
     /// Seconds between sweeps that drop buckets which have refilled to full.
-    pub sweep_interval_seconds: u64,
+    pub sweep_interval_seconds: Seconds,
 }
 
 impl Default for MemorySettings {
@@ -19,7 +20,7 @@ impl Default for MemorySettings {
         MemorySettings {
             shards: 64,
             max_buckets: 1_000_000,
-            sweep_interval_seconds: 10,
+            sweep_interval_seconds: Seconds(10),
         }
     }
 }

@@ -166,8 +166,8 @@ impl PostgresStore {
         let setup = options.options([("search_path", format!("\"{}\"", settings.schema).as_str())]);
         let options = setup
             .clone()
-            .options([("statement_timeout", &format!("{}ms", settings.command_timeout_ms))]);
-        let acquire = Duration::from_millis(settings.connect_timeout_ms);
+            .options([("statement_timeout", &format!("{}ms", settings.command_timeout_ms.0))]);
+        let acquire = settings.connect_timeout_ms.duration();
         // One connection per lane; the sweep, admin calls and probes have their own, so a busy
         // lane never keeps them waiting (nor they a lane).
         // All of them kept open (and opened again in the background after a restart): a new
@@ -188,9 +188,9 @@ impl PostgresStore {
                 aux,
                 setup,
                 options,
-                connect_timeout: Duration::from_millis(settings.connect_timeout_ms),
+                connect_timeout: settings.connect_timeout_ms.duration(),
                 schema: settings.schema.clone(),
-                timeout: Duration::from_millis(settings.command_timeout_ms),
+                timeout: settings.command_timeout_ms.duration(),
                 migrated: AtomicBool::new(false),
                 migrate: settings.migrate,
                 describe,
@@ -720,7 +720,7 @@ mod tests {
         };
         assert!(with(|s| s.url = "mysql://x".into()).is_err());
         assert!(with(|s| s.pool_size = 0).is_err());
-        assert!(with(|s| s.command_timeout_ms = 0).is_err());
+        assert!(with(|s| s.command_timeout_ms.0 = 0).is_err());
         assert!(with(|s| s.sweep_batch = 0).is_err());
         for bad in [
             "",

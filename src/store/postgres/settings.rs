@@ -1,5 +1,6 @@
 //! The `postgres` settings section (docs/backends.md), as the Postgres store takes it.
 
+use crate::core::units::{Millis, Seconds};
 use serde::{Deserialize, Serialize};
 
 use crate::store::settings::{breaker_policy, breaker_window, redact_url, FailureMode, UnreachableAtStart};
@@ -19,10 +20,10 @@ pub struct PostgresSettings {
     /// Connections in the pool.
     pub pool_size: u32,
     /// How long to wait for a connection, at start and from the pool, in milliseconds.
-    pub connect_timeout_ms: u64,
+    pub connect_timeout_ms: Millis,
     /// How long one decision may take, its whole transaction included, in milliseconds (under
     /// Envoy's 20 ms filter timeout by default); also Postgres's `statement_timeout`.
-    pub command_timeout_ms: u64,
+    pub command_timeout_ms: Millis,
     /// The schema holding tollgate's table, created when missing: a lower-case identifier (a
     /// letter or `_`, then letters, digits or `_`, at most 63 bytes).
     pub schema: String,
@@ -38,14 +39,14 @@ pub struct PostgresSettings {
     /// opens; a failed batch (one transaction) is one call.
     pub breaker_failures: u32,
     /// How long an open circuit skips Postgres before a probe, in milliseconds.
-    pub breaker_open_ms: u64,
+    pub breaker_open_ms: Millis,
     /// The percentage (1 to 100) of the requests of the last `breaker_window_ms` that must have
     /// failed, beside `breaker_failures` failed calls, for the breaker to open.
     pub breaker_failure_percent: u8,
     /// Milliseconds of the breaker's rolling window (ten slots of a tenth each).
-    pub breaker_window_ms: u64,
+    pub breaker_window_ms: Millis,
     /// How often rows whose bucket is full again are deleted, in seconds.
-    pub sweep_interval_seconds: u64,
+    pub sweep_interval_seconds: Seconds,
     /// Rows a sweep deletes per statement (a pass runs at most 10 of them).
     pub sweep_batch: u32,
 }
@@ -56,17 +57,17 @@ impl Default for PostgresSettings {
             url: "postgres://postgres@127.0.0.1:5432/postgres".into(),
             password: None,
             pool_size: 8,
-            connect_timeout_ms: 1_000,
-            command_timeout_ms: 15,
+            connect_timeout_ms: Millis(1_000),
+            command_timeout_ms: Millis(15),
             schema: "tollgate".into(),
             migrate: true,
             failure_mode: FailureMode::Error,
             unreachable_at_start: UnreachableAtStart::Exit,
             breaker_failures: 5,
-            breaker_open_ms: 1_000,
+            breaker_open_ms: Millis(1_000),
             breaker_failure_percent: 50,
-            breaker_window_ms: 1_000,
-            sweep_interval_seconds: 10,
+            breaker_window_ms: Millis(1_000),
+            sweep_interval_seconds: Seconds(10),
             sweep_batch: 1_000,
         }
     }
@@ -87,16 +88,16 @@ impl PostgresSettings {
         if self.pool_size == 0 || self.pool_size > 1_000 {
             return Err("postgres.pool_size must be between 1 and 1000".into());
         }
-        if self.connect_timeout_ms == 0 || self.command_timeout_ms == 0 {
+        if self.connect_timeout_ms.0 == 0 || self.command_timeout_ms.0 == 0 {
             return Err("postgres.connect_timeout_ms and postgres.command_timeout_ms must be above 0".into());
         }
-        if self.sweep_interval_seconds == 0 || self.sweep_batch == 0 {
+        if self.sweep_interval_seconds.0 == 0 || self.sweep_batch == 0 {
             return Err("postgres.sweep_interval_seconds and postgres.sweep_batch must be above 0".into());
         }
         if self.breaker_failures == 0 {
             return Err("postgres.breaker_failures must be at least 1".into());
         }
-        breaker_window("postgres", self.breaker_failure_percent, self.breaker_window_ms)?;
+        breaker_window("postgres", self.breaker_failure_percent, self.breaker_window_ms.0)?;
         let s = self.schema.as_bytes();
         let identifier = !s.is_empty()
             && s.len() <= 63
@@ -121,8 +122,8 @@ impl PostgresSettings {
         breaker_policy(
             self.breaker_failures,
             self.breaker_failure_percent,
-            self.breaker_window_ms,
-            self.breaker_open_ms,
+            self.breaker_window_ms.0,
+            self.breaker_open_ms.0,
         )
     }
 }

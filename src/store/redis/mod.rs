@@ -284,11 +284,11 @@ impl RedisStore {
         // connection attempts going under the reconnect policy, like every later one.
         config.fail_fast = settings.unreachable_at_start == UnreachableAtStart::Exit;
         let config_fail_fast = config.fail_fast;
-        let timeout = Duration::from_millis(settings.command_timeout_ms);
+        let timeout = settings.command_timeout_ms.duration();
         let pool = Builder::from_config(config)
             .with_connection_config(|c| {
-                c.connection_timeout = Duration::from_millis(settings.connect_timeout_ms);
-                c.internal_command_timeout = Duration::from_millis(settings.connect_timeout_ms.max(100));
+                c.connection_timeout = settings.connect_timeout_ms.duration();
+                c.internal_command_timeout = Duration::from_millis(settings.connect_timeout_ms.0.max(100));
                 c.max_command_attempts = 1;
                 c.tcp.nodelay = Some(true);
             })

@@ -1,5 +1,6 @@
 //! The `redis` settings section (docs/backends.md), as the Redis store takes it.
 
+use crate::core::units::Millis;
 use serde::{Deserialize, Serialize};
 
 use crate::store::settings::{breaker_policy, breaker_window, redact_url, FailureMode, UnreachableAtStart};
@@ -25,12 +26,12 @@ pub struct RedisSettings {
     /// Connections, each pipelining many requests' commands.
     pub pool_size: usize,
     /// Milliseconds to connect (and reconnect) before a connection attempt fails.
-    pub connect_timeout_ms: u64,
+    pub connect_timeout_ms: Millis,
     /// Milliseconds a decision may wait for Redis (from its arrival) before it counts as a
     /// failure. The default (1000) holds a loaded machine; with `failure_mode` `allow`, `deny` or
     /// `fallback` behind Envoy, keep it under Envoy's rate-limit filter timeout (20 ms by
     /// default), or Envoy gives up first and its own `failure_mode_deny` decides.
-    pub command_timeout_ms: u64,
+    pub command_timeout_ms: Millis,
     /// Every key starts with this (no `{` or `}`: the hash tag follows it).
     pub key_prefix: String,
     /// What to answer when Redis fails or times out.
@@ -42,13 +43,13 @@ pub struct RedisSettings {
     /// many. A failed pipelined batch is one call, however many requests it held.
     pub breaker_failures: u32,
     /// Milliseconds the breaker stays open before one request probes Redis again.
-    pub breaker_open_ms: u64,
+    pub breaker_open_ms: Millis,
     /// The percentage (1 to 100) of the requests of the last `breaker_window_ms` that must have
     /// failed, beside `breaker_failures` failed calls, for the breaker to open: a timeout now
     /// and then under load does not open it, an outage does.
     pub breaker_failure_percent: u8,
     /// Milliseconds of the breaker's rolling window (ten slots of a tenth each).
-    pub breaker_window_ms: u64,
+    pub breaker_window_ms: Millis,
     /// With `failure_mode: fallback`, where decisions go while Redis fails: `postgres` (the
     /// `postgres` section; shared by every replica) or `memory` (a local store per replica).
     pub fallback: FallbackBackend,
@@ -73,15 +74,15 @@ impl Default for RedisSettings {
             password: None,
             tls: false,
             pool_size: 4,
-            connect_timeout_ms: 1000,
-            command_timeout_ms: 1000,
+            connect_timeout_ms: Millis(1000),
+            command_timeout_ms: Millis(1000),
             key_prefix: "tollgate:".into(),
             failure_mode: FailureMode::Error,
             unreachable_at_start: UnreachableAtStart::Exit,
             breaker_failures: 5,
-            breaker_open_ms: 1000,
+            breaker_open_ms: Millis(1000),
             breaker_failure_percent: 50,
-            breaker_window_ms: 1000,
+            breaker_window_ms: Millis(1000),
             fallback: FallbackBackend::Postgres,
         }
     }
@@ -119,13 +120,13 @@ impl RedisSettings {
         if self.pool_size == 0 || self.pool_size > 256 {
             return Err("redis.pool_size must be between 1 and 256".into());
         }
-        if self.command_timeout_ms == 0 || self.connect_timeout_ms == 0 {
+        if self.command_timeout_ms.0 == 0 || self.connect_timeout_ms.0 == 0 {
             return Err("redis.command_timeout_ms and redis.connect_timeout_ms must be at least 1".into());
         }
         if self.breaker_failures == 0 {
             return Err("redis.breaker_failures must be at least 1".into());
         }
-        breaker_window("redis", self.breaker_failure_percent, self.breaker_window_ms)?;
+        breaker_window("redis", self.breaker_failure_percent, self.breaker_window_ms.0)?;
         Ok(())
     }
 
@@ -134,8 +135,8 @@ impl RedisSettings {
         breaker_policy(
             self.breaker_failures,
             self.breaker_failure_percent,
-            self.breaker_window_ms,
-            self.breaker_open_ms,
+            self.breaker_window_ms.0,
+            self.breaker_open_ms.0,
         )
     }
 }
