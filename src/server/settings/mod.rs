@@ -556,17 +556,30 @@ impl Settings {
     /// `metrics.near_limit_ratio` outside `(0, 1]`; an empty `admin.token` or one with
     /// whitespace at either end (it could never match what a client sends); an enabled admin
     /// listener beyond loopback without `admin.token`; an `admin.allowed_hosts` entry that is not
-    /// a bare host name; `shutdown.timeout_seconds` of 0.
+    /// a bare host name; `shutdown.timeout_seconds` of 0; and those of the `redis` and `postgres`
+    /// sections. Every problem at once, one per line, so a fix is not followed by the next error.
     pub fn validate(&self) -> Result<(), String> {
+        let problems = self.problems();
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(problems.join("\n  "))
+        }
+    }
+
+    /// Every problem [`Self::validate`] reports, each a sentence naming the setting; empty when
+    /// there is none.
+    pub fn problems(&self) -> Vec<String> {
+        let mut problems = Vec::new();
         let ratio = self.metrics.near_limit_ratio;
         if !(ratio > 0.0 && ratio <= 1.0) {
-            return Err(format!("metrics.near_limit_ratio must be in (0, 1], not {ratio}"));
+            problems.push(format!("metrics.near_limit_ratio must be in (0, 1], not {ratio}"));
         }
         if let Err(e) = tracing_subscriber::EnvFilter::try_new(&self.log.level) {
-            return Err(format!("log.level {:?} is not a tracing filter: {e}", self.log.level));
+            problems.push(format!("log.level {:?} is not a tracing filter: {e}", self.log.level));
         }
         if self.admin.enabled && self.admin.token.is_none() && !self.admin.addr.ip().is_loopback() {
-            return Err(format!(
+            problems.push(format!(
                 "admin.addr {} is not a loopback address and admin.token is not set: anyone who reaches it \
                  could reset or refund any bucket; set admin.token (TOLLGATE_ADMIN__TOKEN), bind admin.addr \
                  to 127.0.0.1 or [::1], or set admin.enabled: false",
@@ -578,7 +591,7 @@ impl Settings {
                 || name.contains(|c: char| c.is_whitespace() || "/:@[]".contains(c))
                 || name.trim_end_matches('.').is_empty();
             if bad {
-                return Err(format!(
+                problems.push(format!(
                     "admin.allowed_hosts: {name:?} is not a host name; give names without a scheme or port \
                      (IP addresses and localhost are always accepted)"
                 ));
@@ -586,30 +599,32 @@ impl Settings {
         }
         if let Some(token) = &self.admin.token {
             if token.is_empty() || token.trim() != token {
-                return Err("admin.token must not be empty or start or end with whitespace \
+                problems.push(
+                    "admin.token must not be empty or start or end with whitespace \
                             (a YAML block scalar `|` adds a newline; use a plain string)"
-                    .into());
+                        .into(),
+                );
             }
         }
         if self.limits.max_value_bytes == 0 {
-            return Err("limits.max_value_bytes must be at least 1".into());
+            problems.push("limits.max_value_bytes must be at least 1".into());
         }
         if self.grpc.max_message_bytes < 1024 || self.grpc.max_concurrent_streams == 0 {
-            return Err(
-                "grpc.max_message_bytes must be at least 1024 and grpc.max_concurrent_streams at least 1".into(),
-            );
+            problems
+                .push("grpc.max_message_bytes must be at least 1024 and grpc.max_concurrent_streams at least 1".into());
         }
         if self.grpc.keepalive_interval_seconds.0 > 0 && self.grpc.keepalive_timeout_seconds.0 == 0 {
-            return Err("grpc.keepalive_timeout_seconds must be at least 1 when keep-alive is on".into());
+            problems.push("grpc.keepalive_timeout_seconds must be at least 1 when keep-alive is on".into());
         }
         if !self.metrics.path.starts_with('/') {
-            return Err(format!("metrics.path {:?} must start with /", self.metrics.path));
+            problems.push(format!("metrics.path {:?} must start with /", self.metrics.path));
         }
         if self.shutdown.timeout_seconds.0 == 0 {
-            return Err("shutdown.timeout_seconds must be at least 1".into());
+            problems.push("shutdown.timeout_seconds must be at least 1".into());
         }
-        self.redis.validate()?;
-        self.postgres.validate()
+        problems.extend(self.redis.problems());
+        problems.extend(self.postgres.problems());
+        problems
     }
 }
 
@@ -754,6 +769,28 @@ mod tests {
 
     /// figment's `Env` parsed every value: a token `8675309` became an integer (load failed,
     /// quoting it), `true` a bool, `[x]` an array. Secrets are the raw strings.
+    #[test]
+    fn validation_reports_every_problem_at_once() {
+        let mut s = Settings::default();
+        s.metrics.near_limit_ratio = 2.0;
+        s.shutdown.timeout_seconds = Seconds(0);
+        s.redis.pool_size = 0;
+        s.redis.urls = vec!["http://a".into(), "redis://b:1".into()];
+        s.postgres.schema = "Bad".into();
+        let e = s.validate().unwrap_err();
+        for part in [
+            "metrics.near_limit_ratio",
+            "shutdown.timeout_seconds",
+            "redis.pool_size",
+            "\"http://a\" is not a Redis URL",
+            "redis.cluster is false",
+            "postgres.schema",
+        ] {
+            assert!(e.contains(part), "{part} missing from: {e}");
+        }
+        assert_eq!(e.lines().count(), 6, "one line per problem: {e}");
+    }
+
     #[test]
     fn durations_take_a_unit_in_the_file_and_the_environment() {
         figment::Jail::expect_with(|jail| {

@@ -79,25 +79,39 @@ impl PostgresSettings {
     /// a `breaker_failure_percent` outside 1..=100, a `breaker_window_ms` under 10, or a schema
     /// that is not a lower-case identifier.
     pub fn validate(&self) -> Result<(), String> {
+        let problems = self.problems();
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(problems.join("; "))
+        }
+    }
+
+    /// Every problem [`Self::validate`] reports, each a sentence naming the setting; empty when
+    /// there is none.
+    pub fn problems(&self) -> Vec<String> {
+        let mut problems = Vec::new();
         if !(self.url.starts_with("postgres://") || self.url.starts_with("postgresql://")) {
-            return Err(format!(
+            problems.push(format!(
                 "postgres.url must start with postgres:// or postgresql://, not {:?}",
                 redact_url(&self.url)
             ));
         }
         if self.pool_size == 0 || self.pool_size > 1_000 {
-            return Err("postgres.pool_size must be between 1 and 1000".into());
+            problems.push("postgres.pool_size must be between 1 and 1000".into());
         }
         if self.connect_timeout_ms.0 == 0 || self.command_timeout_ms.0 == 0 {
-            return Err("postgres.connect_timeout_ms and postgres.command_timeout_ms must be above 0".into());
+            problems.push("postgres.connect_timeout_ms and postgres.command_timeout_ms must be above 0".into());
         }
         if self.sweep_interval_seconds.0 == 0 || self.sweep_batch == 0 {
-            return Err("postgres.sweep_interval_seconds and postgres.sweep_batch must be above 0".into());
+            problems.push("postgres.sweep_interval_seconds and postgres.sweep_batch must be above 0".into());
         }
         if self.breaker_failures == 0 {
-            return Err("postgres.breaker_failures must be at least 1".into());
+            problems.push("postgres.breaker_failures must be at least 1".into());
         }
-        breaker_window("postgres", self.breaker_failure_percent, self.breaker_window_ms.0)?;
+        if let Err(e) = breaker_window("postgres", self.breaker_failure_percent, self.breaker_window_ms.0) {
+            problems.push(e);
+        }
         let s = self.schema.as_bytes();
         let identifier = !s.is_empty()
             && s.len() <= 63
@@ -106,13 +120,13 @@ impl PostgresSettings {
                 .all(|&c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'_');
         // Postgres reserves pg_*; information_schema is its own.
         if !identifier || self.schema.starts_with("pg_") || self.schema == "information_schema" {
-            return Err(format!(
+            problems.push(format!(
                 "postgres.schema must be a lower-case identifier (a-z or _, then a-z, 0-9 or _, at most 63, \
                  not pg_* or information_schema), not {:?}",
                 self.schema
             ));
         }
-        Ok(())
+        problems
     }
 }
 

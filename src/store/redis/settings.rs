@@ -93,41 +93,55 @@ impl RedisSettings {
     /// prefix with `{` or `}`, a zero pool size or timeout, a zero `breaker_failures`, a
     /// `breaker_failure_percent` outside 1..=100 or a `breaker_window_ms` under 10.
     pub fn validate(&self) -> Result<(), String> {
+        let problems = self.problems();
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(problems.join("; "))
+        }
+    }
+
+    /// Every problem [`Self::validate`] reports, each a sentence naming the setting; empty when
+    /// there is none.
+    pub fn problems(&self) -> Vec<String> {
+        let mut problems = Vec::new();
         if self.urls.is_empty() {
-            return Err("redis.urls must name at least one Redis node".into());
+            problems.push("redis.urls must name at least one Redis node".into());
         }
         for url in &self.urls {
             let ok = url.starts_with("redis://") || url.starts_with("rediss://");
             if !ok || fred::types::config::Config::from_url(url).is_err() {
-                return Err(format!(
+                problems.push(format!(
                     "redis.urls: {:?} is not a Redis URL; use redis://host:port (rediss:// for TLS)",
                     redact_url(url)
                 ));
             }
         }
         if !self.cluster && self.urls.len() > 1 {
-            return Err(
+            problems.push(
                 "redis.urls lists several nodes but redis.cluster is false; set cluster: true for a Redis Cluster"
                     .into(),
             );
         }
         if self.key_prefix.contains(['{', '}']) {
-            return Err(format!(
+            problems.push(format!(
                 "redis.key_prefix {:?} must not contain {{ or }} (the Cluster hash tag follows it)",
                 self.key_prefix
             ));
         }
         if self.pool_size == 0 || self.pool_size > 256 {
-            return Err("redis.pool_size must be between 1 and 256".into());
+            problems.push("redis.pool_size must be between 1 and 256".into());
         }
         if self.command_timeout_ms.0 == 0 || self.connect_timeout_ms.0 == 0 {
-            return Err("redis.command_timeout_ms and redis.connect_timeout_ms must be at least 1".into());
+            problems.push("redis.command_timeout_ms and redis.connect_timeout_ms must be at least 1".into());
         }
         if self.breaker_failures == 0 {
-            return Err("redis.breaker_failures must be at least 1".into());
+            problems.push("redis.breaker_failures must be at least 1".into());
         }
-        breaker_window("redis", self.breaker_failure_percent, self.breaker_window_ms.0)?;
-        Ok(())
+        if let Err(e) = breaker_window("redis", self.breaker_failure_percent, self.breaker_window_ms.0) {
+            problems.push(e);
+        }
+        problems
     }
 
     /// The circuit breaker of these settings (`breaker_*`).
