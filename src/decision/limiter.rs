@@ -38,12 +38,8 @@ use crate::telemetry::DecisionCounters;
 /// Why a request got no decision.
 #[derive(Debug, thiserror::Error)]
 pub enum LimitError {
-    /// The request is malformed; answered `INVALID_ARGUMENT`. [`Limiter::should_rate_limit`]
-    /// no longer returns it (a malformed part is decided, see [`Malformed`]); kept for
-    /// callers that match on it.
-    #[error("{0}")]
-    InvalidRequest(String),
-    /// The store failed.
+    /// The store failed. (A malformed request is never an error: its malformed parts are
+    /// decided, see [`Malformed`], so Envoy never fails open on one.)
     #[error(transparent)]
     Store(#[from] StoreError),
 }

@@ -55,11 +55,6 @@ impl<S: Store> RateLimitService for RateLimitGrpc<S> {
                 }
                 Ok(Response::new(resp))
             }
-            Err(LimitError::InvalidRequest(msg)) => {
-                self.metrics.invalid.increment(1);
-                tracing::debug!(domain = %req.domain, %msg, "invalid request");
-                Err(Status::invalid_argument(msg))
-            }
             Err(LimitError::Store(e)) => {
                 self.metrics.unavailable.increment(1);
                 crate::telemetry::count_envoyproxy_backend_error();
