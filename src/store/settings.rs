@@ -32,6 +32,16 @@ pub enum UnreachableAtStart {
     NotReady,
 }
 
+/// `Ok` when there is no problem, else every problem joined by `separator`: the answer of a
+/// settings section's `validate`.
+pub fn all_problems(problems: Vec<String>, separator: &str) -> Result<(), String> {
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(problems.join(separator))
+    }
+}
+
 pub(crate) fn breaker_policy(failures: u32, percent: u8, window_ms: u64, open_ms: u64) -> BreakerPolicy {
     BreakerPolicy {
         min_failures: failures,

@@ -559,12 +559,7 @@ impl Settings {
     /// a bare host name; `shutdown.timeout_seconds` of 0; and those of the `redis` and `postgres`
     /// sections. Every problem at once, one per line, so a fix is not followed by the next error.
     pub fn validate(&self) -> Result<(), String> {
-        let problems = self.problems();
-        if problems.is_empty() {
-            Ok(())
-        } else {
-            Err(problems.join("\n  "))
-        }
+        crate::store::settings::all_problems(self.problems(), "\n  ")
     }
 
     /// Every problem [`Self::validate`] reports, each a sentence naming the setting; empty when

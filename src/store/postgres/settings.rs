@@ -3,7 +3,9 @@
 use crate::core::units::{Millis, Seconds};
 use serde::{Deserialize, Serialize};
 
-use crate::store::settings::{breaker_policy, breaker_window, redact_url, FailureMode, UnreachableAtStart};
+use crate::store::settings::{
+    all_problems, breaker_policy, breaker_window, redact_url, FailureMode, UnreachableAtStart,
+};
 use crate::store::BreakerPolicy;
 
 /// The Postgres backend (docs/backends.md): where PostgreSQL is, how to use it, and what to answer
@@ -79,12 +81,7 @@ impl PostgresSettings {
     /// a `breaker_failure_percent` outside 1..=100, a `breaker_window_ms` under 10, or a schema
     /// that is not a lower-case identifier.
     pub fn validate(&self) -> Result<(), String> {
-        let problems = self.problems();
-        if problems.is_empty() {
-            Ok(())
-        } else {
-            Err(problems.join("; "))
-        }
+        all_problems(self.problems(), "; ")
     }
 
     /// Every problem [`Self::validate`] reports, each a sentence naming the setting; empty when

@@ -3,7 +3,9 @@
 use crate::core::units::Millis;
 use serde::{Deserialize, Serialize};
 
-use crate::store::settings::{breaker_policy, breaker_window, redact_url, FailureMode, UnreachableAtStart};
+use crate::store::settings::{
+    all_problems, breaker_policy, breaker_window, redact_url, FailureMode, UnreachableAtStart,
+};
 use crate::store::BreakerPolicy;
 
 /// The Redis backend (docs/backends.md): where Redis is, how to reach it, and what to answer when it
@@ -93,12 +95,7 @@ impl RedisSettings {
     /// prefix with `{` or `}`, a zero pool size or timeout, a zero `breaker_failures`, a
     /// `breaker_failure_percent` outside 1..=100 or a `breaker_window_ms` under 10.
     pub fn validate(&self) -> Result<(), String> {
-        let problems = self.problems();
-        if problems.is_empty() {
-            Ok(())
-        } else {
-            Err(problems.join("; "))
-        }
+        all_problems(self.problems(), "; ")
     }
 
     /// Every problem [`Self::validate`] reports, each a sentence naming the setting; empty when
