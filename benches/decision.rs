@@ -19,11 +19,11 @@ use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descri
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
-use tollgate::bucket::{refill, wait_us, BucketState, Limit, Rate, MICRO};
-use tollgate::clock::ManualClock;
-use tollgate::config::load_rules;
-use tollgate::limiter::{Limiter, LimiterOptions};
-use tollgate::schedule::{refill_scheduled, wait_until_us, Schedule, ScheduleEntry, DEFAULT_HORIZON_US};
+use tollgate::core::bucket::{refill, wait_us, BucketState, Limit, Rate, MICRO};
+use tollgate::core::clock::ManualClock;
+use tollgate::core::schedule::{refill_scheduled, wait_until_us, Schedule, ScheduleEntry, DEFAULT_HORIZON_US};
+use tollgate::decision::{Limiter, LimiterOptions};
+use tollgate::rules::load_rules;
 use tollgate::store::MemoryStore;
 
 /// Wednesday 2026-12-02 12:00 in New York (17:00 UTC): the weekday window `* 9-17 * * MON-FRI`
@@ -109,7 +109,7 @@ fn limiter(rules: &std::path::Path, start_us: u64) -> (Limiter<MemoryStore>, Man
     let rules = load_rules(rules).unwrap_or_else(|e| panic!("the benchmark rules should load: {e}"));
     let clock = ManualClock::new(start_us);
     let store = MemoryStore::new(64, 1_000_000, Arc::new(clock.clone()));
-    let options = LimiterOptions::from_settings(&tollgate::settings::Settings::default());
+    let options = LimiterOptions::from_settings(&tollgate::server::settings::Settings::default());
     (Limiter::new(rules, store, options), clock)
 }
 

@@ -25,15 +25,15 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use std::future::Future;
-use tollgate::bucket::{Demand, DemandKind, Limit, Rate, MICRO};
-use tollgate::clock::ManualClock;
+use tollgate::core::bucket::{Demand, DemandKind, Limit, Rate, MICRO};
+use tollgate::core::clock::ManualClock;
 
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
-use tollgate::config::load_rules;
-use tollgate::limiter::{Limiter, LimiterOptions};
-use tollgate::matcher::{find_rule, instance_key};
-use tollgate::schedule::Plan;
+use tollgate::core::schedule::Plan;
+use tollgate::decision::{Limiter, LimiterOptions};
+use tollgate::rules::load_rules;
+use tollgate::rules::{find_rule, instance_key};
 use tollgate::store::{BucketRef, MemoryStore};
 
 /// The system allocator, counting the bytes live.
@@ -198,7 +198,7 @@ fn report_allocations() {
     let rules = load_rules(dir.path()).unwrap_or_else(|e| panic!("the rules load: {e}"));
     let clock = ManualClock::new(START_US);
     let store = MemoryStore::new(64, 1_000_000, Arc::new(clock.clone()));
-    let options = LimiterOptions::from_settings(&tollgate::settings::Settings::default());
+    let options = LimiterOptions::from_settings(&tollgate::server::settings::Settings::default());
     let limiter = Limiter::new(rules, store, options);
     for descriptors in [1usize, 3] {
         let request = RateLimitRequest {

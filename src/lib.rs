@@ -4,21 +4,16 @@
 //! The crate is a library so the core can be tested and benchmarked without gRPC; the
 //! `tollgate` binary in `main.rs` is a thin CLI over it. See `ARCHITECTURE.md` for the map.
 
+#![warn(missing_docs, unreachable_pub)]
+
+// The layers, lowest first; each module's documentation says what it offers. What the binaries,
+// benches, fuzz targets and integration tests use is public; the rest is `pub(crate)`.
 pub mod core;
 pub mod decision;
 pub mod rules;
 pub mod server;
 pub mod store;
 pub mod telemetry;
-
-// Transitional paths while the layers settle (binaries, benches and tests).
-pub use crate::core::{bucket, clock, schedule};
-pub use crate::decision::{limiter, response};
-pub use crate::rules::file as config;
-pub use crate::rules::matcher;
-pub use crate::server::settings::envoyproxy_env;
-pub use crate::server::{admin, check, config_view, http, reload, service, settings, wire};
-pub use crate::telemetry as metrics;
 
 /// An error and its sources, `: `-separated, each said once (a layer that only wraps another
 /// repeats its text): `transport error: tcp connect error: Connection refused (os error 111)`

@@ -13,8 +13,8 @@ use std::time::Duration;
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use clap::{Args, Parser, Subcommand};
-use tollgate::admin::{BucketRequest, BucketsResponse, DescriptorEntry, ErrorResponse, Operation};
-use tollgate::settings::{LogFormat, Settings};
+use tollgate::server::admin::{BucketRequest, BucketsResponse, DescriptorEntry, ErrorResponse, Operation};
+use tollgate::server::settings::{LogFormat, Settings};
 use tracing_subscriber::EnvFilter;
 
 #[derive(Parser)]
@@ -142,7 +142,7 @@ fn main() -> ExitCode {
         .and_then(|a| {
             PathBuf::from(a)
                 .file_name()
-                .map(|n| n == tollgate::envoyproxy_env::RATELIMIT_ARGV0)
+                .map(|n| n == tollgate::server::settings::envoyproxy_env::RATELIMIT_ARGV0)
         })
         .unwrap_or(false);
     let cli = if as_ratelimit && std::env::args_os().len() <= 1 {
@@ -158,18 +158,18 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Bucket { action } => bucket(action),
         Command::Probe { url, timeout_ms } => probe(&url, Duration::from_millis(timeout_ms)),
-        Command::Check { rules, explain } => match tollgate::config::load_rules(&rules) {
+        Command::Check { rules, explain } => match tollgate::rules::load_rules(&rules) {
             Ok(set) if set.is_empty() => {
-                eprintln!("{}", tollgate::config::ConfigError::no_rules_files(&rules));
+                eprintln!("{}", tollgate::rules::ConfigError::no_rules_files(&rules));
                 ExitCode::FAILURE
             }
             Ok(set) if explain => {
-                print!("{}", tollgate::check::explain(&set));
+                print!("{}", tollgate::server::check::explain(&set));
                 ExitCode::SUCCESS
             }
             Ok(set) => {
-                let now = tollgate::clock::Clock::now_us(&tollgate::clock::SystemClock);
-                print!("{}", tollgate::check::render(&set, now));
+                let now = tollgate::core::clock::Clock::now_us(&tollgate::core::clock::SystemClock);
+                print!("{}", tollgate::server::check::render(&set, now));
                 ExitCode::SUCCESS
             }
             Err(errors) => {
@@ -182,7 +182,7 @@ fn main() -> ExitCode {
             None => ExitCode::FAILURE,
         },
         Command::Serve { config, rules } => {
-            let theirs = match tollgate::envoyproxy_env::EnvoyproxyEnv::from_process(as_ratelimit) {
+            let theirs = match tollgate::server::settings::envoyproxy_env::EnvoyproxyEnv::from_process(as_ratelimit) {
                 Ok(theirs) => theirs,
                 Err(e) => {
                     eprint!("{e}");
@@ -204,7 +204,7 @@ fn main() -> ExitCode {
             }
             init_logging(&settings);
             theirs.log_sources(&figment);
-            for name in tollgate::settings::unknown_env_vars() {
+            for name in tollgate::server::settings::unknown_env_vars() {
                 tracing::warn!(variable = %name, "environment variable names no setting; ignored");
             }
             let runtime = match tollgate::server::runtime(settings.runtime) {

@@ -21,7 +21,7 @@ use std::process::Command;
 use serde::Deserialize;
 use serde_yaml::Value;
 use support::{envoy_or_skip, envoy_validate, http_get, Envoy, Tollgate};
-use tollgate::settings::{Backend, Settings};
+use tollgate::server::settings::{Backend, Settings};
 
 fn repo_path(relative: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join(relative)
@@ -90,7 +90,7 @@ fn settings_with_env(env: &BTreeMap<String, String>) -> Settings {
         }
         let settings = Settings::load(Some(&repo_path("config/tollgate.yaml"))).map_err(|e| e.to_string())?;
         settings.validate()?;
-        let unknown = tollgate::settings::unknown_env_vars();
+        let unknown = tollgate::server::settings::unknown_env_vars();
         assert!(unknown.is_empty(), "variables naming no setting: {unknown:?}");
         loaded = Some(settings);
         Ok(())
@@ -991,7 +991,7 @@ fn kubernetes_manifests_match_tollgate() {
     for f in cm_files {
         fs::copy(repo_path(f), rules_dir.path().join(f.rsplit('/').next().unwrap())).unwrap();
     }
-    let set = tollgate::config::load_rules(rules_dir.path()).unwrap_or_else(|e| panic!("{e}"));
+    let set = tollgate::rules::load_rules(rules_dir.path()).unwrap_or_else(|e| panic!("{e}"));
     assert!(!set.is_empty());
     // The example rules, unchanged (the ConfigMap cannot read config/ from outside the
     // kustomization's directory).
@@ -1258,7 +1258,7 @@ fn istio_envoyfilters_are_well_formed_and_name_the_tollgate_service() {
     let (_, files, behavior) = k.generators.last().unwrap();
     assert_eq!(behavior.as_deref(), Some("replace"));
     let dir = rules_dir(files);
-    let set = tollgate::config::load_rules(dir.path()).unwrap_or_else(|e| panic!("{e}"));
+    let set = tollgate::rules::load_rules(dir.path()).unwrap_or_else(|e| panic!("{e}"));
     let domain = str_at(&config, &["domain"]);
     assert!(set.domain(domain).is_some(), "no rules for domain {domain}");
 }
@@ -1329,7 +1329,7 @@ fn istio_rules_ship_address_and_gateway_wide_limits_in_shadow_mode() {
     }
     assert!(checked >= 2, "the per-address and gateway-wide rules: found {checked}");
     let dir = rules_dir(files);
-    tollgate::config::load_rules(dir.path()).unwrap_or_else(|e| panic!("{e}"));
+    tollgate::rules::load_rules(dir.path()).unwrap_or_else(|e| panic!("{e}"));
 }
 
 /// An Envoy bootstrap like the gateway's: a listener whose HTTP connection manager has the

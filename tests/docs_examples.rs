@@ -5,7 +5,7 @@
 //! names a path that exists.
 //!
 //! Kinds (the info string after `yaml`):
-//! - `rules`: a whole rules file, loaded with `tollgate::config::load_rules`; it must compile
+//! - `rules`: a whole rules file, loaded with `tollgate::rules::load_rules`; it must compile
 //!   and declare at least one descriptor. `rules-invalid`: a file the docs show being refused;
 //!   it must fail to load.
 //! - `settings`: a tollgate settings file: `Settings::load` and `validate()`.
@@ -234,7 +234,7 @@ fn check_yaml(kind: &str, text: &str, dir: &Path, tools: &mut Tools) -> Result<b
         "rules" => {
             let file = write("rules.yaml");
             // The temporary file's name says nothing about the block; the caller gives its line.
-            let set = tollgate::config::load_rules(dir.path()).map_err(|e| {
+            let set = tollgate::rules::load_rules(dir.path()).map_err(|e| {
                 format!(
                     "rules do not load: {}",
                     e.to_string().replace(&*file.to_string_lossy(), "the block")
@@ -253,14 +253,15 @@ fn check_yaml(kind: &str, text: &str, dir: &Path, tools: &mut Tools) -> Result<b
         }
         "rules-invalid" => {
             write("rules.yaml");
-            match tollgate::config::load_rules(dir.path()) {
+            match tollgate::rules::load_rules(dir.path()) {
                 Ok(_) => Err("shown as refused, but these rules load".into()),
                 Err(_) => Ok(true),
             }
         }
         "settings" => {
             let path = write("tollgate.yaml");
-            let settings = tollgate::settings::Settings::load(Some(&path)).map_err(|e| format!("settings: {e}"))?;
+            let settings =
+                tollgate::server::settings::Settings::load(Some(&path)).map_err(|e| format!("settings: {e}"))?;
             settings
                 .validate()
                 .map_err(|e| format!("settings do not validate: {e}"))?;

@@ -10,9 +10,9 @@ use std::sync::Arc;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use harness::{desc, hits, limit_of, options, req, Harness, OK, OVER};
-use tollgate::clock::ManualClock;
-use tollgate::config::load_rules;
-use tollgate::limiter::Limiter;
+use tollgate::core::clock::ManualClock;
+use tollgate::decision::Limiter;
+use tollgate::rules::load_rules;
 use tollgate::store::MemoryStore;
 
 /// 2023-11-14T22:13:20Z: any instant works; tollgate has no windows to align to.

@@ -11,9 +11,9 @@ use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescript
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{Code, DescriptorStatus};
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
-use tollgate::clock::ManualClock;
-use tollgate::config::load_rules;
-use tollgate::limiter::{Limiter, LimiterOptions};
+use tollgate::core::clock::ManualClock;
+use tollgate::decision::{Limiter, LimiterOptions};
+use tollgate::rules::load_rules;
 use tollgate::store::MemoryStore;
 
 const RULES: &str = "domain: d
@@ -36,7 +36,7 @@ fn limiter() -> Limiter<MemoryStore> {
     let rules = load_rules(file.path()).unwrap_or_else(|e| panic!("rules should load: {e}"));
     let clock = ManualClock::new(1_700_000_000_000_000);
     let store = MemoryStore::new(4, 10_000, Arc::new(clock));
-    let options = LimiterOptions::from_settings(&tollgate::settings::Settings::default());
+    let options = LimiterOptions::from_settings(&tollgate::server::settings::Settings::default());
     Limiter::new(rules, store, options)
 }
 
@@ -101,8 +101,8 @@ async fn replaces_drops_every_bucket_of_the_name() {
 /// dropped); a `.` in a value splits it as it does in theirs; `:` becomes `_`.
 #[test]
 fn stat_keys_and_their_labels() {
-    use tollgate::metrics::envoyproxy_labels;
-    use tollgate::rules::counters::envoyproxy_stat_key;
+    use tollgate::rules::envoyproxy_stat_key;
+    use tollgate::telemetry::envoyproxy_labels;
     let rules = "domain: shop
 descriptors:
   - key: remote_address
@@ -135,7 +135,7 @@ descriptors:
                 value: (*v).to_owned(),
             })
             .collect();
-        let node = tollgate::matcher::find_node(dom, &entries).expect("a rule matches");
+        let node = tollgate::rules::find_node(dom, &entries).expect("a rule matches");
         envoyproxy_stat_key(dom, node)
     };
     let labels = |key: &str| {

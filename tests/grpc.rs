@@ -11,9 +11,9 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use tokio::net::TcpListener;
-use tollgate::clock::SystemClock;
-use tollgate::limiter::{Limiter, LimiterOptions};
-use tollgate::settings::Settings;
+use tollgate::core::clock::SystemClock;
+use tollgate::decision::{Limiter, LimiterOptions};
+use tollgate::server::settings::Settings;
 use tollgate::store::MemoryStore;
 use tonic::transport::Channel;
 
@@ -32,7 +32,7 @@ async fn start() -> String {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("rules.yaml");
     std::fs::write(&file, RULES).unwrap();
-    let rules = tollgate::config::load_rules(&file).unwrap();
+    let rules = tollgate::rules::load_rules(&file).unwrap();
     let store = MemoryStore::new(64, 10_000, Arc::new(SystemClock));
     let options = LimiterOptions::from_settings(&Settings::default());
     let limiter = Arc::new(Limiter::new(rules, store, options));

@@ -760,8 +760,9 @@ fn dockerfile_has_the_documented_layout() {
         for (k, v) in image.runtime.env() {
             jail.set_env(k, v);
         }
-        let settings = tollgate::settings::Settings::load(Some(&inside(root, "/srv/tollgate/config/tollgate.yaml")))
-            .map_err(|e| e.to_string())?;
+        let settings =
+            tollgate::server::settings::Settings::load(Some(&inside(root, "/srv/tollgate/config/tollgate.yaml")))
+                .map_err(|e| e.to_string())?;
         settings.validate()?;
         assert_eq!(exposed, [settings.grpc_addr.port(), settings.http_addr.port()]);
         assert!(
@@ -770,8 +771,8 @@ fn dockerfile_has_the_documented_layout() {
         );
         assert_eq!(settings.rules, Path::new("config/rules"), "relative to the WORKDIR");
         // Every ENV of the image is a setting (a misspelt one would be ignored silently).
-        assert_eq!(tollgate::settings::unknown_env_vars(), Vec::<String>::new());
-        assert_eq!(settings.log.format, tollgate::settings::LogFormat::Json);
+        assert_eq!(tollgate::server::settings::unknown_env_vars(), Vec::<String>::new());
+        assert_eq!(settings.log.format, tollgate::server::settings::LogFormat::Json);
         Ok(())
     });
 

@@ -12,11 +12,11 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_li
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::Duration;
 use harness::{desc, header, hits, limit_of, one, options, refund, req, Harness, OK, OVER};
-use tollgate::clock::ManualClock;
-use tollgate::config::load_rules;
-use tollgate::limiter::{Limiter, LimiterOptions};
+use tollgate::core::clock::ManualClock;
+use tollgate::decision::{Limiter, LimiterOptions};
+use tollgate::rules::load_rules;
 use tollgate::rules::OVERRIDE_BUCKET;
-use tollgate::settings::{HeaderSettings, RequestLimits};
+use tollgate::server::settings::{HeaderSettings, RequestLimits};
 use tollgate::store::MemoryStore;
 
 const T0: u64 = 1_700_000_000_000_000;
@@ -50,7 +50,7 @@ fn dur(us: u64) -> Option<Duration> {
 fn instance(v: &str) -> String {
     let mut key = String::new();
     let entries = desc(&[("k", v)]).entries;
-    tollgate::matcher::instance_key(&mut key, "d", v, &entries, &[]);
+    tollgate::rules::instance_key(&mut key, "d", v, &entries, &[]);
     key
 }
 

@@ -5,8 +5,8 @@
 
 mod support;
 
-use tollgate::bucket::{Demand, DemandKind, Limit, Rate, MICRO};
-use tollgate::schedule::Plan;
+use tollgate::core::bucket::{Demand, DemandKind, Limit, Rate, MICRO};
+use tollgate::core::schedule::Plan;
 use tollgate::store::{BucketRef, PostgresStore, Store, StoreError};
 
 /// `capacity` tokens refilled `capacity` an hour: nothing refills over a test.

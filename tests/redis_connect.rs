@@ -10,9 +10,9 @@ mod support;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tollgate::clock::SystemClock;
-use tollgate::settings::RedisSettings;
-use tollgate::store::redis::RedisStore;
+use tollgate::core::clock::SystemClock;
+use tollgate::server::settings::RedisSettings;
+use tollgate::store::RedisStore;
 
 /// 3,000 connects of a four-connection pool to the shared Redis, one after another (each pool
 /// closed after it): every one is up within its 10 s (generous, so that a busy machine is not

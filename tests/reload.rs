@@ -1,4 +1,4 @@
-//! Hot reload of the rules (`tollgate::reload`).
+//! Hot reload of the rules (`tollgate::server::reload`).
 //!
 //! In-process, on a `Limiter` over a `MemoryStore`: fingerprints, `reload` outcomes (unchanged,
 //! rejected once, emptied directory), the ConfigMap layout loaded once, the watch following
@@ -20,10 +20,10 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use support::{Scrape, Tollgate};
-use tollgate::clock::SystemClock;
-use tollgate::limiter::{Limiter, LimiterOptions};
-use tollgate::reload::{fingerprint, load_initial, ReloadOutcome, Reloader};
-use tollgate::settings::{ReloadSettings, Settings};
+use tollgate::core::clock::SystemClock;
+use tollgate::decision::{Limiter, LimiterOptions};
+use tollgate::server::reload::{fingerprint, load_initial, ReloadOutcome, Reloader};
+use tollgate::server::settings::{ReloadSettings, Settings};
 use tollgate::store::MemoryStore;
 use tonic::transport::Channel;
 
@@ -333,7 +333,7 @@ fn a_configmap_volume_is_loaded_once_through_its_top_level_links() {
     // A hidden file declaring the same domain would be a duplicate domain if it were read.
     std::fs::write(volume.join(".backup.yaml"), rules(9)).unwrap();
     for round in 0..2 {
-        let set = tollgate::config::load_rules(&volume).unwrap_or_else(|e| panic!("round {round}: {e}"));
+        let set = tollgate::rules::load_rules(&volume).unwrap_or_else(|e| panic!("round {round}: {e}"));
         assert_eq!(set.files, vec![volume.join("rules.yaml")], "round {round}");
         assert_eq!(set.domains.len(), 1);
         assert!(set.domain(DOMAIN).is_some());

@@ -540,7 +540,7 @@ async fn a_reload_changes_rates_from_the_reload_on() {
 /// 1 per hour.)
 #[tokio::test]
 async fn a_request_in_flight_across_a_reload_does_not_make_the_store_forget_its_bucket() {
-    use tollgate::bucket::{Demand, DemandKind, MICRO};
+    use tollgate::core::bucket::{Demand, DemandKind, MICRO};
     use tollgate::store::Store;
     let t0 = utc(2026, 6, 1, 12, 0);
     let h = harness(&fixed(10, "10/s"), t0);

@@ -19,11 +19,11 @@ use std::time::Duration;
 
 use chrono::{TimeZone, Utc};
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
-use tollgate::bucket::{Demand, DemandKind, Limit, Rate, MICRO};
-use tollgate::clock::{ManualClock, SystemClock};
-use tollgate::matcher::instance_key;
-use tollgate::schedule::{Plan, Quota, Schedule, ScheduleEntry};
-use tollgate::settings::RedisSettings;
+use tollgate::core::bucket::{Demand, DemandKind, Limit, Rate, MICRO};
+use tollgate::core::clock::{ManualClock, SystemClock};
+use tollgate::core::schedule::{Plan, Quota, Schedule, ScheduleEntry};
+use tollgate::rules::instance_key;
+use tollgate::server::settings::RedisSettings;
 use tollgate::store::{BucketRef, MemoryStore, RedisStore, Store};
 
 const DAY_US: u64 = 86_400 * MICRO;

@@ -9,10 +9,10 @@ use std::sync::Arc;
 use chrono::DateTime;
 
 use serde::Deserialize;
-use tollgate::bucket::{Demand, DemandKind, Limit, Rate, MICRO};
-use tollgate::clock::ManualClock;
-use tollgate::config::parse_refill;
-use tollgate::schedule::{Plan, Quota, Schedule, ScheduleEntry};
+use tollgate::core::bucket::{Demand, DemandKind, Limit, Rate, MICRO};
+use tollgate::core::clock::ManualClock;
+use tollgate::core::schedule::{Plan, Quota, Schedule, ScheduleEntry};
+use tollgate::rules::parse_refill;
 use tollgate::store::{BucketRef, MemoryStore, Store};
 
 #[derive(Clone, Debug, Deserialize)]

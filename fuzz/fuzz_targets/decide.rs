@@ -21,13 +21,13 @@ use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::google::protobuf::UInt64Value;
 use libfuzzer_sys::fuzz_target;
 use prost::Message;
-use tollgate::bucket::Demand;
-use tollgate::bucket::MICRO;
-use tollgate::clock::{Clock, ManualClock};
-use tollgate::config::load_rules;
-use tollgate::limiter::Limiter;
+use tollgate::core::bucket::Demand;
+use tollgate::core::bucket::MICRO;
+use tollgate::core::clock::{Clock, ManualClock};
+use tollgate::rules::load_rules;
+use tollgate::decision::Limiter;
 use tollgate::rules::{Level, RuleSet};
-use tollgate::schedule::Plan;
+use tollgate::core::schedule::Plan;
 use tollgate::store::{Applied, BucketRef, MemoryStore, Peeked, Store, StoreError};
 use tollgate_fuzz::{check_response, limiter_options, now};
 
@@ -238,7 +238,7 @@ fuzz_target!(|steps: Vec<Step>| {
                 continue;
             }
         };
-        let Ok(req) = tollgate::wire::decode_request(bytes.as_slice()) else {
+        let Ok(req) = tollgate::server::decode_request(bytes.as_slice()) else {
             continue;
         };
         let t_us = clock.now_us();

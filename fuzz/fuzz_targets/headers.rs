@@ -17,9 +17,9 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::google::protobuf::UInt64Value;
 use libfuzzer_sys::fuzz_target;
-use tollgate::clock::ManualClock;
-use tollgate::config::load_rules_text;
-use tollgate::limiter::Limiter;
+use tollgate::core::clock::ManualClock;
+use tollgate::rules::load_rules_text;
+use tollgate::decision::Limiter;
 use tollgate::store::MemoryStore;
 use tollgate_fuzz::{check_response, limiter_options, now};
 

@@ -9,9 +9,9 @@ use std::path::Path;
 
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use libfuzzer_sys::fuzz_target;
-use tollgate::bucket::{Limit, EXACT_LIMIT, MAX_CAPACITY, MICRO};
-use tollgate::config::load_rules_text;
-use tollgate::matcher::find_node;
+use tollgate::core::bucket::{Limit, EXACT_LIMIT, MAX_CAPACITY, MICRO};
+use tollgate::rules::load_rules_text;
+use tollgate::rules::find_node;
 use tollgate::rules::{Domain, Level, Rule, RuleSet};
 
 /// 2026-03-29 00:30 UTC: a Sunday, an hour before Europe's clocks move on, so schedules and
@@ -123,6 +123,6 @@ fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else { return };
     if let Ok(set) = load_rules_text(Path::new("fuzz.yaml"), text) {
         check_set(&set);
-        let _ = tollgate::check::render(&set, NOW_US);
+        let _ = tollgate::server::check::render(&set, NOW_US);
     }
 });

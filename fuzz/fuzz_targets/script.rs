@@ -9,7 +9,7 @@
 use arbitrary::Arbitrary;
 use fred::types::Value;
 use libfuzzer_sys::fuzz_target;
-use tollgate::bucket::{BucketState, Demand, DemandKind, InstanceOutcome, Limit, Rate, EXACT_LIMIT};
+use tollgate::core::bucket::{BucketState, Demand, DemandKind, InstanceOutcome, Limit, Rate, EXACT_LIMIT};
 use tollgate::store::redis::script::{
     encode_request, parse_reply, parse_value, split_answers, BucketArgs, Decided, Replacement, Reply, VALUE_LEN,
 };

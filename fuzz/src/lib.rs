@@ -7,8 +7,8 @@ use std::task::{Context, Poll, Waker};
 
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
-use tollgate::limiter::LimiterOptions;
-use tollgate::settings::{FailureMode, HeaderSettings, RequestLimits};
+use tollgate::decision::LimiterOptions;
+use tollgate::server::settings::{FailureMode, HeaderSettings, RequestLimits};
 
 /// Runs a future that completes without waiting, as every memory-store decision does (it never
 /// leaves the calling thread): a tokio runtime per input would cost more than the decision.

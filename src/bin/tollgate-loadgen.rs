@@ -60,8 +60,8 @@ enum Command {
         listen: SocketAddr,
         /// The runtime, as `tollgate serve`'s `runtime` setting (the same default), so the
         /// ceiling runs on what tollgate runs on.
-        #[arg(long, value_enum, default_value_t = tollgate::settings::RuntimeFlavor::Auto)]
-        runtime: tollgate::settings::RuntimeFlavor,
+        #[arg(long, value_enum, default_value_t = tollgate::server::settings::RuntimeFlavor::Auto)]
+        runtime: tollgate::server::settings::RuntimeFlavor,
     },
 }
 

@@ -15,7 +15,7 @@ use crate::telemetry::{count_envoyproxy_backend_error, DecisionCode, BACKEND_FAI
 /// bucket's own verdict: a descriptor whose bucket had room is `ok` or `near_limit` even when
 /// another descriptor denied the request. Near the limit: admitted with at least
 /// `near_limit_ratio` of the capacity in force used after the decision.
-pub fn count_decisions(targets: &[Option<Target<'_>>], applied: &Applied, near_limit_ratio: f64) {
+pub(crate) fn count_decisions(targets: &[Option<Target<'_>>], applied: &Applied, near_limit_ratio: f64) {
     for t in targets.iter().flatten() {
         if let DemandKind::Consume(ut) = t.kind {
             let instance = &applied.decision.instances[t.instance];
@@ -85,7 +85,7 @@ fn counted_hits(hits: u64, capacity: u64, admitted: bool) -> u64 {
 
 /// Counts a request answered by `mode` because the backend failed, in
 /// [`BACKEND_FAILURE_ANSWERS`]. Decision counters are left alone: no decision was taken.
-pub fn count_failure_answer(mode: FailureMode) {
+pub(crate) fn count_failure_answer(mode: FailureMode) {
     let answer = match mode {
         FailureMode::Allow => "allow",
         FailureMode::Deny => "deny",

@@ -39,7 +39,7 @@ use crate::telemetry::DecisionCounters;
 #[derive(Debug, thiserror::Error)]
 pub enum LimitError {
     /// The store failed. (A malformed request is never an error: its malformed parts are
-    /// decided, see [`Malformed`], so Envoy never fails open on one.)
+    /// decided, see `Malformed`, so Envoy never fails open on one.)
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -67,7 +67,7 @@ pub enum ResolveError {
 /// Each is counted in [`crate::telemetry::MALFORMED`] with [`Malformed::as_str`] as its `reason`
 /// and logged at most once a second per reason; none makes the request an error.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Malformed {
+pub(crate) enum Malformed {
     /// An empty domain: no rules file can declare it, so it is answered as an unknown domain
     /// (`OK`, no limits, no override).
     EmptyDomain,
@@ -94,7 +94,7 @@ pub enum Malformed {
 
 impl Malformed {
     /// Every reason, in `Malformed::index` order.
-    pub const ALL: [Malformed; 8] = [
+    pub(crate) const ALL: [Malformed; 8] = [
         Malformed::EmptyDomain,
         Malformed::TooManyDescriptors,
         Malformed::NoEntries,
@@ -106,7 +106,7 @@ impl Malformed {
     ];
 
     /// The `reason` label.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Malformed::EmptyDomain => "empty_domain",
             Malformed::TooManyDescriptors => "too_many_descriptors",
@@ -329,7 +329,7 @@ impl<S: Store> Limiter<S> {
         self.store.rules_changed();
     }
 
-    /// Decides one request. A malformed part of it (see [`Malformed`]) is counted, logged at a
+    /// Decides one request. A malformed part of it (see `Malformed`) is counted, logged at a
     /// bounded rate and decided as documented there; it never makes the request an error.
     ///
     /// Errors: [`LimitError::Store`] when the store fails (and `on_store_failure` says to

@@ -1,9 +1,11 @@
 //! The decision path: the limiter that turns a `RateLimitRequest` into demands on buckets,
 //! asks the store, and builds the `RateLimitResponse` with its headers, counting each decision.
 
-pub mod counting;
-pub mod limiter;
-pub mod response;
-pub mod settings;
+pub(crate) mod counting;
+pub(crate) mod limiter;
+pub(crate) mod response;
+pub(crate) mod settings;
+
+pub use limiter::{LimitError, Limiter, LimiterOptions, ResolveError, Resolved};
 
 pub use settings::{HeaderSettings, RequestLimits};

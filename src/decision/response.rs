@@ -16,7 +16,7 @@ use crate::telemetry::DecisionCounters;
 
 /// A descriptor that matched a bucket.
 #[derive(Clone, Debug)]
-pub struct Target<'r> {
+pub(crate) struct Target<'r> {
     /// The policy in force, borrowed from the rules where it can be.
     pub policy: Cow<'r, BucketPolicy>,
     /// Index of the bucket instance in the store request.
@@ -42,7 +42,7 @@ pub struct Target<'r> {
 
 /// A second bucket instance one descriptor asks of (a quota beside a token bucket).
 #[derive(Clone, Debug)]
-pub struct Part<'r> {
+pub(crate) struct Part<'r> {
     /// The quota's policy.
     pub policy: &'r BucketPolicy,
     /// Index of the bucket instance in the store request.
@@ -74,7 +74,7 @@ struct Verdict<'a> {
 /// `OVER_LIMIT`, others `OK`). Nothing is known about the buckets, so the statuses carry no
 /// limit or remaining count and no header is added: in particular no `Retry-After`, since no
 /// wait is known to succeed (docs/backends.md).
-pub fn failure_response(targets: &[Option<Target<'_>>], deny: bool) -> RateLimitResponse {
+pub(crate) fn failure_response(targets: &[Option<Target<'_>>], deny: bool) -> RateLimitResponse {
     let statuses: Vec<DescriptorStatus> = targets
         .iter()
         .map(|t| {
@@ -97,7 +97,7 @@ pub fn failure_response(targets: &[Option<Target<'_>>], deny: bool) -> RateLimit
 
 /// Builds the response. `targets` has one entry per request descriptor (`None`: no limit
 /// applies); `applied` is the store's decision, absent when no descriptor matched a bucket.
-pub fn build_response(
+pub(crate) fn build_response(
     targets: &[Option<Target<'_>>],
     applied: Option<&Applied>,
     headers: &HeaderSettings,
@@ -315,7 +315,7 @@ fn whole_tokens(ut: u64) -> u32 {
 
 /// Microseconds as whole seconds, rounded up, as `Retry-After` and the `RateLimit` headers
 /// give them (a client that waits that long is never early).
-pub fn ceil_seconds(us: u64) -> u64 {
+pub(crate) fn ceil_seconds(us: u64) -> u64 {
     us.div_ceil(1_000_000)
 }
 

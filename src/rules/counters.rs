@@ -14,7 +14,7 @@ pub fn envoyproxy_stat_key(domain: &Domain, node: usize) -> String {
 
 /// [`envoyproxy_stat_key`] of every node of `domain` (same index as its nodes), in one pass
 /// over the tree: a domain of many rules is registered in linear time.
-pub fn envoyproxy_stat_keys(domain: &Domain) -> Vec<String> {
+pub(crate) fn envoyproxy_stat_keys(domain: &Domain) -> Vec<String> {
     let mut names: Vec<String> = vec![String::new(); domain.nodes.len()];
     let levels = std::iter::once(&domain.root).chain(domain.nodes.iter().map(|n| &n.children));
     for level in levels {
@@ -63,7 +63,7 @@ fn envoyproxy_stat_key_walk(domain: &Domain, names: &[String], node: usize) -> S
 /// `bucket="override"`) its decision counters, so the decision path never builds labels.
 /// Counters of a bucket that keeps its domain and name across a reload continue from their
 /// values.
-pub fn register_rules(rules: &mut RuleSet) {
+pub(crate) fn register_rules(rules: &mut RuleSet) {
     for domain in rules.domains.values_mut() {
         domain.counters = domain
             .buckets

@@ -28,7 +28,7 @@ pub fn find_node(domain: &Domain, entries: &[Entry]) -> Option<usize> {
 /// pattern that stands for its value in the instance key when the node on that level has
 /// `share_threshold: true` (envoyproxy/ratelimit), else `None`. Empty when the domain shares
 /// nothing, which is the common case and costs nothing.
-pub fn shared_patterns(domain: &Domain, last: usize, depth: usize) -> Vec<Option<&str>> {
+pub(crate) fn shared_patterns(domain: &Domain, last: usize, depth: usize) -> Vec<Option<&str>> {
     if !domain.has_shared {
         return Vec::new();
     }
@@ -45,7 +45,7 @@ pub fn shared_patterns(domain: &Domain, last: usize, depth: usize) -> Vec<Option
 /// Appends the identity of a bucket instance to `out`: the domain, the bucket name and the
 /// request descriptor's entries, each part length-prefixed so that no value (whatever bytes it
 /// holds) can forge another instance's key. An entry whose node shares its bucket
-/// (`shared[i]` is a pattern, see [`shared_patterns`]) contributes the pattern, marked with
+/// (`shared[i]` is a pattern, see `shared_patterns`) contributes the pattern, marked with
 /// `*` where a value's length would stand, so all matching values share one instance.
 pub fn instance_key(out: &mut String, domain: &str, bucket: &str, entries: &[Entry], shared: &[Option<&str>]) {
     push_part(out, domain);

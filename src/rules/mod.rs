@@ -1,9 +1,13 @@
 //! The compiled rule set: per domain, a tree of descriptor nodes and the named bucket policies
-//! they point at. Built by [`crate::rules::file`], walked by [`crate::rules::matcher`], swapped whole.
+//! they point at. Built by `crate::rules::file`, walked by `crate::rules::matcher`, swapped whole.
 
-pub mod counters;
-pub mod file;
-pub mod matcher;
+pub(crate) mod counters;
+pub(crate) mod file;
+pub(crate) mod matcher;
+
+pub use counters::envoyproxy_stat_key;
+pub use file::{load_rules, load_rules_text, parse_refill, ConfigError, Refill};
+pub use matcher::{find_node, find_rule, instance_key};
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -77,7 +81,7 @@ impl Domain {
     }
 
     /// The decision counters of bucket `index` (no-ops before
-    /// [`counters::register_rules`] ran).
+    /// `counters::register_rules` ran).
     pub fn counters_of(&self, index: usize) -> &DecisionCounters {
         self.counters.get(index).unwrap_or_else(|| DecisionCounters::noop())
     }
@@ -137,12 +141,12 @@ pub struct Domain {
     /// envoyproxy/ratelimit fields without effect here: `(rule path, note)`.
     pub notes: Vec<(String, String)>,
     /// Per bucket (same index as `buckets`), its decision counters; empty until
-    /// [`counters::register_rules`] fills it.
+    /// `counters::register_rules` fills it.
     pub counters: Vec<DecisionCounters>,
     /// The decision counters of Envoy `limit` overrides in this domain.
     pub override_counters: DecisionCounters,
     /// Per node (same index as `nodes`), its envoyproxy/ratelimit-named counters; empty
-    /// unless [`counters::register_rules`] ran with their names on.
+    /// unless `counters::register_rules` ran with their names on.
     pub envoyproxy_stats: Vec<crate::telemetry::EnvoyproxyStats>,
 }
 

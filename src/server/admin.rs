@@ -24,7 +24,7 @@
 //! **Endpoints.** The bucket endpoints are all `POST`, with a JSON [`BucketRequest`] body (at
 //! most [`MAX_BODY_BYTES`]); each answers `200` with a [`BucketsResponse`]: per bucket instance
 //! the descriptor reaches, its state after the operation. `GET /config` ([`CONFIG_PATH`]) is the
-//! rules in force and the settings ([`crate::server::config_view`]), here rather than on the public
+//! rules in force and the settings (`crate::server::config_view`), here rather than on the public
 //! HTTP port because rule values can be API keys and the settings name the backends.
 //!
 //! | path | body | does |
@@ -238,7 +238,7 @@ pub struct ErrorResponse {
 }
 
 /// Builds the `/config` document (the rules in force and the settings, secrets redacted) on
-/// each call; see [`crate::server::config_view`].
+/// each call; see `crate::server::config_view`.
 pub type ConfigView = Arc<dyn Fn() -> serde_json::Value + Send + Sync>;
 
 /// How the admin listener admits requests, and what it serves beside the bucket endpoints.

@@ -63,7 +63,7 @@ use crate::rules::{BucketPolicy, Domain, Level, LevelValue, ReportedLimit, Rule,
 use crate::server::settings::Settings;
 
 /// What a secret setting (`admin.token`) is shown as when it is set; an unset one is `null`.
-pub const REDACTED: &str = "<redacted>";
+pub(crate) const REDACTED: &str = "<redacted>";
 
 /// The `/config` document for `rules` loaded under `settings` (see the module documentation
 /// for an example):
@@ -104,7 +104,7 @@ pub const REDACTED: &str = "<redacted>";
 /// false as well the node has no limit of its own); `*_index` is the policy's position in
 /// `buckets`, which tells apart envoyproxy/ratelimit limits that share a name. `replaces` lists
 /// bucket names, each once.
-pub fn config_json(rules: &RuleSet, settings: &Settings) -> Value {
+pub(crate) fn config_json(rules: &RuleSet, settings: &Settings) -> Value {
     let mut names: Vec<&String> = rules.domains.keys().collect();
     names.sort();
     let domains: serde_json::Map<String, Value> = names

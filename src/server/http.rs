@@ -22,27 +22,27 @@ use crate::store::Health;
 
 /// Shared readiness flag: set once serving, cleared when shutting down.
 #[derive(Clone, Debug, Default)]
-pub struct Readiness(Arc<AtomicBool>);
+pub(crate) struct Readiness(Arc<AtomicBool>);
 
 impl Readiness {
     /// Marks the service ready or not.
-    pub fn set(&self, ready: bool) {
+    pub(crate) fn set(&self, ready: bool) {
         self.0.store(ready, Ordering::SeqCst);
     }
 
     /// Whether the service is ready.
-    pub fn get(&self) -> bool {
+    pub(crate) fn get(&self) -> bool {
         self.0.load(Ordering::SeqCst)
     }
 }
 
 /// Whether decisions can be taken, and what `/readyz` may say about it; see
 /// [`crate::store::AnyStore::ready`].
-pub type BackendCheck = Arc<dyn Fn() -> Pin<Box<dyn Future<Output = Health> + Send>> + Send + Sync>;
+pub(crate) type BackendCheck = Arc<dyn Fn() -> Pin<Box<dyn Future<Output = Health> + Send>> + Send + Sync>;
 
 /// What the HTTP routes read.
 #[derive(Clone)]
-pub struct HttpState {
+pub(crate) struct HttpState {
     /// Cleared while shutting down.
     pub ready: Readiness,
     /// Asked by `/readyz` on each call.
@@ -60,7 +60,7 @@ pub struct HttpState {
 /// The names `/readyz` uses for the backend and its fallback (`Redis`, `Postgres`, `memory`):
 /// kinds, never addresses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct BackendNames {
+pub(crate) struct BackendNames {
     /// The backend deciding: `Redis`, `Postgres` or `memory`.
     pub primary: &'static str,
     /// Its fallback under `failure_mode: fallback`: `postgres` or `memory` (as the
@@ -70,7 +70,7 @@ pub struct BackendNames {
 
 impl HttpState {
     /// A state over these parts, the backend named by `backend_names`.
-    pub fn new(
+    pub(crate) fn new(
         ready: Readiness,
         backend: BackendCheck,
         metrics: Option<PrometheusHandle>,
@@ -91,7 +91,8 @@ impl HttpState {
 impl HttpState {
     /// A state that is ready, with a memory backend that always answers and no metrics (for
     /// tests of the routes).
-    pub fn basic(ready: Readiness) -> HttpState {
+    #[cfg(test)]
+    pub(crate) fn basic(ready: Readiness) -> HttpState {
         HttpState::new(
             ready,
             Arc::new(|| {
@@ -113,7 +114,7 @@ impl HttpState {
 }
 
 /// The HTTP routes.
-pub fn router(state: HttpState) -> Router {
+pub(crate) fn router(state: HttpState) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
@@ -125,7 +126,7 @@ pub fn router(state: HttpState) -> Router {
 
 /// The metrics alone at `path`, for a listener of their own (`metrics.addr`, their
 /// `PROMETHEUS_ADDR`).
-pub fn metrics_router(state: HttpState, path: &str) -> Router {
+pub(crate) fn metrics_router(state: HttpState, path: &str) -> Router {
     Router::new().route(path, get(metrics)).with_state(state)
 }
 

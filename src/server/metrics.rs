@@ -22,7 +22,7 @@ static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 /// the rules' counters register with it.
 ///
 /// Errors: another `metrics` recorder is already installed in this process.
-pub fn install() -> anyhow::Result<PrometheusHandle> {
+pub(crate) fn install() -> anyhow::Result<PrometheusHandle> {
     if let Some(handle) = HANDLE.get() {
         return Ok(handle.clone());
     }
@@ -42,7 +42,7 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
 }
 
 /// Keeps the recorder's histograms drained; run it every few seconds.
-pub async fn run_upkeep(handle: PrometheusHandle, every: Duration) {
+pub(crate) async fn run_upkeep(handle: PrometheusHandle, every: Duration) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {

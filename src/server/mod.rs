@@ -3,13 +3,15 @@
 
 pub mod admin;
 pub mod check;
-pub mod config_view;
-pub mod http;
-pub mod metrics;
+pub(crate) mod config_view;
+pub(crate) mod http;
+pub(crate) mod metrics;
 pub mod reload;
-pub mod service;
+pub(crate) mod service;
 pub mod settings;
-pub mod wire;
+pub(crate) mod wire;
+
+pub use wire::decode_request;
 
 use std::future::Future;
 use std::sync::atomic::Ordering;

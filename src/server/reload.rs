@@ -16,7 +16,7 @@
 //!   and on its parent, so in-place edits, atomic renames (`mv tmp.yaml rules.yaml`),
 //!   Kubernetes ConfigMap `..data` symlink swaps and the rules directory itself being replaced
 //!   are all seen. Events are debounced; hidden `..data`-style folders are never loaded (see
-//!   [`crate::rules::file::rule_files`]), only the top-level links into them.
+//!   `crate::rules::file::rule_files`), only the top-level links into them.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};

@@ -15,7 +15,7 @@ use crate::telemetry::RequestMetrics;
 
 /// `ShouldRateLimit` over a [`Limiter`], counted in [`crate::telemetry::REQUESTS`] and timed in
 /// [`crate::telemetry::REQUEST_DURATION`].
-pub struct RateLimitGrpc<S> {
+pub(crate) struct RateLimitGrpc<S> {
     limiter: Arc<Limiter<S>>,
     metrics: RequestMetrics,
     /// When an `UNAVAILABLE` answer was last logged (ms since `started`), and how many went
@@ -27,7 +27,7 @@ pub struct RateLimitGrpc<S> {
 
 impl<S> RateLimitGrpc<S> {
     /// Serves `limiter`.
-    pub fn new(limiter: Arc<Limiter<S>>) -> Self {
+    pub(crate) fn new(limiter: Arc<Limiter<S>>) -> Self {
         RateLimitGrpc {
             limiter,
             metrics: RequestMetrics::new(),

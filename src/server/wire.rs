@@ -87,7 +87,7 @@ impl From<WireRequest> for RateLimitRequest {
     }
 }
 
-/// Decodes one `RateLimitRequest` leniently (see the module docs): what [`RequestDecoder`]
+/// Decodes one `RateLimitRequest` leniently (see the module docs): what `RequestDecoder`
 /// does with a gRPC message's bytes, callable on plain bytes (the fuzz targets in fuzz/).
 ///
 /// Errors: the bytes are not protobuf of that message's shape.
@@ -97,15 +97,15 @@ pub fn decode_request(bytes: impl prost::bytes::Buf) -> Result<RateLimitRequest,
 
 /// Decodes requests leniently (see the module docs) and encodes responses with prost.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct LenientCodec;
+pub(crate) struct LenientCodec;
 
 /// The request half of [`LenientCodec`].
 #[derive(Clone, Copy, Debug, Default)]
-pub struct RequestDecoder;
+pub(crate) struct RequestDecoder;
 
 /// The response half of [`LenientCodec`].
 #[derive(Clone, Copy, Debug, Default)]
-pub struct ResponseEncoder;
+pub(crate) struct ResponseEncoder;
 
 impl Codec for LenientCodec {
     type Encode = RateLimitResponse;
@@ -146,24 +146,24 @@ impl Decoder for RequestDecoder {
 }
 
 /// The fully-qualified gRPC service name, as in the proto.
-pub const SERVICE_NAME: &str = "envoy.service.ratelimit.v3.RateLimitService";
+pub(crate) const SERVICE_NAME: &str = "envoy.service.ratelimit.v3.RateLimitService";
 const SHOULD_RATE_LIMIT: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
 
 /// Serves any envoy-types `RateLimitService` over HTTP/2 with [`LenientCodec`]; a drop-in for
 /// envoy-types' generated `RateLimitServiceServer`, which uses the strict codec.
 #[derive(Debug)]
-pub struct RateLimitServer<T> {
+pub(crate) struct RateLimitServer<T> {
     inner: Arc<T>,
     /// The largest request message read, in bytes (`grpc.max_message_bytes`).
     max_message_bytes: usize,
 }
 
 /// The default of [`RateLimitServer::max_message_bytes`]: tonic's, 4 MiB, made explicit.
-pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
+pub(crate) const DEFAULT_MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
 
 impl<T> RateLimitServer<T> {
     /// Serves `inner`, reading requests of up to [`DEFAULT_MAX_MESSAGE_BYTES`].
-    pub fn new(inner: T) -> Self {
+    pub(crate) fn new(inner: T) -> Self {
         RateLimitServer {
             inner: Arc::new(inner),
             max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
@@ -173,7 +173,7 @@ impl<T> RateLimitServer<T> {
     /// Reads requests of up to `bytes` (after decompression); a larger one is answered
     /// `OUT_OF_RANGE` unread and counted ([`crate::telemetry::MALFORMED`],
     /// `reason="message_too_large"`).
-    pub fn max_message_bytes(mut self, bytes: usize) -> Self {
+    pub(crate) fn max_message_bytes(mut self, bytes: usize) -> Self {
         self.max_message_bytes = bytes;
         self
     }

@@ -29,7 +29,7 @@ use std::sync::Mutex;
 /// The rolling window is this many slots of `window / SLOTS` each; a slot older than the window
 /// is cleared when its turn comes again. So the window the ratio sees spans between
 /// `window * (SLOTS - 1) / SLOTS` and `window`.
-pub const SLOTS: usize = 10;
+pub(crate) const SLOTS: usize = 10;
 
 /// When the breaker opens, and for how long (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -8,7 +8,7 @@ mod any;
 mod breaker;
 mod memory;
 mod metered;
-pub mod postgres;
+mod postgres;
 pub mod redis;
 mod resilient;
 pub mod settings;
@@ -104,7 +104,6 @@ impl Peeked {
     }
 }
 
-/// Why a store could not decide.
 /// Why a shared store (Redis, Postgres) could not be built or connected.
 #[derive(Debug, thiserror::Error)]
 #[error("{backend} at {url}: {reason}")]
@@ -117,6 +116,7 @@ pub struct ConnectError {
     pub reason: String,
 }
 
+/// Why a store could not decide a request (or answer a peek or reset).
 #[derive(Clone, Debug, thiserror::Error)]
 pub enum StoreError {
     /// The backend could not be reached or did not answer in time.

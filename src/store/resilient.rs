@@ -365,7 +365,7 @@ impl<P: Store> Store for Resilient<P> {
 }
 
 /// "`<backend>` at `<where>` is failing", with the circuit state and the latest failure.
-pub fn failing<P: Store>(backend: &str, at: &str, guarded: &Guarded<P>) -> String {
+pub(crate) fn failing<P: Store>(backend: &str, at: &str, guarded: &Guarded<P>) -> String {
     let open = if guarded.circuit_open() { " (circuit open)" } else { "" };
     match guarded.last_error() {
         Some(why) => format!("{backend} at {at} is failing{open}: {why}"),

@@ -13,11 +13,11 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_li
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{Code, DescriptorStatus};
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::UInt64Value;
-use tollgate::clock::ManualClock;
-use tollgate::config::load_rules;
-use tollgate::limiter::{Limiter, LimiterOptions};
+use tollgate::core::clock::ManualClock;
+use tollgate::decision::{Limiter, LimiterOptions};
+use tollgate::rules::load_rules;
 use tollgate::rules::RuleSet;
-use tollgate::settings::{HeaderSettings, RequestLimits};
+use tollgate::server::settings::{HeaderSettings, RequestLimits};
 use tollgate::store::MemoryStore;
 
 pub const OK: i32 = Code::Ok as i32;
@@ -39,7 +39,7 @@ pub fn options() -> LimiterOptions {
         overrides: true,
         refunds: true,
         near_limit_ratio: 0.8,
-        on_store_failure: tollgate::settings::FailureMode::Error,
+        on_store_failure: tollgate::server::settings::FailureMode::Error,
     }
 }
 

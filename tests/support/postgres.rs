@@ -11,8 +11,8 @@ use tempfile::TempDir;
 
 use super::ChildGuard;
 
-use tollgate::settings::PostgresSettings;
-use tollgate::store::postgres::PostgresStore;
+use tollgate::server::settings::PostgresSettings;
+use tollgate::store::PostgresStore;
 
 /// Where `scripts/ensure-postgres` puts the test database.
 pub const DEFAULT_POSTGRES_URL: &str = "postgres://postgres@127.0.0.1:5432/tollgate_test";

@@ -1059,16 +1059,16 @@ pub async fn store_on_clock(
     urls: Vec<String>,
     cluster: bool,
     prefix: &str,
-    clock: &tollgate::clock::ManualClock,
+    clock: &tollgate::core::clock::ManualClock,
 ) -> tollgate::store::RedisStore {
-    let settings = tollgate::settings::RedisSettings {
+    let settings = tollgate::server::settings::RedisSettings {
         urls,
         cluster,
         key_prefix: prefix.to_string(),
         command_timeout_ms: tollgate::core::units::Millis(5_000),
-        ..tollgate::settings::RedisSettings::default()
+        ..tollgate::server::settings::RedisSettings::default()
     };
-    let store = tollgate::store::RedisStore::new(&settings, std::sync::Arc::new(tollgate::clock::SystemClock))
+    let store = tollgate::store::RedisStore::new(&settings, std::sync::Arc::new(tollgate::core::clock::SystemClock))
         .expect("a valid Redis store")
         .with_time_override(std::sync::Arc::new(clock.clone()));
     store.connect(Duration::from_secs(10)).await.expect("Redis connects");

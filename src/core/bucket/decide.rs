@@ -80,7 +80,7 @@ pub struct Decision {
 /// - Refunds apply afterwards in every case, capped at capacity.
 ///
 /// ```
-/// use tollgate::bucket::{decide, BucketState, Demand, DemandKind, Limit, Rate, MICRO};
+/// use tollgate::core::bucket::{decide, BucketState, Demand, DemandKind, Limit, Rate, MICRO};
 /// // Two buckets: 5 tokens refilled 5 per second, and an empty one refilled 1 per hour.
 /// let per_second = Limit::new(5, Rate::per(5, 1_000_000).unwrap());
 /// let hourly = Limit::new(1, Rate::per(1, 3_600_000_000).unwrap());

@@ -25,7 +25,7 @@ impl ConfigError {
         }
     }
 
-    /// `path` holds no rules file (see [`crate::rules::file::rule_files`]): a directory with no
+    /// `path` holds no rules file (see `crate::rules::file::rule_files`): a directory with no
     /// `*.yaml` / `*.yml` file directly inside, other than hidden ones.
     pub fn no_rules_files(path: impl Into<PathBuf>) -> ConfigError {
         ConfigError::file(

@@ -12,7 +12,7 @@ use crate::rules::RuleSet;
 /// ConfigMap `..data` folders) are skipped, so a mounted ConfigMap is read once through its
 /// top-level links. An empty list is not an error here; `tollgate check` rejects it (see
 /// [`RuleSet::is_empty`]).
-pub fn rule_files(path: &Path) -> Result<Vec<PathBuf>, ConfigError> {
+pub(crate) fn rule_files(path: &Path) -> Result<Vec<PathBuf>, ConfigError> {
     let meta = std::fs::metadata(path).map_err(|e| ConfigError::file(path, format!("cannot read rules: {e}")))?;
     if meta.is_file() {
         return Ok(vec![path.to_owned()]);
@@ -36,7 +36,7 @@ pub fn rule_files(path: &Path) -> Result<Vec<PathBuf>, ConfigError> {
     Ok(files)
 }
 
-/// Loads and compiles every rules file at `path` (a file or a directory, see [`rule_files`]).
+/// Loads and compiles every rules file at `path` (a file or a directory, see `rule_files`).
 ///
 /// Errors: every problem found, each naming the file, the rule and the reason; one bad file
 /// rejects the whole set.

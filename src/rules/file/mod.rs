@@ -13,8 +13,10 @@ mod model;
 mod refill;
 
 pub(crate) use compile::node_path;
-pub use error::{ConfigError, ConfigErrors};
+pub use error::ConfigError;
+pub(crate) use error::ConfigErrors;
 pub(crate) use load::parse_file;
-pub use load::{load_rules, load_rules_text, rule_files};
+pub(crate) use load::rule_files;
+pub use load::{load_rules, load_rules_text};
 pub(crate) use model::DescriptorSpec;
-pub use refill::{parse_duration_us, parse_refill, Refill};
+pub use refill::{parse_refill, Refill};

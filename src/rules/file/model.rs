@@ -10,7 +10,7 @@ use serde::Deserialize;
 /// One rules file: one domain.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RulesFile {
+pub(crate) struct RulesFile {
     pub domain: String,
     /// Named token-bucket policies that descriptors reference with `bucket:`. A name given twice
     /// is an error (a plain map would keep the last one silently).
@@ -53,7 +53,7 @@ fn unique_buckets<'de, D: Deserializer<'de>>(deserializer: D) -> Result<BTreeMap
 /// token bucket and a quota together (a request must pass both).
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct BucketSpec {
+pub(crate) struct BucketSpec {
     pub capacity: Option<u64>,
     pub refill: Option<String>,
     /// Windows that change the token bucket's limit while active; the first active one wins.
@@ -65,7 +65,7 @@ pub struct BucketSpec {
 /// either `scale` or absolute `capacity` and/or `refill`.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct ScheduleEntrySpec {
+pub(crate) struct ScheduleEntrySpec {
     pub cron: String,
     pub timezone: Option<String>,
     pub scale: Option<f64>,
@@ -78,7 +78,7 @@ pub struct ScheduleEntrySpec {
 /// drip.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct QuotaSpec {
+pub(crate) struct QuotaSpec {
     pub limit: u64,
     pub reset: String,
     pub timezone: Option<String>,
@@ -88,7 +88,7 @@ pub struct QuotaSpec {
 /// One node of the descriptor tree.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct DescriptorSpec {
+pub(crate) struct DescriptorSpec {
     pub key: String,
     /// Exact value, or a pattern with `*`; absent means "any value" (one instance per value).
     pub value: Option<String>,
@@ -126,7 +126,7 @@ pub struct DescriptorSpec {
 impl DescriptorSpec {
     /// The envoyproxy/ratelimit metric fields set on this node ([`metric_field_note`] says
     /// what each does in tollgate).
-    pub fn ignored_fields(&self) -> Vec<&'static str> {
+    pub(crate) fn ignored_fields(&self) -> Vec<&'static str> {
         let mut out = Vec::new();
         if self.detailed_metric.is_some() {
             out.push("detailed_metric");
@@ -140,7 +140,7 @@ impl DescriptorSpec {
 
 /// What envoyproxy/ratelimit's metric `field` (from [`DescriptorSpec::ignored_fields`]) does
 /// in tollgate, as `tollgate check` prints it.
-pub fn metric_field_note(field: &str) -> &'static str {
+pub(crate) fn metric_field_note(field: &str) -> &'static str {
     match field {
         "detailed_metric" => {
             "shapes only the envoyproxy/ratelimit-named series (metrics.envoyproxy_names): their stat key \
@@ -157,7 +157,7 @@ pub fn metric_field_note(field: &str) -> &'static str {
 /// envoyproxy/ratelimit's `rate_limit` block.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RateLimitSpec {
+pub(crate) struct RateLimitSpec {
     pub unit: Option<String>,
     pub requests_per_unit: Option<u64>,
     #[serde(default)]
@@ -169,6 +169,6 @@ pub struct RateLimitSpec {
 /// `replaces: [{name: ...}]`.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct ReplaceSpec {
+pub(crate) struct ReplaceSpec {
     pub name: String,
 }

@@ -14,7 +14,7 @@ pub struct Refill {
 /// Parses a duration: an optional whole number followed by a unit, one of `ms`, `s`, `m`, `h`,
 /// `d` (`s` alone means `1s`). Returns microseconds. Errors with a sentence saying what is
 /// expected.
-pub fn parse_duration_us(text: &str) -> Result<u64, String> {
+pub(crate) fn parse_duration_us(text: &str) -> Result<u64, String> {
     let text = text.trim();
     let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
     let (digits, unit) = text.split_at(split);
@@ -41,7 +41,7 @@ pub fn parse_duration_us(text: &str) -> Result<u64, String> {
 /// Parses a refill rate `<tokens>/<duration>`, e.g. `10/s`, `600/1m`, `1/250ms`.
 ///
 /// ```
-/// use tollgate::config::{parse_refill, Refill};
+/// use tollgate::rules::{parse_refill, Refill};
 /// assert_eq!(parse_refill("600/1m"), Ok(Refill { tokens: 600, period_us: 60_000_000 }));
 /// assert!(parse_refill("10 per second").is_err());
 /// ```

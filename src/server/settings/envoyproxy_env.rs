@@ -1043,7 +1043,7 @@ fn check_mapper(path: &std::path::Path) -> Result<Vec<String>, String> {
 }
 
 /// The files under the rules folder `dir` that their service would load and tollgate does not
-/// ([`crate::rules::file::rule_files`]): not hidden (no part of the path under `dir` starts with
+/// (`crate::rules::file::rule_files`): not hidden (no part of the path under `dir` starts with
 /// `.`, which also skips a ConfigMap's `..data`), and either not `*.yaml`/`*.yml` or inside a
 /// subfolder. Sorted; at most 100 (the rest are not listed). Empty when `dir` is a file or
 /// cannot be read.

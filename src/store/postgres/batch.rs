@@ -30,10 +30,10 @@ use crate::core::clock::Clock;
 use crate::store::{batch_failure, Applied, BucketRef, StoreError};
 
 /// The most requests one transaction decides. Bounds how long its rows stay locked.
-pub const MAX_BATCH: usize = 64;
+pub(crate) const MAX_BATCH: usize = 64;
 
 /// One request waiting for a lane.
-pub struct Job {
+pub(crate) struct Job {
     /// Its bucket instances (distinct).
     pub buckets: Vec<BucketRef>,
     /// Its demands, indexing `buckets`.
@@ -49,14 +49,14 @@ pub struct Job {
 }
 
 /// Hands requests to the lanes. Dropping it ends them once they have answered what they hold.
-pub struct Batcher {
+pub(crate) struct Batcher {
     jobs: mpsc::UnboundedSender<Job>,
 }
 
 impl Batcher {
     /// Starts `lanes` lanes on `pool`, each deciding one batch at a time on one connection.
     /// `time_override` (tests only) replaces Postgres's clock. Call within a Tokio runtime.
-    pub fn start(pool: PgPool, lanes: u32, time_override: Option<Arc<dyn Clock>>) -> Batcher {
+    pub(crate) fn start(pool: PgPool, lanes: u32, time_override: Option<Arc<dyn Clock>>) -> Batcher {
         let (tx, rx) = mpsc::unbounded_channel();
         let rx = Arc::new(Mutex::new(rx));
         for _ in 0..lanes.max(1) {
@@ -82,7 +82,7 @@ impl Batcher {
     /// Queues a request; its decision arrives on the job's `reply`.
     ///
     /// Errors: the lanes have ended (the store is being dropped).
-    pub fn submit(&self, job: Job) -> Result<(), StoreError> {
+    pub(crate) fn submit(&self, job: Job) -> Result<(), StoreError> {
         self.jobs
             .send(job)
             .map_err(|_| StoreError::Unavailable("the Postgres store is shutting down".into()))
@@ -190,14 +190,14 @@ fn drain(rx: &mut mpsc::UnboundedReceiver<Job>, jobs: &mut Vec<Job>) {
 /// The longest instance key stored as it is; a longer one (a descriptor value can be a header of
 /// many KiB, and a btree index entry must stay under about 2.7 KB) is stored as [`DIGEST_TAG`]
 /// and its SHA-256: stable across replicas, and no client can make two keys collide.
-pub const MAX_VERBATIM_KEY: usize = 512;
+pub(crate) const MAX_VERBATIM_KEY: usize = 512;
 
 /// The first byte of a stored digest; it never occurs in UTF-8 text, so a digest never equals a
 /// key kept as it is.
-pub const DIGEST_TAG: u8 = 0xFF;
+pub(crate) const DIGEST_TAG: u8 = 0xFF;
 
 /// The row key of instance key `key` (see [`MAX_VERBATIM_KEY`]).
-pub fn stored_key(key: &str) -> Vec<u8> {
+pub(crate) fn stored_key(key: &str) -> Vec<u8> {
     if key.len() <= MAX_VERBATIM_KEY {
         return key.as_bytes().to_vec();
     }
@@ -319,7 +319,7 @@ async fn transact(
 
 /// What a batch writes for one key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Write {
+pub(crate) enum Write {
     /// Delete the row of key `.0` (its bucket is full, or a row created for nothing).
     Delete(usize),
     /// Store `state` for `key`, full again at `full_at_us` (`u64::MAX`: never).
@@ -332,7 +332,7 @@ pub enum Write {
 
 /// A batch's decisions and the writes they need.
 #[derive(Debug)]
-pub struct BatchOutcome {
+pub(crate) struct BatchOutcome {
     /// Per job, in order: its decision, or why it was refused.
     pub results: Vec<Result<Applied, StoreError>>,
     /// One per key that needs a write, in key order.
@@ -347,7 +347,7 @@ pub struct BatchOutcome {
 /// last state and the "full again" time by the plan of the last job that changed it, or
 /// deleted when that state is full; a key none changed whose row was created by this batch
 /// (no state) is deleted.
-pub fn decide_batch(
+pub(crate) fn decide_batch(
     now_us: u64,
     stored: &[Result<Option<BucketState>, StoreError>],
     buckets: &[&[BucketRef]],

@@ -51,7 +51,7 @@ const LANE_MARGIN: Duration = Duration::from_millis(50);
 const CLOCK_US: &str = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint";
 
 /// The migrations in `migrations/`, applied by [`PostgresStore::connect`].
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+pub(crate) static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
 /// What [`PostgresStore::migrate`] did.
 #[derive(Clone, Debug, PartialEq, Eq)]

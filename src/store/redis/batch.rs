@@ -31,11 +31,11 @@ use crate::store::{batch_failure, StoreError};
 
 /// The most requests one call decides. Bounds the script's run time (Redis serves nothing else
 /// meanwhile): a few hundred microseconds for the largest batch.
-pub const MAX_BATCH: usize = 64;
+pub(crate) const MAX_BATCH: usize = 64;
 
 /// One request's share of a call: its keys and ARGV fields
 /// ([`encode_request`](super::script::encode_request)), and where its answer goes.
-pub struct Job {
+pub(crate) struct Job {
     /// The request's bucket keys, in the order of its fields.
     pub keys: Vec<Key>,
     /// The request's ARGV fields.
@@ -46,7 +46,7 @@ pub struct Job {
 }
 
 /// One request's answer from a batched call.
-pub struct Answer {
+pub(crate) struct Answer {
     /// The script's answer for this request.
     pub value: Value,
     /// Local time the call was sent, in microseconds.
@@ -56,13 +56,13 @@ pub struct Answer {
 }
 
 /// Hands requests to the lanes. Dropping it ends them once they have answered what they hold.
-pub struct Batcher {
+pub(crate) struct Batcher {
     jobs: mpsc::UnboundedSender<Job>,
 }
 
 /// What a lane needs besides its connection: the clock for the send and receive readings, the
 /// test time override, and the per-call settings.
-pub struct LaneSettings {
+pub(crate) struct LaneSettings {
     /// The local clock.
     pub clock: Arc<dyn Clock>,
     /// Tests only: the time sent instead of Redis `TIME`.
@@ -86,7 +86,7 @@ impl Batcher {
     /// Queues a request; its answer arrives on the job's `reply`.
     ///
     /// Errors: the lanes have ended (the store is being dropped).
-    pub fn submit(&self, job: Job) -> Result<(), StoreError> {
+    pub(crate) fn submit(&self, job: Job) -> Result<(), StoreError> {
         self.jobs
             .send(job)
             .map_err(|_| StoreError::Unavailable("the Redis store is shutting down".into()))

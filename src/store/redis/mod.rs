@@ -1,7 +1,7 @@
 //! The Redis store (docs/backends.md): bucket state shared by every tollgate replica, decided by a Lua
 //! script (`lua/decide.lua`) that reads Redis `TIME`, refills, checks and consumes from all of a
 //! request's buckets or none, atomically. On a single node, concurrent requests share a call
-//! ([`batch`]); each is still decided on its own.
+//! (`batch`); each is still decided on its own.
 //!
 //! **Time.** Refill uses Redis time, so replicas with skewed clocks agree (docs/backends.md).
 //! Schedules and quotas are evaluated here in Rust, at an estimate of Redis time: the local
@@ -20,7 +20,7 @@
 //! call per slot, in parallel; if any denies, what the others consumed is refunded at once (a
 //! brief under-admission, never an over-admission).
 
-pub mod batch;
+pub(crate) mod batch;
 pub mod keys;
 pub mod script;
 mod settings;
