@@ -6,6 +6,7 @@
 
 mod any;
 mod breaker;
+mod error;
 mod memory;
 mod metered;
 mod postgres;
@@ -18,6 +19,7 @@ use std::future::Future;
 
 pub use any::{AnyStore, Health};
 pub use breaker::{Breaker, BreakerPolicy, BreakerState, Outcome, Permit, Transition};
+pub use error::{batch_failure, Cause, ConnectError, StoreError};
 pub use memory::MemorySettings;
 pub use memory::{MemoryStore, MemoryStoreStats};
 pub use metered::Metered;
@@ -102,64 +104,6 @@ impl Peeked {
             kept: full,
         }
     }
-}
-
-/// Why a shared store (Redis, Postgres) could not be built or connected.
-#[derive(Debug, thiserror::Error)]
-#[error("{backend} at {url}: {reason}")]
-pub struct ConnectError {
-    /// `Redis` or `Postgres`.
-    pub backend: &'static str,
-    /// The (first) URL, password redacted.
-    pub url: String,
-    /// What went wrong.
-    pub reason: String,
-}
-
-/// Why a store could not decide a request (or answer a peek or reset).
-#[derive(Clone, Debug, thiserror::Error)]
-pub enum StoreError {
-    /// The backend could not be reached or did not answer in time.
-    #[error("backend unavailable: {0}")]
-    Unavailable(String),
-    /// The backend did not answer within its command timeout.
-    #[error("backend timed out: {0}")]
-    Timeout(String),
-    /// The backend answered, but refused this request: a bucket's stored value is not one
-    /// tollgate wrote (another writer under the key prefix, a key of the wrong type). Only the
-    /// buckets of this request are affected, so it does not count towards the circuit breaker.
-    #[error("backend refused the request: {0}")]
-    Rejected(String),
-    /// The request shared a backend call with others (a batch), and that call failed with
-    /// `.0`. The batch's first request carries the failure itself; the others carry this, which
-    /// counts in the metrics as `.0` does but not again towards the circuit breaker, so its
-    /// threshold counts failed calls to the backend, however many requests each carried.
-    #[error("{0}")]
-    InFailedBatch(Box<StoreError>),
-}
-
-impl StoreError {
-    /// The failure itself: `.0` of [`StoreError::InFailedBatch`], else this.
-    pub fn cause(&self) -> &StoreError {
-        match self {
-            StoreError::InFailedBatch(e) => e.cause(),
-            e => e,
-        }
-    }
-}
-
-/// The answers for the requests of a failed batch call: `error` for the first, and
-/// [`StoreError::InFailedBatch`] for the others.
-pub fn batch_failure<T>(error: StoreError, requests: usize) -> Vec<Result<T, StoreError>> {
-    (0..requests)
-        .map(|i| {
-            if i == 0 {
-                Err(error.clone())
-            } else {
-                Err(StoreError::InFailedBatch(Box::new(error.clone())))
-            }
-        })
-        .collect()
 }
 
 /// A place to keep bucket state and decide on it atomically.

@@ -171,7 +171,7 @@ impl<P: Store> Guarded<P> {
         call: impl FnOnce() -> F,
     ) -> Result<T, StoreError> {
         let Some(permit) = self.breaker.allow(self.mono_us()) else {
-            return Err(StoreError::Unavailable(format!("{} circuit open", self.backend)));
+            return Err(StoreError::Unavailable(format!("{} circuit open", self.backend).into()));
         };
         match call().await {
             Ok(v) => {

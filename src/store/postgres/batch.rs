@@ -251,7 +251,9 @@ async fn transact(
     .fetch_all(&mut *tx)
     .await?;
     if rows.len() != keys.len() {
-        return Err(StoreError::Unavailable(format!("locked {} of {} bucket rows", rows.len(), keys.len())).into());
+        return Err(
+            StoreError::Unavailable(format!("locked {} of {} bucket rows", rows.len(), keys.len()).into()).into(),
+        );
     }
     let mut stored: Vec<Result<Option<BucketState>, StoreError>> = (0..keys.len()).map(|_| Ok(None)).collect();
     let mut clock = 0i64;
@@ -300,11 +302,9 @@ async fn transact(
         .await?;
         // The rows are locked since the first statement: each must still be there.
         if done.rows_affected() != kept.len() as u64 {
-            return Err(StoreError::Unavailable(format!(
-                "wrote {} of {} locked bucket rows",
-                done.rows_affected(),
-                kept.len()
-            ))
+            return Err(StoreError::Unavailable(
+                format!("wrote {} of {} locked bucket rows", done.rows_affected(), kept.len()).into(),
+            )
             .into());
         }
     } else if !gone.is_empty() {

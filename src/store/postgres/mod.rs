@@ -39,7 +39,7 @@ use sqlx::{Postgres, Row, Transaction};
 
 use self::batch::{Batcher, Job};
 use super::redact_url;
-use super::{Applied, BucketRef, ConnectError, Peeked, Store, StoreError};
+use super::{Applied, BucketRef, Cause, ConnectError, Peeked, Store, StoreError};
 use crate::core::bucket::{BucketState, Demand};
 use crate::core::clock::Clock;
 
@@ -100,11 +100,16 @@ struct Inner {
 }
 
 fn store_error(e: sqlx::Error) -> StoreError {
-    match &e {
-        sqlx::Error::PoolTimedOut => StoreError::Timeout(e.to_string()),
+    let timeout = match &e {
+        sqlx::Error::PoolTimedOut => true,
         // 57014 query_canceled: the statement timeout.
-        sqlx::Error::Database(d) if d.code().as_deref() == Some("57014") => StoreError::Timeout(e.to_string()),
-        _ => StoreError::Unavailable(e.to_string()),
+        sqlx::Error::Database(d) => d.code().as_deref() == Some("57014"),
+        _ => false,
+    };
+    if timeout {
+        StoreError::Timeout(Cause::from_error(e))
+    } else {
+        StoreError::Unavailable(Cause::from_error(e))
     }
 }
 
@@ -116,10 +121,9 @@ fn row_state(key: &[u8], tokens: Option<i64>, updated: Option<i64>) -> Result<Op
     };
     match (u64::try_from(t), u64::try_from(u)) {
         (Ok(tokens_ut), Ok(updated_us)) => Ok(Some(BucketState { tokens_ut, updated_us })),
-        _ => Err(StoreError::Rejected(format!(
-            "negative bucket state in row {:?}",
-            String::from_utf8_lossy(key)
-        ))),
+        _ => Err(StoreError::Rejected(
+            format!("negative bucket state in row {:?}", String::from_utf8_lossy(key)).into(),
+        )),
     }
 }
 
@@ -453,7 +457,7 @@ impl PostgresStore {
         let error = match tokio::time::timeout(timeout, probe).await {
             Ok(Ok(_)) => return Ok(()),
             Ok(Err(e)) => store_error(e),
-            Err(_) => StoreError::Timeout(format!("no answer within {} ms", timeout.as_millis())),
+            Err(_) => StoreError::Timeout(format!("no answer within {} ms", timeout.as_millis()).into()),
         };
         let connect = <sqlx::PgConnection as sqlx::Connection>::connect_with(&self.inner.options);
         match tokio::time::timeout(timeout.min(self.inner.connect_timeout), connect).await {
@@ -575,10 +579,9 @@ impl PostgresStore {
         let budget = self.inner.timeout.max(Duration::from_secs(1));
         match tokio::time::timeout(budget, work).await {
             Ok(result) => result,
-            Err(_) => Err(StoreError::Timeout(format!(
-                "{what}: no answer from Postgres within {} ms",
-                budget.as_millis()
-            ))),
+            Err(_) => Err(StoreError::Timeout(
+                format!("{what}: no answer from Postgres within {} ms", budget.as_millis()).into(),
+            )),
         }
     }
 
@@ -640,7 +643,8 @@ impl Store for PostgresStore {
             start_by: tokio::time::Instant::now() + timeout / 2,
             reply,
         })?;
-        let late = || StoreError::Timeout(format!("no decision from Postgres within {} ms", timeout.as_millis()));
+        let late =
+            || StoreError::Timeout(format!("no decision from Postgres within {} ms", timeout.as_millis()).into());
         // The lane answers by the deadline (it abandons a transaction at its batch's earliest
         // one); the margin only covers its own scheduling. A job it dropped unanswered (its
         // deadline passed while it waited) closes the channel.
@@ -691,6 +695,21 @@ impl super::SharedBackend for PostgresStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sqlx_errors_stay_the_source_of_store_errors() {
+        let is_sqlx = |e: &StoreError| {
+            let cause = std::error::Error::source(e).expect("a cause");
+            cause.source().is_some_and(|s| s.is::<sqlx::Error>())
+        };
+        let slow = store_error(sqlx::Error::PoolTimedOut);
+        assert!(matches!(slow, StoreError::Timeout(_)) && is_sqlx(&slow), "{slow:?}");
+        let closed = store_error(sqlx::Error::PoolClosed);
+        assert!(
+            matches!(closed, StoreError::Unavailable(_)) && is_sqlx(&closed),
+            "{closed:?}"
+        );
+    }
 
     #[test]
     fn a_url_that_does_not_parse_is_named_once_with_the_right_hint() {

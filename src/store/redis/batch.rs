@@ -135,7 +135,7 @@ async fn lane(
         let result = conn.evalsha_on(&client, &conn.scripts.decide, keys, argv).await;
         let received_us = settings.clock.now_us();
         let answers = result.and_then(|v| {
-            split_answers(v, jobs.len()).map_err(|e| StoreError::Unavailable(format!("decide.lua: {e}")))
+            split_answers(v, jobs.len()).map_err(|e| StoreError::Unavailable(format!("decide.lua: {e}").into()))
         });
         match answers {
             Ok(answers) => {

@@ -46,7 +46,7 @@ use self::script::{
     CallSettings, Replacement, Reply,
 };
 use super::{redact_url, UnreachableAtStart};
-use super::{Applied, BucketRef, ConnectError, Peeked, Store, StoreError};
+use super::{Applied, BucketRef, Cause, ConnectError, Peeked, Store, StoreError};
 use crate::core::bucket::{Decision, Demand, DemandKind, InstanceOutcome};
 use crate::core::clock::Clock;
 
@@ -178,11 +178,11 @@ fn store_error(e: &FredError) -> StoreError {
     let details = e.details();
     // The scripts' own complaints about a stored value, and a key of another type.
     if details.contains("tollgate: bad") || details.contains("WRONGTYPE") {
-        return StoreError::Rejected(e.to_string());
+        return StoreError::Rejected(Cause::from_error(e.clone()));
     }
     match e.kind() {
-        ErrorKind::Timeout => StoreError::Timeout(e.to_string()),
-        _ => StoreError::Unavailable(e.to_string()),
+        ErrorKind::Timeout => StoreError::Timeout(Cause::from_error(e.clone())),
+        _ => StoreError::Unavailable(Cause::from_error(e.clone())),
     }
 }
 
@@ -505,10 +505,9 @@ impl RedisStore {
         match tokio::time::timeout(timeout, self.inner.conn.load_scripts(Some(timeout))).await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) => Err(store_error(&e)),
-            Err(_) => Err(StoreError::Timeout(format!(
-                "scripts not loaded within {} ms",
-                timeout.as_millis()
-            ))),
+            Err(_) => Err(StoreError::Timeout(
+                format!("scripts not loaded within {} ms", timeout.as_millis()).into(),
+            )),
         }
     }
 
@@ -562,7 +561,7 @@ impl RedisStore {
             let value = Box::pin(conn.evalsha(&conn.scripts.decide, keys, argv)).await?;
             let received_us = self.inner.clock.now_us();
             let value = split_answers(value, 1)
-                .map_err(|e| StoreError::Unavailable(format!("decide.lua: {e}")))?
+                .map_err(|e| StoreError::Unavailable(format!("decide.lua: {e}").into()))?
                 .pop()
                 .expect("one answer");
             return Ok(Answer {
@@ -607,7 +606,7 @@ impl RedisStore {
             let answer = self.call_decide(keys.clone(), encode_request(&args, demands)).await?;
             let (sent, received) = (answer.sent_us, answer.received_us);
             let reply = parse_reply(answer.value, buckets.len(), demands.len())
-                .map_err(|e| StoreError::Unavailable(format!("decide.lua: {e}")))?;
+                .map_err(|e| StoreError::Unavailable(format!("decide.lua: {e}").into()))?;
             let now = match &reply {
                 Reply::Decided(d) => d.now_us,
                 Reply::Retry { now_us, .. } | Reply::Walk { now_us, .. } | Reply::Bad { now_us, .. } => *now_us,
@@ -625,7 +624,7 @@ impl RedisStore {
                     }
                     return Ok(d);
                 }
-                Reply::Bad { reason, .. } => return Err(StoreError::Rejected(reason)),
+                Reply::Bad { reason, .. } => return Err(StoreError::Rejected(reason.into())),
                 Reply::Retry { at_us, .. } => at = at_us,
                 Reply::Walk { now_us, stale } => {
                     at.fill(now_us);
@@ -637,18 +636,21 @@ impl RedisStore {
                         at[i] = t;
                         reps[i] = replacement(&buckets[i].plan, &raw, t);
                         if reps[i].is_none() {
-                            return Err(StoreError::Rejected(format!(
-                                "decide.lua: cannot read the stored value {:?}",
-                                String::from_utf8_lossy(&raw)
-                            )));
+                            return Err(StoreError::Rejected(
+                                format!(
+                                    "decide.lua: cannot read the stored value {:?}",
+                                    String::from_utf8_lossy(&raw)
+                                )
+                                .into(),
+                            ));
                         }
                     }
                 }
             }
         }
-        Err(StoreError::Unavailable(format!(
-            "decide.lua: no decision after {MAX_ATTEMPTS} calls (limits changing under a busy bucket?)"
-        )))
+        Err(StoreError::Unavailable(
+            format!("decide.lua: no decision after {MAX_ATTEMPTS} calls (limits changing under a busy bucket?)").into(),
+        ))
     }
 
     /// Groups bucket indexes by Cluster slot (one group on a single node), in first-seen order.
@@ -748,7 +750,7 @@ impl RedisStore {
                 None => Value::String("".into()),
             };
             let value = self.inner.conn.evalsha(sha, keys, vec![over]).await?;
-            let bad = |what: &str| StoreError::Unavailable(format!("peek/reset script: {what}"));
+            let bad = |what: &str| StoreError::Unavailable(format!("peek/reset script: {what}").into());
             match value {
                 Value::Integer(t) => now = now.max(t as u64),
                 Value::Array(items) => {
@@ -840,10 +842,9 @@ impl Store for RedisStore {
     async fn apply(&self, buckets: &[BucketRef], demands: &[Demand]) -> Result<Applied, StoreError> {
         match tokio::time::timeout(self.inner.timeout, self.apply_inner(buckets, demands)).await {
             Ok(result) => result,
-            Err(_) => Err(StoreError::Timeout(format!(
-                "no answer from Redis within {} ms",
-                self.inner.timeout.as_millis()
-            ))),
+            Err(_) => Err(StoreError::Timeout(
+                format!("no answer from Redis within {} ms", self.inner.timeout.as_millis()).into(),
+            )),
         }
     }
 
@@ -899,6 +900,22 @@ impl super::SharedBackend for RedisStore {
 mod tests {
     use super::*;
     use crate::core::bucket::BucketState;
+
+    #[test]
+    fn fred_errors_stay_the_source_of_store_errors() {
+        let source = |e: &StoreError| {
+            let cause = std::error::Error::source(e).expect("a cause");
+            cause.source().and_then(|s| s.downcast_ref::<FredError>()).cloned()
+        };
+        let refused = store_error(&FredError::new(ErrorKind::IO, "Connection refused"));
+        assert!(matches!(refused, StoreError::Unavailable(_)), "{refused:?}");
+        assert_eq!(source(&refused).map(|e| e.kind().clone()), Some(ErrorKind::IO));
+        let slow = store_error(&FredError::new(ErrorKind::Timeout, "Request timed out."));
+        assert!(matches!(slow, StoreError::Timeout(_)), "{slow:?}");
+        let bad = store_error(&FredError::new(ErrorKind::Unknown, "WRONGTYPE Operation against a key"));
+        assert!(matches!(bad, StoreError::Rejected(_)), "{bad:?}");
+        assert!(source(&bad).is_some());
+    }
 
     fn outcome(tokens: u64, updated_us: u64) -> InstanceOutcome {
         let state = BucketState {
