@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
 # The tollgate image: `docker build -t tollgate .`, then `docker run -p 8081:8081 -p 8080:8080 tollgate`.
-# docs/deployment.md describes the layout; tests/image.rs runs the release binary from a copy of
+# docs/deployment.md describes the layout; tests/suite/image.rs runs the release binary from a copy of
 # exactly what the runtime stage below copies, as its user and with its environment.
 
 # The toolchain the project builds with (rust-version in Cargo.toml is the minimum).

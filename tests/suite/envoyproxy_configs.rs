@@ -1,0 +1,357 @@
+//! envoyproxy/ratelimit config files (tests/fixtures/envoyproxy/, one point each) load
+//! unchanged and give the limits their schema documents, through tollgate's decision path: the
+//! memory store on a manual clock. Every fixture is read from disk as it is, never rewritten.
+
+use crate::harness;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use harness::{desc, hits, limit_of, options, req, Harness, OK, OVER};
+use tollgate::core::clock::ManualClock;
+use tollgate::decision::Limiter;
+use tollgate::rules::load_rules;
+use tollgate::store::MemoryStore;
+
+/// 2023-11-14T22:13:20Z: any instant works; tollgate has no windows to align to.
+const T0: u64 = 1_700_000_000_000_000;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/envoyproxy")
+        .join(name)
+}
+
+/// A harness over the rules at `name` (a file or a folder), loaded from disk unchanged.
+fn load(name: &str) -> Harness {
+    let path = fixture(name);
+    let rules = load_rules(&path).unwrap_or_else(|e| panic!("{} should load: {e}", path.display()));
+    let clock = ManualClock::new(T0);
+    let store = MemoryStore::new(4, 10_000, Arc::new(clock.clone()));
+    Harness {
+        limiter: Limiter::new(rules, store, options()),
+        clock,
+    }
+}
+
+fn one(domain: &str, pairs: &[(&str, &str)]) -> RateLimitRequest {
+    req(domain, vec![desc(pairs)])
+}
+
+/// Sends `r` `n` times; the overall codes in order.
+async fn codes(h: &Harness, r: &RateLimitRequest, n: usize) -> Vec<i32> {
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        out.push(h.ask(r).await.overall_code);
+    }
+    out
+}
+
+/// `n` OKs followed by one OVER_LIMIT: the documented N admitted, the N+1st denied.
+fn admits(n: usize) -> Vec<i32> {
+    let mut v = vec![OK; n];
+    v.push(OVER);
+    v
+}
+
+#[tokio::test]
+async fn nested_descriptors_apply_the_limit_where_the_last_entry_lands() {
+    let h = load("nested.yaml");
+    let tenant = one("storefront", &[("tenant", "t1")]);
+    assert_eq!(codes(&h, &tenant, 6).await, admits(5));
+    let checkout = one("storefront", &[("tenant", "t1"), ("route", "checkout")]);
+    assert_eq!(
+        codes(&h, &checkout, 4).await,
+        admits(3),
+        "its own bucket, not the tenant's"
+    );
+    let resp = h.ask(&checkout).await;
+    assert_eq!(
+        limit_of(&resp.statuses[0]),
+        Some(("tenant.route=checkout", 3, Unit::Minute))
+    );
+    // Another route under the tenant only leads to `method`: no limit of its own.
+    let other = one("storefront", &[("tenant", "t1"), ("route", "search")]);
+    assert_eq!(codes(&h, &other, 10).await, vec![OK; 10]);
+    assert_eq!(h.ask(&other).await.statuses[0].current_limit, None);
+    let post = one(
+        "storefront",
+        &[("tenant", "t1"), ("route", "search"), ("method", "POST")],
+    );
+    assert_eq!(codes(&h, &post, 3).await, admits(2));
+    // A deeper request than the tree: no limit (as theirs: the depth must match).
+    let deeper = one("storefront", &[("tenant", "t1"), ("route", "checkout"), ("x", "y")]);
+    assert_eq!(h.ask(&deeper).await.statuses[0].current_limit, None);
+    // Another tenant has buckets of its own.
+    assert_eq!(codes(&h, &one("storefront", &[("tenant", "t2")]), 6).await, admits(5));
+}
+
+#[tokio::test]
+async fn wildcards_match_after_exact_values_and_before_the_key_alone() {
+    let h = load("wildcards.yaml");
+    let path = |p: &str| one("gateway_paths", &[("path", p)]);
+    // The exact value wins over `/v2/*`.
+    assert_eq!(codes(&h, &path("/v2/login"), 2).await, admits(1));
+    // `/v2/*`: 2 per second for each matching path, each its own bucket.
+    assert_eq!(codes(&h, &path("/v2/users"), 3).await, admits(2));
+    assert_eq!(codes(&h, &path("/v2/orders"), 3).await, admits(2));
+    let resp = h.ask(&path("/v2/orders")).await;
+    assert_eq!(limit_of(&resp.statuses[0]), Some(("path=/v2/*", 2, Unit::Second)));
+    // A `*` inside the value.
+    assert_eq!(codes(&h, &path("/files/a/b/meta"), 5).await, admits(4));
+    let resp = h.ask(&path("/files/x/data")).await;
+    assert_eq!(
+        limit_of(&resp.statuses[0]),
+        Some(("path", 6, Unit::Minute)),
+        "no pattern matches"
+    );
+    // Refill: one token of `/v2/*` every 0.5 s.
+    h.advance_ms(499);
+    assert_eq!(h.ask(&path("/v2/users")).await.overall_code, OVER);
+    h.advance_ms(1);
+    assert_eq!(codes(&h, &path("/v2/users"), 2).await, admits(1));
+}
+
+#[tokio::test]
+async fn replaced_rule_is_not_applied_when_the_replacing_one_matches() {
+    let h = load("replaces.yaml");
+    let both = req(
+        "mobile_api",
+        vec![desc(&[("user_id", "u1")]), desc(&[("region", "eu")])],
+    );
+    // per_region (2 per minute) is replaced: 4 requests pass, limited by per_user alone.
+    for i in 0..4 {
+        let resp = h.ask(&both).await;
+        assert_eq!(resp.overall_code, OK, "request {i}");
+        assert_eq!(limit_of(&resp.statuses[0]), Some(("per_user", 4, Unit::Minute)));
+        assert_eq!(
+            resp.statuses[1].current_limit, None,
+            "the replaced descriptor has no limit"
+        );
+    }
+    assert_eq!(h.ask(&both).await.overall_code, OVER);
+    // The region alone is limited by per_region, whose bucket the replaced requests never touched.
+    assert_eq!(codes(&h, &one("mobile_api", &[("region", "eu")]), 3).await, admits(2));
+}
+
+#[tokio::test]
+async fn shadow_mode_never_denies_but_its_bucket_still_counts() {
+    let h = load("shadow_mode.yaml");
+    let beta = one("rollout", &[("feature", "beta")]);
+    let remaining: Vec<u32> = {
+        let mut v = Vec::new();
+        for _ in 0..5 {
+            let resp = h.ask(&beta).await;
+            assert_eq!(resp.overall_code, OK);
+            assert_eq!(resp.statuses[0].code, OK);
+            v.push(resp.statuses[0].limit_remaining);
+        }
+        v
+    };
+    assert_eq!(
+        remaining,
+        vec![1, 0, 0, 0, 0],
+        "the shadow bucket runs dry like an enforced one"
+    );
+    // The same limit without shadow_mode denies the third.
+    assert_eq!(codes(&h, &one("rollout", &[("feature", "stable")]), 3).await, admits(2));
+}
+
+#[tokio::test]
+async fn unlimited_never_limits_and_the_other_callers_are_limited() {
+    let h = load("unlimited.yaml");
+    let probe = one("internal", &[("caller", "health-prober")]);
+    assert_eq!(codes(&h, &probe, 200).await, vec![OK; 200]);
+    assert_eq!(h.ask(&probe).await.statuses[0].current_limit, None);
+    assert_eq!(h.limiter.store().len(), 0, "an unlimited rule touches no bucket");
+    assert_eq!(
+        codes(&h, &one("internal", &[("caller", "batch-job")]), 2).await,
+        admits(1)
+    );
+    // A `replaces` on an unlimited rule applies, as in envoyproxy/ratelimit: beside the nightly
+    // job's descriptor, per_caller is dropped from the request, which is never limited and
+    // charges nothing; the same caller alone is still limited.
+    let job = req(
+        "internal",
+        vec![desc(&[("internal_job", "nightly")]), desc(&[("caller", "cron")])],
+    );
+    assert_eq!(codes(&h, &job, 5).await, vec![OK; 5]);
+    assert_eq!(
+        codes(&h, &one("internal", &[("caller", "cron")]), 2).await,
+        admits(1),
+        "the job's requests charged nothing"
+    );
+    let rules = load_rules(&fixture("unlimited.yaml")).unwrap();
+    let notes = &rules.domains["internal"].notes;
+    assert!(
+        !notes.iter().any(|(_, n)| n.contains("no effect on an unlimited rule")),
+        "{notes:?}"
+    );
+}
+
+#[tokio::test]
+async fn detailed_metric_and_value_to_metric_leave_the_limits_as_they_are() {
+    let h = load("detailed_metric.yaml");
+    assert_eq!(codes(&h, &one("reporting", &[("client_id", "c1")]), 4).await, admits(3));
+    let csv = one("reporting", &[("report", "sales"), ("format", "csv")]);
+    assert_eq!(codes(&h, &csv, 3).await, admits(2));
+    let rules = load_rules(&fixture("detailed_metric.yaml")).unwrap();
+    let notes: Vec<&str> = rules.domains["reporting"]
+        .notes
+        .iter()
+        .map(|(r, _)| r.as_str())
+        .collect();
+    assert_eq!(
+        notes,
+        vec!["client_id", "report", "report.format"],
+        "each accepted field is listed"
+    );
+}
+
+#[tokio::test]
+async fn share_threshold_shares_one_bucket_among_matching_values() {
+    let h = load("share_threshold.yaml");
+    let bucket = |b: &str| one("object_store", &[("bucket", b)]);
+    let mut got = Vec::new();
+    for b in ["uploads-a", "uploads-b", "uploads-c", "uploads-d"] {
+        got.push(h.ask(&bucket(b)).await.overall_code);
+    }
+    assert_eq!(got, admits(3), "three hits across all uploads-* values");
+    // Without share_threshold each value has its own.
+    for b in ["logs-a", "logs-b", "logs-c", "logs-d"] {
+        assert_eq!(h.ask(&bucket(b)).await.overall_code, OK, "{b}");
+    }
+    assert_eq!(codes(&h, &bucket("logs-a"), 3).await, admits(2));
+}
+
+#[tokio::test]
+async fn several_domains_in_a_folder_each_keep_their_limits() {
+    let h = load("domains");
+    let rules = load_rules(&fixture("domains")).unwrap();
+    let mut names: Vec<&str> = rules.domains.keys().map(String::as_str).collect();
+    names.sort_unstable();
+    assert_eq!(names, vec!["auth", "checkout", "search"]);
+    let addr = [("remote_address", "10.1.2.3")];
+    assert_eq!(codes(&h, &one("checkout", &addr), 3).await, admits(2));
+    assert_eq!(
+        codes(&h, &one("search", &addr), 4).await,
+        admits(3),
+        "same descriptor, another domain"
+    );
+    assert_eq!(codes(&h, &one("auth", &[("generic_key", "login")]), 2).await, admits(1));
+}
+
+#[tokio::test]
+async fn requests_per_unit_zero_or_missing_denies_from_the_first_request() {
+    let h = load("zero.yaml");
+    for client in ["banned", "legacy"] {
+        let resp = h.ask(&one("abuse", &[("client", client)])).await;
+        assert_eq!(resp.overall_code, OVER, "{client}");
+        assert_eq!(
+            resp.statuses[0].current_limit.as_ref().map(|l| l.requests_per_unit),
+            Some(0)
+        );
+    }
+    h.advance_ms(3_600_000);
+    assert_eq!(
+        h.ask(&one("abuse", &[("client", "legacy")])).await.overall_code,
+        OVER,
+        "no refill"
+    );
+    assert_eq!(h.limiter.store().len(), 0, "denials consume nothing");
+    assert_eq!(codes(&h, &one("abuse", &[("client", "anyone")]), 51).await, admits(50));
+}
+
+#[tokio::test]
+async fn units_admit_requests_per_unit_then_refill_one_token_per_unit_over_n() {
+    let h = load("units.yaml");
+    // (value, requests_per_unit, unit, ms per token)
+    let cases = [
+        ("second", 4, Unit::Second, 250),
+        ("minute", 6, Unit::Minute, 10_000),
+        ("hour", 12, Unit::Hour, 300_000),
+        ("day", 24, Unit::Day, 3_600_000),
+    ];
+    for (value, n, unit, _) in cases {
+        let r = one("units", &[("per", value)]);
+        assert_eq!(codes(&h, &r, n + 1).await, admits(n), "{value}");
+        let resp = h.ask(&r).await;
+        assert_eq!(limit_of(&resp.statuses[0]).map(|l| (l.1, l.2)), Some((n as u32, unit)));
+    }
+    // Each bucket on a fresh harness, emptied: denied 1 ms before its next token, admitted at it.
+    for (value, _, _, ms) in cases {
+        let h = load("units.yaml");
+        let r = one("units", &[("per", value)]);
+        while h.ask(&r).await.overall_code == OK {}
+        h.advance_ms(ms - 1);
+        assert_eq!(h.ask(&r).await.overall_code, OVER, "{value}: not yet");
+        h.advance_ms(1);
+        assert_eq!(codes(&h, &r, 2).await, admits(1), "{value}: one token back");
+    }
+}
+
+#[tokio::test]
+async fn month_and_year_refill_over_30_and_365_days() {
+    let h = load("month_year.yaml");
+    let trial = one("billing", &[("plan", "trial")]);
+    assert_eq!(codes(&h, &trial, 31).await, admits(30));
+    let resp = h.ask(&trial).await;
+    assert_eq!(limit_of(&resp.statuses[0]), Some(("plan=trial", 30, Unit::Month)));
+    // 30 per 30 days: one a day, not 30 at a calendar month's start.
+    h.advance_ms(86_400_000 - 1);
+    assert_eq!(h.ask(&trial).await.overall_code, OVER);
+    h.advance_ms(1);
+    assert_eq!(codes(&h, &trial, 2).await, admits(1));
+    let archive = one("billing", &[("plan", "archive")]);
+    assert_eq!(codes(&h, &archive, 366).await, admits(365));
+    h.advance_ms(86_400_000);
+    assert_eq!(codes(&h, &archive, 2).await, admits(1), "365 per 365 days: one a day");
+}
+
+#[tokio::test]
+async fn a_name_is_reported_and_shared_by_rules_that_keep_their_own_limits() {
+    let h = load("named.yaml");
+    let acme = one("partners", &[("partner", "acme")]);
+    let resp = h.ask(&acme).await;
+    assert_eq!(limit_of(&resp.statuses[0]), Some(("partner_tier", 3, Unit::Second)));
+    assert_eq!(codes(&h, &acme, 3).await, admits(2));
+    let globex = one("partners", &[("partner", "globex")]);
+    let resp = h.ask(&globex).await;
+    assert_eq!(limit_of(&resp.statuses[0]), Some(("partner_tier", 1, Unit::Second)));
+    assert_eq!(h.ask(&globex).await.overall_code, OVER);
+}
+
+/// Denied hits consume nothing and a request is all or nothing: a hits_addend larger than what
+/// is left is denied and the rest stays for a smaller request (envoyproxy/ratelimit would have
+/// added the hits to its window's counter).
+#[tokio::test]
+async fn a_denied_request_consumes_nothing_in_any_of_its_descriptors() {
+    let h = load("domains");
+    let big = req("checkout", vec![hits(&[("remote_address", "a")], 3)]);
+    assert_eq!(h.ask(&big).await.overall_code, OVER, "3 hits against 2 tokens");
+    let small = one("checkout", &[("remote_address", "a")]);
+    assert_eq!(codes(&h, &small, 3).await, admits(2), "both tokens are still there");
+    // Two descriptors: the second denies, so the first is not charged either.
+    let fresh = one("checkout", &[("remote_address", "b")]);
+    let pair = req(
+        "checkout",
+        vec![desc(&[("remote_address", "b")]), desc(&[("remote_address", "a")])],
+    );
+    assert_eq!(h.ask(&pair).await.overall_code, OVER);
+    assert_eq!(codes(&h, &fresh, 3).await, admits(2), "`b` kept its two tokens");
+}
+
+/// At least ten fixtures, each named by a test above (the folder counts as one).
+#[test]
+fn every_fixture_is_tested() {
+    let source = include_str!("envoyproxy_configs.rs");
+    let mut count = 0;
+    for entry in std::fs::read_dir(fixture("")).unwrap() {
+        let name = entry.unwrap().file_name().into_string().unwrap();
+        assert!(source.contains(&format!("load(\"{name}\")")), "{name} has no test");
+        count += 1;
+    }
+    assert!(count >= 10, "{count} fixtures");
+}

@@ -1,0 +1,232 @@
+//! Smoke tests for `tollgate-loadgen`: short `run`s against its own `noop` server and against
+//! `tollgate serve` with the benchmark rules, the flags reaching the wire, and bad arguments.
+
+use crate::support;
+
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use support::{free_port, wait_until, ChildGuard, Tollgate};
+
+const LOADGEN: &str = env!("CARGO_BIN_EXE_tollgate-loadgen");
+
+/// `tollgate serve` on `benches/rules/bench.yaml` (domain `bench`, key `k`, a bucket every
+/// request fits in).
+fn bench_tollgate() -> Tollgate {
+    Tollgate::builder()
+        .rules_path(Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/rules/bench.yaml"))
+        .settings("log: {level: warn}")
+        .start()
+}
+
+/// `tollgate-loadgen run --json --warmup 0s ARGS --target http://TARGET`, its stderr passed on.
+fn loadgen_run(args: &[&str], target: SocketAddr) -> Output {
+    Command::new(LOADGEN)
+        .args(["run", "--json", "--warmup", "0s"])
+        .args(args)
+        .arg("--target")
+        .arg(format!("http://{target}"))
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("run tollgate-loadgen")
+}
+
+/// The JSON report a run printed.
+fn report_of(out: &Output) -> serde_json::Value {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("not JSON ({e}): {stdout}"))
+}
+
+fn run_loadgen(grpc: SocketAddr, server_pid: u32) -> serde_json::Value {
+    let pid = server_pid.to_string();
+    let out = loadgen_run(
+        &[
+            "--duration",
+            "1s",
+            "--concurrency",
+            "8",
+            "--connections",
+            "2",
+            "--keys",
+            "100",
+            "--domain",
+            "bench",
+            "--key",
+            "k",
+            "--server-pid",
+            &pid,
+        ],
+        grpc,
+    );
+    assert!(out.status.success(), "loadgen failed: {}", out.status);
+    report_of(&out)
+}
+
+fn check_report(report: &serde_json::Value) {
+    let requests = report["requests"].as_u64().expect("requests");
+    assert!(requests > 0, "no requests completed: {report}");
+    assert_eq!(report["errors"].as_u64(), Some(0), "errors: {report}");
+    assert!(report["latency_us"]["p99"].as_u64().unwrap_or(0) > 0, "{report}");
+    assert!(report["servers"][0]["cpu_s"].is_number(), "{report}");
+}
+
+#[test]
+fn loadgen_against_noop() {
+    let _serial = crate::support::faults::one_at_a_time();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let grpc = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let mut server = ChildGuard::spawn(
+        "tollgate-loadgen noop",
+        Command::new(LOADGEN).arg("noop").arg("--listen").arg(grpc.to_string()),
+        &dir.path().join("noop.log"),
+    );
+    wait_until(&mut server, || {
+        TcpStream::connect_timeout(&grpc, Duration::from_millis(200)).ok()
+    })
+    .unwrap_or_else(|why| panic!("noop server did not start: {why}"));
+    let report = run_loadgen(grpc, server.id());
+    check_report(&report);
+    assert_eq!(report["ok"], report["requests"], "{report}");
+}
+
+#[test]
+fn loadgen_against_tollgate() {
+    let _serial = crate::support::faults::one_at_a_time();
+    let tollgate = bench_tollgate();
+    let report = run_loadgen(tollgate.grpc_addr, tollgate.process.id());
+    check_report(&report);
+    assert!(report["ok"].as_u64().unwrap_or(0) > 0, "{report}");
+}
+
+/// Zipf draws, three descriptors per request and `hits_addend` 2, for a fixed number of
+/// requests: tollgate counts three bucket decisions and six hits for every request it answered,
+/// so the flags reach the wire as stated.
+#[test]
+fn loadgen_zipf_descriptors_and_hits_addend_reach_tollgate() {
+    let tollgate = bench_tollgate();
+    let out = loadgen_run(
+        &[
+            "--duration",
+            "10s",
+            "--requests",
+            "300",
+            "--concurrency",
+            "4",
+            "--connections",
+            "1",
+            "--keys",
+            "50",
+            "--distribution",
+            "zipf",
+            "--descriptors",
+            "3",
+            "--hits-addend",
+            "2",
+        ],
+        tollgate.grpc_addr,
+    );
+    assert!(out.status.success(), "loadgen failed: {}", out.status);
+    let report = report_of(&out);
+    // With no warmup the window holds every call: exactly the 300 sent, each one counted once
+    // by tollgate and once in the report.
+    let reported = report["requests"].as_u64().expect("requests");
+    assert_eq!(reported, 300, "{report}");
+    assert_eq!(report["errors"].as_u64(), Some(0), "{report}");
+
+    let m = support::Scrape::from(tollgate.http_addr);
+    let answered = m.counter("tollgate_requests_total", &[("code", "ok")]);
+    let decisions = m.counter("tollgate_decisions_total", &[("domain", "bench"), ("code", "ok")]);
+    let hits = m.counter("tollgate_hits_total", &[("domain", "bench"), ("code", "ok")]);
+    assert_eq!(answered, reported as f64, "{answered} answered, {reported} reported");
+    assert_eq!(decisions, 3.0 * answered, "three descriptors a request");
+    assert_eq!(hits, 2.0 * decisions, "hits_addend 2 on each");
+}
+
+/// The exactness checks of `scripts/bench-compare` in small: 16 streams on one key of a
+/// 20-token bucket that does not refill meanwhile, with no warmup and the CPU of a process
+/// tree read at the start (a slow read, as for a PostgreSQL cluster). The report counts
+/// exactly the 20 admissions tollgate made: none answered before the window opened is lost.
+#[test]
+fn loadgen_without_warmup_counts_every_admission() {
+    let tollgate = Tollgate::builder()
+        .rules_file(
+            "exact.yaml",
+            "domain: exact\nbuckets:\n  twenty: {capacity: 20, refill: 20/d}\n\
+             descriptors:\n  - key: k\n    bucket: twenty\n",
+        )
+        .settings("log: {level: warn}")
+        .start();
+    let pid = tollgate.process.id().to_string();
+    let out = loadgen_run(
+        &[
+            "--duration",
+            "2s",
+            "--concurrency",
+            "16",
+            "--connections",
+            "2",
+            "--keys",
+            "1",
+            "--domain",
+            "exact",
+            "--key",
+            "k",
+            "--server-tree",
+            &pid,
+        ],
+        tollgate.grpc_addr,
+    );
+    assert!(out.status.success(), "loadgen failed: {}", out.status);
+    let report = report_of(&out);
+    let served = support::Scrape::from(tollgate.http_addr).counter("tollgate_requests_total", &[("code", "ok")]);
+    assert_eq!(served, 20.0, "tollgate admitted {served}");
+    assert_eq!(report["ok"].as_u64(), Some(20), "{report}");
+    assert!(report["over_limit"].as_u64().unwrap_or(0) > 0, "{report}");
+    assert_eq!(report["errors"].as_u64(), Some(0), "{report}");
+}
+
+/// Bad arguments are refused, saying what is wrong: `--requests 0` (it would end the window
+/// before it began: a 1 µs window, a CPU utilisation in the millions), a duration without its
+/// unit, a target without its scheme or with TLS, a target nobody listens on.
+#[test]
+fn loadgen_refuses_bad_arguments() {
+    let refused = |args: &[&str], expected: &str| {
+        let out = Command::new(LOADGEN)
+            .arg("run")
+            .args(args)
+            .output()
+            .expect("run tollgate-loadgen");
+        assert!(!out.status.success(), "accepted {args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+    };
+    let nobody = "http://127.0.0.1:9";
+    refused(
+        &["--requests", "0", "--target", nobody],
+        "--requests must be at least 1",
+    );
+    refused(&["--duration", "500", "--target", nobody], "say `500s` or `500ms`");
+    refused(&["--target", "127.0.0.1:9"], "like http://127.0.0.1:8081");
+    refused(&["--target", "https://127.0.0.1:9"], "an http:// URL");
+    // Nobody listens on port 1: the cause is named, not only tonic's "transport error" (after
+    // the five seconds the load generator gives a server to start).
+    refused(
+        &["--duration", "1s", "--target", "http://127.0.0.1:1"],
+        "Connection refused",
+    );
+}
+
+/// Aimed at a server that answers every call with an error (tollgate's HTTP port, which speaks
+/// HTTP/2 but is no RateLimitService): the report is printed, and the exit status says that
+/// nothing was measured.
+#[test]
+fn loadgen_fails_when_no_call_is_answered() {
+    let tollgate = bench_tollgate();
+    let out = loadgen_run(&["--duration", "1s", "--concurrency", "2"], tollgate.http_addr);
+    assert!(!out.status.success(), "exit 0 with no call answered");
+    let report = report_of(&out);
+    assert!(report["errors"].as_u64().unwrap_or(0) > 0, "{report}");
+    assert_eq!(report["ok"].as_u64(), Some(0), "{report}");
+}

@@ -1,0 +1,42 @@
+//! The integration tests, as one test binary (one link, one `cargo test --test suite`): a
+//! module per area, named as the files were before, and the helpers they share.
+//!
+//! `harness` runs the limiter in process on a manual clock; `support` runs `tollgate` and Envoy
+//! as child processes and talks to Redis and Postgres on 127.0.0.1. Run one area with a filter:
+//! `cargo test --test suite -- redis_faults::`.
+
+mod harness;
+mod support;
+
+mod admin;
+mod check_cli;
+mod cold_start;
+mod deploy;
+mod docs_examples;
+mod envoy_e2e;
+mod envoyproxy_configs;
+mod envoyproxy_env;
+mod envoyproxy_names;
+mod faults_under_load;
+mod grpc;
+mod grpc_limits;
+mod image;
+mod layers;
+mod limiter;
+mod loadgen_smoke;
+mod metrics;
+mod monitoring;
+mod network_faults;
+mod postgres_backend;
+mod postgres_faults;
+mod redis_backend;
+mod redis_connect;
+mod redis_faults;
+mod redis_support;
+mod reload;
+mod resource_faults;
+mod schedules;
+mod shutdown;
+mod soak;
+mod store_bounds;
+mod vectors;

@@ -1,0 +1,723 @@
+// The tests that load the machine hold a std Mutex across awaits on purpose: it only keeps
+// them from running at the same time, and no task ever waits on it from the same thread.
+#![allow(clippy::await_holding_lock)]
+//! The Postgres backend when Postgres fails, on a running `tollgate serve` against a private
+//! throwaway PostgreSQL cluster (`initdb` in a temporary directory, another loopback port; never
+//! the shared server on 5432): Postgres crashed (an immediate shutdown) and restarted under load,
+//! in `failure_mode: error` and `fallback`; Postgres paused (SIGSTOP), so every call times out;
+//! Postgres not there at start; and Redis's fallback to a Postgres that is paused too. Each
+//! request is answered within the command timeout plus a little, never by a panic; the breaker
+//! opens and closes by itself; `/readyz` and the metrics tell; and decisions return to Postgres
+//! once it answers.
+
+use crate::support;
+
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use support::faults::{
+    self, call, calls, circuit_open, connect, eventually, one_at_a_time, readyz, real_decisions, scrape, summary, Load,
+    Sample, AFTER, BEFORE, CAPACITY, CHANGING, CLIENTS, OUTAGE_PHASE, RULES,
+};
+use support::postgres::{server_bin_or_skip, PostgresServer};
+use support::redis::RedisServer;
+use support::{yaml_str, Tollgate};
+use tokio::task::block_in_place;
+use tonic::transport::Channel;
+use tonic_health::pb::health_check_response::ServingStatus;
+
+/// `postgres.command_timeout_ms` in these tests (a debug build on a busy two-core machine).
+const COMMAND_TIMEOUT_MS: u64 = 300;
+/// What a request may take beyond the command timeout.
+const SLACK: Duration = Duration::from_millis(750);
+/// How long Postgres stays away in the outage tests.
+const OUTAGE: Duration = Duration::from_secs(2);
+const BREAKER_FAILURES: u32 = 3;
+const BREAKER_OPEN_MS: u64 = 200;
+/// How long recovery (new connections, then a probe through the breaker) may take.
+const RECOVERY: Duration = Duration::from_secs(10);
+
+const ERRORS: &str = "tollgate_backend_errors_total";
+const FALLBACKS: &str = "tollgate_backend_fallbacks_total";
+const FAILURE_ANSWERS: &str = "tollgate_backend_failure_answers_total";
+
+fn max_latency() -> Duration {
+    Duration::from_millis(COMMAND_TIMEOUT_MS) + SLACK
+}
+
+/// The `postgres:` settings map for `url` with `failure_mode: mode`; `extra` is appended inside
+/// it (`, key: value`).
+fn postgres_section(url: &str, mode: &str, extra: &str) -> String {
+    format!(
+        "postgres: {{url: {}, command_timeout_ms: {COMMAND_TIMEOUT_MS}, failure_mode: {mode}, \
+         breaker_failures: {BREAKER_FAILURES}, breaker_open_ms: {BREAKER_OPEN_MS}, connect_timeout_ms: 1000{extra}}}",
+        yaml_str(url)
+    )
+}
+
+fn start_tollgate(settings: &str) -> Tollgate {
+    Tollgate::builder()
+        .rules_file("faults.yaml", RULES)
+        .settings(settings)
+        .start()
+}
+
+/// [`faults::exhaust`] within this file's latency bound.
+async fn exhaust(client: &mut RateLimitServiceClient<Channel>, user: &str) -> Vec<Code> {
+    faults::exhaust(client, user, max_latency()).await
+}
+
+/// How many bucket rows in the private cluster's `tollgate` schema end with `user`.
+fn rows_for(postgres: &PostgresServer, user: &str) -> u64 {
+    let sql = format!(
+        "SELECT count(*) FROM tollgate.tollgate_buckets WHERE position(convert_to('{user}', 'UTF8') in key) > 0"
+    );
+    postgres
+        .psql("tollgate", &sql)
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("count the rows for {user}"))
+}
+
+/// No request slower than the bound, and the process never panicked.
+fn check_no_slow_request_and_no_panic(tollgate: &Tollgate, samples: &[Sample]) {
+    let slow: Vec<&Sample> = samples.iter().filter(|s| s.took > max_latency()).collect();
+    assert!(
+        slow.is_empty(),
+        "{} requests took over {:?}: {:?}\n{}",
+        slow.len(),
+        max_latency(),
+        slow.iter().take(10).collect::<Vec<_>>(),
+        summary(samples)
+    );
+    let log = tollgate.process.log();
+    assert!(!log.contains("panicked"), "tollgate panicked:\n{log}");
+}
+
+/// gRPC health of `""` and of the `RateLimitService`.
+async fn grpc_health(tollgate: &Tollgate) -> [ServingStatus; 2] {
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+    let channel = Channel::from_shared(format!("http://{}", tollgate.grpc_addr))
+        .unwrap()
+        .connect()
+        .await
+        .expect("connect for health");
+    let mut health = HealthClient::new(channel);
+    let mut out = [ServingStatus::Unknown; 2];
+    for (i, service) in ["", "envoy.service.ratelimit.v3.RateLimitService"].iter().enumerate() {
+        let status = health
+            .check(HealthCheckRequest {
+                service: service.to_string(),
+            })
+            .await
+            .expect("health answers")
+            .into_inner()
+            .status;
+        out[i] = ServingStatus::try_from(status).expect("a known status");
+    }
+    out
+}
+
+/// What an outage scenario saw.
+struct Outage {
+    postgres: PostgresServer,
+    tollgate: Tollgate,
+    samples: Vec<Sample>,
+    readyz_during: (u16, String),
+    circuit_during: f64,
+    /// One call for a fresh user during the outage.
+    during: Result<Code, tonic::Code>,
+    calls_at_restart: f64,
+    calls_at_end: f64,
+    recovered_in: Duration,
+    exhaust_after: Vec<Code>,
+}
+
+/// A private cluster, tollgate on it in `failure_mode: mode`, load from `CLIENTS` clients;
+/// Postgres is crashed (immediate shutdown) for `OUTAGE`, then restarted on the same port and
+/// data; the load goes on until tollgate has recovered by itself and a little after.
+async fn outage(bin: &std::path::Path, mode: &str) -> Outage {
+    let mut postgres = block_in_place(|| PostgresServer::start(bin));
+    let settings = format!("backend: postgres\n{}", postgres_section(&postgres.url(), mode, ""));
+    let tollgate = block_in_place(|| start_tollgate(&settings));
+    assert_eq!(
+        readyz(&tollgate),
+        (200, "ready\n".to_owned()),
+        "ready on a healthy Postgres"
+    );
+    let mut probe = connect(&tollgate).await;
+    let load = Load::start(&tollgate).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    load.set_phase(CHANGING);
+    block_in_place(|| postgres.crash());
+    load.set_phase(OUTAGE_PHASE);
+    let crashed = Instant::now();
+    eventually(Duration::from_secs(3), "circuit open after the crash", || {
+        circuit_open(&tollgate, "postgres") == 1.0
+    })
+    .await;
+    let readyz_during = readyz(&tollgate);
+    let circuit_during = circuit_open(&tollgate, "postgres");
+    let during = call(&mut probe, "probe-during")
+        .await
+        .1
+        .map(|r| faults::code(&r))
+        .map_err(|e| e.code());
+    tokio::time::sleep(OUTAGE.saturating_sub(crashed.elapsed())).await;
+
+    load.set_phase(CHANGING);
+    block_in_place(|| postgres.restart());
+    load.set_phase(AFTER);
+    let calls_at_restart = calls(&tollgate, "postgres");
+    let recovered_in = eventually(RECOVERY, "circuit closed and /readyz ready after the restart", || {
+        circuit_open(&tollgate, "postgres") == 0.0 && readyz(&tollgate) == (200, "ready\n".to_owned())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let samples = load.stop().await;
+    let exhaust_after = exhaust(&mut probe, "probe-after").await;
+    let calls_at_end = calls(&tollgate, "postgres");
+    eprintln!(
+        "{mode}: {}; recovered {recovered_in:?} after the restart",
+        summary(&samples)
+    );
+    Outage {
+        postgres,
+        tollgate,
+        samples,
+        readyz_during,
+        circuit_during,
+        during,
+        calls_at_restart,
+        calls_at_end,
+        recovered_in,
+        exhaust_after,
+    }
+}
+
+impl Outage {
+    /// What every mode shares: answers within the bound and no panic, decisions on Postgres
+    /// before, the outage seen in the circuit gauge and the log, recovery by itself, and
+    /// decisions on Postgres again (rows there).
+    fn check_common(&self) {
+        check_no_slow_request_and_no_panic(&self.tollgate, &self.samples);
+        for phase in [BEFORE, OUTAGE_PHASE, AFTER] {
+            assert!(
+                self.samples.iter().filter(|s| s.within(phase)).count() >= CLIENTS,
+                "too few requests in phase {phase}: {}",
+                summary(&self.samples)
+            );
+        }
+        let before: Vec<&Sample> = self.samples.iter().filter(|s| s.within(BEFORE)).collect();
+        assert!(before.iter().all(|s| s.result.is_ok()), "{}", summary(&self.samples));
+        assert!(
+            before.iter().any(|s| s.result == Ok((Code::OverLimit, true))),
+            "no OVER_LIMIT before the outage: {}",
+            summary(&self.samples)
+        );
+        assert_eq!(self.circuit_during, 1.0, "circuit gauge during the outage");
+        let log = self.tollgate.process.log();
+        assert!(log.contains("backend failing: circuit open"), "{log}");
+        assert!(log.contains("backend answers again: circuit closed"), "{log}");
+        assert!(self.recovered_in < RECOVERY);
+        assert!(
+            self.calls_at_end > self.calls_at_restart,
+            "no Postgres calls after the restart: {} then {}",
+            self.calls_at_restart,
+            self.calls_at_end
+        );
+        assert_eq!(self.exhaust_after, real_decisions(), "decisions after the restart");
+        assert_eq!(
+            block_in_place(|| rows_for(&self.postgres, "probe-after")),
+            1,
+            "the decision after the restart is a row in Postgres"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn error_mode_answers_unavailable_while_postgres_is_down_then_recovers() {
+    let Some(bin) = server_bin_or_skip("error_mode_answers_unavailable_while_postgres_is_down_then_recovers") else {
+        return;
+    };
+    let _serial = one_at_a_time();
+    let o = outage(&bin, "error").await;
+    o.check_common();
+    assert_eq!(o.readyz_during.0, 503, "{:?}", o.readyz_during);
+    assert!(o.readyz_during.1.contains("Postgres"), "{:?}", o.readyz_during);
+    assert_eq!(o.during, Err(tonic::Code::Unavailable));
+    let outage: Vec<&Sample> = o.samples.iter().filter(|s| s.within(OUTAGE_PHASE)).collect();
+    assert!(
+        outage.iter().all(|s| s.result == Err(tonic::Code::Unavailable)),
+        "{}",
+        summary(&o.samples)
+    );
+    let m = scrape(&o.tollgate);
+    assert!(
+        m.counter(ERRORS, &[("backend", "postgres"), ("kind", "error")])
+            + m.counter(ERRORS, &[("backend", "postgres"), ("kind", "timeout")])
+            >= f64::from(BREAKER_FAILURES)
+    );
+    // Thousands of UNAVAILABLE answers, about one log line a second (the outage is ~2 s).
+    let log = o.tollgate.process.log();
+    let lines = log.matches("answering UNAVAILABLE").count();
+    assert!(
+        (1..=6).contains(&lines),
+        "{lines} UNAVAILABLE lines for {} answers",
+        outage.len()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fallback_mode_decides_locally_while_postgres_is_down_then_returns() {
+    let Some(bin) = server_bin_or_skip("fallback_mode_decides_locally_while_postgres_is_down_then_returns") else {
+        return;
+    };
+    let _serial = one_at_a_time();
+    let o = outage(&bin, "fallback").await;
+    o.check_common();
+    assert_eq!(
+        o.readyz_during.0, 200,
+        "still ready with a fallback: {:?}",
+        o.readyz_during
+    );
+    assert!(
+        o.readyz_during.1.contains("degraded") && o.readyz_during.1.contains("memory fallback"),
+        "{:?}",
+        o.readyz_during
+    );
+    assert_eq!(o.during, Ok(Code::Ok), "the memory fallback decides");
+    let failed: Vec<&Sample> = o.samples.iter().filter(|s| s.result.is_err()).collect();
+    assert!(failed.is_empty(), "failed requests: {failed:?}");
+    let m = scrape(&o.tollgate);
+    assert!(m.counter(FALLBACKS, &[("backend", "postgres")]) > 0.0);
+    assert!(calls(&o.tollgate, "memory") > 0.0);
+    // Back on Postgres: the fallback is no longer asked.
+    let fallbacks = m.counter(FALLBACKS, &[("backend", "postgres")]);
+    let mut c = connect(&o.tollgate).await;
+    assert_eq!(exhaust(&mut c, "probe-later").await, real_decisions());
+    assert_eq!(
+        scrape(&o.tollgate).counter(FALLBACKS, &[("backend", "postgres")]),
+        fallbacks
+    );
+}
+
+/// A paused Postgres (SIGSTOP: connections and statements go unanswered) costs each request at
+/// most the command timeout; once the breaker opens, Postgres is asked about once per
+/// `breaker_open_ms`; after SIGCONT decisions are on Postgres again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_paused_postgres_costs_at_most_the_command_timeout() {
+    let Some(bin) = server_bin_or_skip("a_paused_postgres_costs_at_most_the_command_timeout") else {
+        return;
+    };
+    let _serial = one_at_a_time();
+    let postgres = block_in_place(|| PostgresServer::start(&bin));
+    let settings = format!("backend: postgres\n{}", postgres_section(&postgres.url(), "allow", ""));
+    let tollgate = block_in_place(|| start_tollgate(&settings));
+    let load = Load::start(&tollgate).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    load.set_phase(CHANGING);
+    block_in_place(|| postgres.pause());
+    load.set_phase(OUTAGE_PHASE);
+    let opened_in = eventually(Duration::from_secs(3), "circuit open while Postgres is paused", || {
+        circuit_open(&tollgate, "postgres") == 1.0
+    })
+    .await;
+    let (status, body) = readyz(&tollgate);
+    assert_eq!(status, 503, "/readyz with the circuit open: {body}");
+    let mut probe = connect(&tollgate).await;
+    assert_eq!(exhaust(&mut probe, "probe-during").await, vec![Code::Ok; CAPACITY + 2]);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let m = scrape(&tollgate);
+    let timeouts = m.counter(ERRORS, &[("backend", "postgres"), ("kind", "timeout")]);
+    assert!(timeouts >= f64::from(BREAKER_FAILURES), "timeouts counted: {timeouts}");
+    assert!(m.counter(FAILURE_ANSWERS, &[("answer", "allow")]) > 0.0);
+    let calls_paused = calls(&tollgate, "postgres");
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let probes = calls(&tollgate, "postgres") - calls_paused;
+    assert!(
+        probes <= (1000 / BREAKER_OPEN_MS + 2) as f64,
+        "{probes} Postgres calls in 1 s with the circuit open"
+    );
+
+    load.set_phase(CHANGING);
+    block_in_place(|| postgres.resume());
+    load.set_phase(AFTER);
+    let recovered = eventually(RECOVERY, "circuit closed and /readyz 200 after SIGCONT", || {
+        circuit_open(&tollgate, "postgres") == 0.0 && readyz(&tollgate).0 == 200
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let samples = load.stop().await;
+    eprintln!(
+        "paused: {}; circuit opened {opened_in:?} into the pause, closed {recovered:?} after SIGCONT",
+        summary(&samples)
+    );
+    check_no_slow_request_and_no_panic(&tollgate, &samples);
+    let failed: Vec<&Sample> = samples.iter().filter(|s| s.result.is_err()).collect();
+    assert!(failed.is_empty(), "failed requests: {failed:?}");
+    for s in samples.iter().filter(|s| s.within(OUTAGE_PHASE)) {
+        assert_eq!(s.result, Ok((Code::Ok, false)), "answer while paused");
+    }
+    assert_eq!(exhaust(&mut probe, "probe-after").await, real_decisions());
+    assert_eq!(block_in_place(|| rows_for(&postgres, "probe-after")), 1);
+}
+
+/// Postgres not there at start, with `unreachable_at_start: not_ready`: tollgate starts, says
+/// not ready naming Postgres, answers by its failure mode; once the cluster starts on that port
+/// it connects, migrates and gets ready by itself, without traffic, and decides on Postgres.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn not_ready_at_start_until_postgres_comes() {
+    let Some(bin) = server_bin_or_skip("not_ready_at_start_until_postgres_comes") else {
+        return;
+    };
+    let _serial = one_at_a_time();
+    let mut postgres = block_in_place(|| PostgresServer::init(&bin, None));
+    let settings = format!(
+        "backend: postgres\n{}",
+        postgres_section(&postgres.url(), "deny", ", unreachable_at_start: not_ready")
+    );
+    let tollgate = block_in_place(|| start_tollgate(&settings));
+    let (status, body) = readyz(&tollgate);
+    assert_eq!(status, 503, "/readyz without Postgres: {body}");
+    // Public: it names the backend, not its address; the log has that.
+    let address = format!("127.0.0.1:{}", postgres.port());
+    assert!(
+        !body.contains(&address) && body.contains("Postgres"),
+        "/readyz names Postgres, not its address: {body}"
+    );
+    assert!(
+        tollgate.process.log().contains(&address),
+        "the log names the address: {}",
+        tollgate.process.log_tail(20)
+    );
+    assert!(
+        tollgate.process.log().contains("Postgres not reachable at start"),
+        "{}",
+        tollgate.process.log()
+    );
+    let mut c = connect(&tollgate).await;
+    assert_eq!(
+        exhaust(&mut c, "early").await,
+        vec![Code::OverLimit; CAPACITY + 2],
+        "failure_mode: deny"
+    );
+    assert_eq!(
+        scrape(&tollgate).counter(FAILURE_ANSWERS, &[("answer", "deny")]),
+        (CAPACITY + 2) as f64
+    );
+
+    // gRPC health says the same as /readyz (Envoy can health-check the rate-limit cluster).
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while grpc_health(&tollgate).await != [ServingStatus::NotServing; 2] {
+        assert!(Instant::now() < deadline, "gRPC health still SERVING without Postgres");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    block_in_place(|| postgres.restart());
+    let ready_in = eventually(RECOVERY, "/readyz 200 once Postgres is there, without traffic", || {
+        readyz(&tollgate).0 == 200
+    })
+    .await;
+    let deadline = Instant::now() + RECOVERY;
+    while grpc_health(&tollgate).await != [ServingStatus::Serving; 2] {
+        assert!(
+            Instant::now() < deadline,
+            "gRPC health not SERVING once Postgres is there"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!("not_ready: ready {ready_in:?} after Postgres started");
+    let log = tollgate.process.log();
+    assert!(log.contains("connected to Postgres"), "{log}");
+    assert!(!log.contains("panicked"), "tollgate panicked:\n{log}");
+    assert_eq!(exhaust(&mut c, "late").await, real_decisions());
+    assert_eq!(block_in_place(|| rows_for(&postgres, "late")), 1);
+}
+
+/// Redis's `failure_mode: fallback` onto Postgres, with Redis killed and Postgres paused: the
+/// fallback has a breaker of its own, so once both circuits are open a request fails at once
+/// (UNAVAILABLE: neither store can decide) instead of waiting for Postgres's timeout each time;
+/// `/readyz` says both are failing; when both are back, decisions are on Redis again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_redis_and_its_postgres_fallback_both_down_requests_fail_fast() {
+    let test = "with_redis_and_its_postgres_fallback_both_down_requests_fail_fast";
+    let Some(bin) = server_bin_or_skip(test) else {
+        return;
+    };
+    let _serial = one_at_a_time();
+    let mut redis = block_in_place(RedisServer::start);
+    let postgres = block_in_place(|| PostgresServer::start(&bin));
+    let settings = format!(
+        "backend: redis\nredis: {{urls: [{}], command_timeout_ms: 100, failure_mode: fallback, breaker_failures: 3, \
+         breaker_open_ms: {BREAKER_OPEN_MS}, connect_timeout_ms: 2000}}\n{}",
+        yaml_str(&redis.url()),
+        // The fallback's timeout is long, so a request that waits for it stands out.
+        postgres_section(&postgres.url(), "error", "").replace(
+            &format!("command_timeout_ms: {COMMAND_TIMEOUT_MS}"),
+            "command_timeout_ms: 1500"
+        )
+    );
+    let tollgate = block_in_place(|| start_tollgate(&settings));
+    assert_eq!(readyz(&tollgate), (200, "ready\n".to_owned()));
+    let load = Load::start(&tollgate).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    load.set_phase(CHANGING);
+    block_in_place(|| {
+        postgres.pause();
+        redis.kill();
+    });
+    eventually(Duration::from_secs(10), "both circuits open", || {
+        circuit_open(&tollgate, "redis") == 1.0 && circuit_open(&tollgate, "postgres") == 1.0
+    })
+    .await;
+    // From here on, both breakers are open.
+    load.set_phase(OUTAGE_PHASE);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let (status, body) = readyz(&tollgate);
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("Redis") && body.contains("postgres fallback"), "{body}");
+
+    load.set_phase(CHANGING);
+    block_in_place(|| {
+        postgres.resume();
+        redis.restart();
+    });
+    load.set_phase(AFTER);
+    eventually(RECOVERY, "both circuits closed and ready", || {
+        circuit_open(&tollgate, "redis") == 0.0 && readyz(&tollgate) == (200, "ready\n".to_owned())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let samples = load.stop().await;
+    eprintln!("both down: {}", summary(&samples));
+
+    let outage: Vec<&Sample> = samples.iter().filter(|s| s.within(OUTAGE_PHASE)).collect();
+    assert!(outage.len() >= CLIENTS, "{}", summary(&samples));
+    assert!(
+        outage.iter().all(|s| s.result == Err(tonic::Code::Unavailable)),
+        "{}",
+        summary(&samples)
+    );
+    // A probe of each store at most (100 ms for Redis, 1.5 s for a paused Postgres) now and
+    // then; every other request fails at once.
+    let mut took: Vec<Duration> = outage.iter().map(|s| s.took).collect();
+    took.sort();
+    let median = took[took.len() / 2];
+    assert!(
+        median < Duration::from_millis(100),
+        "median {median:?} with both circuits open: {}",
+        summary(&samples)
+    );
+    let log = tollgate.process.log();
+    assert!(!log.contains("panicked"), "{log}");
+    let mut c = connect(&tollgate).await;
+    let fallbacks = scrape(&tollgate).counter(FALLBACKS, &[("backend", "redis")]);
+    assert_eq!(exhaust(&mut c, "probe-after").await, real_decisions());
+    assert_eq!(
+        scrape(&tollgate).counter(FALLBACKS, &[("backend", "redis")]),
+        fallbacks,
+        "back on Redis"
+    );
+}
+
+/// With Redis the primary and Postgres its fallback, a Postgres that went down while Redis
+/// answered (so the fallback got no calls and its breaker stayed closed) is found out by
+/// readiness as soon as Redis fails too, without any traffic: `/readyz` is 503, not "ready
+/// (degraded)" while nothing can decide.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_probes_an_unused_fallback_when_the_primary_fails() {
+    let Some(bin) = server_bin_or_skip("readiness_probes_an_unused_fallback_when_the_primary_fails") else {
+        return;
+    };
+    let _serial = one_at_a_time();
+    let mut redis = block_in_place(RedisServer::start);
+    let mut postgres = block_in_place(|| PostgresServer::start(&bin));
+    let settings = format!(
+        "backend: redis\nredis: {{urls: [{}], command_timeout_ms: 100, failure_mode: fallback, breaker_failures: 3, \
+         breaker_open_ms: {BREAKER_OPEN_MS}, connect_timeout_ms: 2000}}\n{}",
+        yaml_str(&redis.url()),
+        postgres_section(&postgres.url(), "error", "")
+    );
+    let tollgate = block_in_place(|| start_tollgate(&settings));
+    assert_eq!(readyz(&tollgate), (200, "ready\n".to_owned()));
+    block_in_place(|| postgres.crash());
+    assert_eq!(readyz(&tollgate).0, 200, "Redis still answers");
+    block_in_place(|| redis.kill());
+    eventually(
+        Duration::from_secs(5),
+        "/readyz 503 with Redis and its fallback down",
+        || {
+            let (status, body) = readyz(&tollgate);
+            status == 503 && body.contains("Redis") && body.contains("postgres fallback")
+        },
+    )
+    .await;
+    // And back: Postgres alone is enough to be ready (degraded).
+    block_in_place(|| postgres.restart());
+    eventually(RECOVERY, "/readyz 200 degraded once the fallback answers", || {
+        let (status, body) = readyz(&tollgate);
+        status == 200 && body.contains("degraded")
+    })
+    .await;
+}
+
+/// A replica with no traffic notices a Postgres that went away (readiness sends its own probe),
+/// says why, and is ready again once it is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_replica_is_not_ready_while_postgres_is_down() {
+    let Some(bin) = server_bin_or_skip("an_idle_replica_is_not_ready_while_postgres_is_down") else {
+        return;
+    };
+    let _serial = one_at_a_time();
+    let mut postgres = block_in_place(|| PostgresServer::start(&bin));
+    let settings = format!("backend: postgres\n{}", postgres_section(&postgres.url(), "error", ""));
+    let tollgate = block_in_place(|| start_tollgate(&settings));
+    assert_eq!(readyz(&tollgate), (200, "ready\n".to_owned()));
+    block_in_place(|| postgres.crash());
+    eventually(
+        Duration::from_secs(5),
+        "/readyz 503 naming why, without traffic",
+        || {
+            let (status, body) = readyz(&tollgate);
+            // The reason in full is in the log; `/readyz` is public.
+            status == 503 && body.contains("Postgres") && tollgate.process.log().contains("refused")
+        },
+    )
+    .await;
+    block_in_place(|| postgres.restart());
+    eventually(RECOVERY, "/readyz 200 again", || {
+        readyz(&tollgate) == (200, "ready\n".to_owned())
+    })
+    .await;
+}
+
+/// With Redis the primary, a Postgres fallback that fails while Redis answers leaves the
+/// replica ready but says so ("degraded: the postgres fallback is failing"), and once it is
+/// back the fallback's circuit gauge clears and readiness is plain again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_fallback_is_reported_while_the_primary_answers() {
+    let Some(bin) = server_bin_or_skip("a_failing_fallback_is_reported_while_the_primary_answers") else {
+        return;
+    };
+    let _serial = one_at_a_time();
+    let redis = block_in_place(RedisServer::start);
+    let mut postgres = block_in_place(|| PostgresServer::start(&bin));
+    let settings = format!(
+        "backend: redis\nredis: {{urls: [{}], command_timeout_ms: 100, failure_mode: fallback, connect_timeout_ms: 2000}}\n{}",
+        yaml_str(&redis.url()),
+        postgres_section(&postgres.url(), "error", "")
+    );
+    let tollgate = block_in_place(|| start_tollgate(&settings));
+    assert_eq!(readyz(&tollgate), (200, "ready\n".to_owned()));
+    block_in_place(|| postgres.crash());
+    eventually(
+        Duration::from_secs(10),
+        "ready, degraded: the fallback is failing",
+        || {
+            let (status, body) = readyz(&tollgate);
+            status == 200 && body.contains("degraded") && body.contains("postgres fallback is failing")
+        },
+    )
+    .await;
+    eventually(Duration::from_secs(10), "the fallback's circuit opens", || {
+        circuit_open(&tollgate, "postgres") == 1.0
+    })
+    .await;
+    block_in_place(|| postgres.restart());
+    eventually(RECOVERY, "plain ready and the gauge cleared", || {
+        readyz(&tollgate) == (200, "ready\n".to_owned()) && circuit_open(&tollgate, "postgres") == 0.0
+    })
+    .await;
+    drop(redis);
+}
+
+/// `postgres.password` logs in a URL without one (say, from a secret in an environment
+/// variable); a wrong one is refused at start with the server named and the password never
+/// printed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_password_setting_logs_in_and_a_wrong_one_is_named_not_printed() {
+    let Some(bin) = server_bin_or_skip("the_password_setting_logs_in_and_a_wrong_one_is_named_not_printed") else {
+        return;
+    };
+    let _serial = one_at_a_time();
+    let mut postgres = block_in_place(|| PostgresServer::init_with(&bin, None, Some("s3cret-pw")));
+    block_in_place(|| postgres.restart());
+    let url = postgres.url();
+    let ok = block_in_place(|| {
+        Tollgate::builder()
+            .rules_file("faults.yaml", RULES)
+            .settings(&format!("backend: postgres\npostgres: {{url: {}}}", yaml_str(&url)))
+            .env("TOLLGATE_POSTGRES__PASSWORD", "s3cret-pw")
+            .start()
+    });
+    assert_eq!(readyz(&ok), (200, "ready\n".to_owned()));
+    let mut c = connect(&ok).await;
+    assert_eq!(exhaust(&mut c, "pw").await, real_decisions());
+    let config = block_in_place(|| ok.config()).unwrap().1;
+    assert!(!config.contains("s3cret-pw"), "{config}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let settings = dir.path().join("tollgate.yaml");
+    std::fs::write(
+        &settings,
+        format!(
+            "backend: postgres\npostgres: {{url: {}, password: wrong-pw}}\n",
+            yaml_str(&url)
+        ),
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["migrate", "--config"])
+        .arg(&settings)
+        .env_remove("TOLLGATE_POSTGRES__PASSWORD")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains(&format!("127.0.0.1:{}", postgres.port())) && stderr.contains("password authentication failed"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("wrong-pw"), "{stderr}");
+}
+
+/// `sslmode=require` in the URL: tollgate's connections to a TLS-enabled PostgreSQL are
+/// encrypted (PostgreSQL's `pg_stat_ssl` says so for each).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_use_tls_when_the_url_asks() {
+    let Some(bin) = server_bin_or_skip("connections_use_tls_when_the_url_asks") else {
+        return;
+    };
+    let _serial = one_at_a_time();
+    let mut postgres = block_in_place(|| PostgresServer::init(&bin, None));
+    postgres.enable_tls();
+    block_in_place(|| postgres.restart());
+    let url = format!("{}?sslmode=require", postgres.url());
+    let tollgate =
+        block_in_place(|| start_tollgate(&format!("backend: postgres\n{}", postgres_section(&url, "error", ""))));
+    assert_eq!(readyz(&tollgate), (200, "ready\n".to_owned()));
+    let mut c = connect(&tollgate).await;
+    assert_eq!(exhaust(&mut c, "tls").await, real_decisions());
+    // Every client connection of the database tollgate, but psql's own (plain) one.
+    let plain = postgres
+        .psql(
+            "postgres",
+            "SELECT count(*) FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid) \
+             WHERE a.datname = 'tollgate' AND a.backend_type = 'client backend' AND NOT s.ssl",
+        )
+        .unwrap();
+    let tls = postgres
+        .psql(
+            "postgres",
+            "SELECT count(*) FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid) \
+             WHERE a.datname = 'tollgate' AND s.ssl",
+        )
+        .unwrap();
+    assert_eq!(plain, "0", "plain connections from tollgate");
+    assert!(tls.parse::<u32>().unwrap() >= 1, "TLS connections: {tls}");
+}
