@@ -283,11 +283,12 @@ fn uses() -> BTreeMap<(String, String), Vec<String>> {
     edges
 }
 
-#[test]
-fn each_layer_uses_only_the_layers_below_it() {
+/// The uses in `edges` that go against [`LAYERS`]: a layer using one above it or beside it, or
+/// a module in no layer.
+fn layer_violations(edges: &BTreeMap<(String, String), Vec<String>>) -> Vec<String> {
     let allowed: BTreeMap<&str, &[&str]> = LAYERS.into_iter().collect();
     let mut wrong = Vec::new();
-    for ((from, to), why) in uses() {
+    for ((from, to), why) in edges {
         let (from_layer, to_layer) = (from.split("::").next().unwrap(), to.split("::").next().unwrap());
         if from_layer == to_layer {
             continue;
@@ -300,12 +301,17 @@ fn each_layer_uses_only_the_layers_below_it() {
             wrong.push(format!("{from} uses {to}: {}", why.join(", ")));
         }
     }
-    assert!(wrong.is_empty(), "uses against the layers:\n{}", wrong.join("\n"));
+    wrong
 }
 
 #[test]
-fn no_two_modules_use_each_other_round_a_loop() {
-    let edges = uses();
+fn each_layer_uses_only_the_layers_below_it() {
+    let wrong = layer_violations(&uses());
+    assert!(wrong.is_empty(), "uses against the layers:\n{}", wrong.join("\n"));
+}
+
+/// The loops among the modules of `edges`, each as its steps with the first use behind each.
+fn module_loops(edges: &BTreeMap<(String, String), Vec<String>>) -> Vec<String> {
     let mut next: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
     for (from, to) in edges.keys() {
         next.entry(from).or_default().push(to);
@@ -359,6 +365,12 @@ fn no_two_modules_use_each_other_round_a_loop() {
             steps.join("; ")
         })
         .collect();
+    shown
+}
+
+#[test]
+fn no_two_modules_use_each_other_round_a_loop() {
+    let shown = module_loops(&uses());
     assert!(shown.is_empty(), "modules that use each other:\n{}", shown.join("\n"));
 }
 
@@ -380,5 +392,229 @@ fn the_check_reads_paths_as_the_compiler_does() {
             "core::bucket::MICRO"
         ],
         "{code}"
+    );
+}
+
+/// Crates and `std` modules that do I/O, spawn, or run tasks: the core takes a time and a state
+/// and returns a decision, so it names none of them (its clock reads `std::time` only).
+const IO_PATHS: [&str; 13] = [
+    "tokio",
+    "fred",
+    "sqlx",
+    "tonic",
+    "axum",
+    "hyper",
+    "notify",
+    "reqwest",
+    "metrics",
+    "std::fs",
+    "std::net",
+    "std::io",
+    "std::process",
+];
+
+/// The I/O paths (see [`IO_PATHS`]) that the code of a core file names, as `crate::path`.
+fn io_uses(code: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for io in IO_PATHS {
+        let mut from = 0;
+        while let Some(i) = code[from..].find(io).map(|i| i + from) {
+            from = i + io.len();
+            let before = code[..i].chars().next_back();
+            let after = &code[from..];
+            // A path start (not `my_tokio`, `x::tokio`), followed by `::`, `;` or `}`.
+            let starts = !before.is_some_and(|c| c.is_alphanumeric() || c == '_' || c == ':');
+            if starts && (after.starts_with("::") || after.starts_with(';') || after.starts_with('}')) {
+                found.push(io.to_string());
+            }
+        }
+    }
+    found.sort();
+    found.dedup();
+    found
+}
+
+#[test]
+fn the_core_does_no_io() {
+    let mut wrong = Vec::new();
+    for (path, module) in library_files() {
+        if module.first().is_some_and(|m| m == "core") && path.file_stem().is_none_or(|s| s != "tests") {
+            let code = code_of_with_uses(&without_test_modules(&std::fs::read_to_string(&path).unwrap()));
+            for io in io_uses(&code) {
+                wrong.push(format!("{}: {io}", path.strip_prefix(src()).unwrap().display()));
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "the core names I/O crates or modules:\n{}",
+        wrong.join("\n")
+    );
+}
+
+/// The code of a file without its comments, `use` lines kept (a `use tokio::...` is a use).
+fn code_of_with_uses(text: &str) -> String {
+    text.lines()
+        .filter(|l| !l.trim_start().starts_with("//"))
+        .map(|l| match l.find("//") {
+            Some(i) if !l[..i].contains('"') => &l[..i],
+            _ => l,
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// How long a source file's own code may grow (its lines without inline test modules; `tests.rs`
+/// files are tests): past this, split it by what it does. 800, not less: a dozen files hold
+/// 600 to 800 lines of one concern each (a store, the admin API, the settings), and splitting
+/// them would scatter one concern over several files.
+const MAX_FILE_LINES: usize = 800;
+
+/// Files allowed past [`MAX_FILE_LINES`], each with why.
+const LONG_FILES: [(&str, &str); 4] = [
+    (
+        "server/settings/envoyproxy_env.rs",
+        "the envoyproxy/ratelimit environment: one table of their variables and its mapping, read as one",
+    ),
+    (
+        "rules/file/compile.rs",
+        "the rules compiler: one pass from the file's model to the rule set, every part sharing the \
+         compiler's state (the file and rule named in each error)",
+    ),
+    (
+        "store/redis/mod.rs",
+        "the Redis store: connecting, loading the scripts, deciding, peeking and resetting share one \
+         connection type; the batcher, the keys and the scripts' codec are already files of their own",
+    ),
+    (
+        "decision/limiter.rs",
+        "the decision path, read top to bottom: resolving descriptors, the demands, the store call, the \
+         answer; the response and the counting are already files of their own",
+    ),
+];
+
+/// The files of `files` (path relative to `src/`, text) whose own code is longer than `max`
+/// lines and not in `allowed`, with their length.
+fn long_files(files: &[(String, String)], max: usize, allowed: &[(&str, &str)]) -> Vec<String> {
+    files
+        .iter()
+        .filter(|(rel, _)| !rel.ends_with("/tests.rs") && rel != "tests.rs")
+        .filter(|(rel, _)| !allowed.iter().any(|(a, _)| a == rel))
+        .filter_map(|(rel, text)| {
+            let lines = without_test_modules(text).lines().count();
+            (lines > max).then(|| format!("{rel}: {lines} lines (at most {max})"))
+        })
+        .collect()
+}
+
+/// Every `.rs` file under `src/` (binaries too), as its path relative to `src/` and its text.
+fn all_source_files() -> Vec<(String, String)> {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                walk(&path, out);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                out.push(path);
+            }
+        }
+    }
+    let mut paths = Vec::new();
+    walk(&src(), &mut paths);
+    paths.sort();
+    paths
+        .into_iter()
+        .map(|p| {
+            let rel = p.strip_prefix(src()).unwrap().display().to_string();
+            (rel, std::fs::read_to_string(&p).unwrap())
+        })
+        .collect()
+}
+
+#[test]
+fn no_source_file_grows_past_its_bound() {
+    let files = all_source_files();
+    let long = long_files(&files, MAX_FILE_LINES, &LONG_FILES);
+    assert!(
+        long.is_empty(),
+        "files to split (or to allow in LONG_FILES, saying why):\n{}",
+        long.join("\n")
+    );
+    // An allowance for a file that is short again, or gone, is stale.
+    for (allowed, _) in LONG_FILES {
+        let still_long = files
+            .iter()
+            .any(|(rel, text)| rel == allowed && without_test_modules(text).lines().count() > MAX_FILE_LINES);
+        assert!(
+            still_long,
+            "{allowed} is in LONG_FILES but no longer past {MAX_FILE_LINES} lines"
+        );
+    }
+}
+
+/// The checks fail on purpose-made violations: a use upward, a loop, I/O in the core, a long
+/// file, each from the same functions the real checks call.
+#[test]
+fn the_checks_fail_on_violations() {
+    let edge = |from: &str, to: &str| {
+        (
+            (from.to_string(), to.to_string()),
+            vec![format!("{from}.rs: crate::{to}::x")],
+        )
+    };
+    let upward: BTreeMap<_, _> = [
+        edge("core::bucket", "server::settings"),
+        edge("store::redis", "decision::limiter"),
+    ]
+    .into();
+    let wrong = layer_violations(&upward);
+    assert_eq!(wrong.len(), 2, "{wrong:?}");
+    assert!(wrong[0].starts_with("core::bucket uses server::settings"), "{wrong:?}");
+    let sideways: BTreeMap<_, _> = [edge("store::memory", "rules::matcher")].into();
+    assert_eq!(layer_violations(&sideways).len(), 1);
+    let outside: BTreeMap<_, _> = [edge("extra::thing", "core::bucket")].into();
+    assert!(layer_violations(&outside)[0].contains("not in a layer"));
+    let downward: BTreeMap<_, _> = [
+        edge("server::check", "core::bucket"),
+        edge("decision::limiter", "rules"),
+    ]
+    .into();
+    assert!(layer_violations(&downward).is_empty());
+
+    let a_loop: BTreeMap<_, _> = [
+        edge("rules", "telemetry"),
+        edge("telemetry", "decision::limiter"),
+        edge("decision::limiter", "rules"),
+    ]
+    .into();
+    let loops = module_loops(&a_loop);
+    assert_eq!(loops.len(), 1, "{loops:?}");
+    assert!(
+        loops[0].contains("rules -> telemetry") && loops[0].contains("decision::limiter -> rules"),
+        "{loops:?}"
+    );
+    let no_loop: BTreeMap<_, _> = [edge("rules", "telemetry"), edge("decision", "rules")].into();
+    assert!(module_loops(&no_loop).is_empty());
+
+    let io = code_of_with_uses("use tokio::sync::Mutex;\nlet f = std::fs::read(p); // sqlx::query\nuse std::time::Duration;\nlet my_tokio = 1;\n");
+    assert_eq!(io_uses(&io), ["std::fs", "tokio"]);
+    assert!(io_uses("use std::time::{Duration, SystemTime};\nlet t = crate::core::clock::now;").is_empty());
+
+    let long = "fn x() {}\n".repeat(MAX_FILE_LINES + 1);
+    let files = vec![
+        ("store/big.rs".to_string(), long.clone()),
+        ("store/tests.rs".to_string(), long.clone()),
+        ("store/allowed.rs".to_string(), long.clone()),
+        (
+            "store/with_tests.rs".to_string(),
+            format!("fn a() {{}}\n#[cfg(test)]\nmod tests {{\n{long}}}\n"),
+        ),
+    ];
+    assert_eq!(
+        long_files(&files, MAX_FILE_LINES, &[("store/allowed.rs", "a reason")]),
+        [format!(
+            "store/big.rs: {} lines (at most {MAX_FILE_LINES})",
+            MAX_FILE_LINES + 1
+        )]
     );
 }
