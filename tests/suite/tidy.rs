@@ -413,10 +413,18 @@ const IO_PATHS: [&str; 13] = [
     "std::process",
 ];
 
-/// The I/O paths (see [`IO_PATHS`]) that the code of a core file names, as `crate::path`.
+/// What reads settings from their sources: only `server/` (and the binaries) name these.
+const SETTINGS_CRATES: [&str; 2] = ["clap", "figment"];
+
+/// The I/O paths (see [`IO_PATHS`]) that `code` names.
 fn io_uses(code: &str) -> Vec<String> {
+    paths_named(code, &IO_PATHS)
+}
+
+/// Which of `paths` (crates, or `std` modules) `code` names as the start of a path.
+fn paths_named(code: &str, paths: &[&str]) -> Vec<String> {
     let mut found = Vec::new();
-    for io in IO_PATHS {
+    for &io in paths {
         let mut from = 0;
         while let Some(i) = code[from..].find(io).map(|i| i + from) {
             from = i + io.len();
@@ -432,6 +440,24 @@ fn io_uses(code: &str) -> Vec<String> {
     found.sort();
     found.dedup();
     found
+}
+
+#[test]
+fn only_the_server_reads_settings() {
+    let mut wrong = Vec::new();
+    for (path, module) in library_files() {
+        if module.first().is_some_and(|m| m != "server") && path.file_stem().is_none_or(|s| s != "tests") {
+            let code = code_of_with_uses(&without_test_modules(&std::fs::read_to_string(&path).unwrap()));
+            for name in paths_named(&code, &SETTINGS_CRATES) {
+                wrong.push(format!("{}: {name}", path.strip_prefix(src()).unwrap().display()));
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "below the server, code names a settings loader:\n{}",
+        wrong.join("\n")
+    );
 }
 
 #[test]
@@ -599,6 +625,8 @@ fn the_checks_fail_on_violations() {
     let io = code_of_with_uses("use tokio::sync::Mutex;\nlet f = std::fs::read(p); // sqlx::query\nuse std::time::Duration;\nlet my_tokio = 1;\n");
     assert_eq!(io_uses(&io), ["std::fs", "tokio"]);
     assert!(io_uses("use std::time::{Duration, SystemTime};\nlet t = crate::core::clock::now;").is_empty());
+    let derive = code_of_with_uses("#[derive(Clone, clap::ValueEnum)]\nenum Mode {}\n");
+    assert_eq!(paths_named(&derive, &SETTINGS_CRATES), ["clap"]);
 
     let long = "fn x() {}\n".repeat(MAX_FILE_LINES + 1);
     let files = vec![
