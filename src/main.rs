@@ -137,14 +137,7 @@ fn parse_entry(text: &str) -> Result<DescriptorEntry, String> {
 fn main() -> ExitCode {
     // Run as `ratelimit` (envoyproxy/ratelimit's /bin/ratelimit, which manifests start with no
     // arguments): `tollgate serve`, with their environment.
-    let as_ratelimit = std::env::args_os()
-        .next()
-        .and_then(|a| {
-            PathBuf::from(a)
-                .file_name()
-                .map(|n| n == tollgate::server::settings::envoyproxy_env::RATELIMIT_ARGV0)
-        })
-        .unwrap_or(false);
+    let as_ratelimit = invoked_as_ratelimit();
     let cli = if as_ratelimit && std::env::args_os().len() <= 1 {
         Cli {
             command: Command::Serve {
@@ -158,75 +151,96 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Bucket { action } => bucket(action),
         Command::Probe { url, timeout_ms } => probe(&url, Duration::from_millis(timeout_ms)),
-        Command::Check { rules, explain } => match tollgate::rules::load_rules(&rules) {
-            Ok(set) if set.is_empty() => {
-                eprintln!("{}", tollgate::rules::ConfigError::no_rules_files(&rules));
-                ExitCode::FAILURE
-            }
-            Ok(set) if explain => {
-                print!("{}", tollgate::server::check::explain(&set));
-                ExitCode::SUCCESS
-            }
-            Ok(set) => {
-                let now = tollgate::core::clock::Clock::now_us(&tollgate::core::clock::SystemClock);
-                print!("{}", tollgate::server::check::render(&set, now));
-                ExitCode::SUCCESS
-            }
-            Err(errors) => {
-                eprintln!("{errors}");
-                ExitCode::FAILURE
-            }
-        },
+        Command::Check { rules, explain } => check(&rules, explain),
         Command::Migrate { config } => match load_settings(config.as_deref()) {
             Some(settings) => migrate(&settings),
             None => ExitCode::FAILURE,
         },
-        Command::Serve { config, rules } => {
-            let theirs = match tollgate::server::settings::envoyproxy_env::EnvoyproxyEnv::from_process(as_ratelimit) {
-                Ok(theirs) => theirs,
-                Err(e) => {
-                    eprint!("{e}");
-                    return ExitCode::FAILURE;
-                }
-            };
-            let loaded = Settings::load_layers(config.as_deref(), Some(&theirs))
-                .map_err(|e| e.to_string())
-                .and_then(|(s, figment)| s.validate().map(|()| (s, figment)));
-            let (mut settings, figment) = match loaded {
-                Ok(loaded) => loaded,
-                Err(e) => {
-                    eprintln!("invalid settings: {e}");
-                    return ExitCode::FAILURE;
-                }
-            };
-            if let Some(rules) = rules {
-                settings.rules = rules;
-            }
-            init_logging(&settings);
-            theirs.log_sources(&figment);
-            for name in tollgate::server::settings::unknown_env_vars() {
-                tracing::warn!(variable = %name, "environment variable names no setting; ignored");
-            }
-            let runtime = match tollgate::server::runtime(settings.runtime) {
-                Ok(rt) => rt,
-                Err(e) => {
-                    eprintln!("cannot start the runtime: {e}");
-                    return ExitCode::FAILURE;
-                }
-            };
-            let flavor = match runtime.handle().runtime_flavor() {
-                tokio::runtime::RuntimeFlavor::CurrentThread => "current_thread",
-                _ => "multi_thread",
-            };
-            let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
-            tracing::info!(runtime = flavor, cpus, "runtime started");
-            match runtime.block_on(tollgate::server::serve(settings)) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    tracing::error!("{e:#}");
-                    ExitCode::FAILURE
-                }
-            }
+        Command::Serve { config, rules } => serve(config.as_deref(), rules, as_ratelimit),
+    }
+}
+
+/// Whether the program was started under envoyproxy/ratelimit's name (`argv[0]`).
+fn invoked_as_ratelimit() -> bool {
+    std::env::args_os()
+        .next()
+        .and_then(|a| {
+            PathBuf::from(a)
+                .file_name()
+                .map(|n| n == tollgate::server::settings::envoyproxy_env::RATELIMIT_ARGV0)
+        })
+        .unwrap_or(false)
+}
+
+/// `tollgate check`: prints the rules at `rules` (`explain`: how each maps onto a bucket).
+fn check(rules: &std::path::Path, explain: bool) -> ExitCode {
+    match tollgate::rules::load_rules(rules) {
+        Ok(set) if set.is_empty() => {
+            eprintln!("{}", tollgate::rules::ConfigError::no_rules_files(rules));
+            ExitCode::FAILURE
+        }
+        Ok(set) if explain => {
+            print!("{}", tollgate::server::check::explain(&set));
+            ExitCode::SUCCESS
+        }
+        Ok(set) => {
+            let now = tollgate::core::clock::Clock::now_us(&tollgate::core::clock::SystemClock);
+            print!("{}", tollgate::server::check::render(&set, now));
+            ExitCode::SUCCESS
+        }
+        Err(errors) => {
+            eprintln!("{errors}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `tollgate serve` (or `ratelimit`, when `as_ratelimit`): the settings, the logs and the
+/// runtime, then the server until it shuts down.
+fn serve(config: Option<&std::path::Path>, rules: Option<PathBuf>, as_ratelimit: bool) -> ExitCode {
+    let theirs = match tollgate::server::settings::envoyproxy_env::EnvoyproxyEnv::from_process(as_ratelimit) {
+        Ok(theirs) => theirs,
+        Err(e) => {
+            eprint!("{e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let loaded = Settings::load_layers(config, Some(&theirs))
+        .map_err(|e| e.to_string())
+        .and_then(|(s, figment)| s.validate().map(|()| (s, figment)));
+    let (mut settings, figment) = match loaded {
+        Ok(loaded) => loaded,
+        Err(e) => {
+            eprintln!("invalid settings: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if let Some(rules) = rules {
+        settings.rules = rules;
+    }
+    init_logging(&settings);
+    theirs.log_sources(&figment);
+    for name in tollgate::server::settings::unknown_env_vars() {
+        tracing::warn!(variable = %name, "environment variable names no setting; ignored");
+    }
+    let runtime = match tollgate::server::runtime(settings.runtime) {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let flavor = match runtime.handle().runtime_flavor() {
+        tokio::runtime::RuntimeFlavor::CurrentThread => "current_thread",
+        _ => "multi_thread",
+    };
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    tracing::info!(runtime = flavor, cpus, "runtime started");
+    match runtime.block_on(tollgate::server::serve(settings)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            ExitCode::FAILURE
         }
     }
 }

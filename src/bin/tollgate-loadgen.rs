@@ -538,15 +538,7 @@ fn read_cpu(pids: &[u32], trees: &[u32]) -> Result<Vec<CpuReading>, String> {
 }
 
 async fn run(args: RunArgs) -> Result<(), BoxError> {
-    if args.concurrency == 0 || args.connections == 0 || args.keys == 0 || args.descriptors == 0 {
-        return Err("--concurrency, --connections, --keys and --descriptors must be at least 1".into());
-    }
-    if args.duration.is_zero() {
-        return Err("--duration must be longer than zero".into());
-    }
-    if args.requests == Some(0) {
-        return Err("--requests must be at least 1".into());
-    }
+    check_run_args(&args)?;
     let clk_tck = clock_ticks();
     let mut channels = Vec::with_capacity(args.connections);
     for _ in 0..args.connections {
@@ -576,14 +568,7 @@ async fn run(args: RunArgs) -> Result<(), BoxError> {
     let warm = !args.warmup.is_zero();
     let opened = if warm { None } else { Some(open_window()?) };
     let phase = Arc::new(AtomicU8::new(if warm { WARMUP } else { MEASURE }));
-    let loops: Vec<_> = draws
-        .into_iter()
-        .enumerate()
-        .map(|(i, draw)| {
-            let client = RateLimitServiceClient::new(channels[i % channels.len()].clone());
-            tokio::spawn(request_loop(client, shape.clone(), draw, phase.clone(), budget.clone()))
-        })
-        .collect();
+    let loops = spawn_loops(draws, &channels, &shape, &phase, &budget);
 
     let (cpu_before, started) = match opened {
         Some(opened) => opened,
@@ -594,6 +579,53 @@ async fn run(args: RunArgs) -> Result<(), BoxError> {
             opened
         }
     };
+    let window = measure_window(&args, &loops, &phase, &budget, started).await;
+    let cpu_after = read_cpu(&args.server_pids, &args.server_trees)?;
+    let stats = collect_loops(loops).await?;
+    print_report(&args, window, clk_tck, &stats, &cpu_before, &cpu_after)
+}
+
+/// Refuses a count of zero and an empty `--duration`.
+fn check_run_args(args: &RunArgs) -> Result<(), BoxError> {
+    if args.concurrency == 0 || args.connections == 0 || args.keys == 0 || args.descriptors == 0 {
+        return Err("--concurrency, --connections, --keys and --descriptors must be at least 1".into());
+    }
+    if args.duration.is_zero() {
+        return Err("--duration must be longer than zero".into());
+    }
+    if args.requests == Some(0) {
+        return Err("--requests must be at least 1".into());
+    }
+    Ok(())
+}
+
+/// Starts one request loop per draw, round-robin over `channels`.
+fn spawn_loops(
+    draws: Vec<KeyDraw>,
+    channels: &[Channel],
+    shape: &Arc<Shape>,
+    phase: &Arc<AtomicU8>,
+    budget: &Arc<Budget>,
+) -> Vec<tokio::task::JoinHandle<LoopStats>> {
+    draws
+        .into_iter()
+        .enumerate()
+        .map(|(i, draw)| {
+            let client = RateLimitServiceClient::new(channels[i % channels.len()].clone());
+            tokio::spawn(request_loop(client, shape.clone(), draw, phase.clone(), budget.clone()))
+        })
+        .collect()
+}
+
+/// Waits out the measured window (opened at `started`), then stops the loops; returns the
+/// window's length.
+async fn measure_window(
+    args: &RunArgs,
+    loops: &[tokio::task::JoinHandle<LoopStats>],
+    phase: &AtomicU8,
+    budget: &Budget,
+    started: Instant,
+) -> Duration {
     let ends = tokio::time::Instant::now() + args.duration;
     // With --requests, also end once that many were sent (and have had time to be answered:
     // the loops stop by themselves, the window closes when they are done or time is up).
@@ -609,8 +641,13 @@ async fn run(args: RunArgs) -> Result<(), BoxError> {
         let last = Duration::from_micros(budget.last_done_us.load(Ordering::Relaxed));
         window = last.saturating_sub(measure_from).max(Duration::from_micros(1));
     }
-    let cpu_after = read_cpu(&args.server_pids, &args.server_trees)?;
+    window
+}
 
+/// Every loop's counts, merged; a loop that hangs past 10 s is aborted and its counts lost.
+///
+/// Errors: a request loop panicked.
+async fn collect_loops(loops: Vec<tokio::task::JoinHandle<LoopStats>>) -> Result<LoopStats, BoxError> {
     let mut stats = LoopStats::new();
     let drain_deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     for handle in loops {
@@ -621,8 +658,21 @@ async fn run(args: RunArgs) -> Result<(), BoxError> {
             Err(_) => abort.abort(), // a call hung past the window; its counts are lost
         }
     }
+    Ok(stats)
+}
 
-    let report = Report::new(&args, window, clk_tck, &stats, &cpu_before, &cpu_after);
+/// Prints the report, as JSON or for people.
+///
+/// Errors: no call was answered in the window.
+fn print_report(
+    args: &RunArgs,
+    window: Duration,
+    clk_tck: u64,
+    stats: &LoopStats,
+    cpu_before: &[CpuReading],
+    cpu_after: &[CpuReading],
+) -> Result<(), BoxError> {
+    let report = Report::new(args, window, clk_tck, stats, cpu_before, cpu_after);
     if args.json {
         println!("{}", report.json);
     } else {
@@ -653,9 +703,30 @@ impl Report {
         before: &[CpuReading],
         after: &[CpuReading],
     ) -> Report {
-        use serde_json::json;
-        use std::fmt::Write;
+        let m = Measures::new(window, clk_tck, stats, before, after);
+        Report {
+            json: m.json(args, clk_tck, stats),
+            human: m.human(args, stats),
+        }
+    }
+}
 
+/// What a report says, worked out once for both of its forms.
+struct Measures {
+    errors: u64,
+    requests: u64,
+    /// The window, in seconds.
+    secs: f64,
+    throughput: f64,
+    /// Latency percentiles in µs: p50, p90, p99 and p99.9.
+    pct: [u64; 4],
+    /// Per CPU reading (the client's first): name, pid, CPU seconds in the window, and µs per
+    /// request.
+    cpu: Vec<(String, Option<u32>, f64, Option<f64>)>,
+}
+
+impl Measures {
+    fn new(window: Duration, clk_tck: u64, stats: &LoopStats, before: &[CpuReading], after: &[CpuReading]) -> Measures {
         let errors = stats.error_count();
         let requests = stats.ok + stats.over_limit + stats.unknown_code + errors;
         // Throughput and CPU per request count every completed call, errors included: a
@@ -664,7 +735,6 @@ impl Report {
         let throughput = requests as f64 / secs;
         let h = &stats.latency_us;
         let pct = |q: f64| if h.is_empty() { 0 } else { h.value_at_quantile(q) };
-        let (p50, p90, p99, p999) = (pct(0.50), pct(0.90), pct(0.99), pct(0.999));
         let per_req = |cpu_s: f64| {
             if requests == 0 {
                 None
@@ -680,6 +750,29 @@ impl Report {
                 (b.name.clone(), b.pid, cpu_s, per_req(cpu_s))
             })
             .collect();
+        Measures {
+            errors,
+            requests,
+            secs,
+            throughput,
+            pct: [pct(0.50), pct(0.90), pct(0.99), pct(0.999)],
+            cpu,
+        }
+    }
+
+    /// The report as JSON.
+    fn json(&self, args: &RunArgs, clk_tck: u64, stats: &LoopStats) -> serde_json::Value {
+        use serde_json::json;
+
+        let Measures {
+            errors,
+            requests,
+            secs,
+            throughput,
+            pct: [p50, p90, p99, p999],
+            ref cpu,
+        } = *self;
+        let h = &stats.latency_us;
         let (_, _, client_cpu_s, client_per_req) = cpu[0].clone();
         let servers: Vec<_> = cpu[1..]
             .iter()
@@ -692,7 +785,7 @@ impl Report {
                 })
             })
             .collect();
-        let json = json!({
+        json!({
             "target": args.target,
             "concurrency": args.concurrency,
             "connections": args.connections,
@@ -727,8 +820,22 @@ impl Report {
                 "cpu_utilisation": client_cpu_s / secs,
             },
             "servers": servers,
-        });
+        })
+    }
 
+    /// The report for people.
+    fn human(&self, args: &RunArgs, stats: &LoopStats) -> String {
+        use std::fmt::Write;
+
+        let Measures {
+            errors,
+            requests,
+            secs,
+            throughput,
+            pct: [p50, p90, p99, p999],
+            ref cpu,
+        } = *self;
+        let h = &stats.latency_us;
         let mut s = String::new();
         let _ = writeln!(
             s,
@@ -757,7 +864,7 @@ impl Report {
             "latency us  p50 {p50}  p90 {p90}  p99 {p99}  p99.9 {p999}  max {}",
             h.max()
         );
-        for (name, _, cpu_s, us) in &cpu {
+        for (name, _, cpu_s, us) in cpu {
             let us = us.map_or("-".to_owned(), |u| format!("{u:.2}"));
             let _ = writeln!(
                 s,
@@ -765,6 +872,6 @@ impl Report {
                 100.0 * cpu_s / secs
             );
         }
-        Report { json, human: s }
+        s
     }
 }

@@ -17,7 +17,7 @@ use std::borrow::Cow;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{Entry, RateLimitOverride};
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
@@ -350,132 +350,30 @@ impl<S: Store> Limiter<S> {
         // checked, so that, as for any denied request, nothing is consumed anywhere (global
         // shadow mode denies nothing, so there they are decided as usual).
         let denying = screened.denies() && !self.options.shadow_mode;
-        // A Vec: everything here that is alive across the store's await is part of the future
-        // tonic boxes and moves, so the inline buffers are kept to what the store is handed.
-        let mut matched: Vec<Option<Matched>> = Vec::with_capacity(req.descriptors.len());
-        // Buckets named by the `replaces` of matched unlimited rules (they match nothing else).
-        let mut unlimited_replaces: SmallVec<[usize; 4]> = SmallVec::new();
-        for (i, d) in req.descriptors.iter().enumerate() {
-            if screened.skipped(i) || (d.is_negative_hits && !self.options.refunds) {
-                // Skipped by the screen; or a refund refused (`refunds: false`): answered OK
-                // as a refund always is, nothing given back, no bucket (nor its `replaces`)
-                // involved.
-                matched.push(None);
-                continue;
-            }
-            let entries = screened.entries(i, d);
-            // As in envoyproxy/ratelimit, an unknown domain is OK before overrides are looked at.
-            let by_override = match (&d.limit, self.options.overrides && domain.is_some()) {
-                (Some(o), true) => match override_policy(o.requests_per_unit, o.unit) {
-                    Ok((policy, capped)) => {
-                        if capped {
-                            report(Malformed::OverrideCapped, &req.domain, || {
-                                format!(
-                                    "descriptor {i}: override of {} per unit capped to {} per unit",
-                                    o.requests_per_unit, policy.reported.requests_per_unit
-                                )
-                            });
-                        }
-                        Some(Matched {
-                            policy: Cow::Owned(policy),
-                            quota: None,
-                            shadow: false,
-                            replaces: &[],
-                            bucket_index: None,
-                            shared: Vec::new(),
-                            counters: domain.map_or(DecisionCounters::noop(), |d| &d.override_counters),
-                            quota_counters: DecisionCounters::noop(),
-                            // Their override series are named by the request's values: unbounded.
-                            envoyproxy: crate::telemetry::EnvoyproxyStats::noop(),
-                        })
-                    }
-                    Err(()) => {
-                        report(Malformed::OverrideUnit, &req.domain, || {
-                            format!("descriptor {i}: override with unknown unit {}, ignored", o.unit)
-                        });
-                        None
-                    }
-                },
-                _ => None,
-            };
-            let m = by_override.or_else(|| {
-                domain.and_then(|dom| {
-                    let node = find_node(dom, entries)?;
-                    if let Some(Rule::Unlimited { replaces }) = &dom.nodes[node].rule {
-                        unlimited_replaces.extend_from_slice(replaces);
-                    }
-                    Matched::at(dom, node, entries.len())
-                })
-            });
-            matched.push(m);
-        }
-        drop_replaced(&mut matched, &unlimited_replaces);
-
-        let mut buckets: SmallVec<[BucketRef; 4]> = SmallVec::new();
-        let mut targets: Vec<Option<Target>> = Vec::with_capacity(matched.len());
-        let mut demands: SmallVec<[Demand; 4]> = SmallVec::new();
-        for (d, m) in req.descriptors.iter().zip(matched) {
-            let Some(m) = m else {
-                targets.push(None);
-                continue;
-            };
-            let entries = screened.entries(targets.len(), d);
-            let key = m.bucket_key(&req.domain, entries);
-            let kind = match demand_kind(d, req.hits_addend) {
-                DemandKind::Consume(_) if denying => DemandKind::Check,
-                kind => kind,
-            };
-            let shadow = m.shadow || self.options.shadow_mode;
-            let (instance, demand) = add_demand(&mut buckets, &mut demands, key, &m.policy.plan, kind, shadow);
-            let quota = m.quota.map(|policy| {
-                let key = m.quota_key(&req.domain, policy, entries);
-                let (instance, demand) = add_demand(&mut buckets, &mut demands, key, &policy.plan, kind, shadow);
-                Part {
-                    policy,
-                    instance,
-                    demand,
-                    counters: m.quota_counters,
-                }
-            });
-            targets.push(Some(Target {
-                policy: m.policy,
-                instance,
-                demand,
-                kind,
-                shadow,
-                quota,
-                counters: m.counters,
-                envoyproxy: m.envoyproxy,
-                entries,
-                shared: m.shared,
-            }));
-        }
+        let prepared = prepare(req, &screened, domain, &self.options, denying);
         let deny_malformed = |mut resp: RateLimitResponse| {
             if denying {
                 screened.deny(&mut resp);
             }
             resp
         };
-        if buckets.is_empty() {
-            return Ok(deny_malformed(build_response(&targets, None, &self.options.headers)));
+        if prepared.buckets.is_empty() {
+            return Ok(deny_malformed(build_response(
+                &prepared.targets,
+                None,
+                &self.options.headers,
+            )));
         }
-        let applied = match self.store.apply(&buckets, &demands).await {
+        let applied = match self.store.apply(&prepared.buckets, &prepared.demands).await {
             Ok(applied) => applied,
             Err(e) => {
-                let answer = match self.options.on_store_failure {
-                    FailureMode::Allow => failure_response(&targets, false),
-                    FailureMode::Deny => failure_response(&targets, true),
-                    // The store falls back by itself; an error that still comes back has
-                    // nothing left to decide on.
-                    FailureMode::Error | FailureMode::Fallback => return Err(e.into()),
-                };
-                count_failure_answer(self.options.on_store_failure);
+                let answer = store_failure_answer(&prepared.targets, e, self.options.on_store_failure)?;
                 return Ok(deny_malformed(answer));
             }
         };
-        count_decisions(&targets, &applied, self.options.near_limit_ratio);
+        count_decisions(&prepared.targets, &applied, self.options.near_limit_ratio);
         Ok(deny_malformed(build_response(
-            &targets,
+            &prepared.targets,
             Some(&applied),
             &self.options.headers,
         )))
@@ -541,6 +439,184 @@ impl<S: Store> Limiter<S> {
             policies,
         })
     }
+}
+
+/// A request's call on the store, prepared from the request and the rules alone: the
+/// distinct bucket instances, the demands on them, and per descriptor its target (`None`: no
+/// limit applies). It is alive across the store's await, so part of the future tonic boxes and
+/// moves: the inline buffers are kept to what the store is handed.
+struct Prepared<'a> {
+    buckets: SmallVec<[BucketRef; 4]>,
+    demands: SmallVec<[Demand; 4]>,
+    targets: Vec<Option<Target<'a>>>,
+}
+
+/// Prepares the store's call for `req` (screened as `screened`, in `domain` when known): every
+/// descriptor matched, replaced rules dropped, demands only checked while `denying`. Touches
+/// no bucket.
+fn prepare<'a>(
+    req: &'a RateLimitRequest,
+    screened: &'a Screened,
+    domain: Option<&'a Domain>,
+    options: &LimiterOptions,
+    denying: bool,
+) -> Prepared<'a> {
+    let matched = match_descriptors(req, screened, domain, options);
+    demands_of(req, screened, matched, options, denying)
+}
+
+/// Per descriptor of `req`, what decides it (`None`: nothing), the rules another matched rule
+/// `replaces` already dropped.
+fn match_descriptors<'a>(
+    req: &'a RateLimitRequest,
+    screened: &'a Screened,
+    domain: Option<&'a Domain>,
+    options: &LimiterOptions,
+) -> Vec<Option<Matched<'a>>> {
+    let mut matched: Vec<Option<Matched>> = Vec::with_capacity(req.descriptors.len());
+    // Buckets named by the `replaces` of matched unlimited rules (they match nothing else).
+    let mut unlimited_replaces: SmallVec<[usize; 4]> = SmallVec::new();
+    for (i, d) in req.descriptors.iter().enumerate() {
+        if screened.skipped(i) || (d.is_negative_hits && !options.refunds) {
+            // Skipped by the screen; or a refund refused (`refunds: false`): answered OK
+            // as a refund always is, nothing given back, no bucket (nor its `replaces`)
+            // involved.
+            matched.push(None);
+            continue;
+        }
+        let entries = screened.entries(i, d);
+        // As in envoyproxy/ratelimit, an unknown domain is OK before overrides are looked at.
+        let by_override = match (&d.limit, options.overrides && domain.is_some()) {
+            (Some(o), true) => override_matched(&req.domain, i, o, domain),
+            _ => None,
+        };
+        let m = by_override.or_else(|| {
+            domain.and_then(|dom| {
+                let node = find_node(dom, entries)?;
+                if let Some(Rule::Unlimited { replaces }) = &dom.nodes[node].rule {
+                    unlimited_replaces.extend_from_slice(replaces);
+                }
+                Matched::at(dom, node, entries.len())
+            })
+        });
+        matched.push(m);
+    }
+    drop_replaced(&mut matched, &unlimited_replaces);
+    matched
+}
+
+/// What decides descriptor `i` of a request to `request_domain` (`domain`, known) by Envoy's
+/// `limit` override `o`; `None` when its unit is unknown and the override is ignored.
+fn override_matched<'a>(
+    request_domain: &str,
+    i: usize,
+    o: &RateLimitOverride,
+    domain: Option<&'a Domain>,
+) -> Option<Matched<'a>> {
+    match override_policy(o.requests_per_unit, o.unit) {
+        Ok((policy, capped)) => {
+            if capped {
+                report(Malformed::OverrideCapped, request_domain, || {
+                    format!(
+                        "descriptor {i}: override of {} per unit capped to {} per unit",
+                        o.requests_per_unit, policy.reported.requests_per_unit
+                    )
+                });
+            }
+            Some(Matched {
+                policy: Cow::Owned(policy),
+                quota: None,
+                shadow: false,
+                replaces: &[],
+                bucket_index: None,
+                shared: Vec::new(),
+                counters: domain.map_or(DecisionCounters::noop(), |d| &d.override_counters),
+                quota_counters: DecisionCounters::noop(),
+                // Their override series are named by the request's values: unbounded.
+                envoyproxy: crate::telemetry::EnvoyproxyStats::noop(),
+            })
+        }
+        Err(()) => {
+            report(Malformed::OverrideUnit, request_domain, || {
+                format!("descriptor {i}: override with unknown unit {}, ignored", o.unit)
+            });
+            None
+        }
+    }
+}
+
+/// The instances and demands of the `matched` descriptors of `req`, and their targets; a
+/// consuming demand is only a check while `denying`.
+fn demands_of<'a>(
+    req: &'a RateLimitRequest,
+    screened: &'a Screened,
+    matched: Vec<Option<Matched<'a>>>,
+    options: &LimiterOptions,
+    denying: bool,
+) -> Prepared<'a> {
+    let mut buckets: SmallVec<[BucketRef; 4]> = SmallVec::new();
+    let mut targets: Vec<Option<Target>> = Vec::with_capacity(matched.len());
+    let mut demands: SmallVec<[Demand; 4]> = SmallVec::new();
+    for (d, m) in req.descriptors.iter().zip(matched) {
+        let Some(m) = m else {
+            targets.push(None);
+            continue;
+        };
+        let entries = screened.entries(targets.len(), d);
+        let key = m.bucket_key(&req.domain, entries);
+        let kind = match demand_kind(d, req.hits_addend) {
+            DemandKind::Consume(_) if denying => DemandKind::Check,
+            kind => kind,
+        };
+        let shadow = m.shadow || options.shadow_mode;
+        let (instance, demand) = add_demand(&mut buckets, &mut demands, key, &m.policy.plan, kind, shadow);
+        let quota = m.quota.map(|policy| {
+            let key = m.quota_key(&req.domain, policy, entries);
+            let (instance, demand) = add_demand(&mut buckets, &mut demands, key, &policy.plan, kind, shadow);
+            Part {
+                policy,
+                instance,
+                demand,
+                counters: m.quota_counters,
+            }
+        });
+        targets.push(Some(Target {
+            policy: m.policy,
+            instance,
+            demand,
+            kind,
+            shadow,
+            quota,
+            counters: m.counters,
+            envoyproxy: m.envoyproxy,
+            entries,
+            shared: m.shared,
+        }));
+    }
+    Prepared {
+        buckets,
+        demands,
+        targets,
+    }
+}
+
+/// The answer `on_store_failure` gives when the store failed with `e`.
+///
+/// Errors: [`LimitError::Store`] when it says to answer an error.
+fn store_failure_answer(
+    targets: &[Option<Target<'_>>],
+    e: StoreError,
+    on_store_failure: FailureMode,
+) -> Result<RateLimitResponse, LimitError> {
+    let answer = match on_store_failure {
+        FailureMode::Allow => failure_response(targets, false),
+        FailureMode::Deny => failure_response(targets, true),
+        // The store falls back by itself; an error that still comes back has
+        // nothing left to decide on.
+        FailureMode::Error | FailureMode::Fallback => return Err(e.into()),
+    };
+    count_failure_answer(on_store_failure);
+    Ok(answer)
 }
 
 /// About the length of an instance key (its parts and their length prefixes), so building it

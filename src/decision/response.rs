@@ -102,6 +102,21 @@ pub(crate) fn build_response(
     applied: Option<&Applied>,
     headers: &HeaderSettings,
 ) -> RateLimitResponse {
+    let verdicts = verdicts(targets, applied);
+    let denied = verdicts.iter().any(|v| v.over);
+    let statuses = statuses(targets, &verdicts);
+    let response_headers_to_add = response_headers(&verdicts, applied, headers, denied);
+    RateLimitResponse {
+        overall_code: if denied { Code::OverLimit } else { Code::Ok } as i32,
+        statuses,
+        response_headers_to_add,
+        ..Default::default()
+    }
+}
+
+/// Per bucket each matched descriptor of `targets` asks of (its own, then its quota's), its
+/// verdict from `applied`.
+fn verdicts<'a>(targets: &'a [Option<Target<'_>>], applied: Option<&Applied>) -> Vec<Verdict<'a>> {
     let mut verdicts: Vec<Verdict<'_>> = Vec::with_capacity(targets.len());
     for (descriptor, t) in targets.iter().enumerate() {
         let Some(t) = t else { continue };
@@ -115,12 +130,17 @@ pub(crate) fn build_response(
             ));
         }
     }
-    let denied = verdicts.iter().any(|v| v.over);
-    let statuses = targets
+    verdicts
+}
+
+/// Per descriptor of `targets`, its status: from its verdict ([`status_verdict`]), or `OK`
+/// without a limit when it matched no bucket.
+fn statuses(targets: &[Option<Target<'_>>], verdicts: &[Verdict<'_>]) -> Vec<DescriptorStatus> {
+    targets
         .iter()
         .enumerate()
         .map(
-            |(descriptor, t)| match t.as_ref().and_then(|_| status_verdict(&verdicts, descriptor)) {
+            |(descriptor, t)| match t.as_ref().and_then(|_| status_verdict(verdicts, descriptor)) {
                 None => DescriptorStatus {
                     code: Code::Ok as i32,
                     ..Default::default()
@@ -138,51 +158,66 @@ pub(crate) fn build_response(
                 },
             },
         )
-        .collect();
+        .collect()
+}
+
+/// The headers `headers` asks for: `Retry-After` when the request is `denied`, the structured
+/// `RateLimit-Policy` and `RateLimit`, and the `X-RateLimit-*` of the lowest bucket.
+fn response_headers(
+    verdicts: &[Verdict<'_>],
+    applied: Option<&Applied>,
+    headers: &HeaderSettings,
+    denied: bool,
+) -> Vec<HeaderValue> {
     let mut response_headers_to_add = Vec::new();
     if denied && headers.retry_after {
-        if let Some(wait) = retry_after_us(&verdicts) {
+        if let Some(wait) = retry_after_us(verdicts) {
             response_headers_to_add.push(header("retry-after", ceil_seconds(wait).to_string()));
         }
     }
-    let per_bucket = lowest_per_bucket(&verdicts);
+    let per_bucket = lowest_per_bucket(verdicts);
     if let Some(now_us) = applied
         .map(|a| a.now_us)
         .filter(|_| headers.ratelimit && !per_bucket.is_empty())
     {
-        // Built in place, item after item: this runs on every decision.
-        let mut policy = String::with_capacity(48 * per_bucket.len());
-        let mut state = String::with_capacity(48 * per_bucket.len());
-        for (i, v) in per_bucket.iter().enumerate() {
-            if i > 0 {
-                policy.push_str(", ");
-                state.push_str(", ");
-            }
-            push_policy_item(&mut policy, v, now_us);
-            push_state_item(&mut state, v);
-        }
-        response_headers_to_add.push(header("ratelimit-policy", policy));
-        response_headers_to_add.push(header("ratelimit", state));
+        push_ratelimit_headers(&mut response_headers_to_add, &per_bucket, now_us);
     }
     if headers.x_ratelimit {
         if let Some(v) = per_bucket.iter().min_by_key(|v| v.remaining_ut) {
-            response_headers_to_add.push(header("x-ratelimit-limit", v.limit.capacity().to_string()));
-            response_headers_to_add.push(header(
-                "x-ratelimit-remaining",
-                whole_tokens(v.remaining_ut).to_string(),
-            ));
-            response_headers_to_add.push(header(
-                "x-ratelimit-reset",
-                v.until_full_us.map_or(0, ceil_seconds).to_string(),
-            ));
+            push_x_ratelimit_headers(&mut response_headers_to_add, v);
         }
     }
-    RateLimitResponse {
-        overall_code: if denied { Code::OverLimit } else { Code::Ok } as i32,
-        statuses,
-        response_headers_to_add,
-        ..Default::default()
+    response_headers_to_add
+}
+
+/// Pushes `RateLimit-Policy` and `RateLimit`, one item per bucket of `per_bucket`.
+fn push_ratelimit_headers(response_headers_to_add: &mut Vec<HeaderValue>, per_bucket: &[&Verdict<'_>], now_us: u64) {
+    // Built in place, item after item: this runs on every decision.
+    let mut policy = String::with_capacity(48 * per_bucket.len());
+    let mut state = String::with_capacity(48 * per_bucket.len());
+    for (i, v) in per_bucket.iter().enumerate() {
+        if i > 0 {
+            policy.push_str(", ");
+            state.push_str(", ");
+        }
+        push_policy_item(&mut policy, v, now_us);
+        push_state_item(&mut state, v);
     }
+    response_headers_to_add.push(header("ratelimit-policy", policy));
+    response_headers_to_add.push(header("ratelimit", state));
+}
+
+/// Pushes `X-RateLimit-Limit`, `-Remaining` and `-Reset` of the verdict `v`.
+fn push_x_ratelimit_headers(response_headers_to_add: &mut Vec<HeaderValue>, v: &Verdict<'_>) {
+    response_headers_to_add.push(header("x-ratelimit-limit", v.limit.capacity().to_string()));
+    response_headers_to_add.push(header(
+        "x-ratelimit-remaining",
+        whole_tokens(v.remaining_ut).to_string(),
+    ));
+    response_headers_to_add.push(header(
+        "x-ratelimit-reset",
+        v.until_full_us.map_or(0, ceil_seconds).to_string(),
+    ));
 }
 
 /// One bucket's verdict for the descriptor `descriptor`, from the store's decision.

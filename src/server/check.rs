@@ -484,27 +484,8 @@ fn explain_rule(
     steps: &[Step],
     used: &mut BTreeSet<Difference>,
 ) {
-    let mut diffs: Vec<(Difference, String)> = Vec::new();
-    let rl = spec.rate_limit.as_ref();
     let _ = writeln!(out, "  rule {path}");
-    if steps.iter().any(|s| matches!(s.value, StepValue::Pattern { .. })) && rule.is_some() {
-        diffs.push((Difference::Wildcard, "the path holds a wildcard value".to_owned()));
-    }
-    if spec.share_threshold {
-        diffs.push((
-            Difference::ShareThreshold,
-            "share_threshold: true on this value".to_owned(),
-        ));
-    }
-    if !spec.ignored_fields().is_empty() {
-        diffs.push((
-            Difference::Metrics,
-            format!(
-                "{}: affect at most the envoyproxy/ratelimit-named series, never tollgate's metrics",
-                spec.ignored_fields().join(", ")
-            ),
-        ));
-    }
+    let mut diffs = node_differences(spec, rule, steps);
     match rule {
         None => {
             let _ = writeln!(
@@ -512,25 +493,7 @@ fn explain_rule(
                 "    no limit here: requests whose last entry is this one are not limited in either"
             );
         }
-        Some(Rule::Unlimited { .. }) => {
-            let _ = writeln!(out, "    schema:   {}", schema(spec));
-            let _ = writeln!(out, "    both:     unlimited: never limited, no counter or bucket");
-            let replaces = spec
-                .replaces
-                .iter()
-                .chain(rl.and_then(|r| r.replaces.as_ref()))
-                .flatten();
-            let names: Vec<&str> = replaces.map(|r| r.name.as_str()).collect();
-            let detail = if names.is_empty() {
-                "never limited in either".to_owned()
-            } else {
-                format!(
-                    "never limited in either; its `replaces` of {} applies in both",
-                    names.join(", ")
-                )
-            };
-            diffs.push((Difference::Unlimited, detail));
-        }
+        Some(Rule::Unlimited { .. }) => explain_unlimited(out, spec, &mut diffs),
         Some(Rule::Limited {
             bucket,
             quota,
@@ -538,134 +501,10 @@ fn explain_rule(
             replaces,
         }) => {
             let b = &d.buckets[*bucket];
-            let _ = writeln!(out, "    schema:   {}", schema(spec));
-            let _ = writeln!(out, "    bucket:   `{}`, {}", b.name, instances(steps));
-            let same_name = d.buckets.iter().filter(|o| o.name == b.name).count();
-            let rules_on_it = d
-                .nodes
-                .iter()
-                .filter(|n| matches!(&n.rule, Some(Rule::Limited { bucket: o, .. }) if d.buckets[*o].name == b.name))
-                .count();
-            if rules_on_it > 1 {
-                let _ = writeln!(
-                    out,
-                    "              the name is on {rules_on_it} rules ({same_name} limit{}); instances stay apart, as each \
-                     rule's descriptors differ",
-                    if same_name == 1 { "" } else { "s" }
-                );
-            }
-            let envoy = rl.filter(|r| !r.unlimited).and_then(|r| {
-                let unit_text = r.unit.as_deref()?;
-                let (unit, _, unit_us) = ENVOY_UNITS
-                    .iter()
-                    .find(|(_, name, _)| name.eq_ignore_ascii_case(unit_text))
-                    .copied()?;
-                Some((unit, unit_us, r.requests_per_unit.unwrap_or(0)))
-            });
-            match (envoy, b.plan.current()) {
-                (Some((unit, _, 0)), _) => {
-                    let unit = unit.as_str_name();
-                    let _ = writeln!(
-                        out,
-                        "    theirs:   0 per {unit}: every request over the limit, hits still counted"
-                    );
-                    let _ = writeln!(
-                        out,
-                        "    tollgate: denies every request, consumes nothing (reported as 0 per {unit})"
-                    );
-                    diffs.push((Difference::Zero, "requests_per_unit is 0".to_owned()));
-                }
-                (Some((unit, unit_us, rpu)), plan) => {
-                    let name = unit.as_str_name();
-                    let _ = writeln!(
-                        out,
-                        "    theirs:   up to {rpu} hit{} per fixed window {}; every hit counted, admitted or not",
-                        if rpu == 1 { "" } else { "s" },
-                        their_window(unit, unit_us)
-                    );
-                    let _ = writeln!(
-                        out,
-                        "    tollgate: token bucket, capacity {rpu}, refill {rpu} per {} (one token every {}), reported as \
-                         {rpu} per {name}",
-                        seconds(unit_us),
-                        seconds(unit_us / rpu)
-                    );
-                    if let Plan::Scheduled(s) = plan {
-                        let _ = writeln!(
-                            out,
-                            "              changed by {} schedule window(s) (see `tollgate check`)",
-                            s.entries().len()
-                        );
-                    }
-                    diffs.push((
-                        Difference::TokenBucket,
-                        format!(
-                            "after the first {rpu}, one token every {} instead of {rpu} at the next edge",
-                            seconds(unit_us / rpu)
-                        ),
-                    ));
-                    diffs.push((
-                        Difference::WindowEdge,
-                        format!(
-                            "theirs: up to {} within a moment across an edge; tollgate: at most {rpu} plus one per {}",
-                            rpu.saturating_mul(2),
-                            seconds(unit_us / rpu)
-                        ),
-                    ));
-                    diffs.push((Difference::DeniedHits, "a denied request charges nothing".to_owned()));
-                    let calendar = match unit {
-                        Unit::Week => Some(("not a calendar week", "0 0 * * MON")),
-                        Unit::Month => Some(("not a calendar month", "0 0 1 * *")),
-                        Unit::Year => Some(("not a calendar year", "0 0 1 1 *")),
-                        _ => None,
-                    };
-                    if let Some((what, cron)) = calendar {
-                        diffs.push((
-                            Difference::EpochWindow,
-                            format!("their {name} is {what}; for one use `quota: {{limit: {rpu}, reset: \"{cron}\"}}`"),
-                        ));
-                    } else if unit == Unit::Day {
-                        diffs.push((
-                            Difference::EpochWindow,
-                            "their DAY starts at 00:00 UTC; tollgate refills through the day".to_owned(),
-                        ));
-                    }
-                }
-                (None, Plan::Fixed(limit)) => {
-                    let _ = writeln!(out, "    tollgate: {}", limit_text(limit));
-                }
-                (None, Plan::Scheduled(s)) => {
-                    let _ = writeln!(
-                        out,
-                        "    tollgate: base {}, changed by {} schedule window(s) (see `tollgate check`)",
-                        limit_text(s.base()),
-                        s.entries().len()
-                    );
-                }
-                (None, Plan::Quota(q)) => {
-                    let _ = writeln!(
-                        out,
-                        "    tollgate: quota of {} tokens, reset at `{}` ({}), no refill in between",
-                        q.limit().capacity(),
-                        q.pattern(),
-                        q.timezone()
-                    );
-                }
-                // `current()` is the compiled plan, never one a reload built.
-                (None, Plan::Reloaded(_)) => {}
-            }
+            explain_bucket(out, d, spec, b, steps);
+            explain_limit(out, envoy_limit(spec), b.plan.current(), &mut diffs);
             if let Some(q) = quota {
-                let q = &d.buckets[*q];
-                if let Plan::Quota(quota) = &q.plan {
-                    let _ = writeln!(
-                        out,
-                        "              and quota `{}`: {} tokens, reset at `{}` ({}); a request must pass both",
-                        q.name,
-                        quota.limit().capacity(),
-                        quota.pattern(),
-                        quota.timezone()
-                    );
-                }
+                explain_quota(out, &d.buckets[*q]);
             }
             if *shadow {
                 diffs.push((
@@ -684,12 +523,233 @@ fn explain_rule(
             }
         }
     }
+    list_differences(out, diffs, used);
+}
+
+/// The differences of the rule at a node, whatever its limit: a wildcard on its path,
+/// `share_threshold`, and fields that only name envoyproxy/ratelimit's series.
+fn node_differences(spec: &DescriptorSpec, rule: &Option<Rule>, steps: &[Step]) -> Vec<(Difference, String)> {
+    let mut diffs: Vec<(Difference, String)> = Vec::new();
+    if steps.iter().any(|s| matches!(s.value, StepValue::Pattern { .. })) && rule.is_some() {
+        diffs.push((Difference::Wildcard, "the path holds a wildcard value".to_owned()));
+    }
+    if spec.share_threshold {
+        diffs.push((
+            Difference::ShareThreshold,
+            "share_threshold: true on this value".to_owned(),
+        ));
+    }
+    if !spec.ignored_fields().is_empty() {
+        diffs.push((
+            Difference::Metrics,
+            format!(
+                "{}: affect at most the envoyproxy/ratelimit-named series, never tollgate's metrics",
+                spec.ignored_fields().join(", ")
+            ),
+        ));
+    }
+    diffs
+}
+
+/// Lists `diffs` under `differs:`, recording each in `used` for the legend.
+fn list_differences(out: &mut String, diffs: Vec<(Difference, String)>, used: &mut BTreeSet<Difference>) {
     if !diffs.is_empty() {
         let _ = writeln!(out, "    differs:");
         for (diff, detail) in diffs {
             let _ = writeln!(out, "      {} {detail}", diff.tag());
             used.insert(diff);
         }
+    }
+}
+
+/// Explains an `unlimited` rule: its schema and what it does in both.
+fn explain_unlimited(out: &mut String, spec: &DescriptorSpec, diffs: &mut Vec<(Difference, String)>) {
+    let rl = spec.rate_limit.as_ref();
+    let _ = writeln!(out, "    schema:   {}", schema(spec));
+    let _ = writeln!(out, "    both:     unlimited: never limited, no counter or bucket");
+    let replaces = spec
+        .replaces
+        .iter()
+        .chain(rl.and_then(|r| r.replaces.as_ref()))
+        .flatten();
+    let names: Vec<&str> = replaces.map(|r| r.name.as_str()).collect();
+    let detail = if names.is_empty() {
+        "never limited in either".to_owned()
+    } else {
+        format!(
+            "never limited in either; its `replaces` of {} applies in both",
+            names.join(", ")
+        )
+    };
+    diffs.push((Difference::Unlimited, detail));
+}
+
+/// The rule's schema and bucket `b`, and how many rules share its name.
+fn explain_bucket(out: &mut String, d: &Domain, spec: &DescriptorSpec, b: &BucketPolicy, steps: &[Step]) {
+    let _ = writeln!(out, "    schema:   {}", schema(spec));
+    let _ = writeln!(out, "    bucket:   `{}`, {}", b.name, instances(steps));
+    let same_name = d.buckets.iter().filter(|o| o.name == b.name).count();
+    let rules_on_it = d
+        .nodes
+        .iter()
+        .filter(|n| matches!(&n.rule, Some(Rule::Limited { bucket: o, .. }) if d.buckets[*o].name == b.name))
+        .count();
+    if rules_on_it > 1 {
+        let _ = writeln!(
+            out,
+            "              the name is on {rules_on_it} rules ({same_name} limit{}); instances stay apart, as each \
+             rule's descriptors differ",
+            if same_name == 1 { "" } else { "s" }
+        );
+    }
+}
+
+/// The rule's envoyproxy/ratelimit limit, when it has one that limits: its unit, the unit's
+/// length in microseconds, and `requests_per_unit`.
+fn envoy_limit(spec: &DescriptorSpec) -> Option<(Unit, u64, u64)> {
+    spec.rate_limit.as_ref().filter(|r| !r.unlimited).and_then(|r| {
+        let unit_text = r.unit.as_deref()?;
+        let (unit, _, unit_us) = ENVOY_UNITS
+            .iter()
+            .find(|(_, name, _)| name.eq_ignore_ascii_case(unit_text))
+            .copied()?;
+        Some((unit, unit_us, r.requests_per_unit.unwrap_or(0)))
+    })
+}
+
+/// The limit in theirs and in tollgate: `envoy`'s (from [`envoy_limit`]), else `plan`'s.
+fn explain_limit(
+    out: &mut String,
+    envoy: Option<(Unit, u64, u64)>,
+    plan: &Plan,
+    diffs: &mut Vec<(Difference, String)>,
+) {
+    match (envoy, plan) {
+        (Some((unit, _, 0)), _) => {
+            let unit = unit.as_str_name();
+            let _ = writeln!(
+                out,
+                "    theirs:   0 per {unit}: every request over the limit, hits still counted"
+            );
+            let _ = writeln!(
+                out,
+                "    tollgate: denies every request, consumes nothing (reported as 0 per {unit})"
+            );
+            diffs.push((Difference::Zero, "requests_per_unit is 0".to_owned()));
+        }
+        (Some((unit, unit_us, rpu)), plan) => explain_envoy_rate(out, unit, unit_us, rpu, plan, diffs),
+        (None, Plan::Fixed(limit)) => {
+            let _ = writeln!(out, "    tollgate: {}", limit_text(limit));
+        }
+        (None, Plan::Scheduled(s)) => {
+            let _ = writeln!(
+                out,
+                "    tollgate: base {}, changed by {} schedule window(s) (see `tollgate check`)",
+                limit_text(s.base()),
+                s.entries().len()
+            );
+        }
+        (None, Plan::Quota(q)) => {
+            let _ = writeln!(
+                out,
+                "    tollgate: quota of {} tokens, reset at `{}` ({}), no refill in between",
+                q.limit().capacity(),
+                q.pattern(),
+                q.timezone()
+            );
+        }
+        // `current()` is the compiled plan, never one a reload built.
+        (None, Plan::Reloaded(_)) => {}
+    }
+}
+
+/// An envoyproxy/ratelimit limit of `rpu` (not 0) per `unit`: their fixed window against
+/// tollgate's token bucket.
+fn explain_envoy_rate(
+    out: &mut String,
+    unit: Unit,
+    unit_us: u64,
+    rpu: u64,
+    plan: &Plan,
+    diffs: &mut Vec<(Difference, String)>,
+) {
+    let name = unit.as_str_name();
+    let _ = writeln!(
+        out,
+        "    theirs:   up to {rpu} hit{} per fixed window {}; every hit counted, admitted or not",
+        if rpu == 1 { "" } else { "s" },
+        their_window(unit, unit_us)
+    );
+    let _ = writeln!(
+        out,
+        "    tollgate: token bucket, capacity {rpu}, refill {rpu} per {} (one token every {}), reported as \
+         {rpu} per {name}",
+        seconds(unit_us),
+        seconds(unit_us / rpu)
+    );
+    if let Plan::Scheduled(s) = plan {
+        let _ = writeln!(
+            out,
+            "              changed by {} schedule window(s) (see `tollgate check`)",
+            s.entries().len()
+        );
+    }
+    diffs.push((
+        Difference::TokenBucket,
+        format!(
+            "after the first {rpu}, one token every {} instead of {rpu} at the next edge",
+            seconds(unit_us / rpu)
+        ),
+    ));
+    diffs.push((
+        Difference::WindowEdge,
+        format!(
+            "theirs: up to {} within a moment across an edge; tollgate: at most {rpu} plus one per {}",
+            rpu.saturating_mul(2),
+            seconds(unit_us / rpu)
+        ),
+    ));
+    diffs.push((Difference::DeniedHits, "a denied request charges nothing".to_owned()));
+    if let Some(diff) = epoch_window(unit, rpu) {
+        diffs.push(diff);
+    }
+}
+
+/// Where their window of `unit` is not what its name says (`rpu` per `unit`).
+fn epoch_window(unit: Unit, rpu: u64) -> Option<(Difference, String)> {
+    let name = unit.as_str_name();
+    let calendar = match unit {
+        Unit::Week => Some(("not a calendar week", "0 0 * * MON")),
+        Unit::Month => Some(("not a calendar month", "0 0 1 * *")),
+        Unit::Year => Some(("not a calendar year", "0 0 1 1 *")),
+        _ => None,
+    };
+    if let Some((what, cron)) = calendar {
+        Some((
+            Difference::EpochWindow,
+            format!("their {name} is {what}; for one use `quota: {{limit: {rpu}, reset: \"{cron}\"}}`"),
+        ))
+    } else if unit == Unit::Day {
+        Some((
+            Difference::EpochWindow,
+            "their DAY starts at 00:00 UTC; tollgate refills through the day".to_owned(),
+        ))
+    } else {
+        None
+    }
+}
+
+/// The quota `q` a rule's request must also pass.
+fn explain_quota(out: &mut String, q: &BucketPolicy) {
+    if let Plan::Quota(quota) = &q.plan {
+        let _ = writeln!(
+            out,
+            "              and quota `{}`: {} tokens, reset at `{}` ({}); a request must pass both",
+            q.name,
+            quota.limit().capacity(),
+            quota.pattern(),
+            quota.timezone()
+        );
     }
 }
 

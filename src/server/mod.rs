@@ -20,18 +20,24 @@ use std::time::Duration;
 
 use anyhow::Context;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
+use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::net::TcpListener;
+use tokio::task::{JoinHandle, JoinSet};
 use tonic::transport::server::TcpIncoming;
 use tonic_health::pb::health_server::{Health, HealthServer};
+use tonic_health::server::HealthReporter;
 use tonic_health::ServingStatus;
 
 use crate::core::clock::{Clock, SkewedClock, SystemClock};
 use crate::decision::limiter::{Limiter, LimiterOptions};
+use crate::rules::RuleSet;
 use crate::server::config_view::config_json;
 use crate::server::http::{router, HttpState, Readiness};
-use crate::server::reload::{load_initial, Reloader};
+use crate::server::reload::{load_initial, Fingerprint, Reloader};
 use crate::server::service::RateLimitGrpc;
-use crate::server::settings::{Backend, FailureMode, FallbackBackend, GrpcSettings, RuntimeFlavor, Settings};
+use crate::server::settings::{
+    Backend, FailureMode, FallbackBackend, GrpcSettings, RuntimeFlavor, Settings, ShutdownSettings,
+};
 use crate::server::wire::RateLimitServer;
 use crate::store::{
     start_shared, AnyStore, Fallback, Guarded, MemoryStore, Metered, PostgresStore, RedisStore, Resilient, Store,
@@ -98,12 +104,52 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
         .validate()
         .map_err(|e| anyhow::anyhow!("invalid settings: {e}"))?;
     // Before the rules, so their decision counters register with it.
+    let prometheus = install_metrics(&settings)?;
+    let (rules, fingerprint) = load_initial_rules(&settings)?;
+    let clock = local_clock();
+    let memory = memory_store(&settings, clock.clone());
+    let store = build_store(&settings, &memory, clock).await?;
+    let limiter = Arc::new(Limiter::new(rules, store, LimiterOptions::from_settings(&settings)));
+    let reloader = Reloader::new(limiter.clone(), settings.rules.clone(), fingerprint);
+    let reload_task = reloader.spawn(settings.reload);
+    let (grpc, http) = bind_listeners(&settings).await?;
+
+    let ready = Readiness::default();
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let http_state = http_state(&settings, &limiter, &memory, &ready, prometheus);
+    let mut tasks = JoinSet::new();
+    start_http_listeners(&mut tasks, http, http_state, &settings, &limiter, &reloader, &stop_rx);
+    let health_reporter = start_grpc(&mut tasks, grpc, &limiter, &settings, &stop_rx).await;
+    ready.set(true);
+    let health_follower = tokio::spawn(follow_readiness(health_reporter.clone(), limiter.clone()));
+
+    let failed = until_stop(&mut tasks).await;
+    report_not_serving(&ready, &health_follower, &health_reporter).await;
+    shut_down(stop_tx, reload_task, settings.shutdown, failed, tasks).await
+}
+
+/// The listener tasks of `serve`: each ends with its server's error, if it failed.
+type Tasks = JoinSet<anyhow::Result<()>>;
+
+/// How a listener task ended: `Err` when it panicked.
+type TaskResult = Result<anyhow::Result<()>, tokio::task::JoinError>;
+
+/// Installs the Prometheus recorder (and starts its upkeep) and the `metrics.envoyproxy_names`
+/// choice; returns the recorder's handle.
+fn install_metrics(settings: &Settings) -> anyhow::Result<PrometheusHandle> {
     let prometheus = crate::server::metrics::install()?;
     tokio::spawn(crate::server::metrics::run_upkeep(
         prometheus.clone(),
         Duration::from_secs(5),
     ));
     crate::telemetry::set_envoyproxy_names(settings.metrics.envoyproxy_names);
+    Ok(prometheus)
+}
+
+/// Loads the rules at `settings.rules` and logs what was loaded.
+///
+/// Errors: invalid rules, every problem with file, rule and reason.
+fn load_initial_rules(settings: &Settings) -> anyhow::Result<(RuleSet, Fingerprint)> {
     let (rules, fingerprint) = load_initial(&settings.rules).map_err(|e| anyhow::anyhow!("invalid rules:\n{e}"))?;
     if rules.is_empty() {
         tracing::warn!(
@@ -118,29 +164,52 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
         generation = rules.generation,
         "rules loaded"
     );
-    let clock = local_clock();
-    // The memory store: the backend itself, or Redis's fallback (`failure_mode: fallback`).
-    let memory = MemoryStore::new(settings.memory.shards, settings.memory.max_buckets, clock.clone());
+    Ok((rules, fingerprint))
+}
+
+/// The memory store, with its sweep started: the backend itself, or a fallback
+/// (`failure_mode: fallback`).
+fn memory_store(settings: &Settings, clock: Arc<dyn Clock>) -> MemoryStore {
+    let memory = MemoryStore::new(settings.memory.shards, settings.memory.max_buckets, clock);
     spawn_sweeper(
         memory.clone(),
         Duration::from_secs(settings.memory.sweep_interval_seconds.0.max(1)),
     );
-    let store = match settings.backend {
-        Backend::Memory => AnyStore::Memory(Metered::new(memory.clone(), "memory")),
-        Backend::Redis => AnyStore::Redis(redis_store(&settings, memory.clone(), clock).await?),
-        Backend::Postgres => AnyStore::Postgres(postgres_store(&settings, memory.clone()).await?),
-    };
-    let limiter = Arc::new(Limiter::new(rules, store, LimiterOptions::from_settings(&settings)));
-    let reloader = Reloader::new(limiter.clone(), settings.rules.clone(), fingerprint);
-    let reload_task = reloader.spawn(settings.reload);
+    memory
+}
 
+/// The configured backend, connected: `memory` itself, or Redis or Postgres with `memory` as
+/// their fallback where configured.
+///
+/// Errors: see [`redis_store`] and [`postgres_store`].
+async fn build_store(settings: &Settings, memory: &MemoryStore, clock: Arc<dyn Clock>) -> anyhow::Result<AnyStore> {
+    Ok(match settings.backend {
+        Backend::Memory => AnyStore::Memory(Metered::new(memory.clone(), "memory")),
+        Backend::Redis => AnyStore::Redis(redis_store(settings, memory.clone(), clock).await?),
+        Backend::Postgres => AnyStore::Postgres(postgres_store(settings, memory.clone()).await?),
+    })
+}
+
+/// The listeners served over HTTP: the main one, and the metrics and admin ones when
+/// configured.
+struct HttpListeners {
+    http: TcpListener,
+    metrics: Option<TcpListener>,
+    admin: Option<TcpListener>,
+}
+
+/// Binds every configured listener (gRPC, HTTP, metrics, admin, in that order) and logs where
+/// it listens; returns the gRPC listener and the others.
+///
+/// Errors: a listener that cannot bind.
+async fn bind_listeners(settings: &Settings) -> anyhow::Result<(TcpListener, HttpListeners)> {
     let grpc = TcpListener::bind(settings.grpc_addr)
         .await
         .with_context(|| format!("cannot listen for gRPC on {}", settings.grpc_addr))?;
     let http = TcpListener::bind(settings.http_addr)
         .await
         .with_context(|| format!("cannot listen for HTTP on {}", settings.http_addr))?;
-    let metrics_listener = match settings.metrics.addr {
+    let metrics = match settings.metrics.addr {
         Some(addr) => Some(
             TcpListener::bind(addr)
                 .await
@@ -164,16 +233,98 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
         metrics = %settings.metrics.addr.map_or("on the HTTP port".to_owned(), |a| format!("{a}{} and on the HTTP port", settings.metrics.path)),
         "listening"
     );
+    Ok((grpc, HttpListeners { http, metrics, admin }))
+}
 
-    let ready = Readiness::default();
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let stopped = move || {
-        let mut stop = stop_rx.clone();
-        async move {
-            let _ = stop.wait_for(|s| *s).await;
-        }
-    };
-    // `/config`, on the admin listener: rule values can be API keys, and it names the backends.
+/// Completes once `stop` says so (or its sender is gone).
+fn stopped(stop: &tokio::sync::watch::Receiver<bool>) -> impl Future<Output = ()> + Send + 'static {
+    let mut stop = stop.clone();
+    async move {
+        let _ = stop.wait_for(|s| *s).await;
+    }
+}
+
+/// The state of the HTTP and metrics listeners: readiness, the backend's, and the metrics
+/// refreshed at each scrape.
+fn http_state(
+    settings: &Settings,
+    limiter: &Arc<Limiter<AnyStore>>,
+    memory: &MemoryStore,
+    ready: &Readiness,
+    prometheus: PrometheusHandle,
+) -> HttpState {
+    let gauges = memory.clone();
+    let buckets = ::metrics::gauge!(crate::telemetry::MEMORY_BUCKETS);
+    let evicted = ::metrics::counter!(crate::telemetry::MEMORY_EVICTED_NOT_FULL);
+    // process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds, ...: the
+    // standard process metrics, read at each scrape.
+    let process = metrics_process::Collector::default();
+    process.describe();
+    HttpState::new(
+        ready.clone(),
+        {
+            let limiter = limiter.clone();
+            Arc::new(move || {
+                let limiter = limiter.clone();
+                Box::pin(async move { limiter.store().ready().await })
+            })
+        },
+        Some(prometheus),
+        Arc::new(move || {
+            process.collect();
+            buckets.set(gauges.len() as f64);
+            evicted.absolute(gauges.stats().evicted_not_full.load(Ordering::Relaxed));
+        }),
+        backend_names(settings),
+    )
+}
+
+/// Starts the HTTP listener and, when configured, the metrics and admin listeners, each
+/// serving until `stop` says so.
+fn start_http_listeners(
+    tasks: &mut Tasks,
+    listeners: HttpListeners,
+    http_state: HttpState,
+    settings: &Settings,
+    limiter: &Arc<Limiter<AnyStore>>,
+    reloader: &Arc<Reloader<AnyStore>>,
+    stop: &tokio::sync::watch::Receiver<bool>,
+) {
+    let app = router(http_state.clone());
+    spawn_axum(tasks, listeners.http, app, stopped(stop), "HTTP server failed");
+    if let Some(listener) = listeners.metrics {
+        let app = crate::server::http::metrics_router(http_state, &settings.metrics.path);
+        spawn_axum(tasks, listener, app, stopped(stop), "metrics server failed");
+    }
+    if let Some(listener) = listeners.admin {
+        let app = admin_router(settings, limiter, reloader);
+        spawn_axum(tasks, listener, app, stopped(stop), "admin server failed");
+    }
+}
+
+/// Serves `app` on `listener` until `stop`, as one of `tasks`; a failure is `failure`.
+fn spawn_axum(
+    tasks: &mut Tasks,
+    listener: TcpListener,
+    app: axum::Router,
+    stop: impl Future<Output = ()> + Send + 'static,
+    failure: &'static str,
+) {
+    tasks.spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(stop)
+            .await
+            .context(failure)
+    });
+}
+
+/// The admin API, with `/config`: on the admin listener, since rule values can be API keys,
+/// and it names the backends.
+fn admin_router(
+    settings: &Settings,
+    limiter: &Arc<Limiter<AnyStore>>,
+    reloader: &Arc<Reloader<AnyStore>>,
+) -> axum::Router {
     let config_view: crate::server::admin::ConfigView = {
         let config_limiter = limiter.clone();
         let config_settings = settings.clone();
@@ -184,131 +335,117 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
             config
         })
     };
-    let http_state = {
-        let gauges = memory.clone();
-        let buckets = ::metrics::gauge!(crate::telemetry::MEMORY_BUCKETS);
-        let evicted = ::metrics::counter!(crate::telemetry::MEMORY_EVICTED_NOT_FULL);
-        // process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds, ...: the
-        // standard process metrics, read at each scrape.
-        let process = metrics_process::Collector::default();
-        process.describe();
-        HttpState::new(
-            ready.clone(),
-            {
-                let limiter = limiter.clone();
-                Arc::new(move || {
-                    let limiter = limiter.clone();
-                    Box::pin(async move { limiter.store().ready().await })
-                })
-            },
-            Some(prometheus),
-            Arc::new(move || {
-                process.collect();
-                buckets.set(gauges.len() as f64);
-                evicted.absolute(gauges.stats().evicted_not_full.load(Ordering::Relaxed));
-            }),
-            backend_names(&settings),
-        )
+    let options = crate::server::admin::AdminOptions {
+        token: settings.admin.token.clone(),
+        allowed_hosts: settings.admin.allowed_hosts.clone(),
+        config: Some(config_view),
     };
-    let mut tasks = tokio::task::JoinSet::new();
-    {
-        let stop = stopped();
-        let app = router(http_state.clone());
-        tasks.spawn(async move {
-            axum::serve(http, app)
-                .with_graceful_shutdown(stop)
-                .await
-                .context("HTTP server failed")
-        });
-    }
-    if let Some(listener) = metrics_listener {
-        let stop = stopped();
-        let app = crate::server::http::metrics_router(http_state, &settings.metrics.path);
-        tasks.spawn(async move {
-            axum::serve(listener, app)
-                .with_graceful_shutdown(stop)
-                .await
-                .context("metrics server failed")
-        });
-    }
-    if let Some(admin) = admin {
-        let stop = stopped();
-        let options = crate::server::admin::AdminOptions {
-            token: settings.admin.token.clone(),
-            allowed_hosts: settings.admin.allowed_hosts.clone(),
-            config: Some(config_view),
-        };
-        let app = crate::server::admin::router(limiter.clone(), options);
-        tasks.spawn(async move {
-            axum::serve(admin, app)
-                .with_graceful_shutdown(stop)
-                .await
-                .context("admin server failed")
-        });
-    }
+    crate::server::admin::router(limiter.clone(), options)
+}
+
+/// Reports the `RateLimitService` serving and starts the gRPC server on `listener`: it stops
+/// accepting when `stop` says so, and sends its GOAWAY shortly before the shutdown deadline.
+/// Returns the health reporter.
+async fn start_grpc(
+    tasks: &mut Tasks,
+    listener: TcpListener,
+    limiter: &Arc<Limiter<AnyStore>>,
+    settings: &Settings,
+    stop: &tokio::sync::watch::Receiver<bool>,
+) -> HealthReporter {
     let (health_reporter, health) = tonic_health::server::health_reporter();
     health_reporter
         .set_serving::<RateLimitServer<RateLimitGrpc<AnyStore>>>()
         .await;
-    {
-        // At the stop the gRPC listener closes, but the connections already open keep serving
-        // new streams: Envoy keeps its connections and sends on them until told otherwise, so
-        // a GOAWAY at the stop refused (or sent elsewhere, to a listener now closed) every
-        // request of the last moments. Told to go away only shortly before the deadline,
-        // Envoy moves on while the streams it already sent are still answered.
-        let close = stopped();
-        let stop = stopped();
-        let timeout = settings.shutdown.timeout_seconds.duration();
-        let go_away = async move {
-            stop.await;
-            tokio::time::sleep(timeout.saturating_sub(go_away_margin(timeout))).await;
-        };
-        let service = RateLimitGrpc::new(limiter.clone());
-        tasks.spawn(serve_rate_limit_service_draining(
-            grpc,
-            service,
-            health,
-            settings.grpc,
-            close,
-            go_away,
-        ));
-    }
-    ready.set(true);
-    let health_follower = tokio::spawn(follow_readiness(health_reporter.clone(), limiter.clone()));
+    // At the stop the gRPC listener closes, but the connections already open keep serving
+    // new streams: Envoy keeps its connections and sends on them until told otherwise, so
+    // a GOAWAY at the stop refused (or sent elsewhere, to a listener now closed) every
+    // request of the last moments. Told to go away only shortly before the deadline,
+    // Envoy moves on while the streams it already sent are still answered.
+    let close = stopped(stop);
+    let stop = stopped(stop);
+    let timeout = settings.shutdown.timeout_seconds.duration();
+    let go_away = async move {
+        stop.await;
+        tokio::time::sleep(timeout.saturating_sub(go_away_margin(timeout))).await;
+    };
+    let service = RateLimitGrpc::new(limiter.clone());
+    tasks.spawn(serve_rate_limit_service_draining(
+        listener,
+        service,
+        health,
+        settings.grpc,
+        close,
+        go_away,
+    ));
+    health_reporter
+}
 
-    let failed = tokio::select! {
-        // A listener ended by itself: that is an error (or a bug); shut the rest down.
+/// Waits for SIGINT or SIGTERM, or for a listener task to end by itself, which is returned:
+/// that is an error (or a bug), and shuts the rest down.
+async fn until_stop(tasks: &mut Tasks) -> Option<TaskResult> {
+    tokio::select! {
         Some(done) = tasks.join_next() => Some(done),
         _ = shutdown_signal() => None,
-    };
+    }
+}
+
+/// Reports not ready from now on: `/readyz` 503 and gRPC health `NOT_SERVING`, no longer
+/// following the backend.
+async fn report_not_serving(ready: &Readiness, health_follower: &JoinHandle<()>, health_reporter: &HealthReporter) {
     ready.set(false);
     health_follower.abort();
     health_reporter
         .set_not_serving::<RateLimitServer<RateLimitGrpc<AnyStore>>>()
         .await;
     health_reporter.set_service_status("", ServingStatus::NotServing).await;
-    if failed.is_none() && settings.shutdown.drain_seconds.0 > 0 {
-        tracing::info!(
-            drain_seconds = settings.shutdown.drain_seconds.0,
-            "shutting down: not ready; still answering while load balancers move away"
-        );
-        tokio::select! {
-            _ = tokio::time::sleep(settings.shutdown.drain_seconds.duration()) => {}
-            _ = shutdown_signal() => {
-                tracing::warn!("second signal: exiting now, without waiting for requests in flight");
-                reload_task.abort();
-                tasks.abort_all();
-                return Ok(());
-            }
-        }
+}
+
+/// Drains (unless a listener `failed`), closes the listeners and waits for the requests in
+/// flight, as [`serve`] says; returns the failure of the listener that stopped, if one did.
+async fn shut_down(
+    stop_tx: tokio::sync::watch::Sender<bool>,
+    reload_task: JoinHandle<()>,
+    shutdown: ShutdownSettings,
+    failed: Option<TaskResult>,
+    mut tasks: Tasks,
+) -> anyhow::Result<()> {
+    if failed.is_none() && !drain(shutdown).await {
+        reload_task.abort();
+        tasks.abort_all();
+        return Ok(());
     }
     tracing::info!(
-        timeout_seconds = settings.shutdown.timeout_seconds.0,
+        timeout_seconds = shutdown.timeout_seconds.0,
         "closing the listeners; finishing requests in flight"
     );
     reload_task.abort();
     let _ = stop_tx.send(true);
-    let deadline = settings.shutdown.timeout_seconds.duration();
+    finish_in_flight(tasks, failed, shutdown.timeout_seconds.duration()).await
+}
+
+/// Waits `shutdown.drain_seconds`, still answering, while load balancers move away; false when
+/// a second signal cut that short (exit now).
+async fn drain(shutdown: ShutdownSettings) -> bool {
+    if shutdown.drain_seconds.0 == 0 {
+        return true;
+    }
+    tracing::info!(
+        drain_seconds = shutdown.drain_seconds.0,
+        "shutting down: not ready; still answering while load balancers move away"
+    );
+    tokio::select! {
+        _ = tokio::time::sleep(shutdown.drain_seconds.duration()) => true,
+        _ = shutdown_signal() => {
+            tracing::warn!("second signal: exiting now, without waiting for requests in flight");
+            false
+        }
+    }
+}
+
+/// Gives the listener tasks until `deadline` (or another signal) to finish; then the result of
+/// `failed`, the task that ended by itself, if one did.
+async fn finish_in_flight(mut tasks: Tasks, failed: Option<TaskResult>, deadline: Duration) -> anyhow::Result<()> {
     let mut result = match failed {
         Some(done) => done.context("a listener task panicked")?,
         None => Ok(()),
@@ -363,7 +500,7 @@ const HEALTH_EVERY: Duration = Duration::from_secs(1);
 /// Keeps gRPC health (`""` and the `RateLimitService`) saying what `/readyz` says about the
 /// backend: `NOT_SERVING` while it cannot decide (no fallback that can), `SERVING` again once
 /// it can. Checked every [`HEALTH_EVERY`]; runs until aborted at shutdown.
-async fn follow_readiness(reporter: tonic_health::server::HealthReporter, limiter: Arc<Limiter<AnyStore>>) {
+async fn follow_readiness(reporter: HealthReporter, limiter: Arc<Limiter<AnyStore>>) {
     let mut serving = true;
     let mut tick = tokio::time::interval(HEALTH_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

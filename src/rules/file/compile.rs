@@ -4,7 +4,7 @@ use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::model::{BucketSpec, DescriptorSpec, QuotaSpec, RulesFile, ScheduleEntrySpec};
+use super::model::{BucketSpec, DescriptorSpec, QuotaSpec, RateLimitSpec, RulesFile, ScheduleEntrySpec};
 use super::{parse_refill, ConfigError};
 use crate::core::bucket::{Limit, Rate, RateError, MAX_CAPACITY};
 use crate::core::schedule::{Plan, Quota, Schedule, ScheduleEntry, ScheduleError};
@@ -64,6 +64,23 @@ struct Compiled {
 /// stored: `<name>.quota`.
 fn quota_name(name: &str) -> String {
     format!("{name}.quota")
+}
+
+/// What kind of limit a descriptor declares (the one it gives: two are an error).
+enum LimitSource<'s> {
+    /// `unlimited: true`, on the descriptor or in `rate_limit`; `with_limit` when it also
+    /// gives a limit (an error).
+    Unlimited { with_limit: bool },
+    /// `bucket:`, a bucket declared under `buckets:`.
+    Named(&'s str),
+    /// An inline `token_bucket`, a `quota` alone, or both.
+    Inline,
+    /// envoyproxy/ratelimit's `rate_limit: {unit, requests_per_unit}`.
+    Envoy(&'s RateLimitSpec),
+    /// A `schedule` with no limit to change (an error).
+    ScheduleOnly,
+    /// No limit: the node only leads to its children.
+    Nothing,
 }
 
 struct PendingReplaces {
@@ -508,6 +525,45 @@ impl<'a> DomainBuilder<'a> {
 
     /// The node's rule; errors are recorded and give `None`.
     fn rule(&mut self, spec: &DescriptorSpec, path: &str) -> Option<Rule> {
+        let source = self.limit_source(spec, path)?;
+        let replaces = self.rule_replaces(spec, path)?;
+        let (bucket, quota) = match source {
+            LimitSource::Unlimited { with_limit } => return self.unlimited_rule(spec, path, with_limit, replaces),
+            LimitSource::Named(name) => self.named_bucket(spec, path, name)?,
+            LimitSource::Inline => self.inline_bucket(spec, path)?,
+            LimitSource::Envoy(rl) => self.envoy_bucket(spec, path, rl)?,
+            LimitSource::ScheduleOnly => {
+                self.error(
+                    path,
+                    "`schedule` changes a limit, and this rule has none: add `token_bucket` or `rate_limit`, or \
+                     reference a bucket",
+                );
+                return None;
+            }
+            LimitSource::Nothing => {
+                if spec.shadow_mode {
+                    self.note(path, "`shadow_mode` has no effect on a rule without a limit");
+                }
+                self.pending_replaces(
+                    path,
+                    replaces,
+                    Some("`replaces` has no effect on a rule without a limit"),
+                );
+                return None;
+            }
+        };
+        self.pending_replaces(path, replaces, None);
+        Some(Rule::Limited {
+            bucket,
+            quota,
+            shadow: spec.shadow_mode,
+            replaces: Vec::new(),
+        })
+    }
+
+    /// What kind of limit `spec` declares; errors (a unit on an unlimited `rate_limit`, or
+    /// more than one limit) are recorded and give `None`.
+    fn limit_source<'s>(&mut self, spec: &'s DescriptorSpec, path: &str) -> Option<LimitSource<'s>> {
         let rl = spec.rate_limit.as_ref();
         let unlimited = spec.unlimited || rl.is_some_and(|r| r.unlimited);
         // envoyproxy/ratelimit rejects a unit on an unlimited rate_limit but ignores a count; an
@@ -534,7 +590,25 @@ impl<'a> DomainBuilder<'a> {
             );
             return None;
         }
-        let replaces: Vec<String> = match (&spec.replaces, rl.and_then(|r| r.replaces.as_ref())) {
+        Some(if unlimited {
+            LimitSource::Unlimited { with_limit: count > 0 }
+        } else if let Some(name) = &spec.bucket {
+            LimitSource::Named(name)
+        } else if spec.token_bucket.is_some() || (spec.quota.is_some() && rl_limit.is_none()) {
+            LimitSource::Inline
+        } else if let Some(rl) = rl_limit {
+            LimitSource::Envoy(rl)
+        } else if spec.schedule.is_some() {
+            LimitSource::ScheduleOnly
+        } else {
+            LimitSource::Nothing
+        })
+    }
+
+    /// The bucket names the rule's `replaces` lists, on the descriptor or in `rate_limit`.
+    fn rule_replaces(&mut self, spec: &DescriptorSpec, path: &str) -> Option<Vec<String>> {
+        let rl = spec.rate_limit.as_ref();
+        Some(match (&spec.replaces, rl.and_then(|r| r.replaces.as_ref())) {
             (Some(_), Some(_)) => {
                 self.error(
                     path,
@@ -544,150 +618,150 @@ impl<'a> DomainBuilder<'a> {
             }
             (Some(r), None) | (None, Some(r)) => r.iter().map(|r| r.name.clone()).collect(),
             (None, None) => Vec::new(),
-        };
-        if unlimited {
-            if spec.schedule.is_some() {
-                self.error(
-                    path,
-                    "`schedule` on an unlimited rule: an unlimited rule has no limit for a schedule to change",
-                );
-                return None;
-            }
-            if spec.quota.is_some() {
-                self.error(path, "`unlimited: true` cannot be combined with a quota");
-                return None;
-            }
-            if count > 0 {
-                self.error(path, "`unlimited: true` cannot be combined with a limit");
-                return None;
-            }
-            self.pending_replaces(path, replaces, None);
-            return Some(Rule::Unlimited { replaces: Vec::new() });
-        }
-        if let Some(name) = &spec.bucket {
-            let field = match (spec.schedule.is_some(), spec.quota.is_some()) {
-                (true, true) => Some("`schedule` and `quota`"),
-                (true, false) => Some("`schedule`"),
-                (false, true) => Some("`quota`"),
-                (false, false) => None,
-            };
-            if let Some(field) = field {
-                self.error(
-                    path,
-                    format!(
-                        "{field} on a rule that references bucket `{name}`: declare it on the bucket under `buckets:`"
-                    ),
-                );
-                return None;
-            }
-        }
-        if spec.name.is_some() && (spec.bucket.is_some() || rl.is_some()) {
-            let why = if spec.bucket.is_some() {
-                "`name` names an inline limit; this rule references a bucket, whose name is used"
-            } else {
-                "`name` goes inside `rate_limit` in the envoyproxy/ratelimit schema"
-            };
-            self.error(path, why);
-            return None;
-        }
-        let (bucket, quota) = if let Some(name) = &spec.bucket {
-            match self.by_name.get(name) {
-                Some(&idx) => (idx, self.companions.get(&idx).copied()),
-                // The bucket's own error is reported; an "unknown bucket" here would only add noise.
-                None if self.rejected.contains(name) => return None,
-                None => {
-                    let mut known: Vec<&str> = self.by_name.keys().map(String::as_str).collect();
-                    known.sort_unstable();
-                    self.error(
-                        path,
-                        format!("unknown bucket `{name}`; declared buckets: [{}]", known.join(", ")),
-                    );
-                    return None;
-                }
-            }
-        } else if spec.token_bucket.is_some() || (spec.quota.is_some() && rl_limit.is_none()) {
-            // An inline token bucket, a quota alone, or both; the rule's `schedule` and `quota`
-            // join the inline bucket's own (given twice is an error).
-            let mut merged = spec.token_bucket.clone().unwrap_or(BucketSpec {
-                capacity: None,
-                refill: None,
-                schedule: None,
-                quota: None,
-            });
-            for (field, twice) in [
-                ("schedule", merged.schedule.is_some() && spec.schedule.is_some()),
-                ("quota", merged.quota.is_some() && spec.quota.is_some()),
-            ] {
-                if twice {
-                    self.error(
-                        path,
-                        format!("`{field}` is given twice (on the rule and in `token_bucket`)"),
-                    );
-                    return None;
-                }
-            }
-            merged.schedule = merged.schedule.or_else(|| spec.schedule.clone());
-            merged.quota = merged.quota.or_else(|| spec.quota.clone());
-            let name = spec.name.clone().unwrap_or_else(|| path.to_owned());
-            if let Err(reason) = check_bucket_name(&name) {
-                self.error(path, format!("{reason}; give the rule a `name`"));
-                return None;
-            }
-            let compiled = self.bucket_spec(path, &merged)?;
-            self.register(path, name, compiled)?
-        } else if let Some(rl) = rl_limit {
-            let name = rl.name.clone().unwrap_or_else(|| path.to_owned());
-            if let Err(reason) = check_bucket_name(&name) {
-                self.error(path, format!("{reason}; give the rate_limit a `name`"));
-                return None;
-            }
-            let (limit, reported) = self.envoy_limit(path, rl.unit.as_deref(), rl.requests_per_unit)?;
-            if limit.rate.is_zero() && spec.schedule.is_some() {
-                self.error(
-                    path,
-                    "`schedule` on a rule with `requests_per_unit: 0`, which blocks every request: give it a \
-                     positive limit, and a window with `capacity: 0` where it should block",
-                );
-                return None;
-            }
-            let plan = self.scheduled(path, limit, spec.schedule.as_deref().unwrap_or_default())?;
-            let bucket = self.add_label(name.clone(), plan, reported);
-            let quota = match &spec.quota {
-                Some(q) => {
-                    let quota = Plan::Quota(self.quota(path, q)?);
-                    let reported = reported_base(&quota);
-                    let idx = self.add_label(quota_name(&name), quota, reported);
-                    self.companions.insert(bucket, idx);
-                    Some(idx)
-                }
-                None => None,
-            };
-            (bucket, quota)
-        } else if spec.schedule.is_some() {
+        })
+    }
+
+    /// An unlimited rule, unless it also has a `schedule`, a quota or a limit (`with_limit`).
+    fn unlimited_rule(
+        &mut self,
+        spec: &DescriptorSpec,
+        path: &str,
+        with_limit: bool,
+        replaces: Vec<String>,
+    ) -> Option<Rule> {
+        if spec.schedule.is_some() {
             self.error(
                 path,
-                "`schedule` changes a limit, and this rule has none: add `token_bucket` or `rate_limit`, or \
-                 reference a bucket",
+                "`schedule` on an unlimited rule: an unlimited rule has no limit for a schedule to change",
             );
             return None;
-        } else {
-            if spec.shadow_mode {
-                self.note(path, "`shadow_mode` has no effect on a rule without a limit");
-            }
-            self.pending_replaces(
-                path,
-                replaces,
-                Some("`replaces` has no effect on a rule without a limit"),
-            );
+        }
+        if spec.quota.is_some() {
+            self.error(path, "`unlimited: true` cannot be combined with a quota");
             return None;
-        };
+        }
+        if with_limit {
+            self.error(path, "`unlimited: true` cannot be combined with a limit");
+            return None;
+        }
         self.pending_replaces(path, replaces, None);
-        Some(Rule::Limited {
-            bucket,
-            quota,
-            shadow: spec.shadow_mode,
-            replaces: Vec::new(),
-        })
+        Some(Rule::Unlimited { replaces: Vec::new() })
+    }
+
+    /// The bucket `name` under `buckets:` and its quota, if it has one.
+    fn named_bucket(&mut self, spec: &DescriptorSpec, path: &str, name: &str) -> Option<(usize, Option<usize>)> {
+        let field = match (spec.schedule.is_some(), spec.quota.is_some()) {
+            (true, true) => Some("`schedule` and `quota`"),
+            (true, false) => Some("`schedule`"),
+            (false, true) => Some("`quota`"),
+            (false, false) => None,
+        };
+        if let Some(field) = field {
+            self.error(
+                path,
+                format!("{field} on a rule that references bucket `{name}`: declare it on the bucket under `buckets:`"),
+            );
+            return None;
+        }
+        if spec.name.is_some() {
+            self.error(
+                path,
+                "`name` names an inline limit; this rule references a bucket, whose name is used",
+            );
+            return None;
+        }
+        match self.by_name.get(name) {
+            Some(&idx) => Some((idx, self.companions.get(&idx).copied())),
+            // The bucket's own error is reported; an "unknown bucket" here would only add noise.
+            None if self.rejected.contains(name) => None,
+            None => {
+                let mut known: Vec<&str> = self.by_name.keys().map(String::as_str).collect();
+                known.sort_unstable();
+                self.error(
+                    path,
+                    format!("unknown bucket `{name}`; declared buckets: [{}]", known.join(", ")),
+                );
+                None
+            }
+        }
+    }
+
+    /// The rule's inline `token_bucket`, quota, or both: registered under the rule's `name`,
+    /// or its path.
+    fn inline_bucket(&mut self, spec: &DescriptorSpec, path: &str) -> Option<(usize, Option<usize>)> {
+        // An inline token bucket, a quota alone, or both; the rule's `schedule` and `quota`
+        // join the inline bucket's own (given twice is an error).
+        let mut merged = spec.token_bucket.clone().unwrap_or(BucketSpec {
+            capacity: None,
+            refill: None,
+            schedule: None,
+            quota: None,
+        });
+        for (field, twice) in [
+            ("schedule", merged.schedule.is_some() && spec.schedule.is_some()),
+            ("quota", merged.quota.is_some() && spec.quota.is_some()),
+        ] {
+            if twice {
+                self.error(
+                    path,
+                    format!("`{field}` is given twice (on the rule and in `token_bucket`)"),
+                );
+                return None;
+            }
+        }
+        merged.schedule = merged.schedule.or_else(|| spec.schedule.clone());
+        merged.quota = merged.quota.or_else(|| spec.quota.clone());
+        let name = spec.name.clone().unwrap_or_else(|| path.to_owned());
+        if let Err(reason) = check_bucket_name(&name) {
+            self.error(path, format!("{reason}; give the rule a `name`"));
+            return None;
+        }
+        let compiled = self.bucket_spec(path, &merged)?;
+        self.register(path, name, compiled)
+    }
+
+    /// The bucket of the rule's envoyproxy/ratelimit `rate_limit` `rl`, and of its quota if it
+    /// has one.
+    fn envoy_bucket(
+        &mut self,
+        spec: &DescriptorSpec,
+        path: &str,
+        rl: &RateLimitSpec,
+    ) -> Option<(usize, Option<usize>)> {
+        if spec.name.is_some() {
+            self.error(
+                path,
+                "`name` goes inside `rate_limit` in the envoyproxy/ratelimit schema",
+            );
+            return None;
+        }
+        let name = rl.name.clone().unwrap_or_else(|| path.to_owned());
+        if let Err(reason) = check_bucket_name(&name) {
+            self.error(path, format!("{reason}; give the rate_limit a `name`"));
+            return None;
+        }
+        let (limit, reported) = self.envoy_limit(path, rl.unit.as_deref(), rl.requests_per_unit)?;
+        if limit.rate.is_zero() && spec.schedule.is_some() {
+            self.error(
+                path,
+                "`schedule` on a rule with `requests_per_unit: 0`, which blocks every request: give it a \
+                 positive limit, and a window with `capacity: 0` where it should block",
+            );
+            return None;
+        }
+        let plan = self.scheduled(path, limit, spec.schedule.as_deref().unwrap_or_default())?;
+        let bucket = self.add_label(name.clone(), plan, reported);
+        let quota = match &spec.quota {
+            Some(q) => {
+                let quota = Plan::Quota(self.quota(path, q)?);
+                let reported = reported_base(&quota);
+                let idx = self.add_label(quota_name(&name), quota, reported);
+                self.companions.insert(bucket, idx);
+                Some(idx)
+            }
+            None => None,
+        };
+        Some((bucket, quota))
     }
 
     /// Records the `replaces` of the node being built (the next in `nodes`), resolved once every

@@ -691,8 +691,23 @@ impl Reader<'_> {
     }
 
     fn backend(&mut self) {
-        /// Most Redis connections their REDIS_POOL_SIZE gives tollgate.
-        const REDIS_POOL_MAX: usize = 256;
+        self.backend_type();
+        if !self.redis_backend() {
+            return;
+        }
+        let socket = self.redis_socket();
+        let cluster = self.redis_type();
+        let tls = self.redis_tls();
+        self.redis_urls(&socket, tls, cluster);
+        self.redis_pool_size();
+        self.redis_auth();
+        self.redis_timeout();
+        self.redis_key_prefix();
+        self.redis_pool_on_empty();
+    }
+
+    /// Refuses the backends (and the per-second Redis) tollgate does not have.
+    fn backend_type(&mut self) {
         match self.get("BACKEND_TYPE").map(str::to_ascii_lowercase).as_deref() {
             None | Some("redis") => {}
             Some("memcache") => self.refuse(
@@ -710,6 +725,11 @@ impl Reader<'_> {
                 "a second Redis for per-second limits is not supported; set it to false: every limit lives in the Redis of REDIS_URL",
             );
         }
+    }
+
+    /// Whether the Redis backend is asked for (`BACKEND_TYPE=redis` or any Redis variable);
+    /// when it is, selects it.
+    fn redis_backend(&mut self) -> bool {
         let redis_vars = [
             "REDIS_SOCKET_TYPE",
             "REDIS_TYPE",
@@ -725,7 +745,7 @@ impl Reader<'_> {
             .get("BACKEND_TYPE")
             .is_some_and(|b| b.eq_ignore_ascii_case("redis"));
         if set.is_empty() && !explicit {
-            return;
+            return false;
         }
         let mut from: Vec<&str> = set.clone();
         if explicit {
@@ -734,7 +754,11 @@ impl Reader<'_> {
         self.set("backend", json!("redis"), &from.join(", "));
         // Their service retries Redis at start until it answers, failing health meanwhile.
         self.set("redis.unreachable_at_start", json!("not_ready"), &from.join(", "));
+        true
+    }
 
+    /// `REDIS_SOCKET_TYPE`, lowercase (their default: `unix`); refused unless `tcp`.
+    fn redis_socket(&mut self) -> String {
         let socket = self.get("REDIS_SOCKET_TYPE").unwrap_or("unix").to_ascii_lowercase();
         if socket != "tcp" {
             let shown = self
@@ -747,6 +771,11 @@ impl Reader<'_> {
                 ),
             );
         }
+        socket
+    }
+
+    /// Whether `REDIS_TYPE` is a Redis Cluster.
+    fn redis_type(&mut self) -> bool {
         let cluster = match self.get("REDIS_TYPE").map(str::to_ascii_uppercase).as_deref() {
             None | Some("SINGLE") => false,
             Some("CLUSTER") => true,
@@ -769,6 +798,11 @@ impl Reader<'_> {
         if self.get("REDIS_TYPE").is_some() {
             self.set("redis.cluster", json!(cluster), "REDIS_TYPE");
         }
+        cluster
+    }
+
+    /// Whether `REDIS_TLS` is on; refuses the TLS options tollgate does not have.
+    fn redis_tls(&mut self) -> bool {
         let tls = self.bool("REDIS_TLS") == Some(true);
         if self.get("REDIS_TLS").is_some() {
             self.set("redis.tls", json!(tls), "REDIS_TLS");
@@ -789,6 +823,11 @@ impl Reader<'_> {
                 );
             }
         }
+        tls
+    }
+
+    /// `REDIS_URL`'s nodes, over TCP (`socket`), with TLS or not, one node unless `cluster`.
+    fn redis_urls(&mut self, socket: &str, tls: bool, cluster: bool) {
         match self.get("REDIS_URL").map(str::to_owned) {
             Some(url) if socket == "tcp" => {
                 let scheme = if tls { "rediss" } else { "redis" };
@@ -838,6 +877,11 @@ impl Reader<'_> {
                 "is not set, so their default (the Unix socket /var/run/nutcracker/ratelimit.sock) would apply, which tollgate cannot reach; set REDIS_URL=host:port",
             ),
         }
+    }
+
+    fn redis_pool_size(&mut self) {
+        /// Most Redis connections their REDIS_POOL_SIZE gives tollgate.
+        const REDIS_POOL_MAX: usize = 256;
         if let Some(size) = self.get("REDIS_POOL_SIZE") {
             match size.parse::<usize>() {
                 // Their pools hold a connection per concurrent request; tollgate pipelines
@@ -860,6 +904,9 @@ impl Reader<'_> {
                 }
             }
         }
+    }
+
+    fn redis_auth(&mut self) {
         if let Some(auth) = self.get("REDIS_AUTH").map(str::to_owned) {
             // Theirs: `password`, or `user:password` for an ACL user.
             match auth.split_once(':') {
@@ -870,6 +917,9 @@ impl Reader<'_> {
                 None => self.set("redis.password", json!(auth), "REDIS_AUTH"),
             }
         }
+    }
+
+    fn redis_timeout(&mut self) {
         if let Some(timeout) = self.get("REDIS_TIMEOUT").map(str::to_owned) {
             match go_duration_ms(&timeout) {
                 Some(ms) if ms >= 1 => self.set("redis.connect_timeout_ms", json!(ms), "REDIS_TIMEOUT"),
@@ -887,6 +937,9 @@ impl Reader<'_> {
                 }
             }
         }
+    }
+
+    fn redis_key_prefix(&mut self) {
         if let Some(prefix) = self.get("CACHE_KEY_PREFIX").map(str::to_owned) {
             if prefix.contains(['{', '}']) {
                 self.refuse(
@@ -897,6 +950,9 @@ impl Reader<'_> {
                 self.set("redis.key_prefix", json!(prefix), "CACHE_KEY_PREFIX");
             }
         }
+    }
+
+    fn redis_pool_on_empty(&mut self) {
         if let Some(behavior) = self.get("REDIS_POOL_ON_EMPTY_BEHAVIOR") {
             if !behavior.eq_ignore_ascii_case("WAIT") {
                 let shown = self.shown("REDIS_POOL_ON_EMPTY_BEHAVIOR");
@@ -949,40 +1005,60 @@ impl Reader<'_> {
 /// `key2`, or maps their rate-limit stats to another series name: dashboards built on that
 /// mapper would find nothing in what tollgate exports.
 fn check_mapper(path: &std::path::Path) -> Result<Vec<String>, String> {
-    #[derive(serde::Deserialize)]
-    struct Mapper {
-        #[serde(default)]
-        mappings: Vec<Mapping>,
-    }
-    #[derive(serde::Deserialize)]
-    struct Mapping {
-        #[serde(rename = "match")]
-        pattern: Option<String>,
-        match_type: Option<String>,
-        action: Option<String>,
-        name: Option<String>,
-        #[serde(default)]
-        labels: BTreeMap<String, String>,
-    }
+    let shown = path.display();
+    let mapper = match read_mapper(path) {
+        Ok(mapper) => mapper,
+        Err(warning) => return Ok(vec![warning]),
+    };
+    refuse_other_series(&mapper, &shown)?;
+    Ok(mapper_warnings(&mapper, &shown))
+}
+
+/// A statsd-exporter mapper file, the parts [`check_mapper`] reads.
+#[derive(serde::Deserialize)]
+struct Mapper {
+    #[serde(default)]
+    mappings: Vec<Mapping>,
+}
+
+/// One mapping of a [`Mapper`].
+#[derive(serde::Deserialize)]
+struct Mapping {
+    #[serde(rename = "match")]
+    pattern: Option<String>,
+    match_type: Option<String>,
+    action: Option<String>,
+    name: Option<String>,
+    #[serde(default)]
+    labels: BTreeMap<String, String>,
+}
+
+/// The labels tollgate puts on the per-rule series.
+const MAPPER_LABELS: [&str; 3] = ["domain", "key1", "key2"];
+
+/// The mapper at `path`, or the warning that it cannot be read or parsed.
+fn read_mapper(path: &std::path::Path) -> Result<Mapper, String> {
     let shown = path.display();
     let unmapped = "tollgate exports the default mapper's names and labels";
     let text = match std::fs::read_to_string(path) {
         Ok(text) => text,
         Err(e) => {
-            return Ok(vec![format!(
+            return Err(format!(
                 "cannot read {shown} ({e}); their service ignores that too; {unmapped}"
-            )])
+            ))
         }
     };
-    let mapper: Mapper = match serde_yaml::from_str(&text) {
-        Ok(m) => m,
-        Err(e) => {
-            return Ok(vec![format!(
-                "{shown} is not a statsd-exporter mapper ({e}); their service ignores that too; {unmapped}"
-            )])
-        }
-    };
-    const ALLOWED: [&str; 3] = ["domain", "key1", "key2"];
+    match serde_yaml::from_str(&text) {
+        Ok(m) => Ok(m),
+        Err(e) => Err(format!(
+            "{shown} is not a statsd-exporter mapper ({e}); their service ignores that too; {unmapped}"
+        )),
+    }
+}
+
+/// Refuses a mapping that labels a per-rule series with another label, or maps their
+/// rate-limit stats to another series name (see [`check_mapper`]).
+fn refuse_other_series(mapper: &Mapper, shown: &std::path::Display<'_>) -> Result<(), String> {
     let series = crate::telemetry::ENVOYPROXY_RULE_SERIES;
     for m in &mapper.mappings {
         let name = m.name.as_deref().unwrap_or_default();
@@ -991,7 +1067,7 @@ fn check_mapper(path: &std::path::Path) -> Result<Vec<String>, String> {
             p.starts_with("ratelimit.service.rate_limit.") || p.starts_with("ratelimit\\.service\\.rate_limit\\.")
         });
         if series.contains(&name) {
-            if let Some(other) = m.labels.keys().find(|k| !ALLOWED.contains(&k.as_str())) {
+            if let Some(other) = m.labels.keys().find(|k| !MAPPER_LABELS.contains(&k.as_str())) {
                 return Err(format!(
                     "{shown} labels {name} with {other:?}; tollgate labels it with domain, key1, key2 only"
                 ));
@@ -1003,6 +1079,13 @@ fn check_mapper(path: &std::path::Path) -> Result<Vec<String>, String> {
             ));
         }
     }
+    Ok(())
+}
+
+/// One warning per difference between `mapper` and tollgate's per-rule series (see
+/// [`check_mapper`]).
+fn mapper_warnings(mapper: &Mapper, shown: &std::path::Display<'_>) -> Vec<String> {
+    let series = crate::telemetry::ENVOYPROXY_RULE_SERIES;
     let mut warnings = Vec::new();
     for name in series {
         let forms: Vec<(&Mapping, Vec<&str>)> = mapper
@@ -1017,7 +1100,7 @@ fn check_mapper(path: &std::path::Path) -> Result<Vec<String>, String> {
             ));
             continue;
         }
-        for (wanted, levels) in [(&ALLOWED[..2], "one-level"), (&ALLOWED[..], "two-level")] {
+        for (wanted, levels) in [(&MAPPER_LABELS[..2], "one-level"), (&MAPPER_LABELS[..], "two-level")] {
             if !forms.iter().any(|(_, labels)| labels == wanted) {
                 warnings.push(format!(
                     "{shown} has no {levels} mapping of {name} (labels {}); tollgate exports those stats anyway",
@@ -1039,7 +1122,7 @@ fn check_mapper(path: &std::path::Path) -> Result<Vec<String>, String> {
             ));
         }
     }
-    Ok(warnings)
+    warnings
 }
 
 /// The files under the rules folder `dir` that their service would load and tollgate does not
