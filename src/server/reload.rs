@@ -209,56 +209,64 @@ impl<S: Store> Reloader<S> {
             }
         });
         match loaded {
-            Ok(mut rules) => {
-                let generation = current + 1;
-                rules.generation = generation;
-                crate::rules::counters::register_rules(&mut rules);
-                let mut domains: Vec<&str> = rules.domains.keys().map(String::as_str).collect();
-                domains.sort_unstable();
-                let domains = domains.join(", ");
-                let files = rules
-                    .files
-                    .iter()
-                    .map(|f| f.display().to_string())
-                    .collect::<Vec<_>>()
-                    .join(", ");
-                // Cleared first: `/config` never shows the new generation with the old failure.
-                *self.failure() = None;
-                self.limiter.swap_rules(rules);
-                last.in_force = print;
-                telemetry::rules_loaded(generation, true, false);
-                tracing::info!(
-                    path = %self.path.display(),
-                    generation,
-                    domains = %domains,
-                    files = %files,
-                    "rules reloaded"
-                );
-                ReloadOutcome::Applied { generation }
-            }
-            Err(errors) => {
-                for e in &errors.0 {
-                    tracing::error!(
-                        file = %e.file.display(),
-                        rule = e.rule.as_deref().unwrap_or("-"),
-                        reason = %e.reason,
-                        "invalid rules"
-                    );
-                }
-                tracing::error!(
-                    path = %self.path.display(),
-                    problems = errors.0.len(),
-                    generation = current,
-                    "rules reload rejected; the previous rules stay in force"
-                );
-                telemetry::rules_loaded(current, false, false);
-                let at = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_secs());
-                *self.failure() = Some((at, errors.0.iter().map(ToString::to_string).collect()));
-                ReloadOutcome::Failed(errors)
-            }
+            Ok(rules) => self.apply(&mut last, print, rules, current),
+            Err(errors) => self.reject(errors, current),
         }
+    }
+
+    /// Puts `rules` (read from files of fingerprint `print`) in force as the generation after
+    /// `current`, and logs and counts the reload.
+    fn apply(&self, last: &mut Attempts, print: Fingerprint, mut rules: RuleSet, current: u64) -> ReloadOutcome {
+        let generation = current + 1;
+        rules.generation = generation;
+        crate::rules::counters::register_rules(&mut rules);
+        let mut domains: Vec<&str> = rules.domains.keys().map(String::as_str).collect();
+        domains.sort_unstable();
+        let domains = domains.join(", ");
+        let files = rules
+            .files
+            .iter()
+            .map(|f| f.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ");
+        // Cleared first: `/config` never shows the new generation with the old failure.
+        *self.failure() = None;
+        self.limiter.swap_rules(rules);
+        last.in_force = print;
+        telemetry::rules_loaded(generation, true, false);
+        tracing::info!(
+            path = %self.path.display(),
+            generation,
+            domains = %domains,
+            files = %files,
+            "rules reloaded"
+        );
+        ReloadOutcome::Applied { generation }
+    }
+
+    /// Logs, counts and keeps (for `/config`) every problem of a rejected reload; the
+    /// generation `current` stays in force.
+    fn reject(&self, errors: ConfigErrors, current: u64) -> ReloadOutcome {
+        for e in &errors.0 {
+            tracing::error!(
+                file = %e.file.display(),
+                rule = e.rule.as_deref().unwrap_or("-"),
+                reason = %e.reason,
+                "invalid rules"
+            );
+        }
+        tracing::error!(
+            path = %self.path.display(),
+            problems = errors.0.len(),
+            generation = current,
+            "rules reload rejected; the previous rules stay in force"
+        );
+        telemetry::rules_loaded(current, false, false);
+        let at = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        *self.failure() = Some((at, errors.0.iter().map(ToString::to_string).collect()));
+        ReloadOutcome::Failed(errors)
     }
 
     /// Starts reloading in the background, until the returned task is aborted:

@@ -239,6 +239,24 @@ async fn transact(
     let buckets: Vec<&[BucketRef]> = jobs.iter().map(|j| j.buckets.as_slice()).collect();
     let (keys, index) = keys_of(&buckets);
     let mut tx = pool.begin().await?;
+    let (stored, clock) = lock_rows(&mut tx, &keys).await?;
+    let now = match time_override {
+        Some(c) => c.now_us(),
+        None => u64::try_from(clock).unwrap_or(0),
+    };
+    let demands: Vec<&[Demand]> = jobs.iter().map(|j| j.demands.as_slice()).collect();
+    let outcome = decide_batch(now, &stored, &buckets, &index, &demands);
+    write_rows(&mut tx, &keys, &outcome.writes).await?;
+    tx.commit().await?;
+    Ok(outcome.results)
+}
+
+/// Per stored key of `keys` (sorted), its row locked in `tx` (inserted when missing) and read,
+/// and Postgres's clock once the last lock was taken.
+async fn lock_rows(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    keys: &[Vec<u8>],
+) -> Result<(Vec<Result<Option<BucketState>, StoreError>>, i64), Failure> {
     // One statement takes every row and its lock, in ascending key order: it inserts the rows
     // first touches need (NULL state, read as full) or waits for whoever holds them. Each row's
     // clock is read once it is locked, so the latest is after every lock.
@@ -247,8 +265,8 @@ async fn transact(
          ON CONFLICT (key) DO UPDATE SET tokens_ut = b.tokens_ut \
          RETURNING key, tokens_ut, updated_us, {CLOCK_US}"
     ))
-    .bind(&keys)
-    .fetch_all(&mut *tx)
+    .bind(keys)
+    .fetch_all(&mut **tx)
     .await?;
     if rows.len() != keys.len() {
         return Err(
@@ -266,16 +284,18 @@ async fn transact(
             stored[i] = row_state(&key, tokens, updated);
         }
     }
-    let now = match time_override {
-        Some(c) => c.now_us(),
-        None => u64::try_from(clock).unwrap_or(0),
-    };
-    let demands: Vec<&[Demand]> = jobs.iter().map(|j| j.demands.as_slice()).collect();
-    let outcome = decide_batch(now, &stored, &buckets, &index, &demands);
+    Ok((stored, clock))
+}
 
+/// Writes a batch's `writes` to the locked rows of `keys` in `tx`, in one statement.
+async fn write_rows(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    keys: &[Vec<u8>],
+    writes: &[Write],
+) -> Result<(), Failure> {
     let (mut gone, mut kept, mut tokens, mut updated, mut full_at) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    for write in &outcome.writes {
+    for write in writes {
         match *write {
             Write::Delete(k) => gone.push(&keys[k]),
             Write::Update { key, state, full_at_us } => {
@@ -298,7 +318,7 @@ async fn transact(
         .bind(&updated)
         .bind(&full_at)
         .bind(&gone)
-        .execute(&mut *tx)
+        .execute(&mut **tx)
         .await?;
         // The rows are locked since the first statement: each must still be there.
         if done.rows_affected() != kept.len() as u64 {
@@ -310,11 +330,10 @@ async fn transact(
     } else if !gone.is_empty() {
         sqlx::query("DELETE FROM tollgate_buckets WHERE key = ANY($1)")
             .bind(&gone)
-            .execute(&mut *tx)
+            .execute(&mut **tx)
             .await?;
     }
-    tx.commit().await?;
-    Ok(outcome.results)
+    Ok(())
 }
 
 /// What a batch writes for one key.

@@ -243,6 +243,63 @@ impl Conn {
     }
 }
 
+/// The client configuration for `settings`, whose first URL is `first`: the nodes (every URL's,
+/// for a Cluster), the credentials, TLS and whether to fail fast.
+///
+/// Errors: a URL that does not parse, or TLS that cannot be set up (made by `fail`).
+fn client_config(
+    settings: &RedisSettings,
+    first: &str,
+    fail: &impl Fn(String) -> ConnectError,
+) -> Result<Config, ConnectError> {
+    let mut config = Config::from_url(first).map_err(|e| fail(e.details().to_string()))?;
+    if settings.cluster {
+        let mut hosts = Vec::new();
+        for url in &settings.urls {
+            let c = Config::from_url(url).map_err(|e| fail(e.details().to_string()))?;
+            hosts.extend(
+                c.server
+                    .hosts()
+                    .into_iter()
+                    .map(|s: Server| (s.host.to_string(), s.port)),
+            );
+        }
+        config.server = ServerConfig::new_clustered(hosts);
+    }
+    if settings.username.is_some() {
+        config.username = settings.username.clone();
+    }
+    if settings.password.is_some() {
+        config.password = settings.password.clone();
+    }
+    if settings.tls && config.tls.is_none() {
+        let tls = TlsConnector::default_rustls().map_err(|e| fail(format!("TLS: {}", e.details())))?;
+        config.tls = Some(tls.into());
+    }
+    // Failing fast makes a first connection that cannot be made an error at once (`exit`
+    // names the reason); a server that may start without Redis instead keeps its first
+    // connection attempts going under the reconnect policy, like every later one.
+    config.fail_fast = settings.unreachable_at_start == UnreachableAtStart::Exit;
+    Ok(config)
+}
+
+/// The connection pool over `config`, its commands bounded by `timeout`; connects nothing.
+fn build_pool(settings: &RedisSettings, config: Config, timeout: Duration) -> Result<Pool, FredError> {
+    Builder::from_config(config)
+        .with_connection_config(|c| {
+            c.connection_timeout = settings.connect_timeout_ms.duration();
+            c.internal_command_timeout = Duration::from_millis(settings.connect_timeout_ms.0.max(100));
+            c.max_command_attempts = 1;
+            c.tcp.nodelay = Some(true);
+        })
+        .with_performance_config(|p| {
+            p.default_command_timeout = timeout;
+        })
+        // Reconnect forever, every 200 ms: an outage ends by itself.
+        .set_policy(ReconnectPolicy::new_constant(0, 200))
+        .build_pool(settings.pool_size)
+}
+
 impl RedisStore {
     /// Builds the connection pool for `settings` without connecting; [`RedisStore::connect`]
     /// connects. `clock` is the local clock, used only to estimate Redis time.
@@ -255,50 +312,10 @@ impl RedisStore {
             url: redact_url(first),
             reason,
         };
-        let mut config = Config::from_url(first).map_err(|e| fail(e.details().to_string()))?;
-        if settings.cluster {
-            let mut hosts = Vec::new();
-            for url in &settings.urls {
-                let c = Config::from_url(url).map_err(|e| fail(e.details().to_string()))?;
-                hosts.extend(
-                    c.server
-                        .hosts()
-                        .into_iter()
-                        .map(|s: Server| (s.host.to_string(), s.port)),
-                );
-            }
-            config.server = ServerConfig::new_clustered(hosts);
-        }
-        if settings.username.is_some() {
-            config.username = settings.username.clone();
-        }
-        if settings.password.is_some() {
-            config.password = settings.password.clone();
-        }
-        if settings.tls && config.tls.is_none() {
-            let tls = TlsConnector::default_rustls().map_err(|e| fail(format!("TLS: {}", e.details())))?;
-            config.tls = Some(tls.into());
-        }
-        // Failing fast makes a first connection that cannot be made an error at once (`exit`
-        // names the reason); a server that may start without Redis instead keeps its first
-        // connection attempts going under the reconnect policy, like every later one.
-        config.fail_fast = settings.unreachable_at_start == UnreachableAtStart::Exit;
+        let config = client_config(settings, first, &fail)?;
         let config_fail_fast = config.fail_fast;
         let timeout = settings.command_timeout_ms.duration();
-        let pool = Builder::from_config(config)
-            .with_connection_config(|c| {
-                c.connection_timeout = settings.connect_timeout_ms.duration();
-                c.internal_command_timeout = Duration::from_millis(settings.connect_timeout_ms.0.max(100));
-                c.max_command_attempts = 1;
-                c.tcp.nodelay = Some(true);
-            })
-            .with_performance_config(|p| {
-                p.default_command_timeout = timeout;
-            })
-            // Reconnect forever, every 200 ms: an outage ends by itself.
-            .set_policy(ReconnectPolicy::new_constant(0, 200))
-            .build_pool(settings.pool_size)
-            .map_err(|e| fail(e.details().to_string()))?;
+        let pool = build_pool(settings, config, timeout).map_err(|e| fail(e.details().to_string()))?;
         let sha = |lua: &str| fred::util::sha1_hash(lua);
         Ok(RedisStore {
             inner: Arc::new(Inner {
