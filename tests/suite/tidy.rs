@@ -26,8 +26,8 @@ fn src() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("src")
 }
 
-/// Every source file of the library (not `lib.rs`, `main.rs` or `bin/`) and its module path.
-fn library_files() -> Vec<(PathBuf, ModPath)> {
+/// Every `.rs` file under `src/`, sorted.
+fn rust_files() -> Vec<PathBuf> {
     fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
         for entry in std::fs::read_dir(dir).unwrap() {
             let path = entry.unwrap().path();
@@ -38,11 +38,16 @@ fn library_files() -> Vec<(PathBuf, ModPath)> {
             }
         }
     }
-    let root = src();
     let mut files = Vec::new();
-    walk(&root, &mut files);
+    walk(&src(), &mut files);
     files.sort();
     files
+}
+
+/// Every source file of the library (not `lib.rs`, `main.rs` or `bin/`) and its module path.
+fn library_files() -> Vec<(PathBuf, ModPath)> {
+    let root = src();
+    rust_files()
         .into_iter()
         .filter_map(|path| {
             let rel = path.strip_prefix(&root).unwrap().with_extension("");
@@ -108,11 +113,7 @@ fn code_of(text: &str) -> String {
             in_use = true;
             skip_use = false;
         }
-        let code = match line.find("//") {
-            // `//` inside a string (a URL) keeps the line whole; a comment after code is cut.
-            Some(i) if !line[..i].contains('"') => &line[..i],
-            _ => line,
-        };
+        let code = without_trailing_comment(line);
         if !skip_use {
             out.push_str(code);
             out.push('\n');
@@ -442,17 +443,24 @@ fn paths_named(code: &str, paths: &[&str]) -> Vec<String> {
     found
 }
 
-#[test]
-fn only_the_server_reads_settings() {
-    let mut wrong = Vec::new();
+/// Where the library's own code (test modules left out) in layers `layer` picks names one of
+/// `paths`, as `file: path`.
+fn named_in_layers(layer: impl Fn(&str) -> bool, paths: &[&str]) -> Vec<String> {
+    let mut found = Vec::new();
     for (path, module) in library_files() {
-        if module.first().is_some_and(|m| m != "server") && path.file_stem().is_none_or(|s| s != "tests") {
+        if module.first().is_some_and(|m| layer(m)) && path.file_stem().is_none_or(|s| s != "tests") {
             let code = code_of_with_uses(&without_test_modules(&std::fs::read_to_string(&path).unwrap()));
-            for name in paths_named(&code, &SETTINGS_CRATES) {
-                wrong.push(format!("{}: {name}", path.strip_prefix(src()).unwrap().display()));
+            for name in paths_named(&code, paths) {
+                found.push(format!("{}: {name}", path.strip_prefix(src()).unwrap().display()));
             }
         }
     }
+    found
+}
+
+#[test]
+fn only_the_server_reads_settings() {
+    let wrong = named_in_layers(|m| m != "server", &SETTINGS_CRATES);
     assert!(
         wrong.is_empty(),
         "below the server, code names a settings loader:\n{}",
@@ -462,15 +470,7 @@ fn only_the_server_reads_settings() {
 
 #[test]
 fn the_core_does_no_io() {
-    let mut wrong = Vec::new();
-    for (path, module) in library_files() {
-        if module.first().is_some_and(|m| m == "core") && path.file_stem().is_none_or(|s| s != "tests") {
-            let code = code_of_with_uses(&without_test_modules(&std::fs::read_to_string(&path).unwrap()));
-            for io in io_uses(&code) {
-                wrong.push(format!("{}: {io}", path.strip_prefix(src()).unwrap().display()));
-            }
-        }
-    }
+    let wrong = named_in_layers(|m| m == "core", &IO_PATHS);
     assert!(
         wrong.is_empty(),
         "the core names I/O crates or modules:\n{}",
@@ -478,14 +478,20 @@ fn the_core_does_no_io() {
     );
 }
 
+/// `line` without a comment after its code. A `//` after a quote (a URL in a string) keeps the
+/// line whole.
+fn without_trailing_comment(line: &str) -> &str {
+    match line.find("//") {
+        Some(i) if !line[..i].contains('"') => &line[..i],
+        _ => line,
+    }
+}
+
 /// The code of a file without its comments, `use` lines kept (a `use tokio::...` is a use).
 fn code_of_with_uses(text: &str) -> String {
     text.lines()
         .filter(|l| !l.trim_start().starts_with("//"))
-        .map(|l| match l.find("//") {
-            Some(i) if !l[..i].contains('"') => &l[..i],
-            _ => l,
-        })
+        .map(without_trailing_comment)
         .collect::<Vec<_>>()
         .join("\n")
 }
@@ -540,20 +546,7 @@ fn long_files(files: &[(String, String)], max: usize, allowed: &[(&str, &str)]) 
 
 /// Every `.rs` file under `src/` (binaries too), as its path relative to `src/` and its text.
 fn all_source_files() -> Vec<(String, String)> {
-    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
-        for entry in std::fs::read_dir(dir).unwrap() {
-            let path = entry.unwrap().path();
-            if path.is_dir() {
-                walk(&path, out);
-            } else if path.extension().is_some_and(|e| e == "rs") {
-                out.push(path);
-            }
-        }
-    }
-    let mut paths = Vec::new();
-    walk(&src(), &mut paths);
-    paths.sort();
-    paths
+    rust_files()
         .into_iter()
         .map(|p| {
             let rel = p.strip_prefix(src()).unwrap().display().to_string();
