@@ -118,9 +118,12 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let http_state = http_state(&settings, &limiter, &memory, &ready, prometheus);
     let mut tasks = JoinSet::new();
-    start_http_listeners(&mut tasks, http, http_state, &settings, &limiter, &reloader, &stop_rx);
     let health_reporter = start_grpc(&mut tasks, grpc, &limiter, &settings, &stop_rx).await;
+    // Ready before the HTTP listeners are served, so the first probe that gets an answer
+    // hears the backend's state and never "starting" (the ports are bound already; a probe
+    // that came early waits in the backlog).
     ready.set(true);
+    start_http_listeners(&mut tasks, http, http_state, &settings, &limiter, &reloader, &stop_rx);
     let health_follower = tokio::spawn(follow_readiness(health_reporter.clone(), limiter.clone()));
 
     let failed = until_stop(&mut tasks).await;

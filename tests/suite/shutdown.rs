@@ -290,3 +290,59 @@ async fn sixty_four_callers_keep_being_answered_on_open_connections_until_the_de
     let log = tollgate.process.log();
     assert!(log.contains("all requests in flight answered"), "{log}");
 }
+
+/// At start, readiness comes before the HTTP listeners answer: a probe that reaches `/readyz`
+/// the moment the port first answers (a Kubernetes readiness probe, the tests' harness) sees
+/// the backend's own state, never "starting". It raced: the HTTP listeners were served before
+/// the gRPC server had started, and an early probe was told 503 once in a while. Several
+/// starts, each probed as fast as a loop can, from before the process starts.
+#[test]
+fn the_first_readyz_answer_is_ready_not_starting() {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let rules = dir.path().join("rules");
+    std::fs::create_dir(&rules).expect("create the rules directory");
+    std::fs::write(rules.join("shutdown.yaml"), RULES).expect("write the rules");
+    for start in 0..8 {
+        let grpc = std::net::SocketAddr::from(([127, 0, 0, 1], support::free_port()));
+        let http = std::iter::repeat_with(support::free_port)
+            .find(|p| *p != grpc.port())
+            .map(|p| std::net::SocketAddr::from(([127, 0, 0, 1], p)))
+            .expect("an endless iterator");
+        let settings = dir.path().join("tollgate.yaml");
+        std::fs::write(
+            &settings,
+            format!(
+                "grpc_addr: {grpc}\nhttp_addr: {http}\nadmin: {{enabled: false}}\nrules: {}\n",
+                support::yaml_str(&rules.to_string_lossy())
+            ),
+        )
+        .expect("write the settings");
+        let prober = std::thread::spawn(move || {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                if let Some(answer) = http_get(http, "/readyz") {
+                    return Some(answer);
+                }
+                if Instant::now() > deadline {
+                    return None;
+                }
+            }
+        });
+        let mut command = Command::new(env!("CARGO_BIN_EXE_tollgate"));
+        command.arg("serve").arg("--config").arg(&settings).env("NO_COLOR", "1");
+        for (key, _) in std::env::vars_os() {
+            if key.to_string_lossy().starts_with("TOLLGATE_") {
+                command.env_remove(key);
+            }
+        }
+        let log = dir.path().join(format!("tollgate.{start}.log"));
+        let process = support::ChildGuard::spawn("tollgate", &mut command, &log);
+        let first = prober.join().expect("the prober");
+        assert_eq!(
+            first,
+            Some((200, "ready\n".to_owned())),
+            "start {start}: the first /readyz answer\n{}",
+            process.log()
+        );
+    }
+}
