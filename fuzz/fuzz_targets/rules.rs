@@ -91,13 +91,14 @@ fn check_set(set: &RuleSet) {
             }
             match &node.rule {
                 Some(Rule::Limited {
-                    bucket,
-                    quota,
+                    buckets: rule_buckets,
                     replaces,
                     ..
                 }) => {
-                    assert!(*bucket < buckets, "{}: bucket {bucket} of {buckets}", node.path);
-                    assert!(quota.is_none_or(|q| q < buckets), "{}: quota {quota:?}", node.path);
+                    assert!(!rule_buckets.is_empty(), "{}: a limited rule without buckets", node.path);
+                    for bucket in rule_buckets {
+                        assert!(*bucket < buckets, "{}: bucket {bucket} of {buckets}", node.path);
+                    }
                     assert!(
                         replaces.iter().all(|r| *r < buckets),
                         "{}: replaces {replaces:?}",

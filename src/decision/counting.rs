@@ -18,11 +18,12 @@ use crate::telemetry::{count_envoyproxy_backend_error, DecisionCode, BACKEND_FAI
 pub(crate) fn count_decisions(targets: &[Option<Target<'_>>], applied: &Applied, near_limit_ratio: f64) {
     for t in targets.iter().flatten() {
         if let DemandKind::Consume(ut) = t.kind {
-            let instance = &applied.decision.instances[t.instance];
-            let capacity = t.policy.plan.limit_at(applied.now_us).capacity();
+            // envoyproxy/ratelimit's series have one limit per rule: the rule's first bucket.
+            let first = &t.parts[0];
+            let instance = &applied.decision.instances[first.instance];
+            let capacity = first.policy.plan.limit_at(applied.now_us).capacity();
             let used_before = capacity.saturating_sub(instance.before.tokens_ut / MICRO);
-            let admitted =
-                applied.decision.passed[t.demand] && t.quota.as_ref().is_none_or(|q| applied.decision.passed[q.demand]);
+            let admitted = t.parts.iter().all(|p| applied.decision.passed[p.demand]);
             let detailed = t.envoyproxy.for_request(t.entries, &t.shared);
             detailed.as_ref().unwrap_or(t.envoyproxy).count(
                 counted_hits(ut / MICRO, capacity, admitted),
@@ -32,9 +33,8 @@ pub(crate) fn count_decisions(targets: &[Option<Target<'_>>], applied: &Applied,
                 near_limit_ratio,
             );
         }
-        let parts = std::iter::once((&*t.policy, t.instance, t.demand, t.counters))
-            .chain(t.quota.as_ref().map(|q| (q.policy, q.instance, q.demand, q.counters)));
-        for (policy, instance, demand, counters) in parts {
+        for p in &t.parts {
+            let (policy, instance, demand, counters) = (&*p.policy, p.instance, p.demand, p.counters);
             let passed = applied.decision.passed[demand];
             let (hits_ut, refund) = match t.kind {
                 DemandKind::Consume(ut) => (ut, false),

@@ -227,17 +227,14 @@ pub struct Limiter<S> {
 /// What one descriptor was matched to, before the store is asked.
 /// Policies are borrowed from the rules in force, so the hot path copies no names.
 struct Matched<'r> {
-    policy: Cow<'r, BucketPolicy>,
-    /// The calendar quota the rule also carries, if any.
-    quota: Option<&'r BucketPolicy>,
+    /// The rule's buckets, never empty, in the rule's order, with where each is counted.
+    parts: SmallVec<[(Cow<'r, BucketPolicy>, &'r DecisionCounters); 2]>,
     shadow: bool,
     replaces: &'r [usize],
-    bucket_index: Option<usize>,
+    /// The rule's buckets as indices into the domain's; empty for an Envoy `limit` override.
+    bucket_indices: &'r [usize],
     /// Per entry, the `share_threshold` pattern standing for its value (usually empty).
     shared: Vec<Option<&'r str>>,
-    /// Where the bucket's and the quota's decisions are counted.
-    counters: &'r DecisionCounters,
-    quota_counters: &'r DecisionCounters,
     /// The rule's node's envoyproxy/ratelimit-named counters.
     envoyproxy: &'r crate::telemetry::EnvoyproxyStats,
 }
@@ -248,44 +245,38 @@ impl<'r> Matched<'r> {
     fn at(dom: &'r Domain, node: usize, depth: usize) -> Option<Matched<'r>> {
         match &dom.nodes[node].rule {
             Some(Rule::Limited {
-                bucket,
-                quota,
+                buckets,
                 shadow,
                 replaces,
             }) => Some(Matched {
-                policy: Cow::Borrowed(&dom.buckets[*bucket]),
-                quota: quota.map(|q| &dom.buckets[q]),
+                parts: buckets
+                    .iter()
+                    .map(|b| (Cow::Borrowed(&dom.buckets[*b]), dom.counters_of(*b)))
+                    .collect(),
                 shadow: *shadow,
                 replaces,
-                bucket_index: Some(*bucket),
+                bucket_indices: buckets,
                 shared: shared_patterns(dom, node, depth),
-                counters: dom.counters_of(*bucket),
-                quota_counters: quota.map_or(DecisionCounters::noop(), |q| dom.counters_of(q)),
                 envoyproxy: dom.envoyproxy_stats_of(node),
             }),
             _ => None,
         }
     }
 
-    /// The instance key of the rule's bucket for a descriptor with `entries` in `domain`. An
-    /// override's key also carries its limit (`#<requests_per_unit>/<UNIT>`), so overrides of
-    /// different limits never share an instance.
-    fn bucket_key(&self, domain: &str, entries: &[Entry]) -> String {
-        let mut key = String::with_capacity(key_capacity(domain, &self.policy.name, entries) + 16);
-        instance_key(&mut key, domain, &self.policy.name, entries, &self.shared);
-        if self.bucket_index.is_none() {
-            key.push('#');
-            key.push_str(itoa::Buffer::new().format(self.policy.reported.requests_per_unit));
-            key.push('/');
-            key.push_str(self.policy.reported.unit.as_str_name());
-        }
-        key
-    }
-
-    /// The instance key of the rule's quota `policy` for a descriptor with `entries`.
-    fn quota_key(&self, domain: &str, policy: &BucketPolicy, entries: &[Entry]) -> String {
-        let mut key = String::with_capacity(key_capacity(domain, &policy.name, entries));
+    /// The instance key of the rule's bucket `policy` for a descriptor with `entries` in
+    /// `domain`. An override's key also carries its limit (`#<requests_per_unit>/<UNIT>`), so
+    /// overrides of different limits never share an instance.
+    fn key(&self, domain: &str, policy: &BucketPolicy, entries: &[Entry]) -> String {
+        let is_override = self.bucket_indices.is_empty();
+        let extra = if is_override { 16 } else { 0 };
+        let mut key = String::with_capacity(key_capacity(domain, &policy.name, entries) + extra);
         instance_key(&mut key, domain, &policy.name, entries, &self.shared);
+        if is_override {
+            key.push('#');
+            key.push_str(itoa::Buffer::new().format(policy.reported.requests_per_unit));
+            key.push('/');
+            key.push_str(policy.reported.unit.as_str_name());
+        }
         key
     }
 }
@@ -420,18 +411,15 @@ impl<S: Store> Limiter<S> {
                 _ => no_rule(),
             });
         };
-        let mut policies = vec![m.policy.clone().into_owned()];
-        let mut buckets = vec![BucketRef {
-            key: m.bucket_key(domain, entries),
-            plan: m.policy.plan.clone(),
-        }];
-        if let Some(quota) = m.quota {
-            buckets.push(BucketRef {
-                key: m.quota_key(domain, quota, entries),
-                plan: quota.plan.clone(),
-            });
-            policies.push(quota.clone());
-        }
+        let buckets = m
+            .parts
+            .iter()
+            .map(|(policy, _)| BucketRef {
+                key: m.key(domain, policy, entries),
+                plan: policy.plan.clone(),
+            })
+            .collect();
+        let policies = m.parts.iter().map(|(policy, _)| policy.clone().into_owned()).collect();
         Ok(Resolved {
             rule: dom.nodes[node].path.clone(),
             shadow: m.shadow || self.options.shadow_mode,
@@ -524,14 +512,14 @@ fn override_matched<'a>(
                 });
             }
             Some(Matched {
-                policy: Cow::Owned(policy),
-                quota: None,
+                parts: smallvec::smallvec![(
+                    Cow::Owned(policy),
+                    domain.map_or(DecisionCounters::noop(), |d| &d.override_counters)
+                )],
                 shadow: false,
                 replaces: &[],
-                bucket_index: None,
+                bucket_indices: &[],
                 shared: Vec::new(),
-                counters: domain.map_or(DecisionCounters::noop(), |d| &d.override_counters),
-                quota_counters: DecisionCounters::noop(),
                 // Their override series are named by the request's values: unbounded.
                 envoyproxy: crate::telemetry::EnvoyproxyStats::noop(),
             })
@@ -563,31 +551,26 @@ fn demands_of<'a>(
             continue;
         };
         let entries = screened.entries(targets.len(), d);
-        let key = m.bucket_key(&req.domain, entries);
         let kind = match demand_kind(d, req.hits_addend) {
             DemandKind::Consume(_) if denying => DemandKind::Check,
             kind => kind,
         };
         let shadow = m.shadow || options.shadow_mode;
-        let (instance, demand) = add_demand(&mut buckets, &mut demands, key, &m.policy.plan, kind, shadow);
-        let quota = m.quota.map(|policy| {
-            let key = m.quota_key(&req.domain, policy, entries);
+        let keys: SmallVec<[String; 2]> = m.parts.iter().map(|(p, _)| m.key(&req.domain, p, entries)).collect();
+        let mut parts = SmallVec::new();
+        for ((policy, counters), key) in m.parts.into_iter().zip(keys) {
             let (instance, demand) = add_demand(&mut buckets, &mut demands, key, &policy.plan, kind, shadow);
-            Part {
+            parts.push(Part {
                 policy,
                 instance,
                 demand,
-                counters: m.quota_counters,
-            }
-        });
+                counters,
+            });
+        }
         targets.push(Some(Target {
-            policy: m.policy,
-            instance,
-            demand,
+            parts,
             kind,
             shadow,
-            quota,
-            counters: m.counters,
             envoyproxy: m.envoyproxy,
             entries,
             shared: m.shared,
@@ -719,10 +702,10 @@ fn drop_replaced(matched: &mut [Option<Matched>], by_unlimited: &[usize]) {
     if replaced.is_empty() {
         return;
     }
+    // A rule goes when any of its buckets is replaced.
     for m in matched.iter_mut() {
         if m.as_ref()
-            .and_then(|m| m.bucket_index)
-            .is_some_and(|b| replaced.contains(&b))
+            .is_some_and(|m| m.bucket_indices.iter().any(|b| replaced.contains(b)))
         {
             *m = None;
         }

@@ -3,6 +3,8 @@
 
 use std::borrow::Cow;
 
+use smallvec::SmallVec;
+
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{Code, DescriptorStatus, RateLimit};
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
@@ -14,24 +16,16 @@ use crate::rules::{BucketPolicy, ReportedLimit};
 use crate::store::Applied;
 use crate::telemetry::DecisionCounters;
 
-/// A descriptor that matched a bucket.
+/// A descriptor that matched a rule: the buckets it asks of, all or nothing.
 #[derive(Clone, Debug)]
 pub(crate) struct Target<'r> {
-    /// The policy in force, borrowed from the rules where it can be.
-    pub policy: Cow<'r, BucketPolicy>,
-    /// Index of the bucket instance in the store request.
-    pub instance: usize,
-    /// Index of the descriptor's demand in the store request.
-    pub demand: usize,
-    /// What the descriptor asked of the bucket.
+    /// The rule's buckets, never empty, in the rule's order (a quota beside a token bucket
+    /// right after it): each decided as its own instance with the same demand.
+    pub parts: SmallVec<[Part<'r>; 2]>,
+    /// What the descriptor asked of each bucket.
     pub kind: DemandKind,
     /// Shadow mode (the rule's or the global switch).
     pub shadow: bool,
-    /// The calendar quota the descriptor must also pass, when its rule has one beside a token
-    /// bucket: decided as a second instance with the same demand.
-    pub quota: Option<Part<'r>>,
-    /// Where the decision is counted.
-    pub counters: &'r DecisionCounters,
     /// Where the decision is counted under envoyproxy/ratelimit's names (the rule's node).
     pub envoyproxy: &'r crate::telemetry::EnvoyproxyStats,
     /// The descriptor's entries, for envoyproxy/ratelimit's `detailed_metric` series.
@@ -40,16 +34,17 @@ pub(crate) struct Target<'r> {
     pub shared: Vec<Option<&'r str>>,
 }
 
-/// A second bucket instance one descriptor asks of (a quota beside a token bucket).
+/// One bucket instance a descriptor asks of.
 #[derive(Clone, Debug)]
 pub(crate) struct Part<'r> {
-    /// The quota's policy.
-    pub policy: &'r BucketPolicy,
+    /// The bucket's policy, borrowed from the rules where it can be (an Envoy `limit`
+    /// override's is built per request).
+    pub policy: Cow<'r, BucketPolicy>,
     /// Index of the bucket instance in the store request.
     pub instance: usize,
     /// Index of the demand in the store request.
     pub demand: usize,
-    /// Where the quota's decision is counted.
+    /// Where the bucket's decision is counted.
     pub counters: &'r DecisionCounters,
 }
 
@@ -114,39 +109,39 @@ pub(crate) fn build_response(
     }
 }
 
-/// Per bucket each matched descriptor of `targets` asks of (its own, then its quota's), its
-/// verdict from `applied`.
+/// Per bucket each matched descriptor of `targets` asks of, in the rule's order, its verdict
+/// from `applied`.
 fn verdicts<'a>(targets: &'a [Option<Target<'_>>], applied: Option<&Applied>) -> Vec<Verdict<'a>> {
     let mut verdicts: Vec<Verdict<'_>> = Vec::with_capacity(targets.len());
     for (descriptor, t) in targets.iter().enumerate() {
         let Some(t) = t else { continue };
         let applied = applied.expect("a matched descriptor has a decision");
-        verdicts.push(verdict(
-            descriptor, &t.policy, t.instance, t.demand, t.kind, t.shadow, applied,
-        ));
-        if let Some(q) = &t.quota {
+        for p in &t.parts {
             verdicts.push(verdict(
-                descriptor, q.policy, q.instance, q.demand, t.kind, t.shadow, applied,
+                descriptor, &p.policy, p.instance, p.demand, t.kind, t.shadow, applied,
             ));
         }
     }
     verdicts
 }
 
-/// Per descriptor of `targets`, its status: from its verdict ([`status_verdict`]), or `OK`
-/// without a limit when it matched no bucket.
+/// Per descriptor of `targets`, its status: `OVER_LIMIT` when one of its buckets denies, with
+/// the limit fields of the bucket [`status_verdict`] picks among those not hidden; `OK`
+/// without a limit when it matched no bucket (or only hidden ones).
 fn statuses(targets: &[Option<Target<'_>>], verdicts: &[Verdict<'_>]) -> Vec<DescriptorStatus> {
     targets
         .iter()
         .enumerate()
-        .map(
-            |(descriptor, t)| match t.as_ref().and_then(|_| status_verdict(verdicts, descriptor)) {
+        .map(|(descriptor, t)| {
+            let over = t.is_some() && verdicts.iter().any(|v| v.descriptor == descriptor && v.over);
+            let code = if over { Code::OverLimit } else { Code::Ok } as i32;
+            match t.as_ref().and_then(|_| status_verdict(verdicts, descriptor)) {
                 None => DescriptorStatus {
-                    code: Code::Ok as i32,
+                    code,
                     ..Default::default()
                 },
                 Some(v) => DescriptorStatus {
-                    code: if v.over { Code::OverLimit } else { Code::Ok } as i32,
+                    code,
                     current_limit: Some(RateLimit {
                         name: v.policy.name.clone(),
                         requests_per_unit: v.reported.requests_per_unit,
@@ -156,8 +151,8 @@ fn statuses(targets: &[Option<Target<'_>>], verdicts: &[Verdict<'_>]) -> Vec<Des
                     duration_until_reset: v.until_full_us.map(duration),
                     ..Default::default()
                 },
-            },
-        )
+            }
+        })
         .collect()
 }
 
@@ -254,10 +249,14 @@ fn verdict<'a>(
     }
 }
 
-/// The verdict a descriptor's status reports: its only one, or with a token bucket and a
-/// quota, the denying one when one denies, else the one with fewer tokens left (docs/rules.md).
+/// The verdict whose limit a descriptor's status reports, among its buckets that are not
+/// hidden: its only one, or with several, a denying one when one denies, else the one with the
+/// fewest tokens left, the first of those in the rule's order (docs/rules.md). `None` when
+/// every bucket of the descriptor is hidden.
 fn status_verdict<'v, 'a>(verdicts: &'v [Verdict<'a>], descriptor: usize) -> Option<&'v Verdict<'a>> {
-    let mut own = verdicts.iter().filter(|v| v.descriptor == descriptor);
+    let mut own = verdicts
+        .iter()
+        .filter(|v| v.descriptor == descriptor && !v.policy.hidden);
     let first = own.next()?;
     Some(own.fold(first, |best, v| {
         let better = match (v.over, best.over) {
@@ -284,10 +283,10 @@ fn retry_after_us(verdicts: &[Verdict<'_>]) -> Option<u64> {
 }
 
 /// One verdict per bucket name, in request order of first appearance: the one with the fewest
-/// tokens left when several instances share a name.
+/// tokens left when several instances share a name. Hidden buckets are left out.
 fn lowest_per_bucket<'v, 'a>(verdicts: &'v [Verdict<'a>]) -> Vec<&'v Verdict<'a>> {
     let mut out: Vec<&Verdict<'_>> = Vec::new();
-    for v in verdicts {
+    for v in verdicts.iter().filter(|v| !v.policy.hidden) {
         match out.iter_mut().find(|o| o.policy.name == v.policy.name) {
             Some(o) if v.remaining_ut < o.remaining_ut => *o = v,
             Some(_) => {}

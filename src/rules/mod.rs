@@ -169,6 +169,10 @@ pub struct BucketPolicy {
     /// `current_limit` as sent to Envoy for the base limit (docs/rules.md); a policy whose limit
     /// varies is reported by the limit in force ([`BucketPolicy::reported_at`]).
     pub reported: ReportedLimit,
+    /// `hidden: true`: decided like any bucket, but kept out of what clients see of the limits
+    /// (the `RateLimit` and `RateLimit-Policy` headers, the `DescriptorStatus` limit fields that
+    /// Envoy turns into `x-ratelimit-*`); a denial it causes still gets its true `Retry-After`.
+    pub hidden: bool,
     /// For a scheduled policy, [`ReportedLimit::of`] each entry's limit, worked out once.
     entry_reported: Vec<ReportedLimit>,
 }
@@ -187,8 +191,15 @@ impl BucketPolicy {
             name,
             plan,
             reported,
+            hidden: false,
             entry_reported,
         }
+    }
+
+    /// This policy with [`BucketPolicy::hidden`] set to `hidden`.
+    pub fn with_hidden(mut self, hidden: bool) -> BucketPolicy {
+        self.hidden = hidden;
+        self
     }
 
     /// `current_limit` at `now_us`: the precomputed one for a constant limit; for a scheduled
@@ -322,13 +333,12 @@ pub enum Rule {
         /// Bucket indices this rule replaces when both match one request.
         replaces: Vec<usize>,
     },
-    /// A token bucket, a quota, or both.
+    /// One bucket or several (a token bucket and its quota; `buckets: [a, b]`), all or nothing.
     Limited {
-        /// Index into [`Domain::buckets`].
-        bucket: usize,
-        /// A calendar quota the request must also pass (all or nothing), when the policy has a
-        /// token bucket and a quota: index into [`Domain::buckets`].
-        quota: Option<usize>,
+        /// Indices into [`Domain::buckets`], never empty: the rule's buckets in the order the
+        /// rules file gives them, each bucket's quota right after it. A request must pass every
+        /// one; each is decided as its own instance with the descriptor's demand.
+        buckets: Vec<usize>,
         /// `shadow_mode: true`: evaluated and counted, never denies.
         shadow: bool,
         /// Bucket indices this rule replaces when both match one request.

@@ -91,14 +91,21 @@ fn render_level(out: &mut String, d: &Domain, level: &Level, depth: usize, paren
                 format!("unlimited [replaces {}]", d.replaced_names(replaces).join(", "))
             }
             Some(Rule::Limited {
-                bucket,
-                quota,
+                buckets,
                 shadow,
                 replaces,
             }) => {
-                let mut s = format!("-> bucket {}", d.buckets[*bucket].name);
-                if let Some(q) = quota {
-                    let _ = write!(s, " and quota {}", d.buckets[*q].name);
+                let mut s = String::from("->");
+                for (i, b) in buckets.iter().map(|b| &d.buckets[*b]).enumerate() {
+                    let kind = if i > 0 && matches!(b.plan, crate::core::schedule::Plan::Quota(_)) {
+                        "quota"
+                    } else {
+                        "bucket"
+                    };
+                    let _ = write!(s, "{} {kind} {}", if i > 0 { " and" } else { "" }, b.name);
+                    if b.hidden {
+                        s.push_str(" [hidden]");
+                    }
                 }
                 if *shadow {
                     s.push_str(" [shadow]");
@@ -495,16 +502,18 @@ fn explain_rule(
         }
         Some(Rule::Unlimited { .. }) => explain_unlimited(out, spec, &mut diffs),
         Some(Rule::Limited {
-            bucket,
-            quota,
+            buckets,
             shadow,
             replaces,
         }) => {
-            let b = &d.buckets[*bucket];
+            let b = &d.buckets[buckets[0]];
             explain_bucket(out, d, spec, b, steps);
             explain_limit(out, envoy_limit(spec), b.plan.current(), &mut diffs);
-            if let Some(q) = quota {
-                explain_quota(out, &d.buckets[*q]);
+            for other in buckets[1..].iter().map(|i| &d.buckets[*i]) {
+                match other.plan {
+                    crate::core::schedule::Plan::Quota(_) => explain_quota(out, other),
+                    _ => explain_bucket(out, d, spec, other, steps),
+                }
             }
             if *shadow {
                 diffs.push((
@@ -592,7 +601,7 @@ fn explain_bucket(out: &mut String, d: &Domain, spec: &DescriptorSpec, b: &Bucke
     let rules_on_it = d
         .nodes
         .iter()
-        .filter(|n| matches!(&n.rule, Some(Rule::Limited { bucket: o, .. }) if d.buckets[*o].name == b.name))
+        .filter(|n| matches!(&n.rule, Some(Rule::Limited { buckets, .. }) if buckets.iter().any(|o| d.buckets[*o].name == b.name)))
         .count();
     if rules_on_it > 1 {
         let _ = writeln!(

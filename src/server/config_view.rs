@@ -36,6 +36,7 @@
 //!         {
 //!           "path": "api_key",
 //!           "descriptor": [{"key": "api_key", "value": null}],
+//!           "buckets": ["per_key", "per_key.quota"], "bucket_indices": [0, 1],
 //!           "bucket": "per_key", "bucket_index": 0,
 //!           "quota": "per_key.quota", "quota_index": 1,
 //!           "unlimited": false, "shadow_mode": false, "share_threshold": false,
@@ -96,8 +97,10 @@ pub(crate) const REDACTED: &str = "<redacted>";
 /// `{"refill": ...}`) and the rest the limit in force while the window is active (the first
 /// active window wins, else the base applies).
 ///
-/// A rule is `{"path", "descriptor", "bucket", "bucket_index", "quota", "quota_index",
-/// "unlimited", "shadow_mode", "share_threshold", "replaces"}`. `descriptor` lists the entries
+/// A rule is `{"path", "descriptor", "buckets", "bucket_indices", "bucket", "bucket_index",
+/// "quota", "quota_index", "unlimited", "shadow_mode", "share_threshold", "replaces"}`.
+/// `buckets` names every policy the rule decides by (all or nothing, in the rule's order);
+/// `bucket` and `quota` are the first of them and the quota beside it, as before lists. `descriptor` lists the entries
 /// that lead to the node from the root, each `{"key", "value"}` with `value` the exact value, a
 /// pattern with `*`, or `null` for a key-only node (any value). `bucket` and `quota` name the
 /// policies a request ending on the node takes tokens from (`null`: none; with `unlimited`
@@ -171,6 +174,9 @@ struct BucketView<'a> {
     /// A token bucket or a quota.
     #[serde(flatten)]
     kind: KindView<'a>,
+    /// `hidden: true`: kept out of the limits clients see; absent otherwise.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    hidden: bool,
 }
 
 /// What a bucket policy is.
@@ -272,11 +278,15 @@ struct RuleView<'a> {
     path: &'a str,
     /// The entries from the root to the node.
     descriptor: Vec<EntryView<'a>>,
-    /// The token bucket (or lone quota) policy's name.
+    /// Every bucket the rule decides by (all or nothing), by name, in the rule's order.
+    buckets: Vec<&'a str>,
+    /// Their indices in the domain's `buckets`.
+    bucket_indices: Vec<usize>,
+    /// The rule's first bucket (a token bucket, or a lone quota) policy's name.
     bucket: Option<&'a str>,
     /// Its index in the domain's `buckets`.
     bucket_index: Option<usize>,
-    /// The quota beside the token bucket, by name.
+    /// The quota beside the first token bucket (`<name>.quota`), by name.
     quota: Option<&'a str>,
     /// Its index in the domain's `buckets`.
     quota_index: Option<usize>,
@@ -331,19 +341,25 @@ fn walk<'a>(d: &'a Domain, level: &'a Level, prefix: &mut Vec<EntryView<'a>>, ou
         };
         let node = &d.nodes[id];
         prefix.push(EntryView { key, value });
-        let (bucket, quota, shadow, replaces) = match &node.rule {
+        let (buckets, shadow, replaces) = match &node.rule {
             Some(Rule::Limited {
-                bucket,
-                quota,
+                buckets,
                 shadow,
                 replaces,
-            }) => (Some(*bucket), *quota, *shadow, replaces.as_slice()),
-            Some(Rule::Unlimited { replaces }) => (None, None, false, replaces.as_slice()),
-            None => (None, None, false, &[][..]),
+            }) => (buckets.as_slice(), *shadow, replaces.as_slice()),
+            Some(Rule::Unlimited { replaces }) => (&[][..], false, replaces.as_slice()),
+            None => (&[][..], false, &[][..]),
         };
+        let bucket = buckets.first().copied();
+        let quota = buckets
+            .get(1)
+            .copied()
+            .filter(|q| bucket.is_some_and(|b| d.buckets[*q].name == format!("{}.quota", d.buckets[b].name)));
         out.push(RuleView {
             path: &node.path,
             descriptor: prefix.clone(),
+            buckets: buckets.iter().map(|b| d.buckets[*b].name.as_str()).collect(),
+            bucket_indices: buckets.to_vec(),
             bucket: bucket.map(|b| d.buckets[b].name.as_str()),
             bucket_index: bucket,
             quota: quota.map(|q| d.buckets[q].name.as_str()),
@@ -362,6 +378,7 @@ fn bucket_view(b: &BucketPolicy) -> BucketView<'_> {
     BucketView {
         name: &b.name,
         kind: kind_view(b, &b.plan),
+        hidden: b.hidden,
     }
 }
 
@@ -668,9 +685,12 @@ descriptors:
                 .unwrap()
         };
         let rule = |path: &str, entries: Value, bucket: Option<&str>, quota: Option<&str>| {
+            let buckets: Vec<&str> = bucket.into_iter().chain(quota).collect();
             json!({
                 "path": path,
                 "descriptor": entries,
+                "buckets": buckets,
+                "bucket_indices": buckets.iter().map(|b| index(b)).collect::<Vec<_>>(),
                 "bucket": bucket,
                 "bucket_index": bucket.map(index),
                 "quota": quota,

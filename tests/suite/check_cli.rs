@@ -217,7 +217,28 @@ const INVALID: &[Invalid] = &[
     inv(
         "two_limits.yaml",
         Some("api_key"),
-        &["a rule gives its limit once", "`bucket`, `token_bucket`, `rate_limit`"],
+        &["a rule gives its limit once", "`bucket`, `buckets`, `token_bucket`, `rate_limit`"],
+    ),
+    inv(
+        "buckets_with_bucket.yaml",
+        Some("api_key"),
+        &["a rule gives its limit once", "`bucket`, `buckets`, `token_bucket`, `rate_limit`"],
+    ),
+    inv(
+        "buckets_empty.yaml",
+        Some("api_key"),
+        &["`buckets` is empty: name at least one bucket declared under `buckets:`"],
+    ),
+    inv("buckets_twice.yaml", Some("api_key"), &["`buckets` names `per_second` twice"]),
+    inv(
+        "buckets_unknown.yaml",
+        Some("api_key"),
+        &["unknown bucket `per_hoor`", "declared buckets: [per_second]"],
+    ),
+    inv(
+        "buckets_with_schedule.yaml",
+        Some("api_key"),
+        &["`schedule` on a rule that references buckets: declare it on the bucket under `buckets:`"],
     ),
     inv(
         "name_with_bucket.yaml",

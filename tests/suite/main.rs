@@ -35,6 +35,7 @@ mod redis_support;
 mod reload;
 mod resource_faults;
 mod schedules;
+mod several_limits;
 mod shutdown;
 mod soak;
 mod store_bounds;

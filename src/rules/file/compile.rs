@@ -58,6 +58,10 @@ pub(super) fn compile(files: Vec<(PathBuf, RulesFile)>) -> Result<RuleSet, Vec<C
 struct Compiled {
     bucket: Option<Plan>,
     quota: Option<Arc<Quota>>,
+    /// `hidden: true` on the bucket (both the token bucket and its quota).
+    hidden: bool,
+    /// `hidden: true` on the quota, or on the bucket.
+    quota_hidden: bool,
 }
 
 /// The name under which the quota of a policy that also has a token bucket is reported and
@@ -73,6 +77,8 @@ enum LimitSource<'s> {
     Unlimited { with_limit: bool },
     /// `bucket:`, a bucket declared under `buckets:`.
     Named(&'s str),
+    /// `buckets: [a, b]`, several declared under `buckets:`, all of which a request must pass.
+    NamedList(&'s [String]),
     /// An inline `token_bucket`, a `quota` alone, or both.
     Inline,
     /// envoyproxy/ratelimit's `rate_limit: {unit, requests_per_unit}`.
@@ -228,7 +234,12 @@ impl<'a> DomainBuilder<'a> {
             }
             None => None,
         };
-        Some(Compiled { bucket, quota })
+        Some(Compiled {
+            bucket,
+            quota,
+            hidden: spec.hidden,
+            quota_hidden: spec.hidden || spec.quota.as_ref().is_some_and(|q| q.hidden),
+        })
     }
 
     /// A token bucket's limit: `capacity` whole tokens refilled at `refill`.
@@ -384,8 +395,10 @@ impl<'a> DomainBuilder<'a> {
             Compiled {
                 bucket: Some(plan),
                 quota: Some(quota),
+                hidden,
+                quota_hidden,
             } => {
-                let bucket = self.add_policy(rule, name.clone(), plan)?;
+                let bucket = self.add_policy(rule, name.clone(), plan, hidden)?;
                 let companion = quota_name(&name);
                 if self.by_name.contains_key(&companion) {
                     self.error(
@@ -397,21 +410,26 @@ impl<'a> DomainBuilder<'a> {
                     );
                     return None;
                 }
-                let quota = self.add_policy(rule, companion, Plan::Quota(quota))?;
+                let quota = self.add_policy(rule, companion, Plan::Quota(quota), quota_hidden)?;
                 self.companions.insert(bucket, quota);
                 Some((bucket, Some(quota)))
             }
             Compiled {
                 bucket: Some(plan),
                 quota: None,
-            } => Some((self.add_policy(rule, name, plan)?, None)),
+                hidden,
+                ..
+            } => Some((self.add_policy(rule, name, plan, hidden)?, None)),
             Compiled {
                 bucket: None,
                 quota: Some(quota),
-            } => Some((self.add_policy(rule, name, Plan::Quota(quota))?, None)),
+                quota_hidden,
+                ..
+            } => Some((self.add_policy(rule, name, Plan::Quota(quota), quota_hidden)?, None)),
             Compiled {
                 bucket: None,
                 quota: None,
+                ..
             } => None,
         }
     }
@@ -426,11 +444,11 @@ impl<'a> DomainBuilder<'a> {
 
     /// Registers a tollgate-schema policy under `name`; a second declaration of the same name
     /// must be identical (then both rules share the bucket).
-    fn add_policy(&mut self, rule: &str, name: String, plan: Plan) -> Option<usize> {
+    fn add_policy(&mut self, rule: &str, name: String, plan: Plan, hidden: bool) -> Option<usize> {
         let reported = reported_base(&plan);
         if let Some(&idx) = self.by_name.get(&name) {
             let existing = &self.buckets[idx];
-            if existing.plan == plan && existing.reported == reported {
+            if existing.plan == plan && existing.reported == reported && existing.hidden == hidden {
                 return Some(idx);
             }
             let reason = match self.companion_of(idx) {
@@ -443,7 +461,8 @@ impl<'a> DomainBuilder<'a> {
             self.error(rule, reason);
             return None;
         }
-        self.buckets.push(BucketPolicy::new(name.clone(), plan, reported));
+        self.buckets
+            .push(BucketPolicy::new(name.clone(), plan, reported).with_hidden(hidden));
         self.by_name.insert(name, self.buckets.len() - 1);
         Some(self.buckets.len() - 1)
     }
@@ -453,15 +472,16 @@ impl<'a> DomainBuilder<'a> {
     /// limit is shared, and a different limit gets a policy of its own under the same name. Two
     /// such policies never share an instance: an instance key holds the request's entries, and
     /// one list of entries reaches one node.
-    fn add_label(&mut self, name: String, plan: Plan, reported: ReportedLimit) -> usize {
+    fn add_label(&mut self, name: String, plan: Plan, reported: ReportedLimit, hidden: bool) -> usize {
         if let Some(idx) = self
             .buckets
             .iter()
-            .position(|b| b.name == name && b.plan == plan && b.reported == reported)
+            .position(|b| b.name == name && b.plan == plan && b.reported == reported && b.hidden == hidden)
         {
             return idx;
         }
-        self.buckets.push(BucketPolicy::new(name, plan, reported));
+        self.buckets
+            .push(BucketPolicy::new(name, plan, reported).with_hidden(hidden));
         self.buckets.len() - 1
     }
 
@@ -527,11 +547,13 @@ impl<'a> DomainBuilder<'a> {
     fn rule(&mut self, spec: &DescriptorSpec, path: &str) -> Option<Rule> {
         let source = self.limit_source(spec, path)?;
         let replaces = self.rule_replaces(spec, path)?;
-        let (bucket, quota) = match source {
+        let one = |(bucket, quota): (usize, Option<usize>)| std::iter::once(bucket).chain(quota).collect();
+        let buckets: Vec<usize> = match source {
             LimitSource::Unlimited { with_limit } => return self.unlimited_rule(spec, path, with_limit, replaces),
-            LimitSource::Named(name) => self.named_bucket(spec, path, name)?,
-            LimitSource::Inline => self.inline_bucket(spec, path)?,
-            LimitSource::Envoy(rl) => self.envoy_bucket(spec, path, rl)?,
+            LimitSource::Named(name) => one(self.named_bucket(spec, path, name)?),
+            LimitSource::NamedList(names) => self.named_buckets(spec, path, names)?,
+            LimitSource::Inline => one(self.inline_bucket(spec, path)?),
+            LimitSource::Envoy(rl) => one(self.envoy_bucket(spec, path, rl)?),
             LimitSource::ScheduleOnly => {
                 self.error(
                     path,
@@ -554,8 +576,7 @@ impl<'a> DomainBuilder<'a> {
         };
         self.pending_replaces(path, replaces, None);
         Some(Rule::Limited {
-            bucket,
-            quota,
+            buckets,
             shadow: spec.shadow_mode,
             replaces: Vec::new(),
         })
@@ -581,12 +602,17 @@ impl<'a> DomainBuilder<'a> {
             }
         }
         let rl_limit = rl.filter(|r| !r.unlimited);
-        let sources = [spec.bucket.is_some(), spec.token_bucket.is_some(), rl_limit.is_some()];
+        let sources = [
+            spec.bucket.is_some(),
+            spec.buckets.is_some(),
+            spec.token_bucket.is_some(),
+            rl_limit.is_some(),
+        ];
         let count = sources.iter().filter(|s| **s).count();
         if count > 1 {
             self.error(
                 path,
-                "a rule gives its limit once: use one of `bucket`, `token_bucket`, `rate_limit`",
+                "a rule gives its limit once: use one of `bucket`, `buckets`, `token_bucket`, `rate_limit`",
             );
             return None;
         }
@@ -594,6 +620,8 @@ impl<'a> DomainBuilder<'a> {
             LimitSource::Unlimited { with_limit: count > 0 }
         } else if let Some(name) = &spec.bucket {
             LimitSource::Named(name)
+        } else if let Some(names) = &spec.buckets {
+            LimitSource::NamedList(names)
         } else if spec.token_bucket.is_some() || (spec.quota.is_some() && rl_limit.is_none()) {
             LimitSource::Inline
         } else if let Some(rl) = rl_limit {
@@ -650,6 +678,14 @@ impl<'a> DomainBuilder<'a> {
 
     /// The bucket `name` under `buckets:` and its quota, if it has one.
     fn named_bucket(&mut self, spec: &DescriptorSpec, path: &str, name: &str) -> Option<(usize, Option<usize>)> {
+        self.references_only(spec, path, &format!("bucket `{name}`"), "a bucket")?;
+        self.declared(path, name)
+    }
+
+    /// `Some` when a rule that references declared buckets (`what`, of `kind`) gives no limit
+    /// fields of its own (`schedule`, `quota`, `name`), which belong on the buckets; else the
+    /// error is recorded.
+    fn references_only(&mut self, spec: &DescriptorSpec, path: &str, what: &str, kind: &str) -> Option<()> {
         let field = match (spec.schedule.is_some(), spec.quota.is_some()) {
             (true, true) => Some("`schedule` and `quota`"),
             (true, false) => Some("`schedule`"),
@@ -659,17 +695,23 @@ impl<'a> DomainBuilder<'a> {
         if let Some(field) = field {
             self.error(
                 path,
-                format!("{field} on a rule that references bucket `{name}`: declare it on the bucket under `buckets:`"),
+                format!("{field} on a rule that references {what}: declare it on the bucket under `buckets:`"),
             );
             return None;
         }
         if spec.name.is_some() {
             self.error(
                 path,
-                "`name` names an inline limit; this rule references a bucket, whose name is used",
+                format!("`name` names an inline limit; this rule references {kind}, whose name is used"),
             );
             return None;
         }
+        Some(())
+    }
+
+    /// The bucket declared as `name` under `buckets:`, and its quota if it has one; an unknown
+    /// name is recorded as an error.
+    fn declared(&mut self, path: &str, name: &str) -> Option<(usize, Option<usize>)> {
         match self.by_name.get(name) {
             Some(&idx) => Some((idx, self.companions.get(&idx).copied())),
             // The bucket's own error is reported; an "unknown bucket" here would only add noise.
@@ -686,6 +728,32 @@ impl<'a> DomainBuilder<'a> {
         }
     }
 
+    /// The buckets `names` under `buckets:`, each followed by its quota if it has one, in the
+    /// order given; at least one, each once.
+    fn named_buckets(&mut self, spec: &DescriptorSpec, path: &str, names: &[String]) -> Option<Vec<usize>> {
+        if names.is_empty() {
+            self.error(
+                path,
+                "`buckets` is empty: name at least one bucket declared under `buckets:`",
+            );
+            return None;
+        }
+        if let Some(twice) = names.iter().enumerate().find(|(i, n)| names[..*i].contains(n)) {
+            self.error(path, format!("`buckets` names `{}` twice", twice.1));
+            return None;
+        }
+        self.references_only(spec, path, "buckets", "buckets")?;
+        let mut out = Vec::with_capacity(names.len());
+        let mut failed = false;
+        for name in names {
+            match self.declared(path, name) {
+                Some((bucket, quota)) => out.extend(std::iter::once(bucket).chain(quota)),
+                None => failed = true,
+            }
+        }
+        (!failed).then_some(out)
+    }
+
     /// The rule's inline `token_bucket`, quota, or both: registered under the rule's `name`,
     /// or its path.
     fn inline_bucket(&mut self, spec: &DescriptorSpec, path: &str) -> Option<(usize, Option<usize>)> {
@@ -696,6 +764,7 @@ impl<'a> DomainBuilder<'a> {
             refill: None,
             schedule: None,
             quota: None,
+            hidden: false,
         });
         for (field, twice) in [
             ("schedule", merged.schedule.is_some() && spec.schedule.is_some()),
@@ -750,12 +819,12 @@ impl<'a> DomainBuilder<'a> {
             return None;
         }
         let plan = self.scheduled(path, limit, spec.schedule.as_deref().unwrap_or_default())?;
-        let bucket = self.add_label(name.clone(), plan, reported);
+        let bucket = self.add_label(name.clone(), plan, reported, false);
         let quota = match &spec.quota {
             Some(q) => {
                 let quota = Plan::Quota(self.quota(path, q)?);
                 let reported = reported_base(&quota);
-                let idx = self.add_label(quota_name(&name), quota, reported);
+                let idx = self.add_label(quota_name(&name), quota, reported, q.hidden);
                 self.companions.insert(bucket, idx);
                 Some(idx)
             }
@@ -846,9 +915,9 @@ impl<'a> DomainBuilder<'a> {
     fn resolve_replaces(&mut self) {
         let pending = std::mem::take(&mut self.replaces);
         for p in &pending {
-            let own = match &self.nodes[p.node].rule {
-                Some(Rule::Limited { bucket, .. }) => Some(*bucket),
-                _ => None,
+            let own: Vec<usize> = match &self.nodes[p.node].rule {
+                Some(Rule::Limited { buckets, .. }) => buckets.clone(),
+                _ => Vec::new(),
             };
             let mut resolved = Vec::new();
             let mut unknown = false;
@@ -869,7 +938,7 @@ impl<'a> DomainBuilder<'a> {
                         known.join(", ")
                     );
                     self.error(&p.path, reason);
-                } else if own.is_some_and(|own| self.buckets[own].name == *name) {
+                } else if own.iter().any(|own| self.buckets[*own].name == *name) {
                     self.error(&p.path, format!("`replaces` names the rule's own bucket `{name}`"));
                 } else if let Some(owner) = named.iter().find_map(|&i| self.companion_of(i)) {
                     let reason = format!(
@@ -897,13 +966,15 @@ impl<'a> DomainBuilder<'a> {
         // A cycle (a replaces b, b replaces a) would drop both: reject it.
         let mut edges: HashMap<usize, Vec<usize>> = HashMap::new();
         for node in &self.nodes {
-            if let Some(Rule::Limited { bucket, replaces, .. }) = &node.rule {
-                edges.entry(*bucket).or_default().extend(replaces);
+            if let Some(Rule::Limited { buckets, replaces, .. }) = &node.rule {
+                for bucket in buckets {
+                    edges.entry(*bucket).or_default().extend(replaces);
+                }
             }
         }
         for p in &pending {
-            if let Some(Rule::Limited { bucket, .. }) = &self.nodes[p.node].rule {
-                if let Some(cycle) = find_cycle(*bucket, &edges) {
+            if let Some(Rule::Limited { buckets, .. }) = &self.nodes[p.node].rule {
+                if let Some(cycle) = buckets.iter().find_map(|b| find_cycle(*b, &edges)) {
                     let names: Vec<&str> = cycle.iter().map(|b| self.buckets[*b].name.as_str()).collect();
                     let reason = format!("`replaces` forms a cycle: {}", names.join(" -> "));
                     self.error(&p.path.clone(), reason);

@@ -59,6 +59,9 @@ pub(crate) struct BucketSpec {
     /// Windows that change the token bucket's limit while active; the first active one wins.
     pub schedule: Option<Vec<ScheduleEntrySpec>>,
     pub quota: Option<QuotaSpec>,
+    /// Kept out of the limits clients see (headers, `DescriptorStatus`); still decides.
+    #[serde(default)]
+    pub hidden: bool,
 }
 
 /// One schedule window (docs/schedules-and-quotas.md): a five-field `cron` in `timezone` (IANA, default UTC), and
@@ -83,6 +86,9 @@ pub(crate) struct QuotaSpec {
     pub reset: String,
     pub timezone: Option<String>,
     pub refill: Option<serde_yaml::Value>,
+    /// Kept out of the limits clients see, as [`BucketSpec::hidden`].
+    #[serde(default)]
+    pub hidden: bool,
 }
 
 /// One node of the descriptor tree.
@@ -97,6 +103,9 @@ pub(crate) struct DescriptorSpec {
     pub name: Option<String>,
     /// Reference to a policy in the file's `buckets:`.
     pub bucket: Option<String>,
+    /// References to several policies in the file's `buckets:`, all of which a request must
+    /// pass (a burst limit and a sustained one).
+    pub buckets: Option<Vec<String>>,
     /// An inline token bucket.
     pub token_bucket: Option<BucketSpec>,
     /// envoyproxy/ratelimit's limit.

@@ -27,7 +27,7 @@ fn matched(set: &RuleSet, pairs: &[(&str, &str)]) -> Option<String> {
     let domain = set.domain("d").expect("domain d");
     find_rule(domain, &entries(pairs)).map(|rule| match rule {
         Rule::Unlimited { .. } => "unlimited".to_owned(),
-        Rule::Limited { bucket, .. } => domain.buckets[*bucket].name.clone(),
+        Rule::Limited { buckets, .. } => domain.buckets[buckets[0]].name.clone(),
     })
 }
 
