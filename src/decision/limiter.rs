@@ -184,8 +184,8 @@ pub struct Resolved {
     pub rule: String,
     /// Whether the rule is evaluated in shadow mode (its own `shadow_mode` or the global one).
     pub shadow: bool,
-    /// The instances, as the store is asked for them: the rule's bucket, then its calendar
-    /// quota when the rule has one beside a token bucket.
+    /// The instances, as the store is asked for them: one per bucket of the rule, in the
+    /// rule's order (a calendar quota beside a token bucket right after it).
     pub buckets: Vec<BucketRef>,
     /// Per instance, in the same order, its policy: the bucket name and plan, and how its
     /// limit is reported to Envoy ([`BucketPolicy::reported_at`]).

@@ -238,10 +238,20 @@ impl ReportedLimit {
     /// MINUTE, HOUR, DAY, WEEK, MONTH, YEAR in which it is a whole number (1 per 250 ms is 4
     /// per SECOND), else per YEAR rounded down, but at least 1: Envoy and clients read 0 as
     /// "blocks everything", which a bucket that refills does not (1 per 400 days is reported as
-    /// 1 per YEAR). Saturates at `u32::MAX`. Only a limit that denies every request (a zero
-    /// rate, or a zero capacity such as a maintenance window's) reports 0, per SECOND.
+    /// 1 per YEAR). Saturates at `u32::MAX`. A fixed allowance (a capacity that never
+    /// refills) reports its capacity per YEAR. Only a limit that denies every request (a zero
+    /// capacity, such as a maintenance window's or `requests_per_unit: 0`) reports 0, per
+    /// SECOND.
     pub fn of(limit: &Limit) -> ReportedLimit {
         let sat = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
+        if limit.rate.is_zero() && limit.capacity_ut > 0 {
+            // A fixed allowance never refills: its capacity per YEAR, Envoy's longest unit (0
+            // would read as "blocks everything", which it does not until it is spent).
+            return ReportedLimit {
+                requests_per_unit: sat(limit.capacity()),
+                unit: Unit::Year,
+            };
+        }
         if limit.rate.is_zero() || limit.capacity_ut == 0 {
             return ReportedLimit {
                 requests_per_unit: 0,

@@ -342,11 +342,6 @@ const INVALID: &[Invalid] = &[
         &["`schedule` is given twice (on the rule and in `token_bucket`)"],
     ),
     inv(
-        "capacity_without_refill.yaml",
-        Some("buckets.per_key"),
-        &["`capacity` without `refill`: a token bucket needs both"],
-    ),
-    inv(
         "quota_with_refill.yaml",
         Some("buckets.monthly"),
         &["a quota does not refill between its resets", "remove `refill` from `quota`"],

@@ -645,6 +645,40 @@ descriptors:
     assert_eq!(h.ask(&one(&[("client", "ok")])).await.overall_code, OK);
 }
 
+/// A fixed allowance (`capacity` without `refill`): 3 admitted, then denied with no
+/// `Retry-After` (nothing will admit it), no `w` or `t` in the headers and no
+/// `duration_until_reset`; it is reported as its capacity per YEAR, never as 0 (which Envoy
+/// reads as "blocks everything") nor as a huge number; and it stays spent however long.
+#[tokio::test]
+async fn a_fixed_allowance_admits_its_capacity_then_denies_without_retry_after() {
+    let h = harness(
+        "domain: d
+buckets:
+  trial: {capacity: 3}
+descriptors:
+  - {key: user, bucket: trial}
+",
+    );
+    let r = one(&[("user", "new")]);
+    for left in [2, 1, 0] {
+        let resp = h.ask(&r).await;
+        assert_eq!(codes(&resp), vec![(OK, left)]);
+        assert_eq!(limit_of(&resp.statuses[0]), Some(("trial", 3, Unit::Year)));
+        assert_eq!(resp.statuses[0].duration_until_reset, None);
+        assert_eq!(header(&resp, "ratelimit-policy"), Some("\"trial\";q=3"));
+        assert_eq!(header(&resp, "ratelimit"), Some(&*format!("\"trial\";r={left}")));
+    }
+    for _ in 0..3 {
+        let resp = h.ask(&r).await;
+        assert_eq!(codes(&resp), vec![(OVER, 0)]);
+        assert_eq!(header(&resp, "retry-after"), None);
+        assert_eq!(resp.statuses[0].duration_until_reset, None);
+        h.advance_ms(400 * 86_400_000);
+    }
+    // Another user has an allowance of their own.
+    assert_eq!(codes(&h.ask(&one(&[("user", "other")])).await), vec![(OK, 2)]);
+}
+
 // ---- current_limit and duration_until_reset -------------------------------------------
 
 #[tokio::test]

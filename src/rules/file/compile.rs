@@ -197,10 +197,9 @@ impl<'a> DomainBuilder<'a> {
         let token = match (spec.capacity, &spec.refill) {
             (Some(capacity), Some(refill)) => Some(self.limit(rule, capacity, refill)?),
             (None, None) => None,
-            (Some(_), None) => {
-                self.error(rule, "`capacity` without `refill`: a token bucket needs both");
-                return None;
-            }
+            // A fixed allowance: `capacity` tokens that never come back (a trial, a one-off
+            // grant), until the admin API resets or refunds it.
+            (Some(capacity), None) => Some(self.allowance(rule, capacity)?),
             (None, Some(_)) if quota.is_some() => {
                 self.error(
                     rule,
@@ -244,6 +243,14 @@ impl<'a> DomainBuilder<'a> {
 
     /// A token bucket's limit: `capacity` whole tokens refilled at `refill`.
     fn limit(&mut self, rule: &str, capacity: u64, refill: &str) -> Option<Limit> {
+        self.allowance(rule, capacity)?;
+        let rate = self.rate(rule, refill)?;
+        let limit = Limit::new(capacity, rate);
+        self.check_fill(rule, &limit, refill).then_some(limit)
+    }
+
+    /// A fixed allowance: `capacity` whole tokens and no refill.
+    fn allowance(&mut self, rule: &str, capacity: u64) -> Option<Limit> {
         if capacity == 0 {
             self.error(rule, "capacity must be at least 1 token");
             return None;
@@ -255,9 +262,7 @@ impl<'a> DomainBuilder<'a> {
             );
             return None;
         }
-        let rate = self.rate(rule, refill)?;
-        let limit = Limit::new(capacity, rate);
-        self.check_fill(rule, &limit, refill).then_some(limit)
+        Some(Limit::new(capacity, Rate::ZERO))
     }
 
     /// A refill string as an exact rate.
