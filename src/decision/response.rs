@@ -125,9 +125,9 @@ fn verdicts<'a>(targets: &'a [Option<Target<'_>>], applied: Option<&Applied>) ->
     verdicts
 }
 
-/// Per descriptor of `targets`, its status: `OVER_LIMIT` when one of its buckets denies, with
-/// the limit fields of the bucket [`status_verdict`] picks among those not hidden; `OK`
-/// without a limit when it matched no bucket (or only hidden ones).
+/// Per descriptor of `targets`, its status: `OVER_LIMIT` when one of its buckets denies, else
+/// `OK`; with the limit fields of the bucket [`status_verdict`] picks among those not hidden,
+/// and none when it matched no bucket or only hidden ones.
 fn statuses(targets: &[Option<Target<'_>>], verdicts: &[Verdict<'_>]) -> Vec<DescriptorStatus> {
     targets
         .iter()

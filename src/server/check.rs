@@ -133,6 +133,9 @@ fn describe(limit: &Limit, b: &BucketPolicy) -> String {
 
 fn limit_text(limit: &Limit) -> String {
     let rate = limit.rate;
+    if rate.is_zero() && limit.capacity_ut > 0 {
+        return format!("a fixed allowance of {} tokens, never refilled", limit.capacity());
+    }
     if rate.is_zero() || limit.capacity_ut == 0 {
         return "denies every request".to_owned();
     }

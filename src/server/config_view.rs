@@ -83,7 +83,7 @@ pub(crate) const REDACTED: &str = "<redacted>";
 /// "schedule"?}` or `{"name", "kind": "quota", "quota": {"limit", "reset", "timezone"}}`. A
 /// policy with a token bucket and a quota is two buckets, the quota named `<name>.quota`, as
 /// the rules and responses name it. `capacity` is in tokens; `refill` is `null` for a bucket
-/// that never refills (envoyproxy/ratelimit's `requests_per_unit: 0`), else `{"tokens",
+/// that never refills (a fixed allowance, or envoyproxy/ratelimit's `requests_per_unit: 0`), else `{"tokens",
 /// "period_seconds", "text"}`, the exact rate in force as a whole number of tokens per the
 /// first of a second, minute, hour or day in which it is whole (a `1/250ms` refill is shown as
 /// `4/s`), else per the shortest period in which it is, with `text` in the rules' refill syntax

@@ -236,6 +236,26 @@ const INVALID: &[Invalid] = &[
         &["unknown bucket `per_hoor`", "declared buckets: [per_second]"],
     ),
     inv(
+        "buckets_names_a_quota.yaml",
+        Some("api_key"),
+        &["`buckets` names `monthly.quota`, the quota of bucket `monthly`: name `monthly`"],
+    ),
+    inv(
+        "allowance_with_schedule.yaml",
+        Some("buckets.trial"),
+        &["`schedule` on a fixed allowance (`capacity` without `refill`)"],
+    ),
+    inv(
+        "allowance_beside_quota.yaml",
+        Some("buckets.per_key"),
+        &["`capacity` without `refill` beside a `quota`"],
+    ),
+    inv(
+        "hidden_differs.yaml",
+        Some("b"),
+        &["bucket `shared` is already declared, with `hidden: true`"],
+    ),
+    inv(
         "buckets_with_schedule.yaml",
         Some("api_key"),
         &["`schedule` on a rule that references buckets: declare it on the bucket under `buckets:`"],

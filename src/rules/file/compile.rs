@@ -197,6 +197,22 @@ impl<'a> DomainBuilder<'a> {
         let token = match (spec.capacity, &spec.refill) {
             (Some(capacity), Some(refill)) => Some(self.limit(rule, capacity, refill)?),
             (None, None) => None,
+            (Some(_), None) if quota.is_some() => {
+                self.error(
+                    rule,
+                    "`capacity` without `refill` beside a `quota`: give the token bucket a `refill`, or drop \
+                     `capacity` for a quota alone",
+                );
+                return None;
+            }
+            (Some(_), None) if spec.schedule.is_some() => {
+                self.error(
+                    rule,
+                    "`schedule` on a fixed allowance (`capacity` without `refill`): a window would change a \
+                     limit that never refills, and hand back a spent allowance when it closes",
+                );
+                return None;
+            }
             // A fixed allowance: `capacity` tokens that never come back (a trial, a one-off
             // grant), until the admin API resets or refunds it.
             (Some(capacity), None) => Some(self.allowance(rule, capacity)?),
@@ -227,7 +243,8 @@ impl<'a> DomainBuilder<'a> {
             None if quota.is_none() => {
                 self.error(
                     rule,
-                    "a bucket needs `capacity` and `refill` (a token bucket), a `quota`, or both",
+                    "a bucket needs `capacity` and `refill` (a token bucket), `capacity` alone (a fixed \
+                     allowance), a `quota`, or a token bucket and a quota",
                 );
                 return None;
             }
@@ -461,6 +478,11 @@ impl<'a> DomainBuilder<'a> {
                     "bucket `{name}` is the name of bucket `{owner}`'s quota (a quota beside a token bucket is \
                      named `<bucket>.quota`); rename one of them"
                 ),
+                None if existing.plan == plan && existing.reported == reported => format!(
+                    "bucket `{name}` is already declared, with `hidden: {}`: give every declaration the same \
+                     `hidden`",
+                    existing.hidden
+                ),
                 None => format!("bucket `{name}` is already declared with a different limit"),
             };
             self.error(rule, reason);
@@ -683,7 +705,7 @@ impl<'a> DomainBuilder<'a> {
 
     /// The bucket `name` under `buckets:` and its quota, if it has one.
     fn named_bucket(&mut self, spec: &DescriptorSpec, path: &str, name: &str) -> Option<(usize, Option<usize>)> {
-        self.references_only(spec, path, &format!("bucket `{name}`"), "a bucket")?;
+        self.references_only(spec, path, &format!("bucket `{name}`"), "a bucket, whose name is used")?;
         self.declared(path, name)
     }
 
@@ -707,7 +729,7 @@ impl<'a> DomainBuilder<'a> {
         if spec.name.is_some() {
             self.error(
                 path,
-                format!("`name` names an inline limit; this rule references {kind}, whose name is used"),
+                format!("`name` names an inline limit; this rule references {kind}"),
             );
             return None;
         }
@@ -747,10 +769,24 @@ impl<'a> DomainBuilder<'a> {
             self.error(path, format!("`buckets` names `{}` twice", twice.1));
             return None;
         }
-        self.references_only(spec, path, "buckets", "buckets")?;
+        self.references_only(spec, path, "buckets", "buckets, whose names are used")?;
         let mut out = Vec::with_capacity(names.len());
         let mut failed = false;
         for name in names {
+            if let Some(owner) = self
+                .by_name
+                .get(name.as_str())
+                .and_then(|idx| self.companion_of(*idx))
+                .map(str::to_owned)
+            {
+                let reason = format!(
+                    "`buckets` names `{name}`, the quota of bucket `{owner}`: name `{owner}`, and its quota comes \
+                     with it"
+                );
+                self.error(path, reason);
+                failed = true;
+                continue;
+            }
             match self.declared(path, name) {
                 Some((bucket, quota)) => out.extend(std::iter::once(bucket).chain(quota)),
                 None => failed = true,
