@@ -651,7 +651,12 @@ async fn the_password_setting_logs_in_and_a_wrong_one_is_named_not_printed() {
     let ok = block_in_place(|| {
         Tollgate::builder()
             .rules_file("faults.yaml", RULES)
-            .settings(&format!("backend: postgres\npostgres: {{url: {}}}", yaml_str(&url)))
+            // The test is about logging in: a timeout well above a cold decision under CI load
+            // (the default 15 ms one failed a first decision once).
+            .settings(&format!(
+                "backend: postgres\npostgres: {{url: {}, command_timeout_ms: {COMMAND_TIMEOUT_MS}}}",
+                yaml_str(&url)
+            ))
             .env("TOLLGATE_POSTGRES__PASSWORD", "s3cret-pw")
             .start()
     });
