@@ -203,11 +203,22 @@ impl Hogs {
 
     /// Takes every slot, tollgate's too: its connections are terminated and their slots taken
     /// before it can reconnect, until it holds none.
+    ///
+    /// Done only once a pause frees no slot and shows none of tollgate's: a terminated backend
+    /// leaves `pg_stat_activity` before it gives its slot back, and a connection still starting
+    /// holds a slot before it shows there, so an empty `others` alone can be followed by
+    /// tollgate connecting to a slot freed a moment later (a CI failure: 2 connections).
     async fn take_every_slot(&mut self) {
         self.take_free_slots().await;
         for _ in 0..50 {
             if self.others().await == 0 {
-                return;
+                let held = self.held.len();
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                self.take_free_slots().await;
+                if self.held.len() == held && self.others().await == 0 {
+                    return;
+                }
+                continue;
             }
             let conn = self.held.first_mut().expect("a hog holds a slot");
             sqlx::query(
