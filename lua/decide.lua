@@ -8,24 +8,30 @@
 --
 -- Units: microseconds since the epoch, micro-tokens (1 token = 1,000,000). Lua numbers are
 -- doubles, so every intermediate stays below 2^53 by the bounds tollgate enforces when it loads
--- the rules (capacity <= 10^9 tokens, refill num * den < 2^53): see src/bucket/rate.rs.
+-- the rules (capacity, a debt bucket's floor included, <= 9 * 10^9 tokens, refill num * den <
+-- 2^53): see src/core/bucket/rate.rs.
 --
 -- KEYS: each request's bucket instances, request after request (one Cluster slot per call).
 -- ARGV: now override in µs ("" = Redis TIME; tests only), TTL margin (ms), the TTL (ms) of a
 --   bucket whose full time is unknown (0: no expiry), #requests; then per request one string of little-endian doubles (struct.pack '<d';
 --   every value is an integer below 2^53, so exact), read here with no text parsing:
 --     #buckets, #demands, #replacements;
---     per bucket 9: kind (1 F a constant limit, 2 S a schedule, 3 Q a calendar quota);
+--     per bucket 9: kind (1 F a constant limit, 2 S a schedule, 3 Q a calendar quota, 4 D a
+--       debt quota: a quota whose reset adds an allowance, counted by tollgate, so a value
+--       written before the last edge is walked);
 --       cap, num, den: the limit in force, capacity (µt) and rate (num µt per den µs);
 --       lo, hi: the limit holds over [lo, hi) (0 = unbounded); for Q, lo is the last reset
 --       edge (0 = none) and hi the next; outside that interval the script asks again;
---       bound: S, when a bucket emptied at hi would be full again (0 = unknown), else unused;
+--       bound: S, when a bucket emptied at hi would be full again (0 = unknown); D, the edge
+--       after hi, when any balance is full again; else unused;
 --       replaced: 1 if a replacement follows for this bucket;
 --       since: when a reload replaced the limit (0 = none remembered): a value written
 --       before it is sent back to tollgate ("walk"), which brings it forward under the old
 --       rules up to the reload; an F limit given with lo or hi holds only over [lo, hi);
---     per demand 4: instance (1-based within the request), kind (1 consume, 2 check,
---       3 refund), amount (µt), enforced (1 or 0);
+--     per demand 5: instance (1-based within the request), kind (1 consume, 2 check,
+--       3 refund, 4 debit: a usage report on a debt bucket, taken whatever the decision down to
+--       an empty bucket, 5 debt check), amount (µt), enforced (1 or 0), need (4 and 5: passes
+--       iff the bucket holds that many µt, one more than its floor's depth; else 0);
 --   then per replaced bucket, in bucket order, two strings: the stored value tollgate read
 --   (expect) and two doubles tokens, updated: that value brought forward by tollgate to the
 --   last change of limit (a schedule walk Lua does not do); used only if the key still holds
@@ -50,8 +56,9 @@
 -- Returns one answer per request, in order:
 --   a decision, as one string (not a table: Redis turns a table into a reply at several
 --    times the cost) of little-endian doubles: now, denied (1/0), passed (1/0) per
---    demand, then per bucket 7: stored tokens, stored updated, tokens before, updated
---    before, tokens after, updated after, changed (1/0);
+--    demand, then per bucket 8: stored tokens, stored updated, tokens before, updated
+--    before, tokens after, updated after, changed (1/0), lost (µt of debits that found the
+--    bucket empty);
 --   {"retry", now, t1, ..., tn} when some bucket's time t (now, or a later write) lies outside
 --    its [lo, hi); nothing was changed;
 --   {"walk", now, i, value, ...} for scheduled buckets crossed by a change of limit since they
@@ -168,7 +175,7 @@ local has_pexpiretime
 local function decide(now, margin_ms, unknown_ttl_ms, ko, ao)
   local packed = ARGV[ao + 1]
   local nb, nd, nrep, pos = unpack_fields('<ddd', packed)
-  local f = read_numbers(packed, pos, nb * 9 + nd * 4)
+  local f = read_numbers(packed, pos, nb * 9 + nd * 5)
   local next_ao = ao + 1 + nrep * 2
 
   -- Read every bucket: absent means full at the capacity in force. The bucket tables are
@@ -207,7 +214,8 @@ local function decide(now, margin_ms, unknown_ttl_ms, ko, ao)
         if #replaced ~= 16 then return {'bad', now, 'tollgate: bad replacement'}, next_ao end
         st, su = unpack_fields('<dd', replaced)
         if not (valid(st) and valid(su)) then return {'bad', now, 'tollgate: bad replacement'}, next_ao end
-      elseif (kind == 2 and (e == 0 or now >= e)) or (f[o + 9] > 0 and su < f[o + 9]) then
+      elseif (kind == 2 and (e == 0 or now >= e)) or (f[o + 9] > 0 and su < f[o + 9])
+          or (kind == 4 and now > su and f[o + 5] > su) then
         -- (A scheduled value always records its end: one without was written under another
         -- kind of limit, by a request on the rules before a reload, so it is walked too.)
         walk = walk or {'walk', now}
@@ -222,6 +230,7 @@ local function decide(now, margin_ms, unknown_ttl_ms, ko, ao)
     end
     x.key, x.kind, x.cap, x.num, x.den, x.lo, x.hi = key, kind, cap, f[o + 3], f[o + 4], f[o + 5], f[o + 6]
     x.bound, x.st, x.su, x.stored, x.bt, x.bu, x.consumed, x.refunded = f[o + 7], st, su, stored, 0, 0, 0, 0
+    x.debit = 0
   end
   if walk then return walk, next_ao end
 
@@ -250,7 +259,8 @@ local function decide(now, margin_ms, unknown_ttl_ms, ko, ao)
   -- Bring each forward to now (before), then add up the demands per bucket.
   for i = 1, nb do
     local x = b[i]
-    if x.kind == 3 then
+    if x.kind >= 3 then
+      -- (A debt quota written before its last edge was walked above.)
       if now > x.su and x.lo > x.su then
         x.bt, x.bu = x.cap, now
       else
@@ -262,21 +272,23 @@ local function decide(now, margin_ms, unknown_ttl_ms, ko, ao)
   end
   local dofs = nb * 9
   for j = 1, nd do
-    local o = dofs + (j - 1) * 4
+    local o = dofs + (j - 1) * 5
     local x, kind = b[f[o + 1]], f[o + 2]
     if kind == 1 then x.consumed = x.consumed + f[o + 3]
-    elseif kind == 3 then x.refunded = x.refunded + f[o + 3] end
+    elseif kind == 3 then x.refunded = x.refunded + f[o + 3]
+    elseif kind == 4 then x.debit = x.debit + f[o + 3] end
   end
 
   local denied = false
   local out = answer
   out[1], out[2] = now, 0
   for j = 1, nd do
-    local o = dofs + (j - 1) * 4
+    local o = dofs + (j - 1) * 5
     local x, kind = b[f[o + 1]], f[o + 2]
     local ok = true
     if kind == 1 then ok = x.bt >= x.consumed
-    elseif kind == 2 then ok = x.bt >= x.consumed + MICRO end
+    elseif kind == 2 then ok = x.bt >= x.consumed + MICRO
+    elseif kind >= 4 then ok = x.bt >= f[o + 5] end
     out[j + 2] = ok and 1 or 0
     if not ok and f[o + 4] == 1 then denied = true end
   end
@@ -288,9 +300,13 @@ local function decide(now, margin_ms, unknown_ttl_ms, ko, ao)
     local t = x.bt
     local take = (not denied) and x.consumed > 0 and t >= x.consumed
     if take then t = t - x.consumed end
+    -- Usage that happened is recorded whatever the decision, down to the floor.
+    local debited = min(x.debit, t)
+    t = t - debited
     local give = x.refunded > 0 and t < x.cap
     if give then t = min(t + x.refunded, x.cap) end
-    if take or give then
+    local changed = take or give or debited > 0
+    if changed then
       if t >= x.cap then
         -- A full bucket is the same as no bucket.
         call('DEL', x.key)
@@ -302,6 +318,8 @@ local function decide(now, margin_ms, unknown_ttl_ms, ko, ao)
         elseif x.kind == 2 then
           if w and x.bu + w < x.hi then full_at = x.bu + w
           elseif x.bound > 0 then full_at = x.bound end
+        elseif x.kind == 4 and x.bound > 0 then
+          full_at = x.bound
         elseif x.hi > 0 then
           full_at = x.hi
         end
@@ -327,8 +345,8 @@ local function decide(now, margin_ms, unknown_ttl_ms, ko, ao)
       end
     end
     out[n + 1], out[n + 2], out[n + 3], out[n + 4] = x.st, x.su, x.bt, x.bu
-    out[n + 5], out[n + 6], out[n + 7] = t, x.bu, (take or give) and 1 or 0
-    n = n + 7
+    out[n + 5], out[n + 6], out[n + 7], out[n + 8] = t, x.bu, changed and 1 or 0, x.debit - debited
+    n = n + 8
   end
   return pack_numbers(out, n), next_ao
 end

@@ -38,6 +38,15 @@ pub const DECISIONS: &str = "tollgate_decisions_total";
 /// a denial adds at most the capacity + 1 and a refund at most the capacity (what could
 /// matter), whatever `hits_addend` says.
 pub const HITS: &str = "tollgate_hits_total";
+/// Tokens debited from debt buckets by usage reports (docs/usage-budgets.md), by `domain` and
+/// `bucket`: what was taken, down to the floor.
+pub const DEBITED_TOKENS: &str = "tollgate_debited_tokens_total";
+/// Tokens of usage reports that found a debt bucket at its floor, by `domain` and `bucket`:
+/// usage counted here and nowhere else.
+pub const DEBT_LOST_TOKENS: &str = "tollgate_debt_lost_tokens_total";
+/// The debt, in tokens (0 when the balance is positive), of the instance of a debt bucket
+/// decided last, by `domain` and `bucket`: one gauge per bucket name, however many clients.
+pub const DEBT_TOKENS: &str = "tollgate_debt_tokens";
 /// Calls to the backend, by `backend`.
 pub const BACKEND_CALLS: &str = "tollgate_backend_calls_total";
 /// Failed backend calls, by `backend` and `kind` (`error`, `timeout`).
@@ -340,6 +349,9 @@ struct Labelled {
     bucket: String,
     decisions: [OnceLock<Counter>; 5],
     hits: [OnceLock<Counter>; 5],
+    debited: OnceLock<Counter>,
+    lost: OnceLock<Counter>,
+    debt: OnceLock<Gauge>,
 }
 
 impl DecisionCounters {
@@ -352,6 +364,9 @@ impl DecisionCounters {
                 bucket: bucket.to_owned(),
                 decisions: Default::default(),
                 hits: Default::default(),
+                debited: OnceLock::new(),
+                lost: OnceLock::new(),
+                debt: OnceLock::new(),
             })),
         }
     }
@@ -369,6 +384,25 @@ impl DecisionCounters {
         let make = |name: &'static str| counter!(name, "domain" => l.domain.clone(), "bucket" => l.bucket.clone(), "code" => code.as_str());
         l.decisions[i].get_or_init(|| make(DECISIONS)).increment(1);
         l.hits[i].get_or_init(|| make(HITS)).increment(hits);
+    }
+
+    /// Counts a debt bucket's usage reports of one decision: `debited` tokens taken, `lost`
+    /// tokens that found it at its floor, and `debt` tokens owed after the decision
+    /// ([`DEBITED_TOKENS`], [`DEBT_LOST_TOKENS`], [`DEBT_TOKENS`]).
+    pub fn count_debt(&self, debited: u64, lost: u64, debt: u64) {
+        let Some(l) = &self.inner else { return };
+        let labels = || [("domain", l.domain.clone()), ("bucket", l.bucket.clone())];
+        if debited > 0 {
+            l.debited
+                .get_or_init(|| counter!(DEBITED_TOKENS, &labels()))
+                .increment(debited);
+        }
+        if lost > 0 {
+            l.lost
+                .get_or_init(|| counter!(DEBT_LOST_TOKENS, &labels()))
+                .increment(lost);
+        }
+        l.debt.get_or_init(|| gauge!(DEBT_TOKENS, &labels())).set(debt as f64);
     }
 }
 

@@ -21,8 +21,11 @@ pub(crate) fn count_decisions(targets: &[Option<Target<'_>>], applied: &Applied,
             // envoyproxy/ratelimit's series have one limit per rule: the rule's first bucket.
             let first = &t.parts[0];
             let instance = &applied.decision.instances[first.instance];
-            let capacity = first.policy.plan.limit_at(applied.now_us).capacity();
-            let used_before = capacity.saturating_sub(instance.before.tokens_ut / MICRO);
+            let capacity = first
+                .policy
+                .shown(first.policy.plan.limit_at(applied.now_us))
+                .capacity();
+            let used_before = capacity.saturating_sub(first.policy.balance_ut(instance.before.tokens_ut) / MICRO);
             let admitted = t.parts.iter().all(|p| applied.decision.passed[p.demand]);
             let detailed = t.envoyproxy.for_request(t.entries, &t.shared);
             detailed.as_ref().unwrap_or(t.envoyproxy).count(
@@ -36,11 +39,17 @@ pub(crate) fn count_decisions(targets: &[Option<Target<'_>>], applied: &Applied,
         for p in &t.parts {
             let (policy, instance, demand, counters) = (&*p.policy, p.instance, p.demand, p.counters);
             let passed = applied.decision.passed[demand];
-            let (hits_ut, refund) = match t.kind {
-                DemandKind::Consume(ut) => (ut, false),
+            let out = &applied.decision.instances[instance];
+            let kind = policy.demand_kind(t.kind);
+            let (hits_ut, refund) = match kind {
+                DemandKind::Consume(ut) | DemandKind::Debit { amount_ut: ut, .. } => (ut, false),
                 DemandKind::Refund(ut) => (ut, true),
-                DemandKind::Check => (0, false),
+                DemandKind::Check | DemandKind::DebtCheck { .. } => (0, false),
             };
+            if policy.debt_depth_ut > 0 {
+                let debt_ut = policy.debt_depth_ut.saturating_sub(out.after.tokens_ut);
+                counters.count_debt(out.debited_ut / MICRO, out.lost_ut / MICRO, debt_ut.div_ceil(MICRO));
+            }
             let code = if refund {
                 DecisionCode::Refund
             } else if !passed && t.shadow {
@@ -50,8 +59,8 @@ pub(crate) fn count_decisions(targets: &[Option<Target<'_>>], applied: &Applied,
             } else {
                 // In whole tokens, as `limit_remaining` reports them: the micro-tokens refilled
                 // since the last decision must not hide the threshold.
-                let capacity = policy.plan.limit_at(applied.now_us).capacity();
-                let left = applied.decision.instances[instance].after.tokens_ut / MICRO;
+                let capacity = policy.shown(policy.plan.limit_at(applied.now_us)).capacity();
+                let left = policy.balance_ut(out.after.tokens_ut) / MICRO;
                 let used = capacity.saturating_sub(left) as f64;
                 if capacity > 0 && used + 1e-9 >= near_limit_ratio * capacity as f64 {
                     DecisionCode::NearLimit
@@ -59,10 +68,12 @@ pub(crate) fn count_decisions(targets: &[Option<Target<'_>>], applied: &Applied,
                     DecisionCode::Ok
                 }
             };
-            let capacity = policy.plan.limit_at(applied.now_us).capacity();
-            let hits = match t.kind {
+            let capacity = policy.shown(policy.plan.limit_at(applied.now_us)).capacity();
+            let hits = match kind {
                 // A refund beyond the capacity gives back nothing more: the bucket is full.
                 DemandKind::Refund(_) => (hits_ut / MICRO).min(capacity),
+                // Usage is recorded whatever the decision: every hit of it counts.
+                DemandKind::Debit { .. } => hits_ut / MICRO,
                 _ => counted_hits(hits_ut / MICRO, capacity, passed),
             };
             counters.count(code, hits);

@@ -268,9 +268,15 @@ impl<'r> Matched<'r> {
     /// overrides of different limits never share an instance.
     fn key(&self, domain: &str, policy: &BucketPolicy, entries: &[Entry]) -> String {
         let is_override = self.bucket_indices.is_empty();
-        let extra = if is_override { 16 } else { 0 };
+        let extra = if is_override { 16 } else { 0 } + if policy.debt_depth_ut > 0 { 24 } else { 0 };
         let mut key = String::with_capacity(key_capacity(domain, &policy.name, entries) + extra);
         instance_key(&mut key, domain, &policy.name, entries, &self.shared);
+        if policy.debt_depth_ut > 0 {
+            // Stored tokens are the balance plus the floor's depth: another depth reads them
+            // differently, so a changed floor starts the accounts afresh.
+            key.push_str("#debt");
+            key.push_str(itoa::Buffer::new().format(policy.debt_depth_ut));
+        }
         if is_override {
             key.push('#');
             key.push_str(itoa::Buffer::new().format(policy.reported.requests_per_unit));
@@ -559,7 +565,8 @@ fn demands_of<'a>(
         let keys: SmallVec<[String; 2]> = m.parts.iter().map(|(p, _)| m.key(&req.domain, p, entries)).collect();
         let mut parts = SmallVec::new();
         for ((policy, counters), key) in m.parts.into_iter().zip(keys) {
-            let (instance, demand) = add_demand(&mut buckets, &mut demands, key, &policy.plan, kind, shadow);
+            let own = policy.demand_kind(kind);
+            let (instance, demand) = add_demand(&mut buckets, &mut demands, key, &policy.plan, own, shadow);
             parts.push(Part {
                 policy,
                 instance,

@@ -205,10 +205,7 @@ fn push_ratelimit_headers(response_headers_to_add: &mut Vec<HeaderValue>, per_bu
 /// Pushes `X-RateLimit-Limit`, `-Remaining` and `-Reset` of the verdict `v`.
 fn push_x_ratelimit_headers(response_headers_to_add: &mut Vec<HeaderValue>, v: &Verdict<'_>) {
     response_headers_to_add.push(header("x-ratelimit-limit", v.limit.capacity().to_string()));
-    response_headers_to_add.push(header(
-        "x-ratelimit-remaining",
-        whole_tokens(v.remaining_ut).to_string(),
-    ));
+    response_headers_to_add.push(header("x-ratelimit-remaining", (v.remaining_ut / MICRO).to_string()));
     response_headers_to_add.push(header(
         "x-ratelimit-reset",
         v.until_full_us.map_or(0, ceil_seconds).to_string(),
@@ -229,10 +226,7 @@ fn verdict<'a>(
     let now = applied.now_us;
     let plan = &policy.plan;
     let passed = applied.decision.passed[demand];
-    let need = match kind {
-        DemandKind::Check => out.consumed_ut.saturating_add(MICRO),
-        _ => out.consumed_ut,
-    };
+    let need = policy.demand_kind(kind).need_ut(out.consumed_ut).unwrap_or(0);
     // Waits run from the state the store keeps, not from the one refilled to now: its refill
     // is floored (overstating a wait by up to a micro-token's refill time) and it cannot tell a
     // clock that stepped back (understating it).
@@ -240,10 +234,10 @@ fn verdict<'a>(
     Verdict {
         descriptor,
         policy,
-        limit: plan.limit_at(now),
+        limit: policy.shown(plan.limit_at(now)),
         reported: policy.reported_at(now),
         over: !passed && !shadow,
-        remaining_ut: out.after.tokens_ut,
+        remaining_ut: policy.balance_ut(out.after.tokens_ut),
         until_full_us: plan.reset_in_us(kept, now),
         retry_after_us: if passed { None } else { plan.wait_us(kept, need, now) },
     }
@@ -315,7 +309,7 @@ fn push_policy_item(out: &mut String, v: &Verdict<'_>, now_us: u64) {
 fn push_state_item(out: &mut String, v: &Verdict<'_>) {
     push_sf_string(out, &v.policy.name);
     out.push_str(";r=");
-    out.push_str(itoa::Buffer::new().format(whole_tokens(v.remaining_ut)));
+    out.push_str(itoa::Buffer::new().format(v.remaining_ut / MICRO));
     if let Some(t) = v.until_full_us {
         out.push_str(";t=");
         out.push_str(itoa::Buffer::new().format(ceil_seconds(t)));
@@ -343,6 +337,8 @@ fn header(key: &str, value: String) -> HeaderValue {
     }
 }
 
+/// `DescriptorStatus.limit_remaining`, a `uint32` in the RLS proto: whole tokens, saturating
+/// at `u32::MAX` (4,294,967,295) for a larger budget, whose headers carry the full number.
 fn whole_tokens(ut: u64) -> u32 {
     u32::try_from(ut / MICRO).unwrap_or(u32::MAX)
 }

@@ -14,7 +14,7 @@ use std::path::PathBuf;
 
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 
-use crate::core::bucket::Limit;
+use crate::core::bucket::{DemandKind, Limit};
 use crate::core::schedule::Plan;
 use crate::core::units::ENVOY_UNITS;
 use crate::telemetry::DecisionCounters;
@@ -173,6 +173,12 @@ pub struct BucketPolicy {
     /// (the `RateLimit` and `RateLimit-Policy` headers, the `DescriptorStatus` limit fields that
     /// Envoy turns into `x-ratelimit-*`); a denial it causes still gets its true `Retry-After`.
     pub hidden: bool,
+    /// `debt: true` (docs/usage-budgets.md): how far below zero the floor lies, in
+    /// micro-tokens; 0 for an ordinary bucket. The plan's capacities are raised by it, so the
+    /// stores keep `tokens = balance + depth` with the arithmetic of an ordinary bucket; what
+    /// clients and operators see is brought back down ([`BucketPolicy::shown`],
+    /// [`BucketPolicy::balance_ut`]).
+    pub debt_depth_ut: u64,
     /// For a scheduled policy, [`ReportedLimit::of`] each entry's limit, worked out once.
     entry_reported: Vec<ReportedLimit>,
 }
@@ -192,7 +198,45 @@ impl BucketPolicy {
             plan,
             reported,
             hidden: false,
+            debt_depth_ut: 0,
             entry_reported,
+        }
+    }
+
+    /// A debt bucket's policy (docs/usage-budgets.md): `plan` must already have its capacities
+    /// raised by `depth_ut` ([`crate::core::schedule::Schedule::with_debt_depth`],
+    /// [`crate::core::schedule::Quota::with_debt_depth`], or the capacity plus the depth for
+    /// a constant limit); `reported` describes the limit as declared.
+    pub fn with_debt_depth(mut self, depth_ut: u64) -> BucketPolicy {
+        self.debt_depth_ut = depth_ut;
+        if let Plan::Scheduled(s) = &self.plan {
+            self.entry_reported = (0..s.entries().len())
+                .filter_map(|i| s.entry_limit(i).map(|l| ReportedLimit::of(&shown(*l, depth_ut))))
+                .collect();
+        }
+        self
+    }
+
+    /// `limit` (the plan's) as declared: a debt bucket's capacity without the floor's depth.
+    pub fn shown(&self, limit: Limit) -> Limit {
+        shown(limit, self.debt_depth_ut)
+    }
+
+    /// The micro-tokens clients are told are left of a bucket holding `tokens_ut`: a debt
+    /// bucket's balance, 0 while in debt.
+    pub fn balance_ut(&self, tokens_ut: u64) -> u64 {
+        tokens_ut.saturating_sub(self.debt_depth_ut)
+    }
+
+    /// What a descriptor asking `kind` asks of this bucket: on a debt bucket a consume is a
+    /// usage report ([`DemandKind::Debit`]) and a check asks whether the balance is positive
+    /// ([`DemandKind::DebtCheck`]); otherwise `kind` itself.
+    pub fn demand_kind(&self, kind: DemandKind) -> DemandKind {
+        let depth_ut = self.debt_depth_ut;
+        match kind {
+            DemandKind::Consume(amount_ut) if depth_ut > 0 => DemandKind::Debit { amount_ut, depth_ut },
+            DemandKind::Check if depth_ut > 0 => DemandKind::DebtCheck { depth_ut },
+            kind => kind,
         }
     }
 
@@ -218,8 +262,18 @@ impl BucketPolicy {
                 .limit_entry_at(now_us)
                 .and_then(|i| self.entry_reported.get(i).copied())
                 .unwrap_or(self.reported),
-            Plan::Quota(q) => ReportedLimit::quota(q.limit().capacity(), plan.window_us(now_us)),
+            Plan::Quota(q) => {
+                ReportedLimit::quota(q.allowance_ut() / crate::core::bucket::MICRO, plan.window_us(now_us))
+            }
         }
+    }
+}
+
+/// `limit` without a debt bucket's floor depth `depth_ut`.
+fn shown(limit: Limit, depth_ut: u64) -> Limit {
+    Limit {
+        capacity_ut: limit.capacity_ut.saturating_sub(depth_ut),
+        rate: limit.rate,
     }
 }
 

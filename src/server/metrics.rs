@@ -58,6 +58,12 @@ fn describe() {
     describe_counter!(MALFORMED, "Malformed parts of requests, by reason (none is an error)");
     describe_counter!(DECISIONS, "Bucket decisions, one per descriptor and bucket, by code");
     describe_counter!(HITS, "Hits (hits_addend) per bucket decision code");
+    describe_counter!(DEBITED_TOKENS, "Tokens debited from debt buckets by usage reports");
+    describe_counter!(
+        DEBT_LOST_TOKENS,
+        "Tokens of usage reports that found a debt bucket at its floor"
+    );
+    describe_gauge!(DEBT_TOKENS, "Debt in tokens of the debt bucket instance decided last");
     describe_counter!(BACKEND_CALLS, "Calls to the bucket backend");
     describe_counter!(BACKEND_ERRORS, "Failed backend calls, by kind");
     describe_histogram!(BACKEND_DURATION, Unit::Seconds, "Backend call time");

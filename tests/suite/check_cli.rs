@@ -95,12 +95,12 @@ const INVALID: &[Invalid] = &[
     inv(
         "capacity_too_large.yaml",
         Some("api_key"),
-        &["capacity 1000000001 is above the maximum of 1000000000"],
+        &["capacity 9000000001 is above the maximum of 9000000000"],
     ),
     inv(
         "requests_per_unit_too_large.yaml",
         Some("api_key"),
-        &["requests_per_unit 1000000001 is above the maximum"],
+        &["requests_per_unit 9000000001 is above the maximum"],
     ),
     inv(
         "too_fine_rate.yaml",

@@ -259,18 +259,15 @@ async fn override_of_zero_denies_without_retry_after() {
 #[tokio::test]
 async fn overrides_beyond_the_exact_bounds_are_brought_within_them_and_reported_as_applied() {
     let h = harness(BASIC);
-    // Above the capacity bound: capped at 1,000,000,000, and reported so.
+    // Every `uint32` count is within the capacity bound (9,000,000,000): applied as asked.
     let r = req(
         "d",
         vec![with_override(&[("x", "big")], u32::MAX, RateLimitUnit::Second as i32)],
     );
     let resp = h.ask(&r).await;
     assert_eq!(resp.overall_code, OK);
-    assert_eq!(
-        limit_of(&resp.statuses[0]),
-        Some(("override", 1_000_000_000, Unit::Second))
-    );
-    assert_eq!(header(&resp, "ratelimit-policy"), Some("\"override\";q=1000000000;w=1"));
+    assert_eq!(limit_of(&resp.statuses[0]), Some(("override", u32::MAX, Unit::Second)));
+    assert_eq!(header(&resp, "ratelimit-policy"), Some("\"override\";q=4294967295;w=1"));
     // Too fine a rate per year to compute exactly: rounded down to a multiple of 1,000.
     let r = req(
         "d",

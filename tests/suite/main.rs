@@ -40,4 +40,5 @@ mod shutdown;
 mod soak;
 mod store_bounds;
 mod tidy;
+mod usage_budgets;
 mod vectors;

@@ -32,6 +32,11 @@ struct BucketSpec {
     refill: Option<String>,
     schedule: Option<Vec<EntrySpec>>,
     quota: Option<QuotaSpec>,
+    /// A debt bucket's floor, in tokens below zero (docs/usage-budgets.md): its plan's
+    /// capacities are raised by it, a consume on it is a usage report and a check asks for a
+    /// positive balance.
+    #[serde(default)]
+    debt_depth: Option<u64>,
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -66,6 +71,9 @@ struct Step {
     passed: Vec<bool>,
     #[serde(default)]
     tokens: Vec<u64>,
+    /// Per bucket, micro-tokens of usage reports that found it at its floor (all 0 if absent).
+    #[serde(default)]
+    lost: Vec<u64>,
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -90,14 +98,21 @@ fn rate(refill: &str) -> Rate {
 
 /// The bucket's plan: a quota, or a token bucket with or without a schedule.
 fn plan(spec: &BucketSpec) -> Plan {
+    let depth_ut = spec.debt_depth.unwrap_or(0) * MICRO;
     if let Some(q) = &spec.quota {
-        return Plan::Quota(Arc::new(Quota::new(q.limit, &q.reset, q.timezone.as_deref()).unwrap()));
+        let quota = Quota::new(q.limit, &q.reset, q.timezone.as_deref()).unwrap();
+        return Plan::Quota(Arc::new(if depth_ut > 0 {
+            quota.with_debt_depth(depth_ut)
+        } else {
+            quota
+        }));
     }
-    let base = Limit::new(
+    let mut base = Limit::new(
         spec.capacity.expect("a token bucket has a capacity"),
         rate(spec.refill.as_deref().expect("a token bucket has a refill")),
     );
     let Some(entries) = &spec.schedule else {
+        base.capacity_ut += depth_ut;
         return Plan::Fixed(base);
     };
     let entries = entries
@@ -107,11 +122,21 @@ fn plan(spec: &BucketSpec) -> Plan {
             ScheduleEntry::new(&e.cron, e.timezone.as_deref(), e.scale, e.capacity, refill).unwrap()
         })
         .collect();
-    Plan::Scheduled(Arc::new(Schedule::new(base, entries).unwrap()))
+    Plan::Scheduled(Arc::new(
+        Schedule::new(base, entries).unwrap().with_debt_depth(depth_ut),
+    ))
 }
 
-fn demand(d: &DemandSpec) -> Demand {
+/// A demand on the bucket it names among `buckets`: on a debt bucket a consume is a usage
+/// report and a check asks for a positive balance.
+fn demand(d: &DemandSpec, buckets: &[BucketSpec]) -> Demand {
+    let depth_ut = buckets[d.bucket].debt_depth.unwrap_or(0) * MICRO;
     let kind = match (d.consume, d.check, d.refund) {
+        (Some(n), false, None) if depth_ut > 0 => DemandKind::Debit {
+            amount_ut: n * MICRO,
+            depth_ut,
+        },
+        (None, true, None) if depth_ut > 0 => DemandKind::DebtCheck { depth_ut },
         (Some(n), false, None) => DemandKind::Consume(n * MICRO),
         (None, true, None) => DemandKind::Check,
         (None, false, Some(n)) => DemandKind::Refund(n * MICRO),
@@ -157,23 +182,25 @@ async fn check_vectors<S: Store, F: Future<Output = S>>(mut store_for: impl FnMu
         let clock = ManualClock::new(start);
         let store = store_for(clock.clone()).await;
         let mut buckets = bucket_refs(&case);
+        let mut specs = case.buckets.clone();
         for (n, step) in case.steps.iter().enumerate() {
             clock.set_us(start + step.at_us);
-            if let Some(specs) = &step.reload {
+            if let Some(reloaded) = &step.reload {
                 // What `Limiter::swap_rules` does to a bucket policy whose rules changed.
                 assert_eq!(
-                    specs.len(),
+                    reloaded.len(),
                     buckets.len(),
                     "case `{}` step {n}: one spec per bucket",
                     case.name
                 );
-                for (b, spec) in buckets.iter_mut().zip(specs) {
+                for (b, spec) in buckets.iter_mut().zip(reloaded) {
                     b.plan = Plan::after_reload(&b.plan, plan(spec), start + step.at_us);
                 }
+                specs = reloaded.clone();
                 store.rules_changed();
                 continue;
             }
-            let demands: Vec<Demand> = step.demands.iter().map(demand).collect();
+            let demands: Vec<Demand> = step.demands.iter().map(|d| demand(d, &specs)).collect();
             let applied = store.apply(&buckets, &demands).await.unwrap();
             let at = format!("case `{}` step {n}", case.name);
             assert_eq!(
@@ -185,6 +212,13 @@ async fn check_vectors<S: Store, F: Future<Output = S>>(mut store_for: impl FnMu
             assert_eq!(applied.decision.passed, step.passed, "{at}: passed");
             let tokens: Vec<u64> = applied.decision.instances.iter().map(|i| i.after.tokens_ut).collect();
             assert_eq!(tokens, step.tokens, "{at}: tokens");
+            let lost: Vec<u64> = applied.decision.instances.iter().map(|i| i.lost_ut).collect();
+            let want_lost = if step.lost.is_empty() {
+                vec![0; lost.len()]
+            } else {
+                step.lost.clone()
+            };
+            assert_eq!(lost, want_lost, "{at}: lost");
         }
     }
 }
@@ -276,7 +310,7 @@ mod random {
 
     const START: u64 = 1_780_000_000_000_000; // 2026-05-28T20:26:40Z
 
-    fn arb_bucket() -> impl Strategy<Value = BucketSpec> {
+    fn arb_ordinary() -> impl Strategy<Value = BucketSpec> {
         let refill = prop::sample::select(vec!["1/s", "10/1m", "3/1h", "7/1h", "1/250ms", "none"]);
         let entry = (
             prop::sample::select(vec![
@@ -306,6 +340,7 @@ mod random {
                 refill: Some(refill.to_string()),
                 schedule: None,
                 quota: None,
+                debt_depth: None,
             }),
             (2..20u64, refill, prop::collection::vec(entry, 1..3)).prop_map(|(capacity, refill, entries)| {
                 BucketSpec {
@@ -313,6 +348,7 @@ mod random {
                     refill: Some(refill.to_string()),
                     schedule: Some(entries),
                     quota: None,
+                    debt_depth: None,
                 }
             }),
             (
@@ -328,8 +364,18 @@ mod random {
                         reset: reset.to_string(),
                         timezone: None,
                     }),
+                    debt_depth: None,
                 }),
         ]
+    }
+
+    /// A bucket of [`arb_ordinary`], now and then a debt bucket (a quota's floor at most one
+    /// allowance deep, as the rules compiler requires).
+    fn arb_bucket() -> impl Strategy<Value = BucketSpec> {
+        (arb_ordinary(), prop::option::weighted(0.3, 1..20u64)).prop_map(|(mut b, depth)| {
+            b.debt_depth = depth.map(|d| b.quota.as_ref().map_or(d, |q| d.min(q.limit)));
+            b
+        })
     }
 
     fn arb_demand(buckets: usize) -> impl Strategy<Value = DemandSpec> {
@@ -412,6 +458,7 @@ mod random {
                 }
             };
             note_unbounded(&buckets);
+            let mut current: &Vec<BucketSpec> = &specs;
             let mut t = START;
             let mut latest = START;
             let mut reloaded_at = 0;
@@ -431,11 +478,12 @@ mod random {
                     for (b, spec) in buckets.iter_mut().zip(specs) {
                         b.plan = Plan::after_reload(&b.plan, plan(spec), t);
                     }
+                    current = specs;
                     note_unbounded(&buckets);
                     memory.rules_changed();
                     continue;
                 }
-                let demands: Vec<Demand> = demands.iter().map(demand).collect();
+                let demands: Vec<Demand> = demands.iter().map(|d| demand(d, current)).collect();
                 let m = memory.apply_now(&buckets, &demands);
                 let r = rt.block_on(redis.apply(&buckets, &demands)).unwrap();
                 let at = format!("step {k} at {:+} µs", t as i64 - START as i64);
@@ -444,6 +492,9 @@ mod random {
                 let mt: Vec<u64> = m.decision.instances.iter().map(|i| i.after.tokens_ut).collect();
                 let rt_: Vec<u64> = r.decision.instances.iter().map(|i| i.after.tokens_ut).collect();
                 prop_assert_eq!(mt, rt_, "{}: tokens after", at);
+                let ml: Vec<u64> = m.decision.instances.iter().map(|i| i.lost_ut).collect();
+                let rl: Vec<u64> = r.decision.instances.iter().map(|i| i.lost_ut).collect();
+                prop_assert_eq!(ml, rl, "{}: lost", at);
             }
         });
         let unbounded = unbounded.into_inner().unwrap();

@@ -15,6 +15,37 @@ pub enum DemandKind {
     /// Give this many micro-tokens back, never above capacity (`is_negative_hits: true` in the
     /// RLS proto). Always applied, whatever the decision; always answered OK.
     Refund(u64),
+    /// A usage report on a debt bucket (docs/usage-budgets.md): `amount_ut` micro-tokens are
+    /// taken whatever the decision, down to an empty bucket (the floor), the rest counted as
+    /// lost. Passes iff the balance before the request is positive: the bucket holds more than
+    /// `depth_ut`, the micro-tokens that lie between zero and the floor.
+    Debit {
+        /// Micro-tokens used (`hits_addend` x 10^6).
+        amount_ut: u64,
+        /// How far below zero the floor lies, in micro-tokens: the bucket's tokens less this
+        /// are its balance.
+        depth_ut: u64,
+    },
+    /// The request-path question on a debt bucket (`hits_addend` 0): passes iff the balance is
+    /// positive, the bucket holding more than `depth_ut`; takes nothing.
+    DebtCheck {
+        /// As for [`DemandKind::Debit`].
+        depth_ut: u64,
+    },
+}
+
+impl DemandKind {
+    /// The micro-tokens the instance must hold for this demand to pass, given that the request
+    /// consumes `consumed_ut` from it: one token beyond them for a check, one micro-token beyond
+    /// the floor's depth on a debt bucket. `None` for a refund, which always passes.
+    pub fn need_ut(&self, consumed_ut: u64) -> Option<u64> {
+        match *self {
+            DemandKind::Consume(_) => Some(consumed_ut),
+            DemandKind::Check => Some(consumed_ut.saturating_add(MICRO)),
+            DemandKind::Refund(_) => None,
+            DemandKind::Debit { depth_ut, .. } | DemandKind::DebtCheck { depth_ut } => Some(depth_ut.saturating_add(1)),
+        }
+    }
 }
 
 /// One descriptor's demand on one bucket instance.
@@ -39,6 +70,11 @@ pub struct InstanceOutcome {
     pub after: BucketState,
     /// Micro-tokens this request's consuming demands asked of the instance, added up.
     pub consumed_ut: u64,
+    /// Micro-tokens this request's usage reports ([`DemandKind::Debit`]) took, added up.
+    pub debited_ut: u64,
+    /// Micro-tokens of usage reports that found the bucket empty (at its floor): counted, not
+    /// taken.
+    pub lost_ut: u64,
     /// Whether `after` must be written back (tokens were taken or given). When `false` the
     /// stored state is left as it was, so flooring in [`super::refill`] loses nothing.
     pub changed: bool,
@@ -77,6 +113,8 @@ pub struct Decision {
 /// - The request is denied iff some enforced demand fails. A denied request consumes nothing
 ///   anywhere; an admitted one consumes from every instance that can serve it (a shadow
 ///   instance that cannot keeps its tokens).
+/// - Usage reports on a debt bucket ([`DemandKind::Debit`]) are taken in every case, after
+///   any consumption, down to an empty bucket; what finds it empty is `lost_ut`.
 /// - Refunds apply afterwards in every case, capped at capacity.
 ///
 /// ```
@@ -101,23 +139,22 @@ pub fn decide<P: Refilling>(now_us: u64, states: &[BucketState], plans: &[P], de
     // A request's few buckets: on the stack.
     let mut consumed: SmallVec<[u64; 4]> = smallvec::smallvec![0; states.len()];
     let mut refunded: SmallVec<[u64; 4]> = smallvec::smallvec![0; states.len()];
+    let mut debits: SmallVec<[u64; 4]> = smallvec::smallvec![0; states.len()];
     for d in demands {
         match d.kind {
             DemandKind::Consume(n) => consumed[d.instance] = consumed[d.instance].saturating_add(n),
             DemandKind::Refund(n) => refunded[d.instance] = refunded[d.instance].saturating_add(n),
-            DemandKind::Check => {}
+            DemandKind::Debit { amount_ut, .. } => debits[d.instance] = debits[d.instance].saturating_add(amount_ut),
+            DemandKind::Check | DemandKind::DebtCheck { .. } => {}
         }
     }
     let before: SmallVec<[BucketState; 4]> = states.iter().zip(plans).map(|(s, p)| p.refill_to(*s, now_us)).collect();
     let passed: Vec<bool> = demands
         .iter()
         .map(|d| {
-            let held = before[d.instance].tokens_ut;
-            match d.kind {
-                DemandKind::Consume(_) => held >= consumed[d.instance],
-                DemandKind::Check => held >= consumed[d.instance].saturating_add(MICRO),
-                DemandKind::Refund(_) => true,
-            }
+            d.kind
+                .need_ut(consumed[d.instance])
+                .is_none_or(|need| before[d.instance].tokens_ut >= need)
         })
         .collect();
     let denied = demands.iter().zip(&passed).any(|(d, ok)| d.enforced && !ok);
@@ -131,6 +168,9 @@ pub fn decide<P: Refilling>(now_us: u64, states: &[BucketState], plans: &[P], de
             if take {
                 tokens -= consumed[i];
             }
+            // Usage that happened is recorded whatever the decision, down to the floor.
+            let debited = debits[i].min(tokens);
+            tokens -= debited;
             // The capacity at the instant the state was brought to: `now_us`, or its last write
             // when the clock stepped back, as for the trim in `refill_to` (the Redis script
             // decides the same way).
@@ -147,7 +187,9 @@ pub fn decide<P: Refilling>(now_us: u64, states: &[BucketState], plans: &[P], de
                     updated_us: b.updated_us,
                 },
                 consumed_ut: consumed[i],
-                changed: take || give,
+                debited_ut: debited,
+                lost_ut: debits[i] - debited,
+                changed: take || give || debited > 0,
             }
         })
         .collect();

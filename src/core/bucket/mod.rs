@@ -22,9 +22,11 @@ pub use rate::{Rate, RateError, EXACT_LIMIT};
 /// Micro-tokens per token.
 pub const MICRO: u64 = 1_000_000;
 
-/// The largest capacity a bucket may have, in whole tokens. Keeps capacities in micro-tokens
-/// below 2^53, so the Lua and SQL backends compute exactly.
-pub const MAX_CAPACITY: u64 = 1_000_000_000;
+/// The largest capacity a bucket may have, in whole tokens: 9·10^9 (a large tenant's monthly
+/// budget of tokens fits). Keeps capacities in micro-tokens (9·10^15) below 2^53 (about
+/// 9.007·10^15), so the Redis script's doubles compute exactly. A debt bucket's capacity plus
+/// the depth of its floor stays within it too (docs/usage-budgets.md).
+pub const MAX_CAPACITY: u64 = 9_000_000_000;
 
 /// The limit in force for a bucket at one instant: its capacity and refill rate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -84,10 +84,10 @@ pub enum ScheduleError {
     #[error("a schedule entry must set scale, or capacity and/or refill")]
     NoEffect,
     /// An absolute capacity above [`MAX_CAPACITY`] whole tokens.
-    #[error("capacity {0} tokens is above the maximum of 1000000000")]
+    #[error("capacity {0} tokens is above the maximum of 9000000000")]
     CapacityTooLarge(u64),
     /// A scaled capacity above [`MAX_CAPACITY`] whole tokens.
-    #[error("the capacity scaled by {millionths}/1000000 is {capacity} tokens, above the maximum of 1000000000")]
+    #[error("the capacity scaled by {millionths}/1000000 is {capacity} tokens, above the maximum of 9000000000")]
     ScaledCapacityTooLarge {
         /// Index of the entry in the schedule.
         entry: usize,
@@ -113,7 +113,7 @@ pub enum ScheduleError {
     #[error("a quota's limit must be at least 1 token")]
     QuotaLimitZero,
     /// A quota's `limit` above [`MAX_CAPACITY`].
-    #[error("a quota's limit of {0} tokens is above the maximum of 1000000000")]
+    #[error("a quota's limit of {0} tokens is above the maximum of 9000000000")]
     QuotaLimitTooLarge(u64),
     /// A quota reset pattern that matches no day, so the quota would never reset.
     #[error("reset `{0}` matches no day, so the quota would never reset")]
@@ -207,6 +207,18 @@ impl Schedule {
             segments: ArcSwapOption::empty(),
             full_from_empty: ArcSwapOption::empty(),
         })
+    }
+
+    /// This schedule as a debt bucket's (docs/usage-budgets.md): every capacity, the base's and
+    /// each entry's, raised by `depth_ut`, the micro-tokens between a balance of zero and the
+    /// floor, so that the bucket's tokens are its balance plus `depth_ut` and the arithmetic of
+    /// an ordinary bucket applies unchanged (a maintenance window of capacity 0 holds the
+    /// balance at zero at most). Saturates; the rules compiler keeps the sums below 2^53.
+    pub fn with_debt_depth(mut self, depth_ut: u64) -> Schedule {
+        let raise = |l: &mut Limit| l.capacity_ut = l.capacity_ut.saturating_add(depth_ut);
+        raise(&mut self.base);
+        self.limits.iter_mut().for_each(raise);
+        self
     }
 
     /// The limit when no entry is active.

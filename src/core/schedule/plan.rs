@@ -80,13 +80,7 @@ impl Plan {
             Plan::Fixed(limit) => wait_us(state, limit.capacity_ut, limit, state.updated_us)
                 .map(|wait| state.updated_us.saturating_add(wait)),
             Plan::Scheduled(s) => full_at_us(state, s, DEFAULT_HORIZON_US),
-            Plan::Quota(q) => {
-                if state.tokens_ut >= q.limit().capacity_ut {
-                    Some(state.updated_us)
-                } else {
-                    q.next_edge(state.updated_us, state.updated_us.saturating_add(QUOTA_HORIZON_US))
-                }
-            }
+            Plan::Quota(q) => q.first_holding(state, q.limit().capacity_ut, state.updated_us, QUOTA_HORIZON_US),
             Plan::Reloaded(r) if !r.predates(state.updated_us) => r.after().full_at_us(state),
             Plan::Reloaded(r) => match r.before().full_at_us(state) {
                 // Full before the reload: full under the new limit too (a full bucket is no bucket).

@@ -57,6 +57,9 @@ const OFFSET_BOUND_S: i64 = 16 * 3600;
 /// without it. `Send + Sync`: share it behind an `Arc`.
 pub struct Quota {
     limit: Limit,
+    /// Micro-tokens each reset edge adds, up to the capacity: the capacity, but for a debt
+    /// quota's, whose capacity is raised by the floor's depth ([`Quota::with_debt_depth`]).
+    allowance_ut: u64,
     pattern: String,
     timezone: Tz,
     cron: CronPattern,
@@ -109,6 +112,7 @@ impl Quota {
         }
         Ok(Quota {
             limit: Limit::new(limit, Rate::ZERO),
+            allowance_ut: limit * MICRO,
             pattern: reset.trim().to_string(),
             timezone,
             cron,
@@ -116,9 +120,32 @@ impl Quota {
         })
     }
 
-    /// The bucket's limit: capacity `limit` tokens (in micro-tokens), zero refill rate.
+    /// The bucket's limit: capacity `limit` tokens (in micro-tokens), zero refill rate; for a
+    /// debt quota, raised by the floor's depth.
     pub fn limit(&self) -> Limit {
         self.limit
+    }
+
+    /// This quota as a debt bucket's (docs/usage-budgets.md): its capacity raised by
+    /// `depth_ut`, the micro-tokens between a balance of zero and the floor, while a reset
+    /// still adds one allowance: a balance in debt starts the next period that much short
+    /// (overshoot is repaid, not forgiven at the edge), an unused one is not carried over.
+    /// `depth_ut` must be at most the allowance (the rules compiler refuses more), so two
+    /// edges always make the bucket full.
+    pub fn with_debt_depth(mut self, depth_ut: u64) -> Quota {
+        self.limit.capacity_ut = self.limit.capacity_ut.saturating_add(depth_ut);
+        self
+    }
+
+    /// Micro-tokens a reset edge adds: the allowance (the capacity of a quota without debt).
+    pub fn allowance_ut(&self) -> u64 {
+        self.allowance_ut
+    }
+
+    /// Whether a reset adds less than the capacity: a debt quota's, whose resets must be
+    /// counted (the Redis script leaves them to tollgate).
+    pub fn has_debt(&self) -> bool {
+        self.allowance_ut < self.limit.capacity_ut
     }
 
     /// The reset pattern as given (trimmed).
@@ -170,13 +197,28 @@ impl Quota {
     /// more) as of `now_us`; otherwise the tokens are only trimmed to the capacity (a limit
     /// lowered by a reload) and `updated_us` becomes `max(updated_us, now_us)`. A clock that
     /// stepped back (`now_us < updated_us`) changes nothing but the trim and never resets.
+    ///
+    /// A debt quota's edge adds its allowance instead ([`Quota::with_debt_depth`]): one edge
+    /// gives `min(tokens + allowance, capacity)`, two or more the capacity.
     pub fn advance(&self, state: BucketState, now_us: u64) -> BucketState {
         let capacity_ut = self.limit.capacity_ut;
-        if now_us > state.updated_us && self.prev_edge(now_us, state.updated_us + 1).is_some() {
-            return BucketState {
-                tokens_ut: capacity_ut,
-                updated_us: now_us,
-            };
+        if now_us > state.updated_us {
+            if let Some(edge) = self.prev_edge(now_us, state.updated_us + 1) {
+                let one_edge = self.has_debt() && self.prev_edge(edge - 1, state.updated_us + 1).is_none();
+                let tokens_ut = if one_edge {
+                    state
+                        .tokens_ut
+                        .min(capacity_ut)
+                        .saturating_add(self.allowance_ut)
+                        .min(capacity_ut)
+                } else {
+                    capacity_ut
+                };
+                return BucketState {
+                    tokens_ut,
+                    updated_us: now_us,
+                };
+            }
         }
         BucketState {
             tokens_ut: state.tokens_ut.min(capacity_ut),
@@ -191,15 +233,31 @@ impl Quota {
     /// [`QUOTA_HORIZON_US`]). Otherwise it is the next edge after both `now_us` and
     /// `state.updated_us`, since nothing before an edge adds tokens.
     pub fn wait_us(&self, state: BucketState, need_ut: u64, now_us: u64, horizon_us: u64) -> Option<u64> {
+        self.first_holding(state, need_ut, now_us, horizon_us)
+            .map(|at| at - now_us)
+    }
+
+    /// The first instant `t >= now_us` (and within `horizon_us` of it) at which
+    /// [`Quota::advance`]`(state, t)` holds `need_ut`: `now_us`, or a reset edge after both
+    /// `now_us` and the state's update (the first, or for a debt quota the second at most).
+    pub fn first_holding(&self, state: BucketState, need_ut: u64, now_us: u64, horizon_us: u64) -> Option<u64> {
         if need_ut > self.limit.capacity_ut {
             return None;
         }
         if self.advance(state, now_us).tokens_ut >= need_ut {
-            return Some(0);
+            return Some(now_us);
         }
-        let from = now_us.max(state.updated_us);
-        let edge = self.next_edge(from, now_us.saturating_add(horizon_us))?;
-        Some(edge - now_us)
+        let limit_us = now_us.saturating_add(horizon_us);
+        let mut from = now_us.max(state.updated_us);
+        // Nothing before an edge adds tokens, and two edges fill the bucket.
+        for _ in 0..2 {
+            let edge = self.next_edge(from, limit_us)?;
+            if self.advance(state, edge).tokens_ut >= need_ut {
+                return Some(edge);
+            }
+            from = edge;
+        }
+        None
     }
 
     /// The period around `t_us`, from the cache or found by searching a horizon each way (and
@@ -333,6 +391,7 @@ impl Clone for Quota {
     fn clone(&self) -> Quota {
         Quota {
             limit: self.limit,
+            allowance_ut: self.allowance_ut,
             pattern: self.pattern.clone(),
             timezone: self.timezone,
             cron: self.cron.clone(),
@@ -345,6 +404,7 @@ impl std::fmt::Debug for Quota {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Quota")
             .field("limit", &self.limit)
+            .field("allowance_ut", &self.allowance_ut)
             .field("pattern", &self.pattern)
             .field("timezone", &self.timezone)
             .finish()

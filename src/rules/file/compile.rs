@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::model::{BucketSpec, DescriptorSpec, QuotaSpec, RateLimitSpec, RulesFile, ScheduleEntrySpec};
 use super::{parse_refill, ConfigError};
-use crate::core::bucket::{Limit, Rate, RateError, MAX_CAPACITY};
+use crate::core::bucket::{Limit, Rate, RateError, MAX_CAPACITY, MICRO};
 use crate::core::schedule::{Plan, Quota, Schedule, ScheduleEntry, ScheduleError};
 use crate::core::units::{DAY_US, ENVOY_UNITS};
 use crate::rules::OVERRIDE_BUCKET;
@@ -62,6 +62,11 @@ struct Compiled {
     hidden: bool,
     /// `hidden: true` on the quota, or on the bucket.
     quota_hidden: bool,
+    /// The token bucket's debt floor depth in micro-tokens (0: not a debt bucket); its plan's
+    /// capacities are raised by it.
+    debt_ut: u64,
+    /// The quota's, likewise.
+    quota_debt_ut: u64,
 }
 
 /// The name under which the quota of a policy that also has a token bucket is reported and
@@ -250,12 +255,123 @@ impl<'a> DomainBuilder<'a> {
             }
             None => None,
         };
+        let (bucket, debt_ut) = match bucket {
+            Some(plan) if spec.debt || spec.debt_floor.is_some() => {
+                let (plan, depth) = self.debt_bucket(rule, plan, spec.debt, spec.debt_floor)?;
+                (Some(plan), depth)
+            }
+            other => (other, 0),
+        };
+        // The bucket's `debt_floor` is its quota's when the quota is all it has.
+        let bucket_floor = if bucket.is_none() { spec.debt_floor } else { None };
+        let (quota, quota_debt_ut) = match (quota, &spec.quota) {
+            (Some(q), Some(qs)) if spec.debt || qs.debt || qs.debt_floor.or(bucket_floor).is_some() => {
+                let floor = qs.debt_floor.or(bucket_floor);
+                let (q, depth) = self.debt_quota(rule, &q, spec.debt || qs.debt, floor)?;
+                (Some(q), depth)
+            }
+            (q, _) => (q, 0),
+        };
         Some(Compiled {
             bucket,
             quota,
             hidden: spec.hidden,
             quota_hidden: spec.hidden || spec.quota.as_ref().is_some_and(|q| q.hidden),
+            debt_ut,
+            quota_debt_ut,
         })
+    }
+
+    /// How deep a debt floor of `floor` tokens (default minus `capacity`) lies, in
+    /// micro-tokens; `None` (with the error recorded) for `debt_floor` without `debt: true`, a
+    /// floor above 0, or one that takes the account beyond the exact range.
+    fn debt_depth(&mut self, rule: &str, debt: bool, floor: Option<i64>, capacity: u64) -> Option<u64> {
+        if !debt {
+            self.error(
+                rule,
+                "`debt_floor` is for a debt bucket: add `debt: true`, or remove `debt_floor`",
+            );
+            return None;
+        }
+        let depth = match floor {
+            None => capacity,
+            Some(f) if f > 0 => {
+                self.error(
+                    rule,
+                    format!("`debt_floor: {f}` must be 0 or below: how far below zero a balance may go, in tokens"),
+                );
+                return None;
+            }
+            Some(f) => f.unsigned_abs(),
+        };
+        if capacity.saturating_add(depth) > MAX_CAPACITY {
+            let room = MAX_CAPACITY.saturating_sub(capacity);
+            self.error(
+                rule,
+                format!(
+                    "a debt bucket of capacity {capacity} with its floor at -{depth} spans more than {MAX_CAPACITY}                      tokens, the most every backend computes exactly; set `debt_floor` to -{room} or higher"
+                ),
+            );
+            return None;
+        }
+        Some(depth * MICRO)
+    }
+
+    /// A token bucket's plan as a debt bucket's: its capacities raised by the floor's depth.
+    fn debt_bucket(&mut self, rule: &str, plan: Plan, debt: bool, floor: Option<i64>) -> Option<(Plan, u64)> {
+        let highest = match &plan {
+            Plan::Scheduled(s) => (0..s.entries().len())
+                .filter_map(|i| s.entry_limit(i))
+                .chain(std::iter::once(s.base()))
+                .map(Limit::capacity)
+                .max()
+                .unwrap_or(0),
+            other => other.base().capacity(),
+        };
+        if plan.base().rate.is_zero() && debt {
+            self.error(
+                rule,
+                "`debt` on a fixed allowance (`capacity` without `refill`): nothing would ever repay the debt; give                  the bucket a `refill`, or use a `quota` whose reset repays it",
+            );
+            return None;
+        }
+        let depth = self.debt_depth(rule, debt, floor, plan.base().capacity())?;
+        if highest.saturating_mul(MICRO).saturating_add(depth) > MAX_CAPACITY * MICRO {
+            self.error(
+                rule,
+                format!(
+                    "a schedule window's capacity {highest} with the debt floor {} tokens deep spans more than                      {MAX_CAPACITY} tokens, the most every backend computes exactly; raise `debt_floor`",
+                    depth / MICRO
+                ),
+            );
+            return None;
+        }
+        let plan = match plan {
+            Plan::Fixed(l) => Plan::Fixed(Limit {
+                capacity_ut: l.capacity_ut + depth,
+                rate: l.rate,
+            }),
+            Plan::Scheduled(s) => Plan::Scheduled(Arc::new(Schedule::clone(&s).with_debt_depth(depth))),
+            other => other,
+        };
+        Some((plan, depth))
+    }
+
+    /// A quota as a debt quota's: its capacity raised by the floor's depth, which is at most
+    /// one allowance (so that two resets always repay a debt).
+    fn debt_quota(&mut self, rule: &str, q: &Quota, debt: bool, floor: Option<i64>) -> Option<(Arc<Quota>, u64)> {
+        let allowance = q.limit().capacity();
+        let depth = self.debt_depth(rule, debt, floor, allowance)?;
+        if depth > allowance * MICRO {
+            self.error(
+                rule,
+                format!(
+                    "a debt quota's `debt_floor` may lie at most one allowance below zero (-{allowance}), so that a                      reset or two always repays the debt"
+                ),
+            );
+            return None;
+        }
+        Some((Arc::new(q.clone().with_debt_depth(depth)), depth))
     }
 
     /// A token bucket's limit: `capacity` whole tokens refilled at `refill`.
@@ -419,8 +535,10 @@ impl<'a> DomainBuilder<'a> {
                 quota: Some(quota),
                 hidden,
                 quota_hidden,
+                debt_ut,
+                quota_debt_ut,
             } => {
-                let bucket = self.add_policy(rule, name.clone(), plan, hidden)?;
+                let bucket = self.add_policy(rule, name.clone(), plan, hidden, debt_ut)?;
                 let companion = quota_name(&name);
                 if self.by_name.contains_key(&companion) {
                     self.error(
@@ -432,7 +550,7 @@ impl<'a> DomainBuilder<'a> {
                     );
                     return None;
                 }
-                let quota = self.add_policy(rule, companion, Plan::Quota(quota), quota_hidden)?;
+                let quota = self.add_policy(rule, companion, Plan::Quota(quota), quota_hidden, quota_debt_ut)?;
                 self.companions.insert(bucket, quota);
                 Some((bucket, Some(quota)))
             }
@@ -440,14 +558,19 @@ impl<'a> DomainBuilder<'a> {
                 bucket: Some(plan),
                 quota: None,
                 hidden,
+                debt_ut,
                 ..
-            } => Some((self.add_policy(rule, name, plan, hidden)?, None)),
+            } => Some((self.add_policy(rule, name, plan, hidden, debt_ut)?, None)),
             Compiled {
                 bucket: None,
                 quota: Some(quota),
                 quota_hidden,
+                quota_debt_ut,
                 ..
-            } => Some((self.add_policy(rule, name, Plan::Quota(quota), quota_hidden)?, None)),
+            } => Some((
+                self.add_policy(rule, name, Plan::Quota(quota), quota_hidden, quota_debt_ut)?,
+                None,
+            )),
             Compiled {
                 bucket: None,
                 quota: None,
@@ -466,11 +589,13 @@ impl<'a> DomainBuilder<'a> {
 
     /// Registers a tollgate-schema policy under `name`; a second declaration of the same name
     /// must be identical (then both rules share the bucket).
-    fn add_policy(&mut self, rule: &str, name: String, plan: Plan, hidden: bool) -> Option<usize> {
-        let reported = reported_base(&plan);
+    fn add_policy(&mut self, rule: &str, name: String, plan: Plan, hidden: bool, debt_ut: u64) -> Option<usize> {
+        let reported = reported_base(&plan, debt_ut);
         if let Some(&idx) = self.by_name.get(&name) {
             let existing = &self.buckets[idx];
-            if existing.plan == plan && existing.reported == reported && existing.hidden == hidden {
+            let same_limit =
+                existing.plan == plan && existing.reported == reported && existing.debt_depth_ut == debt_ut;
+            if same_limit && existing.hidden == hidden {
                 return Some(idx);
             }
             let reason = match self.companion_of(idx) {
@@ -478,7 +603,7 @@ impl<'a> DomainBuilder<'a> {
                     "bucket `{name}` is the name of bucket `{owner}`'s quota (a quota beside a token bucket is \
                      named `<bucket>.quota`); rename one of them"
                 ),
-                None if existing.plan == plan && existing.reported == reported => format!(
+                None if same_limit => format!(
                     "bucket `{name}` is already declared, with `hidden: {}`: give every declaration the same \
                      `hidden`",
                     existing.hidden
@@ -488,8 +613,11 @@ impl<'a> DomainBuilder<'a> {
             self.error(rule, reason);
             return None;
         }
-        self.buckets
-            .push(BucketPolicy::new(name.clone(), plan, reported).with_hidden(hidden));
+        self.buckets.push(
+            BucketPolicy::new(name.clone(), plan, reported)
+                .with_hidden(hidden)
+                .with_debt_depth(debt_ut),
+        );
         self.by_name.insert(name, self.buckets.len() - 1);
         Some(self.buckets.len() - 1)
     }
@@ -806,6 +934,8 @@ impl<'a> DomainBuilder<'a> {
             schedule: None,
             quota: None,
             hidden: false,
+            debt: false,
+            debt_floor: None,
         });
         for (field, twice) in [
             ("schedule", merged.schedule.is_some() && spec.schedule.is_some()),
@@ -862,9 +992,16 @@ impl<'a> DomainBuilder<'a> {
         let plan = self.scheduled(path, limit, spec.schedule.as_deref().unwrap_or_default())?;
         let bucket = self.add_label(name.clone(), plan, reported, false);
         let quota = match &spec.quota {
+            Some(q) if q.debt || q.debt_floor.is_some() => {
+                self.error(
+                    path,
+                    "`debt` on a quota beside an envoyproxy/ratelimit `rate_limit`: declare the budget as a bucket                      of its own (`buckets:` with `debt: true`) and name it with `bucket:` or `buckets:`",
+                );
+                return None;
+            }
             Some(q) => {
                 let quota = Plan::Quota(self.quota(path, q)?);
-                let reported = reported_base(&quota);
+                let reported = reported_base(&quota, 0);
                 let idx = self.add_label(quota_name(&name), quota, reported, q.hidden);
                 self.companions.insert(bucket, idx);
                 Some(idx)
@@ -1049,10 +1186,17 @@ fn find_cycle(start: usize, edges: &HashMap<usize, Vec<usize>>) -> Option<Vec<us
 
 /// `current_limit` for a policy's base limit; a quota's depends on its period and is worked out
 /// per decision ([`BucketPolicy::reported_at`]).
-fn reported_base(plan: &Plan) -> ReportedLimit {
+/// How `plan`'s base limit is reported: a debt bucket's (floor `debt_ut` deep) as declared.
+fn reported_base(plan: &Plan, debt_ut: u64) -> ReportedLimit {
     match plan {
-        Plan::Quota(q) => ReportedLimit::quota(q.limit().capacity(), None),
-        _ => ReportedLimit::of(&plan.base()),
+        Plan::Quota(q) => ReportedLimit::quota(q.allowance_ut() / MICRO, None),
+        _ => {
+            let base = plan.base();
+            ReportedLimit::of(&Limit {
+                capacity_ut: base.capacity_ut - debt_ut,
+                rate: base.rate,
+            })
+        }
     }
 }
 

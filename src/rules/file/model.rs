@@ -62,6 +62,13 @@ pub(crate) struct BucketSpec {
     /// Kept out of the limits clients see (headers, `DescriptorStatus`); still decides.
     #[serde(default)]
     pub hidden: bool,
+    /// A usage account (docs/usage-budgets.md): admitted while the balance is positive, usage
+    /// reports debited in full, past zero down to `debt_floor`. On the bucket it covers its
+    /// token bucket and its quota.
+    #[serde(default)]
+    pub debt: bool,
+    /// How low a debt bucket's balance goes, in tokens (at most 0); default minus the capacity.
+    pub debt_floor: Option<i64>,
 }
 
 /// One schedule window (docs/schedules-and-quotas.md): a five-field `cron` in `timezone` (IANA, default UTC), and
@@ -89,6 +96,12 @@ pub(crate) struct QuotaSpec {
     /// Kept out of the limits clients see, as [`BucketSpec::hidden`].
     #[serde(default)]
     pub hidden: bool,
+    /// A usage account, as [`BucketSpec::debt`]: the quota's reset adds its `limit` to the
+    /// balance (a debt is repaid, not forgiven), up to the limit.
+    #[serde(default)]
+    pub debt: bool,
+    /// As [`BucketSpec::debt_floor`]; default minus the quota's `limit`, and no deeper.
+    pub debt_floor: Option<i64>,
 }
 
 /// One node of the descriptor tree.

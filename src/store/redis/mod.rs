@@ -634,10 +634,24 @@ impl RedisStore {
             match reply {
                 Reply::Decided(mut d) => {
                     for dm in demands {
-                        if let DemandKind::Consume(n) = dm.kind {
-                            let c = &mut d.instances[dm.instance].consumed_ut;
-                            *c = c.saturating_add(n);
+                        let o = &mut d.instances[dm.instance];
+                        match dm.kind {
+                            DemandKind::Consume(n) => o.consumed_ut = o.consumed_ut.saturating_add(n),
+                            DemandKind::Debit { amount_ut, .. } => {
+                                o.debited_ut = o.debited_ut.saturating_add(amount_ut)
+                            }
+                            _ => {}
                         }
+                    }
+                    // The script answers what its debits lost (of amounts it was sent capped at
+                    // 2^53); the rest of them was taken.
+                    for o in &mut d.instances {
+                        let taken = o
+                            .debited_ut
+                            .min(crate::core::bucket::EXACT_LIMIT)
+                            .saturating_sub(o.lost_ut);
+                        o.lost_ut = o.debited_ut - taken;
+                        o.debited_ut = taken;
                     }
                     return Ok(d);
                 }
@@ -944,6 +958,8 @@ mod tests {
             before: state,
             after: state,
             consumed_ut: 0,
+            debited_ut: 0,
+            lost_ut: 0,
             changed: false,
         }
     }

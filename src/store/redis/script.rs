@@ -4,7 +4,7 @@
 use fred::types::Value;
 
 use crate::core::bucket::{BucketState, Demand, DemandKind, InstanceOutcome, Limit};
-use crate::core::schedule::{refill_to_last_change, Plan, DEFAULT_HORIZON_US, QUOTA_HORIZON_US};
+use crate::core::schedule::{refill_to_last_change, Plan, Quota, DEFAULT_HORIZON_US, QUOTA_HORIZON_US};
 
 /// How far back the start of the stretch of constant limit holding an instant is looked for:
 /// the script asks again ([`Reply::Retry`]) when Redis time falls before it, so it only needs
@@ -66,17 +66,7 @@ pub fn bucket_args(plan: &Plan, t_us: u64) -> BucketArgs {
                 since: 0,
             }
         }
-        Plan::Quota(q) => BucketArgs {
-            kind: b'Q',
-            limit: q.limit(),
-            lo: q.prev_edge(t_us, t_us.saturating_sub(QUOTA_HORIZON_US)).unwrap_or(0),
-            // The next edge however far (a quota reset on 29 February): it is the key's expiry.
-            hi: q
-                .next_edge(t_us, t_us.saturating_add(QUOTA_LONGEST_PERIOD_US))
-                .unwrap_or(t_us.saturating_add(QUOTA_LONGEST_PERIOD_US)),
-            bound: 0,
-            since: 0,
-        },
+        Plan::Quota(q) => quota_args(q, t_us),
         // From the reload on: the new limit, which holds only from the reload (an estimate of
         // Redis time before it is asked again), for values written from then on.
         Plan::Reloaded(r) if t_us >= r.at_us() => {
@@ -95,6 +85,30 @@ pub fn bucket_args(plan: &Plan, t_us: u64) -> BucketArgs {
             };
             args
         }
+    }
+}
+
+/// [`BucketArgs`] of a calendar quota at `t_us`: `Q`, or `D` for a debt quota, whose reset
+/// adds its allowance rather than filling the bucket. The script leaves a `D` value written
+/// before the last edge to tollgate (a walk: [`Quota::advance`] counts the edges crossed), and
+/// its key lives to the edge after the next (`bound`), when any balance is full again.
+fn quota_args(q: &Quota, t_us: u64) -> BucketArgs {
+    // The next edge however far (a quota reset on 29 February): it is the key's expiry.
+    let hi = q
+        .next_edge(t_us, t_us.saturating_add(QUOTA_LONGEST_PERIOD_US))
+        .unwrap_or(t_us.saturating_add(QUOTA_LONGEST_PERIOD_US));
+    let debt = q.has_debt();
+    BucketArgs {
+        kind: if debt { b'D' } else { b'Q' },
+        limit: q.limit(),
+        lo: q.prev_edge(t_us, t_us.saturating_sub(QUOTA_HORIZON_US)).unwrap_or(0),
+        hi,
+        bound: if debt {
+            q.next_edge(hi, hi.saturating_add(QUOTA_LONGEST_PERIOD_US)).unwrap_or(0)
+        } else {
+            0
+        },
+        since: 0,
     }
 }
 
@@ -177,6 +191,8 @@ fn walked(plan: &Plan, state: BucketState, now_us: u64) -> Option<BucketState> {
             };
             Some(walked(r.after(), at, now_us).unwrap_or(at))
         }
+        // A debt quota's reset counts the edges crossed, which the script leaves to tollgate.
+        Plan::Quota(q) if q.has_debt() => Some(q.advance(state, now_us)),
         Plan::Fixed(_) | Plan::Quota(_) => None,
     }
 }
@@ -212,13 +228,13 @@ fn int_value(n: u64) -> Value {
 }
 
 /// One request's ARGV fields (see `lua/decide.lua`): one string of little-endian `f64`s (the
-/// counts, 9 numbers per bucket, 4 per demand; every number an integer below 2^53, so exact),
+/// counts, 9 numbers per bucket, 5 per demand; every number an integer below 2^53, so exact),
 /// then the two strings of each [`Replacement`], in bucket order. Its keys go into KEYS in the
 /// same order as `buckets`. Packed numbers spare Redis a string object per number and the
 /// script a text-to-number parse per number.
 pub fn encode_request(buckets: &[(BucketArgs, Option<&Replacement>)], demands: &[Demand]) -> Vec<Value> {
     let replaced = buckets.iter().filter(|(_, r)| r.is_some()).count();
-    let mut packed = Vec::with_capacity(8 * (3 + buckets.len() * 9 + demands.len() * 4));
+    let mut packed = Vec::with_capacity(8 * (3 + buckets.len() * 9 + demands.len() * 5));
     // Lua's numbers are doubles: nothing tollgate sends exceeds 2^53 but an amount, which is
     // capped there (9 billion tokens is more than any capacity, so it still fails every
     // consume and fills every refund).
@@ -230,6 +246,7 @@ pub fn encode_request(buckets: &[(BucketArgs, Option<&Replacement>)], demands: &
         put(match b.kind {
             b'F' => 1,
             b'S' => 2,
+            b'D' => 4,
             _ => 3,
         });
         put(b.limit.capacity_ut);
@@ -243,14 +260,17 @@ pub fn encode_request(buckets: &[(BucketArgs, Option<&Replacement>)], demands: &
     }
     for d in demands {
         put(d.instance as u64 + 1);
-        let (kind, n) = match d.kind {
-            DemandKind::Consume(n) => (1, n),
-            DemandKind::Check => (2, 0),
-            DemandKind::Refund(n) => (3, n),
+        let (kind, n, need) = match d.kind {
+            DemandKind::Consume(n) => (1, n, 0),
+            DemandKind::Check => (2, 0, 0),
+            DemandKind::Refund(n) => (3, n, 0),
+            DemandKind::Debit { amount_ut, depth_ut } => (4, amount_ut, depth_ut.saturating_add(1)),
+            DemandKind::DebtCheck { depth_ut } => (5, 0, depth_ut.saturating_add(1)),
         };
         put(kind);
         put(n);
         put(u64::from(d.enforced));
+        put(need);
     }
     let mut argv = Vec::with_capacity(1 + 2 * replaced);
     argv.push(Value::Bytes(packed.into()));
@@ -302,7 +322,8 @@ pub struct Decided {
     pub denied: bool,
     /// Per demand.
     pub passed: Vec<bool>,
-    /// Per bucket: stored, before, after, changed (`consumed_ut` is filled in by the caller).
+    /// Per bucket: stored, before, after, changed, lost (`consumed_ut` and `debited_ut` are
+    /// filled in by the caller, from the demands).
     pub instances: Vec<InstanceOutcome>,
 }
 
@@ -350,11 +371,11 @@ fn text(v: &Value) -> Result<&[u8], String> {
         .ok_or_else(|| format!("expected a string from the script, got {v:?}"))
 }
 
-/// Parses a decision: packed doubles now, denied, passed per demand, then 7 per bucket (see
+/// Parses a decision: packed doubles now, denied, passed per demand, then 8 per bucket (see
 /// `lua/decide.lua`).
 fn parse_decided(packed: &[u8], buckets: usize, demands: usize) -> Result<Decided, String> {
     let n = unpack_numbers(packed)?;
-    if n.len() != 2 + demands + buckets * 7 {
+    if n.len() != 2 + demands + buckets * 8 {
         return Err(format!(
             "the script answered {} numbers for {buckets} buckets and {demands} demands",
             n.len()
@@ -369,12 +390,14 @@ fn parse_decided(packed: &[u8], buckets: usize, demands: usize) -> Result<Decide
         denied: n[1] == 1,
         passed: n[2..2 + demands].iter().map(|&p| p == 1).collect(),
         instances: n[2 + demands..]
-            .chunks_exact(7)
+            .chunks_exact(8)
             .map(|c| InstanceOutcome {
                 stored: state(c[0], c[1]),
                 before: state(c[2], c[3]),
                 after: state(c[4], c[5]),
                 consumed_ut: 0,
+                debited_ut: 0,
+                lost_ut: c[7],
                 changed: c[6] == 1,
             })
             .collect(),
@@ -511,8 +534,9 @@ mod tests {
 
     #[test]
     fn replies_are_checked() {
-        // now 100, not denied, demand passed, then stored 5@1, before 5@100, after 4@100, changed.
-        let ok = packed(&[100.0, 0.0, 1.0, 5.0, 1.0, 5.0, 100.0, 4.0, 100.0, 1.0]);
+        // now 100, not denied, demand passed, then stored 5@1, before 5@100, after 4@100, changed,
+        // nothing lost.
+        let ok = packed(&[100.0, 0.0, 1.0, 5.0, 1.0, 5.0, 100.0, 4.0, 100.0, 1.0, 0.0]);
         let Reply::Decided(d) = parse_reply(ok.clone(), 1, 1).unwrap() else {
             panic!("decided")
         };
@@ -522,13 +546,13 @@ mod tests {
         assert!(d.instances[0].changed);
         assert!(parse_reply(ok, 2, 1).is_err());
         for bad_numbers in [
-            &[100.0, 0.0, 1.0, 5.0, 1.0, 5.0, 100.0, 4.0, 100.0, -1.0][..],
-            &[0.5; 10],
+            &[100.0, 0.0, 1.0, 5.0, 1.0, 5.0, 100.0, 4.0, 100.0, 1.0, -1.0][..],
+            &[0.5; 11],
         ] {
             let bad = packed(bad_numbers);
             assert!(parse_reply(bad, 1, 1).is_err(), "{bad_numbers:?}");
         }
-        let torn = Value::Bytes(vec![0u8; 79].into());
+        let torn = Value::Bytes(vec![0u8; 87].into());
         assert!(parse_reply(torn, 1, 1).is_err());
         assert!(parse_reply(Value::Integer(3), 1, 1).is_err());
         assert!(parse_reply(Value::Array(vec!["what".into(), Value::Integer(1)]), 1, 1).is_err());
@@ -625,11 +649,30 @@ mod tests {
         let fields = encode_request(&[(args, None), (args, None)], &demands);
         assert_eq!(fields.len(), 1, "no replacements: one packed string");
         let numbers = unpack_numbers(fields[0].as_bytes().unwrap()).unwrap();
-        assert_eq!(numbers.len(), 3 + 2 * 9 + 2 * 4);
+        assert_eq!(numbers.len(), 3 + 2 * 9 + 2 * 5);
         assert_eq!(&numbers[..4], &[2, 2, 0, 1], "2 buckets, 2 demands, no replacement, F");
         assert_eq!(&numbers[4..7], &[10 * MICRO, limit.rate.num(), limit.rate.den()]);
-        // The first demand: bucket 2 (1-based), consume 3 µt, enforced; then a check.
-        assert_eq!(&numbers[21..], &[2, 1, 3, 1, 1, 2, 0, 0]);
+        // The first demand: bucket 2 (1-based), consume 3 µt, enforced, no debt threshold; then
+        // a check.
+        assert_eq!(&numbers[21..], &[2, 1, 3, 1, 0, 1, 2, 0, 0, 0]);
+        // Usage reports and debt checks carry the micro-tokens the bucket must hold to pass.
+        let debt = [
+            Demand {
+                instance: 0,
+                kind: DemandKind::Debit {
+                    amount_ut: 7,
+                    depth_ut: 1000,
+                },
+                enforced: true,
+            },
+            Demand {
+                instance: 0,
+                kind: DemandKind::DebtCheck { depth_ut: 1000 },
+                enforced: true,
+            },
+        ];
+        let numbers = unpack_numbers(encode_request(&[(args, None)], &debt)[0].as_bytes().unwrap()).unwrap();
+        assert_eq!(&numbers[12..], &[1, 4, 7, 1, 1001, 1, 5, 0, 1, 1001]);
 
         let rep = Replacement {
             expect: doubles(&[1.0, 2.0, 3.0]),
