@@ -7,7 +7,7 @@ use std::fmt::Write;
 use chrono::DateTime;
 use chrono_tz::Tz;
 
-use crate::core::bucket::Limit;
+use crate::core::bucket::{Limit, MICRO};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 
 use crate::core::schedule::{Effect, Plan, Schedule, DEFAULT_HORIZON_US, QUOTA_HORIZON_US};
@@ -36,10 +36,19 @@ fn render_domain(out: &mut String, d: &Domain, now_us: u64) {
     let _ = writeln!(out, "domain {} ({})", d.name, d.file.display());
     let _ = writeln!(out, "  buckets:");
     for b in &d.buckets {
+        if b.debt_depth_ut > 0 {
+            let _ = writeln!(
+                out,
+                "    {}: a debt account (docs/usage-budgets.md): hits_addend 0 passes while the balance is positive, \
+                 usage is debited in full down to a floor of -{} tokens",
+                b.name,
+                b.debt_depth_ut / MICRO
+            );
+        }
         // `check` compiles files afresh: a plan is never one a reload built.
         match b.plan.current() {
             Plan::Fixed(limit) => {
-                let _ = writeln!(out, "    {}: {}", b.name, describe(limit, b));
+                let _ = writeln!(out, "    {}: {}", b.name, describe(&b.shown(*limit), b));
             }
             Plan::Scheduled(s) => render_schedule(out, b, s, now_us),
             Plan::Quota(q) => {
@@ -48,7 +57,7 @@ fn render_domain(out: &mut String, d: &Domain, now_us: u64) {
                     out,
                     "    {}: quota of {} tokens, reset at `{}` ({tz}), no refill in between",
                     b.name,
-                    q.limit().capacity(),
+                    q.allowance_ut() / MICRO,
                     q.pattern()
                 );
                 let horizon = now_us.saturating_add(QUOTA_HORIZON_US);
@@ -156,7 +165,7 @@ fn reported(b: &BucketPolicy, now_us: u64) -> String {
 /// A scheduled bucket: its base, its entries, the limit in force at `now_us` and which entry
 /// gives it, then the next few changes of limit within the horizon.
 fn render_schedule(out: &mut String, b: &BucketPolicy, s: &Schedule, now_us: u64) {
-    let _ = writeln!(out, "    {}: base {}", b.name, limit_text(s.base()));
+    let _ = writeln!(out, "    {}: base {}", b.name, limit_text(&b.shown(*s.base())));
     for (i, e) in s.entries().iter().enumerate() {
         let effect = match e.effect() {
             Effect::Scale { millionths } => format!("scale {}", millionths as f64 / 1e6),
@@ -168,7 +177,7 @@ fn render_schedule(out: &mut String, b: &BucketPolicy, s: &Schedule, now_us: u64
             "      schedule[{i}]: `{}` ({}) {effect}: {}",
             e.pattern(),
             e.timezone(),
-            limit_text(limit)
+            limit_text(&b.shown(*limit))
         );
     }
     // Instants are shown in the first entry's timezone, the one the schedule is usually written in.

@@ -82,7 +82,8 @@ pub(crate) const REDACTED: &str = "<redacted>";
 /// A bucket is `{"name", "kind": "token_bucket", "capacity", "refill", "reported_limit",
 /// "schedule"?}` or `{"name", "kind": "quota", "quota": {"limit", "reset", "timezone"}}`. A
 /// policy with a token bucket and a quota is two buckets, the quota named `<name>.quota`, as
-/// the rules and responses name it. `capacity` is in tokens; `refill` is `null` for a bucket
+/// the rules and responses name it. Either may carry `"hidden": true` and, for a debt bucket,
+/// `"debt_floor"` (tokens, at most 0), its capacity shown as declared. `capacity` is in tokens; `refill` is `null` for a bucket
 /// that never refills (a fixed allowance, or envoyproxy/ratelimit's `requests_per_unit: 0`), else `{"tokens",
 /// "period_seconds", "text"}`, the exact rate in force as a whole number of tokens per the
 /// first of a second, minute, hour or day in which it is whole (a `1/250ms` refill is shown as
@@ -177,6 +178,9 @@ struct BucketView<'a> {
     /// `hidden: true`: kept out of the limits clients see; absent otherwise.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     hidden: bool,
+    /// A debt bucket's floor, in tokens (at most 0; docs/usage-budgets.md); absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    debt_floor: Option<i64>,
 }
 
 /// What a bucket policy is.
@@ -379,6 +383,7 @@ fn bucket_view(b: &BucketPolicy) -> BucketView<'_> {
         name: &b.name,
         kind: kind_view(b, &b.plan),
         hidden: b.hidden,
+        debt_floor: (b.debt_depth_ut > 0).then(|| -i64::try_from(b.debt_depth_ut / MICRO).unwrap_or(i64::MAX)),
     }
 }
 
@@ -386,26 +391,26 @@ fn bucket_view(b: &BucketPolicy) -> BucketView<'_> {
 fn kind_view<'a>(b: &'a BucketPolicy, plan: &'a Plan) -> KindView<'a> {
     match plan {
         Plan::Fixed(limit) => KindView::TokenBucket {
-            limit: limit_view(limit),
+            limit: limit_view(&b.shown(*limit)),
             reported_limit: reported_view(b.reported),
             schedule: None,
         },
         Plan::Scheduled(s) => KindView::TokenBucket {
-            limit: limit_view(s.base()),
+            limit: limit_view(&b.shown(*s.base())),
             reported_limit: reported_view(b.reported),
-            schedule: Some(windows(s)),
+            schedule: Some(windows(b, s)),
         },
         Plan::Quota(q) => KindView::Quota { quota: quota_view(q) },
         Plan::Reloaded(r) => kind_view(b, r.after()),
     }
 }
 
-fn windows(s: &Schedule) -> Vec<WindowView<'_>> {
+fn windows<'a>(b: &BucketPolicy, s: &'a Schedule) -> Vec<WindowView<'a>> {
     s.entries()
         .iter()
         .enumerate()
         .map(|(i, e)| {
-            let limit = s.entry_limit(i).copied().unwrap_or(*s.base());
+            let limit = b.shown(s.entry_limit(i).copied().unwrap_or(*s.base()));
             let effect = match e.effect() {
                 Effect::Scale { millionths } => EffectView {
                     scale: Some(fraction(millionths, MICRO)),
@@ -431,7 +436,7 @@ fn windows(s: &Schedule) -> Vec<WindowView<'_>> {
 
 fn quota_view(q: &Quota) -> QuotaView<'_> {
     QuotaView {
-        limit: q.limit().capacity(),
+        limit: q.allowance_ut() / MICRO,
         reset: q.pattern(),
         timezone: q.timezone().name().to_owned(),
     }
