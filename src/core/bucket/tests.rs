@@ -334,3 +334,99 @@ proptest! {
         }
     }
 }
+
+/// The debt model (docs/usage-budgets.md): a signed balance refilled continuously up to the
+/// capacity, debited in full by usage reports down to the floor, where the rest is lost.
+struct DebtReference {
+    balance: f64,
+    at: u64,
+    capacity: f64,
+    floor: f64,
+    per_us: f64,
+    lost: f64,
+}
+
+impl DebtReference {
+    fn advance(&mut self, now: u64) {
+        let elapsed = now.saturating_sub(self.at) as f64;
+        self.balance = (self.balance + elapsed * self.per_us).min(self.capacity);
+        self.at = self.at.max(now);
+    }
+}
+
+proptest! {
+    /// A debt bucket (its limit's capacity raised by the floor's depth) against the signed
+    /// model: checks pass iff the balance is positive, reports are debited in full down to the
+    /// floor whatever the decision, what the floor refuses is `lost_ut`, refill repays the debt,
+    /// and a client that asks again at the wait `Plan::wait_us` gives is admitted.
+    #[test]
+    fn a_debt_bucket_matches_the_signed_model(
+        capacity in 1u64..200,
+        depth in 1u64..200,
+        per in 1u64..500,
+        period_ms in 1u64..120_000,
+        steps in proptest::collection::vec((0u64..5_000_000, 0u64..400), 1..100),
+    ) {
+        let period_us = period_ms * 1000;
+        let depth_ut = depth * MICRO;
+        let shown = limit(capacity, per, period_us);
+        let l = Limit { capacity_ut: shown.capacity_ut + depth_ut, rate: shown.rate };
+        let mut state = BucketState::full(&l, 0);
+        let mut model = DebtReference {
+            balance: capacity as f64,
+            at: 0,
+            capacity: capacity as f64,
+            floor: -(depth as f64),
+            per_us: per as f64 / period_us as f64,
+            lost: 0.0,
+        };
+        let mut now = 0u64;
+        let mut floors = 0f64;
+        for (gap, n) in steps {
+            now += gap;
+            model.advance(now);
+            let kind = if n == 0 {
+                DemandKind::DebtCheck { depth_ut }
+            } else {
+                DemandKind::Debit { amount_ut: n * MICRO, depth_ut }
+            };
+            let d = decide(now, &[state], &[l], &one(kind));
+            let o = d.instances[0];
+            let balance = (o.before.tokens_ut as f64 - depth_ut as f64) / MICRO as f64;
+            let band = (floors + 1.0) / MICRO as f64 + 1e-9 * model.capacity;
+            prop_assert!(balance <= model.balance + 1e-9 * model.capacity, "core {} > model {}", balance, model.balance);
+            prop_assert!(balance >= model.balance - band, "core {} < model {}", balance, model.balance);
+            // Admission by the sign of the balance, wherever the model is clear of the band.
+            if model.balance > band {
+                prop_assert!(!d.denied);
+            }
+            if model.balance <= 0.0 {
+                prop_assert!(d.denied);
+            }
+            if n > 0 {
+                let taken = (n as f64).min(model.balance - model.floor);
+                model.lost += n as f64 - taken;
+                model.balance -= taken;
+                floors += 1.0;
+                // Debited whatever the decision; exactly what the floor refused is lost.
+                prop_assert_eq!(o.debited_ut + o.lost_ut, n * MICRO);
+                prop_assert!(o.changed || o.debited_ut == 0);
+                prop_assert!((o.lost_ut as f64 / MICRO as f64 - (n as f64 - taken)).abs() <= band + 1e-6);
+            } else {
+                prop_assert!(!o.changed, "a check takes nothing");
+            }
+            state = o.kept();
+            prop_assert!(state.tokens_ut <= l.capacity_ut);
+            // Retry-after on a denial: not a microsecond early, and admitted then.
+            if d.denied {
+                let wait = wait_us(state, depth_ut + 1, &l, now).expect("refill repays any debt");
+                let at = now + wait;
+                let check = one(DemandKind::DebtCheck { depth_ut });
+                prop_assert!(!decide(at, &[state], &[l], &check).denied);
+                if wait > 0 {
+                    prop_assert!(decide(at - 1, &[state], &[l], &check).denied);
+                }
+            }
+        }
+    }
+}
