@@ -164,5 +164,6 @@ pub fn limiter_options() -> LimiterOptions {
         refunds: true,
         near_limit_ratio: 0.8,
         on_store_failure: FailureMode::Error,
+        response: Default::default(),
     }
 }

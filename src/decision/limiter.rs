@@ -21,18 +21,21 @@ use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descri
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf::Struct;
 use smallvec::SmallVec;
 
 use super::counting::{count_decisions, count_failure_answer};
-use super::settings::{HeaderSettings, RequestLimits};
+use super::settings::{HeaderSettings, RequestLimits, ResponseSettings};
 use crate::core::bucket::{Demand, DemandKind, Limit, Rate, MAX_CAPACITY, MICRO};
 use crate::core::schedule::Plan;
 use crate::core::units::envoy_unit_us;
+use crate::decision::metadata::dynamic_metadata;
+use crate::decision::quota_mode::{spend_refunds, QuotaGroup};
 use crate::decision::response::{build_response, failure_response, Part, Target};
 use crate::rules::matcher::{find_node, find_rule, instance_key, shared_patterns};
 use crate::rules::{BucketPolicy, Domain, ReportedLimit, Rule, RuleSet, OVERRIDE_BUCKET};
 use crate::store::FailureMode;
-use crate::store::{BucketRef, Store, StoreError};
+use crate::store::{Applied, BucketRef, Store, StoreError};
 use crate::telemetry::DecisionCounters;
 
 /// Why a request got no decision.
@@ -213,6 +216,8 @@ pub struct LimiterOptions {
     /// What to answer when the store fails (`redis.failure_mode`; `Error` for memory, which
     /// does not fail).
     pub on_store_failure: FailureMode,
+    /// envoyproxy/ratelimit's global quota mode and response dynamic metadata.
+    pub response: ResponseSettings,
 }
 
 /// Rules plus a store: decides requests.
@@ -230,6 +235,10 @@ struct Matched<'r> {
     /// The rule's buckets, never empty, in the rule's order, with where each is counted.
     parts: SmallVec<[(Cow<'r, BucketPolicy>, &'r DecisionCounters); 2]>,
     shadow: bool,
+    /// The rule's own `quota_mode` (the global switch is added in [`demands_of`]).
+    quota_mode: bool,
+    /// The rule's `metadata`, for the response's dynamic metadata.
+    metadata: Option<&'r Struct>,
     replaces: &'r [usize],
     /// The rule's buckets as indices into the domain's; empty for an Envoy `limit` override.
     bucket_indices: &'r [usize],
@@ -247,6 +256,7 @@ impl<'r> Matched<'r> {
             Some(Rule::Limited {
                 buckets,
                 shadow,
+                quota_mode,
                 replaces,
             }) => Some(Matched {
                 parts: buckets
@@ -254,6 +264,8 @@ impl<'r> Matched<'r> {
                     .map(|b| (Cow::Borrowed(&dom.buckets[*b]), dom.counters_of(*b)))
                     .collect(),
                 shadow: *shadow,
+                quota_mode: *quota_mode,
+                metadata: dom.nodes[node].metadata.as_ref(),
                 replaces,
                 bucket_indices: buckets,
                 shared: shared_patterns(dom, node, depth),
@@ -347,33 +359,61 @@ impl<S: Store> Limiter<S> {
         // checked, so that, as for any denied request, nothing is consumed anywhere (global
         // shadow mode denies nothing, so there they are decided as usual).
         let denying = screened.denies() && !self.options.shadow_mode;
-        let prepared = prepare(req, &screened, domain, &self.options, denying);
-        let deny_malformed = |mut resp: RateLimitResponse| {
+        let mut prepared = prepare(req, &screened, domain, &self.options, denying);
+        let metadata = self.options.response.dynamic_metadata;
+        let finish = |mut resp: RateLimitResponse, targets: &[Option<Target<'_>>]| {
             if denying {
                 screened.deny(&mut resp);
+            }
+            if metadata {
+                resp.dynamic_metadata = Some(dynamic_metadata(req, targets, &resp.statuses));
             }
             resp
         };
         if prepared.buckets.is_empty() {
-            return Ok(deny_malformed(build_response(
-                &prepared.targets,
-                None,
-                &self.options.headers,
-            )));
+            let resp = build_response(&prepared.targets, None, &self.options.headers);
+            return Ok(finish(resp, &prepared.targets));
         }
-        let applied = match self.store.apply(&prepared.buckets, &prepared.demands).await {
+        let applied = match self.apply(&mut prepared, denying).await {
             Ok(applied) => applied,
             Err(e) => {
                 let answer = store_failure_answer(&prepared.targets, e, self.options.on_store_failure)?;
-                return Ok(deny_malformed(answer));
+                return Ok(finish(answer, &prepared.targets));
             }
         };
         count_decisions(&prepared.targets, &applied, self.options.near_limit_ratio);
-        Ok(deny_malformed(build_response(
-            &prepared.targets,
-            Some(&applied),
-            &self.options.headers,
-        )))
+        let resp = build_response(&prepared.targets, Some(&applied), &self.options.headers);
+        Ok(finish(resp, &prepared.targets))
+    }
+
+    /// The store's decision on `prepared`. With quota-mode descriptors (none unless a rule or
+    /// the global switch asks for them) the request stands on one of them at a time, each call
+    /// all or nothing ([`super::quota_mode`]): a denied call changes nothing, so trying the next
+    /// quota-mode descriptor that passes costs another call, never a refund; refunds are
+    /// given on the first call only.
+    async fn apply(&self, prepared: &mut Prepared<'_>, denying: bool) -> Result<Applied, StoreError> {
+        let group = if denying {
+            QuotaGroup::default()
+        } else {
+            QuotaGroup::of(&prepared.targets)
+        };
+        let Some(mut standing) = group.first() else {
+            return self.store.apply(&prepared.buckets, &prepared.demands).await;
+        };
+        // At most one call per quota-mode descriptor, so contention cannot keep a request going.
+        let mut calls = 0;
+        loop {
+            group.stand_on(standing, &prepared.targets, &mut prepared.demands);
+            let applied = self.store.apply(&prepared.buckets, &prepared.demands).await?;
+            calls += 1;
+            match group.next(standing, &prepared.targets, &prepared.demands, &applied.decision) {
+                Some(next) if calls < group.len() => {
+                    standing = next;
+                    spend_refunds(&mut prepared.demands);
+                }
+                _ => return Ok(applied),
+            }
+        }
     }
 
     /// The bucket instances a request descriptor with `entries` in `domain` reaches under the
@@ -523,6 +563,10 @@ fn override_matched<'a>(
                     domain.map_or(DecisionCounters::noop(), |d| &d.override_counters)
                 )],
                 shadow: false,
+                // As in envoyproxy/ratelimit: an override is in quota mode only by the global
+                // switch, and carries no metadata.
+                quota_mode: false,
+                metadata: None,
                 replaces: &[],
                 bucket_indices: &[],
                 shared: Vec::new(),
@@ -562,11 +606,16 @@ fn demands_of<'a>(
             kind => kind,
         };
         let shadow = m.shadow || options.shadow_mode;
+        // A refund is never over a limit: it takes no part in quota mode's rule.
+        let quota = (m.quota_mode || options.response.quota_mode) && !matches!(kind, DemandKind::Refund(_));
         let keys: SmallVec<[String; 2]> = m.parts.iter().map(|(p, _)| m.key(&req.domain, p, entries)).collect();
         let mut parts = SmallVec::new();
         for ((policy, counters), key) in m.parts.into_iter().zip(keys) {
+            // A quota-mode demand is enforced only while it is the one the request stands on
+            // (`super::quota_mode`).
+            let enforced = !shadow && !quota;
             let own = policy.demand_kind(kind);
-            let (instance, demand) = add_demand(&mut buckets, &mut demands, key, &policy.plan, own, shadow);
+            let (instance, demand) = add_demand(&mut buckets, &mut demands, key, &policy.plan, own, enforced);
             parts.push(Part {
                 policy,
                 instance,
@@ -578,6 +627,8 @@ fn demands_of<'a>(
             parts,
             kind,
             shadow,
+            quota,
+            metadata: m.metadata,
             envoyproxy: m.envoyproxy,
             entries,
             shared: m.shared,
@@ -616,7 +667,7 @@ fn key_capacity(domain: &str, bucket: &str, entries: &[Entry]) -> usize {
     domain.len() + bucket.len() + 12 + parts
 }
 
-/// Adds a demand of `kind` on the instance `key` (shared with an earlier descriptor of the
+/// Adds a demand of `kind` (`enforced`: it can deny) on the instance `key` (shared with an earlier descriptor of the
 /// request that reached the same instance); returns the indices of the instance and the demand.
 fn add_demand(
     buckets: &mut SmallVec<[BucketRef; 4]>,
@@ -624,7 +675,7 @@ fn add_demand(
     key: String,
     plan: &Plan,
     kind: DemandKind,
-    shadow: bool,
+    enforced: bool,
 ) -> (usize, usize) {
     let instance = match buckets.iter().position(|b| b.key == key) {
         Some(i) => i,
@@ -639,7 +690,7 @@ fn add_demand(
     demands.push(Demand {
         instance,
         kind,
-        enforced: !shadow,
+        enforced,
     });
     (instance, demands.len() - 1)
 }

@@ -3,9 +3,11 @@
 
 pub(crate) mod counting;
 pub(crate) mod limiter;
+pub(crate) mod metadata;
+pub(crate) mod quota_mode;
 pub(crate) mod response;
 pub(crate) mod settings;
 
 pub use limiter::{LimitError, Limiter, LimiterOptions, ResolveError, Resolved};
 
-pub use settings::{HeaderSettings, RequestLimits};
+pub use settings::{HeaderSettings, RequestLimits, ResponseSettings};

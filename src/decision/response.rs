@@ -26,6 +26,12 @@ pub(crate) struct Target<'r> {
     pub kind: DemandKind,
     /// Shadow mode (the rule's or the global switch).
     pub shadow: bool,
+    /// Quota mode (the rule's or the global switch) on a descriptor that asks for tokens (not
+    /// a refund): over its limit, it denies the request only when every quota-mode descriptor
+    /// of the request is over ([`crate::decision::quota_mode`]).
+    pub quota: bool,
+    /// The rule's `metadata`, passed on in the response's dynamic metadata when it passes.
+    pub metadata: Option<&'r envoy_types::pb::google::protobuf::Struct>,
     /// Where the decision is counted under envoyproxy/ratelimit's names (the rule's node).
     pub envoyproxy: &'r crate::telemetry::EnvoyproxyStats,
     /// The descriptor's entries, for envoyproxy/ratelimit's `detailed_metric` series.
@@ -98,9 +104,10 @@ pub(crate) fn build_response(
     headers: &HeaderSettings,
 ) -> RateLimitResponse {
     let verdicts = verdicts(targets, applied);
-    let denied = verdicts.iter().any(|v| v.over);
+    // The store's: with quota mode a descriptor can be over while the request passes.
+    let denied = applied.is_some_and(|a| a.decision.denied);
     let statuses = statuses(targets, &verdicts);
-    let response_headers_to_add = response_headers(&verdicts, applied, headers, denied);
+    let response_headers_to_add = response_headers(targets, &verdicts, applied, headers, denied);
     RateLimitResponse {
         overall_code: if denied { Code::OverLimit } else { Code::Ok } as i32,
         statuses,
@@ -159,6 +166,7 @@ fn statuses(targets: &[Option<Target<'_>>], verdicts: &[Verdict<'_>]) -> Vec<Des
 /// The headers `headers` asks for: `Retry-After` when the request is `denied`, the structured
 /// `RateLimit-Policy` and `RateLimit`, and the `X-RateLimit-*` of the lowest bucket.
 fn response_headers(
+    targets: &[Option<Target<'_>>],
     verdicts: &[Verdict<'_>],
     applied: Option<&Applied>,
     headers: &HeaderSettings,
@@ -166,7 +174,7 @@ fn response_headers(
 ) -> Vec<HeaderValue> {
     let mut response_headers_to_add = Vec::new();
     if denied && headers.retry_after {
-        if let Some(wait) = retry_after_us(verdicts) {
+        if let Some(wait) = retry_after_us(targets, verdicts) {
             response_headers_to_add.push(header("retry-after", ceil_seconds(wait).to_string()));
         }
     }
@@ -267,11 +275,26 @@ fn status_verdict<'v, 'a>(verdicts: &'v [Verdict<'a>], descriptor: usize) -> Opt
 }
 
 /// The largest wait among the denied descriptors; `None` if any of them can never pass (a
-/// wait that cannot succeed would mislead the client).
-fn retry_after_us(verdicts: &[Verdict<'_>]) -> Option<u64> {
+/// wait that cannot succeed would mislead the client). Quota-mode descriptors count when every
+/// one of them is over, and then by the shortest of their waits: the request passes again once
+/// one of them does.
+fn retry_after_us(targets: &[Option<Target<'_>>], verdicts: &[Verdict<'_>]) -> Option<u64> {
+    let is_quota = |d: usize| targets[d].as_ref().is_some_and(|t| t.quota);
     let mut longest = 0;
-    for v in verdicts.iter().filter(|v| v.over) {
+    for v in verdicts.iter().filter(|v| v.over && !is_quota(v.descriptor)) {
         longest = longest.max(v.retry_after_us?);
+    }
+    let quota = (0..targets.len()).filter(|d| is_quota(*d));
+    let over = |d: usize| verdicts.iter().any(|v| v.descriptor == d && v.over);
+    if quota.clone().next().is_some() && quota.clone().all(over) {
+        // Per quota-mode descriptor, its wait (the longest of its buckets'; `None`: never).
+        let wait = |d: usize| {
+            verdicts
+                .iter()
+                .filter(|v| v.descriptor == d && v.over)
+                .try_fold(0, |w: u64, v| v.retry_after_us.map(|r| w.max(r)))
+        };
+        longest = longest.max(quota.filter_map(wait).min()?);
     }
     Some(longest)
 }

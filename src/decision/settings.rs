@@ -47,3 +47,18 @@ impl Default for HeaderSettings {
         }
     }
 }
+
+/// envoyproxy/ratelimit's request-wide answers (docs/rules.md, "Quota mode" and "Response
+/// metadata"): both off by default, and then free on the decision path.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ResponseSettings {
+    /// Every limited descriptor is in quota mode, as if each rule said `quota_mode: true`
+    /// (envoyproxy/ratelimit's `QUOTA_MODE`): the request is denied only when a descriptor
+    /// without quota mode is over its limit, or every quota-mode descriptor is.
+    pub quota_mode: bool,
+    /// Fill the response's `dynamic_metadata` with the domain, the descriptors, `hits_addend`
+    /// and the `metadata` of the rules whose descriptors passed, in envoyproxy/ratelimit's shape
+    /// (their `RESPONSE_DYNAMIC_METADATA`).
+    pub dynamic_metadata: bool,
+}

@@ -386,6 +386,9 @@ pub struct Node {
     /// envoyproxy/ratelimit's `detailed_metric: true`: their metric names (when exported) are
     /// labelled by the request's entries, within a bound ([`crate::telemetry::DETAILED_SERIES_MAX`]).
     pub detailed_metric: bool,
+    /// envoyproxy/ratelimit's descriptor `metadata`, on a node with a limited rule: passed on in
+    /// the response's dynamic metadata when the rule's descriptor passes (docs/rules.md).
+    pub metadata: Option<envoy_types::pb::google::protobuf::Struct>,
 }
 
 /// What a node does to a request that ends on it.
@@ -405,6 +408,9 @@ pub enum Rule {
         buckets: Vec<usize>,
         /// `shadow_mode: true`: evaluated and counted, never denies.
         shadow: bool,
+        /// envoyproxy/ratelimit's `quota_mode: true`: over its limit, the rule denies a request
+        /// only when every quota-mode descriptor of the request is over as well.
+        quota_mode: bool,
         /// Bucket indices this rule replaces when both match one request.
         replaces: Vec<usize>,
     },

@@ -350,6 +350,7 @@ fn walk<'a>(d: &'a Domain, level: &'a Level, prefix: &mut Vec<EntryView<'a>>, ou
                 buckets,
                 shadow,
                 replaces,
+                ..
             }) => (buckets.as_slice(), *shadow, replaces.as_slice()),
             Some(Rule::Unlimited { replaces }) => (&[][..], false, replaces.as_slice()),
             None => (&[][..], false, &[][..]),

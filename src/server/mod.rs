@@ -58,6 +58,7 @@ impl LimiterOptions {
                 Backend::Redis => settings.redis.failure_mode,
                 Backend::Postgres => settings.postgres.failure_mode,
             },
+            response: settings.response,
         }
     }
 }

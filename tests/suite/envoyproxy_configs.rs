@@ -8,10 +8,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
-use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
-use harness::{desc, hits, limit_of, options, req, Harness, OK, OVER};
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf::value::Kind;
+use envoy_types::pb::google::protobuf::{Struct, Value};
+use harness::{desc, header, hits, limit_of, options, refund, req, Harness, OK, OVER};
 use tollgate::core::clock::ManualClock;
-use tollgate::decision::Limiter;
+use tollgate::decision::{Limiter, LimiterOptions, ResponseSettings};
 use tollgate::rules::load_rules;
 use tollgate::store::MemoryStore;
 
@@ -26,12 +28,17 @@ fn fixture(name: &str) -> PathBuf {
 
 /// A harness over the rules at `name` (a file or a folder), loaded from disk unchanged.
 fn load(name: &str) -> Harness {
+    load_with(name, options())
+}
+
+/// [`load`] with the limiter options `options`.
+fn load_with(name: &str, options: LimiterOptions) -> Harness {
     let path = fixture(name);
     let rules = load_rules(&path).unwrap_or_else(|e| panic!("{} should load: {e}", path.display()));
     let clock = ManualClock::new(T0);
     let store = MemoryStore::new(4, 10_000, Arc::new(clock.clone()));
     Harness {
-        limiter: Limiter::new(rules, store, options()),
+        limiter: Limiter::new(rules, store, options),
         clock,
     }
 }
@@ -341,6 +348,252 @@ async fn a_denied_request_consumes_nothing_in_any_of_its_descriptors() {
     );
     assert_eq!(h.ask(&pair).await.overall_code, OVER);
     assert_eq!(codes(&h, &fresh, 3).await, admits(2), "`b` kept its two tokens");
+}
+
+/// The status codes of `resp`, in request order.
+fn status_codes(resp: &RateLimitResponse) -> Vec<i32> {
+    resp.statuses.iter().map(|s| s.code).collect()
+}
+
+/// `limit_remaining` of every status of `resp`.
+fn remaining(resp: &RateLimitResponse) -> Vec<u32> {
+    resp.statuses.iter().map(|s| s.limit_remaining).collect()
+}
+
+/// `quota_mode: true`, envoyproxy/ratelimit's rule: a request is denied when every quota-mode
+/// descriptor is over (a quota-mode descriptor over while another passes only says so in its
+/// status), and a denied request takes nothing from any bucket, as without quota mode.
+#[tokio::test]
+async fn quota_mode_denies_only_when_every_quota_descriptor_is_over() {
+    let h = load("quota_mode.yaml");
+    let plans = req(
+        "plans",
+        vec![desc(&[("plan", "included")]), desc(&[("plan", "overage")])],
+    );
+    // Both pass, then `overage` (1) is over while `included` (2) still passes: OK both times.
+    let first = h.ask(&plans).await;
+    assert_eq!((first.overall_code, status_codes(&first)), (OK, vec![OK, OK]));
+    let second = h.ask(&plans).await;
+    assert_eq!(
+        (second.overall_code, status_codes(&second)),
+        (OK, vec![OK, OVER]),
+        "one of two quota-mode descriptors over: the request passes, its status says over"
+    );
+    assert_eq!(remaining(&second), vec![0, 0]);
+    assert_eq!(header(&second, "retry-after"), None);
+    // Both over: denied, with the wait until the first of them passes (`overage`: 60 s per
+    // token; `included`: 30 s).
+    let third = h.ask(&plans).await;
+    assert_eq!((third.overall_code, status_codes(&third)), (OVER, vec![OVER, OVER]));
+    assert_eq!(header(&third, "retry-after"), Some("30"));
+    // 30 s on, `included` has a token again and `overage` none: the request passes on it.
+    h.advance_ms(30_000);
+    let fourth = h.ask(&plans).await;
+    assert_eq!((fourth.overall_code, status_codes(&fourth)), (OK, vec![OK, OVER]));
+
+    // The first quota-mode descriptor over and the second passing: the request passes on the
+    // second, which alone is charged.
+    let h = load("quota_mode.yaml");
+    let overage = req("plans", vec![desc(&[("plan", "overage")])]);
+    assert_eq!(h.ask(&overage).await.overall_code, OK, "spends `overage` alone");
+    let reversed = req(
+        "plans",
+        vec![desc(&[("plan", "overage")]), desc(&[("plan", "included")])],
+    );
+    let resp = h.ask(&reversed).await;
+    assert_eq!((resp.overall_code, status_codes(&resp)), (OK, vec![OVER, OK]));
+    assert_eq!(remaining(&resp), vec![0, 1], "`included` charged once");
+}
+
+/// A descriptor without quota mode still denies on its own, and then no quota-mode bucket is
+/// charged; and it is charged when the request passes on a quota-mode descriptor.
+#[tokio::test]
+async fn quota_mode_beside_a_descriptor_without_it() {
+    let h = load("quota_mode.yaml");
+    let mixed = |user: &str| {
+        req(
+            "plans",
+            vec![
+                desc(&[("user", user)]),
+                desc(&[("plan", "included")]),
+                desc(&[("plan", "overage")]),
+            ],
+        )
+    };
+    // The first request takes from both plans (each quota-mode descriptor that can serve is
+    // charged), the second from `included` alone; the third finds both plans spent.
+    for _ in 0..2 {
+        assert_eq!(h.ask(&mixed("a")).await.overall_code, OK);
+    }
+    let resp = h.ask(&mixed("a")).await;
+    assert_eq!(
+        (resp.overall_code, status_codes(&resp)),
+        (OVER, vec![OK, OVER, OVER]),
+        "every quota-mode descriptor over: denied although `user=a` passes"
+    );
+    assert_eq!(remaining(&resp)[0], 1, "and `user=a` is not charged");
+    // `user=b` over alone: denied although a plan passes, and no plan is charged.
+    let h = load("quota_mode.yaml");
+    let user_b = req("plans", vec![hits(&[("user", "b")], 3)]);
+    assert_eq!(h.ask(&user_b).await.overall_code, OK, "spends `user=b`");
+    let resp = h.ask(&mixed("b")).await;
+    assert_eq!((resp.overall_code, status_codes(&resp)), (OVER, vec![OVER, OK, OK]));
+    assert_eq!(remaining(&resp), vec![0, 2, 1], "the plans keep their tokens");
+    // `user=c` passes: charged along with the quota-mode descriptors that can serve.
+    let resp = h.ask(&mixed("c")).await;
+    assert_eq!((resp.overall_code, remaining(&resp)), (OK, vec![2, 1, 0]));
+}
+
+/// When the request stands on a second quota-mode descriptor (the first was over), its refunds
+/// are given once, not once per try.
+#[tokio::test]
+async fn quota_mode_gives_a_refund_once() {
+    let h = load("quota_mode.yaml");
+    assert_eq!(
+        h.ask(&req("plans", vec![hits(&[("user", "r")], 3)])).await.overall_code,
+        OK
+    );
+    assert_eq!(
+        h.ask(&req("plans", vec![desc(&[("plan", "overage")])]))
+            .await
+            .overall_code,
+        OK
+    );
+    let resp = h
+        .ask(&req(
+            "plans",
+            vec![
+                desc(&[("plan", "overage")]),
+                desc(&[("plan", "included")]),
+                refund(&[("user", "r")], 1),
+            ],
+        ))
+        .await;
+    assert_eq!((resp.overall_code, status_codes(&resp)), (OK, vec![OVER, OK, OK]));
+    let user = h.ask(&req("plans", vec![hits(&[("user", "r")], 0)])).await;
+    assert_eq!(user.statuses[0].limit_remaining, 1, "one token given back, not two");
+}
+
+/// The global switch (their `QUOTA_MODE`, tollgate's `response.quota_mode`) puts every limited
+/// descriptor in quota mode, the per-user limit too.
+#[tokio::test]
+async fn global_quota_mode_puts_every_descriptor_in_quota_mode() {
+    let quota_everywhere = LimiterOptions {
+        response: ResponseSettings {
+            quota_mode: true,
+            dynamic_metadata: false,
+        },
+        ..options()
+    };
+    let h = load_with("quota_mode.yaml", quota_everywhere);
+    let pair = req("plans", vec![desc(&[("user", "u")]), desc(&[("plan", "overage")])]);
+    assert_eq!(h.ask(&pair).await.overall_code, OK);
+    let resp = h.ask(&pair).await;
+    assert_eq!(
+        (resp.overall_code, status_codes(&resp)),
+        (OK, vec![OK, OVER]),
+        "`user=u` now counts as a quota-mode descriptor that passes"
+    );
+    assert_eq!(h.ask(&pair).await.overall_code, OK);
+    let resp = h.ask(&pair).await;
+    assert_eq!((resp.overall_code, status_codes(&resp)), (OVER, vec![OVER, OVER]));
+    // Without the switch the same pair is denied as soon as `overage` is over.
+    let h = load("quota_mode.yaml");
+    assert_eq!(codes(&h, &pair, 2).await, admits(1));
+}
+
+/// A protobuf `Struct` as JSON, for comparing.
+fn json(s: &Struct) -> serde_json::Value {
+    fn value(v: &Value) -> serde_json::Value {
+        match v.kind.as_ref() {
+            None | Some(Kind::NullValue(_)) => serde_json::Value::Null,
+            Some(Kind::NumberValue(n)) => serde_json::json!(n),
+            Some(Kind::StringValue(s)) => serde_json::json!(s),
+            Some(Kind::BoolValue(b)) => serde_json::json!(b),
+            Some(Kind::StructValue(s)) => json(s),
+            Some(Kind::ListValue(l)) => serde_json::Value::Array(l.values.iter().map(value).collect()),
+        }
+    }
+    serde_json::Value::Object(s.fields.iter().map(|(k, v)| (k.clone(), value(v))).collect())
+}
+
+/// `metadata` loads and, with dynamic metadata on (their `RESPONSE_DYNAMIC_METADATA`), the
+/// response carries envoyproxy/ratelimit's shape: the domain, each descriptor's entries (its
+/// override and `hits_addend` when it has them), the request's `hits_addend`, and the metadata
+/// of the rules whose descriptors passed, merged in request order.
+#[tokio::test]
+async fn response_metadata_names_the_request_and_what_passed() {
+    use serde_json::json as j;
+    let off = load("metadata.yaml");
+    let services = req(
+        "backends",
+        vec![desc(&[("service", "service_1")]), desc(&[("service", "service_2")])],
+    );
+    assert_eq!(off.ask(&services).await.dynamic_metadata, None, "off by default");
+
+    let on = LimiterOptions {
+        response: ResponseSettings {
+            quota_mode: false,
+            dynamic_metadata: true,
+        },
+        ..options()
+    };
+    let h = load_with("metadata.yaml", on);
+    let first = h.ask(&services).await;
+    assert_eq!(
+        json(first.dynamic_metadata.as_ref().unwrap()),
+        j!({
+            "domain": "backends",
+            "descriptors": [{"entries": ["service=service_1"]}, {"entries": ["service=service_2"]}],
+            "metadata": {"service_with_quota": {"name": "service_1", "tier": "spare"}},
+        }),
+        "both passed: merged, the first descriptor's name kept"
+    );
+    let second = h.ask(&services).await;
+    assert_eq!((second.overall_code, status_codes(&second)), (OK, vec![OVER, OK]));
+    assert_eq!(
+        json(&second.dynamic_metadata.unwrap())["metadata"],
+        j!({"service_with_quota": {"name": "service_2", "tier": "spare"}}),
+        "service_1 is over: only service_2's metadata"
+    );
+    let third = h.ask(&services).await;
+    assert_eq!(third.overall_code, OVER);
+    let meta = json(&third.dynamic_metadata.unwrap());
+    assert!(meta.get("metadata").is_none(), "nothing passed: {meta}");
+
+    // A nested rule's metadata (its parent's, a node without a limit, is never passed on); the
+    // request's and a descriptor's hits_addend; an override; a descriptor no rule matches.
+    let mut with_override = desc(&[("tenant", "t1"), ("route", "r")]);
+    with_override.limit = Some(
+        envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride {
+            requests_per_unit: 7,
+            unit: Unit::Hour as i32,
+        },
+    );
+    let mut r = req(
+        "backends",
+        vec![
+            hits(&[("tenant", "t1"), ("route", "r")], 2),
+            desc(&[("unknown", "x")]),
+            with_override,
+        ],
+    );
+    r.hits_addend = 3;
+    let resp = h.ask(&r).await;
+    assert_eq!(resp.overall_code, OK);
+    assert_eq!(
+        json(&resp.dynamic_metadata.unwrap()),
+        j!({
+            "domain": "backends",
+            "descriptors": [
+                {"entries": ["tenant=t1", "route=r"], "hitsAddend": 2.0},
+                {"entries": ["unknown=x"]},
+                {"entries": ["tenant=t1", "route=r"], "limit": "requests_per_unit:7 unit:HOUR"},
+            ],
+            "hitsAddend": 3.0,
+            "metadata": {"route_limited": true},
+        })
+    );
 }
 
 /// At least ten fixtures, each named by a test above (the folder counts as one).

@@ -651,11 +651,7 @@ fn refused_variables_name_the_variable_why_and_what_instead() {
         ("GRPC_SERVER_USE_TLS", vec![("GRPC_SERVER_USE_TLS", "true".into())]),
         ("GRPC_UDS", vec![("GRPC_UDS", "/tmp/ratelimit.sock".into())]),
         ("REDIS_PERSECOND", vec![("REDIS_PERSECOND", "true".into())]),
-        ("QUOTA_MODE", vec![("QUOTA_MODE", "true".into())]),
-        (
-            "RESPONSE_DYNAMIC_METADATA",
-            vec![("RESPONSE_DYNAMIC_METADATA", "true".into())],
-        ),
+        ("QUOTA_MODE", vec![("QUOTA_MODE", "maybe".into())]),
         ("MERGE_DOMAIN_CONFIG", vec![("MERGE_DOMAIN_CONFIG", "true".into())]),
         (
             "LIMIT_LIMIT_HEADER",
@@ -723,6 +719,64 @@ fn refused_variables_name_the_variable_why_and_what_instead() {
             assert!(!text.contains(secret), "the password leaked: {text}");
         }
     }
+}
+
+/// `QUOTA_MODE=true` and `RESPONSE_DYNAMIC_METADATA=true` are used, not refused: every rule is
+/// in quota mode (one plan over while the other passes: OK, its status OVER_LIMIT; both over:
+/// denied), and the response carries their dynamic metadata, with the `metadata` of the rules
+/// that passed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quota_mode_and_response_metadata_from_their_variables() {
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+    use envoy_types::pb::google::protobuf::value::Kind;
+    let rules = tempfile::tempdir().unwrap();
+    ConfigMapVolume::create(
+        &rules.path().join("ratelimit/config"),
+        "domain: eg\ndescriptors:\n  - key: plan\n    value: a\n    rate_limit: {unit: hour, requests_per_unit: 1}\n    metadata: {served_by: a}\n  - key: plan\n    value: b\n    rate_limit: {unit: hour, requests_per_unit: 1}\n    metadata: {served_by: b}\n",
+    );
+    let env = [
+        ("USE_STATSD", "false".to_owned()),
+        ("RUNTIME_ROOT", rules.path().to_string_lossy().into_owned()),
+        ("RUNTIME_SUBDIRECTORY", "ratelimit".to_owned()),
+        ("QUOTA_MODE", "true".to_owned()),
+        ("RESPONSE_DYNAMIC_METADATA", "true".to_owned()),
+    ];
+    let tollgate = tokio::task::block_in_place(|| start(true, &env));
+    let mut grpc = RateLimitServiceClient::connect(format!("http://{}", tollgate.grpc))
+        .await
+        .unwrap();
+    let only_a = support::request("eg", &[("plan", "a")], 0);
+    let mut both = only_a.clone();
+    both.descriptors.push(support::descriptor(&[("plan", "b")]));
+    let (ok, over) = (Code::Ok as i32, Code::OverLimit as i32);
+    let served_by = |resp: &envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse| {
+        let meta = resp.dynamic_metadata.as_ref().expect("dynamic metadata");
+        assert_eq!(
+            meta.fields["domain"].kind,
+            Some(Kind::StringValue("eg".into())),
+            "{meta:?}"
+        );
+        match meta.fields.get("metadata").and_then(|m| m.kind.as_ref()) {
+            Some(Kind::StructValue(m)) => match &m.fields["served_by"].kind {
+                Some(Kind::StringValue(s)) => Some(s.clone()),
+                other => panic!("served_by: {other:?}"),
+            },
+            _ => None,
+        }
+    };
+    // `plan=a` spent alone, then the pair passes on `plan=b`.
+    let first = grpc.should_rate_limit(only_a).await.unwrap().into_inner();
+    assert_eq!(first.overall_code, ok);
+    assert_eq!(served_by(&first).as_deref(), Some("a"));
+    let second = grpc.should_rate_limit(both.clone()).await.unwrap().into_inner();
+    let codes: Vec<i32> = second.statuses.iter().map(|s| s.code).collect();
+    assert_eq!((second.overall_code, codes), (ok, vec![over, ok]));
+    assert_eq!(served_by(&second).as_deref(), Some("b"));
+    // Both spent: denied, and no rule passed.
+    let third = grpc.should_rate_limit(both).await.unwrap().into_inner();
+    assert_eq!(third.overall_code, over);
+    assert_eq!(served_by(&third), None);
 }
 
 /// `detailed_metric: true`: their series carry the request's entries (`key1="user_u7"`), at most

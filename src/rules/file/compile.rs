@@ -4,6 +4,7 @@ use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use super::metadata::metadata_struct;
 use super::model::{BucketSpec, DescriptorSpec, QuotaSpec, RateLimitSpec, RulesFile, ScheduleEntrySpec};
 use super::{parse_refill, ConfigError};
 use crate::core::bucket::{Limit, Rate, RateError, MAX_CAPACITY, MICRO};
@@ -11,6 +12,7 @@ use crate::core::schedule::{Plan, Quota, Schedule, ScheduleEntry, ScheduleError}
 use crate::core::units::{DAY_US, ENVOY_UNITS};
 use crate::rules::OVERRIDE_BUCKET;
 use crate::rules::{BucketPolicy, Domain, Level, Node, Pattern, ReportedLimit, Rule, RuleSet};
+use envoy_types::pb::google::protobuf::Struct;
 
 /// The longest time a bucket may take to fill from empty: 10 years of 365 days. Slower buckets
 /// are almost certainly a mistake (`capacity: 1000000000, refill: 1/d`), and every wait and
@@ -169,6 +171,7 @@ impl<'a> DomainBuilder<'a> {
             parent: None,
             shared_pattern: None,
             detailed_metric: false,
+            metadata: None,
         });
         self.resolve_replaces();
     }
@@ -651,6 +654,7 @@ impl<'a> DomainBuilder<'a> {
             return;
         }
         let rule = self.rule(spec, &path);
+        let metadata = self.metadata(spec, &path, rule.as_ref());
         let id = self.nodes.len();
         let duplicate = match value {
             None => level.any.insert(spec.key.clone(), id).is_some(),
@@ -690,6 +694,7 @@ impl<'a> DomainBuilder<'a> {
             parent: parent_id,
             shared_pattern,
             detailed_metric: matches!(spec.detailed_metric, Some(serde_yaml::Value::Bool(true))),
+            metadata,
         });
         let mut children = Level::default();
         for child in &spec.descriptors {
@@ -721,6 +726,9 @@ impl<'a> DomainBuilder<'a> {
                 if spec.shadow_mode {
                     self.note(path, "`shadow_mode` has no effect on a rule without a limit");
                 }
+                if spec.quota_mode {
+                    self.note(path, "`quota_mode` has no effect on a rule without a limit");
+                }
                 self.pending_replaces(
                     path,
                     replaces,
@@ -733,8 +741,36 @@ impl<'a> DomainBuilder<'a> {
         Some(Rule::Limited {
             buckets,
             shadow: spec.shadow_mode,
+            quota_mode: spec.quota_mode,
             replaces: Vec::new(),
         })
+    }
+
+    /// The node's `metadata` as a `Struct`, kept only for a limited `rule` (as in
+    /// envoyproxy/ratelimit, only a descriptor with a limit passes it on); errors are recorded
+    /// and give `None`.
+    fn metadata(&mut self, spec: &DescriptorSpec, path: &str, rule: Option<&Rule>) -> Option<Struct> {
+        let yaml = spec.metadata.as_ref()?;
+        let metadata = match metadata_struct(yaml) {
+            Ok(m) => m,
+            Err(reason) => {
+                self.error(path, reason);
+                return None;
+            }
+        };
+        if !matches!(rule, Some(Rule::Limited { .. })) {
+            let what = if matches!(rule, Some(Rule::Unlimited { .. })) {
+                "an unlimited rule"
+            } else {
+                "a rule without a limit"
+            };
+            self.note(
+                path,
+                format!("`metadata` is never passed on from {what}: only a limited rule's is"),
+            );
+            return None;
+        }
+        Some(metadata)
     }
 
     /// What kind of limit `spec` declares; errors (a unit on an unlimited `rate_limit`, or
@@ -828,6 +864,9 @@ impl<'a> DomainBuilder<'a> {
             return None;
         }
         self.pending_replaces(path, replaces, None);
+        if spec.quota_mode {
+            self.note(path, "`quota_mode` has no effect on an unlimited rule");
+        }
         Some(Rule::Unlimited { replaces: Vec::new() })
     }
 

@@ -9,6 +9,7 @@
 mod compile;
 mod error;
 mod load;
+mod metadata;
 mod model;
 mod refill;
 

@@ -131,6 +131,14 @@ pub(crate) struct DescriptorSpec {
     pub unlimited: bool,
     #[serde(default)]
     pub shadow_mode: bool,
+    /// envoyproxy/ratelimit's quota mode: over its limit, the rule denies a request only when
+    /// every quota-mode rule of the request is over too (docs/rules.md).
+    #[serde(default)]
+    pub quota_mode: bool,
+    /// envoyproxy/ratelimit's descriptor `metadata`: any YAML mapping, passed on in the
+    /// response's dynamic metadata when the rule passes (the `response.dynamic_metadata`
+    /// setting).
+    pub metadata: Option<serde_yaml::Value>,
     /// Bucket names this rule replaces when both match one request.
     pub replaces: Option<Vec<ReplaceSpec>>,
     #[serde(default)]

@@ -965,17 +965,11 @@ impl Reader<'_> {
     }
 
     fn modes(&mut self) {
-        if self.bool("QUOTA_MODE") == Some(true) {
-            self.refuse(
-                "QUOTA_MODE",
-                "quota mode (metadata instead of OVER_LIMIT) is not supported; set it to false, and use shadow_mode on the rules that must not deny",
-            );
+        if let Some(v) = self.bool("QUOTA_MODE") {
+            self.set("response.quota_mode", json!(v), "QUOTA_MODE");
         }
-        if self.bool("RESPONSE_DYNAMIC_METADATA") == Some(true) {
-            self.refuse(
-                "RESPONSE_DYNAMIC_METADATA",
-                "dynamic metadata in responses is not supported; set it to false (the decision is in the response's statuses and headers)",
-            );
+        if let Some(v) = self.bool("RESPONSE_DYNAMIC_METADATA") {
+            self.set("response.dynamic_metadata", json!(v), "RESPONSE_DYNAMIC_METADATA");
         }
         if self.bool("MERGE_DOMAIN_CONFIG") == Some(true) {
             self.refuse(

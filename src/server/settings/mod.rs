@@ -12,7 +12,7 @@ use figment::Figment;
 use serde::{Deserialize, Serialize};
 
 // The sections of the layers below, composed here (their types live beside their code).
-pub use crate::decision::{HeaderSettings, RequestLimits};
+pub use crate::decision::{HeaderSettings, RequestLimits, ResponseSettings};
 pub use crate::store::{
     redact_url, FailureMode, FallbackBackend, MemorySettings, PostgresSettings, RedisSettings, UnreachableAtStart,
 };
@@ -39,6 +39,8 @@ pub struct Settings {
     pub headers: HeaderSettings,
     /// Global shadow mode: evaluate and count every rule, never answer `OVER_LIMIT`.
     pub shadow_mode: bool,
+    /// envoyproxy/ratelimit's global quota mode and response dynamic metadata.
+    pub response: ResponseSettings,
     /// Honour per-descriptor `limit` overrides sent by Envoy (`RateLimitOverride`).
     pub overrides: bool,
     /// Honour `is_negative_hits` refunds sent over gRPC. `false`: such a descriptor is answered
@@ -209,6 +211,7 @@ impl Default for Settings {
             grpc: GrpcSettings::default(),
             headers: HeaderSettings::default(),
             shadow_mode: false,
+            response: ResponseSettings::default(),
             overrides: true,
             refunds: true,
             memory: MemorySettings::default(),
@@ -289,7 +292,7 @@ pub const DEFAULT_SETTINGS_FILE: &str = "config/tollgate.yaml";
 
 /// Top-level settings keys; only these are read from `TOLLGATE_*`, so unrelated variables
 /// with the same prefix are not mistaken for settings.
-const KEYS: [&str; 19] = [
+const KEYS: [&str; 20] = [
     "grpc_addr",
     "http_addr",
     "rules",
@@ -298,6 +301,7 @@ const KEYS: [&str; 19] = [
     "limits",
     "headers",
     "shadow_mode",
+    "response",
     "overrides",
     "refunds",
     "memory",

@@ -37,6 +37,7 @@ pub fn options() -> LimiterOptions {
         refunds: true,
         near_limit_ratio: 0.8,
         on_store_failure: tollgate::server::settings::FailureMode::Error,
+        response: Default::default(),
     }
 }
 
