@@ -208,3 +208,96 @@ descriptors:
     // 2023-11-14T22:13:20Z to 2023-12-01T00:00:00+01:00 (23:00Z): 1,385,200 s.
     assert_eq!(header(&spent, "retry-after"), Some("1385200"));
 }
+
+// ---- 64 concurrent usage reports on one debt bucket, on every store ----------------------
+
+mod concurrent {
+    use std::sync::Arc;
+
+    use futures_util::future::join_all;
+    use tollgate::core::bucket::{Demand, DemandKind, Limit, Rate, MICRO};
+    use tollgate::core::clock::ManualClock;
+    use tollgate::core::schedule::Plan;
+    use tollgate::store::{BucketRef, MemoryStore, Store};
+
+    use crate::support;
+
+    const T0: u64 = super::T0;
+    /// 1,000,000 tokens a day, its floor 1,000,000 deep: the plan holds up to 2e12 µt.
+    const DEPTH_UT: u64 = 1_000_000 * MICRO;
+
+    fn bucket(key: &str) -> Vec<BucketRef> {
+        let mut limit = Limit::new(1_000_000, Rate::per(1_000_000, 86_400_000_000).unwrap());
+        limit.capacity_ut += DEPTH_UT;
+        vec![BucketRef {
+            key: key.to_owned(),
+            plan: Plan::Fixed(limit),
+        }]
+    }
+
+    fn report(n: u64) -> Vec<Demand> {
+        vec![Demand {
+            instance: 0,
+            kind: DemandKind::Debit {
+                amount_ut: n * MICRO,
+                depth_ut: DEPTH_UT,
+            },
+            enforced: true,
+        }]
+    }
+
+    /// Reports of 1, 2, ..., 64 tokens at once, on a clock that stands still: every one is
+    /// debited exactly once, and the balance is the capacity less their sum (2,080), to the
+    /// micro-token, whatever order or batches the store decided them in.
+    async fn sixty_four_reports_sum_exactly<S: Store>(store: &S, key: &str) {
+        let buckets = bucket(key);
+        let demands: Vec<Vec<Demand>> = (1..=64).map(report).collect();
+        let applied = join_all(demands.iter().map(|d| store.apply(&buckets, d))).await;
+        let mut debited = 0;
+        for a in applied {
+            let a = a.expect("decided");
+            assert_eq!(a.decision.instances[0].lost_ut, 0);
+            debited += a.decision.instances[0].debited_ut;
+        }
+        assert_eq!(debited, 2080 * MICRO, "every report debited once, in full");
+        let check = vec![Demand {
+            instance: 0,
+            kind: DemandKind::DebtCheck { depth_ut: DEPTH_UT },
+            enforced: true,
+        }];
+        let after = store.apply(&buckets, &check).await.expect("decided");
+        assert_eq!(
+            after.decision.instances[0].after.tokens_ut,
+            DEPTH_UT + (1_000_000 - 2080) * MICRO,
+            "the balance is the capacity less the sum"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn on_memory() {
+        let store = MemoryStore::new(4, 1000, Arc::new(ManualClock::new(T0)));
+        sixty_four_reports_sum_exactly(&store, "debt-concurrency").await;
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn on_redis() {
+        let Some(url) = support::redis::shared_redis("usage_budgets::concurrent::on_redis") else {
+            return;
+        };
+        let prefix = support::redis::unique_prefix("debt-concurrency");
+        let clock = ManualClock::new(T0);
+        let store = support::redis::store_on_clock(vec![url.clone()], false, &prefix, &clock).await;
+        sixty_four_reports_sum_exactly(&store, "debt-concurrency").await;
+        tokio::task::block_in_place(|| support::redis::delete_prefix(url.as_str(), &prefix));
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn on_postgres() {
+        let Some(db) = support::postgres::TestSchema::new("usage_budgets::concurrent::on_postgres").await else {
+            return;
+        };
+        let store = db.store().await.with_time_override(Arc::new(ManualClock::new(T0)));
+        sixty_four_reports_sum_exactly(&store, "debt-concurrency").await;
+        db.drop().await;
+    }
+}
