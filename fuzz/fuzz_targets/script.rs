@@ -161,10 +161,15 @@ fuzz_target!(|input: Input| {
         .take(16)
         .map(|&(i, k, n, enforced)| Demand {
             instance: usize::from(i) % buckets.len(),
-            kind: match k % 3 {
+            kind: match k % 5 {
                 0 => DemandKind::Consume(n),
                 1 => DemandKind::Check,
-                _ => DemandKind::Refund(n),
+                2 => DemandKind::Refund(n),
+                3 => DemandKind::Debit {
+                    amount_ut: n,
+                    depth_ut: n / 3,
+                },
+                _ => DemandKind::DebtCheck { depth_ut: n / 3 },
             },
             enforced,
         })
@@ -174,7 +179,7 @@ fuzz_target!(|input: Input| {
     let f = read(argv[0].as_bytes().expect("a packed string"));
     let (nb, nd, nrep) = (f[0] as usize, f[1] as usize, f[2] as usize);
     assert_eq!((nb, nd), (buckets.len(), demands.len()));
-    assert_eq!(f.len(), 3 + nb * 9 + nd * 4);
+    assert_eq!(f.len(), 3 + nb * 9 + nd * 5);
     assert_eq!(argv.len(), 1 + 2 * nrep);
     let mut reps = argv[1..].chunks_exact(2);
     for (i, (args, rep)) in buckets.iter().enumerate() {
@@ -182,6 +187,7 @@ fuzz_target!(|input: Input| {
         let kind = match args.kind {
             b'F' => 1,
             b'S' => 2,
+            b'D' => 4,
             _ => 3,
         };
         let want = [
@@ -204,20 +210,22 @@ fuzz_target!(|input: Input| {
     }
     assert!(reps.next().is_none(), "strings for replacements that are not there");
     for (j, d) in demands.iter().enumerate() {
-        let o = 3 + nb * 9 + j * 4;
-        let (kind, n) = match d.kind {
-            DemandKind::Consume(n) => (1, clamp(n)),
-            DemandKind::Check => (2, 0),
-            DemandKind::Refund(n) => (3, clamp(n)),
+        let o = 3 + nb * 9 + j * 5;
+        let (kind, n, need) = match d.kind {
+            DemandKind::Consume(n) => (1, clamp(n), 0),
+            DemandKind::Check => (2, 0, 0),
+            DemandKind::Refund(n) => (3, clamp(n), 0),
+            DemandKind::Debit { amount_ut, depth_ut } => (4, clamp(amount_ut), clamp(depth_ut.saturating_add(1))),
+            DemandKind::DebtCheck { depth_ut } => (5, 0, clamp(depth_ut.saturating_add(1))),
         };
         assert_eq!(
-            &f[o..o + 4],
-            &[d.instance as u64 + 1, kind, n, u64::from(d.enforced)],
+            &f[o..o + 5],
+            &[d.instance as u64 + 1, kind, n, u64::from(d.enforced), need],
             "demand {j}"
         );
     }
 
-    // A decision packed as the script packs it: now, denied, passed per demand, 7 per bucket.
+    // A decision packed as the script packs it: now, denied, passed per demand, 8 per bucket.
     let (now_us, denied, passed, states, changed) = &input.decided;
     let nb = states.len().min(changed.len()).min(16);
     let nd = passed.len().min(16);
@@ -228,6 +236,9 @@ fuzz_target!(|input: Input| {
         let s = s.map(clamp);
         numbers.extend_from_slice(&s);
         numbers.push(u64::from(c));
+        // What the bucket's reports lost, any count the script can send.
+        let lost = s[4] / 3;
+        numbers.push(lost);
         let state = |t, u| BucketState {
             tokens_ut: t,
             updated_us: u,
@@ -237,6 +248,8 @@ fuzz_target!(|input: Input| {
             before: state(s[2], s[3]),
             after: state(s[4], s[5]),
             consumed_ut: 0,
+            debited_ut: 0,
+            lost_ut: lost,
             changed: c,
         });
     }
