@@ -222,6 +222,12 @@ impl BucketPolicy {
         shown(limit, self.debt_depth_ut)
     }
 
+    /// The capacity in force at `now_us`, in whole tokens, as declared (a debt bucket's without
+    /// its floor's depth).
+    pub fn capacity_at(&self, now_us: u64) -> u64 {
+        self.shown(self.plan.limit_at(now_us)).capacity()
+    }
+
     /// The micro-tokens clients are told are left of a bucket holding `tokens_ut`: a debt
     /// bucket's balance, 0 while in debt.
     pub fn balance_ut(&self, tokens_ut: u64) -> u64 {
@@ -269,8 +275,8 @@ impl BucketPolicy {
     }
 }
 
-/// `limit` without a debt bucket's floor depth `depth_ut`.
-fn shown(limit: Limit, depth_ut: u64) -> Limit {
+/// `limit` without a debt bucket's floor depth `depth_ut`: what the rules declared.
+pub(crate) fn shown(limit: Limit, depth_ut: u64) -> Limit {
     Limit {
         capacity_ut: limit.capacity_ut.saturating_sub(depth_ut),
         rate: limit.rate,

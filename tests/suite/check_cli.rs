@@ -93,6 +93,34 @@ const INVALID: &[Invalid] = &[
         &["capacity must be at least 1 token"],
     ),
     inv(
+        "debt_on_allowance.yaml",
+        Some("buckets.trial"),
+        &["nothing would ever repay the debt; give the bucket a `refill`, or use a `quota`"],
+    ),
+    inv(
+        "debt_span_too_large.yaml",
+        Some("buckets.month"),
+        &[
+            "a debt bucket of capacity 5000000000 with its floor at -5000000000 spans more than 9000000000 tokens, \
+             the most every backend computes exactly; set `debt_floor` to -4000000000 or higher",
+        ],
+    ),
+    inv(
+        "debt_quota_floor_too_deep.yaml",
+        Some("buckets.month"),
+        &["at most one allowance below zero (-100), so that a reset or two always repays the debt"],
+    ),
+    inv(
+        "debt_floor_without_debt.yaml",
+        Some("buckets.tokens"),
+        &["`debt_floor` is for a debt bucket: add `debt: true`"],
+    ),
+    inv(
+        "debt_beside_rate_limit.yaml",
+        Some("tenant"),
+        &["declare the budget as a bucket of its own (`buckets:` with `debt: true`)"],
+    ),
+    inv(
         "capacity_too_large.yaml",
         Some("api_key"),
         &["capacity 9000000001 is above the maximum of 9000000000"],

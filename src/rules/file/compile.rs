@@ -11,7 +11,7 @@ use crate::core::bucket::{Limit, Rate, RateError, MAX_CAPACITY, MICRO};
 use crate::core::schedule::{Plan, Quota, Schedule, ScheduleEntry, ScheduleError};
 use crate::core::units::{DAY_US, ENVOY_UNITS};
 use crate::rules::OVERRIDE_BUCKET;
-use crate::rules::{BucketPolicy, Domain, Level, Node, Pattern, ReportedLimit, Rule, RuleSet};
+use crate::rules::{shown, BucketPolicy, Domain, Level, Node, Pattern, ReportedLimit, Rule, RuleSet};
 use envoy_types::pb::google::protobuf::Struct;
 
 /// The longest time a bucket may take to fill from empty: 10 years of 365 days. Slower buckets
@@ -287,8 +287,9 @@ impl<'a> DomainBuilder<'a> {
 
     /// How deep a debt floor of `floor` tokens (default minus `capacity`) lies, in
     /// micro-tokens; `None` (with the error recorded) for `debt_floor` without `debt: true`, a
-    /// floor above 0, or one that takes the account beyond the exact range.
-    fn debt_depth(&mut self, rule: &str, debt: bool, floor: Option<i64>, capacity: u64) -> Option<u64> {
+    /// floor above 0, or one that takes the account, at its `highest` capacity (a schedule
+    /// window's may exceed the base's), beyond the exact range.
+    fn debt_depth(&mut self, rule: &str, debt: bool, floor: Option<i64>, capacity: u64, highest: u64) -> Option<u64> {
         if !debt {
             self.error(
                 rule,
@@ -307,12 +308,13 @@ impl<'a> DomainBuilder<'a> {
             }
             Some(f) => f.unsigned_abs(),
         };
-        if capacity.saturating_add(depth) > MAX_CAPACITY {
-            let room = MAX_CAPACITY.saturating_sub(capacity);
+        if highest.saturating_add(depth) > MAX_CAPACITY {
+            let room = MAX_CAPACITY.saturating_sub(highest);
             self.error(
                 rule,
                 format!(
-                    "a debt bucket of capacity {capacity} with its floor at -{depth} spans more than {MAX_CAPACITY}                      tokens, the most every backend computes exactly; set `debt_floor` to -{room} or higher"
+                    "a debt bucket of capacity {highest} with its floor at -{depth} spans more than {MAX_CAPACITY} \
+                     tokens, the most every backend computes exactly; set `debt_floor` to -{room} or higher"
                 ),
             );
             return None;
@@ -322,6 +324,14 @@ impl<'a> DomainBuilder<'a> {
 
     /// A token bucket's plan as a debt bucket's: its capacities raised by the floor's depth.
     fn debt_bucket(&mut self, rule: &str, plan: Plan, debt: bool, floor: Option<i64>) -> Option<(Plan, u64)> {
+        if plan.base().rate.is_zero() && debt {
+            self.error(
+                rule,
+                "`debt` on a fixed allowance (`capacity` without `refill`): nothing would ever repay the debt; give \
+                 the bucket a `refill`, or use a `quota` whose reset repays it",
+            );
+            return None;
+        }
         let highest = match &plan {
             Plan::Scheduled(s) => (0..s.entries().len())
                 .filter_map(|i| s.entry_limit(i))
@@ -331,24 +341,7 @@ impl<'a> DomainBuilder<'a> {
                 .unwrap_or(0),
             other => other.base().capacity(),
         };
-        if plan.base().rate.is_zero() && debt {
-            self.error(
-                rule,
-                "`debt` on a fixed allowance (`capacity` without `refill`): nothing would ever repay the debt; give                  the bucket a `refill`, or use a `quota` whose reset repays it",
-            );
-            return None;
-        }
-        let depth = self.debt_depth(rule, debt, floor, plan.base().capacity())?;
-        if highest.saturating_mul(MICRO).saturating_add(depth) > MAX_CAPACITY * MICRO {
-            self.error(
-                rule,
-                format!(
-                    "a schedule window's capacity {highest} with the debt floor {} tokens deep spans more than                      {MAX_CAPACITY} tokens, the most every backend computes exactly; raise `debt_floor`",
-                    depth / MICRO
-                ),
-            );
-            return None;
-        }
+        let depth = self.debt_depth(rule, debt, floor, plan.base().capacity(), highest)?;
         let plan = match plan {
             Plan::Fixed(l) => Plan::Fixed(Limit {
                 capacity_ut: l.capacity_ut + depth,
@@ -364,12 +357,13 @@ impl<'a> DomainBuilder<'a> {
     /// one allowance (so that two resets always repay a debt).
     fn debt_quota(&mut self, rule: &str, q: &Quota, debt: bool, floor: Option<i64>) -> Option<(Arc<Quota>, u64)> {
         let allowance = q.limit().capacity();
-        let depth = self.debt_depth(rule, debt, floor, allowance)?;
+        let depth = self.debt_depth(rule, debt, floor, allowance, allowance)?;
         if depth > allowance * MICRO {
             self.error(
                 rule,
                 format!(
-                    "a debt quota's `debt_floor` may lie at most one allowance below zero (-{allowance}), so that a                      reset or two always repays the debt"
+                    "a debt quota's `debt_floor` may lie at most one allowance below zero (-{allowance}), so that a \
+                     reset or two always repays the debt"
                 ),
             );
             return None;
@@ -1034,7 +1028,8 @@ impl<'a> DomainBuilder<'a> {
             Some(q) if q.debt || q.debt_floor.is_some() => {
                 self.error(
                     path,
-                    "`debt` on a quota beside an envoyproxy/ratelimit `rate_limit`: declare the budget as a bucket                      of its own (`buckets:` with `debt: true`) and name it with `bucket:` or `buckets:`",
+                    "`debt` on a quota beside an envoyproxy/ratelimit `rate_limit`: declare the budget as a bucket \
+                     of its own (`buckets:` with `debt: true`) and name it with `bucket:` or `buckets:`",
                 );
                 return None;
             }
@@ -1229,13 +1224,7 @@ fn find_cycle(start: usize, edges: &HashMap<usize, Vec<usize>>) -> Option<Vec<us
 fn reported_base(plan: &Plan, debt_ut: u64) -> ReportedLimit {
     match plan {
         Plan::Quota(q) => ReportedLimit::quota(q.allowance_ut() / MICRO, None),
-        _ => {
-            let base = plan.base();
-            ReportedLimit::of(&Limit {
-                capacity_ut: base.capacity_ut - debt_ut,
-                rate: base.rate,
-            })
-        }
+        _ => ReportedLimit::of(&shown(plan.base(), debt_ut)),
     }
 }
 
