@@ -21,10 +21,7 @@ pub(crate) fn count_decisions(targets: &[Option<Target<'_>>], applied: &Applied,
             // envoyproxy/ratelimit's series have one limit per rule: the rule's first bucket.
             let first = &t.parts[0];
             let instance = &applied.decision.instances[first.instance];
-            let capacity = first
-                .policy
-                .shown(first.policy.plan.limit_at(applied.now_us))
-                .capacity();
+            let capacity = first.policy.capacity_at(applied.now_us);
             let used_before = capacity.saturating_sub(first.policy.balance_ut(instance.before.tokens_ut) / MICRO);
             let admitted = t.parts.iter().all(|p| applied.decision.passed[p.demand]);
             let detailed = t.envoyproxy.for_request(t.entries, &t.shared);
@@ -50,6 +47,7 @@ pub(crate) fn count_decisions(targets: &[Option<Target<'_>>], applied: &Applied,
                 let debt_ut = policy.debt_depth_ut.saturating_sub(out.after.tokens_ut);
                 counters.count_debt(out.debited_ut / MICRO, out.lost_ut / MICRO, debt_ut.div_ceil(MICRO));
             }
+            let capacity = policy.capacity_at(applied.now_us);
             let code = if refund {
                 DecisionCode::Refund
             } else if !passed && t.shadow {
@@ -59,7 +57,6 @@ pub(crate) fn count_decisions(targets: &[Option<Target<'_>>], applied: &Applied,
             } else {
                 // In whole tokens, as `limit_remaining` reports them: the micro-tokens refilled
                 // since the last decision must not hide the threshold.
-                let capacity = policy.shown(policy.plan.limit_at(applied.now_us)).capacity();
                 let left = policy.balance_ut(out.after.tokens_ut) / MICRO;
                 let used = capacity.saturating_sub(left) as f64;
                 if capacity > 0 && used + 1e-9 >= near_limit_ratio * capacity as f64 {
@@ -68,7 +65,6 @@ pub(crate) fn count_decisions(targets: &[Option<Target<'_>>], applied: &Applied,
                     DecisionCode::Ok
                 }
             };
-            let capacity = policy.shown(policy.plan.limit_at(applied.now_us)).capacity();
             let hits = match kind {
                 // A refund beyond the capacity gives back nothing more: the bucket is full.
                 DemandKind::Refund(_) => (hits_ut / MICRO).min(capacity),
