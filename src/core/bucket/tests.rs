@@ -335,30 +335,12 @@ proptest! {
     }
 }
 
-/// The debt model (docs/usage-budgets.md): a signed balance refilled continuously up to the
-/// capacity, debited in full by usage reports down to the floor, where the rest is lost.
-struct DebtReference {
-    balance: f64,
-    at: u64,
-    capacity: f64,
-    floor: f64,
-    per_us: f64,
-    lost: f64,
-}
-
-impl DebtReference {
-    fn advance(&mut self, now: u64) {
-        let elapsed = now.saturating_sub(self.at) as f64;
-        self.balance = (self.balance + elapsed * self.per_us).min(self.capacity);
-        self.at = self.at.max(now);
-    }
-}
-
 proptest! {
     /// A debt bucket (its limit's capacity raised by the floor's depth) against the signed
-    /// model: checks pass iff the balance is positive, reports are debited in full down to the
-    /// floor whatever the decision, what the floor refuses is `lost_ut`, refill repays the debt,
-    /// and a client that asks again at the wait `Plan::wait_us` gives is admitted.
+    /// model: the continuous [`Reference`], its tokens the balance, which reports take below
+    /// zero down to the floor. Checks pass iff the balance is positive, reports are debited in
+    /// full down to the floor whatever the decision, what the floor refuses is `lost_ut`,
+    /// refill repays the debt, and a client that asks again after [`wait_us`] is admitted.
     #[test]
     fn a_debt_bucket_matches_the_signed_model(
         capacity in 1u64..200,
@@ -372,14 +354,8 @@ proptest! {
         let shown = limit(capacity, per, period_us);
         let l = Limit { capacity_ut: shown.capacity_ut + depth_ut, rate: shown.rate };
         let mut state = BucketState::full(&l, 0);
-        let mut model = DebtReference {
-            balance: capacity as f64,
-            at: 0,
-            capacity: capacity as f64,
-            floor: -(depth as f64),
-            per_us: per as f64 / period_us as f64,
-            lost: 0.0,
-        };
+        let mut model = Reference::new(&shown, per, period_us);
+        let floor = -(depth as f64);
         let mut now = 0u64;
         let mut floors = 0f64;
         for (gap, n) in steps {
@@ -394,19 +370,18 @@ proptest! {
             let o = d.instances[0];
             let balance = (o.before.tokens_ut as f64 - depth_ut as f64) / MICRO as f64;
             let band = (floors + 1.0) / MICRO as f64 + 1e-9 * model.capacity;
-            prop_assert!(balance <= model.balance + 1e-9 * model.capacity, "core {} > model {}", balance, model.balance);
-            prop_assert!(balance >= model.balance - band, "core {} < model {}", balance, model.balance);
+            prop_assert!(balance <= model.tokens + 1e-9 * model.capacity, "core {} > model {}", balance, model.tokens);
+            prop_assert!(balance >= model.tokens - band, "core {} < model {}", balance, model.tokens);
             // Admission by the sign of the balance, wherever the model is clear of the band.
-            if model.balance > band {
+            if model.tokens > band {
                 prop_assert!(!d.denied);
             }
-            if model.balance <= 0.0 {
+            if model.tokens <= 0.0 {
                 prop_assert!(d.denied);
             }
             if n > 0 {
-                let taken = (n as f64).min(model.balance - model.floor);
-                model.lost += n as f64 - taken;
-                model.balance -= taken;
+                let taken = (n as f64).min(model.tokens - floor);
+                model.tokens -= taken;
                 floors += 1.0;
                 // Debited whatever the decision; exactly what the floor refused is lost.
                 prop_assert_eq!(o.debited_ut + o.lost_ut, n * MICRO);

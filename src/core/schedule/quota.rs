@@ -252,7 +252,8 @@ impl Quota {
         // Nothing before an edge adds tokens, and two edges fill the bucket.
         for _ in 0..2 {
             let edge = self.next_edge(from, limit_us)?;
-            if self.advance(state, edge).tokens_ut >= need_ut {
+            // An edge fills a quota without debt: no need to work out the state there.
+            if !self.has_debt() || self.advance(state, edge).tokens_ut >= need_ut {
                 return Some(edge);
             }
             from = edge;
