@@ -18,12 +18,13 @@
 --     #buckets, #demands, #replacements;
 --     per bucket 9: kind (1 F a constant limit, 2 S a schedule, 3 Q a calendar quota, 4 D a
 --       debt quota: a quota whose reset adds an allowance, counted by tollgate, so a value
---       written before the last edge is walked);
+--       written before the last edge is walked, 5 E an expiring allowance: no refill, whole
+--       again `bound` µs after its period's first use, which its stored `updated` keeps);
 --       cap, num, den: the limit in force, capacity (µt) and rate (num µt per den µs);
 --       lo, hi: the limit holds over [lo, hi) (0 = unbounded); for Q, lo is the last reset
 --       edge (0 = none) and hi the next; outside that interval the script asks again;
 --       bound: S, when a bucket emptied at hi would be full again (0 = unknown); D, the edge
---       after hi, when any balance is full again; else unused;
+--       after hi, when any balance is full again; E, the length of a period; else unused;
 --       replaced: 1 if a replacement follows for this bucket;
 --       since: when a reload replaced the limit (0 = none remembered): a value written
 --       before it is sent back to tollgate ("walk"), which brings it forward under the old
@@ -259,7 +260,15 @@ local function decide(now, margin_ms, unknown_ttl_ms, ko, ao)
   -- Bring each forward to now (before), then add up the demands per bucket.
   for i = 1, nb do
     local x = b[i]
-    if x.kind >= 3 then
+    if x.kind == 5 then
+      -- An expiring allowance: whole (a new period from now) once its period has ended;
+      -- otherwise trimmed, its period's start kept (a clock stepping back ends nothing).
+      if now >= x.su + x.bound then
+        x.bt, x.bu = x.cap, now
+      else
+        x.bt, x.bu = min(x.st, x.cap), x.su
+      end
+    elseif x.kind >= 3 then
       -- (A debt quota written before its last edge was walked above.)
       if now > x.su and x.lo > x.su then
         x.bt, x.bu = x.cap, now
@@ -320,6 +329,8 @@ local function decide(now, margin_ms, unknown_ttl_ms, ko, ao)
           elseif x.bound > 0 then full_at = x.bound end
         elseif x.kind == 4 and x.bound > 0 then
           full_at = x.bound
+        elseif x.kind == 5 then
+          full_at = x.bu + x.bound
         elseif x.hi > 0 then
           full_at = x.hi
         end

@@ -138,7 +138,7 @@ fuzz_target!(|input: Input| {
         .filter_map(|b| {
             let rate = Rate::per(u64::from(b.tokens), u64::from(b.period_us.max(1))).ok()?;
             let args = BucketArgs {
-                kind: [b'F', b'S', b'Q'][usize::from(b.kind) % 3],
+                kind: [b'F', b'S', b'Q', b'D', b'E'][usize::from(b.kind) % 5],
                 limit: Limit {
                     capacity_ut: b.capacity_ut,
                     rate,
@@ -188,6 +188,7 @@ fuzz_target!(|input: Input| {
             b'F' => 1,
             b'S' => 2,
             b'D' => 4,
+            b'E' => 5,
             _ => 3,
         };
         let want = [

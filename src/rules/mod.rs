@@ -263,7 +263,7 @@ impl BucketPolicy {
             plan => plan.current(),
         };
         match plan {
-            Plan::Fixed(_) | Plan::Reloaded(_) => self.reported,
+            Plan::Fixed(_) | Plan::Expiring(_) | Plan::Reloaded(_) => self.reported,
             Plan::Scheduled(s) => s
                 .limit_entry_at(now_us)
                 .and_then(|i| self.entry_reported.get(i).copied())

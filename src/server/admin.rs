@@ -166,6 +166,8 @@ pub enum PlanKind {
     Scheduled,
     /// A calendar quota: no refill, full again at each reset.
     Quota,
+    /// A fixed allowance whole again a set time (`expires`) after its first use.
+    ExpiringAllowance,
 }
 
 impl PlanKind {
@@ -174,6 +176,7 @@ impl PlanKind {
             Plan::Fixed(_) => PlanKind::TokenBucket,
             Plan::Scheduled(_) => PlanKind::Scheduled,
             Plan::Quota(_) => PlanKind::Quota,
+            Plan::Expiring(_) => PlanKind::ExpiringAllowance,
             Plan::Reloaded(r) => PlanKind::of(r.after()),
         }
     }

@@ -14,7 +14,7 @@ use chrono_tz::Tz;
 use crate::core::bucket::{Limit, MICRO};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 
-use crate::core::schedule::{Effect, Plan, Schedule, DEFAULT_HORIZON_US, QUOTA_HORIZON_US};
+use crate::core::schedule::{Effect, Expiring, Plan, Schedule, DEFAULT_HORIZON_US, QUOTA_HORIZON_US};
 use crate::core::units::ENVOY_UNITS;
 use crate::rules::file::DescriptorSpec;
 use crate::rules::{BucketPolicy, Domain, Level, Rule, RuleSet};
@@ -53,6 +53,15 @@ fn render_domain(out: &mut String, d: &Domain, now_us: u64) {
         match b.plan.current() {
             Plan::Fixed(limit) => {
                 let _ = writeln!(out, "    {}: {}", b.name, describe(&b.shown(*limit), b));
+            }
+            Plan::Expiring(e) => {
+                let _ = writeln!(
+                    out,
+                    "    {}: {} (reported as {})",
+                    b.name,
+                    expiring_text(e),
+                    reported(b, now_us)
+                );
             }
             Plan::Scheduled(s) => render_schedule(out, b, s, now_us),
             Plan::Quota(q) => {
@@ -162,6 +171,15 @@ fn limit_text(limit: &Limit) -> String {
         "capacity {}, refill {per_second:.6} tokens/s, full from empty in {:.3}s",
         limit.capacity(),
         fill as f64 / 1e6
+    )
+}
+
+/// An expiring allowance in words: its capacity and its period.
+fn expiring_text(e: &Expiring) -> String {
+    format!(
+        "a fixed allowance of {} tokens, whole again {} after its first use",
+        e.limit().capacity(),
+        seconds(e.expires_us())
     )
 }
 
@@ -563,6 +581,9 @@ fn explain_limit(
         (Some((unit, unit_us, rpu)), plan) => explain_envoy_rate(out, unit, unit_us, rpu, plan, diffs),
         (None, Plan::Fixed(limit)) => {
             let _ = writeln!(out, "    tollgate: {}", limit_text(limit));
+        }
+        (None, Plan::Expiring(e)) => {
+            let _ = writeln!(out, "    tollgate: {}", expiring_text(e));
         }
         (None, Plan::Scheduled(s)) => {
             let _ = writeln!(

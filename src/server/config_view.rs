@@ -59,7 +59,7 @@ use serde_json::{Number, Value};
 
 use crate::core::bucket::{Limit, Rate, MICRO};
 use crate::core::schedule::{Effect, Plan, Quota, Schedule};
-use crate::core::units::{gcd, DURATION_SUFFIXES};
+use crate::core::units::{gcd, DURATION_SUFFIXES, SECOND_US};
 use crate::rules::{BucketPolicy, Domain, Level, LevelValue, ReportedLimit, Rule, RuleSet};
 use crate::server::settings::Settings;
 
@@ -80,7 +80,7 @@ pub(crate) const REDACTED: &str = "<redacted>";
 /// - `settings`: the effective [`Settings`], with `admin.token` shown as [`REDACTED`] when set.
 ///
 /// A bucket is `{"name", "kind": "token_bucket", "capacity", "refill", "reported_limit",
-/// "schedule"?}` or `{"name", "kind": "quota", "quota": {"limit", "reset", "timezone"}}`. A
+/// "schedule"?, "expires_seconds"?}` or `{"name", "kind": "quota", "quota": {"limit", "reset", "timezone"}}`. A
 /// policy with a token bucket and a quota is two buckets, the quota named `<name>.quota`, as
 /// the rules and responses name it. Either may carry `"hidden": true` and, for a debt bucket,
 /// `"debt_floor"` (tokens, at most 0), its capacity shown as declared. `capacity` is in tokens; `refill` is `null` for a bucket
@@ -197,6 +197,10 @@ enum KindView<'a> {
         /// The schedule windows, in order of precedence; absent for a constant limit.
         #[serde(skip_serializing_if = "Option::is_none")]
         schedule: Option<Vec<WindowView<'a>>>,
+        /// A fixed allowance's `expires`, in seconds: whole again this long after its first
+        /// use. Absent for any other bucket.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        expires_seconds: Option<u64>,
     },
     /// A calendar quota.
     Quota {
@@ -395,11 +399,19 @@ fn kind_view<'a>(b: &'a BucketPolicy, plan: &'a Plan) -> KindView<'a> {
             limit: limit_view(&b.shown(*limit)),
             reported_limit: reported_view(b.reported),
             schedule: None,
+            expires_seconds: None,
+        },
+        Plan::Expiring(e) => KindView::TokenBucket {
+            limit: limit_view(&e.limit()),
+            reported_limit: reported_view(b.reported),
+            schedule: None,
+            expires_seconds: Some(e.expires_us() / SECOND_US),
         },
         Plan::Scheduled(s) => KindView::TokenBucket {
             limit: limit_view(&b.shown(*s.base())),
             reported_limit: reported_view(b.reported),
             schedule: Some(windows(b, s)),
+            expires_seconds: None,
         },
         Plan::Quota(q) => KindView::Quota { quota: quota_view(q) },
         Plan::Reloaded(r) => kind_view(b, r.after()),
@@ -675,6 +687,41 @@ descriptors:
             json!({"tokens": 1, "period_seconds": 604_800, "text": "1/7d"})
         );
         assert_eq!(slow["reported_limit"], json!({"requests_per_unit": 1, "unit": "week"}));
+    }
+
+    /// A fixed allowance has no refill; an expiring one says when it is whole again, and is
+    /// reported per the Envoy unit nearest that period.
+    #[test]
+    fn allowances_show_their_expiry() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("t.yaml"),
+            "domain: t\nbuckets:\n  trial: {capacity: 3}\n  daily: {capacity: 5, expires: 1d}\n\
+             descriptors:\n  - {key: a, bucket: trial}\n  - {key: b, bucket: daily}\n",
+        )
+        .unwrap();
+        let rules = load_rules(dir.path()).unwrap_or_else(|e| panic!("rules should load: {e}"));
+        let v = config_json(&rules, &Settings::default());
+        assert_eq!(
+            v["domains"]["t"]["buckets"],
+            json!([
+                {
+                    "name": "daily",
+                    "kind": "token_bucket",
+                    "capacity": 5,
+                    "refill": null,
+                    "reported_limit": {"requests_per_unit": 5, "unit": "day"},
+                    "expires_seconds": 86400,
+                },
+                {
+                    "name": "trial",
+                    "kind": "token_bucket",
+                    "capacity": 3,
+                    "refill": null,
+                    "reported_limit": {"requests_per_unit": 3, "unit": "year"},
+                },
+            ])
+        );
     }
 
     #[test]

@@ -274,6 +274,17 @@ const INVALID: &[Invalid] = &[
         &["`schedule` on a fixed allowance (`capacity` without `refill`)"],
     ),
     inv(
+        "expires_on_token_bucket.yaml",
+        Some("buckets.per_key"),
+        &["`expires` is for a fixed allowance (`capacity` without `refill`)"],
+    ),
+    inv(
+        "expires_zero.yaml",
+        Some("buckets.trial"),
+        &["`expires: 0s` must be from 1 second to 3660 days"],
+    ),
+    inv("expires_fraction.yaml", None, &["`1500ms` is not a whole number of seconds"]),
+    inv(
         "allowance_beside_quota.yaml",
         Some("buckets.per_key"),
         &["`capacity` without `refill` beside a `quota`"],
@@ -969,6 +980,38 @@ fn schedules_preview_base_entries_now_and_changes() {
 
 /// `tollgate serve --rules PATH` serves those rules instead of the `rules` setting: an invalid
 /// file given that way stops it at start with the same file, rule and reason as `check`.
+/// `check` describes a fixed allowance, and an expiring one with its period and the unit
+/// Envoy is told (the one nearest the period).
+#[test]
+fn allowances_are_described() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("allowances.yaml");
+    std::fs::write(
+        &path,
+        "domain: allowances
+buckets:
+  trial: {capacity: 3}
+  daily: {capacity: 5, expires: 24h}
+  weekly: {capacity: 40, expires: 7d}
+descriptors:
+  - {key: a, bucket: trial}
+  - {key: b, bucket: daily}
+  - {key: c, bucket: weekly}
+",
+    )
+    .unwrap();
+    let out = check(&path);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for line in [
+        "trial: a fixed allowance of 3 tokens, never refilled (reported as 3 per year)",
+        "daily: a fixed allowance of 5 tokens, whole again 86400s after its first use (reported as 5 per day)",
+        "weekly: a fixed allowance of 40 tokens, whole again 604800s after its first use (reported as 40 per week)",
+    ] {
+        assert!(stdout.contains(line), "missing `{line}` in:\n{stdout}");
+    }
+}
+
 #[test]
 fn serve_takes_rules_from_the_flag() {
     let fixture = fixtures().join("invalid/schedule_nickname.yaml");

@@ -18,6 +18,7 @@ mod envoyproxy_configs;
 mod envoyproxy_env;
 mod envoyproxy_names;
 mod faults_under_load;
+mod fixed_allowances;
 mod grpc;
 mod grpc_limits;
 mod image;

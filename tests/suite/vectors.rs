@@ -11,7 +11,7 @@ use chrono::DateTime;
 use serde::Deserialize;
 use tollgate::core::bucket::{Demand, DemandKind, Limit, Rate, MICRO};
 use tollgate::core::clock::ManualClock;
-use tollgate::core::schedule::{Plan, Quota, Schedule, ScheduleEntry};
+use tollgate::core::schedule::{Expiring, Plan, Quota, Schedule, ScheduleEntry};
 use tollgate::rules::parse_refill;
 use tollgate::store::{BucketRef, MemoryStore, Store};
 
@@ -37,6 +37,9 @@ struct BucketSpec {
     /// positive balance.
     #[serde(default)]
     debt_depth: Option<u64>,
+    /// A fixed allowance's `expires`, in seconds: whole again this long after its first use.
+    #[serde(default)]
+    expires_s: Option<u64>,
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -111,6 +114,9 @@ fn plan(spec: &BucketSpec) -> Plan {
         spec.capacity.expect("a token bucket has a capacity"),
         rate(spec.refill.as_deref().expect("a token bucket has a refill")),
     );
+    if let Some(seconds) = spec.expires_s {
+        return Plan::Expiring(Expiring::new(base, seconds * 1_000_000));
+    }
     let Some(entries) = &spec.schedule else {
         base.capacity_ut += depth_ut;
         return Plan::Fixed(base);
@@ -341,6 +347,7 @@ mod random {
                 schedule: None,
                 quota: None,
                 debt_depth: None,
+                expires_s: None,
             }),
             (2..20u64, refill, prop::collection::vec(entry, 1..3)).prop_map(|(capacity, refill, entries)| {
                 BucketSpec {
@@ -349,6 +356,7 @@ mod random {
                     schedule: Some(entries),
                     quota: None,
                     debt_depth: None,
+                    expires_s: None,
                 }
             }),
             (
@@ -365,7 +373,16 @@ mod random {
                         timezone: None,
                     }),
                     debt_depth: None,
+                    expires_s: None,
                 }),
+            (1..6u64, prop::sample::select(vec![1u64, 90, 3_600])).prop_map(|(capacity, expires)| BucketSpec {
+                capacity: Some(capacity),
+                refill: Some("none".to_string()),
+                schedule: None,
+                quota: None,
+                debt_depth: None,
+                expires_s: Some(expires),
+            }),
         ]
     }
 
@@ -373,7 +390,10 @@ mod random {
     /// allowance deep, as the rules compiler requires).
     fn arb_bucket() -> impl Strategy<Value = BucketSpec> {
         (arb_ordinary(), prop::option::weighted(0.3, 1..20u64)).prop_map(|(mut b, depth)| {
-            b.debt_depth = depth.map(|d| b.quota.as_ref().map_or(d, |q| d.min(q.limit)));
+            // (The rules compiler refuses debt on an expiring allowance.)
+            b.debt_depth = depth
+                .filter(|_| b.expires_s.is_none())
+                .map(|d| b.quota.as_ref().map_or(d, |q| d.min(q.limit)));
             b
         })
     }

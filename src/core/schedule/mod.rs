@@ -11,11 +11,13 @@
 //! Units are those of the bucket core: microseconds since the Unix epoch, micro-tokens.
 
 mod entry;
+mod expiring;
 mod plan;
 mod quota;
 mod reloaded;
 
 pub use entry::{Effect, ScheduleEntry, MAX_SCALE};
+pub use expiring::{Expiring, MAX_EXPIRES_US};
 pub use plan::Plan;
 pub use quota::{Quota, QUOTA_HORIZON_US};
 pub use reloaded::{Reloaded, MAX_RELOADS_REMEMBERED};

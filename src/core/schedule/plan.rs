@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use super::{
-    full_at_us, refill_scheduled, reopen_at_us, wait_until_us, Quota, Reloaded, Schedule, DEFAULT_HORIZON_US,
+    full_at_us, refill_scheduled, reopen_at_us, wait_until_us, Expiring, Quota, Reloaded, Schedule, DEFAULT_HORIZON_US,
     QUOTA_HORIZON_US,
 };
 use crate::core::bucket::{refill, wait_us, BucketState, Limit, Refilling};
@@ -21,6 +21,8 @@ pub enum Plan {
     Scheduled(Arc<Schedule>),
     /// A calendar quota: no refill, back to full at each reset edge (docs/schedules-and-quotas.md).
     Quota(Arc<Quota>),
+    /// A fixed allowance whole again a set time after its first use (`expires`, docs/rules.md).
+    Expiring(Expiring),
     /// One of the above replaced by a reload: the old plan up to the reload, the new one from
     /// it ([`Reloaded`]; docs/operations.md). Never compiled from a rules file: a reload builds
     /// it from the plan in force and the new one.
@@ -34,6 +36,7 @@ impl Plan {
             Plan::Fixed(limit) => *limit,
             Plan::Scheduled(s) => s.limit_at(t_us),
             Plan::Quota(q) => q.limit(),
+            Plan::Expiring(e) => e.limit(),
             Plan::Reloaded(r) if t_us < r.at_us() => r.before().limit_at(t_us),
             Plan::Reloaded(r) => r.after().limit_at(t_us),
         }
@@ -45,6 +48,7 @@ impl Plan {
             Plan::Fixed(limit) => *limit,
             Plan::Scheduled(s) => *s.base(),
             Plan::Quota(q) => q.limit(),
+            Plan::Expiring(e) => e.limit(),
             Plan::Reloaded(r) => r.after().base(),
         }
     }
@@ -53,12 +57,14 @@ impl Plan {
     /// same arithmetic as [`Refilling::refill_to`]: the exact retry-after (docs/rules.md).
     /// `Some(0)` when it holds them already; `None` when nothing within the horizon admits it:
     /// none for a constant limit, [`DEFAULT_HORIZON_US`] (62 days) walking schedule windows,
-    /// [`QUOTA_HORIZON_US`] for a quota's next reset edge.
+    /// [`QUOTA_HORIZON_US`] for a quota's next reset edge; for an expiring allowance, the end
+    /// of its period.
     pub fn wait_us(&self, state: BucketState, need_ut: u64, now_us: u64) -> Option<u64> {
         match self {
             Plan::Fixed(limit) => wait_us(state, need_ut, limit, now_us),
             Plan::Scheduled(s) => wait_until_us(state, need_ut, s, now_us, DEFAULT_HORIZON_US),
             Plan::Quota(q) => q.wait_us(state, need_ut, now_us, QUOTA_HORIZON_US),
+            Plan::Expiring(e) => e.wait_us(state, need_ut, now_us),
             Plan::Reloaded(r) if !r.predates(state.updated_us) => r.after().wait_us(state, need_ut, now_us),
             Plan::Reloaded(r) if now_us < r.at_us() => match r.before().wait_us(state, need_ut, now_us) {
                 Some(w) if now_us.saturating_add(w) < r.at_us() => Some(w),
@@ -74,13 +80,14 @@ impl Plan {
     /// The instant the bucket stored as `state` is full again (holds the capacity in force
     /// then), so that a store may forget it from then on: a missing bucket starts full. `None`
     /// when that is not within the horizon (or never, for a zero rate). For a quota, its next
-    /// reset edge unless it is full already.
+    /// reset edge unless it is full already; for an expiring allowance, the end of its period.
     pub fn full_at_us(&self, state: BucketState) -> Option<u64> {
         match self {
             Plan::Fixed(limit) => wait_us(state, limit.capacity_ut, limit, state.updated_us)
                 .map(|wait| state.updated_us.saturating_add(wait)),
             Plan::Scheduled(s) => full_at_us(state, s, DEFAULT_HORIZON_US),
             Plan::Quota(q) => q.first_holding(state, q.limit().capacity_ut, state.updated_us, QUOTA_HORIZON_US),
+            Plan::Expiring(e) => Some(e.full_at_us(state)),
             Plan::Reloaded(r) if !r.predates(state.updated_us) => r.after().full_at_us(state),
             Plan::Reloaded(r) => match r.before().full_at_us(state) {
                 // Full before the reload: full under the new limit too (a full bucket is no bucket).
@@ -92,8 +99,9 @@ impl Plan {
 
     /// `duration_until_reset` and the `t` of the `RateLimit` header (docs/rules.md), in
     /// microseconds from `now_us`: the time until the bucket stored as `state` is full again;
-    /// for a quota, the time to its next reset edge. `None` for a bucket that never refills and
-    /// when the instant lies beyond the horizon.
+    /// for a quota, the time to its next reset edge; for an expiring allowance, to the end of
+    /// its period (0 while it is whole). `None` for a bucket that never refills and when the
+    /// instant lies beyond the horizon.
     ///
     /// A bucket under a zero capacity (a maintenance window) is "full" but admits nothing: its
     /// reset is when it is full again under a positive capacity, the end of the window.
@@ -105,6 +113,7 @@ impl Plan {
             Plan::Quota(q) => q
                 .next_edge(now_us, now_us.saturating_add(QUOTA_HORIZON_US))
                 .map(|edge| edge - now_us),
+            Plan::Expiring(e) => Some(e.full_at_us(e.advance(state, now_us)).saturating_sub(now_us)),
             Plan::Reloaded(r) if !r.predates(state.updated_us) => r.after().reset_in_us(state, now_us),
             Plan::Reloaded(r) if now_us < r.at_us() => r.before().reset_in_us(state, now_us),
             Plan::Reloaded(r) => r.after().reset_in_us(r.at_reload(state), now_us),
@@ -114,8 +123,8 @@ impl Plan {
     /// The `w` of the `RateLimit-Policy` header in microseconds: how long the policy in force
     /// at `now_us` takes to give back a whole capacity. For a token bucket the time to fill
     /// from empty at the limit in force; for a quota the current period, from the last reset
-    /// edge to the next. `None` for a bucket that never refills, or a period not found within
-    /// the horizon.
+    /// edge to the next; for an expiring allowance, `expires`. `None` for a bucket that never
+    /// refills, or a period not found within the horizon.
     pub fn window_us(&self, now_us: u64) -> Option<u64> {
         match self {
             Plan::Quota(q) => {
@@ -123,6 +132,7 @@ impl Plan {
                 let prev = q.prev_edge(now_us, now_us.saturating_sub(QUOTA_HORIZON_US))?;
                 Some(next - prev)
             }
+            Plan::Expiring(e) => Some(e.expires_us()),
             Plan::Reloaded(r) if now_us < r.at_us() => r.before().window_us(now_us),
             Plan::Reloaded(r) => r.after().window_us(now_us),
             _ => {
@@ -141,6 +151,7 @@ impl Refilling for Plan {
             Plan::Fixed(limit) => refill(state, limit, now_us),
             Plan::Scheduled(s) => refill_scheduled(state, s, now_us),
             Plan::Quota(q) => q.advance(state, now_us),
+            Plan::Expiring(e) => e.advance(state, now_us),
             Plan::Reloaded(r) if !r.predates(state.updated_us) => r.after().refill_to(state, now_us),
             Plan::Reloaded(r) if now_us < r.at_us() => r.before().refill_to(state, now_us),
             Plan::Reloaded(r) => r.after().refill_to(r.at_reload(state), now_us),
@@ -169,6 +180,7 @@ impl PartialEq for Plan {
             (Plan::Quota(a), Plan::Quota(b)) => {
                 a.limit() == b.limit() && a.pattern() == b.pattern() && a.timezone() == b.timezone()
             }
+            (Plan::Expiring(a), Plan::Expiring(b)) => a == b,
             (Plan::Reloaded(a), Plan::Reloaded(b)) => a == b,
             _ => false,
         }

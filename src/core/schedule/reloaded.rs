@@ -52,17 +52,20 @@ impl Reloaded {
     /// brought forward under `before`; a bucket full then is full under `after` too, at the
     /// capacity in force from the reload (a full bucket is the same as no bucket, and a store
     /// may have forgotten it), exactly as a change of limit in a schedule treats it.
+    ///
+    /// The state is as of the reload (or its write, if later) in every case: an expiring
+    /// allowance's keeps the start of its period, which would let the new rules count time
+    /// before the reload.
     pub fn at_reload(&self, state: BucketState) -> BucketState {
         use crate::core::bucket::Refilling;
         let s = self.before.refill_to(state, self.at_us);
-        if s.tokens_ut >= self.before.capacity_ut_at(self.at_us) {
-            BucketState {
-                tokens_ut: self.after.capacity_ut_at(self.at_us),
-                updated_us: s.updated_us,
-            }
+        let updated_us = s.updated_us.max(self.at_us);
+        let tokens_ut = if s.tokens_ut >= self.before.capacity_ut_at(self.at_us) {
+            self.after.capacity_ut_at(self.at_us)
         } else {
-            s
-        }
+            s.tokens_ut
+        };
+        BucketState { tokens_ut, updated_us }
     }
 
     /// Whether a state written at `updated_us` lies before the reload, so that `before` still
@@ -89,6 +92,12 @@ impl Plan {
     pub fn after_reload(old: &Plan, new: Plan, at_us: u64) -> Plan {
         if *old.current() == new {
             return old.clone();
+        }
+        // Between two limits that never refill, the time before the reload earns nothing under
+        // either: the new one alone decides (an expiring allowance keeps its period's start,
+        // which a reload would otherwise move to the reload).
+        if !matches!(old, Plan::Reloaded(_)) && old.never_refills() && new.never_refills() {
+            return new;
         }
         let before = old.pruned(at_us).capped(MAX_RELOADS_REMEMBERED - 1);
         Plan::Reloaded(std::sync::Arc::new(Reloaded::new(before, at_us, new)))
@@ -124,6 +133,16 @@ impl Plan {
                 r.after.clone(),
             ))),
             plan => plan.clone(),
+        }
+    }
+
+    /// Whether the plan is a fixed allowance, expiring or not: a constant limit with a zero
+    /// rate.
+    fn never_refills(&self) -> bool {
+        match self {
+            Plan::Fixed(limit) => limit.rate.is_zero(),
+            Plan::Expiring(_) => true,
+            _ => false,
         }
     }
 

@@ -8,8 +8,8 @@ use super::metadata::metadata_struct;
 use super::model::{BucketSpec, DescriptorSpec, QuotaSpec, RateLimitSpec, RulesFile, ScheduleEntrySpec};
 use super::{parse_refill, ConfigError};
 use crate::core::bucket::{Limit, Rate, RateError, MAX_CAPACITY, MICRO};
-use crate::core::schedule::{Plan, Quota, Schedule, ScheduleEntry, ScheduleError};
-use crate::core::units::{DAY_US, ENVOY_UNITS};
+use crate::core::schedule::{Expiring, Plan, Quota, Schedule, ScheduleEntry, ScheduleError, MAX_EXPIRES_US};
+use crate::core::units::{Seconds, DAY_US, ENVOY_UNITS, SECOND_US};
 use crate::rules::OVERRIDE_BUCKET;
 use crate::rules::{shown, BucketPolicy, Domain, Level, Node, Pattern, ReportedLimit, Rule, RuleSet};
 use envoy_types::pb::google::protobuf::Struct;
@@ -222,7 +222,7 @@ impl<'a> DomainBuilder<'a> {
                 return None;
             }
             // A fixed allowance: `capacity` tokens that never come back (a trial, a one-off
-            // grant), until the admin API resets or refunds it.
+            // grant), until the admin API resets or refunds it, or its `expires` ends a period.
             (Some(capacity), None) => Some(self.allowance(rule, capacity)?),
             (None, Some(_)) if quota.is_some() => {
                 self.error(
@@ -237,10 +237,23 @@ impl<'a> DomainBuilder<'a> {
                 return None;
             }
         };
+        let expires_us = match (spec.expires, &token) {
+            (None, _) => None,
+            (Some(expires), Some(limit)) if limit.rate.is_zero() => Some(self.expires(rule, expires)?),
+            (Some(_), _) => {
+                self.error(
+                    rule,
+                    "`expires` is for a fixed allowance (`capacity` without `refill`): a token bucket refills and a \
+                     quota resets on its own",
+                );
+                return None;
+            }
+        };
         let schedule = spec.schedule.as_deref().unwrap_or_default();
-        let bucket = match token {
-            Some(limit) => Some(self.scheduled(rule, limit, schedule)?),
-            None if !schedule.is_empty() => {
+        let bucket = match (token, expires_us) {
+            (Some(limit), Some(expires_us)) => Some(Plan::Expiring(Expiring::new(limit, expires_us))),
+            (Some(limit), None) => Some(self.scheduled(rule, limit, schedule)?),
+            (None, _) if !schedule.is_empty() => {
                 self.error(
                     rule,
                     "`schedule` changes a token bucket's capacity and refill, and this bucket has none (a quota \
@@ -248,7 +261,7 @@ impl<'a> DomainBuilder<'a> {
                 );
                 return None;
             }
-            None if quota.is_none() => {
+            (None, _) if quota.is_none() => {
                 self.error(
                     rule,
                     "a bucket needs `capacity` and `refill` (a token bucket), `capacity` alone (a fixed \
@@ -256,7 +269,7 @@ impl<'a> DomainBuilder<'a> {
                 );
                 return None;
             }
-            None => None,
+            (None, _) => None,
         };
         let (bucket, debt_ut) = match bucket {
             Some(plan) if spec.debt || spec.debt_floor.is_some() => {
@@ -369,6 +382,24 @@ impl<'a> DomainBuilder<'a> {
             return None;
         }
         Some((Arc::new(q.clone().with_debt_depth(depth)), depth))
+    }
+
+    /// An allowance's `expires` in microseconds: at least a second, at most
+    /// [`MAX_EXPIRES_US`] (ten years).
+    fn expires(&mut self, rule: &str, expires: Seconds) -> Option<u64> {
+        let us = expires.0.saturating_mul(SECOND_US);
+        if us == 0 || us > MAX_EXPIRES_US {
+            self.error(
+                rule,
+                format!(
+                    "`expires: {}s` must be from 1 second to {} days",
+                    expires.0,
+                    MAX_EXPIRES_US / DAY_US
+                ),
+            );
+            return None;
+        }
+        Some(us)
     }
 
     /// A token bucket's limit: `capacity` whole tokens refilled at `refill`.
@@ -969,6 +1000,7 @@ impl<'a> DomainBuilder<'a> {
             hidden: false,
             debt: false,
             debt_floor: None,
+            expires: None,
         });
         for (field, twice) in [
             ("schedule", merged.schedule.is_some() && spec.schedule.is_some()),
@@ -1224,6 +1256,8 @@ fn find_cycle(start: usize, edges: &HashMap<usize, Vec<usize>>) -> Option<Vec<us
 fn reported_base(plan: &Plan, debt_ut: u64) -> ReportedLimit {
     match plan {
         Plan::Quota(q) => ReportedLimit::quota(q.allowance_ut() / MICRO, None),
+        // An allowance per the Envoy unit nearest its period, as a quota's.
+        Plan::Expiring(e) => ReportedLimit::quota(e.limit().capacity(), Some(e.expires_us())),
         _ => ReportedLimit::of(&shown(plan.base(), debt_ut)),
     }
 }

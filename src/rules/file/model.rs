@@ -69,6 +69,9 @@ pub(crate) struct BucketSpec {
     pub debt: bool,
     /// How low a debt bucket's balance goes, in tokens (at most 0); default minus the capacity.
     pub debt_floor: Option<i64>,
+    /// A fixed allowance's period: whole again this long after its first use (`24h`, or whole
+    /// seconds).
+    pub expires: Option<crate::core::units::Seconds>,
 }
 
 /// One schedule window (docs/schedules-and-quotas.md): a five-field `cron` in `timezone` (IANA, default UTC), and

@@ -21,7 +21,8 @@ pub const QUOTA_LONGEST_PERIOD_US: u64 = (8 * 365 + 2 + 10) * 86_400 * 1_000_000
 /// What the script needs about one bucket instance's limit at (about) an instant `t`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BucketArgs {
-    /// `F` (a constant limit), `S` (a schedule) or `Q` (a calendar quota).
+    /// `F` (a constant limit), `S` (a schedule), `Q` (a calendar quota), `D` (a debt quota) or
+    /// `E` (an expiring allowance).
     pub kind: u8,
     /// The limit in force over `[lo, hi)`.
     pub limit: Limit,
@@ -32,7 +33,8 @@ pub struct BucketArgs {
     /// (searched [`QUOTA_LONGEST_PERIOD_US`] ahead).
     pub hi: u64,
     /// `S`: when a bucket emptied at `hi` would be full again (0: not within the horizon); the
-    /// expiry of a bucket not full by `hi`. Otherwise 0.
+    /// expiry of a bucket not full by `hi`. `D`: the edge after `hi`. `E`: `expires`, the
+    /// length of a period from its first use. Otherwise 0.
     pub bound: u64,
     /// When a reload replaced the limit (0: no reload is remembered): a value written before
     /// it is brought forward here under the old rules first (the script answers "walk").
@@ -67,6 +69,15 @@ pub fn bucket_args(plan: &Plan, t_us: u64) -> BucketArgs {
             }
         }
         Plan::Quota(q) => quota_args(q, t_us),
+        // The period's end depends on the stored first use: the script works it out.
+        Plan::Expiring(e) => BucketArgs {
+            kind: b'E',
+            limit: e.limit(),
+            lo: 0,
+            hi: 0,
+            bound: e.expires_us(),
+            since: 0,
+        },
         // From the reload on: the new limit, which holds only from the reload (an estimate of
         // Redis time before it is asked again), for values written from then on.
         Plan::Reloaded(r) if t_us >= r.at_us() => {
@@ -193,7 +204,7 @@ fn walked(plan: &Plan, state: BucketState, now_us: u64) -> Option<BucketState> {
         }
         // A debt quota's reset counts the edges crossed, which the script leaves to tollgate.
         Plan::Quota(q) if q.has_debt() => Some(q.advance(state, now_us)),
-        Plan::Fixed(_) | Plan::Quota(_) => None,
+        Plan::Fixed(_) | Plan::Quota(_) | Plan::Expiring(_) => None,
     }
 }
 
@@ -247,6 +258,7 @@ pub fn encode_request(buckets: &[(BucketArgs, Option<&Replacement>)], demands: &
             b'F' => 1,
             b'S' => 2,
             b'D' => 4,
+            b'E' => 5,
             _ => 3,
         });
         put(b.limit.capacity_ut);
