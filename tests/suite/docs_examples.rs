@@ -13,9 +13,10 @@
 //!   `CI=true`, see `support::envoy_or_skip`). `envoy-fragment`: a YAML mapping or sequence.
 //! - `kubernetes`: `kubernetes-validate --strict`, whose warnings (a kind it has no schema for)
 //!   fail too; the CRD kinds the docs use (prometheus-operator's ServiceMonitor and
-//!   PrometheusRule, Istio's EnvoyFilter and Gateway), which it has no schema for, are checked
-//!   here instead: apiVersion, `metadata.name`, and the keys under `spec` against the fields
-//!   of those kinds (see `CRDS`). `prometheus-rules`: `promtool check rules`;
+//!   PrometheusRule, Istio's EnvoyFilter and Gateway, Envoy Gateway's BackendTrafficPolicy,
+//!   Envoy AI Gateway's AIGatewayRoute), which it has no schema for, are checked here instead:
+//!   apiVersion, `metadata.name`, the keys under `spec` against the fields of those kinds, the
+//!   keys some mappings require, and the values of their enumerations (see `CRDS`). `prometheus-rules`: `promtool check rules`;
 //!   `prometheus-config`: `promtool check config` (each skipped without the tool unless
 //!   `CI=true`, see `support::tools::tool_or_skip`).
 //! - `compose`: a mapping whose `services` is a mapping of service mappings, with every
@@ -339,17 +340,28 @@ fn check_yaml(kind: &str, text: &str, dir: &Path, tools: &mut Tools) -> Result<b
 /// A custom resource kind kubernetes-validate has no schema for, and what its documents may
 /// hold: the API versions, and for each mapping (a dotted path from `spec`, `[]` for every item
 /// of a list) the keys allowed there. The keys come from the kinds' published references
-/// (prometheus-operator's API, Istio's networking API); only mappings listed are checked, the
-/// fields the docs use and their common neighbours.
+/// (prometheus-operator's API, Istio's networking API, the Go API types of Envoy Gateway and
+/// Envoy AI Gateway); only mappings listed are checked, the fields the docs use and their
+/// common neighbours.
 struct Crd {
     kind: &'static str,
     api_versions: &'static [&'static str],
     fields: &'static [(&'static str, &'static [&'static str])],
+    /// Mappings (dotted paths, as in `fields`) and the keys each must hold.
+    required: &'static [(&'static str, &'static [&'static str])],
+    /// Scalars (dotted paths) and the values their enumeration allows.
+    values: &'static [(&'static str, &'static [&'static str])],
 }
 
 const LABEL_SELECTOR: &[&str] = &["matchLabels", "matchExpressions"];
 
-const CRDS: [Crd; 4] = [
+/// A Gateway API policy's target reference (Envoy Gateway's `targetRef`, `targetRefs[]`).
+const POLICY_TARGET: &[&str] = &["group", "kind", "name", "sectionName"];
+
+/// Where Envoy Gateway takes a rate-limit cost from (`cost.request`, `cost.response`).
+const COST: &[&str] = &["from", "number", "metadata"];
+
+const CRDS: [Crd; 6] = [
     Crd {
         kind: "ServiceMonitor",
         api_versions: &["monitoring.coreos.com/v1"],
@@ -390,6 +402,8 @@ const CRDS: [Crd; 4] = [
                 ],
             ),
         ],
+        required: &[],
+        values: &[],
     },
     Crd {
         kind: "PrometheusRule",
@@ -413,6 +427,8 @@ const CRDS: [Crd; 4] = [
                 ],
             ),
         ],
+        required: &[],
+        values: &[],
     },
     Crd {
         kind: "EnvoyFilter",
@@ -427,6 +443,8 @@ const CRDS: [Crd; 4] = [
             ),
             ("spec.configPatches[].patch", &["operation", "value", "filterClass"]),
         ],
+        required: &[],
+        values: &[],
     },
     Crd {
         kind: "Gateway",
@@ -442,6 +460,185 @@ const CRDS: [Crd; 4] = [
                 &["port", "hosts", "tls", "bind", "defaultEndpoint", "name"],
             ),
             ("spec.servers[].port", &["number", "name", "protocol", "targetPort"]),
+        ],
+        required: &[],
+        values: &[],
+    },
+    Crd {
+        kind: "BackendTrafficPolicy",
+        api_versions: &["gateway.envoyproxy.io/v1alpha1"],
+        fields: &[
+            (
+                "spec",
+                &[
+                    "targetRef",
+                    "targetRefs",
+                    "targetSelectors",
+                    "mergeType",
+                    "rateLimit",
+                    "bandwidthLimit",
+                    "faultInjection",
+                    "admissionControl",
+                    "useClientProtocol",
+                    "compression",
+                    "compressor",
+                    "responseOverride",
+                    "httpUpgrade",
+                    "requestBuffer",
+                    "telemetry",
+                    "routingType",
+                    "tracing",
+                    "metrics",
+                    "routeStatName",
+                    "loadBalancer",
+                    "retry",
+                    "proxyProtocol",
+                    "tcpKeepalive",
+                    "healthCheck",
+                    "circuitBreaker",
+                    "timeout",
+                    "connection",
+                    "dns",
+                    "http2",
+                ],
+            ),
+            ("spec.targetRef", POLICY_TARGET),
+            ("spec.targetRefs[]", POLICY_TARGET),
+            ("spec.rateLimit", &["type", "global", "local"]),
+            ("spec.rateLimit.global", &["rules"]),
+            (
+                "spec.rateLimit.global.rules[]",
+                &[
+                    "clientSelectors",
+                    "limit",
+                    "cost",
+                    "shared",
+                    "shadowMode",
+                    "xRateLimitHeaders",
+                ],
+            ),
+            (
+                "spec.rateLimit.global.rules[].clientSelectors[]",
+                &["headers", "methods", "path", "sourceCIDR", "queryParams"],
+            ),
+            (
+                "spec.rateLimit.global.rules[].clientSelectors[].headers[]",
+                &["type", "name", "value", "invert"],
+            ),
+            (
+                "spec.rateLimit.global.rules[].limit",
+                &["requests", "unit", "fromMetadata"],
+            ),
+            ("spec.rateLimit.global.rules[].cost", &["request", "response"]),
+            ("spec.rateLimit.global.rules[].cost.request", COST),
+            ("spec.rateLimit.global.rules[].cost.response", COST),
+            (
+                "spec.rateLimit.global.rules[].cost.request.metadata",
+                &["namespace", "key"],
+            ),
+            (
+                "spec.rateLimit.global.rules[].cost.response.metadata",
+                &["namespace", "key"],
+            ),
+        ],
+        required: &[
+            ("spec.targetRef", &["group", "kind", "name"]),
+            ("spec.targetRefs[]", &["group", "kind", "name"]),
+            ("spec.rateLimit.global", &["rules"]),
+            ("spec.rateLimit.global.rules[]", &["limit"]),
+            ("spec.rateLimit.global.rules[].clientSelectors[].headers[]", &["name"]),
+            ("spec.rateLimit.global.rules[].limit", &["requests", "unit"]),
+            ("spec.rateLimit.global.rules[].cost.request", &["from"]),
+            ("spec.rateLimit.global.rules[].cost.response", &["from"]),
+            (
+                "spec.rateLimit.global.rules[].cost.request.metadata",
+                &["namespace", "key"],
+            ),
+            (
+                "spec.rateLimit.global.rules[].cost.response.metadata",
+                &["namespace", "key"],
+            ),
+        ],
+        values: &[
+            ("spec.rateLimit.type", &["Global", "Local"]),
+            (
+                "spec.rateLimit.global.rules[].limit.unit",
+                &["Second", "Minute", "Hour", "Day", "Week", "Month", "Year"],
+            ),
+            (
+                "spec.rateLimit.global.rules[].clientSelectors[].headers[].type",
+                &["Exact", "RegularExpression", "Distinct"],
+            ),
+            (
+                "spec.rateLimit.global.rules[].cost.request.from",
+                &["Number", "Metadata"],
+            ),
+            (
+                "spec.rateLimit.global.rules[].cost.response.from",
+                &["Number", "Metadata"],
+            ),
+        ],
+    },
+    Crd {
+        kind: "AIGatewayRoute",
+        api_versions: &["aigateway.envoyproxy.io/v1beta1"],
+        fields: &[
+            ("spec", &["parentRefs", "hostnames", "rules", "llmRequestCosts"]),
+            (
+                "spec.parentRefs[]",
+                &["group", "kind", "namespace", "name", "sectionName", "port"],
+            ),
+            (
+                "spec.rules[]",
+                &[
+                    "name",
+                    "backendRefs",
+                    "matches",
+                    "timeouts",
+                    "streamIdleTimeout",
+                    "modelsOwnedBy",
+                    "modelsCreatedAt",
+                ],
+            ),
+            (
+                "spec.rules[].backendRefs[]",
+                &[
+                    "name",
+                    "namespace",
+                    "group",
+                    "kind",
+                    "modelNameOverride",
+                    "headerMutation",
+                    "bodyMutation",
+                    "weight",
+                    "priority",
+                ],
+            ),
+            ("spec.rules[].matches[]", &["headers"]),
+            ("spec.rules[].matches[].headers[]", &["type", "name", "value"]),
+            ("spec.llmRequestCosts[]", &["metadataKey", "type", "cel"]),
+        ],
+        required: &[
+            ("spec", &["rules"]),
+            ("spec.parentRefs[]", &["name"]),
+            ("spec.rules[].backendRefs[]", &["name"]),
+            ("spec.rules[].matches[].headers[]", &["name", "value"]),
+            ("spec.llmRequestCosts[]", &["metadataKey", "type"]),
+        ],
+        values: &[
+            ("spec.rules[].matches[].headers[].type", &["Exact", "RegularExpression"]),
+            (
+                "spec.llmRequestCosts[].type",
+                &[
+                    "OutputToken",
+                    "InputToken",
+                    "CachedInputToken",
+                    "CacheCreationInputToken",
+                    "TotalToken",
+                    "ReasoningToken",
+                    "CEL",
+                ],
+            ),
         ],
     },
 ];
@@ -468,7 +665,8 @@ fn values_at<'a>(value: &'a serde_yaml::Value, path: &str) -> Vec<&'a serde_yaml
 }
 
 /// Checks a document of a kind in `CRDS`: its apiVersion, a `metadata.name`, only known keys at
-/// the top and in `metadata`, a `spec`, and the keys of each listed mapping under it.
+/// the top and in `metadata`, a `spec`, the keys of each listed mapping under it (only those
+/// allowed, and those required), and the values of the listed enumerations.
 fn check_crd(doc: &serde_yaml::Value) -> Result<(), String> {
     let kind = doc.get("kind").and_then(|k| k.as_str()).unwrap_or_default();
     let crd = CRDS.iter().find(|c| c.kind == kind).expect("a CRD kind");
@@ -506,6 +704,26 @@ fn check_crd(doc: &serde_yaml::Value) -> Result<(), String> {
     for (path, allowed) in crd.fields {
         for v in values_at(doc, path) {
             only(v, path, allowed)?;
+        }
+    }
+    for (path, needed) in crd.required {
+        for v in values_at(doc, path) {
+            let keys = keys_of(v, path)?;
+            if let Some(missing) = needed.iter().find(|k| !keys.iter().any(|key| key == *k)) {
+                return Err(format!("{kind}: {path} has no `{missing}`"));
+            }
+        }
+    }
+    for (path, allowed) in crd.values {
+        for v in values_at(doc, path) {
+            let value = v.as_str().unwrap_or_default();
+            if !allowed.contains(&value) {
+                return Err(format!(
+                    "{kind}: {path} is `{}` (one of: {})",
+                    serde_yaml::to_string(v).unwrap_or_default().trim_end(),
+                    allowed.join(", ")
+                ));
+            }
         }
     }
     Ok(())
@@ -811,12 +1029,28 @@ fn the_external_checkers_refuse_bad_blocks() {
     let monitor = "apiVersion: monitoring.coreos.com/v1\nkind: ServiceMonitor\nmetadata: {name: t}\n\
         spec:\n  namespaceSelector: {matchNames: [t]}\n  selector:\n    matchLabels: {app: t}\n  endpoints: [{port: http}]\n";
     let monitor_bad = monitor.replace("matchLabels", "matchLabelz");
+    // Envoy Gateway's and AI Gateway's kinds: a value outside an enumeration, or a required key
+    // left out, must fail too.
+    let policy = "apiVersion: gateway.envoyproxy.io/v1alpha1\nkind: BackendTrafficPolicy\nmetadata: {name: t}\n\
+        spec:\n  targetRefs: [{group: gateway.networking.k8s.io, kind: Gateway, name: eg}]\n  rateLimit:\n    \
+        global:\n      rules:\n        - clientSelectors: [{headers: [{name: x-tenant, type: Distinct}]}]\n          \
+        limit: {requests: 10, unit: Hour}\n          cost:\n            request: {from: Number, number: 0}\n            \
+        response: {from: Metadata, metadata: {namespace: io.envoy.ai_gateway, key: llm_total_token}}\n";
+    let policy_bad_unit = policy.replace("unit: Hour", "unit: hour");
+    let policy_no_key = policy.replace(", key: llm_total_token", "");
+    let route = "apiVersion: aigateway.envoyproxy.io/v1beta1\nkind: AIGatewayRoute\nmetadata: {name: t}\n\
+        spec:\n  parentRefs: [{name: eg}]\n  rules: [{backendRefs: [{name: b}]}]\n  \
+        llmRequestCosts: [{metadataKey: llm_total_token, type: TotalToken}]\n";
+    let route_bad_type = route.replace("type: TotalToken", "type: TotalTokens");
     let unknown_kind = "apiVersion: example.com/v1\nkind: Widget\nmetadata: {name: t}\nspec: {}\n";
     for (kind, good, bad) in [
         ("envoy", envoy_good, envoy_bad),
         ("kubernetes", k8s_good, k8s_bad),
         ("kubernetes", monitor, monitor_bad.as_str()),
         ("kubernetes", k8s_good, unknown_kind),
+        ("kubernetes", policy, policy_bad_unit.as_str()),
+        ("kubernetes", policy, policy_no_key.as_str()),
+        ("kubernetes", route, route_bad_type.as_str()),
         ("prometheus-rules", rules_good, rules_bad),
         ("prometheus-config", config_good, config_bad),
     ] {
