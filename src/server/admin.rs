@@ -188,24 +188,14 @@ pub struct BucketView {
     /// The bucket name (`current_limit.name`; a quota beside a token bucket is
     /// `<name>.quota`).
     pub name: String,
-    /// `token_bucket`, `scheduled`, `quota` or `expiring_allowance`.
+    /// `token_bucket`, `scheduled` or `quota`.
     pub kind: PlanKind,
-    /// Whole tokens held (rounded down), as `limit_remaining` would report them: a debt
-    /// bucket's balance, 0 while in debt.
+    /// Whole tokens held (rounded down), as `limit_remaining` would report them.
     pub tokens: u64,
-    /// Tokens held, in micro-tokens (millionths of a token); a debt bucket's balance, 0 while
-    /// in debt.
+    /// Tokens held, in micro-tokens (millionths of a token).
     pub tokens_micro: u64,
-    /// The capacity in force, in whole tokens (a schedule window may change it), as the rules
-    /// declare it (a debt bucket's without its floor).
+    /// The capacity in force, in whole tokens (a schedule window may change it).
     pub capacity: u64,
-    /// A debt bucket's balance in micro-tokens: negative while in debt, never below
-    /// `debt_floor` tokens (docs/usage-budgets.md). Absent for any other bucket.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub balance_micro: Option<i64>,
-    /// A debt bucket's floor, in tokens (at most 0). Absent for any other bucket.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub debt_floor: Option<i64>,
     /// The limit in force.
     pub limit: LimitView,
     /// Seconds until the bucket is full again, rounded up (the `t` of the `RateLimit`
@@ -579,17 +569,9 @@ fn view(policy: &BucketPolicy, state: BucketState, kept: BucketState, now_us: u6
     let plan = &policy.plan;
     let limit = plan.limit_at(now_us);
     let reported = policy.reported_at(now_us);
-    let debt = policy.debt_depth_ut > 0;
-    let signed = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
     let full_in_us = plan.full_at_us(kept).map(|at| at.saturating_sub(now_us));
     let retry_after = hits.map(|hits| {
-        // On a debt bucket the request-path question: when the balance is positive.
-        let asked = hits.saturating_mul(MICRO);
-        let need = policy
-            .demand_kind(DemandKind::Consume(asked))
-            .need_ut(asked)
-            .unwrap_or(0);
-        let us = plan.wait_us(kept, need, now_us);
+        let us = plan.wait_us(kept, hits.saturating_mul(MICRO), now_us);
         RetryAfter {
             seconds: us.map(ceil_seconds),
             us,
@@ -598,11 +580,9 @@ fn view(policy: &BucketPolicy, state: BucketState, kept: BucketState, now_us: u6
     BucketView {
         name: policy.name.clone(),
         kind: PlanKind::of(plan),
-        tokens: policy.balance_ut(state.tokens_ut) / MICRO,
-        tokens_micro: policy.balance_ut(state.tokens_ut),
-        capacity: policy.shown(limit).capacity(),
-        balance_micro: debt.then(|| signed(state.tokens_ut) - signed(policy.debt_depth_ut)),
-        debt_floor: debt.then(|| -signed(policy.debt_depth_ut / MICRO)),
+        tokens: state.tokens_ut / MICRO,
+        tokens_micro: state.tokens_ut,
+        capacity: limit.capacity(),
         limit: LimitView {
             requests_per_unit: reported.requests_per_unit,
             unit: reported.unit.as_str_name().to_owned(),

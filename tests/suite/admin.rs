@@ -40,9 +40,6 @@ descriptors:
     quota: {limit: 100, reset: "0 0 1 1 *"}
   - key: health
     unlimited: true
-  - key: tenant
-    name: budget
-    token_bucket: {capacity: 1000, refill: 1000/1d, debt: true, debt_floor: -500}
 "#;
 
 const HOUR_US: u64 = 3_600_000_000;
@@ -169,43 +166,6 @@ fn stdout_json(out: &Output) -> BucketsResponse {
 }
 
 // ---- against `tollgate serve` -------------------------------------------------------------
-
-/// A debt bucket peeks as the rules declare it: its capacity without the floor, `tokens` the
-/// balance (0 while in debt), `balance_micro` the signed balance, never below the floor, and
-/// `retry_after` the time until the balance is positive, when the request-path check passes.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_debt_bucket_peeks_as_its_balance() {
-    let tg = start(None);
-    let mut client = grpc(&tg).await;
-    let tenant = [("tenant", "t1")];
-    let peek = |hits: u64| body(&tenant, json!({"hits": hits}));
-    let b = only(&call(tg.admin_addr, "peek", &peek(1), None).await).clone();
-    assert_eq!(
-        (b.tokens, b.tokens_micro, b.capacity, b.balance_micro, b.debt_floor),
-        (1000, 1000 * MICRO, 1000, Some(1000 * 1_000_000), Some(-500))
-    );
-
-    // A usage report of 1,200: admitted (the balance was positive), 200 in debt.
-    assert_eq!(hit(&mut client, &tenant, 1200).await, (true, 0));
-    let b = only(&call(tg.admin_addr, "peek", &peek(1), None).await).clone();
-    assert_eq!((b.tokens, b.tokens_micro, b.capacity), (0, 0, 1000));
-    // 1,000 a day is one token per 86.4 s: at most a few ms of refill since the report.
-    let balance = b.balance_micro.unwrap();
-    assert!((-200 * 1_000_000..-199 * 1_000_000).contains(&balance), "{balance}");
-    // Positive again once 200 tokens and one micro-token are earned: 17,280.0000864 s after
-    // the report, less the time since.
-    let retry = b.retry_after.unwrap();
-    let us = retry.us.unwrap();
-    assert!((17_270_000_000..=17_280_000_087).contains(&us), "{us}");
-    assert_eq!(retry.seconds, Some(us.div_ceil(1_000_000)));
-
-    // 1,000 more: the balance stops at the floor, -500.
-    assert_eq!(hit(&mut client, &tenant, 1000).await.0, false);
-    let b = only(&call(tg.admin_addr, "peek", &peek(1), None).await).clone();
-    let balance = b.balance_micro.unwrap();
-    assert!((-500 * 1_000_000..-499 * 1_000_000).contains(&balance), "{balance}");
-    assert_eq!((b.tokens, b.debt_floor), (0, Some(-500)));
-}
 
 /// An untouched bucket is full; after N hits it holds capacity - N; peeks never change what a
 /// sequence of requests gets.
