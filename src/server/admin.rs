@@ -190,12 +190,23 @@ pub struct BucketView {
     pub name: String,
     /// `token_bucket`, `scheduled` or `quota`.
     pub kind: PlanKind,
-    /// Whole tokens held (rounded down), as `limit_remaining` would report them.
+    /// Whole tokens held (rounded down), as `limit_remaining` would report them: a debt
+    /// bucket's balance, 0 while in debt.
     pub tokens: u64,
-    /// Tokens held, in micro-tokens (millionths of a token).
+    /// Tokens held, in micro-tokens (millionths of a token); a debt bucket's balance, 0 while
+    /// in debt.
     pub tokens_micro: u64,
-    /// The capacity in force, in whole tokens (a schedule window may change it).
+    /// The capacity in force, in whole tokens (a schedule window may change it); a debt
+    /// bucket's as declared.
     pub capacity: u64,
+    /// A debt bucket's balance in micro-tokens, below zero while in debt (docs/usage-budgets.md);
+    /// absent for other buckets.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub balance_micro: Option<i64>,
+    /// A debt bucket's floor, in tokens (at most 0), as `/config` shows it; absent for other
+    /// buckets.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub debt_floor: Option<i64>,
     /// The limit in force.
     pub limit: LimitView,
     /// Seconds until the bucket is full again, rounded up (the `t` of the `RateLimit`
@@ -204,7 +215,9 @@ pub struct BucketView {
     pub full_in_seconds: Option<u64>,
     /// The same, exact, in microseconds.
     pub full_in_us: Option<u64>,
-    /// Peek only: when a request for `hits` tokens would pass this bucket.
+    /// Peek only: when a request for `hits` tokens would pass this bucket; on a debt bucket,
+    /// when the balance is positive again (a check or a usage report passes then, whatever
+    /// `hits`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retry_after: Option<RetryAfter>,
 }
@@ -564,25 +577,38 @@ fn constant_time_eq(given: &[u8], expected: &[u8]) -> bool {
 }
 
 /// One bucket instance as the admin API shows it, from the state brought forward to `now_us`
-/// and the state the store keeps (waits are measured from it, as for a decision).
+/// and the state the store keeps (waits are measured from it, as for a decision). A debt
+/// bucket's stored tokens are its balance plus the floor's depth: they are shown as a decision
+/// reports them (the balance, the capacity as declared, the wait by the demand a request would
+/// make), never as stored.
 fn view(policy: &BucketPolicy, state: BucketState, kept: BucketState, now_us: u64, hits: Option<u64>) -> BucketView {
     let plan = &policy.plan;
-    let limit = plan.limit_at(now_us);
+    let limit = policy.shown(plan.limit_at(now_us));
     let reported = policy.reported_at(now_us);
     let full_in_us = plan.full_at_us(kept).map(|at| at.saturating_sub(now_us));
     let retry_after = hits.map(|hits| {
-        let us = plan.wait_us(kept, hits.saturating_mul(MICRO), now_us);
+        let asked_ut = hits.saturating_mul(MICRO);
+        let need_ut = policy
+            .demand_kind(DemandKind::Consume(asked_ut))
+            .need_ut(asked_ut)
+            .unwrap_or(0);
+        let us = plan.wait_us(kept, need_ut, now_us);
         RetryAfter {
             seconds: us.map(ceil_seconds),
             us,
         }
     });
+    let depth_ut = policy.debt_depth_ut;
+    let signed = |ut: u64| i64::try_from(ut).unwrap_or(i64::MAX);
+    let remaining_ut = policy.balance_ut(state.tokens_ut);
     BucketView {
         name: policy.name.clone(),
         kind: PlanKind::of(plan),
-        tokens: state.tokens_ut / MICRO,
-        tokens_micro: state.tokens_ut,
+        tokens: remaining_ut / MICRO,
+        tokens_micro: remaining_ut,
         capacity: limit.capacity(),
+        balance_micro: (depth_ut > 0).then(|| signed(state.tokens_ut) - signed(depth_ut)),
+        debt_floor: (depth_ut > 0).then(|| -signed(depth_ut / MICRO)),
         limit: LimitView {
             requests_per_unit: reported.requests_per_unit,
             unit: reported.unit.as_str_name().to_owned(),

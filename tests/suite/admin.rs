@@ -526,9 +526,14 @@ const T0: u64 = 1_700_000_000_000_000;
 
 /// A limiter over `store` and the test rules.
 fn limiter_over<S: Store>(store: S) -> Limiter<S> {
+    limiter_with(RULES, store)
+}
+
+/// A limiter over `store` and the rules file `rules` (YAML).
+fn limiter_with<S: Store>(rules: &str, store: S) -> Limiter<S> {
     let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("api.yaml");
-    std::fs::write(&file, RULES).unwrap();
+    let file = dir.path().join("rules.yaml");
+    std::fs::write(&file, rules).unwrap();
     let rules = tollgate::rules::load_rules(&file).unwrap();
     Limiter::new(rules, store, LimiterOptions::from_settings(&Settings::default()))
 }
@@ -541,7 +546,11 @@ async fn serve_in_process<S: Store>(store: S) -> (SocketAddr, Arc<Limiter<S>>) {
 
 /// [`serve_in_process`] with these options.
 async fn serve_with<S: Store>(store: S, options: AdminOptions) -> (SocketAddr, Arc<Limiter<S>>) {
-    let limiter = Arc::new(limiter_over(store));
+    serve_limiter(Arc::new(limiter_over(store)), options).await
+}
+
+/// Serves the admin router over `limiter` on a loopback port.
+async fn serve_limiter<S: Store>(limiter: Arc<Limiter<S>>, options: AdminOptions) -> (SocketAddr, Arc<Limiter<S>>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let app = tollgate::server::admin::router(limiter.clone(), options);
@@ -621,6 +630,126 @@ async fn exact_figures_on_a_manual_clock() {
     let r = call(addr, "reset", &body(&[("user", "u")], json!({})), None).await;
     assert_eq!((only(&r).tokens_micro, only(&r).full_in_us), (10 * MICRO, Some(0)));
     assert!(limiter.store().is_empty());
+}
+
+/// A usage budget (docs/usage-budgets.md): 1,000 tokens a minute, `debt: true`, its floor
+/// the default minus the capacity.
+const BUDGET_RULES: &str = r#"
+domain: llm
+buckets:
+  tenant_tokens: {capacity: 1000, refill: 1000/1m, debt: true}
+descriptors:
+  - key: tenant
+    bucket: tenant_tokens
+"#;
+
+/// A debt bucket as a peek shows it: `tokens` and `capacity` as clients are told them (the
+/// balance, 0 while in debt, as `limit_remaining`; the capacity as declared), the signed
+/// balance and the floor, and a `retry_after` that is when the request-path check passes
+/// again, whatever `hits` (a usage report is admitted as soon as the balance is positive). The
+/// stores keep a debt bucket's tokens as its balance plus the floor's depth, which a peek must
+/// not show as they are: that read 800 tokens of 2,000, and no wait at all, for a tenant 200
+/// tokens in debt.
+#[tokio::test]
+async fn a_debt_bucket_shows_its_balance_and_floor() {
+    let clock = ManualClock::new(T0);
+    let store = MemoryStore::new(4, 1000, Arc::new(clock.clone()));
+    let (addr, limiter) = serve_limiter(Arc::new(limiter_with(BUDGET_RULES, store)), AdminOptions::default()).await;
+    let request = |hits: u64| RateLimitRequest {
+        domain: "llm".into(),
+        descriptors: vec![RateLimitDescriptor {
+            entries: vec![Entry {
+                key: "tenant".into(),
+                value: "acme".into(),
+            }],
+            hits_addend: Some(envoy_types::pb::google::protobuf::UInt64Value { value: hits }),
+            ..Default::default()
+        }],
+        hits_addend: 0,
+    };
+    let admitted = |hits: u64| {
+        let limiter = limiter.clone();
+        async move { limiter.should_rate_limit(&request(hits)).await.unwrap().overall_code == Code::Ok as i32 }
+    };
+    // The raw JSON: the fields of a debt bucket, and of no other.
+    let peek = |hits: u64| async move {
+        let body = json!({"domain": "llm", "descriptor": [{"key": "tenant", "value": "acme"}], "hits": hits});
+        let (status, json) = post_raw(addr, "/v1/buckets/peek", &body.to_string(), None).await;
+        assert_eq!(status, 200, "{json}");
+        json["buckets"][0].clone()
+    };
+    let figures = |b: &Value| {
+        (
+            b["tokens"].as_u64(),
+            b["tokens_micro"].as_u64(),
+            b["capacity"].as_u64(),
+            b["balance_micro"].as_i64(),
+            b["debt_floor"].as_i64(),
+        )
+    };
+    const M: i64 = MICRO as i64;
+
+    let full = peek(1).await;
+    assert_eq!(
+        figures(&full),
+        (Some(1000), Some(1000 * MICRO), Some(1000), Some(1000 * M), Some(-1000)),
+        "{full}"
+    );
+    assert_eq!(full["full_in_us"], json!(0));
+    assert_eq!(full["retry_after"], json!({"seconds": 0, "us": 0}));
+
+    // A report of 1,200 leaves the balance 200 below zero: 0 as clients are told it, 12 s and a
+    // micro-token's time (60 ns, rounded up to 1 us) from positive at 1,000 a minute, 72 s and
+    // as much from full.
+    assert!(admitted(1200).await, "the balance was positive before the report");
+    assert!(!admitted(0).await, "in debt, the request-path check is denied");
+    for hits in [1, 5000] {
+        let b = peek(hits).await;
+        assert_eq!(
+            figures(&b),
+            (Some(0), Some(0), Some(1000), Some(-200 * M), Some(-1000)),
+            "{b}"
+        );
+        assert_eq!(b["full_in_us"], json!(72_000_000), "{b}");
+        assert_eq!(
+            b["retry_after"],
+            json!({"seconds": 13, "us": 12_000_001}),
+            "hits {hits}: {b}"
+        );
+    }
+    // At exactly 0 the check is still denied and the peek says one microsecond more; then both
+    // agree that it passes.
+    clock.advance_us(12_000_000);
+    assert_eq!(figures(&peek(1).await).3, Some(0));
+    assert_eq!(peek(1).await["retry_after"]["us"], json!(1));
+    assert!(!admitted(0).await);
+    clock.advance_us(1);
+    assert_eq!(peek(1).await["retry_after"]["us"], json!(0));
+    assert!(admitted(0).await);
+    // A reset makes the balance the capacity again.
+    let reset = json!({"domain": "llm", "descriptor": [{"key": "tenant", "value": "acme"}]});
+    let r = call(addr, "reset", &reset, None).await;
+    let b = only(&r);
+    assert_eq!(
+        (b.tokens, b.capacity, b.balance_micro, b.debt_floor),
+        (1000, 1000, Some(1000 * M), Some(-1000))
+    );
+
+    // An ordinary bucket has neither field.
+    let (plain, _) = serve_in_process(MemoryStore::new(4, 1000, Arc::new(clock.clone()))).await;
+    let (status, json) = post_raw(
+        plain,
+        "/v1/buckets/peek",
+        &body(&[("user", "u")], json!({})).to_string(),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200);
+    let bucket = json["buckets"][0].as_object().expect("a bucket");
+    assert!(
+        !bucket.contains_key("balance_micro") && !bucket.contains_key("debt_floor"),
+        "{json}"
+    );
 }
 
 /// A store that fails every call.

@@ -42,4 +42,5 @@ mod soak;
 mod store_bounds;
 mod tidy;
 mod usage_budgets;
+mod usage_budgets_envoy;
 mod vectors;
