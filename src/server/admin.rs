@@ -188,7 +188,7 @@ pub struct BucketView {
     /// The bucket name (`current_limit.name`; a quota beside a token bucket is
     /// `<name>.quota`).
     pub name: String,
-    /// `token_bucket`, `scheduled` or `quota`.
+    /// `token_bucket` (a fixed allowance too), `scheduled`, `quota` or `expiring_allowance`.
     pub kind: PlanKind,
     /// Whole tokens held (rounded down), as `limit_remaining` would report them: a debt
     /// bucket's balance, 0 while in debt.
