@@ -532,6 +532,11 @@ pub fn wait_until_us(
     if schedule.entries.is_empty() {
         return wait_us(state, need_ut, &schedule.base, now_us);
     }
+    // A clock that stepped back: up to its update the state is only trimmed (as in
+    // `refill_scheduled`), so if that holds enough it does now, not from the update on.
+    if now_us < state.updated_us && refill_scheduled(state, schedule, now_us).tokens_ut >= need_ut {
+        return Some(0);
+    }
     let end = now_us.saturating_add(horizon_us);
     first_instant(state, schedule, now_us, end, |limit| {
         (need_ut <= limit.capacity_ut).then_some(need_ut)

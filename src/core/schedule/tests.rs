@@ -220,6 +220,33 @@ fn assert_exact_wait(state: BucketState, need: u64, s: &Schedule, now: u64, wait
     }
 }
 
+/// A bucket written after `now` (the clock stepped back since) that already holds what is
+/// asked waits 0, as under a constant limit: brought to an instant before its update, a state
+/// changes by nothing (`refill_scheduled`), so it admits at `now`. The wait used to run from
+/// the update instead, answering `updated - now` for a request that passes at once (found by a
+/// property test: a debt check at a balance of one micro-token, 1 µs behind the write).
+#[test]
+fn a_state_written_after_now_that_holds_enough_waits_nothing() {
+    let window = ScheduleEntry::new("* 9-17 * * *", None, None, Some(5), None).unwrap();
+    let s = Schedule::new(Limit::new(10, per_min(1)), vec![window]).unwrap();
+    for now in [utc(2026, 6, 1, 8, 0), utc(2026, 6, 1, 12, 0)] {
+        let ahead = BucketState {
+            tokens_ut: 3 * MICRO,
+            updated_us: now + 1,
+        };
+        assert_eq!(refill_scheduled(ahead, &s, now).tokens_ut, 3 * MICRO);
+        assert_eq!(wait_us(ahead, 3 * MICRO, s.base(), now), Some(0), "a constant limit");
+        assert_eq!(wait_until_us(ahead, 3 * MICRO, &s, now, DEFAULT_HORIZON_US), Some(0));
+        assert_exact_wait(ahead, 3 * MICRO, &s, now, 0);
+        // One micro-token more comes 60 µs after the write (a token a minute), 61 µs from now.
+        assert_eq!(
+            wait_until_us(ahead, 3 * MICRO + 1, &s, now, DEFAULT_HORIZON_US),
+            Some(61)
+        );
+        assert_exact_wait(ahead, 3 * MICRO + 1, &s, now, 61);
+    }
+}
+
 /// A window with a lower capacity trims the bucket at its start; one with a higher capacity
 /// grants nothing at once to a bucket that is not full, while a full one stays full (it is the
 /// same as no bucket). A need above the window's capacity waits for the window to end.
