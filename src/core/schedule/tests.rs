@@ -247,6 +247,36 @@ fn a_state_written_after_now_that_holds_enough_waits_nothing() {
     }
 }
 
+/// The bound on changes of limit a wait walks is on those ahead of `now`: the ones between a
+/// state's last write and `now` are the past, which every decision walks anyway
+/// (`refill_scheduled`). A bucket written at 18:00 and asked at 03:00, under a window that
+/// toggles the refill every minute and a maintenance window (capacity 0) from 00:00 to 05:59,
+/// is denied until 06:00, when it comes out of the maintenance full: a wait of 3 h exactly,
+/// with no change of limit in between. It used to have none (no `Retry-After`), the 360
+/// changes from 18:00 to midnight counted against the 256 ahead (found by a property test).
+#[test]
+fn changes_before_now_do_not_count_against_the_look_ahead() {
+    let closed = ScheduleEntry::new("* 0-5 * * *", None, None, Some(0), None).unwrap();
+    let toggling = ScheduleEntry::new("*/2 * * * *", None, None, None, Some(per_min(2))).unwrap();
+    let s = Schedule::new(Limit::new(10, per_min(1)), vec![closed, toggling]).unwrap();
+    let written = BucketState {
+        tokens_ut: 0,
+        updated_us: utc(2026, 6, 1, 18, 0),
+    };
+    let now = utc(2026, 6, 2, 3, 0);
+    assert_eq!(refill_scheduled(written, &s, now).tokens_ut, 0, "closed");
+    assert_eq!(
+        wait_until_us(written, MICRO, &s, now, DEFAULT_HORIZON_US),
+        Some(3 * HOUR)
+    );
+    assert_exact_wait(written, MICRO, &s, now, 3 * HOUR);
+    // The bucket is full at the end of the maintenance, 10 tokens.
+    assert_eq!(
+        reopen_at_us(written, &s, now, DEFAULT_HORIZON_US),
+        Some(utc(2026, 6, 2, 6, 0))
+    );
+}
+
 /// A window with a lower capacity trims the bucket at its start; one with a higher capacity
 /// grants nothing at once to a bucket that is not full, while a full one stays full (it is the
 /// same as no bucket). A need above the window's capacity waits for the window to end.
