@@ -223,8 +223,9 @@ fn assert_exact_wait(state: BucketState, need: u64, s: &Schedule, now: u64, wait
 /// A bucket written after `now` (the clock stepped back since) that already holds what is
 /// asked waits 0, as under a constant limit: brought to an instant before its update, a state
 /// changes by nothing (`refill_scheduled`), so it admits at `now`. The wait used to run from
-/// the update instead, answering `updated - now` for a request that passes at once (found by a
-/// property test: a debt check at a balance of one micro-token, 1 µs behind the write).
+/// the update instead, answering `updated - now` for a request that passes at once (found by
+/// `a_client_that_retries_at_retry_after_passes`: a debt check at a balance of one
+/// micro-token, 1 µs behind the write).
 #[test]
 fn a_state_written_after_now_that_holds_enough_waits_nothing() {
     let window = ScheduleEntry::new("* 9-17 * * *", None, None, Some(5), None).unwrap();
@@ -253,7 +254,8 @@ fn a_state_written_after_now_that_holds_enough_waits_nothing() {
 /// toggles the refill every minute and a maintenance window (capacity 0) from 00:00 to 05:59,
 /// is denied until 06:00, when it comes out of the maintenance full: a wait of 3 h exactly,
 /// with no change of limit in between. It used to have none (no `Retry-After`), the 360
-/// changes from 18:00 to midnight counted against the 256 ahead (found by a property test).
+/// changes from 18:00 to midnight counted against the 256 ahead (found by
+/// `a_client_that_retries_at_retry_after_passes`).
 #[test]
 fn changes_before_now_do_not_count_against_the_look_ahead() {
     let closed = ScheduleEntry::new("* 0-5 * * *", None, None, Some(0), None).unwrap();
@@ -1328,6 +1330,98 @@ proptest! {
                     (None, Some((_, changes))) => prop_assert!(changes > MAX_CHANGES_AHEAD, "no retry-after at {}", t),
                     // Nothing admits within the model's three days; the core looks further.
                     (got, None) => prop_assert!(got.is_none_or(|w| w > 3 * 86_400 * MICRO), "retry-after {:?} at {}", got, t),
+                }
+            }
+        }
+    }
+}
+
+/// A plan for the retry-after property: constant, scheduled (windows as in the debt model),
+/// or a quota resetting at one of [`QUOTA_RESETS`].
+#[derive(Clone, Debug)]
+enum PlanKind {
+    Fixed,
+    Scheduled(Vec<(Span, Change)>),
+    Quota(&'static str),
+}
+
+const QUOTA_RESETS: [&str; 5] = ["*/5 * * * *", "0 * * * *", "30 */6 * * *", "0 0 * * *", "0 0 1 * *"];
+
+fn plan_kind() -> impl Strategy<Value = PlanKind> {
+    prop_oneof![
+        1 => Just(PlanKind::Fixed),
+        2 => prop::collection::vec((span(), change()), 1..4).prop_map(PlanKind::Scheduled),
+        1 => prop::sample::select(&QUOTA_RESETS[..]).prop_map(PlanKind::Quota),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// A client that retries at Retry-After passes: for a bucket in any state (a debt
+    /// bucket's often in debt, at a balance of exactly 0, or one micro-token above it; an
+    /// ordinary one's often empty), under a constant limit, a schedule whose windows change it,
+    /// or a quota, with or without debt, and a state written before `now` or (a clock that
+    /// stepped back) after it: the demand asked again at `now + Plan::wait_us` passes, and one
+    /// microsecond earlier it does not. Checks and usage reports on a debt bucket (which pass
+    /// iff the balance is positive), checks and consumes on an ordinary one.
+    #[test]
+    fn a_client_that_retries_at_retry_after_passes(
+        kind in plan_kind(),
+        debt in any::<bool>(),
+        cap in 1..40u64,
+        per in 1..30u64,
+        period in 0..BASE_PERIODS.len(),
+        depth in 1..60u64,
+        held in (0..3u64, any::<u64>()),
+        now in utc(2026, 1, 1, 0, 0)..utc(2027, 1, 1, 0, 0),
+        ago in -(HOUR as i64)..(6 * HOUR as i64),
+        (report, n) in (any::<bool>(), 1..50u64),
+    ) {
+        // A debt quota's floor is at most one allowance deep.
+        let depth_ut = match (&kind, debt) {
+            (_, false) => 0,
+            (PlanKind::Quota(_), true) => depth.min(cap) * MICRO,
+            (_, true) => depth * MICRO,
+        };
+        let plan = match &kind {
+            PlanKind::Fixed => {
+                let mut limit = Limit::new(cap, Rate::per(per, BASE_PERIODS[period]).unwrap());
+                limit.capacity_ut += depth_ut;
+                Plan::Fixed(limit)
+            }
+            PlanKind::Scheduled(windows) => match debt_schedule(cap, per, period, windows, depth_ut) {
+                Some((plan, ..)) => plan,
+                None => return Ok(()),
+            },
+            PlanKind::Quota(reset) => Plan::Quota(Arc::new(Quota::new(cap, reset, None).unwrap().with_debt_depth(depth_ut))),
+        };
+        let updated_us = now.checked_add_signed(-ago).unwrap();
+        let capacity = plan.limit_at(updated_us).capacity_ut;
+        let tokens_ut = match held.0 {
+            0 if debt => depth_ut,
+            0 => 0,
+            1 if debt => depth_ut + 1,
+            _ => held.1 % (capacity + 1),
+        }
+        .min(capacity);
+        let state = BucketState { tokens_ut, updated_us };
+        let kind = match (debt, report) {
+            (true, false) => DemandKind::DebtCheck { depth_ut },
+            (true, true) => DemandKind::Debit { amount_ut: n * MICRO, depth_ut },
+            (false, false) => DemandKind::Check,
+            (false, true) => DemandKind::Consume(n * MICRO),
+        };
+        let consumed = if let DemandKind::Consume(ut) = kind { ut } else { 0 };
+        let need = kind.need_ut(consumed).unwrap();
+        let demand = one(kind);
+        match plan.wait_us(state, need, now) {
+            Some(w) => assert_retry_admits(&plan, state, &demand, now, w)?,
+            None => {
+                prop_assert!(decide(now, &[state], std::slice::from_ref(&plan), &demand).denied);
+                // Only more than any capacity, or (walking windows) nothing within the horizon.
+                if !matches!(plan, Plan::Scheduled(_)) {
+                    prop_assert!(need > plan.limit_at(now).capacity_ut, "no retry-after for {:?}", kind);
                 }
             }
         }
