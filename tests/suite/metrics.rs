@@ -318,7 +318,11 @@ async fn debt_metrics_count_usage_reports_exactly() {
     let m = scrape();
     assert_eq!(m.counter(DEBITED, &labels), 180.0);
     assert_eq!(m.counter(LOST, &labels), 0.0);
-    assert_eq!(m.get(DEBT, &labels), Some(80.0), "80 in debt, less the sliver, shown whole");
+    assert_eq!(
+        m.get(DEBT, &labels),
+        Some(80.0),
+        "80 in debt, less the sliver, shown whole"
+    );
 
     assert_eq!(code(&mut c, usage("acme", 0)).await, Code::OverLimit, "in debt");
     assert_eq!(code(&mut c, usage("acme", 50)).await, Code::OverLimit);
@@ -329,7 +333,11 @@ async fn debt_metrics_count_usage_reports_exactly() {
 
     assert_eq!(code(&mut c, usage("acme", 10)).await, Code::OverLimit);
     let m = scrape();
-    assert_eq!(m.counter(DEBITED, &labels), 200.0, "nothing of a report at the floor is debited");
+    assert_eq!(
+        m.counter(DEBITED, &labels),
+        200.0,
+        "nothing of a report at the floor is debited"
+    );
     assert_eq!(m.counter(LOST, &labels), 40.0, "all 10 are lost");
     assert_eq!(m.get(DEBT, &labels), Some(100.0));
 
@@ -348,7 +356,10 @@ async fn debt_metrics_count_usage_reports_exactly() {
         "every hit reported is debited or lost"
     );
     assert_eq!(
-        m.counter(DECISIONS, &[("domain", "llm"), ("bucket", "tenant_tokens"), ("code", "over_limit")]),
+        m.counter(
+            DECISIONS,
+            &[("domain", "llm"), ("bucket", "tenant_tokens"), ("code", "over_limit")]
+        ),
         3.0,
         "the check and the two reports while in debt"
     );
