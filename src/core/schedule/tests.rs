@@ -950,7 +950,7 @@ impl Span {
         match self {
             Span::Minutes(a, b) => (a..=b).contains(&minute),
             Span::Hours(a, b) => (a..=b).contains(&hour),
-            Span::Every(k) => minute % k == 0,
+            Span::Every(k) => minute.is_multiple_of(k),
         }
     }
 }
@@ -998,18 +998,16 @@ impl PartialEq for Declared {
 /// The periods the base refill is given over.
 const BASE_PERIODS: [u64; 4] = [MICRO, 10 * MICRO, MIN, 10 * MIN];
 
+/// A debt schedule as the core builds it and as the model reads it: the plan, the base limit
+/// and each window's.
+type DebtSchedule = (Plan, Declared, Vec<(Span, Declared)>);
+
 /// The base limit of a generated debt schedule (`cap` tokens, `per` tokens per
 /// `BASE_PERIODS[period]`) and its windows, as the core builds them (`Schedule::new`, then
 /// `with_debt_depth` as the rules compiler does for `debt: true`) and as the model reads them.
 /// `None` when `Schedule::new` refuses the windows (a scale that leaves less than a token, or
 /// a scaled rate it cannot keep exact), as a rules file would be refused.
-fn debt_schedule(
-    cap: u64,
-    per: u64,
-    period: usize,
-    windows: &[(Span, Change)],
-    depth_ut: u64,
-) -> Option<(Plan, Declared, Vec<(Span, Declared)>)> {
+fn debt_schedule(cap: u64, per: u64, period: usize, windows: &[(Span, Change)], depth_ut: u64) -> Option<DebtSchedule> {
     let period_us = BASE_PERIODS[period];
     let base = Limit::new(cap, Rate::per(per, period_us).unwrap());
     let entries = windows

@@ -664,9 +664,9 @@ impl Reset {
     /// Whether `t` is an edge: a whole minute the pattern matches.
     fn is_edge(self, t: u64) -> bool {
         let (minute, hour) = (t / MIN % 60, t / HOUR % 24);
-        t % MIN == 0
+        t.is_multiple_of(MIN)
             && match self {
-                Reset::Every(k) => minute % k == 0,
+                Reset::Every(k) => minute.is_multiple_of(k),
                 Reset::Hourly(m) => minute == m,
                 Reset::Daily(m, h) => minute == m && hour == h,
             }
