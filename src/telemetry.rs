@@ -42,7 +42,8 @@ pub const HITS: &str = "tollgate_hits_total";
 /// `bucket`: what was taken, down to the floor.
 pub const DEBITED_TOKENS: &str = "tollgate_debited_tokens_total";
 /// Tokens of usage reports that found a debt bucket at its floor, by `domain` and `bucket`:
-/// usage counted here and nowhere else.
+/// usage counted here and nowhere else (a token only part of which fitted above the floor
+/// counts here), so that with [`DEBITED_TOKENS`] it adds up to every token reported.
 pub const DEBT_LOST_TOKENS: &str = "tollgate_debt_lost_tokens_total";
 /// The debt, in tokens (0 when the balance is positive), of the instance of a debt bucket
 /// decided last, by `domain` and `bucket`: one gauge per bucket name, however many clients.

@@ -43,9 +43,16 @@ pub(crate) fn count_decisions(targets: &[Option<Target<'_>>], applied: &Applied,
                 DemandKind::Refund(ut) => (ut, true),
                 DemandKind::Check | DemandKind::DebtCheck { .. } => (0, false),
             };
-            if policy.debt_depth_ut > 0 {
+            if policy.debt {
                 let debt_ut = policy.debt_depth_ut.saturating_sub(out.after.tokens_ut);
-                counters.count_debt(out.debited_ut / MICRO, out.lost_ut / MICRO, debt_ut.div_ceil(MICRO));
+                // Reports are whole tokens, but what a report takes down to the floor need not
+                // be (refill is counted in micro-tokens): the part cut off counts as lost, so
+                // that debited and lost add up to the tokens reported.
+                counters.count_debt(
+                    out.debited_ut / MICRO,
+                    out.lost_ut.div_ceil(MICRO),
+                    debt_ut.div_ceil(MICRO),
+                );
             }
             let capacity = policy.capacity_at(applied.now_us);
             let code = if refund {

@@ -280,12 +280,12 @@ impl<'r> Matched<'r> {
     /// overrides of different limits never share an instance.
     fn key(&self, domain: &str, policy: &BucketPolicy, entries: &[Entry]) -> String {
         let is_override = self.bucket_indices.is_empty();
-        let extra = if is_override { 16 } else { 0 } + if policy.debt_depth_ut > 0 { 24 } else { 0 };
+        let extra = if is_override { 16 } else { 0 } + if policy.debt { 24 } else { 0 };
         let mut key = String::with_capacity(key_capacity(domain, &policy.name, entries) + extra);
         instance_key(&mut key, domain, &policy.name, entries, &self.shared);
-        if policy.debt_depth_ut > 0 {
+        if policy.debt {
             // Stored tokens are the balance plus the floor's depth: another depth reads them
-            // differently, so a changed floor starts the accounts afresh.
+            // differently, so a changed floor (or `debt` itself) starts the accounts afresh.
             key.push_str("#debt");
             key.push_str(itoa::Buffer::new().format(policy.debt_depth_ut));
         }

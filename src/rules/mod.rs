@@ -173,10 +173,14 @@ pub struct BucketPolicy {
     /// (the `RateLimit` and `RateLimit-Policy` headers, the `DescriptorStatus` limit fields that
     /// Envoy turns into `x-ratelimit-*`); a denial it causes still gets its true `Retry-After`.
     pub hidden: bool,
-    /// `debt: true` (docs/usage-budgets.md): how far below zero the floor lies, in
-    /// micro-tokens; 0 for an ordinary bucket. The plan's capacities are raised by it, so the
-    /// stores keep `tokens = balance + depth` with the arithmetic of an ordinary bucket; what
-    /// clients and operators see is brought back down ([`BucketPolicy::shown`],
+    /// `debt: true` (docs/usage-budgets.md): usage reports are debited down to a floor and the
+    /// request-path check asks for a positive balance ([`BucketPolicy::demand_kind`]). Not the
+    /// same as a positive [`BucketPolicy::debt_depth_ut`]: a floor may be 0.
+    pub debt: bool,
+    /// A debt bucket's floor: how far below zero it lies, in micro-tokens (0 for an ordinary
+    /// bucket, and for a debt bucket with `debt_floor: 0`). The plan's capacities are raised by
+    /// it, so the stores keep `tokens = balance + depth` with the arithmetic of an ordinary
+    /// bucket; what clients and operators see is brought back down ([`BucketPolicy::shown`],
     /// [`BucketPolicy::balance_ut`]).
     pub debt_depth_ut: u64,
     /// For a scheduled policy, [`ReportedLimit::of`] each entry's limit, worked out once.
@@ -198,6 +202,7 @@ impl BucketPolicy {
             plan,
             reported,
             hidden: false,
+            debt: false,
             debt_depth_ut: 0,
             entry_reported,
         }
@@ -206,8 +211,10 @@ impl BucketPolicy {
     /// A debt bucket's policy (docs/usage-budgets.md): `plan` must already have its capacities
     /// raised by `depth_ut` ([`crate::core::schedule::Schedule::with_debt_depth`],
     /// [`crate::core::schedule::Quota::with_debt_depth`], or the capacity plus the depth for
-    /// a constant limit); `reported` describes the limit as declared.
+    /// a constant limit); `reported` describes the limit as declared. A depth of 0 (`debt_floor:
+    /// 0`) is a debt bucket too, whose balance never goes below zero.
     pub fn with_debt_depth(mut self, depth_ut: u64) -> BucketPolicy {
+        self.debt = true;
         self.debt_depth_ut = depth_ut;
         if let Plan::Scheduled(s) = &self.plan {
             self.entry_reported = (0..s.entries().len())
@@ -240,8 +247,8 @@ impl BucketPolicy {
     pub fn demand_kind(&self, kind: DemandKind) -> DemandKind {
         let depth_ut = self.debt_depth_ut;
         match kind {
-            DemandKind::Consume(amount_ut) if depth_ut > 0 => DemandKind::Debit { amount_ut, depth_ut },
-            DemandKind::Check if depth_ut > 0 => DemandKind::DebtCheck { depth_ut },
+            DemandKind::Consume(amount_ut) if self.debt => DemandKind::Debit { amount_ut, depth_ut },
+            DemandKind::Check if self.debt => DemandKind::DebtCheck { depth_ut },
             kind => kind,
         }
     }

@@ -607,8 +607,8 @@ fn view(policy: &BucketPolicy, state: BucketState, kept: BucketState, now_us: u6
         tokens: remaining_ut / MICRO,
         tokens_micro: remaining_ut,
         capacity: limit.capacity(),
-        balance_micro: (depth_ut > 0).then(|| signed(state.tokens_ut) - signed(depth_ut)),
-        debt_floor: (depth_ut > 0).then(|| -signed(depth_ut / MICRO)),
+        balance_micro: policy.debt.then(|| signed(state.tokens_ut) - signed(depth_ut)),
+        debt_floor: policy.debt.then(|| -signed(depth_ut / MICRO)),
         limit: LimitView {
             requests_per_unit: reported.requests_per_unit,
             unit: reported.unit.as_str_name().to_owned(),

@@ -40,19 +40,11 @@ fn render_domain(out: &mut String, d: &Domain, now_us: u64) {
     let _ = writeln!(out, "domain {} ({})", d.name, d.file.display());
     let _ = writeln!(out, "  buckets:");
     for b in &d.buckets {
-        if b.debt_depth_ut > 0 {
-            let _ = writeln!(
-                out,
-                "    {}: a debt account (docs/usage-budgets.md): hits_addend 0 passes while the balance is positive, \
-                 usage is debited in full down to a floor of -{} tokens",
-                b.name,
-                b.debt_depth_ut / MICRO
-            );
-        }
         // `check` compiles files afresh: a plan is never one a reload built.
         match b.plan.current() {
             Plan::Fixed(limit) => {
                 let _ = writeln!(out, "    {}: {}", b.name, describe(&b.shown(*limit), b));
+                write_debt(out, b, 6);
             }
             Plan::Expiring(e) => {
                 let _ = writeln!(
@@ -73,6 +65,7 @@ fn render_domain(out: &mut String, d: &Domain, now_us: u64) {
                     q.allowance_ut() / MICRO,
                     q.pattern()
                 );
+                write_debt(out, b, 6);
                 let horizon = now_us.saturating_add(QUOTA_HORIZON_US);
                 let prev = q.prev_edge(now_us, now_us.saturating_sub(QUOTA_HORIZON_US));
                 let next = q.next_edge(now_us, horizon);
@@ -147,6 +140,27 @@ fn render_level(out: &mut String, d: &Domain, level: &Level, depth: usize, paren
     }
 }
 
+/// A debt bucket's floor and what its account does (docs/usage-budgets.md), on a line of its
+/// own indented by `indent`; nothing for an ordinary bucket. The limits around it are shown as
+/// declared ([`BucketPolicy::shown`]), so the floor is the one place its depth appears.
+fn write_debt(out: &mut String, b: &BucketPolicy, indent: usize) {
+    if !b.debt {
+        return;
+    }
+    let floor = -i128::from(b.debt_depth_ut / MICRO);
+    let reset = if matches!(b.plan.current(), Plan::Quota(_)) {
+        "; a reset adds the allowance, up to it, so a debt is repaid, not forgiven"
+    } else {
+        ""
+    };
+    let _ = writeln!(
+        out,
+        "{:indent$}debt: usage is debited in full down to a floor of {floor} tokens; hits_addend 0 passes while the \
+         balance is positive{reset} (docs/usage-budgets.md)",
+        ""
+    );
+}
+
 /// A constant limit in words, with how Envoy is told about it.
 fn describe(limit: &Limit, b: &BucketPolicy) -> String {
     let reported = format!(
@@ -192,6 +206,7 @@ fn reported(b: &BucketPolicy, now_us: u64) -> String {
 /// gives it, then the next few changes of limit within the horizon.
 fn render_schedule(out: &mut String, b: &BucketPolicy, s: &Schedule, now_us: u64) {
     let _ = writeln!(out, "    {}: base {}", b.name, limit_text(&b.shown(*s.base())));
+    write_debt(out, b, 6);
     for (i, e) in s.entries().iter().enumerate() {
         let effect = match e.effect() {
             Effect::Scale { millionths } => format!("scale {}", millionths as f64 / 1e6),
@@ -216,7 +231,7 @@ fn render_schedule(out: &mut String, b: &BucketPolicy, s: &Schedule, now_us: u64
         out,
         "      now ({}): {} by {} (reported as {})",
         instant(now_us, tz),
-        limit_text(&s.limit_at(now_us)),
+        limit_text(&b.shown(s.limit_at(now_us))),
         by(now_us),
         reported(b, now_us)
     );
@@ -238,7 +253,7 @@ fn render_schedule(out: &mut String, b: &BucketPolicy, s: &Schedule, now_us: u64
             out,
             "      from {}: {} by {}",
             instant(change, tz),
-            limit_text(&s.limit_at(change)),
+            limit_text(&b.shown(s.limit_at(change))),
             by(change)
         );
         t = change;
@@ -434,10 +449,14 @@ fn explain_rule(
         }) => {
             let b = &d.buckets[buckets[0]];
             explain_bucket(out, d, spec, b, steps);
-            explain_limit(out, envoy_limit(spec), b.plan.current(), &mut diffs);
+            explain_limit(out, envoy_limit(spec), b, &mut diffs);
+            write_debt(out, b, 14);
             for other in buckets[1..].iter().map(|i| &d.buckets[*i]) {
                 match other.plan {
-                    crate::core::schedule::Plan::Quota(_) => explain_quota(out, other),
+                    crate::core::schedule::Plan::Quota(_) => {
+                        explain_quota(out, other);
+                        write_debt(out, other, 14);
+                    }
                     _ => explain_bucket(out, d, spec, other, steps),
                 }
             }
@@ -558,14 +577,15 @@ fn envoy_limit(spec: &DescriptorSpec) -> Option<(Unit, u64, u64)> {
     })
 }
 
-/// The limit in theirs and in tollgate: `envoy`'s (from [`envoy_limit`]), else `plan`'s.
+/// The limit in theirs and in tollgate: `envoy`'s (from [`envoy_limit`]), else the plan of
+/// `b`'s, as declared.
 fn explain_limit(
     out: &mut String,
     envoy: Option<(Unit, u64, u64)>,
-    plan: &Plan,
+    b: &BucketPolicy,
     diffs: &mut Vec<(Difference, String)>,
 ) {
-    match (envoy, plan) {
+    match (envoy, b.plan.current()) {
         (Some((unit, _, 0)), _) => {
             let unit = unit.as_str_name();
             let _ = writeln!(
@@ -580,7 +600,7 @@ fn explain_limit(
         }
         (Some((unit, unit_us, rpu)), plan) => explain_envoy_rate(out, unit, unit_us, rpu, plan, diffs),
         (None, Plan::Fixed(limit)) => {
-            let _ = writeln!(out, "    tollgate: {}", limit_text(limit));
+            let _ = writeln!(out, "    tollgate: {}", limit_text(&b.shown(*limit)));
         }
         (None, Plan::Expiring(e)) => {
             let _ = writeln!(out, "    tollgate: {}", expiring_text(e));
@@ -589,7 +609,7 @@ fn explain_limit(
             let _ = writeln!(
                 out,
                 "    tollgate: base {}, changed by {} schedule window(s) (see `tollgate check`)",
-                limit_text(s.base()),
+                limit_text(&b.shown(*s.base())),
                 s.entries().len()
             );
         }
@@ -597,7 +617,7 @@ fn explain_limit(
             let _ = writeln!(
                 out,
                 "    tollgate: quota of {} tokens, reset at `{}` ({}), no refill in between",
-                q.limit().capacity(),
+                q.allowance_ut() / MICRO,
                 q.pattern(),
                 q.timezone()
             );
@@ -690,7 +710,7 @@ fn explain_quota(out: &mut String, q: &BucketPolicy) {
             out,
             "              and quota `{}`: {} tokens, reset at `{}` ({}); a request must pass both",
             q.name,
-            quota.limit().capacity(),
+            quota.allowance_ut() / MICRO,
             quota.pattern(),
             quota.timezone()
         );

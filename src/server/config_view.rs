@@ -388,7 +388,9 @@ fn bucket_view(b: &BucketPolicy) -> BucketView<'_> {
         name: &b.name,
         kind: kind_view(b, &b.plan),
         hidden: b.hidden,
-        debt_floor: (b.debt_depth_ut > 0).then(|| -i64::try_from(b.debt_depth_ut / MICRO).unwrap_or(i64::MAX)),
+        debt_floor: b
+            .debt
+            .then(|| -i64::try_from(b.debt_depth_ut / MICRO).unwrap_or(i64::MAX)),
     }
 }
 
@@ -802,6 +804,101 @@ descriptors:
         ]);
         assert_eq!(edge["rules"], expected, "{:#}", edge["rules"]);
         assert_eq!(edge["notes"], json!([]));
+    }
+
+    /// Debt buckets (docs/usage-budgets.md) show their floor (`debt_floor`, tokens, at most 0) and
+    /// their limits as declared, never raised by the floor's depth as the stores hold them: a
+    /// constant bucket (floor at minus its capacity by default), a scheduled one (each window's
+    /// capacity as declared), a quota (its allowance), a token bucket and quota under one
+    /// `debt: true` (each its own default floor), and `debt_floor: 0`, a floor at zero, which is
+    /// still a debt bucket. An ordinary bucket has no `debt_floor`.
+    #[test]
+    fn debt_buckets_show_their_floor_and_their_limits_as_declared() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("llm.yaml"),
+            r#"
+domain: llm
+buckets:
+  tokens: {capacity: 1000, refill: 1000/1m, debt: true}
+  peak:
+    capacity: 1000
+    refill: 1000/1m
+    debt: true
+    debt_floor: -300
+    schedule:
+      - {cron: "* 9-17 * * *", capacity: 200}
+      - {cron: "* 0-5 * * *", scale: 2}
+  month:
+    quota: {limit: 5000, reset: "0 0 1 * *"}
+    debt: true
+    debt_floor: -1000
+  both: {capacity: 10, refill: 10/1m, quota: {limit: 100, reset: "0 0 * * *"}, debt: true}
+  level: {capacity: 50, refill: 50/1m, debt: true, debt_floor: 0}
+  plain: {capacity: 50, refill: 50/1m}
+descriptors:
+  - {key: a, bucket: tokens}
+  - {key: b, bucket: peak}
+  - {key: c, bucket: month}
+  - {key: d, bucket: both}
+  - {key: e, bucket: level}
+  - {key: f, bucket: plain}
+"#,
+        )
+        .unwrap();
+        let rules = load_rules(dir.path()).unwrap_or_else(|e| panic!("rules should load: {e}"));
+        let v = config_json(&rules, &Settings::default());
+        let buckets = v["domains"]["llm"]["buckets"].as_array().unwrap().clone();
+        let by_name = |name: &str| {
+            buckets
+                .iter()
+                .find(|b| b["name"] == name)
+                .unwrap_or_else(|| panic!("no bucket {name} in {buckets:?}"))
+                .clone()
+        };
+        let per_minute = |n: u64| json!({"tokens": n, "period_seconds": 60, "text": format!("{n}/m")});
+        assert_eq!(
+            by_name("tokens"),
+            json!({
+                "name": "tokens",
+                "kind": "token_bucket",
+                "capacity": 1000,
+                "refill": per_minute(1000),
+                "reported_limit": {"requests_per_unit": 1000, "unit": "minute"},
+                "debt_floor": -1000,
+            })
+        );
+        let peak = by_name("peak");
+        assert_eq!(peak["capacity"], 1000);
+        assert_eq!(peak["debt_floor"], -300);
+        assert_eq!(peak["schedule"][0]["capacity"], 200);
+        // 200 fill in 12 s, not one of Envoy's units: reported by the refill, 1000 a minute.
+        assert_eq!(
+            peak["schedule"][0]["reported_limit"],
+            json!({"requests_per_unit": 1000, "unit": "minute"})
+        );
+        assert_eq!(peak["schedule"][1]["capacity"], 2000, "twice the declared 1000");
+        assert_eq!(peak["schedule"][1]["refill"], per_minute(2000));
+        assert_eq!(
+            by_name("month"),
+            json!({
+                "name": "month",
+                "kind": "quota",
+                "quota": {"limit": 5000, "reset": "0 0 1 * *", "timezone": "UTC"},
+                "debt_floor": -1000,
+            })
+        );
+        assert_eq!(by_name("both")["capacity"], 10);
+        assert_eq!(by_name("both")["debt_floor"], -10);
+        assert_eq!(by_name("both.quota")["quota"]["limit"], 100);
+        assert_eq!(by_name("both.quota")["debt_floor"], -100);
+        assert_eq!(by_name("level")["capacity"], 50);
+        assert_eq!(
+            by_name("level")["debt_floor"],
+            0,
+            "a floor at 0 is still a debt bucket's"
+        );
+        assert!(by_name("plain").get("debt_floor").is_none(), "{}", by_name("plain"));
     }
 
     #[test]

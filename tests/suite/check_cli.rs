@@ -978,6 +978,164 @@ fn schedules_preview_base_entries_now_and_changes() {
     }
 }
 
+/// The line under a debt bucket's header that gives its floor (`floor` tokens); a debt
+/// quota's adds what its reset does.
+fn debt_line(floor: &str, quota: bool) -> String {
+    format!(
+        "      debt: usage is debited in full down to a floor of {floor} tokens; hits_addend 0 passes while \
+         the balance is positive{} (docs/usage-budgets.md)",
+        if quota {
+            "; a reset adds the allowance, up to it, so a debt is repaid, not forgiven"
+        } else {
+            ""
+        }
+    )
+}
+
+/// `valid/debt.yaml`: each debt bucket is one block, its header with its limits as declared
+/// (the stores hold capacities raised by the floor's depth: never shown), then its floor; a
+/// scheduled one's limit now and at each change is the declared limit of the window (or base)
+/// that gives it, and a debt quota's line says a reset adds the allowance. `debt_floor: 0` is
+/// a debt bucket with its floor at 0. `check --explain` shows the same limits and floors.
+#[test]
+fn debt_buckets_show_their_floor_and_their_limits_as_declared() {
+    let out = check(&fixtures().join("valid/debt.yaml"));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    // 1000 a minute: 16.666667 a second; a capacity of 1000 fills in 60 s, 200 in 12 s.
+    let base = "capacity 1000, refill 16.666667 tokens/s, full from empty in 60.000s";
+    assert_eq!(
+        bucket_block(&stdout, "tokens"),
+        [
+            format!("    tokens: {base} (reported as 1000 per minute)"),
+            debt_line("-1000", false)
+        ],
+        "{stdout}"
+    );
+    let window = [
+        "capacity 200, refill 16.666667 tokens/s, full from empty in 12.000s",
+        "capacity 2000, refill 33.333333 tokens/s, full from empty in 60.000s",
+    ];
+    let peak = bucket_block(&stdout, "peak");
+    let ctx = peak.join("\n");
+    assert_eq!(
+        peak[..4],
+        [
+            format!("    peak: base {base}"),
+            debt_line("-300", false),
+            format!("      schedule[0]: `* 9-17 * * *` (UTC) set: {}", window[0]),
+            format!("      schedule[1]: `* 0-5 * * *` (UTC) scale 2: {}", window[1]),
+        ],
+        "{ctx}"
+    );
+    let limit_of = |by: &str| match by {
+        "base" => base,
+        "schedule[0]" => window[0],
+        "schedule[1]" => window[1],
+        other => panic!("by {other}: {ctx}"),
+    };
+    let (now, rest) = peak[4]
+        .strip_prefix("      now (")
+        .and_then(|l| l.split_once("): "))
+        .unwrap_or_else(|| panic!("no `now` line: {ctx}"));
+    let (limit, by) = rest
+        .split_once(" (reported as ")
+        .unwrap()
+        .0
+        .rsplit_once(" by ")
+        .unwrap();
+    assert_eq!(limit, limit_of(by), "now ({now}): {ctx}");
+    // Daily windows: the 4 changes the preview lists are within 62 days.
+    assert_eq!(peak.len(), 9, "{ctx}");
+    for line in &peak[5..] {
+        let (limit, by) = line
+            .strip_prefix("      from ")
+            .and_then(|l| l.split_once(": "))
+            .and_then(|(_, rest)| rest.rsplit_once(" by "))
+            .unwrap_or_else(|| panic!("not a `from` line: {line:?} in {ctx}"));
+        assert_eq!(limit, limit_of(by), "{ctx}");
+    }
+    let month = bucket_block(&stdout, "month");
+    assert_eq!(
+        month[..2],
+        [
+            "    month: quota of 5000 tokens, reset at `0 0 1 * *` (UTC), no refill in between".to_owned(),
+            debt_line("-1000", true)
+        ],
+        "{stdout}"
+    );
+    assert!(month[2].starts_with("      last reset "), "{stdout}");
+    assert_eq!(
+        bucket_block(&stdout, "both"),
+        [
+            "    both: capacity 10, refill 0.166667 tokens/s, full from empty in 60.000s (reported as 10 per minute)"
+                .to_owned(),
+            debt_line("-10", false)
+        ],
+        "{stdout}"
+    );
+    // The quota beside it has a floor of its own, minus its allowance by default.
+    assert_eq!(
+        bucket_block(&stdout, "both.quota")[..2],
+        [
+            "    both.quota: quota of 100 tokens, reset at `0 0 * * *` (UTC), no refill in between".to_owned(),
+            debt_line("-100", true)
+        ],
+        "{stdout}"
+    );
+    assert_eq!(
+        bucket_block(&stdout, "level"),
+        [
+            "    level: capacity 50, refill 0.833333 tokens/s, full from empty in 60.000s (reported as 50 per minute)"
+                .to_owned(),
+            debt_line("0", false)
+        ],
+        "{stdout}"
+    );
+    assert_eq!(
+        bucket_block(&stdout, "plain"),
+        ["    plain: capacity 50, refill 0.833333 tokens/s, full from empty in 60.000s (reported as 50 per minute)"],
+        "{stdout}"
+    );
+
+    // --explain: the same limits as declared, each followed by its floor.
+    let out = explain("tests/fixtures/valid/debt.yaml");
+    assert_eq!(out.status.code(), Some(0));
+    let text = String::from_utf8(out.stdout).unwrap();
+    let explained = |line: &str| line.replacen("      debt: ", "              debt: ", 1);
+    for expected in [
+        format!("    tollgate: {base}\n{}\n", explained(&debt_line("-1000", false))),
+        format!(
+            "    tollgate: base {base}, changed by 2 schedule window(s) (see `tollgate check`)\n{}\n",
+            explained(&debt_line("-300", false))
+        ),
+        format!(
+            "    tollgate: quota of 5000 tokens, reset at `0 0 1 * *` (UTC), no refill in between\n{}\n",
+            explained(&debt_line("-1000", true))
+        ),
+        format!(
+            "    tollgate: capacity 10, refill 0.166667 tokens/s, full from empty in 60.000s\n{}\n              and \
+             quota `both.quota`: 100 tokens, reset at `0 0 * * *` (UTC); a request must pass both\n{}\n",
+            explained(&debt_line("-10", false)),
+            explained(&debt_line("-100", true))
+        ),
+        format!(
+            "    tollgate: capacity 50, refill 0.833333 tokens/s, full from empty in 60.000s\n{}\n",
+            explained(&debt_line("0", false))
+        ),
+    ] {
+        assert!(text.contains(&expected), "missing:\n{expected}\nin:\n{text}");
+    }
+    // The ordinary bucket, last, has no floor.
+    assert!(
+        text.ends_with(
+            "  rule f\n    schema:   tollgate, bucket: plain\n    bucket:   `plain`, one instance per value of `f`\n    \
+             tollgate: capacity 50, refill 0.833333 tokens/s, full from empty in 60.000s\n"
+        ),
+        "{text}"
+    );
+}
+
 /// `tollgate serve --rules PATH` serves those rules instead of the `rules` setting: an invalid
 /// file given that way stops it at start with the same file, rule and reason as `check`.
 /// `check` describes a fixed allowance, and an expiring one with its period and the unit

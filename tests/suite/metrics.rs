@@ -268,3 +268,115 @@ async fn huge_hits_addend_counts_at_most_capacity_plus_one_and_malformed_parts_a
     // The cut value was decided: one admission on per_user.
     assert_eq!(decisions(&m, DECISIONS, "per_user", "ok"), 1.0);
 }
+
+const DEBT_RULES: &str = r#"
+domain: llm
+buckets:
+  # 100 tokens a day: over a test of a few seconds refill adds a few thousandths of a token.
+  tenant_tokens: {capacity: 100, refill: 100/1d, debt: true}
+descriptors:
+  - key: tenant
+    bucket: tenant_tokens
+"#;
+
+/// A usage report of `n` tokens (`hits_addend` n), or the request-path check for `n` = 0.
+fn usage(tenant: &str, n: u64) -> RateLimitRequest {
+    let mut d = descriptor("tenant", tenant);
+    d.hits_addend = Some(UInt64Value { value: n });
+    request("llm", vec![d])
+}
+
+/// The debt metrics of docs/usage-budgets.md after known usage reports on a debt bucket of
+/// capacity 100 (floor -100), through the gRPC service on the real clock. Refill is 100 tokens a
+/// day, so over the test it adds a few thousandths of a token (about 1.2 micro-tokens a
+/// millisecond): the balances below hold up to that, and every value asserted is one that such
+/// a sliver does not change.
+///
+/// acme: 100 -> report 30 (ok) -> 70 -> report 150 (ok: positive before it; all debited) ->
+/// -80 -> check (over) -> report 50 (over; 20 (and the sliver) down to the floor debited, 30 lost)
+/// -> -100 -> report 10 at the floor (over; all 10 lost: the sliver refill gave is less than a
+/// token). Then globex reports 5 (ok) on an account of its own.
+///
+/// - `tollgate_debited_tokens_total`: 30 + 150 + 20 + 0 + 5 = 205;
+/// - `tollgate_debt_lost_tokens_total`: 30 + 10 = 40;
+/// - so debited + lost = 245 = every hit reported, as `tollgate_hits_total` counts them
+///   (ok: 30 + 5; near_limit: 150, after which all of the capacity is used, past the default
+///   0.8; over_limit: 50 + 10, the check 0);
+/// - `tollgate_debt_tokens`: the debt of the instance decided last: 80 after acme's 150 (80
+///   less the sliver, shown whole), 100 at the floor, then 0 once globex (positive) is decided.
+///
+/// The labels are the domain and the bucket name, never a tenant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn debt_metrics_count_usage_reports_exactly() {
+    let tollgate = block_in_place(|| Tollgate::start(&[("llm.yaml", DEBT_RULES)]));
+    let mut c = connect(&tollgate).await;
+    let labels = [("domain", "llm"), ("bucket", "tenant_tokens")];
+    let scrape = || block_in_place(|| Scrape::from(tollgate.http_addr));
+
+    assert_eq!(code(&mut c, usage("acme", 30)).await, Code::Ok);
+    assert_eq!(code(&mut c, usage("acme", 150)).await, Code::Ok, "positive before it");
+    let m = scrape();
+    assert_eq!(m.counter(DEBITED, &labels), 180.0);
+    assert_eq!(m.counter(LOST, &labels), 0.0);
+    assert_eq!(
+        m.get(DEBT, &labels),
+        Some(80.0),
+        "80 in debt, less the sliver, shown whole"
+    );
+
+    assert_eq!(code(&mut c, usage("acme", 0)).await, Code::OverLimit, "in debt");
+    assert_eq!(code(&mut c, usage("acme", 50)).await, Code::OverLimit);
+    let m = scrape();
+    assert_eq!(m.counter(DEBITED, &labels), 200.0, "20 of the 50 fit above the floor");
+    assert_eq!(m.counter(LOST, &labels), 30.0, "the other 30 found the floor");
+    assert_eq!(m.get(DEBT, &labels), Some(100.0), "at the floor");
+
+    assert_eq!(code(&mut c, usage("acme", 10)).await, Code::OverLimit);
+    let m = scrape();
+    assert_eq!(
+        m.counter(DEBITED, &labels),
+        200.0,
+        "nothing of a report at the floor is debited"
+    );
+    assert_eq!(m.counter(LOST, &labels), 40.0, "all 10 are lost");
+    assert_eq!(m.get(DEBT, &labels), Some(100.0));
+
+    assert_eq!(code(&mut c, usage("globex", 5)).await, Code::Ok);
+    let m = scrape();
+    assert_eq!(m.counter(DEBITED, &labels), 205.0);
+    assert_eq!(m.counter(LOST, &labels), 40.0);
+    assert_eq!(m.get(DEBT, &labels), Some(0.0), "globex, decided last, owes nothing");
+    let hits = |code| m.counter(HITS, &[("domain", "llm"), ("bucket", "tenant_tokens"), ("code", code)]);
+    assert_eq!(hits("ok"), 35.0);
+    assert_eq!(hits("near_limit"), 150.0);
+    assert_eq!(hits("over_limit"), 60.0);
+    assert_eq!(
+        m.counter(DEBITED, &labels) + m.counter(LOST, &labels),
+        hits("ok") + hits("near_limit") + hits("over_limit"),
+        "every hit reported is debited or lost"
+    );
+    assert_eq!(
+        m.counter(
+            DECISIONS,
+            &[("domain", "llm"), ("bucket", "tenant_tokens"), ("code", "over_limit")]
+        ),
+        3.0,
+        "the check and the two reports while in debt"
+    );
+
+    // One series per bucket, labelled by domain and bucket only.
+    for name in [DEBITED, LOST, DEBT] {
+        let series: Vec<_> = m.samples.iter().filter(|s| s.metric == name).collect();
+        assert_eq!(series.len(), 1, "{name}: {series:?}");
+        let mut keys: Vec<&str> = series[0].labels.keys().map(String::as_str).collect();
+        keys.sort_unstable();
+        assert_eq!(keys, ["bucket", "domain"], "{name}");
+    }
+    assert_eq!(m.types.get(DEBITED).map(String::as_str), Some("counter"));
+    assert_eq!(m.types.get(LOST).map(String::as_str), Some("counter"));
+    assert_eq!(m.types.get(DEBT).map(String::as_str), Some("gauge"));
+}
+
+const DEBITED: &str = "tollgate_debited_tokens_total";
+const LOST: &str = "tollgate_debt_lost_tokens_total";
+const DEBT: &str = "tollgate_debt_tokens";

@@ -107,6 +107,39 @@ descriptors:
     );
 }
 
+/// `debt_floor: 0` (docs/usage-budgets.md: a floor is "0 or below") is a debt bucket whose
+/// balance never goes below zero: a report larger than the balance is still taken, down to 0
+/// (the rest lost, never refused), and the request-path check passes on any positive balance,
+/// a micro-token, as on every debt bucket. It used to compile to an ordinary bucket (its depth,
+/// 0, was what marked a debt bucket): the report of 1,000 on 400 was refused and dropped
+/// whole, and the check wanted a whole token.
+#[tokio::test]
+async fn a_floor_of_zero_is_still_a_debt_bucket() {
+    let h = harness(
+        "domain: d
+buckets:
+  llm_tokens: {capacity: 1000, refill: 1000/1m, debt: true, debt_floor: 0}
+descriptors:
+  - key: tenant
+    bucket: llm_tokens
+",
+    );
+    assert_eq!(h.ask(&used("acme", 600)).await.overall_code, OK);
+    let report = h.ask(&used("acme", 1000)).await;
+    assert_eq!(report.overall_code, OK, "400 left: positive before it, taken down to 0");
+    assert_eq!(report.statuses[0].limit_remaining, 0);
+    let denied = h.ask(&ask("acme")).await;
+    assert_eq!(denied.overall_code, OVER, "a balance of exactly 0 is not positive");
+    // One micro-token at 1,000 tokens a minute (50/3 micro-tokens a microsecond): 1 µs.
+    assert_eq!(header(&denied, "retry-after"), Some("1"));
+    h.advance_ms(1);
+    assert_eq!(
+        h.ask(&ask("acme")).await.overall_code,
+        OK,
+        "16 micro-tokens are a positive balance"
+    );
+}
+
 /// A debt bucket and an ordinary one in one request: the ordinary buckets stay all or
 /// nothing (a debt not yet repaid denies the request and they keep their tokens), while usage
 /// reports are debited whatever the decision.

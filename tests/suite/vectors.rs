@@ -136,13 +136,15 @@ fn plan(spec: &BucketSpec) -> Plan {
 /// A demand on the bucket it names among `buckets`: on a debt bucket a consume is a usage
 /// report and a check asks for a positive balance.
 fn demand(d: &DemandSpec, buckets: &[BucketSpec]) -> Demand {
+    // `debt_depth: 0` is a debt bucket too, whose floor is at 0.
+    let debt = buckets[d.bucket].debt_depth.is_some();
     let depth_ut = buckets[d.bucket].debt_depth.unwrap_or(0) * MICRO;
     let kind = match (d.consume, d.check, d.refund) {
-        (Some(n), false, None) if depth_ut > 0 => DemandKind::Debit {
+        (Some(n), false, None) if debt => DemandKind::Debit {
             amount_ut: n * MICRO,
             depth_ut,
         },
-        (None, true, None) if depth_ut > 0 => DemandKind::DebtCheck { depth_ut },
+        (None, true, None) if debt => DemandKind::DebtCheck { depth_ut },
         (Some(n), false, None) => DemandKind::Consume(n * MICRO),
         (None, true, None) => DemandKind::Check,
         (None, false, Some(n)) => DemandKind::Refund(n * MICRO),
@@ -389,7 +391,7 @@ mod random {
     /// A bucket of [`arb_ordinary`], now and then a debt bucket (a quota's floor at most one
     /// allowance deep, as the rules compiler requires).
     fn arb_bucket() -> impl Strategy<Value = BucketSpec> {
-        (arb_ordinary(), prop::option::weighted(0.3, 1..20u64)).prop_map(|(mut b, depth)| {
+        (arb_ordinary(), prop::option::weighted(0.3, 0..20u64)).prop_map(|(mut b, depth)| {
             // (The rules compiler refuses debt on an expiring allowance.)
             b.debt_depth = depth
                 .filter(|_| b.expires_s.is_none())

@@ -36,9 +36,10 @@ use crate::core::bucket::{refill, wait_us, BucketState, Limit, Rate, MAX_CAPACIT
 pub const DEFAULT_HORIZON_US: u64 = 62 * 86_400 * MICRO;
 
 /// How many changes of limit a look ahead (a wait, a time until full) walks at most, within
-/// [`DEFAULT_HORIZON_US`]. Each costs a search for the next change, so a bucket that fills
-/// slowly under windows that change every few minutes would otherwise walk tens of thousands
-/// on every decision. Past it the answer is "not within the horizon": no retry-after, no reset
+/// [`DEFAULT_HORIZON_US`], after the instant it looks from (a wait's `now`; a time until full
+/// looks from the state's last write). Each costs a search for the next change, so a bucket
+/// that fills slowly under windows that change every few minutes would otherwise walk tens of
+/// thousands on every decision. Past it the answer is "not within the horizon": no retry-after, no reset
 /// time, and a store keeps the bucket until it is decided on again or evicted.
 pub const MAX_CHANGES_AHEAD: usize = 256;
 
@@ -534,6 +535,11 @@ pub fn wait_until_us(
     if schedule.entries.is_empty() {
         return wait_us(state, need_ut, &schedule.base, now_us);
     }
+    // A clock that stepped back: up to its update the state is only trimmed (as in
+    // `refill_scheduled`), so if that holds enough it does now, not from the update on.
+    if now_us < state.updated_us && refill_scheduled(state, schedule, now_us).tokens_ut >= need_ut {
+        return Some(0);
+    }
     let end = now_us.saturating_add(horizon_us);
     first_instant(state, schedule, now_us, end, |limit| {
         (need_ut <= limit.capacity_ut).then_some(need_ut)
@@ -568,7 +574,9 @@ pub fn reopen_at_us(state: BucketState, schedule: &Schedule, now_us: u64, horizo
 ///
 /// Segment by segment from `state.updated_us`: the instant the tokens would suffice if the
 /// segment's limit held on is worked out first, and boundaries are searched for only up to
-/// it, so the cost grows with the changes of limit crossed, not with the horizon.
+/// it, so the cost grows with the changes of limit crossed, not with the horizon. At most
+/// [`MAX_CHANGES_AHEAD`] changes after `not_before` are crossed; those before it are walked
+/// as [`refill_scheduled`] walks them.
 fn first_instant(
     state: BucketState,
     schedule: &Schedule,
@@ -578,7 +586,10 @@ fn first_instant(
 ) -> Option<u64> {
     let mut st = state;
     let mut cur = state.updated_us;
-    for _ in 0..=MAX_CHANGES_AHEAD {
+    // Changes of limit crossed after `not_before`: the bound is on those. The ones before it
+    // are the past, which bringing the state forward to `not_before` walks anyway.
+    let mut ahead = 0;
+    loop {
         let limit = schedule.limit_at(cur);
         let candidate = need(&limit).and_then(|n| {
             let tokens = st.tokens_ut.min(limit.capacity_ut);
@@ -597,12 +608,17 @@ fn first_instant(
             (Some(b), _) => {
                 st = cross(st, &limit, b);
                 cur = b;
+                if b > not_before {
+                    ahead += 1;
+                    if ahead > MAX_CHANGES_AHEAD {
+                        return None;
+                    }
+                }
             }
             (None, Some(at)) if at <= end => return Some(at),
             (None, _) => return None,
         }
     }
-    None
 }
 
 #[cfg(test)]

@@ -4,6 +4,7 @@ use croner::parser::{CronParser, Seconds, Year};
 use proptest::prelude::*;
 
 use super::*;
+use crate::core::bucket::{decide, Demand, DemandKind};
 use crate::core::schedule::testing::utc;
 
 const MIN: u64 = 60 * MICRO;
@@ -217,6 +218,65 @@ fn assert_exact_wait(state: BucketState, need: u64, s: &Schedule, now: u64, wait
     if wait > 0 {
         assert!(refill_scheduled(state, s, now + wait - 1).tokens_ut < need);
     }
+}
+
+/// A bucket written after `now` (the clock stepped back since) that already holds what is
+/// asked waits 0, as under a constant limit: brought to an instant before its update, a state
+/// changes by nothing (`refill_scheduled`), so it admits at `now`. The wait used to run from
+/// the update instead, answering `updated - now` for a request that passes at once (found by
+/// `a_client_that_retries_at_retry_after_passes`: a debt check at a balance of one
+/// micro-token, 1 µs behind the write).
+#[test]
+fn a_state_written_after_now_that_holds_enough_waits_nothing() {
+    let window = ScheduleEntry::new("* 9-17 * * *", None, None, Some(5), None).unwrap();
+    let s = Schedule::new(Limit::new(10, per_min(1)), vec![window]).unwrap();
+    for now in [utc(2026, 6, 1, 8, 0), utc(2026, 6, 1, 12, 0)] {
+        let ahead = BucketState {
+            tokens_ut: 3 * MICRO,
+            updated_us: now + 1,
+        };
+        assert_eq!(refill_scheduled(ahead, &s, now).tokens_ut, 3 * MICRO);
+        assert_eq!(wait_us(ahead, 3 * MICRO, s.base(), now), Some(0), "a constant limit");
+        assert_eq!(wait_until_us(ahead, 3 * MICRO, &s, now, DEFAULT_HORIZON_US), Some(0));
+        assert_exact_wait(ahead, 3 * MICRO, &s, now, 0);
+        // One micro-token more comes 60 µs after the write (a token a minute), 61 µs from now.
+        assert_eq!(
+            wait_until_us(ahead, 3 * MICRO + 1, &s, now, DEFAULT_HORIZON_US),
+            Some(61)
+        );
+        assert_exact_wait(ahead, 3 * MICRO + 1, &s, now, 61);
+    }
+}
+
+/// The bound on changes of limit a wait walks is on those ahead of `now`: the ones between a
+/// state's last write and `now` are the past, which every decision walks anyway
+/// (`refill_scheduled`). A bucket written at 18:00 and asked at 03:00, under a window that
+/// toggles the refill every minute and a maintenance window (capacity 0) from 00:00 to 05:59,
+/// is denied until 06:00, when it comes out of the maintenance full: a wait of 3 h exactly,
+/// with no change of limit in between. It used to have none (no `Retry-After`), the 360
+/// changes from 18:00 to midnight counted against the 256 ahead (found by
+/// `a_client_that_retries_at_retry_after_passes`).
+#[test]
+fn changes_before_now_do_not_count_against_the_look_ahead() {
+    let closed = ScheduleEntry::new("* 0-5 * * *", None, None, Some(0), None).unwrap();
+    let toggling = ScheduleEntry::new("*/2 * * * *", None, None, None, Some(per_min(2))).unwrap();
+    let s = Schedule::new(Limit::new(10, per_min(1)), vec![closed, toggling]).unwrap();
+    let written = BucketState {
+        tokens_ut: 0,
+        updated_us: utc(2026, 6, 1, 18, 0),
+    };
+    let now = utc(2026, 6, 2, 3, 0);
+    assert_eq!(refill_scheduled(written, &s, now).tokens_ut, 0, "closed");
+    assert_eq!(
+        wait_until_us(written, MICRO, &s, now, DEFAULT_HORIZON_US),
+        Some(3 * HOUR)
+    );
+    assert_exact_wait(written, MICRO, &s, now, 3 * HOUR);
+    // The bucket is full at the end of the maintenance, 10 tokens.
+    assert_eq!(
+        reopen_at_us(written, &s, now, DEFAULT_HORIZON_US),
+        Some(utc(2026, 6, 2, 6, 0))
+    );
 }
 
 /// A window with a lower capacity trims the bucket at its start; one with a higher capacity
@@ -857,5 +917,511 @@ fn no_panic_at_the_end_of_representable_time() {
         assert!(refill_scheduled(st, &s, t).tokens_ut <= 10 * MICRO);
         let _ = wait_until_us(st, 3 * MICRO, &s, t, DEFAULT_HORIZON_US);
         let _ = full_at_us(st, &s, DEFAULT_HORIZON_US);
+    }
+}
+
+// ---- Debt buckets under a schedule (docs/usage-budgets.md) ---------------------------------
+
+/// A UTC window whose activity is plain arithmetic on the minute, so the debt model below
+/// needs no cron matcher of its own (croner's is compared with the windows' elsewhere).
+#[derive(Clone, Copy, Debug)]
+enum Span {
+    /// Minutes `a..=b` of every hour.
+    Minutes(u64, u64),
+    /// Hours `a..=b` of every day.
+    Hours(u64, u64),
+    /// `*/k`: minutes 0, k, 2k, ... of every hour, one minute each.
+    Every(u64),
+}
+
+impl Span {
+    fn cron(self) -> String {
+        let range = |a: u64, b: u64| if a == b { a.to_string() } else { format!("{a}-{b}") };
+        match self {
+            Span::Minutes(a, b) => format!("{} * * * *", range(a, b)),
+            Span::Hours(a, b) => format!("* {} * * *", range(a, b)),
+            Span::Every(k) => format!("*/{k} * * * *"),
+        }
+    }
+
+    fn active(self, t_us: u64) -> bool {
+        let minute = t_us / MIN % 60;
+        let hour = t_us / HOUR % 24;
+        match self {
+            Span::Minutes(a, b) => (a..=b).contains(&minute),
+            Span::Hours(a, b) => (a..=b).contains(&hour),
+            Span::Every(k) => minute.is_multiple_of(k),
+        }
+    }
+}
+
+fn span() -> impl Strategy<Value = Span> {
+    prop_oneof![
+        3 => (0..60u64, 0..30u64).prop_map(|(a, w)| Span::Minutes(a, (a + w).min(59))),
+        2 => (0..24u64, 0..4u64).prop_map(|(a, w)| Span::Hours(a, (a + w).min(23))),
+        1 => (2..=20u64).prop_map(Span::Every),
+    ]
+}
+
+/// What a window does: a scale in tenths, or an absolute capacity (tokens) and/or refill
+/// (tokens per minute, 0 for none at all).
+#[derive(Clone, Copy, Debug)]
+enum Change {
+    Scale(u64),
+    Set(Option<u64>, Option<u64>),
+}
+
+fn change() -> impl Strategy<Value = Change> {
+    prop_oneof![
+        (1..=30u64).prop_map(Change::Scale),
+        (0..40u64).prop_map(|c| Change::Set(Some(c), None)),
+        (0..30u64).prop_map(|r| Change::Set(None, Some(r))),
+        (0..40u64, 0..30u64).prop_map(|(c, r)| Change::Set(Some(c), Some(r))),
+    ]
+}
+
+/// A limit in the model's terms: the declared capacity in micro-tokens (a balance's ceiling)
+/// and a refill of `num` micro-tokens every `den` microseconds, not reduced.
+#[derive(Clone, Copy, Debug)]
+struct Declared {
+    cap: i128,
+    num: i128,
+    den: i128,
+}
+
+impl PartialEq for Declared {
+    fn eq(&self, o: &Declared) -> bool {
+        self.cap == o.cap && self.num * o.den == o.num * self.den
+    }
+}
+
+/// The periods the base refill is given over.
+const BASE_PERIODS: [u64; 4] = [MICRO, 10 * MICRO, MIN, 10 * MIN];
+
+/// A debt schedule as the core builds it and as the model reads it: the plan, the base limit
+/// and each window's.
+type DebtSchedule = (Plan, Declared, Vec<(Span, Declared)>);
+
+/// The base limit of a generated debt schedule (`cap` tokens, `per` tokens per
+/// `BASE_PERIODS[period]`) and its windows, as the core builds them (`Schedule::new`, then
+/// `with_debt_depth` as the rules compiler does for `debt: true`) and as the model reads them.
+/// `None` when `Schedule::new` refuses the windows (a scale that leaves less than a token, or
+/// a scaled rate it cannot keep exact), as a rules file would be refused.
+fn debt_schedule(cap: u64, per: u64, period: usize, windows: &[(Span, Change)], depth_ut: u64) -> Option<DebtSchedule> {
+    let period_us = BASE_PERIODS[period];
+    let base = Limit::new(cap, Rate::per(per, period_us).unwrap());
+    let entries = windows
+        .iter()
+        .map(|(span, change)| match *change {
+            Change::Scale(tenths) => ScheduleEntry::new(&span.cron(), None, Some(tenths as f64 / 10.0), None, None),
+            Change::Set(c, r) => ScheduleEntry::new(&span.cron(), None, None, c, r.map(per_min)),
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap();
+    let schedule = match Schedule::new(base, entries) {
+        Ok(s) => s.with_debt_depth(depth_ut),
+        Err(ScheduleError::ScaledBelowOneToken { .. } | ScheduleError::InexactScaledRate { .. }) => return None,
+        Err(e) => panic!("{e}"),
+    };
+    // The model's limits, worked out from the declaration alone.
+    let declared_base = Declared {
+        cap: i128::from(cap * MICRO),
+        num: i128::from(per * MICRO),
+        den: i128::from(period_us),
+    };
+    let model_windows = windows
+        .iter()
+        .map(|(span, change)| {
+            let limit = match *change {
+                Change::Scale(tenths) => Declared {
+                    cap: declared_base.cap * i128::from(tenths) / 10,
+                    num: declared_base.num * i128::from(tenths),
+                    den: declared_base.den * 10,
+                },
+                Change::Set(c, r) => Declared {
+                    cap: c.map_or(declared_base.cap, |c| i128::from(c * MICRO)),
+                    num: r.map_or(declared_base.num, |r| i128::from(r * MICRO)),
+                    den: r.map_or(declared_base.den, |_| i128::from(MIN)),
+                },
+            };
+            (*span, limit)
+        })
+        .collect();
+    Some((Plan::Scheduled(Arc::new(schedule)), declared_base, model_windows))
+}
+
+/// The signed model of a debt bucket under a schedule, written from docs/usage-budgets.md and
+/// docs/schedules-and-quotas.md alone: a balance in micro-tokens that reports take down to
+/// `-depth` (what does not fit is lost), refilled at the rate in force and never above the
+/// capacity in force; at a change of limit a balance above the new capacity is trimmed to it,
+/// and a full one (at the old capacity) is full at the new. Refill is lazy and floors to the
+/// micro-token where tollgate documents it does (mod.rs: once per change of limit crossed,
+/// and at each write), so the model keeps an anchor (a balance at an instant) that moves
+/// exactly there and nowhere else, and the core must agree with it to the micro-token.
+#[derive(Clone, Debug)]
+struct DebtModel {
+    windows: Vec<(Span, Declared)>,
+    base: Declared,
+    depth: i128,
+    /// The balance at `anchor` under `limit`.
+    balance: i128,
+    anchor: u64,
+    limit: Declared,
+    /// Changes of limit are applied up to here.
+    seen: u64,
+}
+
+impl DebtModel {
+    fn new(windows: Vec<(Span, Declared)>, base: Declared, depth: i128, start: u64) -> DebtModel {
+        let mut m = DebtModel {
+            windows,
+            base,
+            depth,
+            balance: 0,
+            anchor: start,
+            limit: base,
+            seen: start,
+        };
+        m.limit = m.limit_of(start);
+        // A new bucket is full.
+        m.balance = m.limit.cap;
+        m
+    }
+
+    fn limit_of(&self, t: u64) -> Declared {
+        self.windows
+            .iter()
+            .find(|(s, _)| s.active(t))
+            .map_or(self.base, |(_, l)| *l)
+    }
+
+    /// The balance at `t`, in the stretch of `limit`: trimmed, then the refill since the anchor
+    /// (floored), never above the capacity.
+    fn balance_at(&self, t: u64) -> i128 {
+        let l = self.limit;
+        let earned = if l.num == 0 {
+            0
+        } else {
+            i128::from(t - self.anchor) * l.num / l.den
+        };
+        (self.balance.min(l.cap) + earned).min(l.cap)
+    }
+
+    /// Applies the changes of limit up to `t` (all at minute marks).
+    fn advance(&mut self, t: u64) {
+        let mut m = self.seen - self.seen % MIN + MIN;
+        while m <= t {
+            let next = self.limit_of(m);
+            if next != self.limit {
+                let held = self.balance_at(m);
+                self.balance = if held >= self.limit.cap {
+                    next.cap
+                } else {
+                    held.min(next.cap)
+                };
+                self.anchor = m;
+                self.limit = next;
+            }
+            m += MIN;
+        }
+        self.seen = self.seen.max(t);
+    }
+
+    /// A write at `t` (after `advance(t)`): the balance becomes `balance`.
+    fn write(&mut self, t: u64, balance: i128) {
+        self.balance = balance;
+        self.anchor = t;
+    }
+
+    /// The first instant from `t` (at most `end`) at which the balance is positive, and the
+    /// changes of limit crossed to get there, walking a copy minute by minute.
+    fn positive_from(&self, t: u64, end: u64) -> Option<(u64, usize)> {
+        let mut m = self.clone();
+        m.advance(t);
+        let mut from = t;
+        let mut changes = 0;
+        loop {
+            let seg_end = from - from % MIN + MIN;
+            let l = m.limit;
+            let held = m.balance.min(l.cap);
+            let at = if l.cap < 1 {
+                None
+            } else if held >= 1 {
+                Some(from)
+            } else if l.num == 0 {
+                None
+            } else {
+                // held + floor(e * num / den) >= 1  <=>  e >= ceil((1 - held) * den / num).
+                let e = ((1 - held) * l.den + l.num - 1) / l.num;
+                Some((m.anchor + u64::try_from(e).unwrap()).max(from))
+            };
+            if let Some(at) = at.filter(|at| *at < seg_end && *at <= end) {
+                return Some((at, changes));
+            }
+            if seg_end > end {
+                return None;
+            }
+            m.advance(seg_end);
+            changes += usize::from(m.limit != l);
+            from = seg_end;
+        }
+    }
+}
+
+/// When the next demand comes: after a gap, or at a minute mark (where windows change) less
+/// one microsecond, at it, or just after.
+#[derive(Clone, Copy, Debug)]
+enum When {
+    After(u64),
+    NextMinute(u64),
+}
+
+impl When {
+    fn from(self, t: u64) -> u64 {
+        match self {
+            When::After(gap) => t + gap,
+            When::NextMinute(k) => (t - t % MIN + MIN + k).max(t + 1) - 1,
+        }
+    }
+}
+
+fn when() -> impl Strategy<Value = When> {
+    prop_oneof![
+        4 => (0..(12 * MIN)).prop_map(When::After),
+        1 => (0..(3 * HOUR)).prop_map(When::After),
+        2 => (0..3u64).prop_map(When::NextMinute),
+    ]
+}
+
+/// What a debt bucket is asked: the request-path check, a usage report of `n` tokens, a
+/// refund of `n`.
+#[derive(Clone, Copy, Debug)]
+enum Ask {
+    Check,
+    Report(u64),
+    Refund(u64),
+}
+
+fn ask() -> impl Strategy<Value = Ask> {
+    prop_oneof![
+        3 => Just(Ask::Check),
+        4 => (1..120u64).prop_map(Ask::Report),
+        1 => (1..40u64).prop_map(Ask::Refund),
+    ]
+}
+
+fn one(kind: DemandKind) -> [Demand; 1] {
+    [Demand {
+        instance: 0,
+        kind,
+        enforced: true,
+    }]
+}
+
+/// The request-path check on a debt bucket `depth_ut` deep.
+fn debt_check(depth_ut: u64) -> [Demand; 1] {
+    one(DemandKind::DebtCheck { depth_ut })
+}
+
+/// Retry-after is exact for the bucket stored as `state` under `plan` at `now`: asked again
+/// `wait` later, `demand` passes, and one microsecond earlier (if that is not before `now`) it
+/// does not.
+fn assert_retry_admits(
+    plan: &Plan,
+    state: BucketState,
+    demand: &[Demand],
+    now: u64,
+    wait: u64,
+) -> Result<(), TestCaseError> {
+    let plans = std::slice::from_ref(plan);
+    let at = now + wait;
+    prop_assert!(
+        !decide(at, &[state], plans, demand).denied,
+        "denied at the retry-after {}",
+        at
+    );
+    if wait > 0 {
+        prop_assert!(
+            decide(at - 1, &[state], plans, demand).denied,
+            "admitted before the retry-after {}",
+            at
+        );
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// A debt bucket under a schedule (capacities raised by the floor's depth, as `debt: true`
+    /// compiles), asked checks, usage reports and refunds at random instants across changes of
+    /// limit, against the signed [`DebtModel`]: the same balance to the micro-token before each
+    /// decision, admission iff that balance is positive, reports debited down to the floor with
+    /// the rest lost, refunds up to the capacity in force, writes exactly when the balance
+    /// moves; and while the balance is not positive, the retry-after is the model's first
+    /// positive instant, at which the check passes and a microsecond before which it does not.
+    #[test]
+    fn a_scheduled_debt_bucket_matches_the_signed_model(
+        windows in prop::collection::vec((span(), change()), 1..4),
+        cap in 1..40u64,
+        per in 1..30u64,
+        period in 0..BASE_PERIODS.len(),
+        depth in 1..60u64,
+        start in utc(2026, 1, 1, 0, 0)..utc(2027, 1, 1, 0, 0),
+        steps in prop::collection::vec((when(), ask()), 1..40),
+    ) {
+        let depth_ut = depth * MICRO;
+        let Some((plan, base, model_windows)) = debt_schedule(cap, per, period, &windows, depth_ut) else {
+            return Ok(());
+        };
+        let plans = std::slice::from_ref(&plan);
+        let mut model = DebtModel::new(model_windows, base, i128::from(depth_ut), start);
+        let mut state = BucketState::full(&plan.limit_at(start), start);
+        let mut t = start;
+        for (when, ask) in steps {
+            t = when.from(t);
+            model.advance(t);
+            let balance = model.balance_at(t);
+            let kind = match ask {
+                Ask::Check => DemandKind::DebtCheck { depth_ut },
+                Ask::Report(n) => DemandKind::Debit { amount_ut: n * MICRO, depth_ut },
+                Ask::Refund(n) => DemandKind::Refund(n * MICRO),
+            };
+            let d = decide(t, &[state], plans, &one(kind));
+            let o = d.instances[0];
+            prop_assert_eq!(i128::from(o.before.tokens_ut) - i128::from(depth_ut), balance, "balance at {} ({:?})", t, ask);
+            let after = match ask {
+                Ask::Check => {
+                    prop_assert_eq!(d.denied, balance < 1);
+                    balance
+                }
+                Ask::Report(n) => {
+                    prop_assert_eq!(d.denied, balance < 1, "a report passes iff the balance was positive");
+                    let amount = i128::from(n * MICRO);
+                    let taken = amount.min(balance + model.depth);
+                    prop_assert_eq!(i128::from(o.debited_ut), taken);
+                    prop_assert_eq!(i128::from(o.lost_ut), amount - taken);
+                    balance - taken
+                }
+                Ask::Refund(n) => {
+                    prop_assert!(!d.denied);
+                    let cap = model.limit.cap;
+                    if balance < cap { (balance + i128::from(n * MICRO)).min(cap) } else { balance }
+                }
+            };
+            prop_assert_eq!(i128::from(o.after.tokens_ut) - i128::from(depth_ut), after);
+            prop_assert_eq!(o.changed, after != balance, "written iff the balance moved");
+            if o.changed {
+                model.write(t, after);
+            }
+            state = o.kept();
+            if after < 1 {
+                let need = depth_ut + 1;
+                let got = plan.wait_us(state, need, t);
+                let want = model.positive_from(t, t + 3 * 86_400 * MICRO);
+                match (got, want) {
+                    (Some(w), Some((at, _))) => {
+                        prop_assert_eq!(t + w, at, "retry-after at {}", t);
+                        assert_retry_admits(&plan, state, &debt_check(depth_ut), t, w)?;
+                    }
+                    // A look ahead walks at most MAX_CHANGES_AHEAD changes of limit.
+                    (None, Some((_, changes))) => prop_assert!(changes > MAX_CHANGES_AHEAD, "no retry-after at {}", t),
+                    // Nothing admits within the model's three days; the core looks further.
+                    (got, None) => prop_assert!(got.is_none_or(|w| w > 3 * 86_400 * MICRO), "retry-after {:?} at {}", got, t),
+                }
+            }
+        }
+    }
+}
+
+/// A plan for the retry-after property: constant, scheduled (windows as in the debt model),
+/// or a quota resetting at one of [`QUOTA_RESETS`].
+#[derive(Clone, Debug)]
+enum PlanKind {
+    Fixed,
+    Scheduled(Vec<(Span, Change)>),
+    Quota(&'static str),
+}
+
+const QUOTA_RESETS: [&str; 5] = ["*/5 * * * *", "0 * * * *", "30 */6 * * *", "0 0 * * *", "0 0 1 * *"];
+
+fn plan_kind() -> impl Strategy<Value = PlanKind> {
+    prop_oneof![
+        1 => Just(PlanKind::Fixed),
+        2 => prop::collection::vec((span(), change()), 1..4).prop_map(PlanKind::Scheduled),
+        1 => prop::sample::select(&QUOTA_RESETS[..]).prop_map(PlanKind::Quota),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// A client that retries at Retry-After passes: for a bucket in any state (a debt
+    /// bucket's often in debt, at a balance of exactly 0, or one micro-token above it; an
+    /// ordinary one's often empty), under a constant limit, a schedule whose windows change it,
+    /// or a quota, with or without debt, and a state written before `now` or (a clock that
+    /// stepped back) after it: the demand asked again at `now + Plan::wait_us` passes, and one
+    /// microsecond earlier it does not. Checks and usage reports on a debt bucket (which pass
+    /// iff the balance is positive), checks and consumes on an ordinary one.
+    #[test]
+    fn a_client_that_retries_at_retry_after_passes(
+        kind in plan_kind(),
+        debt in any::<bool>(),
+        cap in 1..40u64,
+        per in 1..30u64,
+        period in 0..BASE_PERIODS.len(),
+        depth in 1..60u64,
+        held in (0..3u64, any::<u64>()),
+        now in utc(2026, 1, 1, 0, 0)..utc(2027, 1, 1, 0, 0),
+        ago in -(HOUR as i64)..(6 * HOUR as i64),
+        (report, n) in (any::<bool>(), 1..50u64),
+    ) {
+        // A debt quota's floor is at most one allowance deep.
+        let depth_ut = match (&kind, debt) {
+            (_, false) => 0,
+            (PlanKind::Quota(_), true) => depth.min(cap) * MICRO,
+            (_, true) => depth * MICRO,
+        };
+        let plan = match &kind {
+            PlanKind::Fixed => {
+                let mut limit = Limit::new(cap, Rate::per(per, BASE_PERIODS[period]).unwrap());
+                limit.capacity_ut += depth_ut;
+                Plan::Fixed(limit)
+            }
+            PlanKind::Scheduled(windows) => match debt_schedule(cap, per, period, windows, depth_ut) {
+                Some((plan, ..)) => plan,
+                None => return Ok(()),
+            },
+            PlanKind::Quota(reset) => Plan::Quota(Arc::new(Quota::new(cap, reset, None).unwrap().with_debt_depth(depth_ut))),
+        };
+        let updated_us = now.checked_add_signed(-ago).unwrap();
+        let capacity = plan.limit_at(updated_us).capacity_ut;
+        let tokens_ut = match held.0 {
+            0 if debt => depth_ut,
+            0 => 0,
+            1 if debt => depth_ut + 1,
+            _ => held.1 % (capacity + 1),
+        }
+        .min(capacity);
+        let state = BucketState { tokens_ut, updated_us };
+        let kind = match (debt, report) {
+            (true, false) => DemandKind::DebtCheck { depth_ut },
+            (true, true) => DemandKind::Debit { amount_ut: n * MICRO, depth_ut },
+            (false, false) => DemandKind::Check,
+            (false, true) => DemandKind::Consume(n * MICRO),
+        };
+        let consumed = if let DemandKind::Consume(ut) = kind { ut } else { 0 };
+        let need = kind.need_ut(consumed).unwrap();
+        let demand = one(kind);
+        match plan.wait_us(state, need, now) {
+            Some(w) => assert_retry_admits(&plan, state, &demand, now, w)?,
+            None => {
+                prop_assert!(decide(now, &[state], std::slice::from_ref(&plan), &demand).denied);
+                // Only more than any capacity, or (walking windows) nothing within the horizon.
+                if !matches!(plan, Plan::Scheduled(_)) {
+                    prop_assert!(need > plan.limit_at(now).capacity_ut, "no retry-after for {:?}", kind);
+                }
+            }
+        }
     }
 }

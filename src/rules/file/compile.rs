@@ -64,11 +64,11 @@ struct Compiled {
     hidden: bool,
     /// `hidden: true` on the quota, or on the bucket.
     quota_hidden: bool,
-    /// The token bucket's debt floor depth in micro-tokens (0: not a debt bucket); its plan's
-    /// capacities are raised by it.
-    debt_ut: u64,
+    /// The token bucket's debt floor depth in micro-tokens (`None`: not a debt bucket; a floor
+    /// of 0 is `Some(0)`); its plan's capacities are raised by it.
+    debt_ut: Option<u64>,
     /// The quota's, likewise.
-    quota_debt_ut: u64,
+    quota_debt_ut: Option<u64>,
 }
 
 /// The name under which the quota of a policy that also has a token bucket is reported and
@@ -274,9 +274,9 @@ impl<'a> DomainBuilder<'a> {
         let (bucket, debt_ut) = match bucket {
             Some(plan) if spec.debt || spec.debt_floor.is_some() => {
                 let (plan, depth) = self.debt_bucket(rule, plan, spec.debt, spec.debt_floor)?;
-                (Some(plan), depth)
+                (Some(plan), Some(depth))
             }
-            other => (other, 0),
+            other => (other, None),
         };
         // The bucket's `debt_floor` is its quota's when the quota is all it has.
         let bucket_floor = if bucket.is_none() { spec.debt_floor } else { None };
@@ -284,9 +284,9 @@ impl<'a> DomainBuilder<'a> {
             (Some(q), Some(qs)) if spec.debt || qs.debt || qs.debt_floor.or(bucket_floor).is_some() => {
                 let floor = qs.debt_floor.or(bucket_floor);
                 let (q, depth) = self.debt_quota(rule, &q, spec.debt || qs.debt, floor)?;
-                (Some(q), depth)
+                (Some(q), Some(depth))
             }
-            (q, _) => (q, 0),
+            (q, _) => (q, None),
         };
         Some(Compiled {
             bucket,
@@ -617,12 +617,20 @@ impl<'a> DomainBuilder<'a> {
 
     /// Registers a tollgate-schema policy under `name`; a second declaration of the same name
     /// must be identical (then both rules share the bucket).
-    fn add_policy(&mut self, rule: &str, name: String, plan: Plan, hidden: bool, debt_ut: u64) -> Option<usize> {
-        let reported = reported_base(&plan, debt_ut);
+    fn add_policy(
+        &mut self,
+        rule: &str,
+        name: String,
+        plan: Plan,
+        hidden: bool,
+        debt_ut: Option<u64>,
+    ) -> Option<usize> {
+        let reported = reported_base(&plan, debt_ut.unwrap_or(0));
         if let Some(&idx) = self.by_name.get(&name) {
             let existing = &self.buckets[idx];
-            let same_limit =
-                existing.plan == plan && existing.reported == reported && existing.debt_depth_ut == debt_ut;
+            let same_limit = existing.plan == plan
+                && existing.reported == reported
+                && existing.debt.then_some(existing.debt_depth_ut) == debt_ut;
             if same_limit && existing.hidden == hidden {
                 return Some(idx);
             }
@@ -641,11 +649,11 @@ impl<'a> DomainBuilder<'a> {
             self.error(rule, reason);
             return None;
         }
-        self.buckets.push(
-            BucketPolicy::new(name.clone(), plan, reported)
-                .with_hidden(hidden)
-                .with_debt_depth(debt_ut),
-        );
+        let policy = BucketPolicy::new(name.clone(), plan, reported).with_hidden(hidden);
+        self.buckets.push(match debt_ut {
+            Some(depth_ut) => policy.with_debt_depth(depth_ut),
+            None => policy,
+        });
         self.by_name.insert(name, self.buckets.len() - 1);
         Some(self.buckets.len() - 1)
     }

@@ -4,7 +4,11 @@ use croner::parser::{CronParser, Seconds, Year};
 use proptest::prelude::*;
 
 use super::*;
+use std::sync::Arc;
+
+use crate::core::bucket::{decide, Demand, DemandKind};
 use crate::core::schedule::testing::utc;
+use crate::core::schedule::Plan;
 
 const SEC: u64 = MICRO;
 const MIN: u64 = 60 * SEC;
@@ -631,5 +635,231 @@ proptest! {
         let asks: Vec<Ask> = asks.into_iter().map(|a| Ask { shift_s: a.shift_s % 7200, ..a }).collect();
         let centre_s = changes_2026(zone)[change] + shift_s;
         check_against_reference(&reset, zone, centre_s, sub_us, &asks)?;
+    }
+}
+
+// ---- Debt quotas (docs/usage-budgets.md) ---------------------------------------------------
+
+/// A UTC reset whose edges are plain arithmetic on the minute, for the debt model below
+/// (croner's edges are compared with the quota's above).
+#[derive(Clone, Copy, Debug)]
+enum Reset {
+    /// `*/k * * * *`: minutes 0, k, 2k, ... of every hour.
+    Every(u64),
+    /// `m * * * *`.
+    Hourly(u64),
+    /// `m h * * *`.
+    Daily(u64, u64),
+}
+
+impl Reset {
+    fn cron(self) -> String {
+        match self {
+            Reset::Every(k) => format!("*/{k} * * * *"),
+            Reset::Hourly(m) => format!("{m} * * * *"),
+            Reset::Daily(m, h) => format!("{m} {h} * * *"),
+        }
+    }
+
+    /// Whether `t` is an edge: a whole minute the pattern matches.
+    fn is_edge(self, t: u64) -> bool {
+        let (minute, hour) = (t / MIN % 60, t / HOUR % 24);
+        t.is_multiple_of(MIN)
+            && match self {
+                Reset::Every(k) => minute.is_multiple_of(k),
+                Reset::Hourly(m) => minute == m,
+                Reset::Daily(m, h) => minute == m && hour == h,
+            }
+    }
+
+    /// The longest time between two edges.
+    fn period(self) -> u64 {
+        match self {
+            Reset::Every(k) => k * MIN,
+            Reset::Hourly(_) => HOUR,
+            Reset::Daily(..) => DAY,
+        }
+    }
+
+    /// The first edge after `t`.
+    fn next(self, t: u64) -> u64 {
+        let mut m = t - t % MIN + MIN;
+        while !self.is_edge(m) {
+            m += MIN;
+        }
+        m
+    }
+}
+
+fn reset() -> impl Strategy<Value = Reset> {
+    prop_oneof![
+        (2..=30u64).prop_map(Reset::Every),
+        (0..60u64).prop_map(Reset::Hourly),
+        (0..60u64, 0..24u64).prop_map(|(m, h)| Reset::Daily(m, h)),
+    ]
+}
+
+/// The signed model of a debt quota, from docs/usage-budgets.md: a balance in micro-tokens
+/// that usage reports take down to `-depth` (the rest is lost), refunds raise up to the
+/// allowance, and each reset edge raises by one allowance, up to the allowance (an unused
+/// allowance is not carried over, a debt is repaid rather than forgiven). Edges apply one at a
+/// time, in order, whenever the model is brought past them.
+struct DebtQuotaModel {
+    reset: Reset,
+    allowance: i128,
+    depth: i128,
+    balance: i128,
+    at: u64,
+}
+
+impl DebtQuotaModel {
+    fn advance(&mut self, t: u64) {
+        let mut m = self.at - self.at % MIN + MIN;
+        while m <= t {
+            if self.reset.is_edge(m) {
+                self.balance = (self.balance + self.allowance).min(self.allowance);
+            }
+            m += MIN;
+        }
+        self.at = self.at.max(t);
+    }
+
+    /// The first instant from `at` at which the balance is positive: now, or the first edge
+    /// that makes it so.
+    fn positive_from(&self) -> u64 {
+        let (mut balance, mut t) = (self.balance, self.at);
+        while balance < 1 {
+            t = self.reset.next(t);
+            balance = (balance + self.allowance).min(self.allowance);
+        }
+        t
+    }
+}
+
+/// When the next demand comes: after a gap (up to two and a half periods of the reset), or at
+/// the next edge less a microsecond, at it, or just after.
+#[derive(Clone, Copy, Debug)]
+enum When {
+    After(u64),
+    NextEdge(u64),
+}
+
+#[derive(Clone, Copy, Debug)]
+enum DebtAsk {
+    Check,
+    Report(u64),
+    Refund(u64),
+}
+
+fn one(kind: DemandKind) -> [Demand; 1] {
+    [Demand {
+        instance: 0,
+        kind,
+        enforced: true,
+    }]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+
+    /// A debt quota (`Quota::with_debt_depth`, its floor at most one allowance deep as the
+    /// rules compiler requires) asked checks, usage reports and refunds at random instants
+    /// across one or more reset edges, against the signed [`DebtQuotaModel`]: the same balance
+    /// before and after every decision (so after each reset: the balance before it plus the
+    /// allowance, never above the allowance; two resets make any debt whole), admission iff
+    /// the balance is positive, reports debited down to the floor with the rest lost; and
+    /// while the balance is not positive, the retry-after is the model's first positive
+    /// instant (the next edge, or the one after when a floor one allowance deep meets a
+    /// reset that brings it to exactly 0), at which the check passes and a microsecond before
+    /// which it does not.
+    #[test]
+    fn a_debt_quota_matches_the_signed_model(
+        reset in reset(),
+        allowance in 1..50u64,
+        depth_pick in 0..3u64,
+        depth_any in 1..50u64,
+        start in utc(2026, 1, 1, 0, 0)..utc(2027, 1, 1, 0, 0),
+        steps in prop::collection::vec(
+            (
+                prop_oneof![3 => (0..2500u64).prop_map(When::After), 1 => (0..3u64).prop_map(When::NextEdge)],
+                prop_oneof![
+                    3 => Just(DebtAsk::Check),
+                    4 => (1..120u64).prop_map(DebtAsk::Report),
+                    1 => (1..40u64).prop_map(DebtAsk::Refund),
+                ],
+            ),
+            1..40,
+        ),
+    ) {
+        // A floor one allowance deep a third of the time, the deepest the compiler allows.
+        let depth = if depth_pick == 0 { allowance } else { 1 + depth_any % allowance };
+        let depth_ut = depth * MICRO;
+        let q = Quota::new(allowance, &reset.cron(), Some("UTC")).unwrap().with_debt_depth(depth_ut);
+        prop_assert_eq!(q.allowance_ut(), allowance * MICRO);
+        prop_assert_eq!(q.limit().capacity_ut, (allowance + depth) * MICRO);
+        let plan = Plan::Quota(Arc::new(q));
+        let plans = std::slice::from_ref(&plan);
+        let mut model = DebtQuotaModel {
+            reset,
+            allowance: i128::from(allowance * MICRO),
+            depth: i128::from(depth_ut),
+            balance: i128::from(allowance * MICRO),
+            at: start,
+        };
+        // A new bucket is full: the allowance, with the depth below it.
+        let mut state = BucketState { tokens_ut: (allowance + depth) * MICRO, updated_us: start };
+        let mut t = start;
+        for (when, ask) in steps {
+            t = match when {
+                // Thousandths of the longest period between edges.
+                When::After(k) => t + reset.period() / 1000 * k,
+                When::NextEdge(k) => reset.next(t) + k - 1,
+            };
+            model.advance(t);
+            let balance = model.balance;
+            let kind = match ask {
+                DebtAsk::Check => DemandKind::DebtCheck { depth_ut },
+                DebtAsk::Report(n) => DemandKind::Debit { amount_ut: n * MICRO, depth_ut },
+                DebtAsk::Refund(n) => DemandKind::Refund(n * MICRO),
+            };
+            let d = decide(t, &[state], plans, &one(kind));
+            let o = d.instances[0];
+            prop_assert_eq!(i128::from(o.before.tokens_ut) - model.depth, balance, "balance at {} ({:?})", t, ask);
+            let after = match ask {
+                DebtAsk::Check => {
+                    prop_assert_eq!(d.denied, balance < 1);
+                    balance
+                }
+                DebtAsk::Report(n) => {
+                    prop_assert_eq!(d.denied, balance < 1, "a report passes iff the balance was positive");
+                    let amount = i128::from(n * MICRO);
+                    let taken = amount.min(balance + model.depth);
+                    prop_assert_eq!(i128::from(o.debited_ut), taken);
+                    prop_assert_eq!(i128::from(o.lost_ut), amount - taken);
+                    balance - taken
+                }
+                DebtAsk::Refund(n) => {
+                    prop_assert!(!d.denied);
+                    if balance < model.allowance {
+                        (balance + i128::from(n * MICRO)).min(model.allowance)
+                    } else {
+                        balance
+                    }
+                }
+            };
+            prop_assert_eq!(i128::from(o.after.tokens_ut) - model.depth, after);
+            prop_assert_eq!(o.changed, after != balance, "written iff the balance moved");
+            model.balance = after;
+            state = o.kept();
+            if after < 1 {
+                let check = one(DemandKind::DebtCheck { depth_ut });
+                let w = plan.wait_us(state, depth_ut + 1, t).expect("a reset within the horizon");
+                prop_assert_eq!(t + w, model.positive_from(), "retry-after at {}", t);
+                prop_assert!(!decide(t + w, &[state], plans, &check).denied);
+                if w > 0 {
+                    prop_assert!(decide(t + w - 1, &[state], plans, &check).denied);
+                }
+            }
+        }
     }
 }
