@@ -261,10 +261,11 @@ local function decide(now, margin_ms, unknown_ttl_ms, ko, ao)
   for i = 1, nb do
     local x = b[i]
     if x.kind == 5 then
-      -- An expiring allowance: whole (a new period from now) once its period has ended;
-      -- otherwise trimmed, its period's start kept (a clock stepping back ends nothing).
-      if now >= x.su + x.bound then
-        x.bt, x.bu = x.cap, now
+      -- An expiring allowance: whole with no period yet (the next use starts one) once its
+      -- period has ended or when whole anyway; otherwise trimmed, its period's start kept (a
+      -- clock stepping back ends nothing and never moves it back).
+      if now >= x.su + x.bound or x.st >= x.cap then
+        x.bt, x.bu = x.cap, max(now, x.su)
       else
         x.bt, x.bu = min(x.st, x.cap), x.su
       end

@@ -433,6 +433,174 @@ mod random {
         })
     }
 
+    /// The stores and bookkeeping one sequence is decided with.
+    struct Stores<'a> {
+        rt: &'a tokio::runtime::Runtime,
+        clock: &'a ManualClock,
+        redis: &'a tollgate::store::RedisStore,
+        unbounded: &'a std::sync::Mutex<std::collections::HashSet<String>>,
+    }
+
+    /// Decides `steps` over buckets `specs` (case `n`, which names its keys) on a fresh memory
+    /// store and on Redis at the same instants: every decision and micro-token must agree.
+    fn agree_on(s: &Stores, n: u64, specs: &[BucketSpec], steps: &[RandomStep]) -> Result<(), TestCaseError> {
+        let (rt, clock, redis, unbounded) = (s.rt, s.clock, s.redis, s.unbounded);
+
+        clock.set_us(START);
+        let memory = MemoryStore::new(4, 1000, Arc::new(clock.clone()));
+        let mut buckets: Vec<BucketRef> = specs
+            .iter()
+            .enumerate()
+            .map(|(i, b)| BucketRef {
+                key: format!("case{n}#{i}"),
+                plan: plan(b),
+            })
+            .collect();
+        // Any plan a bucket has had, a reload's included, may have written its key.
+        let note_unbounded = |buckets: &[BucketRef]| {
+            for b in buckets {
+                let plan = b.plan.current();
+                if matches!(plan, Plan::Scheduled(_)) || matches!(plan, Plan::Fixed(l) if l.rate.is_zero()) {
+                    unbounded.lock().unwrap().insert(b.key.clone());
+                }
+            }
+        };
+        note_unbounded(&buckets);
+        let mut current: &[BucketSpec] = specs;
+        let mut t = START;
+        let mut latest = START;
+        let mut reloaded_at = 0;
+        for (k, (dt, demands, reload)) in steps.iter().enumerate() {
+            // The clock steps back between requests, but never across a reload: a reload
+            // comes after every write so far, and no request after it reads a time before
+            // it. A clock stepping back across a reload is where the two stores may still
+            // differ (docs/operations.md).
+            t = t.saturating_add_signed(*dt).max(reloaded_at);
+            if reload.is_some() {
+                t = t.max(latest + 1);
+                reloaded_at = t;
+            }
+            latest = latest.max(t);
+            clock.set_us(t);
+            if let Some(specs) = reload {
+                for (b, spec) in buckets.iter_mut().zip(specs) {
+                    b.plan = Plan::after_reload(&b.plan, plan(spec), t);
+                }
+                current = specs;
+                note_unbounded(&buckets);
+                memory.rules_changed();
+                continue;
+            }
+            let demands: Vec<Demand> = demands.iter().map(|d| demand(d, current)).collect();
+            let m = memory.apply_now(&buckets, &demands);
+            let r = rt.block_on(redis.apply(&buckets, &demands)).unwrap();
+            let at = format!("step {k} at {:+} µs", t as i64 - START as i64);
+            prop_assert_eq!(m.decision.denied, r.decision.denied, "{}: denied", at);
+            prop_assert_eq!(&m.decision.passed, &r.decision.passed, "{}: passed", at);
+            let mt: Vec<u64> = m.decision.instances.iter().map(|i| i.after.tokens_ut).collect();
+            let rt_: Vec<u64> = r.decision.instances.iter().map(|i| i.after.tokens_ut).collect();
+            prop_assert_eq!(mt, rt_, "{}: tokens after", at);
+            let ml: Vec<u64> = m.decision.instances.iter().map(|i| i.lost_ut).collect();
+            let rl: Vec<u64> = r.decision.instances.iter().map(|i| i.lost_ut).collect();
+            prop_assert_eq!(ml, rl, "{}: lost", at);
+        }
+        Ok(())
+    }
+    fn allowance(capacity: u64, expires_s: u64) -> BucketSpec {
+        BucketSpec {
+            capacity: Some(capacity),
+            refill: Some("none".to_string()),
+            schedule: None,
+            quota: None,
+            debt_depth: None,
+            expires_s: Some(expires_s),
+        }
+    }
+
+    fn hourly_quota(limit: u64) -> BucketSpec {
+        BucketSpec {
+            capacity: None,
+            refill: None,
+            schedule: None,
+            quota: Some(QuotaSpec {
+                limit,
+                reset: "0 * * * *".to_string(),
+                timezone: None,
+            }),
+            debt_depth: None,
+            expires_s: None,
+        }
+    }
+
+    fn take(n: u64) -> DemandSpec {
+        DemandSpec {
+            bucket: 0,
+            consume: Some(n),
+            check: false,
+            refund: None,
+            shadow: false,
+        }
+    }
+
+    /// Sequences the random search found where the stores disagreed, shrunk, kept as they are.
+    /// Both reload an allowance (or a quota) into an expiring allowance: at the instant the old
+    /// limit is whole again (the old period's end; a quota's reset edge, START + 2,000 s being
+    /// 21:00 UTC), the bucket is whole under the new one too, and the next use starts its period.
+    #[test]
+    fn redis_and_memory_agree_on_sequences_found_before() {
+        let Some(url) = support::redis::shared_redis("redis_and_memory_agree_on_sequences_found_before") else {
+            return;
+        };
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let clock = ManualClock::new(START);
+        let prefix = support::redis::unique_prefix("vectors-found");
+        let redis = rt.block_on(support::redis::store_on_clock(
+            vec![url.clone()],
+            false,
+            &prefix,
+            &clock,
+        ));
+        let unbounded = std::sync::Mutex::new(std::collections::HashSet::<String>::new());
+        let stores = Stores {
+            rt: &rt,
+            clock: &clock,
+            redis: &redis,
+            unbounded: &unbounded,
+        };
+        let check = DemandSpec {
+            check: true,
+            consume: None,
+            ..take(0)
+        };
+        let cases: Vec<(Vec<BucketSpec>, Vec<RandomStep>)> = vec![
+            (
+                vec![allowance(1, 90)],
+                vec![
+                    (0, vec![take(1)], None),
+                    (88_939_531, vec![take(1)], None),
+                    (1_060_469, vec![], Some(vec![allowance(2, 3_600)])),
+                    (0, vec![take(1)], None),
+                ],
+            ),
+            (
+                vec![hourly_quota(3)],
+                vec![
+                    (0, vec![take(1)], None),
+                    (2_000_000_000, vec![], Some(vec![allowance(5, 1)])),
+                    (620_457, vec![check, take(2)], None),
+                    (767_321, vec![take(1), take(5)], None),
+                ],
+            ),
+        ];
+        for (n, (specs, steps)) in cases.iter().enumerate() {
+            clock.set_us(START);
+            if let Err(e) = agree_on(&stores, n as u64, specs, steps) {
+                panic!("sequence {n}: {e}");
+            }
+        }
+        support::redis::delete_prefix(url.as_str(), &prefix);
+    }
+
     #[test]
     fn redis_and_memory_agree_on_random_sequences() {
         let Some(url) = support::redis::shared_redis("redis_and_memory_agree_on_random_sequences") else {
@@ -463,61 +631,7 @@ mod random {
         };
         proptest!(config, |((specs, steps) in arb_case())| {
             let n = case_no.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            clock.set_us(START);
-            let memory = MemoryStore::new(4, 1000, Arc::new(clock.clone()));
-            let mut buckets: Vec<BucketRef> = specs
-                .iter()
-                .enumerate()
-                .map(|(i, b)| BucketRef { key: format!("case{n}#{i}"), plan: plan(b) })
-                .collect();
-            // Any plan a bucket has had, a reload's included, may have written its key.
-            let note_unbounded = |buckets: &[BucketRef]| {
-                for b in buckets {
-                    let plan = b.plan.current();
-                    if matches!(plan, Plan::Scheduled(_)) || matches!(plan, Plan::Fixed(l) if l.rate.is_zero()) {
-                        unbounded.lock().unwrap().insert(b.key.clone());
-                    }
-                }
-            };
-            note_unbounded(&buckets);
-            let mut current: &Vec<BucketSpec> = &specs;
-            let mut t = START;
-            let mut latest = START;
-            let mut reloaded_at = 0;
-            for (k, (dt, demands, reload)) in steps.iter().enumerate() {
-                // The clock steps back between requests, but never across a reload: a reload
-                // comes after every write so far, and no request after it reads a time before
-                // it. A clock stepping back across a reload is where the two stores may still
-                // differ (docs/operations.md).
-                t = t.saturating_add_signed(*dt).max(reloaded_at);
-                if reload.is_some() {
-                    t = t.max(latest + 1);
-                    reloaded_at = t;
-                }
-                latest = latest.max(t);
-                clock.set_us(t);
-                if let Some(specs) = reload {
-                    for (b, spec) in buckets.iter_mut().zip(specs) {
-                        b.plan = Plan::after_reload(&b.plan, plan(spec), t);
-                    }
-                    current = specs;
-                    note_unbounded(&buckets);
-                    memory.rules_changed();
-                    continue;
-                }
-                let demands: Vec<Demand> = demands.iter().map(|d| demand(d, current)).collect();
-                let m = memory.apply_now(&buckets, &demands);
-                let r = rt.block_on(redis.apply(&buckets, &demands)).unwrap();
-                let at = format!("step {k} at {:+} µs", t as i64 - START as i64);
-                prop_assert_eq!(m.decision.denied, r.decision.denied, "{}: denied", at);
-                prop_assert_eq!(&m.decision.passed, &r.decision.passed, "{}: passed", at);
-                let mt: Vec<u64> = m.decision.instances.iter().map(|i| i.after.tokens_ut).collect();
-                let rt_: Vec<u64> = r.decision.instances.iter().map(|i| i.after.tokens_ut).collect();
-                prop_assert_eq!(mt, rt_, "{}: tokens after", at);
-                let ml: Vec<u64> = m.decision.instances.iter().map(|i| i.lost_ut).collect();
-                let rl: Vec<u64> = r.decision.instances.iter().map(|i| i.lost_ut).collect();
-                prop_assert_eq!(ml, rl, "{}: lost", at);
-            }
+            agree_on(&Stores { rt: &rt, clock: &clock, redis: &redis, unbounded: &unbounded }, n, &specs, &steps)?;
         });
         let unbounded = unbounded.into_inner().unwrap();
         let without_ttl: Vec<String> = support::redis::keys_without_ttl(url.as_str(), &prefix)

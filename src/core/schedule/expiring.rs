@@ -49,12 +49,14 @@ impl Expiring {
         state.updated_us.saturating_add(self.expires_us)
     }
 
-    /// `state` at `now_us`: whole (and a new period starting at `now_us`) once its period has
-    /// ended; otherwise its tokens trimmed to the capacity, and `updated_us`, the period's
-    /// start, kept. A clock that stepped back ends no period.
+    /// `state` at `now_us`: whole, with no period yet (`updated_us` now, so that the next use
+    /// starts one), once its period has ended or when it is whole anyway (a state a reload
+    /// brought forward full); otherwise its tokens trimmed to the capacity, and `updated_us`,
+    /// the period's start, kept. A clock that stepped back ends no period and never moves
+    /// `updated_us` back.
     pub fn advance(&self, state: BucketState, now_us: u64) -> BucketState {
-        if now_us >= self.expiry_us(state) {
-            BucketState::full(&self.limit, now_us)
+        if now_us >= self.expiry_us(state) || state.tokens_ut >= self.limit.capacity_ut {
+            BucketState::full(&self.limit, now_us.max(state.updated_us))
         } else {
             BucketState {
                 tokens_ut: state.tokens_ut.min(self.limit.capacity_ut),
@@ -160,41 +162,69 @@ mod tests {
         assert_eq!(a.wait_us(whole, 3 * MICRO, 9), Some(0));
     }
 
-    /// A reload that raises the allowance keeps the period's start and hands back nothing;
-    /// one that turns a refilling bucket into an allowance starts the period at the reload,
-    /// with the tokens the bucket had earned by then.
+    /// A reload never hands back spent tokens: an allowance in use starts a new period at
+    /// the reload with the tokens it had; one whose period ended by the reload is whole (the
+    /// case a random cross-store sequence found: the old rules made it whole at that instant).
+    /// A refilling bucket turned into an allowance keeps what it had earned by the reload.
     #[test]
-    fn a_reload_keeps_the_period() {
+    fn a_reload_hands_back_nothing_and_ends_no_period_early() {
         use crate::core::schedule::Plan;
-        let old = Plan::Expiring(three_a_day());
-        let raised = Plan::Expiring(Expiring::new(Limit::new(5, Rate::ZERO), DAY));
+        let old = Plan::Expiring(Expiring::new(Limit::new(1, Rate::ZERO), 90 * MICRO));
+        let new = Plan::Expiring(Expiring::new(Limit::new(2, Rate::ZERO), 3_600 * MICRO));
         let spent = BucketState {
-            tokens_ut: 0,
-            updated_us: 1_000,
-        };
-        let plan = Plan::after_reload(&old, raised.clone(), 2_000);
-        assert_eq!(plan, raised, "between allowances the new rules alone decide");
-        assert_eq!(plan.refill_to(spent, 3_000), spent);
-        assert_eq!(plan.wait_us(spent, MICRO, 3_000), Some(1_000 + DAY - 3_000));
-
-        let hourly = Plan::Fixed(Limit::new(3, Rate::per(3, 3_600 * MICRO).unwrap()));
-        let plan = Plan::after_reload(&hourly, old.clone(), 1_200 * MICRO);
-        let state = BucketState {
             tokens_ut: 0,
             updated_us: 0,
         };
-        // 1,200 s at 3 an hour earned one token before the reload.
-        let after = plan.refill_to(state, 5_000 * MICRO);
+        // In use at the reload (50 s): spent, and a new hour-long period from the reload.
+        let plan = Plan::after_reload(&old, new.clone(), 50 * MICRO);
+        assert_eq!(
+            plan.refill_to(spent, 60 * MICRO),
+            BucketState {
+                tokens_ut: 0,
+                updated_us: 50 * MICRO
+            }
+        );
+        assert_eq!(plan.wait_us(spent, MICRO, 60 * MICRO), Some(3_590 * MICRO));
+        // The old period ended at 90 s, the instant of the reload: whole under the new rules.
+        let plan = Plan::after_reload(&old, new, 90 * MICRO);
+        assert_eq!(plan.refill_to(spent, 90 * MICRO).tokens_ut, 2 * MICRO);
+
+        let hourly = Plan::Fixed(Limit::new(3, Rate::per(3, 3_600 * MICRO).unwrap()));
+        let plan = Plan::after_reload(&hourly, old, 1_200 * MICRO);
+        // 1,200 s at 3 an hour earned one token before the reload: the allowance of one is
+        // whole, with no period until its next use.
+        let after = plan.refill_to(spent, 1_250 * MICRO);
         assert_eq!(
             after,
             BucketState {
                 tokens_ut: MICRO,
-                updated_us: 1_200 * MICRO
+                updated_us: 1_250 * MICRO
             }
         );
+        assert_eq!(plan.wait_us(after, MICRO, 1_250 * MICRO), Some(0));
         assert_eq!(
-            plan.wait_us(after, 2 * MICRO, 5_000 * MICRO),
-            Some(1_200 * MICRO + DAY - 5_000 * MICRO)
+            plan.wait_us(after, 2 * MICRO, 1_250 * MICRO),
+            None,
+            "more than the allowance"
+        );
+    }
+
+    /// A whole allowance has no period: the use that takes from it starts one, even if its
+    /// stored state is older (a reload brings a full bucket forward to the reload's instant).
+    #[test]
+    fn the_first_use_of_a_whole_allowance_starts_the_period() {
+        let a = three_a_day();
+        let whole = BucketState {
+            tokens_ut: 3 * MICRO,
+            updated_us: 1_000,
+        };
+        let d = decide(5_000, &[whole], &[a], &[consume(0)]);
+        assert_eq!(
+            d.instances[0].after,
+            BucketState {
+                tokens_ut: 2 * MICRO,
+                updated_us: 5_000
+            }
         );
     }
 

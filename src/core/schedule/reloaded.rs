@@ -53,9 +53,11 @@ impl Reloaded {
     /// capacity in force from the reload (a full bucket is the same as no bucket, and a store
     /// may have forgotten it), exactly as a change of limit in a schedule treats it.
     ///
-    /// The state is as of the reload (or its write, if later) in every case: an expiring
-    /// allowance's keeps the start of its period, which would let the new rules count time
-    /// before the reload.
+    /// The state is as of the reload (or its write, if later) in every case. An expiring
+    /// allowance's `updated_us` is the start of its period, not its last write: kept, it would
+    /// let the new rules count time before the reload, and leave the state looking older than
+    /// the reload after every later write. So an allowance in use across a reload starts a new
+    /// period at the reload, with the tokens it had; one whose period ended by then is whole.
     pub fn at_reload(&self, state: BucketState) -> BucketState {
         use crate::core::bucket::Refilling;
         let s = self.before.refill_to(state, self.at_us);
@@ -93,12 +95,6 @@ impl Plan {
         if *old.current() == new {
             return old.clone();
         }
-        // Between two limits that never refill, the time before the reload earns nothing under
-        // either: the new one alone decides (an expiring allowance keeps its period's start,
-        // which a reload would otherwise move to the reload).
-        if !matches!(old, Plan::Reloaded(_)) && old.never_refills() && new.never_refills() {
-            return new;
-        }
         let before = old.pruned(at_us).capped(MAX_RELOADS_REMEMBERED - 1);
         Plan::Reloaded(std::sync::Arc::new(Reloaded::new(before, at_us, new)))
     }
@@ -133,16 +129,6 @@ impl Plan {
                 r.after.clone(),
             ))),
             plan => plan.clone(),
-        }
-    }
-
-    /// Whether the plan is a fixed allowance, expiring or not: a constant limit with a zero
-    /// rate.
-    fn never_refills(&self) -> bool {
-        match self {
-            Plan::Fixed(limit) => limit.rate.is_zero(),
-            Plan::Expiring(_) => true,
-            _ => false,
         }
     }
 
