@@ -15,6 +15,7 @@ use tonic_health::pb::health_server::{Health, HealthServer};
 use crate::decision::limiter::Limiter;
 use crate::server::service::RateLimitGrpc;
 use crate::server::settings::GrpcSettings;
+use crate::server::tls::accept::{Acceptor, TlsIncoming};
 use crate::server::wire::RateLimitServer;
 use crate::store::Store;
 
@@ -74,14 +75,19 @@ pub(crate) fn go_away_margin(timeout: Duration) -> Duration {
 
 /// The listener, until `close` completes: then it is dropped (new connections are refused) and
 /// the stream stays pending, without ending, so the connections already accepted keep being
-/// served (an ended stream makes tonic tell them to go away at once).
-struct ClosableIncoming<F> {
-    incoming: Option<TcpIncoming>,
+/// served (an ended stream makes tonic tell them to go away at once). `S` is the listener's
+/// stream of connections: TCP ([`TcpIncoming`]) or TLS ([`TlsIncoming`]).
+struct ClosableIncoming<S, F> {
+    incoming: Option<S>,
     close: std::pin::Pin<Box<F>>,
 }
 
-impl<F: Future<Output = ()>> futures_util::Stream for ClosableIncoming<F> {
-    type Item = std::io::Result<tokio::net::TcpStream>;
+impl<S, F, IO> futures_util::Stream for ClosableIncoming<S, F>
+where
+    S: futures_util::Stream<Item = std::io::Result<IO>> + Unpin,
+    F: Future<Output = ()>,
+{
+    type Item = std::io::Result<IO>;
 
     fn poll_next(
         self: std::pin::Pin<&mut Self>,
@@ -112,23 +118,46 @@ pub async fn serve_rate_limit_service_draining<T: RateLimitService>(
     close: impl Future<Output = ()> + Send + 'static,
     go_away: impl Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
+    serve_draining_tls(listener, None, service, health, limits, close, go_away).await
+}
+
+/// [`serve_rate_limit_service_draining`], over TLS with `tls` when given (`tls.grpc`): each
+/// connection is served once its handshake is done, and a failed handshake closes only its
+/// own connection.
+pub(crate) async fn serve_draining_tls<T: RateLimitService>(
+    listener: TcpListener,
+    tls: Option<Acceptor>,
+    service: T,
+    health: HealthServer<impl Health>,
+    limits: GrpcSettings,
+    close: impl Future<Output = ()> + Send + 'static,
+    go_away: impl Future<Output = ()> + Send,
+) -> anyhow::Result<()> {
     let keepalive = (limits.keepalive_interval_seconds.0 > 0).then(|| limits.keepalive_interval_seconds.duration());
     // TCP_NODELAY must be set on the accepted sockets here: tonic ignores `Server::tcp_nodelay`
     // for a caller-supplied incoming stream. With Nagle on, a response written in two pieces
     // waits for Envoy's delayed ACK (~40 ms), past Envoy's default 20 ms filter timeout.
-    tonic::transport::Server::builder()
+    // (`TlsIncoming` sets it on the sockets it accepts.)
+    let server = tonic::transport::Server::builder()
         .max_concurrent_streams(limits.max_concurrent_streams)
         .http2_keepalive_interval(keepalive)
         .http2_keepalive_timeout(Some(Duration::from_secs(limits.keepalive_timeout_seconds.0.max(1))))
         .add_service(health)
-        .add_service(RateLimitServer::new(service).max_message_bytes(limits.max_message_bytes))
-        .serve_with_incoming_shutdown(
-            ClosableIncoming {
-                incoming: Some(TcpIncoming::from(listener).with_nodelay(Some(true))),
-                close: Box::pin(close),
-            },
-            go_away,
-        )
-        .await
-        .context("gRPC server failed")
+        .add_service(RateLimitServer::new(service).max_message_bytes(limits.max_message_bytes));
+    let close = Box::pin(close);
+    let served = match tls {
+        None => {
+            let incoming = Some(TcpIncoming::from(listener).with_nodelay(Some(true)));
+            server
+                .serve_with_incoming_shutdown(ClosableIncoming { incoming, close }, go_away)
+                .await
+        }
+        Some(acceptor) => {
+            let incoming = Some(TlsIncoming::new(listener, acceptor));
+            server
+                .serve_with_incoming_shutdown(ClosableIncoming { incoming, close }, go_away)
+                .await
+        }
+    };
+    served.context("gRPC server failed")
 }

@@ -10,6 +10,7 @@ pub(crate) mod metrics;
 pub mod reload;
 pub(crate) mod service;
 pub mod settings;
+pub mod tls;
 pub(crate) mod wire;
 
 pub use grpc::{
@@ -38,6 +39,7 @@ use crate::server::http::{router, HttpState, Readiness};
 use crate::server::reload::{load_initial, Fingerprint, Reloader};
 use crate::server::service::RateLimitGrpc;
 use crate::server::settings::{Backend, FailureMode, FallbackBackend, RuntimeFlavor, Settings, ShutdownSettings};
+use crate::server::tls::{accept::Acceptor, Listener, Tls};
 use crate::server::wire::RateLimitServer;
 use crate::store::{
     start_shared, AnyStore, Fallback, Guarded, MemoryStore, Metered, PostgresStore, RedisStore, Resilient,
@@ -106,6 +108,9 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("invalid settings: {e}"))?;
     // Before the rules, so their decision counters register with it.
     let prometheus = install_metrics(&settings)?;
+    // Before the rules too: the files' problems are reported before anything connects.
+    let tls = Arc::new(Tls::load(&settings.tls).map_err(|e| anyhow::anyhow!("cannot serve TLS:\n  {e}"))?);
+    tls.spawn_reload();
     let (rules, fingerprint) = load_initial_rules(&settings)?;
     let clock = local_clock();
     let memory = memory_store(&settings, clock.clone());
@@ -113,13 +118,14 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
     let limiter = Arc::new(Limiter::new(rules, store, LimiterOptions::from_settings(&settings)));
     let reloader = Reloader::new(limiter.clone(), settings.rules.clone(), fingerprint);
     let reload_task = reloader.spawn(settings.reload);
-    let (grpc, http) = bind_listeners(&settings).await?;
+    let (grpc, http) = bind_listeners(&settings, &tls).await?;
 
     let ready = Readiness::default();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let http_state = http_state(&settings, &limiter, &memory, &ready, prometheus);
     let mut tasks = JoinSet::new();
-    let health_reporter = start_grpc(&mut tasks, grpc, &limiter, &settings, &stop_rx).await;
+    let grpc_tls = tls.acceptor(Listener::Grpc);
+    let health_reporter = start_grpc(&mut tasks, grpc, &limiter, &settings, &stop_rx, grpc_tls).await;
     // Ready before the HTTP listeners are served, so the first probe that gets an answer
     // hears the backend's state and never "starting" (the ports are bound already; a probe
     // that came early waits in the backlog).
@@ -195,18 +201,19 @@ async fn build_store(settings: &Settings, memory: &MemoryStore, clock: Arc<dyn C
 }
 
 /// The listeners served over HTTP: the main one, and the metrics and admin ones when
-/// configured.
+/// configured; `tls` for those that serve TLS.
 struct HttpListeners {
     http: TcpListener,
     metrics: Option<TcpListener>,
     admin: Option<TcpListener>,
+    tls: Arc<Tls>,
 }
 
 /// Binds every configured listener (gRPC, HTTP, metrics, admin, in that order) and logs where
 /// it listens; returns the gRPC listener and the others.
 ///
 /// Errors: a listener that cannot bind.
-async fn bind_listeners(settings: &Settings) -> anyhow::Result<(TcpListener, HttpListeners)> {
+async fn bind_listeners(settings: &Settings, tls: &Arc<Tls>) -> anyhow::Result<(TcpListener, HttpListeners)> {
     let grpc = TcpListener::bind(settings.grpc_addr)
         .await
         .with_context(|| format!("cannot listen for gRPC on {}", settings.grpc_addr))?;
@@ -235,9 +242,16 @@ async fn bind_listeners(settings: &Settings) -> anyhow::Result<(TcpListener, Htt
         admin = %admin.as_ref().map_or("disabled".to_owned(), |_| settings.admin.addr.to_string()),
         admin_token = settings.admin.token.is_some(),
         metrics = %settings.metrics.addr.map_or("on the HTTP port".to_owned(), |a| format!("{a}{} and on the HTTP port", settings.metrics.path)),
+        tls = %tls.summary(),
         "listening"
     );
-    Ok((grpc, HttpListeners { http, metrics, admin }))
+    let listeners = HttpListeners {
+        http,
+        metrics,
+        admin,
+        tls: tls.clone(),
+    };
+    Ok((grpc, listeners))
 }
 
 /// Completes once `stop` says so (or its sender is gone).
@@ -294,31 +308,48 @@ fn start_http_listeners(
     reloader: &Arc<Reloader<AnyStore>>,
     stop: &tokio::sync::watch::Receiver<bool>,
 ) {
-    let app = router(http_state.clone());
-    spawn_axum(tasks, listeners.http, app, stopped(stop), "HTTP server failed");
+    let (app, tls) = (router(http_state.clone()), &listeners.tls);
+    let http_tls = tls.acceptor(Listener::Http);
+    spawn_axum(
+        tasks,
+        listeners.http,
+        http_tls,
+        app,
+        stopped(stop),
+        "HTTP server failed",
+    );
     if let Some(listener) = listeners.metrics {
         let app = crate::server::http::metrics_router(http_state, &settings.metrics.path);
-        spawn_axum(tasks, listener, app, stopped(stop), "metrics server failed");
+        spawn_axum(tasks, listener, None, app, stopped(stop), "metrics server failed");
     }
     if let Some(listener) = listeners.admin {
-        let app = admin_router(settings, limiter, reloader);
-        spawn_axum(tasks, listener, app, stopped(stop), "admin server failed");
+        let (app, admin_tls) = (
+            admin_router(settings, limiter, reloader, tls),
+            tls.acceptor(Listener::Admin),
+        );
+        spawn_axum(tasks, listener, admin_tls, app, stopped(stop), "admin server failed");
     }
 }
 
-/// Serves `app` on `listener` until `stop`, as one of `tasks`; a failure is `failure`.
+/// Serves `app` on `listener` (over TLS with `tls`) until `stop`, as one of `tasks`; a failure
+/// is `failure`.
 fn spawn_axum(
     tasks: &mut Tasks,
     listener: TcpListener,
+    tls: Option<Acceptor>,
     app: axum::Router,
     stop: impl Future<Output = ()> + Send + 'static,
     failure: &'static str,
 ) {
     tasks.spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(stop)
-            .await
-            .context(failure)
+        let served = match tls {
+            Some(tls) => {
+                let listener = crate::server::tls::accept::TlsIncoming::new(listener, tls);
+                axum::serve(listener, app).with_graceful_shutdown(stop).await
+            }
+            None => axum::serve(listener, app).with_graceful_shutdown(stop).await,
+        };
+        served.context(failure)
     });
 }
 
@@ -328,14 +359,17 @@ fn admin_router(
     settings: &Settings,
     limiter: &Arc<Limiter<AnyStore>>,
     reloader: &Arc<Reloader<AnyStore>>,
+    tls: &Arc<Tls>,
 ) -> axum::Router {
     let config_view: crate::server::admin::ConfigView = {
         let config_limiter = limiter.clone();
         let config_settings = settings.clone();
         let config_reloader = reloader.clone();
+        let config_tls = tls.clone();
         Arc::new(move || {
             let mut config = config_json(&config_limiter.rules(), &config_settings);
             config["reload"] = config_reloader.status_json();
+            config["tls"] = config_tls.status_json();
             config
         })
     };
@@ -356,6 +390,7 @@ async fn start_grpc(
     limiter: &Arc<Limiter<AnyStore>>,
     settings: &Settings,
     stop: &tokio::sync::watch::Receiver<bool>,
+    tls: Option<Acceptor>,
 ) -> HealthReporter {
     let (health_reporter, health) = tonic_health::server::health_reporter();
     health_reporter
@@ -374,8 +409,9 @@ async fn start_grpc(
         tokio::time::sleep(timeout.saturating_sub(grpc::go_away_margin(timeout))).await;
     };
     let service = RateLimitGrpc::new(limiter.clone());
-    tasks.spawn(serve_rate_limit_service_draining(
+    tasks.spawn(grpc::serve_draining_tls(
         listener,
+        tls,
         service,
         health,
         settings.grpc,
