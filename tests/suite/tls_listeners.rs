@@ -1,7 +1,8 @@
 //! TLS on tollgate's listeners (docs/operations.md, "TLS"): `tollgate serve` with certificates
 //! made in each test by a CA of its own (`support/tls.rs`), and real handshakes over 127.0.0.1.
 //!
-//! - mTLS on the gRPC listener from tollgate's settings: a client with a certificate from the CA is answered over HTTP/2;
+//! - mTLS on the gRPC listener, from tollgate's settings and from envoyproxy/ratelimit's and
+//!   Envoy Gateway's variables: a client with a certificate from the CA is answered over HTTP/2;
 //!   none, one from another CA, or one without a required name is refused by the server
 //!   (counted in `tollgate_tls_handshake_failures_total`).
 //! - Rotation: new files are used for new connections while an open one keeps being answered
@@ -190,6 +191,62 @@ async fn a_client_certificate_must_carry_a_required_name() {
         let client = ca.client("client", &[name]);
         let answer = connect_and_ask(tg.grpc_addr, client_config(&ca, Some(&client), &[b"h2"]), request()).await;
         assert_eq!(answer.is_ok(), accepted, "a certificate for {name}: {answer:?}");
+    }
+}
+
+/// Envoy Gateway's variables (its CA as `GRPC_SERVER_TLS_CA_CERT`, which envoyproxy/ratelimit
+/// does not read) and envoyproxy/ratelimit's own (`GRPC_CLIENT_TLS_CACERT`,
+/// `GRPC_CLIENT_TLS_SAN`) turn on mTLS on the gRPC listener.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn their_environment_turns_on_mtls() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("envoy-gateway");
+    let files = Files::write(dir.path(), &ca.server("envoy", 7, days_ahead(30)), &ca);
+    let path = |p: &std::path::Path| p.to_string_lossy().into_owned();
+    let gateway = [
+        ("GRPC_SERVER_USE_TLS", "true".to_owned()),
+        ("GRPC_SERVER_TLS_CERT", path(&files.cert)),
+        ("GRPC_SERVER_TLS_KEY", path(&files.key)),
+        ("GRPC_SERVER_TLS_CA_CERT", path(&files.ca)),
+        ("USE_STATSD", "false".to_owned()),
+    ];
+    let theirs = [
+        ("GRPC_SERVER_USE_TLS", "true".to_owned()),
+        ("GRPC_SERVER_TLS_CERT", path(&files.cert)),
+        ("GRPC_SERVER_TLS_KEY", path(&files.key)),
+        ("GRPC_CLIENT_TLS_CACERT", path(&files.ca)),
+        ("GRPC_CLIENT_TLS_SAN", "envoy.gateway.svc".to_owned()),
+    ];
+    let envoy = ca.client("envoy", &["envoy.gateway.svc"]);
+    let stranger = ca.client("stranger", &["stranger.gateway.svc"]);
+    for (environment, env, stranger_accepted) in [("Envoy Gateway's", &gateway, true), ("theirs", &theirs, false)] {
+        let tg = tokio::task::block_in_place(|| {
+            env.iter()
+                .fold(Tollgate::builder().rules_file("tls.yaml", RULES), |b, (k, v)| {
+                    b.env(k, v)
+                })
+                .start()
+        });
+        let ok = connect_and_ask(tg.grpc_addr, client_config(&ca, Some(&envoy), &[b"h2"]), request()).await;
+        assert_eq!(ok.map(|r| r.overall_code), Ok(Code::Ok as i32), "{environment}");
+        let none = connect_and_ask(tg.grpc_addr, client_config(&ca, None, &[b"h2"]), request()).await;
+        assert!(none.is_err(), "{environment}: no client certificate answered");
+        let other = connect_and_ask(tg.grpc_addr, client_config(&ca, Some(&stranger), &[b"h2"]), request()).await;
+        assert_eq!(other.is_ok(), stranger_accepted, "{environment}: {other:?}");
+        let config = config(&tg);
+        assert_eq!(
+            config["tls"]["grpc"]["client_ca_file"],
+            path(&files.ca),
+            "{environment}"
+        );
+        assert!(
+            tg.process
+                .log()
+                .contains("setting from the envoyproxy/ratelimit environment")
+                && tg.process.log().contains("setting=tls.grpc.cert_file"),
+            "{environment}: {}",
+            tg.process.log()
+        );
     }
 }
 
