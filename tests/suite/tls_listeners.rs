@@ -4,7 +4,8 @@
 //! - mTLS on the gRPC listener, from tollgate's settings and from envoyproxy/ratelimit's and
 //!   Envoy Gateway's variables: a client with a certificate from the CA is answered over HTTP/2;
 //!   none, one from another CA, or one without a required name is refused by the server
-//!   (counted in `tollgate_tls_handshake_failures_total`).
+//!   (counted in `tollgate_tls_handshake_failures_total`); Envoy Gateway's own shape of
+//!   certificates (RSA keys in PKCS#1, a wildcard name, no extended key usage) works.
 //! - Rotation: new files are used for new connections while an open one keeps being answered
 //!   on the old certificate; files that do not load keep the certificate in use.
 //! - HTTPS on the HTTP and admin listeners (HTTP/1.1 and HTTP/2 by ALPN), the metrics listener
@@ -57,7 +58,7 @@ async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
 }
 
 /// The admin `/config` as JSON (the admin listener plain).
-fn config(tg: &Tollgate) -> Value {
+fn config_of(tg: &Tollgate) -> Value {
     let (status, body) = tg.config().expect("/config answers");
     assert_eq!(status, 200, "{body}");
     serde_json::from_str(&body).unwrap()
@@ -150,7 +151,7 @@ async fn mtls_on_the_grpc_listener_from_tollgates_settings() {
         ),
         Some(not_after as f64)
     );
-    let config = config(&tg);
+    let config = config_of(&tg);
     let grpc = &config["tls"]["grpc"];
     assert_eq!(grpc["certificate"]["not_after_unix"], not_after);
     assert_eq!(grpc["certificate"]["serial"], "10:92", "4242");
@@ -233,7 +234,7 @@ async fn their_environment_turns_on_mtls() {
         assert!(none.is_err(), "{environment}: no client certificate answered");
         let other = connect_and_ask(tg.grpc_addr, client_config(&ca, Some(&stranger), &[b"h2"]), request()).await;
         assert_eq!(other.is_ok(), stranger_accepted, "{environment}: {other:?}");
-        let config = config(&tg);
+        let config = config_of(&tg);
         assert_eq!(
             config["tls"]["grpc"]["client_ca_file"],
             path(&files.ca),
@@ -304,7 +305,7 @@ async fn a_rotated_certificate_serves_new_connections_and_open_ones_go_on() {
     };
     assert_eq!((reloads("success"), reloads("failure")), (Some(1.0), Some(0.0)));
     assert_eq!(
-        config(&tg)["tls"]["grpc"]["certificate"]["subject"],
+        config_of(&tg)["tls"]["grpc"]["certificate"]["subject"],
         "CN=tollgate-renewed"
     );
 }
@@ -337,7 +338,7 @@ async fn files_that_do_not_load_keep_the_certificate_in_use() {
             .unwrap_or(0.0)
     };
     eventually("the failed reload counted", || failures() == 1.0).await;
-    let last_failure = config(&tg)["tls"]["grpc"]["last_failure"]["error"].clone();
+    let last_failure = config_of(&tg)["tls"]["grpc"]["last_failure"]["error"].clone();
     assert!(
         last_failure
             .as_str()
@@ -357,10 +358,10 @@ async fn files_that_do_not_load_keep_the_certificate_in_use() {
 
     std::fs::write(&files.key, &next.key_pem).unwrap();
     eventually("the reload", || {
-        config(&tg)["tls"]["grpc"]["certificate"]["subject"] == "CN=tollgate-next"
+        config_of(&tg)["tls"]["grpc"]["certificate"]["subject"] == "CN=tollgate-next"
     })
     .await;
-    assert_eq!(config(&tg)["tls"]["grpc"]["last_failure"], Value::Null);
+    assert_eq!(config_of(&tg)["tls"]["grpc"]["last_failure"], Value::Null);
     let seen = Arc::new(Mutex::new(Vec::new()));
     let conn = channel(tg.grpc_addr, client, seen.clone()).await.unwrap();
     assert!(ask(&conn, request()).await.is_ok());
@@ -509,4 +510,143 @@ fn unusable_files_stop_the_start_naming_the_setting() {
     }
     assert!(!text.contains("Pa55-never-shown"), "{text}");
     assert!(!text.contains("BEGIN PRIVATE KEY"), "{text}");
+}
+
+/// Runs `openssl` with `args` in `dir`; panics with its output when it fails.
+fn openssl(dir: &std::path::Path, args: &[&str]) {
+    let output = std::process::Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// Certificates shaped as Envoy Gateway's certgen makes them: RSA 2048 keys in PKCS#1 PEM
+/// (`RSA PRIVATE KEY`), leaf certificates without extended key usages whose only name is a
+/// namespace wildcard (`*.envoy-gateway-system`; `localhost` added for this test's client, which
+/// checks the server's name where Envoy does not), one CA for Envoy's and the rate-limit
+/// service's. Made with the `openssl` command (rcgen cannot make RSA keys with ring); skipped
+/// without it, except under `CI=true`. Tollgate serves with them, and takes Envoy's
+/// certificate, under their `GRPC_CLIENT_TLS_SAN` too (a name the wildcard covers).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_gateway_shaped_rsa_certificates() {
+    if std::process::Command::new("openssl").arg("version").output().is_err() {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "no openssl command under CI=true"
+        );
+        eprintln!("envoy_gateway_shaped_rsa_certificates: skipped, no openssl command");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    openssl(
+        d,
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.crt",
+            "-days",
+            "30",
+            "-subj",
+            "/CN=envoy-gateway",
+        ],
+    );
+    std::fs::write(
+        d.join("leaf.ext"),
+        "subjectAltName=DNS:*.envoy-gateway-system,DNS:localhost\n\
+         keyUsage=digitalSignature,keyEncipherment,dataEncipherment,nonRepudiation\n",
+    )
+    .unwrap();
+    for (name, serial) in [("rate-limit", "1001"), ("envoy", "1002")] {
+        let (key, csr, crt) = (format!("{name}.p8"), format!("{name}.csr"), format!("{name}.crt"));
+        openssl(
+            d,
+            &[
+                "req",
+                "-new",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-keyout",
+                &key,
+                "-out",
+                &csr,
+                "-subj",
+                "/CN=envoy",
+            ],
+        );
+        openssl(
+            d,
+            &[
+                "x509",
+                "-req",
+                "-in",
+                &csr,
+                "-CA",
+                "ca.crt",
+                "-CAkey",
+                "ca.key",
+                "-set_serial",
+                serial,
+                "-days",
+                "30",
+                "-extfile",
+                "leaf.ext",
+                "-out",
+                &crt,
+            ],
+        );
+        openssl(d, &["rsa", "-in", &key, "-traditional", "-out", &format!("{name}.key")]);
+    }
+    let read = |file: &str| std::fs::read_to_string(d.join(file)).unwrap();
+    assert!(read("rate-limit.key").starts_with("-----BEGIN RSA PRIVATE KEY-----"));
+    let path = |file: &str| d.join(file).to_string_lossy().into_owned();
+    let tg = tokio::task::block_in_place(|| {
+        Tollgate::builder()
+            .rules_file("tls.yaml", RULES)
+            .env("GRPC_SERVER_USE_TLS", "true")
+            .env("GRPC_SERVER_TLS_CERT", &path("rate-limit.crt"))
+            .env("GRPC_SERVER_TLS_KEY", &path("rate-limit.key"))
+            .env("GRPC_CLIENT_TLS_CACERT", &path("ca.crt"))
+            .env("GRPC_CLIENT_TLS_SAN", "ratelimit-client.envoy-gateway-system")
+            .start()
+    });
+    let config = |identity: Option<(&str, &str)>| {
+        let mut roots = rustls::RootCertStore::empty();
+        roots
+            .add(rustls::pki_types::pem::PemObject::from_pem_slice(read("ca.crt").as_bytes()).unwrap())
+            .unwrap();
+        let builder = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots);
+        let mut config = match identity {
+            Some((cert, key)) => builder
+                .with_client_auth_cert(
+                    vec![rustls::pki_types::pem::PemObject::from_pem_slice(read(cert).as_bytes()).unwrap()],
+                    rustls::pki_types::pem::PemObject::from_pem_slice(read(key).as_bytes()).unwrap(),
+                )
+                .unwrap(),
+            None => builder.with_no_client_auth(),
+        };
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        Arc::new(config)
+    };
+    let envoy = connect_and_ask(tg.grpc_addr, config(Some(("envoy.crt", "envoy.key"))), request()).await;
+    assert_eq!(envoy.map(|r| r.overall_code), Ok(Code::Ok as i32));
+    let none = connect_and_ask(tg.grpc_addr, config(None), request()).await;
+    assert!(none.is_err(), "answered without a client certificate: {none:?}");
+    assert_eq!(config_of(&tg)["tls"]["grpc"]["certificate"]["serial"], "03:e9", "1001");
 }
