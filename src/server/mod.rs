@@ -100,8 +100,9 @@ fn backend_names(settings: &Settings) -> crate::server::http::BackendNames {
 /// too, until `go_away_margin` before that deadline, then get a graceful GOAWAY. A second
 /// signal skips the wait.
 ///
-/// Errors: invalid settings or rules (every problem, with file, rule and reason), or a listener
-/// that cannot bind.
+/// Errors: invalid settings or rules (every problem, with file, rule and reason), TLS files
+/// that cannot serve (every problem, with the setting and the file), or a listener that cannot
+/// bind.
 pub async fn serve(settings: Settings) -> anyhow::Result<()> {
     settings
         .validate()

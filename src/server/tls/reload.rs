@@ -247,3 +247,67 @@ impl std::fmt::Debug for Reloading {
             .finish_non_exhaustive()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A self-signed certificate for `cn` and its key, as PEM.
+    fn certificate(cn: &str) -> (String, String) {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
+        params.distinguished_name.push(rcgen::DnType::CommonName, cn);
+        (params.self_signed(&key).unwrap().pem(), key.serialize_pem())
+    }
+
+    #[test]
+    fn changed_files_are_swapped_in_and_bad_ones_reported_once_they_stay() {
+        let dir = tempfile::tempdir().unwrap();
+        let tls = ListenerTls {
+            cert_file: dir.path().join("tls.crt"),
+            key_file: dir.path().join("tls.key"),
+            ..ListenerTls::default()
+        };
+        let write = |(cert, key): &(String, String)| {
+            std::fs::write(&tls.cert_file, cert).unwrap();
+            std::fs::write(&tls.key_file, key).unwrap();
+        };
+        let (first, second) = (certificate("first"), certificate("second"));
+        write(&first);
+        let reloading = Reloading::load("grpc", &tls, crate::server::tls::material::provider()).unwrap();
+        assert_eq!(reloading.current().cert.subject, "CN=first");
+        assert_eq!(reloading.check(), Checked::Unchanged);
+
+        write(&second);
+        assert_eq!(reloading.check(), Checked::Reloaded);
+        assert_eq!(reloading.current().cert.subject, "CN=second");
+        assert_eq!(reloading.check(), Checked::Unchanged);
+
+        // The first certificate with the second's key: kept out, reported from the second check.
+        std::fs::write(&tls.cert_file, &first.0).unwrap();
+        assert_eq!(reloading.check(), Checked::Failed);
+        assert_eq!(
+            reloading.status_json()["last_failure"],
+            Value::Null,
+            "caught halfway, maybe"
+        );
+        assert_eq!(reloading.check(), Checked::Failed);
+        let error = reloading.status_json()["last_failure"]["error"].clone();
+        assert!(
+            error.as_str().is_some_and(|e| e.contains("tls.grpc.key_file")),
+            "{error}"
+        );
+        assert_eq!(
+            reloading.current().cert.subject,
+            "CN=second",
+            "the material in use stays"
+        );
+
+        // A missing file is a failure too; back to the files in use clears it.
+        std::fs::remove_file(&tls.cert_file).unwrap();
+        assert_eq!(reloading.check(), Checked::Failed);
+        write(&second);
+        assert_eq!(reloading.check(), Checked::Unchanged);
+        assert_eq!(reloading.status_json()["last_failure"], Value::Null);
+    }
+}
