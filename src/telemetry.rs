@@ -82,6 +82,17 @@ pub const MEMORY_EVICTED_NOT_FULL: &str = "tollgate_memory_evicted_not_full_tota
 pub const MALFORMED: &str = "tollgate_malformed_total";
 /// Always 1, with the `version` label.
 pub const BUILD_INFO: &str = "tollgate_build_info";
+/// When the certificate a TLS listener serves expires (its notAfter), in Unix seconds, by
+/// `listener` (`grpc`, `http`, `admin`): set at start and at each certificate reload.
+pub const TLS_CERT_EXPIRY: &str = "tollgate_tls_certificate_expiry_timestamp_seconds";
+/// Certificate reloads of a TLS listener by `listener` and `result`: `success` (changed files
+/// loaded), `failure` (changed files that did not load, once per content; the certificate in
+/// use stays).
+pub const TLS_RELOADS: &str = "tollgate_tls_certificate_reloads_total";
+/// TLS handshakes a listener failed or that timed out, by `listener`: a client without a
+/// certificate where one is required, one from another CA or without the required name, a
+/// client that does not trust tollgate's certificate, or no TLS at all.
+pub const TLS_HANDSHAKE_FAILURES: &str = "tollgate_tls_handshake_failures_total";
 
 /// envoyproxy/ratelimit's `ratelimit_service_rate_limit_total_hits`: hits (`hits_addend`) of
 /// every decision of a rule with a limit, by `domain`, `key1`, `key2` ([`envoyproxy_labels`]).
@@ -499,4 +510,28 @@ pub fn rules_loaded(generation: u64, success: bool, at_start: bool) {
             .unwrap_or_default();
         gauge!(LAST_RELOAD_SUCCESS_TIME).set(now.as_secs_f64());
     }
+}
+
+/// Records the certificate `listener` serves from now on, which expires at `not_after` (Unix
+/// seconds): [`TLS_CERT_EXPIRY`], and a [`TLS_RELOADS`] success unless `at_start` (which sets
+/// both of its series at zero).
+pub fn tls_certificate_loaded(listener: &'static str, not_after: i64, at_start: bool) {
+    gauge!(TLS_CERT_EXPIRY, "listener" => listener).set(not_after as f64);
+    if at_start {
+        counter!(TLS_RELOADS, "listener" => listener, "result" => "success").increment(0);
+        counter!(TLS_RELOADS, "listener" => listener, "result" => "failure").increment(0);
+        counter!(TLS_HANDSHAKE_FAILURES, "listener" => listener).increment(0);
+    } else {
+        counter!(TLS_RELOADS, "listener" => listener, "result" => "success").increment(1);
+    }
+}
+
+/// Counts changed files of `listener` that did not load ([`TLS_RELOADS`] `failure`).
+pub fn tls_reload_failed(listener: &'static str) {
+    counter!(TLS_RELOADS, "listener" => listener, "result" => "failure").increment(1);
+}
+
+/// Counts a failed TLS handshake on `listener` ([`TLS_HANDSHAKE_FAILURES`]).
+pub fn tls_handshake_failed(listener: &'static str) {
+    counter!(TLS_HANDSHAKE_FAILURES, "listener" => listener).increment(1);
 }

@@ -84,4 +84,11 @@ fn describe() {
     describe_gauge!(MEMORY_BUCKETS, "Buckets held by the memory store");
     describe_counter!(MEMORY_EVICTED_NOT_FULL, "Buckets evicted before they were full");
     describe_gauge!(BUILD_INFO, "Build information");
+    describe_gauge!(
+        TLS_CERT_EXPIRY,
+        Unit::Seconds,
+        "Unix time at which the certificate a TLS listener serves expires"
+    );
+    describe_counter!(TLS_RELOADS, "Certificate reloads of a TLS listener, by result");
+    describe_counter!(TLS_HANDSHAKE_FAILURES, "Failed TLS handshakes, by listener");
 }

@@ -4,13 +4,19 @@
 pub mod admin;
 pub mod check;
 pub(crate) mod config_view;
+pub(crate) mod grpc;
 pub(crate) mod http;
 pub(crate) mod metrics;
 pub mod reload;
 pub(crate) mod service;
 pub mod settings;
+pub mod tls;
 pub(crate) mod wire;
 
+pub use grpc::{
+    serve_grpc, serve_rate_limit_service, serve_rate_limit_service_draining, serve_rate_limit_service_with_health,
+    serve_rate_limit_service_with_limits,
+};
 pub use wire::decode_request;
 
 use std::future::Future;
@@ -19,12 +25,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::net::TcpListener;
 use tokio::task::{JoinHandle, JoinSet};
-use tonic::transport::server::TcpIncoming;
-use tonic_health::pb::health_server::{Health, HealthServer};
 use tonic_health::server::HealthReporter;
 use tonic_health::ServingStatus;
 
@@ -35,12 +38,11 @@ use crate::server::config_view::config_json;
 use crate::server::http::{router, HttpState, Readiness};
 use crate::server::reload::{load_initial, Fingerprint, Reloader};
 use crate::server::service::RateLimitGrpc;
-use crate::server::settings::{
-    Backend, FailureMode, FallbackBackend, GrpcSettings, RuntimeFlavor, Settings, ShutdownSettings,
-};
+use crate::server::settings::{Backend, FailureMode, FallbackBackend, RuntimeFlavor, Settings, ShutdownSettings};
+use crate::server::tls::{accept::Acceptor, Listener, Tls};
 use crate::server::wire::RateLimitServer;
 use crate::store::{
-    start_shared, AnyStore, Fallback, Guarded, MemoryStore, Metered, PostgresStore, RedisStore, Resilient, Store,
+    start_shared, AnyStore, Fallback, Guarded, MemoryStore, Metered, PostgresStore, RedisStore, Resilient,
 };
 
 impl LimiterOptions {
@@ -98,14 +100,18 @@ fn backend_names(settings: &Settings) -> crate::server::http::BackendNames {
 /// too, until `go_away_margin` before that deadline, then get a graceful GOAWAY. A second
 /// signal skips the wait.
 ///
-/// Errors: invalid settings or rules (every problem, with file, rule and reason), or a listener
-/// that cannot bind.
+/// Errors: invalid settings or rules (every problem, with file, rule and reason), TLS files
+/// that cannot serve (every problem, with the setting and the file), or a listener that cannot
+/// bind.
 pub async fn serve(settings: Settings) -> anyhow::Result<()> {
     settings
         .validate()
         .map_err(|e| anyhow::anyhow!("invalid settings: {e}"))?;
     // Before the rules, so their decision counters register with it.
     let prometheus = install_metrics(&settings)?;
+    // Before the rules too: the files' problems are reported before anything connects.
+    let tls = Arc::new(Tls::load(&settings.tls).map_err(|e| anyhow::anyhow!("cannot serve TLS:\n  {e}"))?);
+    tls.spawn_reload();
     let (rules, fingerprint) = load_initial_rules(&settings)?;
     let clock = local_clock();
     let memory = memory_store(&settings, clock.clone());
@@ -113,13 +119,14 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
     let limiter = Arc::new(Limiter::new(rules, store, LimiterOptions::from_settings(&settings)));
     let reloader = Reloader::new(limiter.clone(), settings.rules.clone(), fingerprint);
     let reload_task = reloader.spawn(settings.reload);
-    let (grpc, http) = bind_listeners(&settings).await?;
+    let (grpc, http) = bind_listeners(&settings, &tls).await?;
 
     let ready = Readiness::default();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let http_state = http_state(&settings, &limiter, &memory, &ready, prometheus);
     let mut tasks = JoinSet::new();
-    let health_reporter = start_grpc(&mut tasks, grpc, &limiter, &settings, &stop_rx).await;
+    let grpc_tls = tls.acceptor(Listener::Grpc);
+    let health_reporter = start_grpc(&mut tasks, grpc, &limiter, &settings, &stop_rx, grpc_tls).await;
     // Ready before the HTTP listeners are served, so the first probe that gets an answer
     // hears the backend's state and never "starting" (the ports are bound already; a probe
     // that came early waits in the backlog).
@@ -195,18 +202,19 @@ async fn build_store(settings: &Settings, memory: &MemoryStore, clock: Arc<dyn C
 }
 
 /// The listeners served over HTTP: the main one, and the metrics and admin ones when
-/// configured.
+/// configured; `tls` for those that serve TLS.
 struct HttpListeners {
     http: TcpListener,
     metrics: Option<TcpListener>,
     admin: Option<TcpListener>,
+    tls: Arc<Tls>,
 }
 
 /// Binds every configured listener (gRPC, HTTP, metrics, admin, in that order) and logs where
 /// it listens; returns the gRPC listener and the others.
 ///
 /// Errors: a listener that cannot bind.
-async fn bind_listeners(settings: &Settings) -> anyhow::Result<(TcpListener, HttpListeners)> {
+async fn bind_listeners(settings: &Settings, tls: &Arc<Tls>) -> anyhow::Result<(TcpListener, HttpListeners)> {
     let grpc = TcpListener::bind(settings.grpc_addr)
         .await
         .with_context(|| format!("cannot listen for gRPC on {}", settings.grpc_addr))?;
@@ -235,9 +243,16 @@ async fn bind_listeners(settings: &Settings) -> anyhow::Result<(TcpListener, Htt
         admin = %admin.as_ref().map_or("disabled".to_owned(), |_| settings.admin.addr.to_string()),
         admin_token = settings.admin.token.is_some(),
         metrics = %settings.metrics.addr.map_or("on the HTTP port".to_owned(), |a| format!("{a}{} and on the HTTP port", settings.metrics.path)),
+        tls = %tls.summary(),
         "listening"
     );
-    Ok((grpc, HttpListeners { http, metrics, admin }))
+    let listeners = HttpListeners {
+        http,
+        metrics,
+        admin,
+        tls: tls.clone(),
+    };
+    Ok((grpc, listeners))
 }
 
 /// Completes once `stop` says so (or its sender is gone).
@@ -294,31 +309,48 @@ fn start_http_listeners(
     reloader: &Arc<Reloader<AnyStore>>,
     stop: &tokio::sync::watch::Receiver<bool>,
 ) {
-    let app = router(http_state.clone());
-    spawn_axum(tasks, listeners.http, app, stopped(stop), "HTTP server failed");
+    let (app, tls) = (router(http_state.clone()), &listeners.tls);
+    let http_tls = tls.acceptor(Listener::Http);
+    spawn_axum(
+        tasks,
+        listeners.http,
+        http_tls,
+        app,
+        stopped(stop),
+        "HTTP server failed",
+    );
     if let Some(listener) = listeners.metrics {
         let app = crate::server::http::metrics_router(http_state, &settings.metrics.path);
-        spawn_axum(tasks, listener, app, stopped(stop), "metrics server failed");
+        spawn_axum(tasks, listener, None, app, stopped(stop), "metrics server failed");
     }
     if let Some(listener) = listeners.admin {
-        let app = admin_router(settings, limiter, reloader);
-        spawn_axum(tasks, listener, app, stopped(stop), "admin server failed");
+        let (app, admin_tls) = (
+            admin_router(settings, limiter, reloader, tls),
+            tls.acceptor(Listener::Admin),
+        );
+        spawn_axum(tasks, listener, admin_tls, app, stopped(stop), "admin server failed");
     }
 }
 
-/// Serves `app` on `listener` until `stop`, as one of `tasks`; a failure is `failure`.
+/// Serves `app` on `listener` (over TLS with `tls`) until `stop`, as one of `tasks`; a failure
+/// is `failure`.
 fn spawn_axum(
     tasks: &mut Tasks,
     listener: TcpListener,
+    tls: Option<Acceptor>,
     app: axum::Router,
     stop: impl Future<Output = ()> + Send + 'static,
     failure: &'static str,
 ) {
     tasks.spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(stop)
-            .await
-            .context(failure)
+        let served = match tls {
+            Some(tls) => {
+                let listener = crate::server::tls::accept::TlsIncoming::new(listener, tls);
+                axum::serve(listener, app).with_graceful_shutdown(stop).await
+            }
+            None => axum::serve(listener, app).with_graceful_shutdown(stop).await,
+        };
+        served.context(failure)
     });
 }
 
@@ -328,14 +360,17 @@ fn admin_router(
     settings: &Settings,
     limiter: &Arc<Limiter<AnyStore>>,
     reloader: &Arc<Reloader<AnyStore>>,
+    tls: &Arc<Tls>,
 ) -> axum::Router {
     let config_view: crate::server::admin::ConfigView = {
         let config_limiter = limiter.clone();
         let config_settings = settings.clone();
         let config_reloader = reloader.clone();
+        let config_tls = tls.clone();
         Arc::new(move || {
             let mut config = config_json(&config_limiter.rules(), &config_settings);
             config["reload"] = config_reloader.status_json();
+            config["tls"] = config_tls.status_json();
             config
         })
     };
@@ -356,6 +391,7 @@ async fn start_grpc(
     limiter: &Arc<Limiter<AnyStore>>,
     settings: &Settings,
     stop: &tokio::sync::watch::Receiver<bool>,
+    tls: Option<Acceptor>,
 ) -> HealthReporter {
     let (health_reporter, health) = tonic_health::server::health_reporter();
     health_reporter
@@ -371,11 +407,12 @@ async fn start_grpc(
     let timeout = settings.shutdown.timeout_seconds.duration();
     let go_away = async move {
         stop.await;
-        tokio::time::sleep(timeout.saturating_sub(go_away_margin(timeout))).await;
+        tokio::time::sleep(timeout.saturating_sub(grpc::go_away_margin(timeout))).await;
     };
     let service = RateLimitGrpc::new(limiter.clone());
-    tasks.spawn(serve_rate_limit_service_draining(
+    tasks.spawn(grpc::serve_draining_tls(
         listener,
+        tls,
         service,
         health,
         settings.grpc,
@@ -528,121 +565,6 @@ async fn follow_readiness(reporter: HealthReporter, limiter: Arc<Limiter<AnyStor
             .await;
         reporter.set_service_status("", status).await;
     }
-}
-
-/// Serves tollgate's `RateLimitService` and `grpc.health.v1` on `listener` until `shutdown`
-/// completes.
-pub async fn serve_grpc<S: Store>(
-    listener: TcpListener,
-    limiter: Arc<Limiter<S>>,
-    shutdown: impl Future<Output = ()> + Send,
-) -> anyhow::Result<()> {
-    serve_rate_limit_service(listener, RateLimitGrpc::new(limiter), shutdown).await
-}
-
-/// Serves any `RateLimitService` implementation, and `grpc.health.v1` reporting it serving, on
-/// `listener` until `shutdown` completes. This is the whole gRPC stack; the load generator's
-/// no-op server uses it too, so measurements compare decision paths and nothing else.
-pub async fn serve_rate_limit_service<T: RateLimitService>(
-    listener: TcpListener,
-    service: T,
-    shutdown: impl Future<Output = ()> + Send,
-) -> anyhow::Result<()> {
-    let (health_reporter, health) = tonic_health::server::health_reporter();
-    health_reporter.set_serving::<RateLimitServer<T>>().await;
-    serve_rate_limit_service_with_health(listener, service, health, shutdown).await
-}
-
-/// [`serve_rate_limit_service`] with a health service the caller keeps the reporter of (to
-/// report `NOT_SERVING` while shutting down), and the default [`GrpcSettings`].
-pub async fn serve_rate_limit_service_with_health<T: RateLimitService>(
-    listener: TcpListener,
-    service: T,
-    health: HealthServer<impl Health>,
-    shutdown: impl Future<Output = ()> + Send,
-) -> anyhow::Result<()> {
-    serve_rate_limit_service_with_limits(listener, service, health, GrpcSettings::default(), shutdown).await
-}
-
-/// [`serve_rate_limit_service_with_health`] with the gRPC server's limits of `limits` (the
-/// `grpc` settings: message size, streams per connection, keep-alive).
-pub async fn serve_rate_limit_service_with_limits<T: RateLimitService>(
-    listener: TcpListener,
-    service: T,
-    health: HealthServer<impl Health>,
-    limits: GrpcSettings,
-    shutdown: impl Future<Output = ()> + Send,
-) -> anyhow::Result<()> {
-    // The listener closes with the GOAWAY, at `shutdown`.
-    serve_rate_limit_service_draining(listener, service, health, limits, std::future::pending(), shutdown).await
-}
-
-/// How long before the shutdown deadline open gRPC connections are sent their GOAWAY: enough
-/// for the streams sent meanwhile to be answered (a decision takes milliseconds), at most half
-/// the timeout.
-fn go_away_margin(timeout: Duration) -> Duration {
-    (timeout / 2).min(Duration::from_secs(1))
-}
-
-/// The listener, until `close` completes: then it is dropped (new connections are refused) and
-/// the stream stays pending, without ending, so the connections already accepted keep being
-/// served (an ended stream makes tonic tell them to go away at once).
-struct ClosableIncoming<F> {
-    incoming: Option<TcpIncoming>,
-    close: std::pin::Pin<Box<F>>,
-}
-
-impl<F: Future<Output = ()>> futures_util::Stream for ClosableIncoming<F> {
-    type Item = std::io::Result<tokio::net::TcpStream>;
-
-    fn poll_next(
-        self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Self::Item>> {
-        let this = self.get_mut();
-        // Polled only until it completes (`incoming` is then gone).
-        if this.incoming.is_some() && this.close.as_mut().poll(cx).is_ready() {
-            this.incoming = None;
-            tracing::info!("gRPC listener closed; open connections still served until told to go away");
-        }
-        match &mut this.incoming {
-            Some(incoming) => std::pin::Pin::new(incoming).poll_next(cx),
-            None => std::task::Poll::Pending,
-        }
-    }
-}
-
-/// [`serve_rate_limit_service_with_limits`] that stops accepting connections at `close` but
-/// keeps serving every stream of the open ones until `go_away`, when each is sent a graceful
-/// GOAWAY (HTTP/2's two-step one: streams the client sent before it saw it are still served);
-/// returns once every connection has closed.
-pub async fn serve_rate_limit_service_draining<T: RateLimitService>(
-    listener: TcpListener,
-    service: T,
-    health: HealthServer<impl Health>,
-    limits: GrpcSettings,
-    close: impl Future<Output = ()> + Send + 'static,
-    go_away: impl Future<Output = ()> + Send,
-) -> anyhow::Result<()> {
-    let keepalive = (limits.keepalive_interval_seconds.0 > 0).then(|| limits.keepalive_interval_seconds.duration());
-    // TCP_NODELAY must be set on the accepted sockets here: tonic ignores `Server::tcp_nodelay`
-    // for a caller-supplied incoming stream. With Nagle on, a response written in two pieces
-    // waits for Envoy's delayed ACK (~40 ms), past Envoy's default 20 ms filter timeout.
-    tonic::transport::Server::builder()
-        .max_concurrent_streams(limits.max_concurrent_streams)
-        .http2_keepalive_interval(keepalive)
-        .http2_keepalive_timeout(Some(Duration::from_secs(limits.keepalive_timeout_seconds.0.max(1))))
-        .add_service(health)
-        .add_service(RateLimitServer::new(service).max_message_bytes(limits.max_message_bytes))
-        .serve_with_incoming_shutdown(
-            ClosableIncoming {
-                incoming: Some(TcpIncoming::from(listener).with_nodelay(Some(true))),
-                close: Box::pin(close),
-            },
-            go_away,
-        )
-        .await
-        .context("gRPC server failed")
 }
 
 /// The environment variable that skews the local clock, for tests of replicas whose clocks

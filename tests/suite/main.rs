@@ -41,6 +41,7 @@ mod shutdown;
 mod soak;
 mod store_bounds;
 mod tidy;
+mod tls_listeners;
 mod usage_budgets;
 mod usage_budgets_envoy;
 mod vectors;

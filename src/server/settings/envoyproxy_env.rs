@@ -49,10 +49,6 @@ const IGNORED: &[(&str, &str)] = &[
     ("DEBUG_PORT", "tollgate has no debug listener; the rules in force are at /config on the HTTP port and the bucket admin API stays on loopback (admin.addr)"),
     ("GRPC_MAX_CONNECTION_AGE", "tollgate does not close gRPC connections by age; Envoy keeps its connections and decisions do not depend on them"),
     ("GRPC_MAX_CONNECTION_AGE_GRACE", "tollgate does not close gRPC connections by age"),
-    ("GRPC_SERVER_TLS_CERT", "only read with GRPC_SERVER_USE_TLS=true"),
-    ("GRPC_SERVER_TLS_KEY", "only read with GRPC_SERVER_USE_TLS=true"),
-    ("GRPC_CLIENT_TLS_CACERT", "only read with GRPC_SERVER_USE_TLS=true"),
-    ("GRPC_CLIENT_TLS_SAN", "only read with GRPC_SERVER_USE_TLS=true"),
     ("FORCE_START_WITHOUT_INITIAL_CONFIG", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
     ("CONFIG_GRPC_XDS_NODE_ID", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
     ("CONFIG_GRPC_XDS_NODE_METADATA", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
@@ -126,6 +122,11 @@ const HANDLED: &[&str] = &[
     "GRPC_PORT",
     "GRPC_UDS",
     "GRPC_SERVER_USE_TLS",
+    "GRPC_SERVER_TLS_CERT",
+    "GRPC_SERVER_TLS_KEY",
+    "GRPC_CLIENT_TLS_CACERT",
+    "GRPC_SERVER_TLS_CA_CERT",
+    "GRPC_CLIENT_TLS_SAN",
     "LOG_LEVEL",
     "LOG_FORMAT",
     "CONFIG_TYPE",
@@ -469,11 +470,83 @@ impl Reader<'_> {
                 "tollgate does not serve gRPC on a Unix socket; unset it and point Envoy at GRPC_HOST:GRPC_PORT (TCP)",
             );
         }
-        if self.bool("GRPC_SERVER_USE_TLS") == Some(true) {
+        self.grpc_tls();
+    }
+
+    /// `GRPC_SERVER_USE_TLS=true` and its files: `tls.grpc`. Their CA for client certificates
+    /// is `GRPC_CLIENT_TLS_CACERT`; Envoy Gateway sets `GRPC_SERVER_TLS_CA_CERT` (which their
+    /// service does not read) to the CA of Envoy's own certificate, and either is taken (both
+    /// set, they must agree). `GRPC_CLIENT_TLS_SAN` is checked only with a CA, as theirs does.
+    /// Without TLS on, the files are notes: their service reads them only with it.
+    fn grpc_tls(&mut self) {
+        const FILES: [&str; 5] = [
+            "GRPC_SERVER_TLS_CERT",
+            "GRPC_SERVER_TLS_KEY",
+            "GRPC_CLIENT_TLS_CACERT",
+            "GRPC_SERVER_TLS_CA_CERT",
+            "GRPC_CLIENT_TLS_SAN",
+        ];
+        if self.bool("GRPC_SERVER_USE_TLS") != Some(true) {
+            let set: Vec<&str> = FILES.into_iter().filter(|var| self.get(var).is_some()).collect();
+            for var in set {
+                let why = "only read with GRPC_SERVER_USE_TLS=true, as theirs does";
+                self.out.notes.push((var.to_owned(), why.to_owned()));
+            }
+            return;
+        }
+        let (cert, key) = (
+            self.get(FILES[0]).map(str::to_owned),
+            self.get(FILES[1]).map(str::to_owned),
+        );
+        let (Some(cert), Some(key)) = (cert, key) else {
             self.refuse(
                 "GRPC_SERVER_USE_TLS",
-                "gRPC over TLS is not supported yet; set it to false and terminate TLS in a sidecar or mesh (Istio mTLS)",
+                "true needs GRPC_SERVER_TLS_CERT and GRPC_SERVER_TLS_KEY: set them to the PEM files of the \
+                 certificate and its key, or unset GRPC_SERVER_USE_TLS",
             );
+            return;
+        };
+        self.set(
+            "tls.grpc.cert_file",
+            json!(cert),
+            "GRPC_SERVER_USE_TLS, GRPC_SERVER_TLS_CERT",
+        );
+        self.set(
+            "tls.grpc.key_file",
+            json!(key),
+            "GRPC_SERVER_USE_TLS, GRPC_SERVER_TLS_KEY",
+        );
+        let ca = match (self.get(FILES[2]), self.get(FILES[3])) {
+            (Some(theirs), Some(gateway)) if theirs != gateway => {
+                self.refuse(
+                    "GRPC_SERVER_TLS_CA_CERT",
+                    format!(
+                        "{} names another file than GRPC_CLIENT_TLS_CACERT {}; both give the CA of client \
+                         certificates: set one, or both to the same file",
+                        self.shown(FILES[3]),
+                        self.shown(FILES[2])
+                    ),
+                );
+                return;
+            }
+            (Some(ca), _) => Some((ca.to_owned(), FILES[2])),
+            (None, Some(ca)) => Some((ca.to_owned(), FILES[3])),
+            (None, None) => None,
+        };
+        if let Some((ca, from)) = &ca {
+            self.set(
+                "tls.grpc.client_ca_file",
+                json!(ca),
+                &format!("GRPC_SERVER_USE_TLS, {from}"),
+            );
+        }
+        if let Some(san) = self.get(FILES[4]).map(str::to_owned) {
+            if ca.is_some() {
+                self.set("tls.grpc.client_sans", json!([san]), "GRPC_CLIENT_TLS_SAN");
+            } else {
+                let why = "without GRPC_CLIENT_TLS_CACERT no client certificate is asked for, so there is no name to check (theirs ignores it too)";
+                self.out.notes.push((FILES[4].to_owned(), why.to_owned()));
+            }
         }
     }
 
@@ -1377,6 +1450,98 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(env.document()["rules"], "/data/ratelimit/config");
+    }
+
+    /// Envoy Gateway's variables (its CA as `GRPC_SERVER_TLS_CA_CERT`) and theirs
+    /// (`GRPC_CLIENT_TLS_CACERT`, `GRPC_CLIENT_TLS_SAN`) become `tls.grpc`; without
+    /// `GRPC_SERVER_USE_TLS=true` the files change nothing, as in theirs.
+    #[test]
+    fn grpc_server_tls_becomes_tls_grpc() {
+        let gateway = read(&[
+            ("GRPC_SERVER_USE_TLS", "true"),
+            ("GRPC_SERVER_TLS_CERT", "/certs/tls.crt"),
+            ("GRPC_SERVER_TLS_KEY", "/certs/tls.key"),
+            ("GRPC_SERVER_TLS_CA_CERT", "/certs/ca.crt"),
+        ])
+        .unwrap();
+        assert_eq!(
+            gateway.document()["tls"],
+            json!({"grpc": {"cert_file": "/certs/tls.crt", "key_file": "/certs/tls.key", "client_ca_file": "/certs/ca.crt"}})
+        );
+        assert_eq!(
+            gateway.origins["tls.grpc.client_ca_file"],
+            "GRPC_SERVER_USE_TLS, GRPC_SERVER_TLS_CA_CERT"
+        );
+        let theirs = read(&[
+            ("GRPC_SERVER_USE_TLS", "1"),
+            ("GRPC_SERVER_TLS_CERT", "/c/tls.crt"),
+            ("GRPC_SERVER_TLS_KEY", "/c/tls.key"),
+            ("GRPC_CLIENT_TLS_CACERT", "/c/ca.crt"),
+            ("GRPC_SERVER_TLS_CA_CERT", "/c/ca.crt"),
+            ("GRPC_CLIENT_TLS_SAN", "envoy.gateway"),
+        ])
+        .unwrap();
+        let grpc = &theirs.document()["tls"]["grpc"];
+        assert_eq!(grpc["client_ca_file"], "/c/ca.crt");
+        assert_eq!(grpc["client_sans"], json!(["envoy.gateway"]));
+        assert_eq!(
+            theirs.origins["tls.grpc.client_ca_file"],
+            "GRPC_SERVER_USE_TLS, GRPC_CLIENT_TLS_CACERT"
+        );
+        // A SAN without a CA: no certificate is asked for, so nothing to check (a note).
+        let no_ca = read(&[
+            ("GRPC_SERVER_USE_TLS", "true"),
+            ("GRPC_SERVER_TLS_CERT", "/c/tls.crt"),
+            ("GRPC_SERVER_TLS_KEY", "/c/tls.key"),
+            ("GRPC_CLIENT_TLS_SAN", "envoy"),
+        ])
+        .unwrap();
+        assert_eq!(
+            no_ca.document()["tls"],
+            json!({"grpc": {"cert_file": "/c/tls.crt", "key_file": "/c/tls.key"}})
+        );
+        assert_eq!(notes_of(&no_ca, "GRPC_CLIENT_TLS_SAN").len(), 1);
+        // Without TLS on: notes, and no `tls`.
+        for use_tls in [None, Some("false")] {
+            let mut vars = vec![
+                ("GRPC_SERVER_TLS_CERT", "/c/tls.crt"),
+                ("GRPC_SERVER_TLS_KEY", "/c/tls.key"),
+                ("GRPC_SERVER_TLS_CA_CERT", "/c/ca.crt"),
+            ];
+            vars.extend(use_tls.map(|v| ("GRPC_SERVER_USE_TLS", v)));
+            let off = read(&vars).unwrap();
+            assert!(off.document().get("tls").is_none(), "{use_tls:?}");
+            assert_eq!(notes_of(&off, "GRPC_SERVER_TLS_CERT").len(), 1, "{use_tls:?}");
+            assert_eq!(notes_of(&off, "GRPC_SERVER_TLS_CA_CERT").len(), 1, "{use_tls:?}");
+        }
+    }
+
+    /// TLS on without a certificate and key is refused (their service exits too), and so are
+    /// two CA variables that disagree.
+    #[test]
+    fn grpc_server_tls_refusals() {
+        for vars in [
+            &[("GRPC_SERVER_USE_TLS", "true")][..],
+            &[("GRPC_SERVER_USE_TLS", "true"), ("GRPC_SERVER_TLS_CERT", "/c/tls.crt")][..],
+        ] {
+            let err = read(vars).unwrap_err();
+            assert_eq!(err.0.len(), 1, "{err}");
+            assert_eq!(err.0[0].variable, "GRPC_SERVER_USE_TLS");
+            assert!(err.0[0].message.contains("GRPC_SERVER_TLS_KEY"), "{err}");
+        }
+        let err = read(&[
+            ("GRPC_SERVER_USE_TLS", "true"),
+            ("GRPC_SERVER_TLS_CERT", "/c/tls.crt"),
+            ("GRPC_SERVER_TLS_KEY", "/c/tls.key"),
+            ("GRPC_CLIENT_TLS_CACERT", "/c/ca.crt"),
+            ("GRPC_SERVER_TLS_CA_CERT", "/certs/ca.crt"),
+        ])
+        .unwrap_err();
+        assert_eq!(err.0[0].variable, "GRPC_SERVER_TLS_CA_CERT", "{err}");
+        assert!(
+            err.0[0].message.contains("/certs/ca.crt") && err.0[0].message.contains("/c/ca.crt"),
+            "{err}"
+        );
     }
 
     fn notes_of<'a>(env: &'a EnvoyproxyEnv, variable: &str) -> Vec<&'a str> {

@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 
 // The sections of the layers below, composed here (their types live beside their code).
 pub use crate::decision::{HeaderSettings, RequestLimits, ResponseSettings};
+pub use crate::server::tls::{ListenerTls, TlsSettings};
 pub use crate::store::{
     redact_url, FailureMode, FallbackBackend, MemorySettings, PostgresSettings, RedisSettings, UnreachableAtStart,
 };
@@ -63,6 +64,8 @@ pub struct Settings {
     pub metrics: MetricsSettings,
     /// The async runtime `serve` runs on: see [`RuntimeFlavor`].
     pub runtime: RuntimeFlavor,
+    /// TLS on the gRPC, HTTP and admin listeners: see [`TlsSettings`].
+    pub tls: TlsSettings,
 }
 
 /// Which tokio runtime `tollgate serve` runs on.
@@ -222,6 +225,7 @@ impl Default for Settings {
             shutdown: ShutdownSettings::default(),
             metrics: MetricsSettings::default(),
             runtime: RuntimeFlavor::Auto,
+            tls: TlsSettings::default(),
         }
     }
 }
@@ -292,7 +296,7 @@ pub const DEFAULT_SETTINGS_FILE: &str = "config/tollgate.yaml";
 
 /// Top-level settings keys; only these are read from `TOLLGATE_*`, so unrelated variables
 /// with the same prefix are not mistaken for settings.
-const KEYS: [&str; 20] = [
+const KEYS: [&str; 21] = [
     "grpc_addr",
     "http_addr",
     "rules",
@@ -313,6 +317,7 @@ const KEYS: [&str; 20] = [
     "metrics",
     "runtime",
     "grpc",
+    "tls",
 ];
 
 impl Settings {
@@ -560,7 +565,7 @@ impl Settings {
     /// `metrics.near_limit_ratio` outside `(0, 1]`; an empty `admin.token` or one with
     /// whitespace at either end (it could never match what a client sends); an enabled admin
     /// listener beyond loopback without `admin.token`; an `admin.allowed_hosts` entry that is not
-    /// a bare host name; `shutdown.timeout_seconds` of 0; and those of the `redis` and `postgres`
+    /// a bare host name; `shutdown.timeout_seconds` of 0; and those of the `redis`, `postgres` and `tls`
     /// sections. Every problem at once, one per line, so a fix is not followed by the next error.
     pub fn validate(&self) -> Result<(), String> {
         crate::store::settings::all_problems(self.problems(), "\n  ")
@@ -623,6 +628,7 @@ impl Settings {
         }
         problems.extend(self.redis.problems());
         problems.extend(self.postgres.problems());
+        problems.extend(self.tls.problems());
         problems
     }
 }

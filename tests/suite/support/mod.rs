@@ -11,6 +11,7 @@ pub mod faults;
 pub mod postgres;
 pub mod proxy;
 pub mod redis;
+pub mod tls;
 pub mod tools;
 
 use std::fs::{self, File};
@@ -213,7 +214,11 @@ pub struct TollgateBuilder {
     rules_path: Option<PathBuf>,
     settings: String,
     env: Vec<(String, String)>,
+    ready: Option<ReadyProbe>,
 }
+
+/// A readiness check of a starting tollgate, given its gRPC, HTTP and admin addresses.
+type ReadyProbe = std::sync::Arc<dyn Fn(SocketAddr, SocketAddr, SocketAddr) -> bool + Send + Sync>;
 
 impl TollgateBuilder {
     /// Adds a rules file `name` (e.g. `e2e.yaml`) with YAML `contents` to the temporary rules
@@ -242,6 +247,17 @@ impl TollgateBuilder {
     /// are not passed on, so a developer's shell cannot change what the tests run).
     pub fn env(mut self, key: &str, value: &str) -> Self {
         self.env.push((key.to_owned(), value.to_owned()));
+        self
+    }
+
+    /// Waits until `ready(grpc_addr, http_addr, admin_addr)` holds instead of the admin
+    /// `/config` answering (for a tollgate whose admin or HTTP listener serves TLS, which the
+    /// plain-text probes cannot read).
+    pub fn ready_when(
+        mut self,
+        ready: impl Fn(SocketAddr, SocketAddr, SocketAddr) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.ready = Some(std::sync::Arc::new(ready));
         self
     }
 
@@ -327,7 +343,9 @@ impl TollgateBuilder {
                 .as_ref()
                 .map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
             match wait_until(&mut process, || {
-                if admin_off {
+                if let Some(ready) = &self.ready {
+                    ready(grpc_addr, http_addr, admin_addr).then_some((200, String::new()))
+                } else if admin_off {
                     http_get(http_addr, "/healthz").filter(|(status, _)| *status == 200)
                 } else {
                     http_get_with(admin_addr, "/config", &auth)
