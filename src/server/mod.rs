@@ -7,9 +7,11 @@ pub(crate) mod config_view;
 pub(crate) mod http;
 pub(crate) mod metrics;
 pub mod reload;
+pub(crate) mod rules_source;
 pub(crate) mod service;
 pub mod settings;
 pub(crate) mod wire;
+pub(crate) mod xds;
 
 pub use wire::decode_request;
 
@@ -30,10 +32,9 @@ use tonic_health::ServingStatus;
 
 use crate::core::clock::{Clock, SkewedClock, SystemClock};
 use crate::decision::limiter::{Limiter, LimiterOptions};
-use crate::rules::RuleSet;
 use crate::server::config_view::config_json;
 use crate::server::http::{router, HttpState, Readiness};
-use crate::server::reload::{load_initial, Fingerprint, Reloader};
+use crate::server::rules_source::{RulesCheck, RulesSource};
 use crate::server::service::RateLimitGrpc;
 use crate::server::settings::{
     Backend, FailureMode, FallbackBackend, GrpcSettings, RuntimeFlavor, Settings, ShutdownSettings,
@@ -106,26 +107,33 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("invalid settings: {e}"))?;
     // Before the rules, so their decision counters register with it.
     let prometheus = install_metrics(&settings)?;
-    let (rules, fingerprint) = load_initial_rules(&settings)?;
+    let mut initial = crate::server::rules_source::load(&settings)?;
     let clock = local_clock();
     let memory = memory_store(&settings, clock.clone());
     let store = build_store(&settings, &memory, clock).await?;
-    let limiter = Arc::new(Limiter::new(rules, store, LimiterOptions::from_settings(&settings)));
-    let reloader = Reloader::new(limiter.clone(), settings.rules.clone(), fingerprint);
-    let reload_task = reloader.spawn(settings.reload);
+    let limiter = Arc::new(Limiter::new(
+        std::mem::take(&mut initial.rules),
+        store,
+        LimiterOptions::from_settings(&settings),
+    ));
+    let (source, reload_task) = initial.start(&limiter, &settings);
     let (grpc, http) = bind_listeners(&settings).await?;
 
     let ready = Readiness::default();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let http_state = http_state(&settings, &limiter, &memory, &ready, prometheus);
+    let http_state = http_state(&settings, &limiter, &memory, &ready, prometheus).with_rules(source.check());
     let mut tasks = JoinSet::new();
-    let health_reporter = start_grpc(&mut tasks, grpc, &limiter, &settings, &stop_rx).await;
+    let health_reporter = start_grpc(&mut tasks, grpc, &limiter, &settings, &stop_rx, &source).await;
     // Ready before the HTTP listeners are served, so the first probe that gets an answer
     // hears the backend's state and never "starting" (the ports are bound already; a probe
     // that came early waits in the backlog).
     ready.set(true);
-    start_http_listeners(&mut tasks, http, http_state, &settings, &limiter, &reloader, &stop_rx);
-    let health_follower = tokio::spawn(follow_readiness(health_reporter.clone(), limiter.clone()));
+    start_http_listeners(&mut tasks, http, http_state, &settings, &limiter, &source, &stop_rx);
+    let health_follower = tokio::spawn(follow_readiness(
+        health_reporter.clone(),
+        limiter.clone(),
+        source.check(),
+    ));
 
     let failed = until_stop(&mut tasks).await;
     report_not_serving(&ready, &health_follower, &health_reporter).await;
@@ -148,27 +156,6 @@ fn install_metrics(settings: &Settings) -> anyhow::Result<PrometheusHandle> {
     ));
     crate::telemetry::set_envoyproxy_names(settings.metrics.envoyproxy_names);
     Ok(prometheus)
-}
-
-/// Loads the rules at `settings.rules` and logs what was loaded.
-///
-/// Errors: invalid rules, every problem with file, rule and reason.
-fn load_initial_rules(settings: &Settings) -> anyhow::Result<(RuleSet, Fingerprint)> {
-    let (rules, fingerprint) = load_initial(&settings.rules).map_err(|e| anyhow::anyhow!("invalid rules:\n{e}"))?;
-    if rules.is_empty() {
-        tracing::warn!(
-            path = %settings.rules.display(),
-            "no rules files found (*.yaml, *.yml): nothing will be limited"
-        );
-    }
-    tracing::info!(
-        path = %settings.rules.display(),
-        domains = rules.domains.len(),
-        files = rules.files.len(),
-        generation = rules.generation,
-        "rules loaded"
-    );
-    Ok((rules, fingerprint))
 }
 
 /// The memory store, with its sweep started: the backend itself, or a fallback
@@ -291,7 +278,7 @@ fn start_http_listeners(
     http_state: HttpState,
     settings: &Settings,
     limiter: &Arc<Limiter<AnyStore>>,
-    reloader: &Arc<Reloader<AnyStore>>,
+    source: &RulesSource,
     stop: &tokio::sync::watch::Receiver<bool>,
 ) {
     let app = router(http_state.clone());
@@ -301,7 +288,7 @@ fn start_http_listeners(
         spawn_axum(tasks, listener, app, stopped(stop), "metrics server failed");
     }
     if let Some(listener) = listeners.admin {
-        let app = admin_router(settings, limiter, reloader);
+        let app = admin_router(settings, limiter, source);
         spawn_axum(tasks, listener, app, stopped(stop), "admin server failed");
     }
 }
@@ -324,18 +311,15 @@ fn spawn_axum(
 
 /// The admin API, with `/config`: on the admin listener, since rule values can be API keys,
 /// and it names the backends.
-fn admin_router(
-    settings: &Settings,
-    limiter: &Arc<Limiter<AnyStore>>,
-    reloader: &Arc<Reloader<AnyStore>>,
-) -> axum::Router {
+fn admin_router(settings: &Settings, limiter: &Arc<Limiter<AnyStore>>, source: &RulesSource) -> axum::Router {
     let config_view: crate::server::admin::ConfigView = {
         let config_limiter = limiter.clone();
         let config_settings = settings.clone();
-        let config_reloader = reloader.clone();
+        let config_source = source.clone();
         Arc::new(move || {
-            let mut config = config_json(&config_limiter.rules(), &config_settings);
-            config["reload"] = config_reloader.status_json();
+            let rules = config_limiter.rules();
+            let mut config = config_json(&rules, &config_settings);
+            config_source.add_to_config(&mut config, rules.generation);
             config
         })
     };
@@ -356,6 +340,7 @@ async fn start_grpc(
     limiter: &Arc<Limiter<AnyStore>>,
     settings: &Settings,
     stop: &tokio::sync::watch::Receiver<bool>,
+    source: &RulesSource,
 ) -> HealthReporter {
     let (health_reporter, health) = tonic_health::server::health_reporter();
     health_reporter
@@ -373,7 +358,7 @@ async fn start_grpc(
         stop.await;
         tokio::time::sleep(timeout.saturating_sub(go_away_margin(timeout))).await;
     };
-    let service = RateLimitGrpc::new(limiter.clone());
+    let service = RateLimitGrpc::new(limiter.clone()).with_gate(source.gate());
     tasks.spawn(serve_rate_limit_service_draining(
         listener,
         service,
@@ -502,15 +487,16 @@ pub fn runtime(flavor: RuntimeFlavor) -> std::io::Result<tokio::runtime::Runtime
 const HEALTH_EVERY: Duration = Duration::from_secs(1);
 
 /// Keeps gRPC health (`""` and the `RateLimitService`) saying what `/readyz` says about the
-/// backend: `NOT_SERVING` while it cannot decide (no fallback that can), `SERVING` again once
-/// it can. Checked every [`HEALTH_EVERY`]; runs until aborted at shutdown.
-async fn follow_readiness(reporter: HealthReporter, limiter: Arc<Limiter<AnyStore>>) {
+/// rules and the backend: `NOT_SERVING` while the rules are not there (`rules`) or the backend
+/// cannot decide (no fallback that can), `SERVING` again once both are. Checked every
+/// [`HEALTH_EVERY`]; runs until aborted at shutdown.
+async fn follow_readiness(reporter: HealthReporter, limiter: Arc<Limiter<AnyStore>>, rules: RulesCheck) {
     let mut serving = true;
     let mut tick = tokio::time::interval(HEALTH_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let now = limiter.store().ready().await.is_ready();
+        let now = rules().is_none() && limiter.store().ready().await.is_ready();
         if now == serving {
             continue;
         }
