@@ -44,3 +44,4 @@ mod tidy;
 mod usage_budgets;
 mod usage_budgets_envoy;
 mod vectors;
+mod xds_rules;
