@@ -21,6 +21,7 @@
 mod client;
 pub(crate) mod map;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use serde_json::json;
@@ -36,6 +37,9 @@ pub(crate) struct XdsState {
     node: String,
     tls: bool,
     force_start: bool,
+    /// Rules from the server are in force (set at the first ACK; read on every request while
+    /// decisions wait, so not behind the lock).
+    applied: AtomicBool,
     progress: Mutex<Progress>,
 }
 
@@ -64,6 +68,7 @@ impl XdsState {
             node: settings.node_id.clone(),
             tls: settings.tls.enabled,
             force_start: settings.force_start,
+            applied: AtomicBool::new(false),
             progress: Mutex::default(),
         }
     }
@@ -74,7 +79,7 @@ impl XdsState {
 
     /// Whether rules from the server are in force.
     fn applied(&self) -> bool {
-        self.progress().version.is_some()
+        self.applied.load(Ordering::Acquire)
     }
 
     /// Why decisions are not taken yet: no rules from the server and no `force_start`.
@@ -189,6 +194,7 @@ impl XdsState {
         p.last_ack = Some((version.to_owned(), unix_now()));
         p.failing = false;
         p.last_error = None;
+        self.applied.store(true, Ordering::Release);
         crate::telemetry::xds_update(true);
     }
 
