@@ -23,7 +23,8 @@ use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descri
 
 /// `RateLimitRequest`s answered, by `code`: `ok`, `over_limit` (the `overall_code`),
 /// `invalid_argument` (not a `RateLimitRequest` at all), `out_of_range` (a message over
-/// `grpc.max_message_bytes`), `unavailable` (the backend failed).
+/// `grpc.max_message_bytes`), `unavailable` (the backend failed, or no rules from the xDS
+/// server yet).
 pub const REQUESTS: &str = "tollgate_requests_total";
 /// Time from a decoded request to its response, in seconds (histogram).
 pub const REQUEST_DURATION: &str = "tollgate_request_duration_seconds";
@@ -69,6 +70,11 @@ pub const RULES_GENERATION: &str = "tollgate_rules_generation";
 pub const LAST_RELOAD_SUCCESSFUL: &str = "tollgate_rules_last_reload_successful";
 /// Unix time, in seconds, of the latest reload that took effect (or of the start).
 pub const LAST_RELOAD_SUCCESS_TIME: &str = "tollgate_rules_last_reload_success_timestamp_seconds";
+/// Updates from the xDS server (`rules_source: xds`) by `result`: `ack` (in force, or the same
+/// rules again), `nack` (refused; the rules in force stay).
+pub const XDS_UPDATES: &str = "tollgate_xds_updates_total";
+/// 1 while a connection to the xDS server is up, else 0.
+pub const XDS_CONNECTED: &str = "tollgate_xds_connected";
 /// Buckets the memory store holds (not full).
 pub const MEMORY_BUCKETS: &str = "tollgate_memory_buckets";
 /// Buckets the memory store evicted before they were full, to stay under `max_buckets`; each
@@ -491,6 +497,30 @@ impl BackendMetrics {
 /// reads 1 again; nothing was loaded, so no reload is counted and the generation stays.
 pub fn reload_failure_cleared() {
     gauge!(LAST_RELOAD_SUCCESSFUL).set(1.0);
+}
+
+/// The xDS client starts: its series at zero (so `rate()` sees the first update), no rules
+/// loaded yet (generation 0).
+pub fn xds_started() {
+    for result in ["ack", "nack"] {
+        counter!(XDS_UPDATES, "result" => result).increment(0);
+    }
+    gauge!(XDS_CONNECTED).set(0.0);
+    for result in ["success", "failure"] {
+        counter!(RELOADS, "result" => result).increment(0);
+    }
+    gauge!(RULES_GENERATION).set(0.0);
+    gauge!(LAST_RELOAD_SUCCESSFUL).set(1.0);
+}
+
+/// The connection to the xDS server went up or down.
+pub fn xds_connected(up: bool) {
+    gauge!(XDS_CONNECTED).set(if up { 1.0 } else { 0.0 });
+}
+
+/// An xDS update was ACKed (`true`) or NACKed.
+pub fn xds_update(ack: bool) {
+    counter!(XDS_UPDATES, "result" => if ack { "ack" } else { "nack" }).increment(1);
 }
 
 /// Records a rules load: `generation` is the generation now in force; `success` whether this

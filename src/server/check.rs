@@ -728,7 +728,8 @@ fn schema(spec: &DescriptorSpec) -> String {
             r.unit.as_deref().unwrap_or("(none)"),
             r.requests_per_unit.map_or("(missing)".to_owned(), |n| n.to_string())
         );
-        if let Some(name) = &r.name {
+        // `name: ""` is no name (as Envoy Gateway writes it out).
+        if let Some(name) = r.name.as_deref().filter(|n| !n.is_empty()) {
             let _ = write!(s, ", name: {name}");
         }
         s.push('}');

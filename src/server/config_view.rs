@@ -143,6 +143,9 @@ fn settings_json(settings: &Settings) -> Value {
     if shown.postgres.password.is_some() {
         shown.postgres.password = Some(REDACTED.to_owned());
     }
+    for value in shown.xds.headers.values_mut() {
+        *value = REDACTED.to_owned();
+    }
     // A path that is not UTF-8 would fail to serialize: show it lossily instead.
     shown.rules = shown.rules.to_string_lossy().into_owned().into();
     to_value(&shown)

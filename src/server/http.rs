@@ -55,6 +55,9 @@ pub(crate) struct HttpState {
     pub backend_names: BackendNames,
     /// The backend's last detailed reason, logged when it changes (not on every probe).
     last_reason: Arc<Mutex<Option<String>>>,
+    /// Whether the rules allow serving, and if not, why (no address in it): rules from an xDS
+    /// server that have not arrived yet (`crate::server::rules_source`).
+    rules: Arc<dyn Fn() -> Option<String> + Send + Sync>,
 }
 
 /// The names `/readyz` uses for the backend and its fallback (`Redis`, `Postgres`, `memory`):
@@ -84,7 +87,14 @@ impl HttpState {
             refresh,
             backend_names,
             last_reason: Arc::default(),
+            rules: Arc::new(|| None),
         }
+    }
+
+    /// This state with the rules' readiness asked by `/readyz` too (before the backend's).
+    pub(crate) fn with_rules(mut self, rules: Arc<dyn Fn() -> Option<String> + Send + Sync>) -> HttpState {
+        self.rules = rules;
+        self
     }
 }
 
@@ -146,6 +156,9 @@ async fn readyz(State(state): State<HttpState>) -> (StatusCode, String) {
             StatusCode::SERVICE_UNAVAILABLE,
             "not ready: shutting down or starting\n".into(),
         );
+    }
+    if let Some(why) = (state.rules)() {
+        return (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {why}\n"));
     }
     let Health { verdict, notice } = (state.backend)().await;
     let detail = match (&verdict, &notice) {

@@ -81,6 +81,11 @@ fn describe() {
         Unit::Seconds,
         "Unix time of the latest rules load that took effect"
     );
+    describe_counter!(
+        XDS_UPDATES,
+        "Rules updates from the xDS server, by result (ack or nack)"
+    );
+    describe_gauge!(XDS_CONNECTED, "1 while connected to the xDS server");
     describe_gauge!(MEMORY_BUCKETS, "Buckets held by the memory store");
     describe_counter!(MEMORY_EVICTED_NOT_FULL, "Buckets evicted before they were full");
     describe_gauge!(BUILD_INFO, "Build information");

@@ -8,10 +8,12 @@ pub(crate) mod grpc;
 pub(crate) mod http;
 pub(crate) mod metrics;
 pub mod reload;
+pub(crate) mod rules_source;
 pub(crate) mod service;
 pub mod settings;
 pub mod tls;
 pub(crate) mod wire;
+pub(crate) mod xds;
 
 pub use grpc::{
     serve_grpc, serve_rate_limit_service, serve_rate_limit_service_draining, serve_rate_limit_service_with_health,
@@ -33,10 +35,9 @@ use tonic_health::ServingStatus;
 
 use crate::core::clock::{Clock, SkewedClock, SystemClock};
 use crate::decision::limiter::{Limiter, LimiterOptions};
-use crate::rules::RuleSet;
 use crate::server::config_view::config_json;
 use crate::server::http::{router, HttpState, Readiness};
-use crate::server::reload::{load_initial, Fingerprint, Reloader};
+use crate::server::rules_source::{RulesCheck, RulesSource};
 use crate::server::service::RateLimitGrpc;
 use crate::server::settings::{Backend, FailureMode, FallbackBackend, RuntimeFlavor, Settings, ShutdownSettings};
 use crate::server::tls::{accept::Acceptor, Listener, Tls};
@@ -112,27 +113,34 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
     // Before the rules too: the files' problems are reported before anything connects.
     let tls = Arc::new(Tls::load(&settings.tls).map_err(|e| anyhow::anyhow!("cannot serve TLS:\n  {e}"))?);
     tls.spawn_reload();
-    let (rules, fingerprint) = load_initial_rules(&settings)?;
+    let mut initial = crate::server::rules_source::load(&settings)?;
     let clock = local_clock();
     let memory = memory_store(&settings, clock.clone());
     let store = build_store(&settings, &memory, clock).await?;
-    let limiter = Arc::new(Limiter::new(rules, store, LimiterOptions::from_settings(&settings)));
-    let reloader = Reloader::new(limiter.clone(), settings.rules.clone(), fingerprint);
-    let reload_task = reloader.spawn(settings.reload);
+    let limiter = Arc::new(Limiter::new(
+        std::mem::take(&mut initial.rules),
+        store,
+        LimiterOptions::from_settings(&settings),
+    ));
+    let (source, reload_task) = initial.start(&limiter, &settings);
     let (grpc, http) = bind_listeners(&settings, &tls).await?;
 
     let ready = Readiness::default();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let http_state = http_state(&settings, &limiter, &memory, &ready, prometheus);
+    let http_state = http_state(&settings, &limiter, &memory, &ready, prometheus).with_rules(source.check());
     let mut tasks = JoinSet::new();
     let grpc_tls = tls.acceptor(Listener::Grpc);
-    let health_reporter = start_grpc(&mut tasks, grpc, &limiter, &settings, &stop_rx, grpc_tls).await;
+    let health_reporter = start_grpc(&mut tasks, grpc, &limiter, &settings, &stop_rx, &source, grpc_tls).await;
     // Ready before the HTTP listeners are served, so the first probe that gets an answer
     // hears the backend's state and never "starting" (the ports are bound already; a probe
     // that came early waits in the backlog).
     ready.set(true);
-    start_http_listeners(&mut tasks, http, http_state, &settings, &limiter, &reloader, &stop_rx);
-    let health_follower = tokio::spawn(follow_readiness(health_reporter.clone(), limiter.clone()));
+    start_http_listeners(&mut tasks, http, http_state, &settings, &limiter, &source, &stop_rx);
+    let health_follower = tokio::spawn(follow_readiness(
+        health_reporter.clone(),
+        limiter.clone(),
+        source.check(),
+    ));
 
     let failed = until_stop(&mut tasks).await;
     report_not_serving(&ready, &health_follower, &health_reporter).await;
@@ -155,27 +163,6 @@ fn install_metrics(settings: &Settings) -> anyhow::Result<PrometheusHandle> {
     ));
     crate::telemetry::set_envoyproxy_names(settings.metrics.envoyproxy_names);
     Ok(prometheus)
-}
-
-/// Loads the rules at `settings.rules` and logs what was loaded.
-///
-/// Errors: invalid rules, every problem with file, rule and reason.
-fn load_initial_rules(settings: &Settings) -> anyhow::Result<(RuleSet, Fingerprint)> {
-    let (rules, fingerprint) = load_initial(&settings.rules).map_err(|e| anyhow::anyhow!("invalid rules:\n{e}"))?;
-    if rules.is_empty() {
-        tracing::warn!(
-            path = %settings.rules.display(),
-            "no rules files found (*.yaml, *.yml): nothing will be limited"
-        );
-    }
-    tracing::info!(
-        path = %settings.rules.display(),
-        domains = rules.domains.len(),
-        files = rules.files.len(),
-        generation = rules.generation,
-        "rules loaded"
-    );
-    Ok((rules, fingerprint))
 }
 
 /// The memory store, with its sweep started: the backend itself, or a fallback
@@ -306,7 +293,7 @@ fn start_http_listeners(
     http_state: HttpState,
     settings: &Settings,
     limiter: &Arc<Limiter<AnyStore>>,
-    reloader: &Arc<Reloader<AnyStore>>,
+    source: &RulesSource,
     stop: &tokio::sync::watch::Receiver<bool>,
 ) {
     let (app, tls) = (router(http_state.clone()), &listeners.tls);
@@ -325,7 +312,7 @@ fn start_http_listeners(
     }
     if let Some(listener) = listeners.admin {
         let (app, admin_tls) = (
-            admin_router(settings, limiter, reloader, tls),
+            admin_router(settings, limiter, source, tls),
             tls.acceptor(Listener::Admin),
         );
         spawn_axum(tasks, listener, admin_tls, app, stopped(stop), "admin server failed");
@@ -359,17 +346,18 @@ fn spawn_axum(
 fn admin_router(
     settings: &Settings,
     limiter: &Arc<Limiter<AnyStore>>,
-    reloader: &Arc<Reloader<AnyStore>>,
+    source: &RulesSource,
     tls: &Arc<Tls>,
 ) -> axum::Router {
     let config_view: crate::server::admin::ConfigView = {
         let config_limiter = limiter.clone();
         let config_settings = settings.clone();
-        let config_reloader = reloader.clone();
+        let config_source = source.clone();
         let config_tls = tls.clone();
         Arc::new(move || {
-            let mut config = config_json(&config_limiter.rules(), &config_settings);
-            config["reload"] = config_reloader.status_json();
+            let rules = config_limiter.rules();
+            let mut config = config_json(&rules, &config_settings);
+            config_source.add_to_config(&mut config, rules.generation);
             config["tls"] = config_tls.status_json();
             config
         })
@@ -391,6 +379,7 @@ async fn start_grpc(
     limiter: &Arc<Limiter<AnyStore>>,
     settings: &Settings,
     stop: &tokio::sync::watch::Receiver<bool>,
+    source: &RulesSource,
     tls: Option<Acceptor>,
 ) -> HealthReporter {
     let (health_reporter, health) = tonic_health::server::health_reporter();
@@ -409,7 +398,7 @@ async fn start_grpc(
         stop.await;
         tokio::time::sleep(timeout.saturating_sub(grpc::go_away_margin(timeout))).await;
     };
-    let service = RateLimitGrpc::new(limiter.clone());
+    let service = RateLimitGrpc::new(limiter.clone()).with_gate(source.gate());
     tasks.spawn(grpc::serve_draining_tls(
         listener,
         tls,
@@ -539,15 +528,16 @@ pub fn runtime(flavor: RuntimeFlavor) -> std::io::Result<tokio::runtime::Runtime
 const HEALTH_EVERY: Duration = Duration::from_secs(1);
 
 /// Keeps gRPC health (`""` and the `RateLimitService`) saying what `/readyz` says about the
-/// backend: `NOT_SERVING` while it cannot decide (no fallback that can), `SERVING` again once
-/// it can. Checked every [`HEALTH_EVERY`]; runs until aborted at shutdown.
-async fn follow_readiness(reporter: HealthReporter, limiter: Arc<Limiter<AnyStore>>) {
+/// rules and the backend: `NOT_SERVING` while the rules are not there (`rules`) or the backend
+/// cannot decide (no fallback that can), `SERVING` again once both are. Checked every
+/// [`HEALTH_EVERY`]; runs until aborted at shutdown.
+async fn follow_readiness(reporter: HealthReporter, limiter: Arc<Limiter<AnyStore>>, rules: RulesCheck) {
     let mut serving = true;
     let mut tick = tokio::time::interval(HEALTH_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let now = limiter.store().ready().await.is_ready();
+        let now = rules().is_none() && limiter.store().ready().await.is_ready();
         if now == serving {
             continue;
         }

@@ -90,6 +90,50 @@ pub fn load_initial(path: &Path) -> Result<(RuleSet, Fingerprint), ConfigErrors>
     Ok((rules, print))
 }
 
+/// Puts `rules` in force on `limiter` as the generation after the one in force: their counters
+/// registered, swapped in ([`Limiter::swap_rules`]: rates change from now on, buckets keep their
+/// tokens), and the load counted ([`telemetry::rules_loaded`]). The one step every rules source
+/// takes, the files' [`Reloader`] and the xDS client (`crate::server::xds`) alike. Returns the
+/// generation now in force.
+pub(crate) fn put_in_force<S: Store>(limiter: &Limiter<S>, mut rules: RuleSet) -> u64 {
+    let generation = limiter.rules().generation + 1;
+    rules.generation = generation;
+    crate::rules::counters::register_rules(&mut rules);
+    limiter.swap_rules(rules);
+    telemetry::rules_loaded(generation, true, false);
+    generation
+}
+
+/// The domains of `rules`, sorted, joined with `, ` (for the log).
+pub(crate) fn domain_list(rules: &RuleSet) -> String {
+    let mut domains: Vec<&str> = rules.domains.keys().map(String::as_str).collect();
+    domains.sort_unstable();
+    domains.join(", ")
+}
+
+/// Logs every problem of rejected rules (file or resource, rule, reason) and counts the failed
+/// attempt, the generation `current` staying in force; returns one line per problem (for
+/// `/config`). The other step every rules source shares.
+pub(crate) fn count_rejected(errors: &ConfigErrors, current: u64) -> Vec<String> {
+    for e in &errors.0 {
+        tracing::error!(
+            file = %e.file.display(),
+            rule = e.rule.as_deref().unwrap_or("-"),
+            reason = %e.reason,
+            "invalid rules"
+        );
+    }
+    telemetry::rules_loaded(current, false, false);
+    errors.0.iter().map(ToString::to_string).collect()
+}
+
+/// Now, in whole seconds since the Unix epoch (0 if the clock is before it).
+pub(crate) fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
 /// What one [`Reloader::reload`] did.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ReloadOutcome {
@@ -216,13 +260,9 @@ impl<S: Store> Reloader<S> {
 
     /// Puts `rules` (read from files of fingerprint `print`) in force as the generation after
     /// `current`, and logs and counts the reload.
-    fn apply(&self, last: &mut Attempts, print: Fingerprint, mut rules: RuleSet, current: u64) -> ReloadOutcome {
-        let generation = current + 1;
-        rules.generation = generation;
-        crate::rules::counters::register_rules(&mut rules);
-        let mut domains: Vec<&str> = rules.domains.keys().map(String::as_str).collect();
-        domains.sort_unstable();
-        let domains = domains.join(", ");
+    fn apply(&self, last: &mut Attempts, print: Fingerprint, rules: RuleSet, current: u64) -> ReloadOutcome {
+        debug_assert_eq!(current, self.generation());
+        let domains = domain_list(&rules);
         let files = rules
             .files
             .iter()
@@ -231,9 +271,8 @@ impl<S: Store> Reloader<S> {
             .join(", ");
         // Cleared first: `/config` never shows the new generation with the old failure.
         *self.failure() = None;
-        self.limiter.swap_rules(rules);
+        let generation = put_in_force(&self.limiter, rules);
         last.in_force = print;
-        telemetry::rules_loaded(generation, true, false);
         tracing::info!(
             path = %self.path.display(),
             generation,
@@ -247,25 +286,14 @@ impl<S: Store> Reloader<S> {
     /// Logs, counts and keeps (for `/config`) every problem of a rejected reload; the
     /// generation `current` stays in force.
     fn reject(&self, errors: ConfigErrors, current: u64) -> ReloadOutcome {
-        for e in &errors.0 {
-            tracing::error!(
-                file = %e.file.display(),
-                rule = e.rule.as_deref().unwrap_or("-"),
-                reason = %e.reason,
-                "invalid rules"
-            );
-        }
+        let problems = count_rejected(&errors, current);
         tracing::error!(
             path = %self.path.display(),
             problems = errors.0.len(),
             generation = current,
             "rules reload rejected; the previous rules stay in force"
         );
-        telemetry::rules_loaded(current, false, false);
-        let at = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
-        *self.failure() = Some((at, errors.0.iter().map(ToString::to_string).collect()));
+        *self.failure() = Some((unix_now(), problems));
         ReloadOutcome::Failed(errors)
     }
 
@@ -420,7 +448,7 @@ async fn tick(poll: &mut Option<tokio::time::Interval>) {
 }
 
 /// SIGHUP, where there is such a thing.
-struct Hangup {
+pub(crate) struct Hangup {
     #[cfg(unix)]
     signal: Option<tokio::signal::unix::Signal>,
 }
@@ -428,7 +456,7 @@ struct Hangup {
 impl Hangup {
     /// Handles SIGHUP from now on (instead of the default, exiting). Logs a warning and never
     /// completes if the handler cannot be installed.
-    fn register() -> Hangup {
+    pub(crate) fn register() -> Hangup {
         #[cfg(unix)]
         {
             use tokio::signal::unix::{signal, SignalKind};
@@ -441,7 +469,8 @@ impl Hangup {
         Hangup {}
     }
 
-    async fn recv(&mut self) {
+    /// Completes at the next SIGHUP; never, where there is none or no handler.
+    pub(crate) async fn recv(&mut self) {
         #[cfg(unix)]
         if let Some(signal) = self.signal.as_mut() {
             if signal.recv().await.is_some() {

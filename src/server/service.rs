@@ -23,6 +23,10 @@ pub(crate) struct RateLimitGrpc<S> {
     last_logged_ms: AtomicU64,
     unlogged: AtomicU64,
     started: Instant,
+    /// True while decisions must wait for the rules (from an xDS server, before the first
+    /// ones without `xds.force_start`): answered `UNAVAILABLE`, so Envoy's `failure_mode_deny`
+    /// decides, as it does while envoyproxy/ratelimit has not started.
+    gate: Option<Arc<dyn Fn() -> bool + Send + Sync>>,
 }
 
 impl<S> RateLimitGrpc<S> {
@@ -34,6 +38,31 @@ impl<S> RateLimitGrpc<S> {
             last_logged_ms: AtomicU64::new(0),
             unlogged: AtomicU64::new(0),
             started: Instant::now(),
+            gate: None,
+        }
+    }
+
+    /// This service, answering `UNAVAILABLE` while `gate` says the rules are not there yet.
+    pub(crate) fn with_gate(mut self, gate: Option<Arc<dyn Fn() -> bool + Send + Sync>>) -> Self {
+        self.gate = gate;
+        self
+    }
+
+    /// Logs why a request is answered `UNAVAILABLE`, about once a second at most (with how many
+    /// went unlogged since).
+    fn log_unavailable(&self, why: &dyn std::fmt::Display) {
+        let now_ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let last = self.last_logged_ms.load(Ordering::Relaxed);
+        if (last == 0 || now_ms.saturating_sub(last) >= 1_000)
+            && self
+                .last_logged_ms
+                .compare_exchange(last, now_ms.max(1), Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            let also = self.unlogged.swap(0, Ordering::Relaxed);
+            tracing::warn!(also_unlogged = also, "{why}: answering UNAVAILABLE");
+        } else {
+            self.unlogged.fetch_add(1, Ordering::Relaxed);
         }
     }
 }
@@ -45,6 +74,12 @@ impl<S: Store> RateLimitService for RateLimitGrpc<S> {
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
         let started = Instant::now();
+        if self.gate.as_ref().is_some_and(|waiting| waiting()) {
+            self.metrics.unavailable.increment(1);
+            self.log_unavailable(&"no rules received from the xDS server yet");
+            self.metrics.duration.record(started.elapsed().as_secs_f64());
+            return Err(Status::unavailable("no rules received from the xDS server yet"));
+        }
         let req = request.into_inner();
         let answer = match self.limiter.should_rate_limit(&req).await {
             Ok(resp) => {
@@ -58,19 +93,7 @@ impl<S: Store> RateLimitService for RateLimitGrpc<S> {
             Err(LimitError::Store(e)) => {
                 self.metrics.unavailable.increment(1);
                 crate::telemetry::count_envoyproxy_backend_error();
-                let now_ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
-                let last = self.last_logged_ms.load(Ordering::Relaxed);
-                if (last == 0 || now_ms.saturating_sub(last) >= 1_000)
-                    && self
-                        .last_logged_ms
-                        .compare_exchange(last, now_ms.max(1), Ordering::Relaxed, Ordering::Relaxed)
-                        .is_ok()
-                {
-                    let also = self.unlogged.swap(0, Ordering::Relaxed);
-                    tracing::warn!(error = %e, also_unlogged = also, "backend failed: answering UNAVAILABLE");
-                } else {
-                    self.unlogged.fetch_add(1, Ordering::Relaxed);
-                }
+                self.log_unavailable(&format_args!("backend failed: {e}"));
                 Err(Status::unavailable(e.to_string()))
             }
         };

@@ -218,6 +218,27 @@ async fn detailed_metric_and_value_to_metric_leave_the_limits_as_they_are() {
 }
 
 #[tokio::test]
+async fn envoy_gateways_written_out_fields_change_nothing() {
+    let h = load("envoy_gateway.yaml");
+    let route = "httproute/default/backend/rule/0/match/0/*";
+    let user = |u: &str| one("envoy-gateway/gateway-1/http", &[(route, route), ("rule-0-match-0", u)]);
+    assert_eq!(codes(&h, &user("alice"), 3).await, admits(2));
+    assert_eq!(codes(&h, &user("bob"), 3).await, admits(2), "a bucket per value");
+    let rules = load_rules(&fixture("envoy_gateway.yaml")).unwrap();
+    let domain = &rules.domains["envoy-gateway/gateway-1/http"];
+    assert_eq!(
+        domain.buckets.iter().map(|b| b.name.as_str()).collect::<Vec<_>>(),
+        [format!("{route}={route}.rule-0-match-0")],
+        "`name: \"\"` is no name: the bucket is named by its path"
+    );
+    assert!(
+        !domain.notes.iter().any(|(_, n)| n.contains("metric")),
+        "`false` metric flags are not listed: {:?}",
+        domain.notes
+    );
+}
+
+#[tokio::test]
 async fn share_threshold_shares_one_bucket_among_matching_values() {
     let h = load("share_threshold.yaml");
     let bucket = |b: &str| one("object_store", &[("bucket", b)]);

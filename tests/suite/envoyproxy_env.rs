@@ -647,7 +647,28 @@ fn refused_variables_name_the_variable_why_and_what_instead() {
             "REDIS_URL",
             vec![("REDIS_SOCKET_TYPE", "tcp".into()), ("REDIS_URL", "a:1,b:2".into())],
         ),
-        ("CONFIG_TYPE", vec![("CONFIG_TYPE", "GRPC_XDS_SOTW".into())]),
+        ("CONFIG_TYPE", vec![("CONFIG_TYPE", "GRPC_XDS_DELTA".into())]),
+        (
+            "CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS",
+            vec![
+                ("CONFIG_TYPE", "GRPC_XDS_SOTW".into()),
+                ("CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS", "Bearer x".into()),
+            ],
+        ),
+        (
+            "CONFIG_GRPC_XDS_SERVER_URL",
+            vec![
+                ("CONFIG_TYPE", "GRPC_XDS_SOTW".into()),
+                ("CONFIG_GRPC_XDS_SERVER_URL", "dns:///envoy-gateway".into()),
+            ],
+        ),
+        (
+            "XDS_CLIENT_BACKOFF_INITIAL_INTERVAL",
+            vec![
+                ("CONFIG_TYPE", "GRPC_XDS_SOTW".into()),
+                ("XDS_CLIENT_BACKOFF_INITIAL_INTERVAL", "soon".into()),
+            ],
+        ),
         ("GRPC_SERVER_USE_TLS", vec![("GRPC_SERVER_USE_TLS", "true".into())]),
         ("GRPC_UDS", vec![("GRPC_UDS", "/tmp/ratelimit.sock".into())]),
         ("REDIS_PERSECOND", vec![("REDIS_PERSECOND", "true".into())]),

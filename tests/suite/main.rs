@@ -45,3 +45,4 @@ mod tls_listeners;
 mod usage_budgets;
 mod usage_budgets_envoy;
 mod vectors;
+mod xds_rules;

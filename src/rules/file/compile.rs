@@ -1048,7 +1048,12 @@ impl<'a> DomainBuilder<'a> {
             );
             return None;
         }
-        let name = rl.name.clone().unwrap_or_else(|| path.to_owned());
+        // `name: ""` is no name in theirs (Go's zero value; Envoy Gateway writes it out).
+        let name = rl
+            .name
+            .clone()
+            .filter(|n| !n.is_empty())
+            .unwrap_or_else(|| path.to_owned());
         if let Err(reason) = check_bucket_name(&name) {
             self.error(path, format!("{reason}; give the rate_limit a `name`"));
             return None;

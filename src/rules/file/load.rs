@@ -73,6 +73,16 @@ pub fn load_rules_text(file: &Path, text: &str) -> Result<RuleSet, ConfigErrors>
     compile(vec![(file.to_owned(), rules)]).map_err(ConfigErrors)
 }
 
+/// Compiles rules given in the rules model rather than as files (the `RateLimitConfig`s an
+/// xDS server pushes, mapped onto it), exactly as [`load_rules`] compiles files holding the
+/// same rules: each `(name, rules)` is one domain, `name` standing in for the file in errors,
+/// [`RuleSet::files`] and each domain's `file`.
+///
+/// Errors: every problem, each naming `name`, the rule and the reason.
+pub(crate) fn compile_models(models: Vec<(PathBuf, RulesFile)>) -> Result<RuleSet, ConfigErrors> {
+    compile(models).map_err(ConfigErrors)
+}
+
 /// One file's text parsed, or the error [`load_rules`] reports for it.
 fn parse_one(file: &Path, text: &str) -> Result<RulesFile, ConfigError> {
     if text.trim().is_empty() {

@@ -158,13 +158,16 @@ pub(crate) struct DescriptorSpec {
 
 impl DescriptorSpec {
     /// The envoyproxy/ratelimit metric fields set on this node ([`metric_field_note`] says
-    /// what each does in tollgate).
+    /// what each does in tollgate); `false`, which does nothing in theirs either (Envoy
+    /// Gateway writes every field out), is not set.
     pub(crate) fn ignored_fields(&self) -> Vec<&'static str> {
+        let set =
+            |field: &Option<serde_yaml::Value>| field.as_ref().is_some_and(|v| *v != serde_yaml::Value::Bool(false));
         let mut out = Vec::new();
-        if self.detailed_metric.is_some() {
+        if set(&self.detailed_metric) {
             out.push("detailed_metric");
         }
-        if self.value_to_metric.is_some() {
+        if set(&self.value_to_metric) {
             out.push("value_to_metric");
         }
         out

@@ -23,6 +23,8 @@ use figment::value::{Dict, Map, Value};
 use figment::{Metadata, Profile, Provider};
 use serde_json::json;
 
+mod xds;
+
 /// The name a figment value from this environment carries as its source.
 pub const SOURCE_NAME: &str = "envoyproxy/ratelimit environment";
 
@@ -36,11 +38,12 @@ pub const RATELIMIT_ARGV0: &str = "ratelimit";
 const GENERIC: [&str; 4] = ["HOST", "PORT", "LOG_LEVEL", "LOG_FORMAT"];
 
 /// Variables that hold a secret: their values never appear in a message.
-const SECRETS: [&str; 4] = [
+const SECRETS: [&str; 5] = [
     "REDIS_AUTH",
     "REDIS_PERSECOND_AUTH",
     "REDIS_SENTINEL_AUTH",
     "REDIS_PERSECOND_SENTINEL_AUTH",
+    "CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS",
 ];
 
 /// Accepted variables that change nothing in tollgate, with why (logged as a warning when set).
@@ -49,22 +52,6 @@ const IGNORED: &[(&str, &str)] = &[
     ("DEBUG_PORT", "tollgate has no debug listener; the rules in force are at /config on the HTTP port and the bucket admin API stays on loopback (admin.addr)"),
     ("GRPC_MAX_CONNECTION_AGE", "tollgate does not close gRPC connections by age; Envoy keeps its connections and decisions do not depend on them"),
     ("GRPC_MAX_CONNECTION_AGE_GRACE", "tollgate does not close gRPC connections by age"),
-    ("FORCE_START_WITHOUT_INITIAL_CONFIG", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
-    ("CONFIG_GRPC_XDS_NODE_ID", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
-    ("CONFIG_GRPC_XDS_NODE_METADATA", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
-    ("CONFIG_GRPC_XDS_SERVER_URL", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
-    ("CONFIG_GRPC_XDS_SERVER_CONNECT_RETRY_INTERVAL", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
-    ("CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
-    ("CONFIG_GRPC_XDS_CLIENT_TLS_CERT", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
-    ("CONFIG_GRPC_XDS_CLIENT_TLS_KEY", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
-    ("CONFIG_GRPC_XDS_SERVER_TLS_CACERT", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
-    ("CONFIG_GRPC_XDS_SERVER_TLS_SAN", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
-    ("CONFIG_GRPC_XDS_SERVER_USE_TLS", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
-    ("XDS_CLIENT_BACKOFF_INITIAL_INTERVAL", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
-    ("XDS_CLIENT_BACKOFF_MAX_INTERVAL", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
-    ("XDS_CLIENT_BACKOFF_RANDOM_FACTOR", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
-    ("XDS_CLIENT_BACKOFF_JITTER", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
-    ("XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES", "only used with CONFIG_TYPE=GRPC_XDS_SOTW"),
     ("USE_DOG_STATSD_MOGRIFIERS", "tollgate sends no statsd"),
     ("STATSD_HOST", "tollgate sends no statsd; it exports Prometheus metrics"),
     ("STATSD_PORT", "tollgate sends no statsd; it exports Prometheus metrics"),
@@ -77,7 +64,6 @@ const IGNORED: &[(&str, &str)] = &[
     ("EXPIRATION_JITTER_MAX_SECONDS", "tollgate's Redis keys expire when their bucket is full again, not at a window's end, so expiries do not bunch"),
     ("LOCAL_CACHE_SIZE_IN_BYTES", "tollgate keeps no local over-limit cache; every decision asks the backend, so a refill is seen at once"),
     ("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT", "a denied request never consumes tokens in tollgate, as if this were always true"),
-    ("HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED", "tollgate is not ready before its rules have loaded"),
     ("REDIS_PIPELINE_WINDOW", "tollgate batches the requests waiting for Redis by itself, with no timer"),
     ("REDIS_PIPELINE_LIMIT", "tollgate batches the requests waiting for Redis by itself"),
     ("REDIS_CLUSTER_PIPELINE_PARALLELISM", "tollgate sends one call per Cluster slot, all at once"),
@@ -168,7 +154,7 @@ const HANDLED: &[&str] = &[
 
 /// Whether `name` is one of envoyproxy/ratelimit's variables.
 pub fn is_theirs(name: &str) -> bool {
-    HANDLED.contains(&name) || IGNORED.iter().any(|(n, _)| *n == name)
+    HANDLED.contains(&name) || xds::VARIABLES.contains(&name) || IGNORED.iter().any(|(n, _)| *n == name)
 }
 
 /// One refused variable: what, why, and what to use instead. Never holds a secret's value.
@@ -317,7 +303,13 @@ impl EnvoyproxyEnv {
             if let Some(why) = crate::server::settings::admin_clash(&settings, figment, self) {
                 tracing::warn!("{why}");
             }
-            for file in files_not_loaded(&settings.rules) {
+            let from_files = settings.rules_source == crate::server::settings::RulesSource::Files;
+            let skipped = if from_files {
+                files_not_loaded(&settings.rules)
+            } else {
+                Vec::new()
+            };
+            for file in skipped {
                 tracing::warn!(
                     file = %file.display(),
                     "not loaded as rules: tollgate reads the *.yaml and *.yml files directly in the rules folder, while envoyproxy/ratelimit loads every file under it"
@@ -585,19 +577,23 @@ impl Reader<'_> {
     }
 
     fn config_source(&mut self) {
-        if let Some(kind) = self.get("CONFIG_TYPE") {
-            match kind.to_ascii_uppercase().as_str() {
-                "FILE" => {}
-                "GRPC_XDS_SOTW" => self.refuse(
+        match self.get("CONFIG_TYPE").map(str::to_ascii_uppercase).as_deref() {
+            None | Some("FILE") => self.xds_unused(),
+            Some("GRPC_XDS_SOTW") => self.xds(),
+            Some(_) => {
+                let shown = self.shown("CONFIG_TYPE");
+                self.refuse(
                     "CONFIG_TYPE",
-                    "GRPC_XDS_SOTW (rules from an xDS server) is not supported yet; use CONFIG_TYPE=FILE with rules files under RUNTIME_ROOT",
-                ),
-                _ => {
-                    let shown = self.shown("CONFIG_TYPE");
-                    self.refuse("CONFIG_TYPE", format!("{shown} is not a config type; use FILE"));
-                }
+                    format!("{shown} is not a config type; use FILE or GRPC_XDS_SOTW"),
+                );
             }
         }
+    }
+
+    /// Whether the rules come from their xDS server (`CONFIG_TYPE=GRPC_XDS_SOTW`).
+    fn rules_from_xds(&self) -> bool {
+        self.get("CONFIG_TYPE")
+            .is_some_and(|t| t.eq_ignore_ascii_case("GRPC_XDS_SOTW"))
     }
 
     fn stats(&mut self) {
@@ -681,7 +677,7 @@ impl Reader<'_> {
             .into_iter()
             .filter(|v| self.get(v).is_some())
             .collect::<Vec<_>>();
-        if set.is_empty() && !as_ratelimit {
+        if (set.is_empty() && !as_ratelimit) || self.rules_from_xds() {
             return;
         }
         // Their layout: $RUNTIME_ROOT/$RUNTIME_SUBDIRECTORY/$RUNTIME_APPDIRECTORY, each file a
@@ -1403,7 +1399,7 @@ mod tests {
             ("REDIS_AUTH", "hunter2-secret"),
             ("BACKEND_TYPE", "memcache"),
             ("USE_STATSD", "true"),
-            ("CONFIG_TYPE", "GRPC_XDS_SOTW"),
+            ("CONFIG_TYPE", "GRPC_XDS_DELTA"),
             ("GRPC_SERVER_USE_TLS", "true"),
         ])
         .unwrap_err();
@@ -1418,7 +1414,8 @@ mod tests {
         ] {
             assert!(err.0.iter().any(|e| e.variable == var), "{var} missing in {text}");
         }
-        assert!(text.contains("not supported yet"), "{text}");
+        assert!(text.contains("is not a config type; use FILE or GRPC_XDS_SOTW"), "{text}");
+        assert!(text.contains("needs GRPC_SERVER_TLS_CERT and GRPC_SERVER_TLS_KEY"), "{text}");
         assert!(!text.contains("hunter2"), "{text}");
     }
 

@@ -2,6 +2,7 @@
 //! variables (nested keys with `__`, e.g. `TOLLGATE_HEADERS__RETRY_AFTER=false`).
 
 pub mod envoyproxy_env;
+pub mod xds;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -17,6 +18,7 @@ pub use crate::server::tls::{ListenerTls, TlsSettings};
 pub use crate::store::{
     redact_url, FailureMode, FallbackBackend, MemorySettings, PostgresSettings, RedisSettings, UnreachableAtStart,
 };
+pub use xds::{RulesSource, XdsSettings};
 
 /// All server settings. Every field has a default, so an empty file is valid.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -28,6 +30,10 @@ pub struct Settings {
     pub http_addr: SocketAddr,
     /// A rules file, or a directory of `*.yaml` rules files; relative to the working directory.
     pub rules: PathBuf,
+    /// Where the rules come from: the files at `rules`, or an xDS server (`xds`).
+    pub rules_source: RulesSource,
+    /// The xDS client (used when `rules_source: xds`).
+    pub xds: XdsSettings,
     /// Where bucket state lives.
     pub backend: Backend,
     /// Logging.
@@ -208,6 +214,8 @@ impl Default for Settings {
             grpc_addr: SocketAddr::from(([0, 0, 0, 0], 8081)),
             http_addr: SocketAddr::from(([0, 0, 0, 0], 8080)),
             rules: PathBuf::from("config/rules"),
+            rules_source: RulesSource::Files,
+            xds: XdsSettings::default(),
             backend: Backend::Memory,
             log: LogSettings::default(),
             limits: RequestLimits::default(),
@@ -296,10 +304,12 @@ pub const DEFAULT_SETTINGS_FILE: &str = "config/tollgate.yaml";
 
 /// Top-level settings keys; only these are read from `TOLLGATE_*`, so unrelated variables
 /// with the same prefix are not mistaken for settings.
-const KEYS: [&str; 21] = [
+const KEYS: [&str; 23] = [
     "grpc_addr",
     "http_addr",
     "rules",
+    "rules_source",
+    "xds",
     "backend",
     "log",
     "limits",
@@ -375,19 +385,22 @@ impl Settings {
 /// The settings whose values are secrets (or may hold one, as a URL's password does), by
 /// figment path. From the environment they are taken as the raw string, whatever it looks like,
 /// and no error message shows their value.
-pub const SECRET_SETTINGS: [&str; 5] = [
+pub const SECRET_SETTINGS: [&str; 6] = [
     "admin.token",
     "redis.password",
     "redis.urls",
     "postgres.url",
     "postgres.password",
+    "xds.headers",
 ];
 
-/// Whether the figment path `key` (`admin.token`) is, or holds, a secret setting.
+/// Whether the figment path `key` (`admin.token`) is, holds, or lies within a secret setting
+/// (`xds.headers.authorization`).
 fn holds_secret(key: &str) -> bool {
-    SECRET_SETTINGS
-        .iter()
-        .any(|secret| secret.eq_ignore_ascii_case(key) || secret.starts_with(&format!("{}.", key.to_ascii_lowercase())))
+    let key = key.to_ascii_lowercase();
+    SECRET_SETTINGS.iter().any(|secret| {
+        *secret == key || secret.starts_with(&format!("{key}.")) || key.starts_with(&format!("{secret}."))
+    })
 }
 
 /// `TOLLGATE_*` as figment's [`Env`] reads them, except the [`SECRET_SETTINGS`]: `Env` parses
@@ -410,7 +423,7 @@ impl figment::Provider for RawSecretsEnv {
             let key = key.as_str();
             let value = if key.eq_ignore_ascii_case("redis.urls") {
                 Value::from(raw_list(&raw))
-            } else if SECRET_SETTINGS.iter().any(|s| s.eq_ignore_ascii_case(key)) {
+            } else if holds_secret(key) && !SECRET_SETTINGS.iter().any(|s| s.starts_with(&format!("{key}."))) {
                 Value::from(raw)
             } else {
                 raw.parse().expect("figment's Value::from_str is infallible")
@@ -629,6 +642,9 @@ impl Settings {
         problems.extend(self.redis.problems());
         problems.extend(self.postgres.problems());
         problems.extend(self.tls.problems());
+        if self.rules_source == RulesSource::Xds {
+            problems.extend(self.xds.problems());
+        }
         problems
     }
 }

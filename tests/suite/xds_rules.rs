@@ -1,0 +1,777 @@
+//! Rules from an xDS server (`rules_source: xds`, docs/operations.md): tollgate against an ADS
+//! server written here (tonic and envoy-types), standing in for Envoy Gateway's control plane:
+//! it records every request tollgate sends (version, nonce, error detail, node, headers) and
+//! pushes Envoy Gateway-shaped snapshots. Each step is checked on the gRPC port, where Envoy
+//! asks: the rules of an update in force, an invalid update NACKed with its reason while the
+//! rules before it stay, a dropped stream resumed from the version in force. Then Envoy
+//! Gateway's environment: mutual TLS, and a server that cannot be reached (not ready, saying
+//! why; forced, ready with nothing limited). Loopback only.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::{
+    AggregatedDiscoveryService, AggregatedDiscoveryServiceServer,
+};
+use envoy_types::pb::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use envoy_types::pb::google::protobuf::value::Kind;
+use envoy_types::pb::google::protobuf::Any;
+use envoy_types::pb::ratelimit::config::ratelimit::v3::{
+    RateLimitConfig, RateLimitDescriptor, RateLimitPolicy, RateLimitUnit,
+};
+use futures_util::Stream;
+use prost::Message;
+use tokio::sync::mpsc;
+use tokio::task::block_in_place;
+use tonic::transport::{Certificate, Channel, Identity, Server, ServerTlsConfig};
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::support::{self, free_port, http_get, Scrape, Tollgate};
+
+const TYPE_URL: &str = "type.googleapis.com/ratelimit.config.ratelimit.v3.RateLimitConfig";
+/// Envoy Gateway's names: a listener's domain, a route (its host name `*`), a shared policy.
+const DOMAIN: &str = "envoy-gateway/gateway-1/http";
+const ROUTE: &str = "httproute/default/backend/rule/0/match/0/*";
+const SHARED: &str = "default/shared-policy";
+/// How long anything may take to happen.
+const PATIENCE: Duration = Duration::from_secs(15);
+
+/// One request tollgate sent, with the stream it came on (1, 2, ...) and that stream's
+/// metadata.
+#[derive(Clone, Debug)]
+struct Seen {
+    stream: usize,
+    request: DiscoveryRequest,
+    headers: Vec<(String, String)>,
+}
+
+/// The ADS server's record, and the way to the stream open now.
+#[derive(Default)]
+struct Record {
+    requests: Vec<Seen>,
+    streams: usize,
+    /// Sends on the stream open now (`None` once dropped).
+    current: Option<mpsc::UnboundedSender<Result<DiscoveryResponse, Status>>>,
+    nonces: usize,
+}
+
+/// The ADS server: a state-of-the-world stream per connection, fed by the test.
+#[derive(Clone, Default)]
+struct Ads(Arc<Mutex<Record>>);
+
+type ResponseStream = Pin<Box<dyn Stream<Item = Result<DiscoveryResponse, Status>> + Send>>;
+type DeltaStream = Pin<Box<dyn Stream<Item = Result<DeltaDiscoveryResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl AggregatedDiscoveryService for Ads {
+    type StreamAggregatedResourcesStream = ResponseStream;
+    type DeltaAggregatedResourcesStream = DeltaStream;
+
+    async fn stream_aggregated_resources(
+        &self,
+        request: Request<Streaming<DiscoveryRequest>>,
+    ) -> Result<Response<ResponseStream>, Status> {
+        let headers = request
+            .metadata()
+            .iter()
+            .filter_map(|kv| match kv {
+                tonic::metadata::KeyAndValueRef::Ascii(k, v) => {
+                    Some((k.as_str().to_owned(), v.to_str().unwrap_or_default().to_owned()))
+                }
+                tonic::metadata::KeyAndValueRef::Binary(..) => None,
+            })
+            .collect::<Vec<_>>();
+        let (tx, rx) = mpsc::unbounded_channel();
+        let stream = {
+            let mut record = self.0.lock().unwrap();
+            record.streams += 1;
+            record.current = Some(tx);
+            record.streams
+        };
+        let mut incoming = request.into_inner();
+        let record = self.0.clone();
+        tokio::spawn(async move {
+            while let Ok(Some(request)) = incoming.message().await {
+                record.lock().unwrap().requests.push(Seen {
+                    stream,
+                    request,
+                    headers: headers.clone(),
+                });
+            }
+        });
+        let responses = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|r| (r, rx)) });
+        Ok(Response::new(Box::pin(responses)))
+    }
+
+    async fn delta_aggregated_resources(
+        &self,
+        _request: Request<Streaming<DeltaDiscoveryRequest>>,
+    ) -> Result<Response<DeltaStream>, Status> {
+        Err(Status::unimplemented("state of the world only"))
+    }
+}
+
+impl Ads {
+    /// Serves on a free loopback port (with `tls`, requiring a client certificate); returns the
+    /// address.
+    async fn serve(&self, tls: Option<ServerTlsConfig>) -> SocketAddr {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let incoming = tonic::transport::server::TcpIncoming::from(listener);
+        let mut builder = Server::builder();
+        if let Some(tls) = tls {
+            builder = builder.tls_config(tls).unwrap();
+        }
+        let router = builder.add_service(AggregatedDiscoveryServiceServer::new(self.clone()));
+        tokio::spawn(router.serve_with_incoming(incoming));
+        addr
+    }
+
+    /// Pushes a snapshot of `configs` as `version` on the stream open now; returns its nonce.
+    fn push(&self, version: &str, configs: &[RateLimitConfig]) -> String {
+        let mut record = self.0.lock().unwrap();
+        record.nonces += 1;
+        let nonce = format!("nonce-{}", record.nonces);
+        let response = DiscoveryResponse {
+            version_info: version.into(),
+            resources: configs
+                .iter()
+                .map(|c| Any {
+                    type_url: TYPE_URL.into(),
+                    value: c.encode_to_vec(),
+                })
+                .collect(),
+            type_url: TYPE_URL.into(),
+            nonce: nonce.clone(),
+            ..Default::default()
+        };
+        record
+            .current
+            .as_ref()
+            .expect("a stream is open")
+            .send(Ok(response))
+            .unwrap();
+        nonce
+    }
+
+    /// Ends the stream open now with an error, as a control plane that restarts does.
+    fn drop_stream(&self) {
+        let tx = self.0.lock().unwrap().current.take().expect("a stream is open");
+        let _ = tx.send(Err(Status::unavailable("control plane restarting")));
+    }
+
+    /// Waits until tollgate has sent `n` requests in all; returns the `n`-th.
+    async fn request(&self, n: usize) -> Seen {
+        let deadline = Instant::now() + PATIENCE;
+        loop {
+            if let Some(seen) = self.0.lock().unwrap().requests.get(n - 1) {
+                return seen.clone();
+            }
+            assert!(Instant::now() < deadline, "request {n} never came");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    fn requests(&self) -> usize {
+        self.0.lock().unwrap().requests.len()
+    }
+}
+
+fn node(key: &str, value: &str) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        key: key.into(),
+        value: value.into(),
+        ..Default::default()
+    }
+}
+
+fn limit(mut d: RateLimitDescriptor, unit: RateLimitUnit, requests_per_unit: u32) -> RateLimitDescriptor {
+    d.rate_limit = Some(RateLimitPolicy {
+        unit: unit as i32,
+        requests_per_unit,
+        ..Default::default()
+    });
+    d
+}
+
+fn under(mut d: RateLimitDescriptor, children: Vec<RateLimitDescriptor>) -> RateLimitDescriptor {
+    d.descriptors = children;
+    d
+}
+
+/// What Envoy Gateway pushes for a route with two global rules: per value of a header
+/// (`rule-0-match-0`, key only), and per client address within 192.168.0.0/16 behind a
+/// header match; `per_header` requests a minute for the first.
+fn listener(per_header: u32) -> RateLimitConfig {
+    RateLimitConfig {
+        name: DOMAIN.into(),
+        domain: DOMAIN.into(),
+        descriptors: vec![under(
+            node(ROUTE, ROUTE),
+            vec![
+                limit(node("rule-0-match-0", ""), RateLimitUnit::Minute, per_header),
+                under(
+                    node("rule-1-match-0", "rule-1-match-0"),
+                    vec![under(
+                        node("masked_remote_address", "192.168.0.0/16"),
+                        vec![limit(node("remote_address", ""), RateLimitUnit::Hour, 1)],
+                    )],
+                ),
+            ],
+        )],
+    }
+}
+
+/// A shared policy's domain: one bucket for every route it applies to.
+fn shared(requests_per_unit: u32) -> RateLimitConfig {
+    let key = format!("{SHARED}/rule/0");
+    RateLimitConfig {
+        name: SHARED.into(),
+        domain: SHARED.into(),
+        descriptors: vec![under(
+            node(&key, &key),
+            vec![limit(
+                node("rule-0-match-0", "rule-0-match-0"),
+                RateLimitUnit::Day,
+                requests_per_unit,
+            )],
+        )],
+    }
+}
+
+async fn client(tollgate: &Tollgate) -> RateLimitServiceClient<Channel> {
+    RateLimitServiceClient::connect(format!("http://{}", tollgate.grpc_addr))
+        .await
+        .expect("connect to tollgate")
+}
+
+/// `ShouldRateLimit` for the descriptor Envoy sends under `DOMAIN`'s route with these entries
+/// after the route's own: the overall code, or the gRPC error's code.
+async fn ask(
+    c: &mut RateLimitServiceClient<Channel>,
+    domain: &str,
+    entries: &[(&str, &str)],
+) -> Result<Code, tonic::Code> {
+    let first = if domain == DOMAIN {
+        (ROUTE.to_owned(), ROUTE.to_owned())
+    } else {
+        let key = format!("{SHARED}/rule/0");
+        (key.clone(), key)
+    };
+    let mut all = vec![(first.0.as_str(), first.1.as_str())];
+    all.extend_from_slice(entries);
+    match c.should_rate_limit(support::request(domain, &all, 0)).await {
+        Ok(r) => Ok(Code::try_from(r.into_inner().overall_code).unwrap()),
+        Err(status) => Err(status.code()),
+    }
+}
+
+/// `n` requests for one header value: their codes.
+async fn hits(c: &mut RateLimitServiceClient<Channel>, value: &str, n: usize) -> Vec<Code> {
+    let mut out = Vec::new();
+    for _ in 0..n {
+        out.push(ask(c, DOMAIN, &[("rule-0-match-0", value)]).await.unwrap());
+    }
+    out
+}
+
+fn readyz(tollgate: &Tollgate) -> (u16, String) {
+    http_get(tollgate.http_addr, "/readyz").expect("/readyz answers")
+}
+
+fn config(tollgate: &Tollgate) -> serde_json::Value {
+    let (status, body) = tollgate.config().expect("/config answers");
+    assert_eq!(status, 200, "{body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+/// Waits until `check` holds, or panics with `what`.
+async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
+    let deadline = Instant::now() + PATIENCE;
+    while !check() {
+        assert!(Instant::now() < deadline, "never: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+const OK: Code = Code::Ok;
+const OVER: Code = Code::OverLimit;
+
+/// Acceptance: snapshots applied, an update applied, an invalid one NACKed with its reason while
+/// the rules before it are enforced, and a dropped stream reconnected and resumed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshots_apply_an_invalid_one_is_nacked_and_a_dropped_stream_resumes() {
+    let ads = Ads::default();
+    let addr = ads.serve(None).await;
+    let tollgate = block_in_place(|| {
+        Tollgate::builder()
+            .settings(&format!(
+                "rules_source: xds\nxds:\n  server_url: {addr}\n  node_id: envoy-ratelimit\n  node_metadata: {{cluster: tollgate-test}}\n  headers: {{x-tenant: team-a, authorization: Bearer s3cr3t}}\n  backoff: {{initial_ms: 50, max_ms: 200}}\n"
+            ))
+            .start()
+    });
+    let mut c = client(&tollgate).await;
+
+    // The subscription: every RateLimitConfig for node envoy-ratelimit, from no version.
+    let first = ads.request(1).await;
+    assert_eq!(first.stream, 1);
+    let r = &first.request;
+    assert_eq!(
+        (r.type_url.as_str(), r.version_info.as_str(), r.response_nonce.as_str()),
+        (TYPE_URL, "", "")
+    );
+    assert!(r.resource_names.is_empty() && r.error_detail.is_none());
+    let node = r.node.as_ref().expect("the node");
+    assert_eq!(node.id, "envoy-ratelimit");
+    let cluster = &node.metadata.as_ref().unwrap().fields["cluster"];
+    assert_eq!(cluster.kind, Some(Kind::StringValue("tollgate-test".into())));
+    for header in [("x-tenant", "team-a"), ("authorization", "Bearer s3cr3t")] {
+        assert!(
+            first.headers.contains(&(header.0.to_owned(), header.1.to_owned())),
+            "{header:?} in {:?}",
+            first.headers
+        );
+    }
+    // No rules yet: not ready, and no decision (Envoy's failure_mode_deny decides).
+    let (status, body) = block_in_place(|| readyz(&tollgate));
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("no rules received from the xDS server yet"), "{body}");
+    assert!(
+        !body.contains(&addr.to_string()),
+        "no address on the public port: {body}"
+    );
+    assert_eq!(
+        ask(&mut c, DOMAIN, &[("rule-0-match-0", "a")]).await,
+        Err(tonic::Code::Unavailable)
+    );
+
+    // v1: applied and ACKed; 2 a minute per header value, each value its own bucket.
+    let nonce = ads.push("v1", &[listener(2)]);
+    let ack = ads.request(2).await.request;
+    assert_eq!(
+        (ack.version_info.as_str(), ack.response_nonce.as_str()),
+        ("v1", nonce.as_str())
+    );
+    assert!(ack.error_detail.is_none(), "{ack:?}");
+    assert_eq!(hits(&mut c, "alice", 3).await, [OK, OK, OVER]);
+    assert_eq!(hits(&mut c, "bob", 1).await, [OK]);
+    let address = [
+        ("rule-1-match-0", "rule-1-match-0"),
+        ("masked_remote_address", "192.168.0.0/16"),
+        ("remote_address", "192.168.1.7"),
+    ];
+    assert_eq!(ask(&mut c, DOMAIN, &address).await, Ok(OK));
+    assert_eq!(ask(&mut c, DOMAIN, &address).await, Ok(OVER), "one an hour per address");
+    assert_eq!(
+        ask(&mut c, SHARED, &[("rule-0-match-0", "rule-0-match-0")]).await,
+        Ok(OK),
+        "no such domain yet"
+    );
+    assert_eq!(block_in_place(|| readyz(&tollgate)).0, 200);
+
+    // v2: an update (3 a minute, and a shared policy's domain), applied and ACKed.
+    let nonce = ads.push("v2", &[shared(1), listener(3)]);
+    let ack = ads.request(3).await.request;
+    assert_eq!(
+        (ack.version_info.as_str(), ack.response_nonce.as_str()),
+        ("v2", nonce.as_str())
+    );
+    assert!(ack.error_detail.is_none());
+    assert_eq!(hits(&mut c, "carol", 4).await, [OK, OK, OK, OVER]);
+    let shared_hit = [("rule-0-match-0", "rule-0-match-0")];
+    assert_eq!(ask(&mut c, SHARED, &shared_hit).await, Ok(OK));
+    assert_eq!(ask(&mut c, SHARED, &shared_hit).await, Ok(OVER));
+
+    // v3: invalid (a limit without a unit): NACKed with the version in force and the reason;
+    // v2 stays enforced.
+    let mut bad = listener(100);
+    bad.descriptors[0].descriptors[0].rate_limit.as_mut().unwrap().unit = RateLimitUnit::Unknown as i32;
+    let nonce = ads.push("v3", &[shared(1), bad]);
+    let nack = ads.request(4).await.request;
+    assert_eq!(
+        (nack.version_info.as_str(), nack.response_nonce.as_str()),
+        ("v2", nonce.as_str())
+    );
+    let detail = nack.error_detail.expect("a NACK says why");
+    assert_eq!(detail.code, 3, "INVALID_ARGUMENT");
+    let rule = format!("xds:{DOMAIN}: rule `{ROUTE}={ROUTE}.rule-0-match-0`: `rate_limit` needs `unit`");
+    assert!(detail.message.contains(&rule), "{}", detail.message);
+    assert_eq!(hits(&mut c, "dave", 4).await, [OK, OK, OK, OVER], "v2's 3 a minute");
+    assert_eq!(ask(&mut c, SHARED, &shared_hit).await, Ok(OVER));
+    let shown = block_in_place(|| config(&tollgate));
+    let source = &shown["rules_source"];
+    assert_eq!(source["kind"], "xds");
+    assert_eq!(source["server"], addr.to_string());
+    assert_eq!(source["node"], "envoy-ratelimit");
+    assert_eq!(source["version"], "v2");
+    assert_eq!(source["connected"], true);
+    assert_eq!(source["last_ack"]["version"], "v2");
+    assert_eq!(source["last_nack"]["version"], "v3");
+    assert!(
+        source["last_nack"]["reason"].as_str().unwrap().contains(&rule),
+        "{source}"
+    );
+    assert_eq!(shown["reload"]["last_reload_failed"], true);
+    assert_eq!(shown["generation"], 2);
+    assert_eq!(shown["settings"]["xds"]["headers"]["authorization"], "<redacted>");
+    assert!(!shown.to_string().contains("s3cr3t"), "the headers' values are secrets");
+    let scrape = block_in_place(|| Scrape::from(tollgate.http_addr));
+    assert_eq!(
+        scrape.get("tollgate_xds_updates_total", &[("result", "ack")]),
+        Some(2.0)
+    );
+    assert_eq!(
+        scrape.get("tollgate_xds_updates_total", &[("result", "nack")]),
+        Some(1.0)
+    );
+    assert_eq!(scrape.get("tollgate_xds_connected", &[]), Some(1.0));
+    assert_eq!(
+        scrape.get("tollgate_rules_reloads_total", &[("result", "failure")]),
+        Some(1.0)
+    );
+    assert_eq!(scrape.get("tollgate_rules_last_reload_successful", &[]), Some(0.0));
+    assert_eq!(scrape.get("tollgate_rules_generation", &[]), Some(2.0));
+
+    // The stream drops: tollgate opens another and resumes from v2, enforcing v2 meanwhile.
+    ads.drop_stream();
+    let resumed = ads.request(5).await;
+    assert_eq!(resumed.stream, 2);
+    let r = &resumed.request;
+    assert_eq!((r.version_info.as_str(), r.response_nonce.as_str()), ("v2", ""));
+    assert!(r.error_detail.is_none());
+    assert_eq!(r.node.as_ref().map(|n| n.id.as_str()), Some("envoy-ratelimit"));
+    assert!(resumed.headers.contains(&("x-tenant".to_owned(), "team-a".to_owned())));
+    assert_eq!(hits(&mut c, "erin", 4).await, [OK, OK, OK, OVER]);
+    assert_eq!(
+        block_in_place(|| readyz(&tollgate)).0,
+        200,
+        "the rules in force stay ready"
+    );
+    // A snapshot on the new stream is applied: the previous bucket state carries on.
+    let nonce = ads.push("v4", &[listener(5)]);
+    let ack = ads.request(6).await.request;
+    assert_eq!(
+        (ack.version_info.as_str(), ack.response_nonce.as_str()),
+        ("v4", nonce.as_str())
+    );
+    assert!(ack.error_detail.is_none());
+    assert_eq!(hits(&mut c, "frank", 6).await, [OK, OK, OK, OK, OK, OVER]);
+    assert_eq!(
+        ask(&mut c, SHARED, &shared_hit).await,
+        Ok(OK),
+        "v4 has no shared domain"
+    );
+    let shown = block_in_place(|| config(&tollgate));
+    assert_eq!(shown["reload"]["last_reload_failed"], false);
+    assert_eq!(shown["rules_source"]["version"], "v4");
+    assert_eq!(
+        shown["rules_source"]["last_nack"]["version"], "v3",
+        "the last NACK is still shown"
+    );
+    let scrape = block_in_place(|| Scrape::from(tollgate.http_addr));
+    assert_eq!(
+        scrape.get("tollgate_xds_updates_total", &[("result", "ack")]),
+        Some(3.0)
+    );
+    assert_eq!(scrape.get("tollgate_xds_connected", &[]), Some(1.0));
+
+    // The same snapshot again (a new version of the same rules): ACKed, nothing swapped.
+    let nonce = ads.push("v5", &[listener(5)]);
+    let ack = ads.request(7).await.request;
+    assert_eq!(
+        (ack.version_info.as_str(), ack.response_nonce.as_str()),
+        ("v5", nonce.as_str())
+    );
+    let shown = block_in_place(|| config(&tollgate));
+    assert_eq!(
+        (shown["generation"].as_u64(), shown["rules_source"]["version"].as_str()),
+        (Some(3), Some("v5")),
+        "v1, v2 and v4 were swapped in, v5 was not"
+    );
+    assert_eq!(hits(&mut c, "frank", 1).await, [OVER], "still over");
+    let log = tollgate.process.log();
+    assert!(log.contains("rules from the xDS server rejected"), "{log}");
+    assert!(!log.contains("s3cr3t"), "the headers' values are never logged");
+    assert_eq!(ads.requests(), 7, "one request per response, none more");
+}
+
+/// A self-made CA, a server certificate for `xds.test` and a client certificate, by `openssl`
+/// (as the Postgres TLS test makes its own): the mutual TLS Envoy Gateway sets up.
+struct Certs {
+    dir: tempfile::TempDir,
+}
+
+impl Certs {
+    fn make() -> Certs {
+        let dir = tempfile::tempdir().unwrap();
+        let run = |args: &[&str]| {
+            let out = Command::new("openssl")
+                .args(args)
+                .current_dir(dir.path())
+                .stdin(Stdio::null())
+                .output()
+                .expect("run openssl");
+            assert!(
+                out.status.success(),
+                "openssl {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
+        run(&[
+            &[
+                "req",
+                "-x509",
+                "-days",
+                "2",
+                "-subj",
+                "/CN=test-ca",
+                "-keyout",
+                "ca.key",
+                "-out",
+                "ca.crt",
+            ][..],
+            &ec[..],
+            &[
+                "-addext",
+                "basicConstraints=critical,CA:TRUE",
+                "-addext",
+                "keyUsage=critical,keyCertSign,cRLSign",
+            ],
+        ]
+        .concat());
+        for (name, cn, ext) in [
+            (
+                "server",
+                "xds.test",
+                "subjectAltName=DNS:xds.test\nextendedKeyUsage=serverAuth\n",
+            ),
+            (
+                "client",
+                "envoy-ratelimit",
+                "subjectAltName=DNS:envoy-ratelimit\nextendedKeyUsage=clientAuth\n",
+            ),
+        ] {
+            std::fs::write(dir.path().join(format!("{name}.ext")), ext).unwrap();
+            let (key, csr, crt, extfile) = (
+                format!("{name}.key"),
+                format!("{name}.csr"),
+                format!("{name}.crt"),
+                format!("{name}.ext"),
+            );
+            run(&[
+                &["req", "-subj", &format!("/CN={cn}"), "-keyout", &key, "-out", &csr][..],
+                &ec[..],
+            ]
+            .concat());
+            run(&[
+                "x509",
+                "-req",
+                "-days",
+                "2",
+                "-in",
+                &csr,
+                "-CA",
+                "ca.crt",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-out",
+                &crt,
+                "-extfile",
+                &extfile,
+            ]);
+        }
+        Certs { dir }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn read(&self, name: &str) -> Vec<u8> {
+        std::fs::read(self.path(name)).unwrap()
+    }
+
+    /// The server's TLS: its certificate, and client certificates required, from the CA.
+    fn server(&self) -> ServerTlsConfig {
+        ServerTlsConfig::new()
+            .identity(Identity::from_pem(self.read("server.crt"), self.read("server.key")))
+            .client_ca_root(Certificate::from_pem(self.read("ca.crt")))
+    }
+}
+
+/// Envoy Gateway's xDS variables, pointed at `server` with the certificates of `certs`, as
+/// `tollgate serve` reads them. (It also sets `GRPC_SERVER_USE_TLS` for tollgate's own gRPC
+/// port, which is not part of the xDS client.)
+fn envoy_gateway_env(server: &str, certs: &Certs, force_start: bool) -> Vec<(String, String)> {
+    let file = |name: &str| certs.path(name).to_string_lossy().into_owned();
+    let mut env: Vec<(String, String)> = [
+        ("RUNTIME_ROOT", "/data".to_owned()),
+        ("RUNTIME_SUBDIRECTORY", "ratelimit".to_owned()),
+        ("RUNTIME_IGNOREDOTFILES", "true".to_owned()),
+        ("RUNTIME_WATCH_ROOT", "false".to_owned()),
+        ("LOG_LEVEL", "info".to_owned()),
+        ("USE_STATSD", "false".to_owned()),
+        ("CONFIG_TYPE", "GRPC_XDS_SOTW".to_owned()),
+        ("CONFIG_GRPC_XDS_SERVER_URL", server.to_owned()),
+        ("CONFIG_GRPC_XDS_NODE_ID", "envoy-ratelimit".to_owned()),
+        ("CONFIG_GRPC_XDS_SERVER_USE_TLS", "true".to_owned()),
+        ("CONFIG_GRPC_XDS_CLIENT_TLS_CERT", file("client.crt")),
+        ("CONFIG_GRPC_XDS_CLIENT_TLS_KEY", file("client.key")),
+        ("CONFIG_GRPC_XDS_SERVER_TLS_CACERT", file("ca.crt")),
+        // The server is reached by address here, while its certificate names xds.test.
+        ("CONFIG_GRPC_XDS_SERVER_TLS_SAN", "xds.test".to_owned()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect();
+    if force_start {
+        env.push(("FORCE_START_WITHOUT_INITIAL_CONFIG".to_owned(), "true".to_owned()));
+    }
+    env
+}
+
+fn start_with(env: &[(String, String)]) -> Tollgate {
+    env.iter()
+        .fold(Tollgate::builder(), |b, (k, v)| b.env(k, v))
+        .settings("xds: {backoff: {initial_ms: 50, max_ms: 500}}")
+        .start()
+}
+
+/// Envoy Gateway's environment over mutual TLS: tollgate presents its client certificate,
+/// checks the server's against the CA and the SAN, and takes the rules it pushes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_gateways_environment_takes_rules_over_mutual_tls() {
+    let certs = block_in_place(Certs::make);
+    let ads = Ads::default();
+    let addr = ads.serve(Some(certs.server())).await;
+    let env = envoy_gateway_env(&addr.to_string(), &certs, true);
+    let tollgate = block_in_place(|| start_with(&env));
+    let first = ads.request(1).await.request;
+    assert_eq!(first.node.map(|n| n.id), Some("envoy-ratelimit".to_owned()));
+    let nonce = ads.push("1", &[listener(1)]);
+    let ack = ads.request(2).await.request;
+    assert_eq!(
+        (ack.version_info.as_str(), ack.response_nonce.as_str()),
+        ("1", nonce.as_str())
+    );
+    assert!(ack.error_detail.is_none());
+    let mut c = client(&tollgate).await;
+    assert_eq!(hits(&mut c, "alice", 2).await, [OK, OVER]);
+    let shown = block_in_place(|| config(&tollgate));
+    assert_eq!(shown["rules_source"]["tls"], true);
+    assert_eq!(shown["settings"]["rules_source"], "xds");
+
+    // A client without the CA's certificate is refused by the server: the TLS is mutual.
+    let mut refused = env.clone();
+    refused.retain(|(k, _)| !k.starts_with("CONFIG_GRPC_XDS_CLIENT_TLS"));
+    let stranger = block_in_place(|| start_with(&refused));
+    let log_has = |t: &Tollgate, text: &str| t.process.log().contains(text);
+    eventually("the stranger logs its failed connection", || {
+        log_has(&stranger, "no rules received from xDS server")
+    })
+    .await;
+    let shown = block_in_place(|| config(&stranger));
+    let source = &shown["rules_source"];
+    assert!(
+        source["last_error"]["error"].as_str().is_some() && source["version"].is_null(),
+        "the refused connection is the last error: {source}"
+    );
+    assert_eq!(
+        ads.0.lock().unwrap().streams,
+        1,
+        "only the client with a certificate got a stream"
+    );
+    assert_eq!(block_in_place(|| readyz(&stranger)).0, 200, "forced start");
+}
+
+/// Acceptance: Envoy Gateway's environment and an xDS server that cannot be reached. Without a
+/// forced start: not ready, saying why in the log and on `/readyz`, no decisions. Forced (as
+/// Envoy Gateway sets it): ready, nothing limited, the reason still in the log and `/config`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_xds_server_keeps_it_not_ready_unless_forced() {
+    let certs = block_in_place(Certs::make);
+    let nobody = format!("127.0.0.1:{}", free_port());
+    for force_start in [false, true] {
+        let env = envoy_gateway_env(&nobody, &certs, force_start);
+        let tollgate = block_in_place(|| start_with(&env));
+        let why = format!("no rules received from xDS server {nobody} (node envoy-ratelimit) yet: cannot connect");
+        let state = if force_start {
+            "ready, nothing limited (xds.force_start)"
+        } else {
+            "not ready"
+        };
+        let why = format!("{state}: {why}");
+        eventually("the log says why", || tollgate.process.log().contains(&why)).await;
+        let (status, body) = block_in_place(|| readyz(&tollgate));
+        let (health, _) = block_in_place(|| http_get(tollgate.http_addr, "/healthcheck")).unwrap();
+        let mut c = client(&tollgate).await;
+        let answer = ask(&mut c, DOMAIN, &[("rule-0-match-0", "alice")]).await;
+        if force_start {
+            assert_eq!((status, health), (200, 200), "{body}");
+            assert_eq!(answer, Ok(OK), "nothing limited");
+        } else {
+            assert_eq!((status, health), (503, 500));
+            assert_eq!(
+                body,
+                "not ready: no rules received from the xDS server yet (not connected; see the log)\n"
+            );
+            assert_eq!(answer, Err(tonic::Code::Unavailable), "no decisions without rules");
+        }
+        let shown = block_in_place(|| config(&tollgate));
+        let source = &shown["rules_source"];
+        assert_eq!(
+            (source["connected"].as_bool(), source["version"].as_str()),
+            (Some(false), None)
+        );
+        assert!(
+            source["last_error"]["error"]
+                .as_str()
+                .unwrap()
+                .starts_with("cannot connect"),
+            "{source}"
+        );
+        assert_eq!(source["force_start"], force_start);
+        // Their series are on too (their environment), which the strict `Scrape` refuses
+        // (`ratelimit_service_should_rate_limit_error` is a counter without `_total`).
+        let (_, metrics) = block_in_place(|| http_get(tollgate.http_addr, "/metrics")).unwrap();
+        for line in ["tollgate_xds_connected 0", "tollgate_rules_generation 0"] {
+            assert!(metrics.lines().any(|l| l == line), "{line} in:\n{metrics}");
+        }
+    }
+}
+
+/// A certificate that is not there stops the start, naming the file and its variable's
+/// setting, instead of retrying forever.
+#[test]
+fn a_missing_certificate_stops_the_start() {
+    let certs = Certs::make();
+    let mut env = envoy_gateway_env("127.0.0.1:1", &certs, true);
+    for (k, v) in env.iter_mut() {
+        if k == "CONFIG_GRPC_XDS_SERVER_TLS_CACERT" {
+            *v = "/nonexistent/ca.crt".into();
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .arg("serve")
+        .current_dir(dir.path())
+        .env("TOLLGATE_GRPC_ADDR", format!("127.0.0.1:{}", free_port()))
+        .env("TOLLGATE_HTTP_ADDR", format!("127.0.0.1:{}", free_port()))
+        .env("TOLLGATE_ADMIN__ENABLED", "false")
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("xds.tls.ca_file /nonexistent/ca.crt"), "{stderr}");
+}
