@@ -1414,8 +1414,14 @@ mod tests {
         ] {
             assert!(err.0.iter().any(|e| e.variable == var), "{var} missing in {text}");
         }
-        assert!(text.contains("is not a config type; use FILE or GRPC_XDS_SOTW"), "{text}");
-        assert!(text.contains("needs GRPC_SERVER_TLS_CERT and GRPC_SERVER_TLS_KEY"), "{text}");
+        assert!(
+            text.contains("is not a config type; use FILE or GRPC_XDS_SOTW"),
+            "{text}"
+        );
+        assert!(
+            text.contains("needs GRPC_SERVER_TLS_CERT and GRPC_SERVER_TLS_KEY"),
+            "{text}"
+        );
         assert!(!text.contains("hunter2"), "{text}");
     }
 

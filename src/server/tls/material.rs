@@ -133,11 +133,12 @@ impl Material {
             ));
         };
         let cert = CertInfo::of(first).map_err(|e| format!("tls.{listener}.cert_file {cert_path}: {e}"))?;
-        // The key's parse errors say where they failed, never what the file holds.
-        let key = PrivateKeyDer::from_pem_slice(&files.key).map_err(|e| {
+        // Never the parser's own error: some quote what they read (a key on one line, its
+        // newlines lost, is reported as a missing end marker holding the whole key).
+        let key = PrivateKeyDer::from_pem_slice(&files.key).map_err(|_| {
             format!(
-                "tls.{listener}.key_file {}: no private key in it (a PEM `PRIVATE KEY`, `RSA PRIVATE KEY` or \
-                 `EC PRIVATE KEY` block): {e}",
+                "tls.{listener}.key_file {}: no usable private key in it (a PEM `PRIVATE KEY`, `RSA PRIVATE KEY` \
+                 or `EC PRIVATE KEY` block, each marker on a line of its own)",
                 tls.key_file.display()
             )
         })?;
@@ -323,6 +324,37 @@ mod tests {
         assert_eq!(ip_of(&[127, 0, 0, 1]), Some(IpAddr::from([127, 0, 0, 1])));
         assert_eq!(ip_of(&[0; 16]), Some("::".parse().unwrap()));
         assert_eq!(ip_of(&[1, 2, 3]), None);
+    }
+
+    /// A key whose newlines were lost (a Secret written with `echo $KEY`) is refused without
+    /// a byte of it in the message: the PEM parser's own error would quote the key.
+    #[test]
+    fn a_key_on_one_line_is_refused_without_quoting_it() {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec!["tollgate".to_owned()])
+            .unwrap()
+            .self_signed(&key)
+            .unwrap();
+        let one_line = key.serialize_pem().replace('\n', " ");
+        let tls = ListenerTls {
+            cert_file: "/certs/tls.crt".into(),
+            key_file: "/certs/tls.key".into(),
+            client_ca_file: None,
+            client_sans: Vec::new(),
+        };
+        let files = Files {
+            cert: cert.pem().into_bytes(),
+            key: one_line.into_bytes(),
+            ca: None,
+        };
+        let err = Material::build("grpc", &tls, &files, &provider())
+            .err()
+            .expect("refused");
+        assert_eq!(
+            err,
+            "tls.grpc.key_file /certs/tls.key: no usable private key in it (a PEM `PRIVATE KEY`, `RSA PRIVATE KEY` \
+             or `EC PRIVATE KEY` block, each marker on a line of its own)"
+        );
     }
 
     #[test]
