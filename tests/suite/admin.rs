@@ -632,16 +632,8 @@ async fn exact_figures_on_a_manual_clock() {
     assert!(limiter.store().is_empty());
 }
 
-/// A usage budget (docs/usage-budgets.md): 1,000 tokens a minute, `debt: true`, its floor
-/// the default minus the capacity.
-const BUDGET_RULES: &str = r#"
-domain: llm
-buckets:
-  tenant_tokens: {capacity: 1000, refill: 1000/1m, debt: true}
-descriptors:
-  - key: tenant
-    bucket: tenant_tokens
-"#;
+/// A usage budget, [`support::LLM_BUDGET_RULES`].
+const BUDGET_RULES: &str = support::LLM_BUDGET_RULES;
 
 /// A debt bucket as a peek shows it: `tokens` and `capacity` as clients are told them (the
 /// balance, 0 while in debt, as `limit_remaining`; the capacity as declared), the signed

@@ -23,16 +23,8 @@ use tokio::sync::Notify;
 use tokio::task::block_in_place;
 use tollgate::server::admin::{BucketView, BucketsResponse};
 
-/// The acceptance budget: 1,000 tokens a minute per tenant, a usage account (`debt: true`)
-/// whose floor is the default, minus the capacity.
-const RULES: &str = r#"
-domain: llm
-buckets:
-  tenant_tokens: {capacity: 1000, refill: 1000/1m, debt: true}
-descriptors:
-  - key: tenant
-    bucket: tenant_tokens
-"#;
+/// The acceptance budget, [`support::LLM_BUDGET_RULES`].
+const RULES: &str = support::LLM_BUDGET_RULES;
 const CAPACITY: i64 = 1000;
 const MICRO: i64 = 1_000_000;
 /// The refill, 1,000 tokens a minute, as micro-tokens per microsecond: 10^9 / (6 * 10^7).

@@ -24,6 +24,17 @@ use std::time::{Duration, Instant};
 use tempfile::TempDir;
 
 /// How long a child process may take to become ready.
+/// A usage budget (docs/usage-budgets.md) in domain `llm`: 1,000 tokens a minute per
+/// `tenant`, a usage account (`debt: true`) whose floor is the default, minus the capacity.
+pub const LLM_BUDGET_RULES: &str = r#"
+domain: llm
+buckets:
+  tenant_tokens: {capacity: 1000, refill: 1000/1m, debt: true}
+descriptors:
+  - key: tenant
+    bucket: tenant_tokens
+"#;
+
 pub const STARTUP_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A loopback port that was free a moment ago, and never handed out before by this test
