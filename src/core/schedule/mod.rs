@@ -628,8 +628,98 @@ mod tests;
 #[cfg(test)]
 pub(crate) mod testing {
     use chrono::NaiveDate;
+    use proptest::prelude::*;
 
-    use crate::core::bucket::MICRO;
+    use crate::core::bucket::{Decision, Demand, DemandKind, MICRO};
+
+    /// What a debt bucket is asked: the request-path check, a usage report of `n` tokens, a
+    /// refund of `n`.
+    #[derive(Clone, Copy, Debug)]
+    pub(crate) enum Ask {
+        Check,
+        Report(u64),
+        Refund(u64),
+    }
+
+    impl Ask {
+        /// The demand this makes of a debt bucket whose floor lies `depth_ut` below zero.
+        pub(crate) fn demand(self, depth_ut: u64) -> DemandKind {
+            match self {
+                Ask::Check => DemandKind::DebtCheck { depth_ut },
+                Ask::Report(n) => DemandKind::Debit {
+                    amount_ut: n * MICRO,
+                    depth_ut,
+                },
+                Ask::Refund(n) => DemandKind::Refund(n * MICRO),
+            }
+        }
+    }
+
+    /// Checks, reports and refunds, in the proportions the debt property tests use.
+    pub(crate) fn ask() -> impl Strategy<Value = Ask> {
+        prop_oneof![
+            3 => Just(Ask::Check),
+            4 => (1..120u64).prop_map(Ask::Report),
+            1 => (1..40u64).prop_map(Ask::Refund),
+        ]
+    }
+
+    /// One enforced demand on instance 0.
+    pub(crate) fn one(kind: DemandKind) -> [Demand; 1] {
+        [Demand {
+            instance: 0,
+            kind,
+            enforced: true,
+        }]
+    }
+
+    /// Checks decision `d` (one demand `ask` on one debt bucket `depth` µt deep, decided at
+    /// `t`) against a signed model whose balance before it is `balance` and whose capacity in
+    /// force is `cap` (µt): the same balance before; admission iff it is positive; a report
+    /// debited down to the floor, the rest lost; a refund up to `cap`; the balance after, and
+    /// a write iff it moved. Returns the balance after.
+    pub(crate) fn debt_decision_matches(
+        d: &Decision,
+        ask: Ask,
+        balance: i128,
+        depth: i128,
+        cap: i128,
+        t: u64,
+    ) -> Result<i128, TestCaseError> {
+        let o = d.instances[0];
+        prop_assert_eq!(
+            i128::from(o.before.tokens_ut) - depth,
+            balance,
+            "balance at {} ({:?})",
+            t,
+            ask
+        );
+        let after = match ask {
+            Ask::Check => {
+                prop_assert_eq!(d.denied, balance < 1);
+                balance
+            }
+            Ask::Report(n) => {
+                prop_assert_eq!(d.denied, balance < 1, "a report passes iff the balance was positive");
+                let amount = i128::from(n * MICRO);
+                let taken = amount.min(balance + depth);
+                prop_assert_eq!(i128::from(o.debited_ut), taken);
+                prop_assert_eq!(i128::from(o.lost_ut), amount - taken);
+                balance - taken
+            }
+            Ask::Refund(n) => {
+                prop_assert!(!d.denied);
+                if balance < cap {
+                    (balance + i128::from(n * MICRO)).min(cap)
+                } else {
+                    balance
+                }
+            }
+        };
+        prop_assert_eq!(i128::from(o.after.tokens_ut) - depth, after);
+        prop_assert_eq!(o.changed, after != balance, "written iff the balance moved");
+        Ok(after)
+    }
 
     /// A UTC instant in microseconds.
     pub(crate) fn utc(y: i32, mo: u32, d: u32, h: u32, mi: u32) -> u64 {

@@ -5,7 +5,7 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::core::bucket::{decide, Demand, DemandKind};
-use crate::core::schedule::testing::utc;
+use crate::core::schedule::testing::{ask, debt_decision_matches, one, utc};
 
 const MIN: u64 = 60 * MICRO;
 const HOUR: u64 = 60 * MIN;
@@ -1193,31 +1193,6 @@ fn when() -> impl Strategy<Value = When> {
     ]
 }
 
-/// What a debt bucket is asked: the request-path check, a usage report of `n` tokens, a
-/// refund of `n`.
-#[derive(Clone, Copy, Debug)]
-enum Ask {
-    Check,
-    Report(u64),
-    Refund(u64),
-}
-
-fn ask() -> impl Strategy<Value = Ask> {
-    prop_oneof![
-        3 => Just(Ask::Check),
-        4 => (1..120u64).prop_map(Ask::Report),
-        1 => (1..40u64).prop_map(Ask::Refund),
-    ]
-}
-
-fn one(kind: DemandKind) -> [Demand; 1] {
-    [Demand {
-        instance: 0,
-        kind,
-        enforced: true,
-    }]
-}
-
 /// The request-path check on a debt bucket `depth_ut` deep.
 fn debt_check(depth_ut: u64) -> [Demand; 1] {
     one(DemandKind::DebtCheck { depth_ut })
@@ -1282,35 +1257,9 @@ proptest! {
             t = when.from(t);
             model.advance(t);
             let balance = model.balance_at(t);
-            let kind = match ask {
-                Ask::Check => DemandKind::DebtCheck { depth_ut },
-                Ask::Report(n) => DemandKind::Debit { amount_ut: n * MICRO, depth_ut },
-                Ask::Refund(n) => DemandKind::Refund(n * MICRO),
-            };
-            let d = decide(t, &[state], plans, &one(kind));
+            let d = decide(t, &[state], plans, &one(ask.demand(depth_ut)));
             let o = d.instances[0];
-            prop_assert_eq!(i128::from(o.before.tokens_ut) - i128::from(depth_ut), balance, "balance at {} ({:?})", t, ask);
-            let after = match ask {
-                Ask::Check => {
-                    prop_assert_eq!(d.denied, balance < 1);
-                    balance
-                }
-                Ask::Report(n) => {
-                    prop_assert_eq!(d.denied, balance < 1, "a report passes iff the balance was positive");
-                    let amount = i128::from(n * MICRO);
-                    let taken = amount.min(balance + model.depth);
-                    prop_assert_eq!(i128::from(o.debited_ut), taken);
-                    prop_assert_eq!(i128::from(o.lost_ut), amount - taken);
-                    balance - taken
-                }
-                Ask::Refund(n) => {
-                    prop_assert!(!d.denied);
-                    let cap = model.limit.cap;
-                    if balance < cap { (balance + i128::from(n * MICRO)).min(cap) } else { balance }
-                }
-            };
-            prop_assert_eq!(i128::from(o.after.tokens_ut) - i128::from(depth_ut), after);
-            prop_assert_eq!(o.changed, after != balance, "written iff the balance moved");
+            let after = debt_decision_matches(&d, ask, balance, model.depth, model.limit.cap, t)?;
             if o.changed {
                 model.write(t, after);
             }

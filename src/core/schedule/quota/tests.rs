@@ -6,8 +6,8 @@ use proptest::prelude::*;
 use super::*;
 use std::sync::Arc;
 
-use crate::core::bucket::{decide, Demand, DemandKind};
-use crate::core::schedule::testing::utc;
+use crate::core::bucket::{decide, DemandKind};
+use crate::core::schedule::testing::{ask, debt_decision_matches, one, utc};
 use crate::core::schedule::Plan;
 
 const SEC: u64 = MICRO;
@@ -744,21 +744,6 @@ enum When {
     NextEdge(u64),
 }
 
-#[derive(Clone, Copy, Debug)]
-enum DebtAsk {
-    Check,
-    Report(u64),
-    Refund(u64),
-}
-
-fn one(kind: DemandKind) -> [Demand; 1] {
-    [Demand {
-        instance: 0,
-        kind,
-        enforced: true,
-    }]
-}
-
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(96))]
 
@@ -782,11 +767,7 @@ proptest! {
         steps in prop::collection::vec(
             (
                 prop_oneof![3 => (0..2500u64).prop_map(When::After), 1 => (0..3u64).prop_map(When::NextEdge)],
-                prop_oneof![
-                    3 => Just(DebtAsk::Check),
-                    4 => (1..120u64).prop_map(DebtAsk::Report),
-                    1 => (1..40u64).prop_map(DebtAsk::Refund),
-                ],
+                ask(),
             ),
             1..40,
         ),
@@ -817,38 +798,9 @@ proptest! {
             };
             model.advance(t);
             let balance = model.balance;
-            let kind = match ask {
-                DebtAsk::Check => DemandKind::DebtCheck { depth_ut },
-                DebtAsk::Report(n) => DemandKind::Debit { amount_ut: n * MICRO, depth_ut },
-                DebtAsk::Refund(n) => DemandKind::Refund(n * MICRO),
-            };
-            let d = decide(t, &[state], plans, &one(kind));
+            let d = decide(t, &[state], plans, &one(ask.demand(depth_ut)));
             let o = d.instances[0];
-            prop_assert_eq!(i128::from(o.before.tokens_ut) - model.depth, balance, "balance at {} ({:?})", t, ask);
-            let after = match ask {
-                DebtAsk::Check => {
-                    prop_assert_eq!(d.denied, balance < 1);
-                    balance
-                }
-                DebtAsk::Report(n) => {
-                    prop_assert_eq!(d.denied, balance < 1, "a report passes iff the balance was positive");
-                    let amount = i128::from(n * MICRO);
-                    let taken = amount.min(balance + model.depth);
-                    prop_assert_eq!(i128::from(o.debited_ut), taken);
-                    prop_assert_eq!(i128::from(o.lost_ut), amount - taken);
-                    balance - taken
-                }
-                DebtAsk::Refund(n) => {
-                    prop_assert!(!d.denied);
-                    if balance < model.allowance {
-                        (balance + i128::from(n * MICRO)).min(model.allowance)
-                    } else {
-                        balance
-                    }
-                }
-            };
-            prop_assert_eq!(i128::from(o.after.tokens_ut) - model.depth, after);
-            prop_assert_eq!(o.changed, after != balance, "written iff the balance moved");
+            let after = debt_decision_matches(&d, ask, balance, model.depth, model.allowance, t)?;
             model.balance = after;
             state = o.kept();
             if after < 1 {
