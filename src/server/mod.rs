@@ -130,7 +130,8 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
     let http_state = http_state(&settings, &limiter, &memory, &ready, prometheus).with_rules(source.check());
     let mut tasks = JoinSet::new();
     let grpc_tls = tls.acceptor(Listener::Grpc);
-    let health_reporter = start_grpc(&mut tasks, grpc, &limiter, &settings, &stop_rx, &source, grpc_tls).await;
+    let (health_reporter, serving) =
+        start_grpc(&mut tasks, grpc, &limiter, &settings, &stop_rx, &source, grpc_tls).await;
     // Ready before the HTTP listeners are served, so the first probe that gets an answer
     // hears the backend's state and never "starting" (the ports are bound already; a probe
     // that came early waits in the backlog).
@@ -140,6 +141,7 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
         health_reporter.clone(),
         limiter.clone(),
         source.check(),
+        serving,
     ));
 
     let failed = until_stop(&mut tasks).await;
@@ -370,9 +372,9 @@ fn admin_router(
     crate::server::admin::router(limiter.clone(), options)
 }
 
-/// Reports the `RateLimitService` serving and starts the gRPC server on `listener`: it stops
-/// accepting when `stop` says so, and sends its GOAWAY shortly before the shutdown deadline.
-/// Returns the health reporter.
+/// Sets gRPC health as the rules and the backend are now, and starts the gRPC server on
+/// `listener`: it stops accepting when `stop` says so, and sends its GOAWAY shortly before the
+/// shutdown deadline. Returns the health reporter and whether it says `SERVING`.
 async fn start_grpc(
     tasks: &mut Tasks,
     listener: TcpListener,
@@ -381,11 +383,12 @@ async fn start_grpc(
     stop: &tokio::sync::watch::Receiver<bool>,
     source: &RulesSource,
     tls: Option<Acceptor>,
-) -> HealthReporter {
+) -> (HealthReporter, bool) {
     let (health_reporter, health) = tonic_health::server::health_reporter();
-    health_reporter
-        .set_serving::<RateLimitServer<RateLimitGrpc<AnyStore>>>()
-        .await;
+    // Before the first connection is accepted: a probe that came early must not hear SERVING
+    // while no rules have arrived from an xDS server yet (the reporter starts with "" serving).
+    let serving = serving_now(limiter, &source.check()).await;
+    set_health(&health_reporter, serving).await;
     // At the stop the gRPC listener closes, but the connections already open keep serving
     // new streams: Envoy keeps its connections and sends on them until told otherwise, so
     // a GOAWAY at the stop refused (or sent elsewhere, to a listener now closed) every
@@ -408,7 +411,7 @@ async fn start_grpc(
         close,
         go_away,
     ));
-    health_reporter
+    (health_reporter, serving)
 }
 
 /// Waits for SIGINT or SIGTERM, or for a listener task to end by itself, which is returned:
@@ -530,31 +533,44 @@ const HEALTH_EVERY: Duration = Duration::from_secs(1);
 /// Keeps gRPC health (`""` and the `RateLimitService`) saying what `/readyz` says about the
 /// rules and the backend: `NOT_SERVING` while the rules are not there (`rules`) or the backend
 /// cannot decide (no fallback that can), `SERVING` again once both are. Checked every
-/// [`HEALTH_EVERY`]; runs until aborted at shutdown.
-async fn follow_readiness(reporter: HealthReporter, limiter: Arc<Limiter<AnyStore>>, rules: RulesCheck) {
-    let mut serving = true;
+/// [`HEALTH_EVERY`] from `serving`, what it says now; runs until aborted at shutdown.
+async fn follow_readiness(
+    reporter: HealthReporter,
+    limiter: Arc<Limiter<AnyStore>>,
+    rules: RulesCheck,
+    mut serving: bool,
+) {
     let mut tick = tokio::time::interval(HEALTH_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let now = rules().is_none() && limiter.store().ready().await.is_ready();
-        if now == serving {
-            continue;
+        let now = serving_now(&limiter, &rules).await;
+        if now != serving {
+            serving = now;
+            set_health(&reporter, now).await;
         }
-        serving = now;
-        let status = if now {
-            ServingStatus::Serving
-        } else {
-            ServingStatus::NotServing
-        };
-        reporter
-            .set_service_status(
-                <RateLimitServer<RateLimitGrpc<AnyStore>> as tonic::server::NamedService>::NAME,
-                status,
-            )
-            .await;
-        reporter.set_service_status("", status).await;
     }
+}
+
+/// Whether gRPC health should say `SERVING`: the rules are there and the backend can decide.
+async fn serving_now(limiter: &Limiter<AnyStore>, rules: &RulesCheck) -> bool {
+    rules().is_none() && limiter.store().ready().await.is_ready()
+}
+
+/// Sets gRPC health, `""` and the `RateLimitService`, to `SERVING` or `NOT_SERVING`.
+async fn set_health(reporter: &HealthReporter, serving: bool) {
+    let status = if serving {
+        ServingStatus::Serving
+    } else {
+        ServingStatus::NotServing
+    };
+    reporter
+        .set_service_status(
+            <RateLimitServer<RateLimitGrpc<AnyStore>> as tonic::server::NamedService>::NAME,
+            status,
+        )
+        .await;
+    reporter.set_service_status("", status).await;
 }
 
 /// The environment variable that skews the local clock, for tests of replicas whose clocks

@@ -33,6 +33,9 @@ use tokio::sync::mpsc;
 use tokio::task::block_in_place;
 use tonic::transport::{Certificate, Channel, Identity, Server, ServerTlsConfig};
 use tonic::{Request, Response, Status, Streaming};
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::HealthCheckRequest;
 
 use crate::support::{self, free_port, http_get, Scrape, Tollgate};
 
@@ -61,6 +64,41 @@ struct Record {
     /// Sends on the stream open now (`None` once dropped).
     current: Option<mpsc::UnboundedSender<Result<DiscoveryResponse, Status>>>,
     nonces: usize,
+    /// The last response sent, for the behaviours below.
+    last: Option<DiscoveryResponse>,
+    /// What the server does when a request NACKs.
+    on_nack: OnNack,
+    /// Whether a new stream gets the last response at once, whatever version it asks from.
+    resend_on_open: bool,
+}
+
+/// What a control plane does with a NACK.
+#[derive(Clone, Copy, Default, PartialEq)]
+enum OnNack {
+    /// Nothing: it waits for a new snapshot (Envoy Gateway's own translator).
+    #[default]
+    Wait,
+    /// Sends its snapshot again at once, with a new nonce: go-control-plane's snapshot cache
+    /// answers every request whose version is not its snapshot's.
+    Resend,
+    /// Ends the stream.
+    Drop,
+}
+
+impl Record {
+    /// Sends `response` on the stream open now, under a new nonce; returns the nonce.
+    fn send(&mut self, mut response: DiscoveryResponse) -> String {
+        self.nonces += 1;
+        response.nonce = format!("nonce-{}", self.nonces);
+        let nonce = response.nonce.clone();
+        self.last = Some(response.clone());
+        self.current
+            .as_ref()
+            .expect("a stream is open")
+            .send(Ok(response))
+            .unwrap();
+        nonce
+    }
 }
 
 /// The ADS server: a state-of-the-world stream per connection, fed by the test.
@@ -94,17 +132,34 @@ impl AggregatedDiscoveryService for Ads {
             let mut record = self.0.lock().unwrap();
             record.streams += 1;
             record.current = Some(tx);
+            if let Some(last) = record.last.clone().filter(|_| record.resend_on_open) {
+                record.send(last);
+            }
             record.streams
         };
         let mut incoming = request.into_inner();
         let record = self.0.clone();
         tokio::spawn(async move {
             while let Ok(Some(request)) = incoming.message().await {
-                record.lock().unwrap().requests.push(Seen {
+                let nack = request.error_detail.is_some();
+                let mut record = record.lock().unwrap();
+                record.requests.push(Seen {
                     stream,
                     request,
                     headers: headers.clone(),
                 });
+                match record.on_nack {
+                    OnNack::Resend if nack => {
+                        let last = record.last.clone().expect("a NACK answers a response");
+                        record.send(last);
+                    }
+                    OnNack::Drop if nack => {
+                        if let Some(tx) = record.current.take() {
+                            let _ = tx.send(Err(Status::unavailable("refused; closing")));
+                        }
+                    }
+                    _ => {}
+                }
             }
         });
         let responses = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|r| (r, rx)) });
@@ -137,9 +192,6 @@ impl Ads {
 
     /// Pushes a snapshot of `configs` as `version` on the stream open now; returns its nonce.
     fn push(&self, version: &str, configs: &[RateLimitConfig]) -> String {
-        let mut record = self.0.lock().unwrap();
-        record.nonces += 1;
-        let nonce = format!("nonce-{}", record.nonces);
         let response = DiscoveryResponse {
             version_info: version.into(),
             resources: configs
@@ -150,16 +202,27 @@ impl Ads {
                 })
                 .collect(),
             type_url: TYPE_URL.into(),
-            nonce: nonce.clone(),
             ..Default::default()
         };
-        record
-            .current
-            .as_ref()
-            .expect("a stream is open")
-            .send(Ok(response))
-            .unwrap();
-        nonce
+        self.0.lock().unwrap().send(response)
+    }
+
+    /// Sends `response` as it is (but for its nonce) on the stream open now; returns the nonce.
+    fn send(&self, response: DiscoveryResponse) -> String {
+        self.0.lock().unwrap().send(response)
+    }
+
+    /// Sets what the server does with a NACK, and whether a new stream gets the last response
+    /// at once.
+    fn behave(&self, on_nack: OnNack, resend_on_open: bool) {
+        let mut record = self.0.lock().unwrap();
+        record.on_nack = on_nack;
+        record.resend_on_open = resend_on_open;
+    }
+
+    /// The streams opened so far.
+    fn streams(&self) -> usize {
+        self.0.lock().unwrap().streams
     }
 
     /// Ends the stream open now with an error, as a control plane that restarts does.
@@ -716,6 +779,23 @@ async fn an_unreachable_xds_server_keeps_it_not_ready_unless_forced() {
         let (health, _) = block_in_place(|| http_get(tollgate.http_addr, "/healthcheck")).unwrap();
         let mut c = client(&tollgate).await;
         let answer = ask(&mut c, DOMAIN, &[("rule-0-match-0", "alice")]).await;
+        let channel = Channel::from_shared(format!("http://{}", tollgate.grpc_addr))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let grpc_health = HealthClient::new(channel)
+            .check(HealthCheckRequest { service: String::new() })
+            .await
+            .unwrap()
+            .into_inner()
+            .status;
+        let expected = if force_start {
+            ServingStatus::Serving
+        } else {
+            ServingStatus::NotServing
+        };
+        assert_eq!(grpc_health, expected as i32, "gRPC health says what /readyz says");
         if force_start {
             assert_eq!((status, health), (200, 200), "{body}");
             assert_eq!(answer, Ok(OK), "nothing limited");
@@ -774,4 +854,172 @@ fn a_missing_certificate_stops_the_start() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("xds.tls.ca_file /nonexistent/ca.crt"), "{stderr}");
+}
+
+/// Tollgate on `server` without TLS, with `backoff` as `xds.backoff`.
+fn start_plain(server: SocketAddr, backoff: &str) -> Tollgate {
+    Tollgate::builder()
+        .settings(&format!(
+            "rules_source: xds\nxds:\n  server_url: {server}\n  node_id: envoy-ratelimit\n  backoff: {backoff}\n"
+        ))
+        .start()
+}
+
+/// The snapshot `listener(100)` with a limit that has no unit: refused.
+fn invalid() -> RateLimitConfig {
+    let mut bad = listener(100);
+    bad.descriptors[0].descriptors[0].rate_limit.as_mut().unwrap().unit = RateLimitUnit::Unknown as i32;
+    bad
+}
+
+/// Waits for the request that answers `nonce`.
+async fn answer_to(ads: &Ads, nonce: &str) -> DiscoveryRequest {
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let found = ads
+            .0
+            .lock()
+            .unwrap()
+            .requests
+            .iter()
+            .find(|s| s.request.response_nonce == nonce)
+            .map(|s| s.request.clone());
+        if let Some(request) = found {
+            return request;
+        }
+        assert!(Instant::now() < deadline, "no answer to {nonce}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// A control plane that sends its snapshot again at once on every NACK (go-control-plane's
+/// snapshot cache does): the repeats are refused without compiling, at a pace that backs off
+/// like the connection, instead of as fast as the network allows. A fix supersedes the NACK
+/// waiting to be sent and is ACKed at once; when the fix is the rules in force, the failure no
+/// longer stands in `tollgate_rules_last_reload_successful`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_resent_on_every_nack_is_refused_at_a_backed_off_pace() {
+    let ads = Ads::default();
+    let addr = ads.serve(None).await;
+    let tollgate = block_in_place(|| start_plain(addr, "{initial_ms: 200, max_ms: 10000}"));
+    ads.request(1).await;
+    ads.push("v1", &[listener(2)]);
+    assert!(ads.request(2).await.request.error_detail.is_none());
+
+    ads.behave(OnNack::Resend, false);
+    let first = ads.push("v2", &[invalid()]);
+    let nack = answer_to(&ads, &first).await;
+    let started = Instant::now();
+    let detail = nack.error_detail.expect("refused").message;
+    // The first NACK and four repeats: paced 200, 400, 800 and 1,600 ms, each cut by at most
+    // half (the jitter); the next is 3,200 ms away at least halved.
+    let fifth = ads.request(2 + 5).await.request;
+    let took = started.elapsed();
+    assert!(took >= Duration::from_millis(1_500), "5 NACKs in {took:?}");
+    assert!(took < Duration::from_millis(4_500), "5 NACKs in {took:?}");
+    for seen in ads.0.lock().unwrap().requests[2..].iter() {
+        let r = &seen.request;
+        assert_eq!(r.version_info, "v1", "{r:?}");
+        assert_eq!(
+            r.error_detail.as_ref().map(|d| d.message.as_str()),
+            Some(detail.as_str())
+        );
+    }
+    assert!(fifth.error_detail.is_some());
+
+    // The rules in force again, as a new version: ACKed at once, the NACK waiting dropped.
+    ads.behave(OnNack::Wait, false);
+    let sent = Instant::now();
+    let fix = ads.push("v3", &[listener(2)]);
+    let ack = answer_to(&ads, &fix).await;
+    assert!(ack.error_detail.is_none(), "{ack:?}");
+    assert_eq!(ack.version_info, "v3");
+    assert!(
+        sent.elapsed() < Duration::from_millis(1_000),
+        "ACKed after {:?}",
+        sent.elapsed()
+    );
+    tokio::time::sleep(Duration::from_millis(3_500)).await;
+    assert_eq!(ads.requests(), 8, "no NACK after the ACK");
+
+    let log = tollgate.process.log();
+    assert_eq!(
+        log.matches("rules from the xDS server rejected").count(),
+        1,
+        "logged once:\n{log}"
+    );
+    let scrape = block_in_place(|| Scrape::from(tollgate.http_addr));
+    assert_eq!(
+        scrape.get("tollgate_rules_reloads_total", &[("result", "failure")]),
+        Some(1.0),
+        "compiled once"
+    );
+    assert_eq!(scrape.get("tollgate_rules_last_reload_successful", &[]), Some(1.0));
+    let shown = block_in_place(|| config(&tollgate));
+    assert_eq!(shown["reload"]["last_reload_failed"], false);
+    assert_eq!(shown["generation"], 1, "v3 is v1's rules: nothing swapped");
+    assert_eq!(shown["rules_source"]["version"], "v3");
+}
+
+/// A response of a type tollgate did not subscribe to is refused in that type's terms (its
+/// type URL, no version), and neither the rules nor their state take it for a failed update.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_of_another_type_is_refused_without_failing_the_rules() {
+    const CLUSTER: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
+    let ads = Ads::default();
+    let addr = ads.serve(None).await;
+    let tollgate = block_in_place(|| start_plain(addr, "{initial_ms: 50, max_ms: 500}"));
+    ads.request(1).await;
+    ads.push("v1", &[listener(2)]);
+    ads.request(2).await;
+    let nonce = ads.send(DiscoveryResponse {
+        version_info: "c1".into(),
+        resources: vec![Any {
+            type_url: CLUSTER.into(),
+            value: Vec::new(),
+        }],
+        type_url: CLUSTER.into(),
+        ..Default::default()
+    });
+    let r = answer_to(&ads, &nonce).await;
+    assert_eq!((r.type_url.as_str(), r.version_info.as_str()), (CLUSTER, ""));
+    let detail = r.error_detail.expect("refused").message;
+    assert!(detail.contains(TYPE_URL), "{detail}");
+
+    let shown = block_in_place(|| config(&tollgate));
+    assert_eq!(shown["reload"]["last_reload_failed"], false, "{shown}");
+    assert_eq!(shown["rules_source"]["version"], "v1");
+    assert!(shown["rules_source"]["last_nack"].is_null(), "{shown}");
+    let scrape = block_in_place(|| Scrape::from(tollgate.http_addr));
+    assert_eq!(scrape.get("tollgate_rules_last_reload_successful", &[]), Some(1.0));
+    assert_eq!(
+        scrape.get("tollgate_xds_updates_total", &[("result", "nack")]),
+        Some(0.0)
+    );
+    let mut c = client(&tollgate).await;
+    assert_eq!(hits(&mut c, "alice", 3).await, [OK, OK, OVER], "v1 in force");
+}
+
+/// A server that answers every stream with a snapshot tollgate refuses, and then closes it, is
+/// no healthier than one that cannot be reached: the waits between streams grow as after
+/// failed connections, instead of starting over at every response.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_that_only_bring_refusals_back_off() {
+    let ads = Ads::default();
+    let addr = ads.serve(None).await;
+    let _tollgate = block_in_place(|| start_plain(addr, "{initial_ms: 100, max_ms: 10000}"));
+    ads.request(1).await;
+    ads.behave(OnNack::Drop, true);
+    let started = Instant::now();
+    ads.push("v1", &[invalid()]);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let streams = ads.streams();
+    // Backing off: 100, 200, 400, 800, 1,600 ms between streams (each cut by at most half),
+    // and the repeated NACK paced as much again. Starting over at 100 ms each time, there
+    // would be about 30.
+    assert!(
+        (3..=8).contains(&streams),
+        "{streams} streams in {:?}",
+        started.elapsed()
+    );
 }

@@ -87,15 +87,19 @@ pub(super) async fn run<S: Store>(settings: XdsSettings, limiter: Arc<Limiter<S>
     let mut backoff = Backoff::new(settings.backoff, seed);
     let mut stream = Stream {
         node: node(&settings),
+        pacing: Backoff::new(settings.backoff, seed.rotate_left(17)),
         settings,
         limiter,
         state,
         in_force: None,
+        refused: None,
     };
     loop {
         let started = Instant::now();
         let ended = stream.once().await;
-        if ended.responded || started.elapsed() >= HEALTHY_STREAM {
+        // A server that answers every stream with something refused, or drops each soon after
+        // it opens, is not healthy: only an ACK or a stream that stayed up starts over.
+        if ended.acked || started.elapsed() >= HEALTHY_STREAM {
             backoff.reset();
         }
         let wait = backoff.next_wait();
@@ -194,8 +198,21 @@ fn request(node: &Node, version: String, nonce: String, error: Option<String>) -
 struct Ended {
     /// Why (for the log and `/config`).
     error: String,
-    /// Whether the server sent at least one response on it.
-    responded: bool,
+    /// Whether an update was ACKed on it.
+    acked: bool,
+}
+
+/// What to send for a response: now, or (a NACK repeated) after a pause, unless a newer
+/// response comes first.
+enum Answer {
+    Now(DiscoveryRequest),
+    After(Duration, DiscoveryRequest),
+}
+
+/// A snapshot refused: its resources, sorted, and why.
+struct Refused {
+    print: Vec<Any>,
+    problems: Vec<String>,
 }
 
 /// One stream's worth of the client, and what outlives it.
@@ -207,6 +224,13 @@ struct Stream<S> {
     /// The resources of the snapshot in force, sorted: one identical to it is ACKed without a
     /// swap (each swap makes the memory store keep its buckets that are not full).
     in_force: Option<Vec<Any>>,
+    /// The last snapshot refused. A control plane that resends its snapshot at once on a NACK
+    /// (go-control-plane does, while the versions differ) would otherwise have it compiled,
+    /// logged and refused as fast as the network allows: the same one is refused again
+    /// without compiling, after `pacing`.
+    refused: Option<Refused>,
+    /// The pauses before repeated NACKs: `xds.backoff`, started over by an ACK.
+    pacing: Backoff,
 }
 
 impl<S: Store> Stream<S> {
@@ -214,12 +238,7 @@ impl<S: Store> Stream<S> {
     async fn once(&mut self) -> Ended {
         let channel = match self.connect().await {
             Ok(channel) => channel,
-            Err(error) => {
-                return Ended {
-                    error,
-                    responded: false,
-                }
-            }
+            Err(error) => return Ended { error, acked: false },
         };
         self.state.set_connected(true);
         tracing::info!(server = %self.settings.server_url, node = %self.settings.node_id, "connected to the xDS server");
@@ -240,17 +259,39 @@ impl<S: Store> Stream<S> {
             Err(status) => {
                 return Ended {
                     error: status_text(&status),
-                    responded: false,
+                    acked: false,
                 }
             }
         };
-        let mut responded = false;
+        let mut acked = false;
+        // A repeated NACK waits here; a newer response supersedes it (the server only hears
+        // the answer to its latest nonce).
+        let mut pending: Option<(tokio::time::Instant, DiscoveryRequest)> = None;
         loop {
-            let error = match responses.message().await {
+            let next = match pending.take() {
+                Some((at, nack)) => tokio::select! {
+                    () = tokio::time::sleep_until(at) => {
+                        if tx.send(nack).is_ok() {
+                            continue;
+                        }
+                        return Ended { error: "the stream's requests ended".to_owned(), acked };
+                    }
+                    // Cancel-safe: a message half read stays in the stream.
+                    next = responses.message() => next,
+                },
+                None => responses.message().await,
+            };
+            let error = match next {
                 Ok(Some(response)) => {
-                    responded = true;
-                    let answer = self.answer(response).await;
-                    if tx.send(answer).is_ok() {
+                    let request = match self.answer(response).await {
+                        Answer::Now(request) => request,
+                        Answer::After(wait, request) => {
+                            pending = Some((tokio::time::Instant::now() + wait, request));
+                            continue;
+                        }
+                    };
+                    acked |= request.error_detail.is_none() && request.type_url == TYPE_URL;
+                    if tx.send(request).is_ok() {
                         continue;
                     }
                     "the stream's requests ended".to_owned()
@@ -258,7 +299,7 @@ impl<S: Store> Stream<S> {
                 Ok(None) => "the server closed the stream".to_owned(),
                 Err(status) => status_text(&status),
             };
-            return Ended { error, responded };
+            return Ended { error, acked };
         }
     }
 
@@ -272,7 +313,7 @@ impl<S: Store> Stream<S> {
     }
 
     /// Applies one response, or refuses it: the ACK or NACK to send.
-    async fn answer(&mut self, response: DiscoveryResponse) -> DiscoveryRequest {
+    async fn answer(&mut self, response: DiscoveryResponse) -> Answer {
         let DiscoveryResponse {
             version_info: version,
             resources,
@@ -281,15 +322,20 @@ impl<S: Store> Stream<S> {
             ..
         } = response;
         if type_url != TYPE_URL {
-            let why = format!("xds: a response of type {type_url}; tollgate subscribed to {TYPE_URL} only");
-            return self.nack(version, nonce, vec![why]);
+            return Answer::Now(self.foreign(type_url, version, nonce));
         }
         let mut print = resources.clone();
         print.sort_by(|a, b| (&a.type_url, &a.value).cmp(&(&b.type_url, &b.value)));
         if self.in_force.as_ref() == Some(&print) {
-            self.state.acked(&version);
+            self.accepted(&version);
             tracing::info!(version = %version, "xDS update: the same rules as in force; acknowledged, nothing swapped");
-            return request(&self.node, version, nonce, None);
+            return Answer::Now(request(&self.node, version, nonce, None));
+        }
+        if let Some(refused) = self.refused.as_ref().filter(|r| r.print == print) {
+            let problems = refused.problems.clone();
+            let wait = self.pacing.next_wait();
+            tracing::debug!(version = %version, wait = ?wait, "xDS update: the snapshot refused before, sent again; refused again");
+            return Answer::After(wait, self.nack(version, nonce, problems, false));
         }
         let limiter = self.limiter.clone();
         // Compiling and swapping run on the blocking pool, as a file reload does.
@@ -304,10 +350,10 @@ impl<S: Store> Stream<S> {
             }
         })
         .await;
-        match applied {
+        let problems = match applied {
             Ok(Ok((generation, domains))) => {
                 self.in_force = Some(print);
-                self.state.acked(&version);
+                self.accepted(&version);
                 tracing::info!(
                     server = %self.settings.server_url,
                     version = %version,
@@ -315,22 +361,57 @@ impl<S: Store> Stream<S> {
                     domains = %domains,
                     "rules from the xDS server in force; acknowledged"
                 );
-                request(&self.node, version, nonce, None)
+                return Answer::Now(request(&self.node, version, nonce, None));
             }
-            Ok(Err(problems)) => self.nack(version, nonce, problems),
-            Err(e) => self.nack(version, nonce, vec![format!("xds: the update was not applied: {e}")]),
+            Ok(Err(problems)) => problems,
+            Err(e) => vec![format!("xds: the update was not applied: {e}")],
+        };
+        self.refused = Some(Refused {
+            print,
+            problems: problems.clone(),
+        });
+        self.pacing.reset();
+        Answer::Now(self.nack(version, nonce, problems, true))
+    }
+
+    /// Records an ACK: the rules of `version` are in force (new, or the same as before), so a
+    /// failure of an earlier update no longer stands.
+    fn accepted(&mut self, version: &str) {
+        self.state.acked(version);
+        self.refused = None;
+        self.pacing.reset();
+        crate::telemetry::reload_failure_cleared();
+    }
+
+    /// The NACK of a response of a type tollgate did not subscribe to: answered in that type's
+    /// terms (its `type_url`, no version accepted), so the server does not take it for a NACK
+    /// of the rules; the rules and their state are untouched.
+    fn foreign(&self, type_url: String, version: String, nonce: String) -> DiscoveryRequest {
+        tracing::warn!(
+            server = %self.settings.server_url,
+            type_url = %type_url,
+            version = %version,
+            "xDS response of a type not subscribed to; refused, the rules in force stay"
+        );
+        let why = format!("tollgate subscribed to {TYPE_URL} only");
+        DiscoveryRequest {
+            type_url,
+            ..request(&self.node, String::new(), nonce, Some(why))
         }
     }
 
     /// The NACK of version `version` (nonce `nonce`) for `problems`; the rules in force stay.
-    fn nack(&self, version: String, nonce: String, problems: Vec<String>) -> DiscoveryRequest {
-        tracing::error!(
-            server = %self.settings.server_url,
-            version = %version,
-            problems = problems.len(),
-            in_force = %self.state.version(),
-            "rules from the xDS server rejected; the previous rules stay in force"
-        );
+    /// `first`: the snapshot was compiled and refused now (logged at error), not sent again.
+    fn nack(&self, version: String, nonce: String, problems: Vec<String>, first: bool) -> DiscoveryRequest {
+        if first {
+            tracing::error!(
+                server = %self.settings.server_url,
+                version = %version,
+                problems = problems.len(),
+                in_force = %self.state.version(),
+                "rules from the xDS server rejected; the previous rules stay in force"
+            );
+        }
         let mut detail = problems.join("\n");
         if detail.len() > MAX_DETAIL_BYTES {
             let mut cut = MAX_DETAIL_BYTES;

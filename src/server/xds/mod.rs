@@ -94,12 +94,13 @@ impl XdsState {
             return None;
         }
         let p = self.progress();
-        let state = if p.failing {
-            "its rules were rejected; see the log"
-        } else if p.connected {
-            "connected, waiting for its first response"
-        } else {
+        // The connection first: a rejection before it was lost is not the reason now.
+        let state = if !p.connected {
             "not connected; see the log"
+        } else if p.failing {
+            "its rules were rejected; see the log"
+        } else {
+            "connected, waiting for its first response"
         };
         Some(format!("no rules received from the xDS server yet ({state})"))
     }
@@ -255,4 +256,33 @@ pub(crate) fn spawn<S: Store>(
             () = hangups => {}
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_readiness_reason_says_the_connection_first() {
+        let state = XdsState::new(&XdsSettings::default());
+        let reason = || state.not_ready().expect("not ready");
+        assert!(reason().contains("(not connected; see the log)"), "{}", reason());
+        state.set_connected(true);
+        assert!(
+            reason().contains("(connected, waiting for its first response)"),
+            "{}",
+            reason()
+        );
+        state.nacked("v1", vec!["bad".into()]);
+        assert!(
+            reason().contains("(its rules were rejected; see the log)"),
+            "{}",
+            reason()
+        );
+        // The connection lost after the rejection: that is the reason now.
+        state.failed("the server closed the stream".into(), std::time::Duration::from_secs(1));
+        assert!(reason().contains("(not connected; see the log)"), "{}", reason());
+        state.acked("v2");
+        assert_eq!(state.not_ready(), None);
+    }
 }
