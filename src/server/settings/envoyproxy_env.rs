@@ -1318,7 +1318,9 @@ fn go_duration_ms(text: &str) -> Option<u64> {
 mod tests {
     use super::*;
 
-    fn read(vars: &[(&str, &str)]) -> Result<EnvoyproxyEnv, EnvErrors> {
+    /// The environment of `vars`, read as `tollgate serve` reads it (shared with the tests of
+    /// the submodules).
+    pub(super) fn read(vars: &[(&str, &str)]) -> Result<EnvoyproxyEnv, EnvErrors> {
         EnvoyproxyEnv::read(vars.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())), false)
     }
 
@@ -1547,7 +1549,8 @@ mod tests {
         );
     }
 
-    fn notes_of<'a>(env: &'a EnvoyproxyEnv, variable: &str) -> Vec<&'a str> {
+    /// What the reading noted about `variable`.
+    pub(super) fn notes_of<'a>(env: &'a EnvoyproxyEnv, variable: &str) -> Vec<&'a str> {
         env.notes
             .iter()
             .filter(|(n, _)| n == variable)

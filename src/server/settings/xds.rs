@@ -22,8 +22,8 @@ pub enum RulesSource {
 }
 
 /// The xDS client that subscribes to `type.googleapis.com/ratelimit.config.ratelimit.v3.RateLimitConfig`
-/// (used when `rules_source: xds`).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// (used when `rules_source: xds`). Its `Debug` shows the headers' names only.
+#[derive(Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct XdsSettings {
     /// The ADS server: `host:port`, or `http://host:port` (`https://` with `tls.enabled`).
@@ -49,6 +49,24 @@ pub struct XdsSettings {
     /// `FORCE_START_WITHOUT_INITIAL_CONFIG`). Without it tollgate is not ready, and answers
     /// `UNAVAILABLE`, until then.
     pub force_start: bool,
+}
+
+impl std::fmt::Debug for XdsSettings {
+    /// As derived, but each header's value is `<redacted>`: settings end up in logs and panics.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let headers: BTreeMap<&str, &str> = self.headers.keys().map(|k| (k.as_str(), "<redacted>")).collect();
+        f.debug_struct("XdsSettings")
+            .field("server_url", &self.server_url)
+            .field("node_id", &self.node_id)
+            .field("node_metadata", &self.node_metadata)
+            .field("headers", &headers)
+            .field("tls", &self.tls)
+            .field("backoff", &self.backoff)
+            .field("connect_timeout_ms", &self.connect_timeout_ms)
+            .field("max_message_bytes", &self.max_message_bytes)
+            .field("force_start", &self.force_start)
+            .finish()
+    }
 }
 
 /// TLS to the xDS server.
@@ -338,6 +356,11 @@ mod tests {
             assert_eq!(s.rules_source, RulesSource::Xds);
             assert_eq!(s.xds.headers["authorization"], "Bearer 8675309");
             assert_eq!(s.xds.headers["x-team"], "[rl]");
+            let shown = format!("{:?}", s);
+            assert!(
+                shown.contains(r#""authorization": "<redacted>""#) && !shown.contains("8675309"),
+                "Debug redacts the values: {shown}"
+            );
             jail.set_env("TOLLGATE_XDS__HEADERS", "8675309");
             let err = crate::server::settings::Settings::load(None).unwrap_err().to_string();
             assert!(

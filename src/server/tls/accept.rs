@@ -2,7 +2,10 @@
 //! tonic's `serve_with_incoming` and an `axum::serve::Listener`. Each handshake runs in a task of
 //! its own, under [`HANDSHAKE_TIMEOUT`], so a slow or silent client holds up no other; one that
 //! fails is counted and logged (at most one warning per [`WARN_EVERY`] per listener, each at
-//! debug), and the listener goes on accepting.
+//! debug), and the listener goes on accepting. At most [`MAX_HANDSHAKES`] run at once: past
+//! that, new connections wait in the kernel's backlog, so a flood of clients that connect and
+//! stall costs bounded memory and CPU. A connection closed before its first byte (a TCP probe:
+//! a load balancer's, the kubelet's `tcpSocket`) is no failed handshake: logged at debug only.
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -27,6 +30,9 @@ pub(crate) const WARN_EVERY: Duration = Duration::from_secs(10);
 
 /// Handshaken connections waiting for the server to take them.
 const QUEUE: usize = 64;
+
+/// Handshakes in progress at once, per listener.
+pub(crate) const MAX_HANDSHAKES: usize = 256;
 
 /// A listener's TLS acceptor and its name (`grpc`, `http`, `admin`), for metrics and logs.
 #[derive(Clone)]
@@ -68,7 +74,11 @@ impl Drop for TlsIncoming {
 /// Accepts TCP connections and starts a handshake for each, until the receiver is gone.
 async fn accept_loop(listener: TcpListener, acceptor: Acceptor, ready: mpsc::Sender<(TlsConn, SocketAddr)>) {
     let failures = Arc::new(Failures::default());
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
     loop {
+        let Ok(slot) = slots.clone().acquire_owned().await else {
+            return;
+        };
         let (tcp, peer) = match listener.accept().await {
             Ok(accepted) => accepted,
             Err(e) => {
@@ -91,11 +101,23 @@ async fn accept_loop(listener: TcpListener, acceptor: Acceptor, ready: mpsc::Sen
         let _ = tcp.set_nodelay(true);
         let (acceptor, ready, failures) = (acceptor.clone(), ready.clone(), failures.clone());
         tokio::spawn(async move {
-            match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.tls.accept(tcp)).await {
-                Ok(Ok(tls)) => {
+            let handshake = async {
+                // Nothing sent before the close (or a reset): a probe of the port.
+                if matches!(tcp.peek(&mut [0u8; 1]).await, Ok(0) | Err(_)) {
+                    return None;
+                }
+                Some(acceptor.tls.accept(tcp).await)
+            };
+            let outcome = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await;
+            drop(slot);
+            match outcome {
+                Ok(Some(Ok(tls))) => {
                     let _ = ready.send((TlsConn(tls), peer)).await;
                 }
-                Ok(Err(e)) => failures.record(acceptor.listener, peer, &e.to_string()),
+                Ok(Some(Err(e))) => failures.record(acceptor.listener, peer, &e.to_string()),
+                Ok(None) => {
+                    tracing::debug!(listener = acceptor.listener, %peer, "connection closed before its TLS handshake")
+                }
                 Err(_) => failures.record(acceptor.listener, peer, "no handshake within 10 s"),
             }
         });

@@ -122,6 +122,13 @@ impl ListenerTls {
                 problems.push(format!(
                     "tls.{listener}.client_sans: {san:?} is not a name (empty, or whitespace at an end)"
                 ));
+            } else if san.contains('*') {
+                // A pattern here would make every name under it acceptable, a grant far wider
+                // than it reads; a certificate's own wildcard is still honoured.
+                problems.push(format!(
+                    "tls.{listener}.client_sans: {san:?} is a pattern; list the exact names a client's \
+                     certificate must carry (a wildcard in the certificate itself still matches)"
+                ));
             }
         }
         problems
@@ -161,7 +168,7 @@ mod tests {
     fn every_problem_names_its_setting() {
         let tls = TlsSettings {
             grpc: Some(ListenerTls {
-                client_sans: vec!["envoy".into(), " ".into()],
+                client_sans: vec!["envoy".into(), " ".into(), "*.gateway.svc".into()],
                 ..ListenerTls::default()
             }),
             http: Some(ListenerTls {
@@ -178,6 +185,7 @@ mod tests {
             "tls.grpc.key_file must be set",
             "tls.grpc.client_sans needs tls.grpc.client_ca_file",
             "tls.grpc.client_sans: \" \"",
+            "tls.grpc.client_sans: \"*.gateway.svc\" is a pattern",
             "tls.http.client_ca_file is empty",
         ] {
             assert!(
@@ -185,6 +193,6 @@ mod tests {
                 "{part} missing from {problems:#?}"
             );
         }
-        assert_eq!(problems.len(), 6, "{problems:#?}");
+        assert_eq!(problems.len(), 7, "{problems:#?}");
     }
 }

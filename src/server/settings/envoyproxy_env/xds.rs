@@ -222,20 +222,8 @@ impl Reader<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::EnvoyproxyEnv;
+    use super::super::tests::{notes_of, read};
     use serde_json::json;
-
-    fn read(vars: &[(&str, &str)]) -> Result<EnvoyproxyEnv, super::super::EnvErrors> {
-        EnvoyproxyEnv::read(vars.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())), false)
-    }
-
-    fn notes_of<'a>(env: &'a EnvoyproxyEnv, variable: &str) -> Vec<&'a str> {
-        env.notes
-            .iter()
-            .filter(|(n, _)| n == variable)
-            .map(|(_, why)| why.as_str())
-            .collect()
-    }
 
     /// The variables Envoy Gateway sets on its rate-limit Deployment, xDS and TLS included.
     #[test]
