@@ -894,14 +894,15 @@ async fn answer_to(ads: &Ads, nonce: &str) -> DiscoveryRequest {
 
 /// A control plane that sends its snapshot again at once on every NACK (go-control-plane's
 /// snapshot cache does): the repeats are refused without compiling, at a pace that backs off
-/// like the connection, instead of as fast as the network allows. A fix supersedes the NACK
-/// waiting to be sent and is ACKed at once; when the fix is the rules in force, the failure no
-/// longer stands in `tollgate_rules_last_reload_successful`.
+/// like the connection (at most 5 s), instead of as fast as the network allows. A fix that
+/// comes during a pause supersedes the NACK waiting to be sent and is ACKed at once; when the
+/// fix is the rules in force, the failure no longer stands in
+/// `tollgate_rules_last_reload_successful`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_snapshot_resent_on_every_nack_is_refused_at_a_backed_off_pace() {
     let ads = Ads::default();
     let addr = ads.serve(None).await;
-    let tollgate = block_in_place(|| start_plain(addr, "{initial_ms: 200, max_ms: 10000}"));
+    let tollgate = block_in_place(|| start_plain(addr, "{initial_ms: 400, max_ms: 60000}"));
     ads.request(1).await;
     ads.push("v1", &[listener(2)]);
     assert!(ads.request(2).await.request.error_detail.is_none());
@@ -911,12 +912,12 @@ async fn a_snapshot_resent_on_every_nack_is_refused_at_a_backed_off_pace() {
     let nack = answer_to(&ads, &first).await;
     let started = Instant::now();
     let detail = nack.error_detail.expect("refused").message;
-    // The first NACK and four repeats: paced 200, 400, 800 and 1,600 ms, each cut by at most
-    // half (the jitter); the next is 3,200 ms away at least halved.
+    // The first NACK and four repeats, paced 400, 800, 1,600 and 3,200 ms, each cut by less
+    // than half (the jitter); the next pause is 5 s (the cap), at least halved.
     let fifth = ads.request(2 + 5).await.request;
     let took = started.elapsed();
-    assert!(took >= Duration::from_millis(1_500), "5 NACKs in {took:?}");
-    assert!(took < Duration::from_millis(4_500), "5 NACKs in {took:?}");
+    assert!(took >= Duration::from_millis(3_000), "5 NACKs in {took:?}");
+    assert!(took < Duration::from_millis(9_000), "5 NACKs in {took:?}");
     for seen in ads.0.lock().unwrap().requests[2..].iter() {
         let r = &seen.request;
         assert_eq!(r.version_info, "v1", "{r:?}");
@@ -935,11 +936,11 @@ async fn a_snapshot_resent_on_every_nack_is_refused_at_a_backed_off_pace() {
     assert!(ack.error_detail.is_none(), "{ack:?}");
     assert_eq!(ack.version_info, "v3");
     assert!(
-        sent.elapsed() < Duration::from_millis(1_000),
+        sent.elapsed() < Duration::from_millis(2_000),
         "ACKed after {:?}",
         sent.elapsed()
     );
-    tokio::time::sleep(Duration::from_millis(3_500)).await;
+    tokio::time::sleep(Duration::from_millis(3_000)).await;
     assert_eq!(ads.requests(), 8, "no NACK after the ACK");
 
     let log = tollgate.process.log();
@@ -954,6 +955,11 @@ async fn a_snapshot_resent_on_every_nack_is_refused_at_a_backed_off_pace() {
         Some(1.0),
         "compiled once"
     );
+    assert_eq!(
+        scrape.get("tollgate_xds_updates_total", &[("result", "nack")]),
+        Some(5.0),
+        "the NACKs sent, not the one superseded"
+    );
     assert_eq!(scrape.get("tollgate_rules_last_reload_successful", &[]), Some(1.0));
     let shown = block_in_place(|| config(&tollgate));
     assert_eq!(shown["reload"]["last_reload_failed"], false);
@@ -961,18 +967,19 @@ async fn a_snapshot_resent_on_every_nack_is_refused_at_a_backed_off_pace() {
     assert_eq!(shown["rules_source"]["version"], "v3");
 }
 
-/// A response of a type tollgate did not subscribe to is refused in that type's terms (its
-/// type URL, no version), and neither the rules nor their state take it for a failed update.
+/// A response of a type tollgate did not subscribe to is not answered (as Envoy answers none:
+/// a request of that type would subscribe to it), and neither the rules nor their state take it
+/// for an update; a NACK waiting for its pause is still sent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_response_of_another_type_is_refused_without_failing_the_rules() {
+async fn a_response_of_another_type_is_ignored() {
     const CLUSTER: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
     let ads = Ads::default();
     let addr = ads.serve(None).await;
-    let tollgate = block_in_place(|| start_plain(addr, "{initial_ms: 50, max_ms: 500}"));
+    let tollgate = block_in_place(|| start_plain(addr, "{initial_ms: 1000, max_ms: 1000}"));
     ads.request(1).await;
     ads.push("v1", &[listener(2)]);
     ads.request(2).await;
-    let nonce = ads.send(DiscoveryResponse {
+    let cluster = || DiscoveryResponse {
         version_info: "c1".into(),
         resources: vec![Any {
             type_url: CLUSTER.into(),
@@ -980,21 +987,31 @@ async fn a_response_of_another_type_is_refused_without_failing_the_rules() {
         }],
         type_url: CLUSTER.into(),
         ..Default::default()
-    });
-    let r = answer_to(&ads, &nonce).await;
-    assert_eq!((r.type_url.as_str(), r.version_info.as_str()), (CLUSTER, ""));
-    let detail = r.error_detail.expect("refused").message;
-    assert!(detail.contains(TYPE_URL), "{detail}");
+    };
+    ads.send(cluster());
+
+    // A refused snapshot sent twice: the second NACK waits about a second; a response of
+    // another type meanwhile does not drop it.
+    ads.push("v2", &[invalid()]);
+    assert!(ads.request(3).await.request.error_detail.is_some());
+    let again = ads.push("v2", &[invalid()]);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    ads.send(cluster());
+    let repeat = answer_to(&ads, &again).await;
+    assert!(repeat.error_detail.is_some(), "{repeat:?}");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let requests = ads.0.lock().unwrap().requests.clone();
+    assert_eq!(requests.len(), 4, "{requests:#?}");
+    assert!(requests.iter().all(|s| s.request.type_url == TYPE_URL), "{requests:#?}");
 
     let shown = block_in_place(|| config(&tollgate));
-    assert_eq!(shown["reload"]["last_reload_failed"], false, "{shown}");
     assert_eq!(shown["rules_source"]["version"], "v1");
-    assert!(shown["rules_source"]["last_nack"].is_null(), "{shown}");
-    let scrape = block_in_place(|| Scrape::from(tollgate.http_addr));
-    assert_eq!(scrape.get("tollgate_rules_last_reload_successful", &[]), Some(1.0));
+    assert_eq!(shown["rules_source"]["last_nack"]["version"], "v2", "{shown}");
+    let log = tollgate.process.log();
     assert_eq!(
-        scrape.get("tollgate_xds_updates_total", &[("result", "nack")]),
-        Some(0.0)
+        log.matches("xDS response of a type not subscribed to; ignored").count(),
+        1,
+        "warned once per type:\n{log}"
     );
     let mut c = client(&tollgate).await;
     assert_eq!(hits(&mut c, "alice", 3).await, [OK, OK, OVER], "v1 in force");

@@ -2,10 +2,11 @@
 //! tonic's `serve_with_incoming` and an `axum::serve::Listener`. Each handshake runs in a task of
 //! its own, under [`HANDSHAKE_TIMEOUT`], so a slow or silent client holds up no other; one that
 //! fails is counted and logged (at most one warning per [`WARN_EVERY`] per listener, each at
-//! debug), and the listener goes on accepting. At most [`MAX_HANDSHAKES`] run at once: past
-//! that, new connections wait in the kernel's backlog, so a flood of clients that connect and
-//! stall costs bounded memory and CPU. A connection closed before its first byte (a TCP probe:
-//! a load balancer's, the kubelet's `tcpSocket`) is no failed handshake: logged at debug only.
+//! debug), and the listener goes on accepting. A connection is worth a TLS session only once
+//! its first byte arrives: one closed before (a TCP probe: a load balancer's, the kubelet's
+//! `tcpSocket`) is no failed handshake, logged at debug only. At most [`MAX_HANDSHAKES`] run at
+//! once; past that, a connection that has spoken waits (within its 10 s) for one to finish, so
+//! a flood of clients that start a handshake and stall costs bounded memory and CPU.
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -31,8 +32,9 @@ pub(crate) const WARN_EVERY: Duration = Duration::from_secs(10);
 /// Handshaken connections waiting for the server to take them.
 const QUEUE: usize = 64;
 
-/// Handshakes in progress at once, per listener.
-pub(crate) const MAX_HANDSHAKES: usize = 256;
+/// Handshakes in progress at once, per listener (far more than Envoy's connections, which
+/// are few and long-lived, ever need).
+pub(crate) const MAX_HANDSHAKES: usize = 1024;
 
 /// A listener's TLS acceptor and its name (`grpc`, `http`, `admin`), for metrics and logs.
 #[derive(Clone)]
@@ -76,9 +78,6 @@ async fn accept_loop(listener: TcpListener, acceptor: Acceptor, ready: mpsc::Sen
     let failures = Arc::new(Failures::default());
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
     loop {
-        let Ok(slot) = slots.clone().acquire_owned().await else {
-            return;
-        };
         let (tcp, peer) = match listener.accept().await {
             Ok(accepted) => accepted,
             Err(e) => {
@@ -99,17 +98,20 @@ async fn accept_loop(listener: TcpListener, acceptor: Acceptor, ready: mpsc::Sen
         }
         // As on the plain gRPC listener: no Nagle delay on a response written in pieces.
         let _ = tcp.set_nodelay(true);
-        let (acceptor, ready, failures) = (acceptor.clone(), ready.clone(), failures.clone());
+        let (acceptor, ready, failures, slots) = (acceptor.clone(), ready.clone(), failures.clone(), slots.clone());
         tokio::spawn(async move {
             let handshake = async {
-                // Nothing sent before the close (or a reset): a probe of the port.
+                // Nothing sent before the close (or a reset): a probe of the port. The peek
+                // takes nothing from what the acceptor reads.
                 if matches!(tcp.peek(&mut [0u8; 1]).await, Ok(0) | Err(_)) {
                     return None;
                 }
-                Some(acceptor.tls.accept(tcp).await)
+                let slot = slots.acquire_owned().await.ok();
+                let accepted = acceptor.tls.accept(tcp).await;
+                drop(slot);
+                Some(accepted)
             };
             let outcome = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await;
-            drop(slot);
             match outcome {
                 Ok(Some(Ok(tls))) => {
                     let _ = ready.send((TlsConn(tls), peer)).await;

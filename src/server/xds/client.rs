@@ -17,6 +17,7 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity
 
 use super::map::{compile_resources, TYPE_URL};
 use super::XdsState;
+use crate::core::units::Millis;
 use crate::decision::limiter::Limiter;
 use crate::server::reload::{count_rejected, domain_list, put_in_force};
 use crate::server::settings::xds::{ServerUrl, XdsBackoffSettings, XdsTlsSettings};
@@ -29,6 +30,9 @@ const INVALID_ARGUMENT: i32 = 3;
 const MAX_DETAIL_BYTES: usize = 8 * 1024;
 /// A stream that stayed open this long was healthy: after it, the backoff starts over.
 const HEALTHY_STREAM: Duration = Duration::from_secs(30);
+/// The longest pause before a repeated NACK. go-control-plane sends nothing newer until it has
+/// an answer to its latest response, so a pause also delays a fixed snapshot: it stays short.
+const MAX_NACK_PAUSE: Duration = Duration::from_secs(5);
 /// HTTP/2 PINGs on the connection, so a server that vanished is noticed while the stream
 /// waits for a response (a resumed stream may wait for hours). Not more often: a gRPC-Go
 /// server (go-control-plane, Envoy Gateway's rate-limit xDS server among them) by default
@@ -87,12 +91,19 @@ pub(super) async fn run<S: Store>(settings: XdsSettings, limiter: Arc<Limiter<S>
     let mut backoff = Backoff::new(settings.backoff, seed);
     let mut stream = Stream {
         node: node(&settings),
-        pacing: Backoff::new(settings.backoff, seed.rotate_left(17)),
+        pacing: Backoff::new(
+            XdsBackoffSettings {
+                max_ms: Millis(settings.backoff.max_ms.0.min(MAX_NACK_PAUSE.as_millis() as u64)),
+                ..settings.backoff
+            },
+            seed.rotate_left(17),
+        ),
         settings,
         limiter,
         state,
         in_force: None,
         refused: None,
+        foreign_seen: std::collections::BTreeSet::new(),
     };
     loop {
         let started = Instant::now();
@@ -202,11 +213,21 @@ struct Ended {
     acked: bool,
 }
 
-/// What to send for a response: now, or (a NACK repeated) after a pause, unless a newer
-/// response comes first.
+/// What to do with a response.
 enum Answer {
+    /// Send this ACK or NACK now.
     Now(DiscoveryRequest),
-    After(Duration, DiscoveryRequest),
+    /// Send this repeated NACK after a pause, unless a newer response of the rules comes first.
+    After(Duration, Repeat),
+    /// Nothing: a response of a type not subscribed to.
+    Ignore,
+}
+
+/// A repeated NACK waiting for its pause: recorded as a NACK only once sent.
+struct Repeat {
+    request: DiscoveryRequest,
+    version: String,
+    problems: Vec<String>,
 }
 
 /// A snapshot refused: its resources, sorted, and why.
@@ -229,8 +250,11 @@ struct Stream<S> {
     /// logged and refused as fast as the network allows: the same one is refused again
     /// without compiling, after `pacing`.
     refused: Option<Refused>,
-    /// The pauses before repeated NACKs: `xds.backoff`, started over by an ACK.
+    /// The pauses before repeated NACKs: `xds.backoff` up to [`MAX_NACK_PAUSE`], started over
+    /// by an ACK.
     pacing: Backoff,
+    /// The types of responses ignored so far (each warned about once).
+    foreign_seen: std::collections::BTreeSet<String>,
 }
 
 impl<S: Store> Stream<S> {
@@ -264,20 +288,24 @@ impl<S: Store> Stream<S> {
             }
         };
         let mut acked = false;
-        // A repeated NACK waits here; a newer response supersedes it (the server only hears
-        // the answer to its latest nonce).
-        let mut pending: Option<(tokio::time::Instant, DiscoveryRequest)> = None;
+        // A repeated NACK waits here; a newer response of the rules supersedes it (the server
+        // only hears the answer to its latest nonce).
+        let mut pending: Option<(tokio::time::Instant, Repeat)> = None;
         loop {
-            let next = match pending.take() {
-                Some((at, nack)) => tokio::select! {
-                    () = tokio::time::sleep_until(at) => {
-                        if tx.send(nack).is_ok() {
+            let next = match &pending {
+                Some((at, _)) => tokio::select! {
+                    // A response ready with the timer wins: it may supersede the NACK.
+                    biased;
+                    // Cancel-safe: a message half read stays buffered in the stream.
+                    next = responses.message() => next,
+                    () = tokio::time::sleep_until(*at) => {
+                        let Some((_, repeat)) = pending.take() else { continue };
+                        self.state.nacked(&repeat.version, repeat.problems);
+                        if tx.send(repeat.request).is_ok() {
                             continue;
                         }
                         return Ended { error: "the stream's requests ended".to_owned(), acked };
                     }
-                    // Cancel-safe: a message half read stays in the stream.
-                    next = responses.message() => next,
                 },
                 None => responses.message().await,
             };
@@ -285,12 +313,14 @@ impl<S: Store> Stream<S> {
                 Ok(Some(response)) => {
                     let request = match self.answer(response).await {
                         Answer::Now(request) => request,
-                        Answer::After(wait, request) => {
-                            pending = Some((tokio::time::Instant::now() + wait, request));
+                        Answer::After(wait, repeat) => {
+                            pending = Some((tokio::time::Instant::now() + wait, repeat));
                             continue;
                         }
+                        Answer::Ignore => continue,
                     };
-                    acked |= request.error_detail.is_none() && request.type_url == TYPE_URL;
+                    pending = None;
+                    acked |= request.error_detail.is_none();
                     if tx.send(request).is_ok() {
                         continue;
                     }
@@ -322,7 +352,8 @@ impl<S: Store> Stream<S> {
             ..
         } = response;
         if type_url != TYPE_URL {
-            return Answer::Now(self.foreign(type_url, version, nonce));
+            self.foreign(&type_url, &version);
+            return Answer::Ignore;
         }
         let mut print = resources.clone();
         print.sort_by(|a, b| (&a.type_url, &a.value).cmp(&(&b.type_url, &b.value)));
@@ -335,7 +366,15 @@ impl<S: Store> Stream<S> {
             let problems = refused.problems.clone();
             let wait = self.pacing.next_wait();
             tracing::debug!(version = %version, wait = ?wait, "xDS update: the snapshot refused before, sent again; refused again");
-            return Answer::After(wait, self.nack(version, nonce, problems, false));
+            let request = self.nack_request(nonce, &problems);
+            return Answer::After(
+                wait,
+                Repeat {
+                    request,
+                    version,
+                    problems,
+                },
+            );
         }
         let limiter = self.limiter.clone();
         // Compiling and swapping run on the blocking pool, as a file reload does.
@@ -371,7 +410,16 @@ impl<S: Store> Stream<S> {
             problems: problems.clone(),
         });
         self.pacing.reset();
-        Answer::Now(self.nack(version, nonce, problems, true))
+        tracing::error!(
+            server = %self.settings.server_url,
+            version = %version,
+            problems = problems.len(),
+            in_force = %self.state.version(),
+            "rules from the xDS server rejected; the previous rules stay in force"
+        );
+        let request = self.nack_request(nonce, &problems);
+        self.state.nacked(&version, problems);
+        Answer::Now(request)
     }
 
     /// Records an ACK: the rules of `version` are in force (new, or the same as before), so a
@@ -383,35 +431,25 @@ impl<S: Store> Stream<S> {
         crate::telemetry::reload_failure_cleared();
     }
 
-    /// The NACK of a response of a type tollgate did not subscribe to: answered in that type's
-    /// terms (its `type_url`, no version accepted), so the server does not take it for a NACK
-    /// of the rules; the rules and their state are untouched.
-    fn foreign(&self, type_url: String, version: String, nonce: String) -> DiscoveryRequest {
-        tracing::warn!(
-            server = %self.settings.server_url,
-            type_url = %type_url,
-            version = %version,
-            "xDS response of a type not subscribed to; refused, the rules in force stay"
-        );
-        let why = format!("tollgate subscribed to {TYPE_URL} only");
-        DiscoveryRequest {
-            type_url,
-            ..request(&self.node, String::new(), nonce, Some(why))
+    /// Logs a response of a type tollgate did not subscribe to, which is not answered, as
+    /// Envoy does not answer one: a request of that type would subscribe to it (no resource
+    /// names means all of them), and a NACK's empty version would have a server send it again
+    /// at once. The rules and their state are untouched.
+    fn foreign(&mut self, type_url: &str, version: &str) {
+        if self.foreign_seen.insert(type_url.to_owned()) {
+            tracing::warn!(
+                server = %self.settings.server_url,
+                type_url,
+                version,
+                "xDS response of a type not subscribed to; ignored (the rules in force stay)"
+            );
+        } else {
+            tracing::debug!(type_url, version, "xDS response of a type not subscribed to; ignored");
         }
     }
 
-    /// The NACK of version `version` (nonce `nonce`) for `problems`; the rules in force stay.
-    /// `first`: the snapshot was compiled and refused now (logged at error), not sent again.
-    fn nack(&self, version: String, nonce: String, problems: Vec<String>, first: bool) -> DiscoveryRequest {
-        if first {
-            tracing::error!(
-                server = %self.settings.server_url,
-                version = %version,
-                problems = problems.len(),
-                in_force = %self.state.version(),
-                "rules from the xDS server rejected; the previous rules stay in force"
-            );
-        }
+    /// The NACK (nonce `nonce`) of `problems`: the version in force, and `error_detail`.
+    fn nack_request(&self, nonce: String, problems: &[String]) -> DiscoveryRequest {
         let mut detail = problems.join("\n");
         if detail.len() > MAX_DETAIL_BYTES {
             let mut cut = MAX_DETAIL_BYTES;
@@ -421,7 +459,6 @@ impl<S: Store> Stream<S> {
             detail.truncate(cut);
             detail.push_str("\n... (more in tollgate's log)");
         }
-        self.state.nacked(&version, problems);
         request(&self.node, self.state.version(), nonce, Some(detail))
     }
 }
