@@ -113,7 +113,7 @@ fn repo_path(relative: &str) -> PathBuf {
 
 /// An upstream on a free loopback port that answers every request 200 with `x-upstream: yes`,
 /// so a response that carries it went through Envoy to the upstream.
-async fn start_upstream() -> SocketAddr {
+pub(crate) async fn start_upstream() -> SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind the upstream");
@@ -123,7 +123,8 @@ async fn start_upstream() -> SocketAddr {
     addr
 }
 
-fn client() -> reqwest::Client {
+/// An HTTP client for Envoy's listeners: no proxy, 10 s per request.
+pub(crate) fn client() -> reqwest::Client {
     reqwest::Client::builder()
         .no_proxy() // straight to 127.0.0.1, whatever the environment says
         .timeout(Duration::from_secs(10))
@@ -132,31 +133,35 @@ fn client() -> reqwest::Client {
 }
 
 /// One response: status, headers, and when it arrived (since the test's reference instant).
-struct Reply {
-    status: u16,
-    headers: HeaderMap,
-    at: Duration,
+pub(crate) struct Reply {
+    pub(crate) status: u16,
+    pub(crate) headers: HeaderMap,
+    pub(crate) at: Duration,
 }
 
 impl Reply {
-    fn header(&self, name: &str) -> Option<&str> {
+    /// The header `name`, if the response has it.
+    pub(crate) fn header(&self, name: &str) -> Option<&str> {
         self.headers
             .get(name)
             .map(|v| v.to_str().expect("an ASCII header value"))
     }
 
-    fn required(&self, name: &str) -> &str {
+    /// The header `name`; panics without it.
+    pub(crate) fn required(&self, name: &str) -> &str {
         self.header(name)
             .unwrap_or_else(|| panic!("no `{name}` header in a {} response: {:?}", self.status, self.headers))
     }
 
-    fn number(&self, name: &str) -> u64 {
+    /// The header `name` as a whole number; panics without one.
+    pub(crate) fn number(&self, name: &str) -> u64 {
         let text = self.required(name);
         text.parse()
             .unwrap_or_else(|_| panic!("`{name}: {text}` is not a whole number"))
     }
 
-    fn dump(&self) -> String {
+    /// The status line and headers, for assertion messages.
+    pub(crate) fn dump(&self) -> String {
         let mut out = format!("HTTP {}\n", self.status);
         for (name, value) in &self.headers {
             out.push_str(&format!("{name}: {}\n", value.to_str().unwrap_or("<binary>")));
@@ -166,9 +171,15 @@ impl Reply {
 }
 
 async fn get(client: &reqwest::Client, url: &str, api_key: Option<&str>, since: Instant) -> Reply {
+    let headers: Vec<_> = api_key.map(|key| ("x-api-key", key)).into_iter().collect();
+    get_with(client, url, &headers, since).await
+}
+
+/// A GET of `url` with `headers`; its reply, timed from `since`.
+pub(crate) async fn get_with(client: &reqwest::Client, url: &str, headers: &[(&str, &str)], since: Instant) -> Reply {
     let mut request = client.get(url);
-    if let Some(key) = api_key {
-        request = request.header("x-api-key", key);
+    for (name, value) in headers {
+        request = request.header(*name, *value);
     }
     let response = request.send().await.unwrap_or_else(|e| panic!("GET {url}: {e}"));
     Reply {

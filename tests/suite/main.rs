@@ -45,4 +45,5 @@ mod tls_listeners;
 mod usage_budgets;
 mod usage_budgets_envoy;
 mod vectors;
+mod xds_envoy;
 mod xds_rules;

@@ -41,18 +41,19 @@ use crate::support::{self, free_port, http_get, Scrape, Tollgate};
 
 const TYPE_URL: &str = "type.googleapis.com/ratelimit.config.ratelimit.v3.RateLimitConfig";
 /// Envoy Gateway's names: a listener's domain, a route (its host name `*`), a shared policy.
-const DOMAIN: &str = "envoy-gateway/gateway-1/http";
-const ROUTE: &str = "httproute/default/backend/rule/0/match/0/*";
+pub(crate) const DOMAIN: &str = "envoy-gateway/gateway-1/http";
+/// The route's descriptor, first in each of its rules (key and value alike).
+pub(crate) const ROUTE: &str = "httproute/default/backend/rule/0/match/0/*";
 const SHARED: &str = "default/shared-policy";
 /// How long anything may take to happen.
-const PATIENCE: Duration = Duration::from_secs(15);
+pub(crate) const PATIENCE: Duration = Duration::from_secs(15);
 
 /// One request tollgate sent, with the stream it came on (1, 2, ...) and that stream's
 /// metadata.
 #[derive(Clone, Debug)]
-struct Seen {
+pub(crate) struct Seen {
     stream: usize,
-    request: DiscoveryRequest,
+    pub(crate) request: DiscoveryRequest,
     headers: Vec<(String, String)>,
 }
 
@@ -103,7 +104,7 @@ impl Record {
 
 /// The ADS server: a state-of-the-world stream per connection, fed by the test.
 #[derive(Clone, Default)]
-struct Ads(Arc<Mutex<Record>>);
+pub(crate) struct Ads(Arc<Mutex<Record>>);
 
 type ResponseStream = Pin<Box<dyn Stream<Item = Result<DiscoveryResponse, Status>> + Send>>;
 type DeltaStream = Pin<Box<dyn Stream<Item = Result<DeltaDiscoveryResponse, Status>> + Send>>;
@@ -177,7 +178,7 @@ impl AggregatedDiscoveryService for Ads {
 impl Ads {
     /// Serves on a free loopback port (with `tls`, requiring a client certificate); returns the
     /// address.
-    async fn serve(&self, tls: Option<ServerTlsConfig>) -> SocketAddr {
+    pub(crate) async fn serve(&self, tls: Option<ServerTlsConfig>) -> SocketAddr {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let incoming = tonic::transport::server::TcpIncoming::from(listener);
@@ -191,7 +192,7 @@ impl Ads {
     }
 
     /// Pushes a snapshot of `configs` as `version` on the stream open now; returns its nonce.
-    fn push(&self, version: &str, configs: &[RateLimitConfig]) -> String {
+    pub(crate) fn push(&self, version: &str, configs: &[RateLimitConfig]) -> String {
         let response = DiscoveryResponse {
             version_info: version.into(),
             resources: configs
@@ -232,7 +233,7 @@ impl Ads {
     }
 
     /// Waits until tollgate has sent `n` requests in all; returns the `n`-th.
-    async fn request(&self, n: usize) -> Seen {
+    pub(crate) async fn request(&self, n: usize) -> Seen {
         let deadline = Instant::now() + PATIENCE;
         loop {
             if let Some(seen) = self.0.lock().unwrap().requests.get(n - 1) {
@@ -273,7 +274,7 @@ fn under(mut d: RateLimitDescriptor, children: Vec<RateLimitDescriptor>) -> Rate
 /// What Envoy Gateway pushes for a route with two global rules: per value of a header
 /// (`rule-0-match-0`, key only), and per client address within 192.168.0.0/16 behind a
 /// header match; `per_header` requests a minute for the first.
-fn listener(per_header: u32) -> RateLimitConfig {
+pub(crate) fn listener(per_header: u32) -> RateLimitConfig {
     RateLimitConfig {
         name: DOMAIN.into(),
         domain: DOMAIN.into(),
@@ -350,14 +351,15 @@ fn readyz(tollgate: &Tollgate) -> (u16, String) {
     http_get(tollgate.http_addr, "/readyz").expect("/readyz answers")
 }
 
-fn config(tollgate: &Tollgate) -> serde_json::Value {
+/// `/config`, parsed; panics unless it answers 200.
+pub(crate) fn config(tollgate: &Tollgate) -> serde_json::Value {
     let (status, body) = tollgate.config().expect("/config answers");
     assert_eq!(status, 200, "{body}");
     serde_json::from_str(&body).unwrap()
 }
 
 /// Waits until `check` holds, or panics with `what`.
-async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
+pub(crate) async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
     let deadline = Instant::now() + PATIENCE;
     while !check() {
         assert!(Instant::now() < deadline, "never: {what}");
@@ -566,106 +568,141 @@ async fn snapshots_apply_an_invalid_one_is_nacked_and_a_dropped_stream_resumes()
     assert_eq!(ads.requests(), 7, "one request per response, none more");
 }
 
+/// `openssl req` arguments for a new P-256 key, unencrypted.
+const EC_KEY: [&str; 5] = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
+
+/// The key of a certificate [`Certs::issue`] makes.
+#[derive(Clone, Copy)]
+pub(crate) enum Key {
+    /// P-256, written as PKCS#8.
+    Ec,
+    /// RSA 2048, written as PKCS#1 (`BEGIN RSA PRIVATE KEY`), as Envoy Gateway writes its
+    /// certificates' keys.
+    RsaPkcs1,
+}
+
 /// A self-made CA, a server certificate for `xds.test` and a client certificate, by `openssl`
 /// (as the Postgres TLS test makes its own): the mutual TLS Envoy Gateway sets up.
-struct Certs {
+pub(crate) struct Certs {
     dir: tempfile::TempDir,
 }
 
 impl Certs {
-    fn make() -> Certs {
-        let dir = tempfile::tempdir().unwrap();
-        let run = |args: &[&str]| {
-            let out = Command::new("openssl")
-                .args(args)
-                .current_dir(dir.path())
-                .stdin(Stdio::null())
-                .output()
-                .expect("run openssl");
-            assert!(
-                out.status.success(),
-                "openssl {args:?}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
+    /// The CA, `server` and `client` (each `.crt` and `.key`) in a new temporary directory.
+    pub(crate) fn make() -> Certs {
+        let certs = Certs {
+            dir: tempfile::tempdir().unwrap(),
         };
-        let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
-        run(&[
+        certs.openssl(
             &[
-                "req",
-                "-x509",
-                "-days",
-                "2",
-                "-subj",
-                "/CN=test-ca",
-                "-keyout",
-                "ca.key",
-                "-out",
-                "ca.crt",
-            ][..],
-            &ec[..],
-            &[
-                "-addext",
-                "basicConstraints=critical,CA:TRUE",
-                "-addext",
-                "keyUsage=critical,keyCertSign,cRLSign",
-            ],
-        ]
-        .concat());
-        for (name, cn, ext) in [
-            (
-                "server",
-                "xds.test",
-                "subjectAltName=DNS:xds.test\nextendedKeyUsage=serverAuth\n",
-            ),
-            (
-                "client",
-                "envoy-ratelimit",
-                "subjectAltName=DNS:envoy-ratelimit\nextendedKeyUsage=clientAuth\n",
-            ),
-        ] {
-            std::fs::write(dir.path().join(format!("{name}.ext")), ext).unwrap();
-            let (key, csr, crt, extfile) = (
-                format!("{name}.key"),
-                format!("{name}.csr"),
-                format!("{name}.crt"),
-                format!("{name}.ext"),
-            );
-            run(&[
-                &["req", "-subj", &format!("/CN={cn}"), "-keyout", &key, "-out", &csr][..],
-                &ec[..],
+                &[
+                    "req",
+                    "-x509",
+                    "-days",
+                    "2",
+                    "-subj",
+                    "/CN=test-ca",
+                    "-keyout",
+                    "ca.key",
+                    "-out",
+                    "ca.crt",
+                ][..],
+                &EC_KEY[..],
+                &[
+                    "-addext",
+                    "basicConstraints=critical,CA:TRUE",
+                    "-addext",
+                    "keyUsage=critical,keyCertSign,cRLSign",
+                ],
             ]
-            .concat());
-            run(&[
-                "x509",
-                "-req",
-                "-days",
-                "2",
-                "-in",
-                &csr,
-                "-CA",
-                "ca.crt",
-                "-CAkey",
-                "ca.key",
-                "-CAcreateserial",
-                "-out",
-                &crt,
-                "-extfile",
-                &extfile,
-            ]);
-        }
-        Certs { dir }
+            .concat(),
+        );
+        certs.issue(
+            "server",
+            "xds.test",
+            "subjectAltName=DNS:xds.test\nextendedKeyUsage=serverAuth\n",
+            Key::Ec,
+        );
+        certs.issue(
+            "client",
+            "envoy-ratelimit",
+            "subjectAltName=DNS:envoy-ratelimit\nextendedKeyUsage=clientAuth\n",
+            Key::Ec,
+        );
+        certs
     }
 
-    fn path(&self, name: &str) -> PathBuf {
+    /// Runs `openssl` with `args` in the certificates' directory; panics with its stderr if it
+    /// fails.
+    fn openssl(&self, args: &[&str]) {
+        let out = Command::new("openssl")
+            .args(args)
+            .current_dir(self.dir.path())
+            .stdin(Stdio::null())
+            .output()
+            .expect("run openssl");
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// Issues `<name>.crt` and `<name>.key` from the CA, for the subject `/CN=<cn>` with the
+    /// X.509 extensions `ext` (an `openssl -extfile`, one `name=value` a line).
+    pub(crate) fn issue(&self, name: &str, cn: &str, ext: &str, key: Key) {
+        std::fs::write(self.path(&format!("{name}.ext")), ext).unwrap();
+        let (key_file, csr, crt, extfile) = (
+            format!("{name}.key"),
+            format!("{name}.csr"),
+            format!("{name}.crt"),
+            format!("{name}.ext"),
+        );
+        let subject = format!("/CN={cn}");
+        match key {
+            Key::Ec => self.openssl(
+                &[
+                    &["req", "-subj", &subject, "-keyout", &key_file, "-out", &csr][..],
+                    &EC_KEY[..],
+                ]
+                .concat(),
+            ),
+            Key::RsaPkcs1 => {
+                self.openssl(&["genrsa", "-traditional", "-out", &key_file, "2048"]);
+                self.openssl(&["req", "-new", "-subj", &subject, "-key", &key_file, "-out", &csr]);
+            }
+        }
+        self.openssl(&[
+            "x509",
+            "-req",
+            "-days",
+            "2",
+            "-in",
+            &csr,
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            &crt,
+            "-extfile",
+            &extfile,
+        ]);
+    }
+
+    /// Where the file `name` (`ca.crt`, `client.key`, ...) is.
+    pub(crate) fn path(&self, name: &str) -> PathBuf {
         self.dir.path().join(name)
     }
 
-    fn read(&self, name: &str) -> Vec<u8> {
+    /// The contents of the file `name`.
+    pub(crate) fn read(&self, name: &str) -> Vec<u8> {
         std::fs::read(self.path(name)).unwrap()
     }
 
     /// The server's TLS: its certificate, and client certificates required, from the CA.
-    fn server(&self) -> ServerTlsConfig {
+    pub(crate) fn server(&self) -> ServerTlsConfig {
         ServerTlsConfig::new()
             .identity(Identity::from_pem(self.read("server.crt"), self.read("server.key")))
             .client_ca_root(Certificate::from_pem(self.read("ca.crt")))
@@ -675,7 +712,7 @@ impl Certs {
 /// Envoy Gateway's xDS variables, pointed at `server` with the certificates of `certs`, as
 /// `tollgate serve` reads them. (It also sets `GRPC_SERVER_USE_TLS` for tollgate's own gRPC
 /// port, which is not part of the xDS client.)
-fn envoy_gateway_env(server: &str, certs: &Certs, force_start: bool) -> Vec<(String, String)> {
+pub(crate) fn envoy_gateway_env(server: &str, certs: &Certs, force_start: bool) -> Vec<(String, String)> {
     let file = |name: &str| certs.path(name).to_string_lossy().into_owned();
     let mut env: Vec<(String, String)> = [
         ("RUNTIME_ROOT", "/data".to_owned()),
@@ -703,7 +740,8 @@ fn envoy_gateway_env(server: &str, certs: &Certs, force_start: bool) -> Vec<(Str
     env
 }
 
-fn start_with(env: &[(String, String)]) -> Tollgate {
+/// Starts tollgate with `env` and a short xDS backoff.
+pub(crate) fn start_with(env: &[(String, String)]) -> Tollgate {
     env.iter()
         .fold(Tollgate::builder(), |b, (k, v)| b.env(k, v))
         .settings("xds: {backoff: {initial_ms: 50, max_ms: 500}}")
