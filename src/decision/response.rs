@@ -150,7 +150,11 @@ fn statuses(targets: &[Option<Target<'_>>], verdicts: &[Verdict<'_>]) -> Vec<Des
                 Some(v) => DescriptorStatus {
                     code,
                     current_limit: Some(RateLimit {
-                        name: v.policy.name.clone(),
+                        name: if v.policy.unnamed {
+                            String::new()
+                        } else {
+                            v.policy.name.clone()
+                        },
                         requests_per_unit: v.reported.requests_per_unit,
                         unit: v.reported.unit as i32,
                     }),

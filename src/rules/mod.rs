@@ -162,8 +162,14 @@ impl Domain {
 /// A named bucket policy: a token bucket (constant or scheduled) or a calendar quota.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BucketPolicy {
-    /// What operators see: `current_limit.name`, the `RateLimit-Policy` item, metrics labels.
+    /// What operators see: `current_limit.name` (unless [`BucketPolicy::unnamed`]), the
+    /// `RateLimit-Policy` item, metrics labels.
     pub name: String,
+    /// The rule gave no name: `name` was made from the rule's descriptor path, which may spell
+    /// out internal names (Envoy Gateway's routes), so `current_limit.name` is left empty, as
+    /// envoyproxy/ratelimit leaves it for a `rate_limit` without `name`, and Envoy's
+    /// `x-ratelimit-limit` carries no `name=`.
+    pub unnamed: bool,
     /// Capacity and refill, and how they change over time.
     pub plan: Plan,
     /// `current_limit` as sent to Envoy for the base limit (docs/rules.md); a policy whose limit
@@ -201,6 +207,7 @@ impl BucketPolicy {
             name,
             plan,
             reported,
+            unnamed: false,
             hidden: false,
             debt: false,
             debt_depth_ut: 0,

