@@ -48,13 +48,14 @@ const SHARED: &str = "default/shared-policy";
 /// How long anything may take to happen.
 pub(crate) const PATIENCE: Duration = Duration::from_secs(15);
 
-/// One request tollgate sent, with the stream it came on (1, 2, ...) and that stream's
-/// metadata.
+/// One request tollgate sent, with the stream it came on (1, 2, ...), that stream's metadata,
+/// and the client certificate (DER) its connection presented, over TLS.
 #[derive(Clone, Debug)]
 pub(crate) struct Seen {
-    stream: usize,
+    pub(crate) stream: usize,
     pub(crate) request: DiscoveryRequest,
     headers: Vec<(String, String)>,
+    pub(crate) client_cert: Option<Vec<u8>>,
 }
 
 /// The ADS server's record, and the way to the stream open now.
@@ -128,6 +129,7 @@ impl AggregatedDiscoveryService for Ads {
                 tonic::metadata::KeyAndValueRef::Binary(..) => None,
             })
             .collect::<Vec<_>>();
+        let client_cert = request.peer_certs().and_then(|certs| certs.first().map(|c| c.to_vec()));
         let (tx, rx) = mpsc::unbounded_channel();
         let stream = {
             let mut record = self.0.lock().unwrap();
@@ -148,6 +150,7 @@ impl AggregatedDiscoveryService for Ads {
                     stream,
                     request,
                     headers: headers.clone(),
+                    client_cert: client_cert.clone(),
                 });
                 match record.on_nack {
                     OnNack::Resend if nack => {
@@ -222,12 +225,12 @@ impl Ads {
     }
 
     /// The streams opened so far.
-    fn streams(&self) -> usize {
+    pub(crate) fn streams(&self) -> usize {
         self.0.lock().unwrap().streams
     }
 
     /// Ends the stream open now with an error, as a control plane that restarts does.
-    fn drop_stream(&self) {
+    pub(crate) fn drop_stream(&self) {
         let tx = self.0.lock().unwrap().current.take().expect("a stream is open");
         let _ = tx.send(Err(Status::unavailable("control plane restarting")));
     }
@@ -1077,4 +1080,103 @@ async fn streams_that_only_bring_refusals_back_off() {
         "{streams} streams in {:?}",
         started.elapsed()
     );
+}
+
+/// The DER of the first certificate in the PEM file `path`.
+fn der_of(path: &std::path::Path) -> Vec<u8> {
+    use rustls::pki_types::pem::PemObject;
+    rustls::pki_types::CertificateDer::from_pem_file(path)
+        .expect("a PEM certificate")
+        .to_vec()
+}
+
+/// Mutual TLS on the xDS client, both ways: a client certificate from another CA is refused by
+/// the server, and a server whose certificate is from another CA is refused by tollgate; a
+/// client certificate renewed on disk is presented from the next connection on, while the
+/// stream open on the old one keeps taking updates.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn xds_mutual_tls_refuses_other_cas_and_a_renewed_certificate_serves_the_next_connection() {
+    let (certs, other) = block_in_place(|| (Certs::make(), Certs::make()));
+    let ads = Ads::default();
+    let addr = ads.serve(Some(certs.server())).await;
+
+    // Tollgate's certificate from another CA: the server refuses the handshake, no stream.
+    let mut env = envoy_gateway_env(&addr.to_string(), &certs, true);
+    for (k, v) in env.iter_mut() {
+        match k.as_str() {
+            "CONFIG_GRPC_XDS_CLIENT_TLS_CERT" => *v = other.path("client.crt").to_string_lossy().into(),
+            "CONFIG_GRPC_XDS_CLIENT_TLS_KEY" => *v = other.path("client.key").to_string_lossy().into(),
+            _ => {}
+        }
+    }
+    let stranger = block_in_place(|| start_with(&env));
+    eventually("the stranger's connection fails", || {
+        block_in_place(|| config(&stranger))["rules_source"]["last_error"]["error"].is_string()
+    })
+    .await;
+    // The server's certificate from another CA: tollgate refuses it.
+    let impostor = Ads::default();
+    let impostor_addr = impostor.serve(Some(other.server())).await;
+    let fooled = block_in_place(|| start_with(&envoy_gateway_env(&impostor_addr.to_string(), &certs, true)));
+    eventually("the impostor is refused", || {
+        let shown = block_in_place(|| config(&fooled));
+        shown["rules_source"]["last_error"]["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("certificate"))
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        (ads.streams(), impostor.streams()),
+        (0, 0),
+        "no stream on a refused handshake"
+    );
+    drop((stranger, fooled));
+
+    // The certificate tollgate reads, in a folder of its own so it can be renewed.
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, key) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
+    std::fs::copy(certs.path("client.crt"), &cert).unwrap();
+    std::fs::copy(certs.path("client.key"), &key).unwrap();
+    let mut env = envoy_gateway_env(&addr.to_string(), &certs, true);
+    for (k, v) in env.iter_mut() {
+        match k.as_str() {
+            "CONFIG_GRPC_XDS_CLIENT_TLS_CERT" => *v = cert.to_string_lossy().into(),
+            "CONFIG_GRPC_XDS_CLIENT_TLS_KEY" => *v = key.to_string_lossy().into(),
+            _ => {}
+        }
+    }
+    let tollgate = block_in_place(|| start_with(&env));
+    let first = ads.request(1).await;
+    assert_eq!(first.client_cert, Some(der_of(&cert)), "the certificate of the file");
+    ads.push("1", &[listener(1)]);
+    assert!(ads.request(2).await.request.error_detail.is_none());
+
+    // Renewed as cert-manager does: new files moved into place.
+    block_in_place(|| {
+        certs.issue(
+            "renewed",
+            "envoy-ratelimit",
+            "subjectAltName=DNS:envoy-ratelimit\nextendedKeyUsage=clientAuth\n",
+            Key::Ec,
+        )
+    });
+    for (from, to) in [("renewed.crt", &cert), ("renewed.key", &key)] {
+        let staged = dir.path().join(format!("{from}.new"));
+        std::fs::copy(certs.path(from), &staged).unwrap();
+        std::fs::rename(&staged, to).unwrap();
+    }
+    // The open stream goes on: an update on it is applied and ACKed.
+    let nonce = ads.push("2", &[listener(2)]);
+    let ack = ads.request(3).await;
+    assert_eq!((ack.stream, ack.request.response_nonce.as_str()), (1, nonce.as_str()));
+    assert!(ack.request.error_detail.is_none());
+    let mut c = client(&tollgate).await;
+    assert_eq!(hits(&mut c, "alice", 3).await, [OK, OK, OVER], "update 2 in force");
+    // The next connection presents the renewed certificate.
+    ads.drop_stream();
+    let resumed = ads.request(4).await;
+    assert_eq!(resumed.stream, 2);
+    assert_eq!(resumed.client_cert, Some(der_of(&cert)), "the renewed certificate");
+    assert_ne!(first.client_cert, resumed.client_cert);
 }
