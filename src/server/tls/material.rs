@@ -136,6 +136,14 @@ impl Material {
         // Never the parser's own error: some quote what they read (a key on one line, its
         // newlines lost, is reported as a missing end marker holding the whole key).
         let key = PrivateKeyDer::from_pem_slice(&files.key).map_err(|_| {
+            if is_encrypted(&files.key) {
+                return format!(
+                    "tls.{listener}.key_file {}: the key is encrypted with a passphrase, which tollgate cannot \
+                     read; give it the key unencrypted (`openssl pkey -in <file> -out <new file>`), as a \
+                     Kubernetes TLS Secret holds it",
+                    tls.key_file.display()
+                );
+            }
             format!(
                 "tls.{listener}.key_file {}: no usable private key in it (a PEM `PRIVATE KEY`, `RSA PRIVATE KEY` \
                  or `EC PRIVATE KEY` block, each marker on a line of its own)",
@@ -293,6 +301,13 @@ fn ip_of(bytes: &[u8]) -> Option<IpAddr> {
     }
 }
 
+/// Whether `pem` holds a passphrase-protected key: PKCS#8's `ENCRYPTED PRIVATE KEY`, or the
+/// legacy `Proc-Type: 4,ENCRYPTED` header of an `RSA`/`EC PRIVATE KEY`.
+fn is_encrypted(pem: &[u8]) -> bool {
+    let has = |needle: &[u8]| pem.windows(needle.len()).any(|w| w == needle);
+    has(b"-----BEGIN ENCRYPTED PRIVATE KEY-----") || has(b"Proc-Type: 4,ENCRYPTED")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -355,6 +370,40 @@ mod tests {
             "tls.grpc.key_file /certs/tls.key: no usable private key in it (a PEM `PRIVATE KEY`, `RSA PRIVATE KEY` \
              or `EC PRIVATE KEY` block, each marker on a line of its own)"
         );
+    }
+
+    /// A passphrase-protected key is named as such (PKCS#8, and the legacy PEM header).
+    #[test]
+    fn an_encrypted_key_is_refused_saying_so() {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec!["tollgate".to_owned()])
+            .unwrap()
+            .self_signed(&key)
+            .unwrap();
+        let tls = ListenerTls {
+            cert_file: "/certs/tls.crt".into(),
+            key_file: "/certs/tls.key".into(),
+            client_ca_file: None,
+            client_sans: Vec::new(),
+        };
+        for encrypted in [
+            "-----BEGIN ENCRYPTED PRIVATE KEY-----\nMIIFHDBOBgkqhkiG9w0BBQ0wQTAp\n-----END ENCRYPTED PRIVATE KEY-----\n",
+            "-----BEGIN RSA PRIVATE KEY-----\nProc-Type: 4,ENCRYPTED\nDEK-Info: AES-256-CBC,00\n\nAAAA\n-----END RSA PRIVATE KEY-----\n",
+        ] {
+            let files = Files {
+                cert: cert.pem().into_bytes(),
+                key: encrypted.as_bytes().to_vec(),
+                ca: None,
+            };
+            let err = Material::build("grpc", &tls, &files, &provider())
+                .err()
+                .expect("refused");
+            assert!(
+                err.starts_with("tls.grpc.key_file /certs/tls.key: the key is encrypted with a passphrase"),
+                "{err}"
+            );
+            assert!(!err.contains("MIIFHDBO") && !err.contains("AAAA"), "{err}");
+        }
     }
 
     #[test]
