@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use serde_json::Value;
+use support::openssl::{Certs, Key};
 use support::tls::{ask, channel, client_config, connect_and_ask, h2_get, https_get, unix_now, Ca, Files};
 use support::{Scrape, Tollgate};
 
@@ -512,26 +513,12 @@ fn unusable_files_stop_the_start_naming_the_setting() {
     assert!(!text.contains("BEGIN PRIVATE KEY"), "{text}");
 }
 
-/// Runs `openssl` with `args` in `dir`; panics with its output when it fails.
-fn openssl(dir: &std::path::Path, args: &[&str]) {
-    let output = std::process::Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "openssl {args:?}: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-}
-
 /// Certificates shaped as Envoy Gateway's certgen makes them: RSA 2048 keys in PKCS#1 PEM
 /// (`RSA PRIVATE KEY`), leaf certificates without extended key usages whose only name is a
 /// namespace wildcard (`*.envoy-gateway-system`; `localhost` added for this test's client, which
 /// checks the server's name where Envoy does not), one CA for Envoy's and the rate-limit
-/// service's. Made with the `openssl` command (rcgen cannot make RSA keys with ring); skipped
-/// without it, except under `CI=true`. Tollgate serves with them, and takes Envoy's
+/// service's. Made with the `openssl` command (`support::openssl`; rcgen cannot make RSA keys
+/// with ring); skipped without it, except under `CI=true`. Tollgate serves with them, and takes Envoy's
 /// certificate, under their `GRPC_CLIENT_TLS_SAN` too (a name the wildcard covers).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn envoy_gateway_shaped_rsa_certificates() {
@@ -543,76 +530,18 @@ async fn envoy_gateway_shaped_rsa_certificates() {
         eprintln!("envoy_gateway_shaped_rsa_certificates: skipped, no openssl command");
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path();
-    openssl(
-        d,
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.crt",
-            "-days",
-            "30",
-            "-subj",
-            "/CN=envoy-gateway",
-        ],
-    );
-    std::fs::write(
-        d.join("leaf.ext"),
-        "subjectAltName=DNS:*.envoy-gateway-system,DNS:localhost\n\
-         keyUsage=digitalSignature,keyEncipherment,dataEncipherment,nonRepudiation\n",
-    )
-    .unwrap();
-    for (name, serial) in [("rate-limit", "1001"), ("envoy", "1002")] {
-        let (key, csr, crt) = (format!("{name}.p8"), format!("{name}.csr"), format!("{name}.crt"));
-        openssl(
-            d,
-            &[
-                "req",
-                "-new",
-                "-newkey",
-                "rsa:2048",
-                "-nodes",
-                "-keyout",
-                &key,
-                "-out",
-                &csr,
-                "-subj",
-                "/CN=envoy",
-            ],
-        );
-        openssl(
-            d,
-            &[
-                "x509",
-                "-req",
-                "-in",
-                &csr,
-                "-CA",
-                "ca.crt",
-                "-CAkey",
-                "ca.key",
-                "-set_serial",
-                serial,
-                "-days",
-                "30",
-                "-extfile",
-                "leaf.ext",
-                "-out",
-                &crt,
-            ],
-        );
-        openssl(d, &["rsa", "-in", &key, "-traditional", "-out", &format!("{name}.key")]);
-    }
-    let read = |file: &str| std::fs::read_to_string(d.join(file)).unwrap();
+    let certs = tokio::task::block_in_place(|| {
+        let certs = Certs::with_ca("envoy-gateway", Key::RsaPkcs1);
+        let ext = "subjectAltName=DNS:*.envoy-gateway-system,DNS:localhost\n\
+                   keyUsage=digitalSignature,keyEncipherment,dataEncipherment,nonRepudiation\n";
+        for (name, serial) in [("rate-limit", 1001), ("envoy", 1002)] {
+            certs.issue(name, "envoy", ext, Key::RsaPkcs1, Some(serial));
+        }
+        certs
+    });
+    let read = |file: &str| String::from_utf8(certs.read(file)).unwrap();
     assert!(read("rate-limit.key").starts_with("-----BEGIN RSA PRIVATE KEY-----"));
-    let path = |file: &str| d.join(file).to_string_lossy().into_owned();
+    let path = |file: &str| certs.path(file).to_string_lossy().into_owned();
     let tg = tokio::task::block_in_place(|| {
         Tollgate::builder()
             .rules_file("tls.yaml", RULES)

@@ -41,9 +41,10 @@ use rustls::{CertificateError, ClientConfig, DigitallySignedStruct, RootCertStor
 use tokio::task::block_in_place;
 
 use crate::envoy_e2e::{client, get_with, start_upstream, Reply};
+use crate::support::openssl::{Certs, Key};
 use crate::support::redis::RedisServer;
 use crate::support::{self, envoy_or_skip, http_get, tls, Envoy};
-use crate::xds_rules::{config, envoy_gateway_env, eventually, listener, start_with, Ads, Certs, Key, DOMAIN, ROUTE};
+use crate::xds_rules::{config, envoy_gateway_env, eventually, listener, start_with, Ads, DOMAIN, ROUTE};
 
 /// The extensions of the certificates Envoy Gateway issues to its rate-limit service and to
 /// its Envoys (certgen.go): a wildcard name in the control plane's namespace, no extended key
@@ -334,8 +335,8 @@ async fn envoy_set_up_as_envoy_gateway_does_enforces_rules_pushed_over_xds() {
     };
     let certs = block_in_place(|| {
         let certs = Certs::make();
-        certs.issue("tls", "envoy", EG_CERT_EXT, Key::RsaPkcs1);
-        certs.issue("envoy", "envoy", EG_CERT_EXT, Key::RsaPkcs1);
+        certs.issue("tls", "envoy", EG_CERT_EXT, Key::RsaPkcs1, None);
+        certs.issue("envoy", "envoy", EG_CERT_EXT, Key::RsaPkcs1, None);
         certs
     });
     let ads = Ads::default();

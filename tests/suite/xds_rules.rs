@@ -8,9 +8,8 @@
 //! why; forced, ready with nothing limited). Loopback only.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::pin::Pin;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -31,12 +30,13 @@ use futures_util::Stream;
 use prost::Message;
 use tokio::sync::mpsc;
 use tokio::task::block_in_place;
-use tonic::transport::{Certificate, Channel, Identity, Server, ServerTlsConfig};
+use tonic::transport::{Channel, Server, ServerTlsConfig};
 use tonic::{Request, Response, Status, Streaming};
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
 
+use crate::support::openssl::Certs;
 use crate::support::{self, free_port, http_get, Scrape, Tollgate};
 
 const TYPE_URL: &str = "type.googleapis.com/ratelimit.config.ratelimit.v3.RateLimitConfig";
@@ -569,147 +569,6 @@ async fn snapshots_apply_an_invalid_one_is_nacked_and_a_dropped_stream_resumes()
     assert!(log.contains("rules from the xDS server rejected"), "{log}");
     assert!(!log.contains("s3cr3t"), "the headers' values are never logged");
     assert_eq!(ads.requests(), 7, "one request per response, none more");
-}
-
-/// `openssl req` arguments for a new P-256 key, unencrypted.
-const EC_KEY: [&str; 5] = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
-
-/// The key of a certificate [`Certs::issue`] makes.
-#[derive(Clone, Copy)]
-pub(crate) enum Key {
-    /// P-256, written as PKCS#8.
-    Ec,
-    /// RSA 2048, written as PKCS#1 (`BEGIN RSA PRIVATE KEY`), as Envoy Gateway writes its
-    /// certificates' keys.
-    RsaPkcs1,
-}
-
-/// A self-made CA, a server certificate for `xds.test` and a client certificate, by `openssl`
-/// (as the Postgres TLS test makes its own): the mutual TLS Envoy Gateway sets up.
-pub(crate) struct Certs {
-    dir: tempfile::TempDir,
-}
-
-impl Certs {
-    /// The CA, `server` and `client` (each `.crt` and `.key`) in a new temporary directory.
-    pub(crate) fn make() -> Certs {
-        let certs = Certs {
-            dir: tempfile::tempdir().unwrap(),
-        };
-        certs.openssl(
-            &[
-                &[
-                    "req",
-                    "-x509",
-                    "-days",
-                    "2",
-                    "-subj",
-                    "/CN=test-ca",
-                    "-keyout",
-                    "ca.key",
-                    "-out",
-                    "ca.crt",
-                ][..],
-                &EC_KEY[..],
-                &[
-                    "-addext",
-                    "basicConstraints=critical,CA:TRUE",
-                    "-addext",
-                    "keyUsage=critical,keyCertSign,cRLSign",
-                ],
-            ]
-            .concat(),
-        );
-        certs.issue(
-            "server",
-            "xds.test",
-            "subjectAltName=DNS:xds.test\nextendedKeyUsage=serverAuth\n",
-            Key::Ec,
-        );
-        certs.issue(
-            "client",
-            "envoy-ratelimit",
-            "subjectAltName=DNS:envoy-ratelimit\nextendedKeyUsage=clientAuth\n",
-            Key::Ec,
-        );
-        certs
-    }
-
-    /// Runs `openssl` with `args` in the certificates' directory; panics with its stderr if it
-    /// fails.
-    fn openssl(&self, args: &[&str]) {
-        let out = Command::new("openssl")
-            .args(args)
-            .current_dir(self.dir.path())
-            .stdin(Stdio::null())
-            .output()
-            .expect("run openssl");
-        assert!(
-            out.status.success(),
-            "openssl {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-
-    /// Issues `<name>.crt` and `<name>.key` from the CA, for the subject `/CN=<cn>` with the
-    /// X.509 extensions `ext` (an `openssl -extfile`, one `name=value` a line).
-    pub(crate) fn issue(&self, name: &str, cn: &str, ext: &str, key: Key) {
-        std::fs::write(self.path(&format!("{name}.ext")), ext).unwrap();
-        let (key_file, csr, crt, extfile) = (
-            format!("{name}.key"),
-            format!("{name}.csr"),
-            format!("{name}.crt"),
-            format!("{name}.ext"),
-        );
-        let subject = format!("/CN={cn}");
-        match key {
-            Key::Ec => self.openssl(
-                &[
-                    &["req", "-subj", &subject, "-keyout", &key_file, "-out", &csr][..],
-                    &EC_KEY[..],
-                ]
-                .concat(),
-            ),
-            Key::RsaPkcs1 => {
-                self.openssl(&["genrsa", "-traditional", "-out", &key_file, "2048"]);
-                self.openssl(&["req", "-new", "-subj", &subject, "-key", &key_file, "-out", &csr]);
-            }
-        }
-        self.openssl(&[
-            "x509",
-            "-req",
-            "-days",
-            "2",
-            "-in",
-            &csr,
-            "-CA",
-            "ca.crt",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            &crt,
-            "-extfile",
-            &extfile,
-        ]);
-    }
-
-    /// Where the file `name` (`ca.crt`, `client.key`, ...) is.
-    pub(crate) fn path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
-    }
-
-    /// The contents of the file `name`.
-    pub(crate) fn read(&self, name: &str) -> Vec<u8> {
-        std::fs::read(self.path(name)).unwrap()
-    }
-
-    /// The server's TLS: its certificate, and client certificates required, from the CA.
-    pub(crate) fn server(&self) -> ServerTlsConfig {
-        ServerTlsConfig::new()
-            .identity(Identity::from_pem(self.read("server.crt"), self.read("server.key")))
-            .client_ca_root(Certificate::from_pem(self.read("ca.crt")))
-    }
 }
 
 /// Envoy Gateway's xDS variables, pointed at `server` with the certificates of `certs`, as

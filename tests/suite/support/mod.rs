@@ -8,6 +8,7 @@
 //! `spawn_blocking`. Nothing uses a fixed port, so test binaries can run side by side.
 
 pub mod faults;
+pub mod openssl;
 pub mod postgres;
 pub mod proxy;
 pub mod redis;
