@@ -36,7 +36,7 @@ use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
 
-use crate::support::openssl::Certs;
+use crate::support::openssl::{Certs, Key};
 use crate::support::{self, free_port, http_get, Scrape, Tollgate};
 
 const TYPE_URL: &str = "type.googleapis.com/ratelimit.config.ratelimit.v3.RateLimitConfig";
@@ -1018,6 +1018,7 @@ async fn xds_mutual_tls_refuses_other_cas_and_a_renewed_certificate_serves_the_n
             "envoy-ratelimit",
             "subjectAltName=DNS:envoy-ratelimit\nextendedKeyUsage=clientAuth\n",
             Key::Ec,
+            None,
         )
     });
     for (from, to) in [("renewed.crt", &cert), ("renewed.key", &key)] {
