@@ -45,5 +45,6 @@ mod tls_listeners;
 mod usage_budgets;
 mod usage_budgets_envoy;
 mod vectors;
+mod xds_break;
 mod xds_envoy;
 mod xds_rules;

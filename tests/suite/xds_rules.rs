@@ -39,12 +39,12 @@ use tonic_health::pb::HealthCheckRequest;
 use crate::support::openssl::{Certs, Key};
 use crate::support::{self, free_port, http_get, Scrape, Tollgate};
 
-const TYPE_URL: &str = "type.googleapis.com/ratelimit.config.ratelimit.v3.RateLimitConfig";
+pub(crate) const TYPE_URL: &str = "type.googleapis.com/ratelimit.config.ratelimit.v3.RateLimitConfig";
 /// Envoy Gateway's names: a listener's domain, a route (its host name `*`), a shared policy.
 pub(crate) const DOMAIN: &str = "envoy-gateway/gateway-1/http";
 /// The route's descriptor, first in each of its rules (key and value alike).
 pub(crate) const ROUTE: &str = "httproute/default/backend/rule/0/match/0/*";
-const SHARED: &str = "default/shared-policy";
+pub(crate) const SHARED: &str = "default/shared-policy";
 /// How long anything may take to happen.
 pub(crate) const PATIENCE: Duration = Duration::from_secs(15);
 
@@ -76,7 +76,7 @@ struct Record {
 
 /// What a control plane does with a NACK.
 #[derive(Clone, Copy, Default, PartialEq)]
-enum OnNack {
+pub(crate) enum OnNack {
     /// Nothing: it waits for a new snapshot (Envoy Gateway's own translator).
     #[default]
     Wait,
@@ -212,13 +212,13 @@ impl Ads {
     }
 
     /// Sends `response` as it is (but for its nonce) on the stream open now; returns the nonce.
-    fn send(&self, response: DiscoveryResponse) -> String {
+    pub(crate) fn send(&self, response: DiscoveryResponse) -> String {
         self.0.lock().unwrap().send(response)
     }
 
     /// Sets what the server does with a NACK, and whether a new stream gets the last response
     /// at once.
-    fn behave(&self, on_nack: OnNack, resend_on_open: bool) {
+    pub(crate) fn behave(&self, on_nack: OnNack, resend_on_open: bool) {
         let mut record = self.0.lock().unwrap();
         record.on_nack = on_nack;
         record.resend_on_open = resend_on_open;
@@ -247,12 +247,12 @@ impl Ads {
         }
     }
 
-    fn requests(&self) -> usize {
+    pub(crate) fn requests(&self) -> usize {
         self.0.lock().unwrap().requests.len()
     }
 }
 
-fn node(key: &str, value: &str) -> RateLimitDescriptor {
+pub(crate) fn node(key: &str, value: &str) -> RateLimitDescriptor {
     RateLimitDescriptor {
         key: key.into(),
         value: value.into(),
@@ -260,7 +260,7 @@ fn node(key: &str, value: &str) -> RateLimitDescriptor {
     }
 }
 
-fn limit(mut d: RateLimitDescriptor, unit: RateLimitUnit, requests_per_unit: u32) -> RateLimitDescriptor {
+pub(crate) fn limit(mut d: RateLimitDescriptor, unit: RateLimitUnit, requests_per_unit: u32) -> RateLimitDescriptor {
     d.rate_limit = Some(RateLimitPolicy {
         unit: unit as i32,
         requests_per_unit,
@@ -269,7 +269,7 @@ fn limit(mut d: RateLimitDescriptor, unit: RateLimitUnit, requests_per_unit: u32
     d
 }
 
-fn under(mut d: RateLimitDescriptor, children: Vec<RateLimitDescriptor>) -> RateLimitDescriptor {
+pub(crate) fn under(mut d: RateLimitDescriptor, children: Vec<RateLimitDescriptor>) -> RateLimitDescriptor {
     d.descriptors = children;
     d
 }
@@ -298,7 +298,7 @@ pub(crate) fn listener(per_header: u32) -> RateLimitConfig {
 }
 
 /// A shared policy's domain: one bucket for every route it applies to.
-fn shared(requests_per_unit: u32) -> RateLimitConfig {
+pub(crate) fn shared(requests_per_unit: u32) -> RateLimitConfig {
     let key = format!("{SHARED}/rule/0");
     RateLimitConfig {
         name: SHARED.into(),
@@ -314,7 +314,7 @@ fn shared(requests_per_unit: u32) -> RateLimitConfig {
     }
 }
 
-async fn client(tollgate: &Tollgate) -> RateLimitServiceClient<Channel> {
+pub(crate) async fn client(tollgate: &Tollgate) -> RateLimitServiceClient<Channel> {
     RateLimitServiceClient::connect(format!("http://{}", tollgate.grpc_addr))
         .await
         .expect("connect to tollgate")
@@ -322,7 +322,7 @@ async fn client(tollgate: &Tollgate) -> RateLimitServiceClient<Channel> {
 
 /// `ShouldRateLimit` for the descriptor Envoy sends under `DOMAIN`'s route with these entries
 /// after the route's own: the overall code, or the gRPC error's code.
-async fn ask(
+pub(crate) async fn ask(
     c: &mut RateLimitServiceClient<Channel>,
     domain: &str,
     entries: &[(&str, &str)],
@@ -342,7 +342,7 @@ async fn ask(
 }
 
 /// `n` requests for one header value: their codes.
-async fn hits(c: &mut RateLimitServiceClient<Channel>, value: &str, n: usize) -> Vec<Code> {
+pub(crate) async fn hits(c: &mut RateLimitServiceClient<Channel>, value: &str, n: usize) -> Vec<Code> {
     let mut out = Vec::new();
     for _ in 0..n {
         out.push(ask(c, DOMAIN, &[("rule-0-match-0", value)]).await.unwrap());
@@ -350,7 +350,7 @@ async fn hits(c: &mut RateLimitServiceClient<Channel>, value: &str, n: usize) ->
     out
 }
 
-fn readyz(tollgate: &Tollgate) -> (u16, String) {
+pub(crate) fn readyz(tollgate: &Tollgate) -> (u16, String) {
     http_get(tollgate.http_addr, "/readyz").expect("/readyz answers")
 }
 
@@ -370,8 +370,8 @@ pub(crate) async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
     }
 }
 
-const OK: Code = Code::Ok;
-const OVER: Code = Code::OverLimit;
+pub(crate) const OK: Code = Code::Ok;
+pub(crate) const OVER: Code = Code::OverLimit;
 
 /// Acceptance: snapshots applied, an update applied, an invalid one NACKed with its reason while
 /// the rules before it are enforced, and a dropped stream reconnected and resumed.
@@ -757,7 +757,7 @@ fn a_missing_certificate_stops_the_start() {
 }
 
 /// Tollgate on `server` without TLS, with `backoff` as `xds.backoff`.
-fn start_plain(server: SocketAddr, backoff: &str) -> Tollgate {
+pub(crate) fn start_plain(server: SocketAddr, backoff: &str) -> Tollgate {
     Tollgate::builder()
         .settings(&format!(
             "rules_source: xds\nxds:\n  server_url: {server}\n  node_id: envoy-ratelimit\n  backoff: {backoff}\n"
@@ -766,14 +766,14 @@ fn start_plain(server: SocketAddr, backoff: &str) -> Tollgate {
 }
 
 /// The snapshot `listener(100)` with a limit that has no unit: refused.
-fn invalid() -> RateLimitConfig {
+pub(crate) fn invalid() -> RateLimitConfig {
     let mut bad = listener(100);
     bad.descriptors[0].descriptors[0].rate_limit.as_mut().unwrap().unit = RateLimitUnit::Unknown as i32;
     bad
 }
 
 /// Waits for the request that answers `nonce`.
-async fn answer_to(ads: &Ads, nonce: &str) -> DiscoveryRequest {
+pub(crate) async fn answer_to(ads: &Ads, nonce: &str) -> DiscoveryRequest {
     let deadline = Instant::now() + PATIENCE;
     loop {
         let found = ads
