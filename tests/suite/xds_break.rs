@@ -105,7 +105,7 @@ async fn ask_in(
 /// 100 snapshots sent back to back, faster than they compile: the last is in force and ACKed,
 /// and `/config` names its version.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn xds_break_a_burst_of_snapshots_ends_with_the_last_in_force() {
+async fn a_burst_of_snapshots_ends_with_the_last_in_force() {
     let (ads, tollgate, mut c) = started("").await;
     apply_v1(&ads).await;
     let mut last = String::new();
@@ -122,7 +122,7 @@ async fn xds_break_a_burst_of_snapshots_ends_with_the_last_in_force() {
 
 /// No resources after good rules: the server means nothing limited; ACKed, ready.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn xds_break_an_empty_snapshot_limits_nothing_and_later_rules_apply() {
+async fn an_empty_snapshot_limits_nothing_and_later_rules_apply() {
     let (ads, tollgate, mut c) = started("").await;
     apply_v1(&ads).await;
     assert_eq!(hits(&mut c, "a", 2).await, [OK, OVER]);
@@ -137,7 +137,7 @@ async fn xds_break_an_empty_snapshot_limits_nothing_and_later_rules_apply() {
 
 /// Each broken snapshot is NACKed with a reason naming it, and v1 stays enforced.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn xds_break_broken_snapshots_are_nacked_and_the_rules_stay() {
+async fn broken_snapshots_are_nacked_and_the_rules_stay() {
     let (ads, tollgate, mut c) = started("").await;
     apply_v1(&ads).await;
     let other = |domain: &str| RateLimitConfig {
@@ -227,7 +227,7 @@ async fn xds_break_broken_snapshots_are_nacked_and_the_rules_stay() {
 /// Descriptors nested 90 deep (within the protobuf decoder's limit): compiled and enforced, as
 /// the same YAML would be.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn xds_break_deep_descriptors_within_the_decode_limit_apply() {
+async fn deep_descriptors_within_the_decode_limit_apply() {
     let (ads, _tollgate, mut c) = started("").await;
     let n = ads.send(response(
         "deep",
@@ -244,14 +244,15 @@ async fn xds_break_deep_descriptors_within_the_decode_limit_apply() {
     assert_eq!(ask_in(&mut c, "deep", &entries).await, Ok(OVER));
 }
 
-/// 100,000 limited descriptors at one level (about 2.7 MB, within the default 4 MiB
-/// max_message_bytes): the compile is quadratic (`add_label` scans every bucket for each
-/// unnamed rate_limit): 10k 1.5 s, 20k 5.6 s, 40k 25.6 s, 100k 54 s (debug build), during which
-/// the stream is not read and nothing is ACKed.
+/// 50,000 limited descriptors at one level (about 1.4 MB, within the default 4 MiB
+/// max_message_bytes) compile in well under 5 s, a debug build included. The compile was
+/// quadratic (each unnamed `rate_limit` looked for a bucket like it among all so far): 10k took
+/// 1.5 s, 20k 5.6 s, 40k 25.6 s in a debug build, during which the stream was not read and
+/// nothing was ACKed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn xds_break_100k_descriptors_compile_in_reasonable_time() {
+async fn fifty_thousand_descriptors_compile_in_seconds() {
     let (ads, _tollgate, mut c) = started("").await;
-    let count: usize = std::env::var("XDS_BREAK_WIDE").map_or(100_000, |v| v.parse().unwrap());
+    let count: usize = std::env::var("XDS_BREAK_WIDE").map_or(50_000, |v| v.parse().unwrap());
     let descriptors: Vec<RateLimitDescriptor> = (0..count)
         .map(|i| limit(node("path", &format!("/api/{i}")), RateLimitUnit::Minute, 1))
         .collect();
@@ -282,13 +283,13 @@ async fn xds_break_100k_descriptors_compile_in_reasonable_time() {
         started.elapsed()
     );
     let t = Instant::now();
-    assert_eq!(ask_in(&mut c, "wide", &[("path", "/api/99999")]).await, Ok(OK));
+    assert_eq!(ask_in(&mut c, "wide", &[("path", "/api/49999")]).await, Ok(OK));
     eprintln!("a decision: {:?}", t.elapsed());
 }
 
 /// A response larger than `xds.max_message_bytes`: the rules stay, and the state says why.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn xds_break_an_oversized_response_keeps_the_rules_and_says_why() {
+async fn an_oversized_response_keeps_the_rules_and_says_why() {
     let (ads, tollgate, mut c) = started("  max_message_bytes: 4096\n").await;
     apply_v1(&ads).await;
     let mut big = listener(5);
@@ -309,7 +310,7 @@ async fn xds_break_an_oversized_response_keeps_the_rules_and_says_why() {
 
 /// Before any rules: an oversized first response. What `/readyz` says while it is so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn xds_break_an_oversized_first_response_reason_on_readyz() {
+async fn an_oversized_first_response_reason_on_readyz() {
     let (ads, tollgate, _c) = started("  max_message_bytes: 4096\n").await;
     ads.behave(super::xds_rules::OnNack::Wait, true);
     let mut big = listener(5);
@@ -323,16 +324,29 @@ async fn xds_break_an_oversized_first_response_reason_on_readyz() {
         serde_json::to_string_pretty(&shown["rules_source"]).unwrap()
     );
     assert_eq!(status, 503);
+    // Between two attempts (the waits grow; a new connection says `connected, ...`).
+    let reason = "not ready: no rules received from the xDS server yet (its response is larger than \
+                  xds.max_message_bytes; see the log)\n";
+    let body = if body == reason {
+        body
+    } else {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        block_in_place(|| readyz(&tollgate)).1
+    };
+    assert_eq!(body, reason);
+    let error = shown["rules_source"]["last_error"]["error"]
+        .as_str()
+        .unwrap_or_default();
     assert!(
-        !body.contains("not connected"),
-        "the server is reachable; its response is too large: {body}"
+        error.starts_with("a response larger than xds.max_message_bytes (4096 bytes) was refused"),
+        "{error}"
     );
 }
 
 /// The server sends a snapshot and drops the stream at once: whatever tollgate did with it, the
 /// version it resumes from is the one whose rules it enforces.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn xds_break_a_stream_closed_right_after_a_response() {
+async fn a_stream_closed_right_after_a_response() {
     let (ads, tollgate, mut c) = started("").await;
     apply_v1(&ads).await;
     ads.push("v2", &[listener(2)]);
@@ -360,7 +374,7 @@ async fn xds_break_a_stream_closed_right_after_a_response() {
 
 /// `xds.headers` values never reach the log, even at debug, while the stream fails and works.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn xds_break_header_values_stay_out_of_the_debug_log() {
+async fn header_values_stay_out_of_the_debug_log() {
     let ads = Ads::default();
     let addr = ads.serve(None).await;
     let tollgate = block_in_place(|| {
@@ -381,7 +395,7 @@ async fn xds_break_header_values_stay_out_of_the_debug_log() {
 /// envoyproxy/ratelimit takes any uint32 requests_per_unit with any unit; so does tollgate for
 /// the huge "practically unlimited" counts control planes write (holds).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn xds_break_a_huge_count_per_month_is_accepted_as_theirs_accepts_it() {
+async fn a_huge_count_per_month_is_accepted_as_theirs_accepts_it() {
     let (ads, _tollgate, _c) = started("").await;
     for (unit, count) in [
         (RateLimitUnit::Second, u32::MAX),

@@ -112,6 +112,12 @@ struct DomainBuilder<'a> {
     /// `bucket:` references and where a name is one bucket. An envoyproxy/ratelimit
     /// `rate_limit.name` is only a label and is not here (see [`DomainBuilder::add_label`]).
     by_name: HashMap<String, usize>,
+    /// Every bucket by its name, in both schemas (an envoyproxy/ratelimit name may stand for
+    /// several): so that finding a bucket by name stays a lookup in a domain of 100,000 rules.
+    named: HashMap<String, Vec<usize>>,
+    /// The wildcard values already at a level, `(parent node, key, pattern text)`, to refuse a
+    /// second one without scanning the level.
+    wildcards: HashSet<(Option<usize>, String, String)>,
     /// A policy with a token bucket and a quota: the token bucket's index to the quota's.
     companions: HashMap<usize, usize>,
     /// Names under `buckets:` that were rejected, so references to them are not also reported.
@@ -128,6 +134,8 @@ impl<'a> DomainBuilder<'a> {
             file,
             buckets: Vec::new(),
             by_name: HashMap::new(),
+            named: HashMap::new(),
+            wildcards: HashSet::new(),
             companions: HashMap::new(),
             rejected: HashSet::new(),
             nodes: Vec::new(),
@@ -650,12 +658,25 @@ impl<'a> DomainBuilder<'a> {
             return None;
         }
         let policy = BucketPolicy::new(name.clone(), plan, reported).with_hidden(hidden);
-        self.buckets.push(match debt_ut {
+        let idx = self.push_bucket(match debt_ut {
             Some(depth_ut) => policy.with_debt_depth(depth_ut),
             None => policy,
         });
-        self.by_name.insert(name, self.buckets.len() - 1);
-        Some(self.buckets.len() - 1)
+        self.by_name.insert(name, idx);
+        Some(idx)
+    }
+
+    /// Adds `policy` to the domain's buckets; returns its index.
+    fn push_bucket(&mut self, policy: BucketPolicy) -> usize {
+        let idx = self.buckets.len();
+        self.named.entry(policy.name.clone()).or_default().push(idx);
+        self.buckets.push(policy);
+        idx
+    }
+
+    /// The buckets named `name`, in the order they were declared.
+    fn buckets_named(&self, name: &str) -> &[usize] {
+        self.named.get(name).map_or(&[], Vec::as_slice)
     }
 
     /// Registers an envoyproxy/ratelimit limit named `name`. There a `rate_limit.name` is a label
@@ -664,16 +685,13 @@ impl<'a> DomainBuilder<'a> {
     /// such policies never share an instance: an instance key holds the request's entries, and
     /// one list of entries reaches one node.
     fn add_label(&mut self, name: String, plan: Plan, reported: ReportedLimit, hidden: bool) -> usize {
-        if let Some(idx) = self
-            .buckets
-            .iter()
-            .position(|b| b.name == name && b.plan == plan && b.reported == reported && b.hidden == hidden)
-        {
+        if let Some(&idx) = self.buckets_named(&name).iter().find(|&&i| {
+            let b = &self.buckets[i];
+            b.plan == plan && b.reported == reported && b.hidden == hidden
+        }) {
             return idx;
         }
-        self.buckets
-            .push(BucketPolicy::new(name, plan, reported).with_hidden(hidden));
-        self.buckets.len() - 1
+        self.push_bucket(BucketPolicy::new(name, plan, reported).with_hidden(hidden))
     }
 
     fn node(&mut self, spec: &DescriptorSpec, parent: &str, parent_id: Option<usize>, level: &mut Level) {
@@ -693,7 +711,7 @@ impl<'a> DomainBuilder<'a> {
             None => level.any.insert(spec.key.clone(), id).is_some(),
             Some(v) => match Pattern::parse(v) {
                 Some(pattern) => {
-                    let dup = level.wildcard.iter().any(|(k, p, _)| *k == spec.key && *p == pattern);
+                    let dup = !self.wildcards.insert((parent_id, spec.key.clone(), pattern.text()));
                     level.wildcard.push((spec.key.clone(), pattern, id));
                     dup
                 }
@@ -1187,9 +1205,7 @@ impl<'a> DomainBuilder<'a> {
             let mut resolved = Vec::new();
             let mut unknown = false;
             for name in &p.names {
-                let named: Vec<usize> = (0..self.buckets.len())
-                    .filter(|&i| self.buckets[i].name == *name)
-                    .collect();
+                let named = self.buckets_named(name).to_vec();
                 if named.is_empty() && self.rejected.contains(name) {
                     // The bucket's own error is reported already.
                     unknown = true;

@@ -16,7 +16,7 @@ use tonic::metadata::{MetadataKey, MetadataValue};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
 use super::map::{compile_resources, TYPE_URL};
-use super::XdsState;
+use super::{Failure, XdsState};
 use crate::core::units::Millis;
 use crate::decision::limiter::Limiter;
 use crate::server::reload::{count_rejected, domain_list, put_in_force};
@@ -114,7 +114,7 @@ pub(super) async fn run<S: Store>(settings: XdsSettings, limiter: Arc<Limiter<S>
             backoff.reset();
         }
         let wait = backoff.next_wait();
-        stream.state.failed(ended.error, wait);
+        stream.state.failed(ended.error, ended.failure, wait);
         tokio::time::sleep(wait).await;
     }
 }
@@ -209,6 +209,8 @@ fn request(node: &Node, version: String, nonce: String, error: Option<String>) -
 struct Ended {
     /// Why (for the log and `/config`).
     error: String,
+    /// What kind of failure (for `/readyz`).
+    failure: Failure,
     /// Whether an update was ACKed on it.
     acked: bool,
 }
@@ -262,7 +264,13 @@ impl<S: Store> Stream<S> {
     async fn once(&mut self) -> Ended {
         let channel = match self.connect().await {
             Ok(channel) => channel,
-            Err(error) => return Ended { error, acked: false },
+            Err(error) => {
+                return Ended {
+                    error,
+                    failure: Failure::Connect,
+                    acked: false,
+                }
+            }
         };
         self.state.set_connected(true);
         tracing::info!(server = %self.settings.server_url, node = %self.settings.node_id, "connected to the xDS server");
@@ -281,10 +289,12 @@ impl<S: Store> Stream<S> {
         let mut responses = match client.stream_aggregated_resources(call).await {
             Ok(r) => r.into_inner(),
             Err(status) => {
+                let (error, failure) = self.stream_failure(&status);
                 return Ended {
-                    error: status_text(&status),
+                    error,
+                    failure,
                     acked: false,
-                }
+                };
             }
         };
         let mut acked = false;
@@ -304,7 +314,7 @@ impl<S: Store> Stream<S> {
                         if tx.send(repeat.request).is_ok() {
                             continue;
                         }
-                        return Ended { error: "the stream's requests ended".to_owned(), acked };
+                        return Ended { error: "the stream's requests ended".to_owned(), failure: Failure::Stream, acked };
                     }
                 },
                 None => responses.message().await,
@@ -324,13 +334,27 @@ impl<S: Store> Stream<S> {
                     if tx.send(request).is_ok() {
                         continue;
                     }
-                    "the stream's requests ended".to_owned()
+                    ("the stream's requests ended".to_owned(), Failure::Stream)
                 }
-                Ok(None) => "the server closed the stream".to_owned(),
-                Err(status) => status_text(&status),
+                Ok(None) => ("the server closed the stream".to_owned(), Failure::Stream),
+                Err(status) => self.stream_failure(&status),
             };
-            return Ended { error, acked };
+            let (error, failure) = error;
+            return Ended { error, failure, acked };
         }
+    }
+
+    /// What a failed stream's `status` says, and its kind: a response over
+    /// `xds.max_message_bytes` is told apart, since retrying cannot help until a setting or the
+    /// server's rules change.
+    fn stream_failure(&self, status: &tonic::Status) -> (String, Failure) {
+        let text = status_text(status);
+        if status.code() == tonic::Code::OutOfRange && status.message().contains("message length too large") {
+            let max = self.settings.max_message_bytes;
+            let error = format!("a response larger than xds.max_message_bytes ({max} bytes) was refused: {text}");
+            return (error, Failure::TooLarge);
+        }
+        (text, Failure::Stream)
     }
 
     /// A connected channel to the server.

@@ -58,6 +58,19 @@ struct Progress {
     failing: bool,
     /// The last failure of the connection or stream, and when; cleared by a response.
     last_error: Option<(String, u64)>,
+    /// The kind of the last failure, for `/readyz` (kept until the next connection).
+    last_failure: Option<Failure>,
+}
+
+/// What kind of failure ended a connection attempt or a stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Failure {
+    /// No connection was made (TCP, TLS or HTTP/2).
+    Connect,
+    /// The stream failed, or the server closed it, after the connection was made.
+    Stream,
+    /// A response was larger than `xds.max_message_bytes`.
+    TooLarge,
 }
 
 impl XdsState {
@@ -95,12 +108,12 @@ impl XdsState {
         }
         let p = self.progress();
         // The connection first: a rejection before it was lost is not the reason now.
-        let state = if !p.connected {
-            "not connected; see the log"
-        } else if p.failing {
-            "its rules were rejected; see the log"
-        } else {
-            "connected, waiting for its first response"
+        let state = match (p.connected, p.last_failure) {
+            (true, _) if p.failing => "its rules were rejected; see the log",
+            (true, _) => "connected, waiting for its first response",
+            (false, Some(Failure::TooLarge)) => "its response is larger than xds.max_message_bytes; see the log",
+            (false, Some(Failure::Stream)) => "the stream failed; see the log",
+            (false, Some(Failure::Connect) | None) => "not connected; see the log",
         };
         Some(format!("no rules received from the xDS server yet ({state})"))
     }
@@ -155,16 +168,22 @@ impl XdsState {
     }
 
     fn set_connected(&self, connected: bool) {
-        self.progress().connected = connected;
+        let mut p = self.progress();
+        p.connected = connected;
+        if connected {
+            p.last_failure = None;
+        }
+        drop(p);
         crate::telemetry::xds_connected(connected);
     }
 
     /// Records a failed connection or stream; the log line says it, with why the service is
     /// not ready while it has no rules.
-    fn failed(&self, error: String, retry_in: std::time::Duration) {
+    fn failed(&self, error: String, failure: Failure, retry_in: std::time::Duration) {
         let first = {
             let mut p = self.progress();
             p.connected = false;
+            p.last_failure = Some(failure);
             let changed = p.last_error.as_ref().is_none_or(|(e, _)| *e != error);
             p.last_error = Some((error.clone(), unix_now()));
             changed
@@ -280,7 +299,29 @@ mod tests {
             reason()
         );
         // The connection lost after the rejection: that is the reason now.
-        state.failed("the server closed the stream".into(), std::time::Duration::from_secs(1));
+        state.failed(
+            "the server closed the stream".into(),
+            Failure::Stream,
+            std::time::Duration::from_secs(1),
+        );
+        assert!(reason().contains("(the stream failed; see the log)"), "{}", reason());
+        state.set_connected(true);
+        state.failed(
+            "a response larger than ...".into(),
+            Failure::TooLarge,
+            std::time::Duration::from_secs(1),
+        );
+        assert!(
+            reason().contains("(its response is larger than xds.max_message_bytes; see the log)"),
+            "{}",
+            reason()
+        );
+        state.set_connected(true);
+        state.failed(
+            "cannot connect".into(),
+            Failure::Connect,
+            std::time::Duration::from_secs(1),
+        );
         assert!(reason().contains("(not connected; see the log)"), "{}", reason());
         state.acked("v2");
         assert_eq!(state.not_ready(), None);
