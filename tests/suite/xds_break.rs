@@ -212,6 +212,7 @@ async fn broken_snapshots_are_nacked_and_the_rules_stay() {
             "not a RateLimitConfig",
         ),
     ];
+    let total = cases.len();
     for (i, (what, resources, reason)) in cases.into_iter().enumerate() {
         let n = ads.send(response(&format!("bad{i}"), resources));
         let nack = answer_to(&ads, &n).await;
@@ -220,7 +221,12 @@ async fn broken_snapshots_are_nacked_and_the_rules_stay() {
         assert_eq!(nack.version_info, "v1", "{what}");
         assert_eq!(hits(&mut c, &format!("v{i}"), 2).await, [OK, OVER], "{what}");
     }
-    assert!(tollgate.process.log().len() > 0);
+    let log = tollgate.process.log();
+    assert_eq!(
+        log.matches("rules from the xDS server rejected").count(),
+        total,
+        "each refusal logged:\n{log}"
+    );
     assert_eq!(block_in_place(|| config(&tollgate))["rules_source"]["version"], "v1");
 }
 
