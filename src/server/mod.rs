@@ -21,6 +21,24 @@ pub use grpc::{
 };
 pub use wire::decode_request;
 
+/// The `RateLimitService` that `tollgate serve` answers with, over `limiter`: request
+/// validation, the decision, the response with its headers, and the request metrics; what runs
+/// between the gRPC codec ([`decode_request`]) and the network. For measuring the request path
+/// without one (`examples/instructions.rs`, the instruction-count gate in benches/README.md).
+pub fn rate_limit_service<S: crate::store::Store>(
+    limiter: Arc<Limiter<S>>,
+) -> impl envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService {
+    service::RateLimitGrpc::new(limiter)
+}
+
+/// Installs the Prometheus recorder `tollgate serve` installs (its histogram buckets, its
+/// series at zero), so a benchmark records metrics at the cost they have in production.
+///
+/// Errors: another `metrics` recorder is already installed in this process.
+pub fn install_metrics_recorder() -> anyhow::Result<()> {
+    metrics::install().map(drop)
+}
+
 use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

@@ -22,6 +22,7 @@ mod fixed_allowances;
 mod grpc;
 mod grpc_limits;
 mod image;
+mod instruction_gate;
 mod limiter;
 mod loadgen_smoke;
 mod metrics;

@@ -1,0 +1,181 @@
+//! The driver of the instruction-count gate (`scripts/instruction-gate`, benches/README.md):
+//! runs a number of decisions on one path, in process, so that `valgrind --tool=callgrind`
+//! counts the instructions they take. Instruction counts repeat for the same binary and inputs,
+//! so a regression shows on a noisy machine where time cannot.
+//!
+//! ```text
+//! instructions <memory|grpc> <decisions>
+//! ```
+//!
+//! - `memory`: [`Limiter::should_rate_limit`] over the memory store, the decision path without
+//!   gRPC (validation, tree match, instance key, refill and consume, statuses and headers).
+//! - `grpc`: the request path behind the network: the request's bytes decoded by tollgate's
+//!   lenient codec ([`tollgate::server::decode_request`]), the service `serve` answers with
+//!   ([`tollgate::server::rate_limit_service`]: the decision, the response, the request
+//!   metrics), and the response encoded.
+//!
+//! Both decide one token of `benches/rules/bench.yaml` (one key-only descriptor, a bucket of
+//! 1,000,000 tokens refilled 1,000,000/s) on values `0` to `999` in turn, on a manual clock that
+//! moves 2 µs before each decision, so every decision refills and is admitted; the Prometheus
+//! recorder `serve` installs is installed, so metrics cost what they cost in production.
+//! Everything is deterministic but the hash seeds, which move a count by far less than the
+//! gate's tolerance.
+//!
+//! `TOLLGATE_INSTRUCTIONS_SLOWDOWN=<n>` adds `n` rounds of busy work to every decision: only for
+//! the gate's own test, which shows that a slowdown fails it.
+
+use std::future::Future;
+use std::hint::black_box;
+use std::path::Path;
+use std::pin::pin;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
+
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use prost::Message;
+use tollgate::core::clock::ManualClock;
+use tollgate::decision::{Limiter, LimiterOptions};
+use tollgate::rules::load_rules;
+use tollgate::store::MemoryStore;
+
+/// Distinct descriptor values, as in the load benchmark's default.
+const KEYS: usize = 1_000;
+/// How far the clock moves before each decision (µs).
+const STEP_US: u64 = 2;
+/// 2026-12-02T12:00:00Z: any instant works.
+const START_US: u64 = 1_796_212_800_000_000;
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().collect();
+    let (Some(path), Some(Ok(decisions))) = (args.get(1), args.get(2).map(|n| n.parse::<usize>())) else {
+        eprintln!("usage: instructions <memory|grpc> <decisions>");
+        return ExitCode::from(2);
+    };
+    let slowdown: u64 = std::env::var("TOLLGATE_INSTRUCTIONS_SLOWDOWN")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    if let Err(e) = tollgate::server::install_metrics_recorder() {
+        eprintln!("{e:#}");
+        return ExitCode::FAILURE;
+    }
+    let rules = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/rules/bench.yaml");
+    let rules = match load_rules(&rules) {
+        Ok(rules) => rules,
+        Err(e) => {
+            eprintln!("benches/rules/bench.yaml: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let clock = ManualClock::new(START_US);
+    let store = MemoryStore::new(64, 1_000_000, Arc::new(clock.clone()));
+    let options = LimiterOptions::from_settings(&tollgate::server::settings::Settings::default());
+    let limiter = Arc::new(Limiter::new(rules, store, options));
+    let requests: Vec<RateLimitRequest> = (0..KEYS).map(request).collect();
+    let admitted = match path.as_str() {
+        "memory" => run(decisions, slowdown, &clock, |i| {
+            let response = block_on(limiter.should_rate_limit(&requests[i % KEYS]));
+            response.is_ok_and(|r| r.overall_code == Code::Ok as i32)
+        }),
+        "grpc" => {
+            let service = tollgate::server::rate_limit_service(limiter.clone());
+            let wire: Vec<Vec<u8>> = requests.iter().map(Message::encode_to_vec).collect();
+            run(decisions, slowdown, &clock, |i| {
+                let Ok(request) = tollgate::server::decode_request(wire[i % KEYS].as_slice()) else {
+                    return false;
+                };
+                let response = block_on(service.should_rate_limit(tonic::Request::new(request)));
+                response.is_ok_and(|r| {
+                    let r = r.into_inner();
+                    black_box(r.encode_to_vec());
+                    r.overall_code == Code::Ok as i32
+                })
+            })
+        }
+        other => {
+            eprintln!("unknown path {other:?}: memory or grpc");
+            return ExitCode::from(2);
+        }
+    };
+    if admitted != decisions {
+        eprintln!("{admitted} of {decisions} decisions admitted: the measured path is not the one intended");
+        return ExitCode::FAILURE;
+    }
+    ExitCode::SUCCESS
+}
+
+/// Decisions before the measured ones: every key's bucket is in the store, and whatever is set
+/// up lazily at a first use (the metrics' handles, the clock calibration of the metrics
+/// library, which loops until the clock looks stable: a count that differs from run to run) is
+/// done.
+const WARMUP: usize = 2 * KEYS;
+
+/// Runs [`WARMUP`] decisions, then `decisions` in [`measured_decisions`], the one function
+/// whose instructions the gate collects (`--toggle-collect`); returns how many of those were
+/// admitted.
+fn run(decisions: usize, slowdown: u64, clock: &ManualClock, mut decide: impl FnMut(usize) -> bool) -> usize {
+    for i in 0..WARMUP {
+        clock.advance_us(STEP_US);
+        decide(i);
+    }
+    measured_decisions(decisions, slowdown, clock, &mut decide)
+}
+
+/// The decisions the gate counts: `decide` for `WARMUP..WARMUP + decisions`, the clock moved
+/// [`STEP_US`] before each; returns how many were admitted.
+#[inline(never)]
+fn measured_decisions(
+    decisions: usize,
+    slowdown: u64,
+    clock: &ManualClock,
+    decide: &mut impl FnMut(usize) -> bool,
+) -> usize {
+    let mut admitted = 0;
+    for i in WARMUP..WARMUP + decisions {
+        clock.advance_us(STEP_US);
+        if decide(i) {
+            admitted += 1;
+        }
+        let mut x = 0u64;
+        for round in 0..slowdown {
+            x = black_box(x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(round));
+        }
+        black_box(x);
+    }
+    admitted
+}
+
+/// One token of the value `i` of the bench rules' descriptor `k`.
+fn request(i: usize) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: "bench".to_owned(),
+        descriptors: vec![RateLimitDescriptor {
+            entries: vec![Entry {
+                key: "k".to_owned(),
+                value: i.to_string(),
+            }],
+            ..Default::default()
+        }],
+        hits_addend: 1,
+    }
+}
+
+/// Drives a future that completes without waiting, as the memory store's always does: polled
+/// once with a no-op waker, nothing is added to what is counted; one that waits is finished on
+/// a current-thread runtime.
+fn block_on<F: Future>(future: F) -> F::Output {
+    let mut future = pin!(future);
+    match future.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+        Poll::Ready(out) => out,
+        Poll::Pending => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a tokio runtime")
+            .block_on(future),
+    }
+}
