@@ -4,7 +4,8 @@
 //!
 //! - `run`: drives `--concurrency` request loops over `--connections` HTTP/2 channels, each
 //!   request with `--descriptors` descriptors whose values are drawn from `--keys` values
-//!   (`--distribution sequential`, `uniform` or `zipf` with `--zipf-s`), for `--duration` (or
+//!   (`--distribution sequential`, `uniform` or `zipf` with `--zipf-s`), or with `--shape envoy`
+//!   the four descriptors of a typical Envoy route (see [`ENVOY_PATHS`]), for `--duration` (or
 //!   `--requests`) after `--warmup`; then reports throughput, response codes, latency
 //!   percentiles (p50, p90, p99, p99.9, max) and the CPU time each `--server-pid` (a process)
 //!   or `--server-tree` (a process and all below it: a PostgreSQL cluster) and the load
@@ -101,9 +102,17 @@ struct RunArgs {
     /// The exponent `s` of `--distribution zipf` (0: uniform; 1: classic Zipf).
     #[arg(long, default_value_t = 1.0)]
     zipf_s: f64,
-    /// Descriptors per request, each with its own value drawn as above.
+    /// Descriptors per request, each with its own value drawn as above (`--shape single` only).
     #[arg(long, default_value_t = 1)]
     descriptors: usize,
+    /// What a request carries. `single`: `--descriptors` one-entry descriptors `(--key, <i>)`.
+    /// `envoy`: the four descriptors a typical Envoy route sends (benches/rules/envoy-shape.yaml,
+    /// domain `bench_envoy`): `[remote_address=10.0.x.y]`, `[api_key=<key>, path=<one of 8>]`,
+    /// `[generic_key=global]` and `[header_match=premium, tenant=<one of 50>]`, where a client
+    /// `i` drawn from `--keys` as above gives the address, the API key and the tenant (`i` mod
+    /// 50), and the path rotates over the eight per request loop; `--key` is not used.
+    #[arg(long, value_enum, default_value_t = ShapeKind::Single)]
+    shape: ShapeKind,
     /// End the measured window after this many requests were sent in it (or after
     /// `--duration`, whichever comes first), at the last answer: to touch every key of a
     /// `sequential` run once (with `--descriptors d`, every `d` keys). Calls already in flight
@@ -127,6 +136,50 @@ struct RunArgs {
     /// Print one JSON object instead of the human summary.
     #[arg(long)]
     json: bool,
+}
+
+/// What a request carries (`--shape`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum ShapeKind {
+    Single,
+    Envoy,
+}
+
+impl ShapeKind {
+    fn name(self) -> &'static str {
+        match self {
+            ShapeKind::Single => "single",
+            ShapeKind::Envoy => "envoy",
+        }
+    }
+}
+
+/// The paths of `--shape envoy`'s `[api_key, path]` descriptor: a small API's routes.
+const ENVOY_PATHS: [&str; 8] = [
+    "/api/v1/users",
+    "/api/v1/users/me",
+    "/api/v1/orders",
+    "/api/v1/orders/search",
+    "/api/v1/products",
+    "/api/v1/cart",
+    "/api/v1/checkout",
+    "/api/v1/auth/token",
+];
+
+/// The distinct tenants of `--shape envoy`'s `[header_match=premium, tenant]` descriptor.
+const ENVOY_TENANTS: usize = 50;
+
+/// Clients `--shape envoy` can tell apart: one IPv4 address each in 10.0.0.0/8.
+const ENVOY_MAX_KEYS: usize = 1 << 24;
+
+impl RunArgs {
+    /// Descriptors per request.
+    fn shape_descriptors(&self) -> usize {
+        match self.shape {
+            ShapeKind::Single => self.descriptors,
+            ShapeKind::Envoy => 4,
+        }
+    }
 }
 
 /// How descriptor values are drawn (`--distribution`).
@@ -295,6 +348,10 @@ struct LoopStats {
     ok: u64,
     over_limit: u64,
     unknown_code: u64,
+    /// Descriptor statuses in the answers.
+    statuses: u64,
+    /// Answers whose statuses were not one per descriptor sent.
+    status_mismatches: u64,
     errors: BTreeMap<String, u64>,
     first_error: Option<String>,
 }
@@ -306,6 +363,8 @@ impl LoopStats {
             ok: 0,
             over_limit: 0,
             unknown_code: 0,
+            statuses: 0,
+            status_mismatches: 0,
             errors: BTreeMap::new(),
             first_error: None,
         }
@@ -316,6 +375,8 @@ impl LoopStats {
         self.ok += other.ok;
         self.over_limit += other.over_limit;
         self.unknown_code += other.unknown_code;
+        self.statuses += other.statuses;
+        self.status_mismatches += other.status_mismatches;
         for (code, n) in other.errors {
             *self.errors.entry(code).or_default() += n;
         }
@@ -354,29 +415,75 @@ async fn connect(target: &str) -> Result<Channel, BoxError> {
 
 /// What every request of a run shares.
 struct Shape {
+    kind: ShapeKind,
     domain: String,
     key: String,
     keys: usize,
+    /// Descriptors per request (four for `envoy`).
     descriptors: usize,
     hits_addend: u32,
 }
 
+/// A descriptor of `entries`.
+fn descriptor<const N: usize>(entries: [(&str, String); N]) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        entries: entries
+            .into_iter()
+            .map(|(key, value)| Entry {
+                key: key.to_owned(),
+                value,
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
 impl Shape {
-    /// A request with `descriptors` descriptors, each `(key, <drawn index>)`.
-    fn request(&self, draw: &mut KeyDraw) -> RateLimitRequest {
+    /// The next request of a loop: `--shape single`, `descriptors` descriptors, each
+    /// `(key, <drawn index>)`; `--shape envoy`, see [`Shape::envoy_descriptors`]. `sent` counts
+    /// the loop's requests so far.
+    fn request(&self, draw: &mut KeyDraw, sent: u64) -> RateLimitRequest {
+        let descriptors = match self.kind {
+            ShapeKind::Single => (0..self.descriptors)
+                .map(|_| descriptor([(self.key.as_str(), draw.next(self.keys).to_string())]))
+                .collect(),
+            ShapeKind::Envoy => Shape::envoy_descriptors(draw.next(self.keys), sent),
+        };
         RateLimitRequest {
             domain: self.domain.clone(),
-            descriptors: (0..self.descriptors)
-                .map(|_| RateLimitDescriptor {
-                    entries: vec![Entry {
-                        key: self.key.clone(),
-                        value: draw.next(self.keys).to_string(),
-                    }],
-                    ..Default::default()
-                })
-                .collect(),
+            descriptors,
             hits_addend: self.hits_addend,
         }
+    }
+
+    /// What an Envoy route with four `rate_limits` entries sends for client `client` (its
+    /// address, API key and tenant) on the loop's `sent`-th request (the path):
+    ///
+    /// 1. `remote_address`: the client's address, `10.0.x.y` (a per-client limit);
+    /// 2. `request_headers` x-api-key and path: `[api_key, path]`, nested (a per key and path
+    ///    limit under the per-key node);
+    /// 3. `generic_key` without a `descriptor_key`: `[generic_key=global]`, one bucket every
+    ///    request shares;
+    /// 4. `header_value_match` then `request_headers` x-tenant: `[header_match=premium,
+    ///    tenant]`, nested (a per-tenant limit for premium traffic).
+    fn envoy_descriptors(client: usize, sent: u64) -> Vec<RateLimitDescriptor> {
+        let ip = format!(
+            "10.{}.{}.{}",
+            (client >> 16) & 0xff,
+            (client >> 8) & 0xff,
+            client & 0xff
+        );
+        let api_key = format!("ak_live_{client:016x}");
+        // The path rotates with the loop's count, offset by the client, so every client sees
+        // every path whatever the distribution.
+        let path = ENVOY_PATHS[(client as u64).wrapping_add(sent) as usize % ENVOY_PATHS.len()];
+        let tenant = format!("tenant-{:02}", client % ENVOY_TENANTS);
+        vec![
+            descriptor([("remote_address", ip)]),
+            descriptor([("api_key", api_key), ("path", path.to_owned())]),
+            descriptor([("generic_key", "global".to_owned())]),
+            descriptor([("header_match", "premium".to_owned()), ("tenant", tenant)]),
+        ]
     }
 }
 
@@ -398,12 +505,15 @@ async fn request_loop(
     budget: Arc<Budget>,
 ) -> LoopStats {
     let mut stats = LoopStats::new();
+    let per_request = shape.descriptors;
+    let mut sent = 0u64;
     loop {
         let p = phase.load(Ordering::Relaxed);
         if p == STOP || (p == MEASURE && budget.sent.fetch_add(1, Ordering::Relaxed) >= budget.limit) {
             return stats;
         }
-        let req = shape.request(&mut draw);
+        let req = shape.request(&mut draw, sent);
+        sent += 1;
         let started = Instant::now();
         let result = client.should_rate_limit(req).await;
         let elapsed = started.elapsed();
@@ -417,6 +527,9 @@ async fn request_loop(
             Ok(resp) => {
                 let us = u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX).max(1);
                 stats.latency_us.saturating_record(us);
+                let statuses = resp.get_ref().statuses.len();
+                stats.statuses += statuses as u64;
+                stats.status_mismatches += u64::from(statuses != per_request);
                 match Code::try_from(resp.get_ref().overall_code) {
                     Ok(Code::Ok) => stats.ok += 1,
                     Ok(Code::OverLimit) => stats.over_limit += 1,
@@ -551,10 +664,11 @@ async fn run(args: RunArgs) -> Result<(), BoxError> {
         last_done_us: AtomicU64::new(0),
     });
     let shape = Arc::new(Shape {
+        kind: args.shape,
         domain: args.domain.clone(),
         key: args.key.clone(),
         keys: args.keys,
-        descriptors: args.descriptors,
+        descriptors: args.shape_descriptors(),
         hits_addend: args.hits_addend,
     });
     let next = Arc::new(AtomicUsize::new(0));
@@ -589,6 +703,12 @@ async fn run(args: RunArgs) -> Result<(), BoxError> {
 fn check_run_args(args: &RunArgs) -> Result<(), BoxError> {
     if args.concurrency == 0 || args.connections == 0 || args.keys == 0 || args.descriptors == 0 {
         return Err("--concurrency, --connections, --keys and --descriptors must be at least 1".into());
+    }
+    if args.shape == ShapeKind::Envoy && args.descriptors != 1 {
+        return Err("--descriptors is for --shape single: --shape envoy sends four".into());
+    }
+    if args.shape == ShapeKind::Envoy && args.keys > ENVOY_MAX_KEYS {
+        return Err(format!("--shape envoy tells at most {ENVOY_MAX_KEYS} clients apart (--keys)").into());
     }
     if args.duration.is_zero() {
         return Err("--duration must be longer than zero".into());
@@ -792,7 +912,8 @@ impl Measures {
             "keys": args.keys,
             "distribution": args.distribution.name(),
             "zipf_s": (args.distribution == Distribution::Zipf).then_some(args.zipf_s),
-            "descriptors_per_request": args.descriptors,
+            "shape": args.shape.name(),
+            "descriptors_per_request": args.shape_descriptors(),
             "hits_addend": args.hits_addend,
             "warmup_s": args.warmup.as_secs_f64(),
             "duration_s": secs,
@@ -801,6 +922,8 @@ impl Measures {
             "ok": stats.ok,
             "over_limit": stats.over_limit,
             "unknown_code": stats.unknown_code,
+            "statuses": stats.statuses,
+            "status_mismatches": stats.status_mismatches,
             "errors": errors,
             "error_codes": stats.errors,
             "first_error": stats.first_error,
@@ -839,19 +962,25 @@ impl Measures {
         let mut s = String::new();
         let _ = writeln!(
             s,
-            "target {}  concurrency {}  connections {}  keys {} ({})  descriptors {}  window {:.2}s",
+            "target {}  concurrency {}  connections {}  keys {} ({})  shape {}  descriptors {}  window {:.2}s",
             args.target,
             args.concurrency,
             args.connections,
             args.keys,
             args.distribution.name(),
-            args.descriptors,
+            args.shape.name(),
+            args.shape_descriptors(),
             secs
         );
         let _ = writeln!(
             s,
             "requests {requests}  throughput {throughput:.0} req/s  ok {}  over_limit {}  unknown {}  errors {errors}",
             stats.ok, stats.over_limit, stats.unknown_code
+        );
+        let _ = writeln!(
+            s,
+            "statuses {}  answers without one status per descriptor {}",
+            stats.statuses, stats.status_mismatches
         );
         for (code, n) in &stats.errors {
             let _ = writeln!(s, "  error {code}: {n}");

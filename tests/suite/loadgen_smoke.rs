@@ -144,6 +144,102 @@ fn loadgen_zipf_descriptors_and_hits_addend_reach_tollgate() {
     assert_eq!(hits, 2.0 * decisions, "hits_addend 2 on each");
 }
 
+/// `--shape envoy` against `tollgate serve` on `benches/rules/envoy-shape.yaml` for a second:
+/// every request answered `OK` with four statuses, and tollgate decided exactly one bucket per
+/// descriptor: the per-client, the nested per key and path, the shared global and the nested
+/// per-tenant bucket once per request each, and the per-key bucket above the path never (the
+/// last entry of a descriptor decides). A shape that lost a descriptor, an entry of a nested
+/// one, or a value the rules do not match fails here.
+#[test]
+fn loadgen_envoy_shape_decides_four_buckets_a_request() {
+    let _serial = crate::support::faults::one_at_a_time();
+    let tollgate = Tollgate::builder()
+        .rules_path(Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/rules/envoy-shape.yaml"))
+        .settings("log: {level: warn}")
+        .start();
+    let pid = tollgate.process.id().to_string();
+    let out = loadgen_run(
+        &[
+            "--shape",
+            "envoy",
+            "--domain",
+            "bench_envoy",
+            "--duration",
+            "1s",
+            "--concurrency",
+            "8",
+            "--connections",
+            "2",
+            "--keys",
+            "300",
+            "--server-pid",
+            &pid,
+        ],
+        tollgate.grpc_addr,
+    );
+    assert!(out.status.success(), "loadgen failed: {}", out.status);
+    let report = report_of(&out);
+    check_report(&report);
+    let requests = report["requests"].as_u64().expect("requests");
+    assert_eq!(report["shape"], "envoy", "{report}");
+    assert_eq!(report["descriptors_per_request"].as_u64(), Some(4), "{report}");
+    assert_eq!(report["ok"].as_u64(), Some(requests), "every request OK: {report}");
+    assert_eq!(
+        report["statuses"].as_u64(),
+        Some(4 * requests),
+        "four statuses each: {report}"
+    );
+    assert_eq!(report["status_mismatches"].as_u64(), Some(0), "{report}");
+
+    // With no warmup tollgate answered what the report counts, and calls in flight when the
+    // window closed: at least as many.
+    let m = support::Scrape::from(tollgate.http_addr);
+    let answered = m.counter("tollgate_requests_total", &[("code", "ok")]);
+    assert!(answered >= requests as f64, "{answered} answered, {requests} reported");
+    assert_eq!(m.sum("tollgate_requests_total", &[]), answered, "every answer OK");
+    let decisions = |bucket: &str| {
+        m.sum(
+            "tollgate_decisions_total",
+            &[("domain", "bench_envoy"), ("bucket", bucket)],
+        )
+    };
+    for bucket in ["per_client_ip", "per_api_key_path", "global", "per_premium_tenant"] {
+        assert_eq!(decisions(bucket), answered, "{bucket}: one decision a request");
+        let ok = m.counter(
+            "tollgate_decisions_total",
+            &[("domain", "bench_envoy"), ("bucket", bucket), ("code", "ok")],
+        );
+        assert_eq!(ok, answered, "{bucket}: every decision admitted, none near its limit");
+    }
+    assert_eq!(decisions("per_api_key"), 0.0, "[api_key, path] is decided at the path");
+    assert_eq!(
+        m.sum("tollgate_decisions_total", &[("domain", "bench_envoy")]),
+        4.0 * answered,
+        "four decisions a request"
+    );
+}
+
+/// `--descriptors` belongs to `--shape single`: with `--shape envoy` it is refused rather than
+/// ignored.
+#[test]
+fn loadgen_envoy_shape_refuses_descriptors() {
+    let out = Command::new(LOADGEN)
+        .args([
+            "run",
+            "--shape",
+            "envoy",
+            "--descriptors",
+            "3",
+            "--target",
+            "http://127.0.0.1:9",
+        ])
+        .output()
+        .expect("run tollgate-loadgen");
+    assert!(!out.status.success(), "accepted --descriptors with --shape envoy");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--descriptors is for --shape single"), "{stderr}");
+}
+
 /// The exactness checks of `scripts/bench-compare` in small: 16 streams on one key of a
 /// 20-token bucket that does not refill meanwhile, with no warmup and the CPU of a process
 /// tree read at the start (a slow read, as for a PostgreSQL cluster). The report counts
