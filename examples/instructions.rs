@@ -4,7 +4,7 @@
 //! so a regression shows on a noisy machine where time cannot.
 //!
 //! ```text
-//! instructions <memory|grpc> <decisions>
+//! instructions <memory|grpc|envoy> <decisions>
 //! ```
 //!
 //! - `memory`: [`Limiter::should_rate_limit`] over the memory store, the decision path without
@@ -13,8 +13,11 @@
 //!   lenient codec ([`tollgate::server::decode_request`]), the service `serve` answers with
 //!   ([`tollgate::server::rate_limit_service`]: the decision, the response, the request
 //!   metrics), and the response encoded.
+//! - `envoy`: the memory path on the Envoy shape of the load benchmark
+//!   (`benches/rules/envoy-shape.yaml`: four descriptors a request, two of them nested, one
+//!   bucket every request shares), for 1,000 clients in turn.
 //!
-//! Both decide one token of `benches/rules/bench.yaml` (one key-only descriptor, a bucket of
+//! `memory` and `grpc` decide one token of `benches/rules/bench.yaml` (one key-only descriptor, a bucket of
 //! 1,000,000 tokens refilled 1,000,000/s) on values `0` to `999` in turn, on a manual clock that
 //! moves 2 µs before each decision, so every decision refills and is admitted; the Prometheus
 //! recorder `serve` installs is installed, so metrics cost what they cost in production.
@@ -64,11 +67,15 @@ fn main() -> ExitCode {
         eprintln!("{e:#}");
         return ExitCode::FAILURE;
     }
-    let rules = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/rules/bench.yaml");
-    let rules = match load_rules(&rules) {
+    let file = if path == "envoy" {
+        "benches/rules/envoy-shape.yaml"
+    } else {
+        "benches/rules/bench.yaml"
+    };
+    let rules = match load_rules(&Path::new(env!("CARGO_MANIFEST_DIR")).join(file)) {
         Ok(rules) => rules,
         Err(e) => {
-            eprintln!("benches/rules/bench.yaml: {e}");
+            eprintln!("{file}: {e}");
             return ExitCode::FAILURE;
         }
     };
@@ -76,9 +83,13 @@ fn main() -> ExitCode {
     let store = MemoryStore::new(64, 1_000_000, Arc::new(clock.clone()));
     let options = LimiterOptions::from_settings(&tollgate::server::settings::Settings::default());
     let limiter = Arc::new(Limiter::new(rules, store, options));
-    let requests: Vec<RateLimitRequest> = (0..KEYS).map(request).collect();
+    let requests: Vec<RateLimitRequest> = if path == "envoy" {
+        (0..KEYS).map(envoy_request).collect()
+    } else {
+        (0..KEYS).map(request).collect()
+    };
     let admitted = match path.as_str() {
-        "memory" => run(decisions, slowdown, &clock, |i| {
+        "memory" | "envoy" => run(decisions, slowdown, &clock, |i| {
             let response = block_on(limiter.should_rate_limit(&requests[i % KEYS]));
             response.is_ok_and(|r| r.overall_code == Code::Ok as i32)
         }),
@@ -98,7 +109,7 @@ fn main() -> ExitCode {
             })
         }
         other => {
-            eprintln!("unknown path {other:?}: memory or grpc");
+            eprintln!("unknown path {other:?}: memory, grpc or envoy");
             return ExitCode::from(2);
         }
     };
@@ -161,6 +172,38 @@ fn request(i: usize) -> RateLimitRequest {
             }],
             ..Default::default()
         }],
+        hits_addend: 1,
+    }
+}
+
+/// Client `i` of the Envoy shape: `[remote_address]`, `[api_key, path]`, `[generic_key=global]`
+/// and `[header_match=premium, tenant]`, as `tollgate-loadgen run --shape envoy` sends them
+/// (8 paths, 50 tenants).
+fn envoy_request(i: usize) -> RateLimitRequest {
+    let descriptor = |entries: &[(&str, String)]| RateLimitDescriptor {
+        entries: entries
+            .iter()
+            .map(|(key, value)| Entry {
+                key: (*key).to_owned(),
+                value: value.clone(),
+            })
+            .collect(),
+        ..Default::default()
+    };
+    RateLimitRequest {
+        domain: "bench_envoy".to_owned(),
+        descriptors: vec![
+            descriptor(&[("remote_address", format!("10.0.{}.{}", i >> 8, i & 0xff))]),
+            descriptor(&[
+                ("api_key", format!("ak_live_{i:016x}")),
+                ("path", format!("/api/v1/route{}", i % 8)),
+            ]),
+            descriptor(&[("generic_key", "global".to_owned())]),
+            descriptor(&[
+                ("header_match", "premium".to_owned()),
+                ("tenant", format!("tenant-{:02}", i % 50)),
+            ]),
+        ],
         hits_addend: 1,
     }
 }
