@@ -13,7 +13,6 @@
 //! [`Limiter::resolve`] runs steps 2 and 4 alone, for one descriptor, so that the admin API
 //! ([`crate::server::admin`]) addresses exactly the bucket instances a request would.
 
-use std::borrow::Cow;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
@@ -31,7 +30,7 @@ use crate::core::schedule::Plan;
 use crate::core::units::envoy_unit_us;
 use crate::decision::metadata::dynamic_metadata;
 use crate::decision::quota_mode::{spend_refunds, QuotaGroup};
-use crate::decision::response::{build_response, failure_response, Part, Target};
+use crate::decision::response::{build_response, failure_response, Part, PolicyRef, Target};
 use crate::rules::matcher::{find_node, find_rule, instance_key, shared_patterns};
 use crate::rules::{BucketPolicy, Domain, ReportedLimit, Rule, RuleSet, OVERRIDE_BUCKET};
 use crate::store::FailureMode;
@@ -233,7 +232,7 @@ pub struct Limiter<S> {
 /// Policies are borrowed from the rules in force, so the hot path copies no names.
 struct Matched<'r> {
     /// The rule's buckets, never empty, in the rule's order, with where each is counted.
-    parts: SmallVec<[(Cow<'r, BucketPolicy>, &'r DecisionCounters); 2]>,
+    parts: SmallVec<[(PolicyRef<'r>, &'r DecisionCounters); 2]>,
     shadow: bool,
     /// The rule's own `quota_mode` (the global switch is added in [`demands_of`]).
     quota_mode: bool,
@@ -261,7 +260,7 @@ impl<'r> Matched<'r> {
             }) => Some(Matched {
                 parts: buckets
                     .iter()
-                    .map(|b| (Cow::Borrowed(&dom.buckets[*b]), dom.counters_of(*b)))
+                    .map(|b| (PolicyRef::Rule(&dom.buckets[*b]), dom.counters_of(*b)))
                     .collect(),
                 shadow: *shadow,
                 quota_mode: *quota_mode,
@@ -465,7 +464,7 @@ impl<S: Store> Limiter<S> {
                 plan: policy.plan.clone(),
             })
             .collect();
-        let policies = m.parts.iter().map(|(policy, _)| policy.clone().into_owned()).collect();
+        let policies = m.parts.iter().map(|(policy, _)| BucketPolicy::clone(policy)).collect();
         Ok(Resolved {
             rule: dom.nodes[node].path.clone(),
             shadow: m.shadow || self.options.shadow_mode,
@@ -559,7 +558,7 @@ fn override_matched<'a>(
             }
             Some(Matched {
                 parts: smallvec::smallvec![(
-                    Cow::Owned(policy),
+                    PolicyRef::Override(std::sync::Arc::new(policy)),
                     domain.map_or(DecisionCounters::noop(), |d| &d.override_counters)
                 )],
                 shadow: false,
