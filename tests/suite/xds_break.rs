@@ -4,7 +4,6 @@
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::service::discovery::v3::DiscoveryResponse;
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::google::protobuf::Any;
 use envoy_types::pb::ratelimit::config::ratelimit::v3::{RateLimitConfig, RateLimitDescriptor, RateLimitUnit};
@@ -13,10 +12,10 @@ use tokio::task::block_in_place;
 use tonic::transport::Channel;
 
 use super::xds_rules::{
-    answer_to, client, config, eventually, hits, limit, listener, node, readyz, start_plain, Ads, DOMAIN, OK, OVER,
-    PATIENCE, TYPE_URL,
+    answer_to, ask_in, client, config, eventually, hits, limit, listener, node, readyz, start_plain, Ads, DOMAIN, OK,
+    OVER, PATIENCE, TYPE_URL,
 };
-use crate::support::{self, Tollgate};
+use crate::support::Tollgate;
 
 const BACKOFF: &str = "{initial_ms: 50, max_ms: 200}";
 
@@ -89,17 +88,6 @@ fn deep(domain: &str, n: usize) -> Vec<u8> {
     encode_varint(inner.len() as u64, &mut top);
     top.extend_from_slice(&inner);
     top
-}
-
-async fn ask_in(
-    c: &mut RateLimitServiceClient<Channel>,
-    domain: &str,
-    entries: &[(&str, &str)],
-) -> Result<Code, tonic::Code> {
-    match c.should_rate_limit(support::request(domain, entries, 0)).await {
-        Ok(r) => Ok(Code::try_from(r.into_inner().overall_code).unwrap()),
-        Err(s) => Err(s.code()),
-    }
 }
 
 /// 100 snapshots sent back to back, faster than they compile: the last is in force and ACKed,
@@ -270,17 +258,7 @@ async fn fifty_thousand_descriptors_compile_in_seconds() {
     eprintln!("resource bytes: {}", wide.encoded_len());
     let started = Instant::now();
     let n = ads.push("wide", &[wide]);
-    let ack = loop {
-        let found = (1..=ads.requests()).rev().find_map(|i| {
-            let seen = futures_util::FutureExt::now_or_never(ads.request(i)).unwrap();
-            (seen.request.response_nonce == n).then_some(seen.request)
-        });
-        if let Some(ack) = found {
-            break ack;
-        }
-        assert!(started.elapsed() < Duration::from_secs(600), "no answer in 10 minutes");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let ack = answer_to(&ads, &n).await;
     eprintln!("ACK after {:?}", started.elapsed());
     assert!(ack.error_detail.is_none(), "{:?}", ack.error_detail);
     assert!(

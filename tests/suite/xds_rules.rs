@@ -335,7 +335,17 @@ pub(crate) async fn ask(
     };
     let mut all = vec![(first.0.as_str(), first.1.as_str())];
     all.extend_from_slice(entries);
-    match c.should_rate_limit(support::request(domain, &all, 0)).await {
+    ask_in(c, domain, &all).await
+}
+
+/// One request of one descriptor of exactly `entries` to `domain`: its overall code, or the
+/// gRPC error.
+pub(crate) async fn ask_in(
+    c: &mut RateLimitServiceClient<Channel>,
+    domain: &str,
+    entries: &[(&str, &str)],
+) -> Result<Code, tonic::Code> {
+    match c.should_rate_limit(support::request(domain, entries, 0)).await {
         Ok(r) => Ok(Code::try_from(r.into_inner().overall_code).unwrap()),
         Err(status) => Err(status.code()),
     }
