@@ -199,7 +199,7 @@ fn response_headers(
     let mut response_headers_to_add = Vec::new();
     if denied && headers.retry_after {
         if let Some(wait) = retry_after_us(targets, verdicts) {
-            response_headers_to_add.push(header("retry-after", ceil_seconds(wait).to_string()));
+            response_headers_to_add.push(header("retry-after", decimal(ceil_seconds(wait))));
         }
     }
     let per_bucket = lowest_per_bucket(verdicts);
@@ -236,11 +236,11 @@ fn push_ratelimit_headers(response_headers_to_add: &mut Vec<HeaderValue>, per_bu
 
 /// Pushes `X-RateLimit-Limit`, `-Remaining` and `-Reset` of the verdict `v`.
 fn push_x_ratelimit_headers(response_headers_to_add: &mut Vec<HeaderValue>, v: &Verdict<'_>) {
-    response_headers_to_add.push(header("x-ratelimit-limit", v.limit.capacity().to_string()));
-    response_headers_to_add.push(header("x-ratelimit-remaining", (v.remaining_ut / MICRO).to_string()));
+    response_headers_to_add.push(header("x-ratelimit-limit", decimal(v.limit.capacity())));
+    response_headers_to_add.push(header("x-ratelimit-remaining", decimal(v.remaining_ut / MICRO)));
     response_headers_to_add.push(header(
         "x-ratelimit-reset",
-        v.until_full_us.map_or(0, ceil_seconds).to_string(),
+        decimal(v.until_full_us.map_or(0, ceil_seconds)),
     ));
 }
 
@@ -367,13 +367,24 @@ fn push_state_item(out: &mut String, v: &Verdict<'_>) {
 /// escaped. Bucket names are printable ASCII, checked at load.
 fn push_sf_string(out: &mut String, s: &str) {
     out.push('"');
-    for c in s.chars() {
-        if c == '"' || c == '\\' {
-            out.push('\\');
+    // Names rarely hold either character: copied whole then, not pushed char by char.
+    if s.bytes().any(|b| b == b'"' || b == b'\\') {
+        for c in s.chars() {
+            if c == '"' || c == '\\' {
+                out.push('\\');
+            }
+            out.push(c);
         }
-        out.push(c);
+    } else {
+        out.push_str(s);
     }
     out.push('"');
+}
+
+/// `n` in decimal, without the formatting machinery `to_string` goes through (every decision
+/// writes three of these).
+fn decimal(n: u64) -> String {
+    itoa::Buffer::new().format(n).to_owned()
 }
 
 fn header(key: &str, value: String) -> HeaderValue {
@@ -400,5 +411,29 @@ fn duration(us: u64) -> Duration {
     Duration {
         seconds: i64::try_from(us / 1_000_000).unwrap_or(i64::MAX),
         nanos: ((us % 1_000_000) * 1000) as i32,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn structured_field_strings_are_quoted_and_escaped() {
+        let sf = |name: &str| {
+            let mut out = String::from("x=");
+            push_sf_string(&mut out, name);
+            out
+        };
+        assert_eq!(sf("per_client_ip"), r#"x="per_client_ip""#);
+        assert_eq!(sf(""), r#"x="""#);
+        assert_eq!(sf(r#"a"b\c"#), r#"x="a\"b\\c""#);
+        assert_eq!(sf(r#""\"#), r#"x="\"\\""#);
+    }
+
+    #[test]
+    fn decimals_are_written_without_formatting() {
+        assert_eq!(decimal(0), "0");
+        assert_eq!(decimal(u64::MAX), u64::MAX.to_string());
     }
 }

@@ -23,11 +23,19 @@ use crate::telemetry::DecisionCounters;
 /// `RateLimitDescriptor.limit` field of the request); no rule may use it.
 pub const OVERRIDE_BUCKET: &str = "override";
 
+/// The maps a decision looks request values up in (domains, descriptor keys and values).
+///
+/// Hashed with foldhash, seeded at random per map, rather than SipHash: their keys come from
+/// the rules, never from requests, so a client cannot fill them with colliding keys (what
+/// SipHash guards against), and a request's lookups cost several times less (a tenth of a
+/// four-descriptor decision's instructions went to SipHash).
+pub type LookupMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+
 /// All loaded domains.
 #[derive(Debug, Default)]
 pub struct RuleSet {
     /// Domains by name.
-    pub domains: HashMap<String, Domain>,
+    pub domains: LookupMap<String, Domain>,
     /// The files the rules came from, in load order.
     pub files: Vec<PathBuf>,
     /// Which successful load this is: 1 for the rules read at start, one more for each reload
@@ -442,11 +450,11 @@ pub struct Level {
     /// `key` -> `value` -> node, for exact values (a short value inline in its map slot, so
     /// comparing it reads no other memory: a big tree's lookups miss the cache once, not
     /// twice).
-    pub exact: HashMap<String, HashMap<compact_str::CompactString, usize>>,
+    pub exact: LookupMap<String, LookupMap<compact_str::CompactString, usize>>,
     /// `(key, pattern, node)` for values with `*`, in config order.
     pub wildcard: Vec<(String, Pattern, usize)>,
     /// `key` -> node, for nodes with no value (any value).
-    pub any: HashMap<String, usize>,
+    pub any: LookupMap<String, usize>,
 }
 
 /// What a node of a [`Level`] matches in an entry's value.
