@@ -12,6 +12,14 @@
 //!   generator itself spent per request in the measured window; `--json` for one JSON object.
 //! - `noop`: answers every request `OK`, one `OK` status per descriptor, nothing else, on
 //!   tollgate's own server stack and runtime choice: the ceiling every figure is compared to.
+//! - `http`: GETs a URL at a fixed open-loop `--rate` (requests per second) over `--connections`
+//!   HTTP/1.1 connections, latency counted from each request's due time; `upstream`: answers
+//!   every HTTP request `200`. Both for `scripts/bench-envoy` (see [`open_loop`]).
+
+// A file of its own in a directory named after the binary; a binary root finds modules beside
+// it (src/bin/), so the path is given.
+#[path = "tollgate-loadgen/open_loop.rs"]
+mod open_loop;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -63,6 +71,15 @@ enum Command {
         /// ceiling runs on what tollgate runs on.
         #[arg(long, value_enum, default_value_t = tollgate::server::settings::RuntimeFlavor::Auto)]
         runtime: tollgate::server::settings::RuntimeFlavor,
+    },
+    /// GET a URL at a fixed rate (open loop) and report latency from each request's due time,
+    /// response codes and CPU/request.
+    Http(open_loop::HttpArgs),
+    /// Serve HTTP/1.1 answering 200 to every request: an upstream for Envoy.
+    Upstream {
+        /// Address to listen on.
+        #[arg(long, default_value = "127.0.0.1:8082")]
+        listen: SocketAddr,
     },
 }
 
@@ -271,6 +288,10 @@ fn main() -> ExitCode {
     let runtime = match cli.command {
         Command::Noop { runtime, .. } => tollgate::server::runtime(runtime),
         Command::Run(_) => tokio::runtime::Runtime::new(),
+        // Both run pinned to one core: a second worker thread would only contend for it.
+        Command::Http(_) | Command::Upstream { .. } => {
+            tokio::runtime::Builder::new_current_thread().enable_all().build()
+        }
     };
     let runtime = match runtime {
         Ok(rt) => rt,
@@ -282,6 +303,8 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(args) => runtime.block_on(run(args)),
         Command::Noop { listen, .. } => runtime.block_on(noop(listen)),
+        Command::Http(args) => runtime.block_on(open_loop::http(args)),
+        Command::Upstream { listen } => runtime.block_on(open_loop::upstream(listen)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
