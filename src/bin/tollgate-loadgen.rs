@@ -816,18 +816,36 @@ fn print_report(
     cpu_after: &[CpuReading],
 ) -> Result<(), BoxError> {
     let report = Report::new(args, window, clk_tck, stats, cpu_before, cpu_after);
-    if args.json {
-        println!("{}", report.json);
+    let answered = stats.ok + stats.over_limit + stats.unknown_code > 0;
+    emit(
+        args.json,
+        &report.json,
+        &report.human,
+        answered,
+        stats.first_error.as_deref(),
+        "call",
+    )
+}
+
+/// Prints a report, `json` or `human` as `as_json` says. A run with no answer (`answered`
+/// false) measured nothing: then an error naming `first_error`, so the exit status says so too;
+/// `what` is what was sent (a call, a request).
+fn emit(
+    as_json: bool,
+    json: &serde_json::Value,
+    human: &str,
+    answered: bool,
+    first_error: Option<&str>,
+    what: &str,
+) -> Result<(), BoxError> {
+    if as_json {
+        println!("{json}");
     } else {
-        print!("{}", report.human);
+        print!("{human}");
     }
-    // A run with no answer measured nothing: say so in the exit status too.
-    if stats.ok + stats.over_limit + stats.unknown_code == 0 {
-        let first = stats
-            .first_error
-            .as_deref()
-            .unwrap_or("no call completed in the window");
-        return Err(format!("no call was answered (first error: {first})").into());
+    if !answered {
+        let first = first_error.unwrap_or("none completed in the window");
+        return Err(format!("no {what} was answered (first error: {first})").into());
     }
     Ok(())
 }

@@ -21,7 +21,7 @@ use hyper_util::rt::TokioIo;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 
-use super::{clock_ticks, parse_duration, read_cpu, BoxError, CpuReading};
+use super::{clock_ticks, emit, parse_duration, read_cpu, BoxError, CpuReading};
 
 /// A request sent more than this after its due time counts as late (the generator fell
 /// behind), and one that waited longer than this for a free connection as queued.
@@ -332,19 +332,15 @@ pub(crate) async fn http(args: HttpArgs) -> Result<(), BoxError> {
         cpu_before: &cpu_before,
         cpu_after: &cpu_after,
     };
-    if args.json {
-        println!("{}", report.json());
-    } else {
-        print!("{}", report.human());
-    }
-    if stats.completed() == stats.error_count() {
-        let first = stats
-            .first_error
-            .as_deref()
-            .unwrap_or("no request completed in the window");
-        return Err(format!("no request was answered (first error: {first})").into());
-    }
-    Ok(())
+    let answered = stats.completed() > stats.error_count();
+    emit(
+        args.json,
+        &report.json(),
+        &report.human(),
+        answered,
+        stats.first_error.as_deref(),
+        "request",
+    )
 }
 
 /// What `tollgate-loadgen http` prints.
