@@ -12,6 +12,14 @@
 //!   generator itself spent per request in the measured window; `--json` for one JSON object.
 //! - `noop`: answers every request `OK`, one `OK` status per descriptor, nothing else, on
 //!   tollgate's own server stack and runtime choice: the ceiling every figure is compared to.
+//! - `http`: GETs a URL at a fixed open-loop `--rate` (requests per second) over `--connections`
+//!   HTTP/1.1 connections, latency counted from each request's due time; `upstream`: answers
+//!   every HTTP request `200`. Both for `scripts/bench-envoy` (see [`open_loop`]).
+
+// A file of its own in a directory named after the binary; a binary root finds modules beside
+// it (src/bin/), so the path is given.
+#[path = "tollgate-loadgen/open_loop.rs"]
+mod open_loop;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -63,6 +71,15 @@ enum Command {
         /// ceiling runs on what tollgate runs on.
         #[arg(long, value_enum, default_value_t = tollgate::server::settings::RuntimeFlavor::Auto)]
         runtime: tollgate::server::settings::RuntimeFlavor,
+    },
+    /// GET a URL at a fixed rate (open loop) and report latency from each request's due time,
+    /// response codes and CPU/request.
+    Http(open_loop::HttpArgs),
+    /// Serve HTTP/1.1 answering 200 to every request: an upstream for Envoy.
+    Upstream {
+        /// Address to listen on.
+        #[arg(long, default_value = "127.0.0.1:8082")]
+        listen: SocketAddr,
     },
 }
 
@@ -271,6 +288,10 @@ fn main() -> ExitCode {
     let runtime = match cli.command {
         Command::Noop { runtime, .. } => tollgate::server::runtime(runtime),
         Command::Run(_) => tokio::runtime::Runtime::new(),
+        // Both run pinned to one core: a second worker thread would only contend for it.
+        Command::Http(_) | Command::Upstream { .. } => {
+            tokio::runtime::Builder::new_current_thread().enable_all().build()
+        }
     };
     let runtime = match runtime {
         Ok(rt) => rt,
@@ -282,6 +303,8 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(args) => runtime.block_on(run(args)),
         Command::Noop { listen, .. } => runtime.block_on(noop(listen)),
+        Command::Http(args) => runtime.block_on(open_loop::http(args)),
+        Command::Upstream { listen } => runtime.block_on(open_loop::upstream(listen)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -793,18 +816,36 @@ fn print_report(
     cpu_after: &[CpuReading],
 ) -> Result<(), BoxError> {
     let report = Report::new(args, window, clk_tck, stats, cpu_before, cpu_after);
-    if args.json {
-        println!("{}", report.json);
+    let answered = stats.ok + stats.over_limit + stats.unknown_code > 0;
+    emit(
+        args.json,
+        &report.json,
+        &report.human,
+        answered,
+        stats.first_error.as_deref(),
+        "call",
+    )
+}
+
+/// Prints a report, `json` or `human` as `as_json` says. A run with no answer (`answered`
+/// false) measured nothing: then an error naming `first_error`, so the exit status says so too;
+/// `what` is what was sent (a call, a request).
+fn emit(
+    as_json: bool,
+    json: &serde_json::Value,
+    human: &str,
+    answered: bool,
+    first_error: Option<&str>,
+    what: &str,
+) -> Result<(), BoxError> {
+    if as_json {
+        println!("{json}");
     } else {
-        print!("{}", report.human);
+        print!("{human}");
     }
-    // A run with no answer measured nothing: say so in the exit status too.
-    if stats.ok + stats.over_limit + stats.unknown_code == 0 {
-        let first = stats
-            .first_error
-            .as_deref()
-            .unwrap_or("no call completed in the window");
-        return Err(format!("no call was answered (first error: {first})").into());
+    if !answered {
+        let first = first_error.unwrap_or("none completed in the window");
+        return Err(format!("no {what} was answered (first error: {first})").into());
     }
     Ok(())
 }

@@ -326,3 +326,134 @@ fn loadgen_fails_when_no_call_is_answered() {
     assert!(report["errors"].as_u64().unwrap_or(0) > 0, "{report}");
     assert_eq!(report["ok"].as_u64(), Some(0), "{report}");
 }
+
+/// `tollgate-loadgen upstream` on a free loopback port, its log in `dir`.
+fn start_upstream(dir: &Path) -> (ChildGuard, SocketAddr) {
+    let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let mut server = ChildGuard::spawn(
+        "tollgate-loadgen upstream",
+        Command::new(LOADGEN)
+            .arg("upstream")
+            .arg("--listen")
+            .arg(addr.to_string()),
+        &dir.join("upstream.log"),
+    );
+    wait_until(&mut server, || {
+        TcpStream::connect_timeout(&addr, Duration::from_millis(200)).ok()
+    })
+    .unwrap_or_else(|why| panic!("upstream did not start: {why}"));
+    (server, addr)
+}
+
+/// The open-loop generator at 500 req/s for a second against the upstream: the 500 requests
+/// of the window are sent, each answered 200, and the report's CPU reading names the upstream.
+#[test]
+fn loadgen_http_sends_the_scheduled_requests() {
+    let _serial = crate::support::faults::one_at_a_time();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (upstream, addr) = start_upstream(dir.path());
+    let out = Command::new(LOADGEN)
+        .args(["http", "--json", "--rate", "500", "--duration", "1s", "--warmup", "0s"])
+        .args(["--connections", "4", "--server-pid", &upstream.id().to_string()])
+        .arg("--url")
+        .arg(format!("http://{addr}/anything"))
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("run tollgate-loadgen http");
+    assert!(out.status.success(), "loadgen http failed: {}", out.status);
+    let report = report_of(&out);
+    assert_eq!(report["sent"].as_u64(), Some(500), "{report}");
+    assert_eq!(report["completed"].as_u64(), Some(500), "{report}");
+    assert_eq!(report["status_2xx"].as_u64(), Some(500), "{report}");
+    assert_eq!(report["errors"].as_u64(), Some(0), "{report}");
+    assert_eq!(report["unanswered"].as_u64(), Some(0), "{report}");
+    assert_eq!(report["achieved_rps"].as_f64(), Some(500.0), "{report}");
+    assert!(report["latency_us"]["p50"].as_u64().unwrap_or(0) > 0, "{report}");
+    assert_eq!(
+        report["servers"][0]["pid"].as_u64(),
+        Some(u64::from(upstream.id())),
+        "{report}"
+    );
+}
+
+/// Only loopback URLs are load-tested, and a rate must be above zero.
+#[test]
+fn loadgen_http_refuses_other_hosts_and_no_rate() {
+    let refused = |url: &str, rate: &str, expected: &str| {
+        let out = Command::new(LOADGEN)
+            .args(["http", "--url", url, "--rate", rate, "--duration", "1s"])
+            .output()
+            .expect("run tollgate-loadgen http");
+        assert!(!out.status.success(), "accepted {url} at {rate}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(expected), "{url} at {rate}: {stderr}");
+    };
+    refused("http://192.0.2.1:80/", "100", "only loopback addresses");
+    refused("http://127.0.0.1:9/", "0", "--rate must be");
+}
+
+/// `scripts/bench-envoy` smoke-run on the debug binaries (a few seconds a configuration): every
+/// configuration's run is printed, every request of the window came back 2xx, the filter asked
+/// its server for each, and the table of medians and added latency has numbers. Needs Envoy
+/// (see `support::envoy_or_skip`).
+#[test]
+fn bench_envoy_smoke() {
+    let Some(envoy) = support::envoy_or_skip("bench_envoy_smoke") else {
+        return;
+    };
+    let _serial = crate::support::faults::one_at_a_time();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    // The binaries this test was built with: <target>/debug/tollgate-loadgen.
+    let target_dir = Path::new(LOADGEN)
+        .parent()
+        .and_then(Path::parent)
+        .expect("the target directory");
+    let out = Command::new(root.join("scripts/bench-envoy"))
+        .env("PROFILE", "debug")
+        .env("NO_BUILD", "1")
+        .env("CARGO_TARGET_DIR", target_dir)
+        .env("ENVOY", &envoy)
+        .env("RATES", "200")
+        .env("RUNS", "1")
+        .env("DURATION", "1s")
+        .env("WARMUP", "0.5s")
+        .env("CONNECTIONS", "4")
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("run scripts/bench-envoy");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "bench-envoy failed ({}):\n{stdout}", out.status);
+    for config in ["none", "noop", "tollgate"] {
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("rate 200 run 1 {config} ")))
+            .unwrap_or_else(|| panic!("no run line for {config}:\n{stdout}"));
+        assert!(line.contains("2xx 200 429 0 other 0 errors 0 unanswered 0"), "{line}");
+        if config != "none" {
+            // The warmup's 100 and the window's 200 (and the probe before them), each asked.
+            let (_, filter) = line.split_once("filter ok ").unwrap_or_else(|| panic!("{line}"));
+            let asked: u64 = filter.split(' ').next().and_then(|n| n.parse().ok()).expect("a count");
+            assert!(asked >= 300 && filter.ends_with(" error 0"), "{line}");
+        }
+    }
+    let numbers = |label: &str| -> Vec<f64> {
+        let row = stdout
+            .lines()
+            .find(|l| l.starts_with(label))
+            .unwrap_or_else(|| panic!("no `{label}` row:\n{stdout}"));
+        row[label.len()..]
+            .split_whitespace()
+            .map(|v| v.parse().expect("a number"))
+            .collect()
+    };
+    assert!(stdout.contains("rate 200 req/s: medians over 1 runs"), "{stdout}");
+    let p99 = numbers("p99 latency us");
+    assert!(p99.len() == 3 && p99.iter().all(|&v| v > 0.0), "{p99:?}");
+    assert_eq!(numbers("achieved req/s"), [200.0, 200.0, 200.0]);
+    assert_eq!(numbers("added p99 us").len(), 2, "{stdout}");
+    assert!(stdout.contains("target: tollgate added p99 <= 1.1x noop added p99 at 200 req/s:"));
+    assert!(
+        stdout.contains("errors (transport errors, non-2xx, unanswered): none 0, noop 0, tollgate 0"),
+        "{stdout}"
+    );
+}
