@@ -20,8 +20,8 @@
 //! carry the requests of one slot (a job is one slot's part of a request: `RedisStore` splits a
 //! request over several slots first). In Cluster mode a lane therefore groups what it took by
 //! slot and makes one call per slot, all at once on its connection: fred routes each call to its
-//! slot's owner (following `MOVED`/`ASK`) and writes the calls for one node together, so a node
-//! reads them in one go even when each carries a single request. Buckets are spread over the
+//! slot's owner (following `MOVED`/`ASK`) and writes the calls for one node back to back without
+//! waiting for answers, so a node reads them in one go even when each carries a single request. Buckets are spread over the
 //! slots by a hash of their identity, so calls carry several requests when requests share a
 //! bucket (a hot key, where batching matters most); requests on many distinct buckets gain the
 //! shared writes only.
