@@ -766,16 +766,14 @@ fn a_value_in_the_earlier_text_form_is_read_and_rewritten() {
     assert_eq!(rt.block_on(code(&mut client, &nearly_empty, 1)), Code::OverLimit);
 }
 
-const TIGHT_AND_ROOMY: &str = r#"
-domain: api
-descriptors:
-  - key: tight
-    name: tight
-    token_bucket: {capacity: 1, refill: 1/1h}
-  - key: roomy
-    name: roomy
-    token_bucket: {capacity: 10, refill: 10/1h}
-"#;
+/// Rules of two buckets, `tight` and `roomy`, of the capacities given, refilling too slowly to
+/// move the counts while a test runs.
+fn tight_and_roomy(tight: u32, roomy: u32) -> String {
+    format!(
+        "domain: api\ndescriptors:\n  - key: tight\n    name: tight\n    token_bucket: {{capacity: {tight}, refill: {tight}/1h}}\n  \
+         - key: roomy\n    name: roomy\n    token_bucket: {{capacity: {roomy}, refill: 1/1h}}\n"
+    )
+}
 
 /// The node owning each slot, from `CLUSTER SLOTS`.
 fn slot_owners(node: &RedisTarget) -> BTreeMap<(i64, i64), u16> {
@@ -823,7 +821,7 @@ fn a_request_over_buckets_in_different_slots_is_all_or_nothing() {
         .expect("an endless iterator");
     let roomy = [("roomy", roomy_value)];
     let tight = [("tight", tight_value.as_str())];
-    let tg = backend.start(TIGHT_AND_ROOMY, &[("failure_mode", "error")], &[]);
+    let tg = backend.start(&tight_and_roomy(1, 10), &[("failure_mode", "error")], &[]);
 
     let rt = runtime();
     rt.block_on(async {
@@ -918,13 +916,29 @@ async fn concurrent_streams(
     answers
 }
 
-const HOT_BUCKET: &str = r#"
-domain: api
-descriptors:
-  - key: user
-    name: per_user
-    token_bucket: {capacity: 100, refill: 1/1h}
-"#;
+/// A private three-master cluster for `test`.
+fn private_cluster(test: &str) -> Backend {
+    Backend::new(Deployment::Cluster, test).expect("a private cluster")
+}
+
+/// Starts a tollgate with `rules` on `backend` and runs [`concurrent_streams`] against it: the
+/// tollgate, every answer, and the `EVALSHA` calls the nodes received meanwhile.
+fn streams_on(
+    backend: &Backend,
+    rules: &str,
+    total: usize,
+    make: impl Fn(usize) -> RateLimitRequest + Send + Sync + 'static,
+) -> (Tollgate, Vec<RateLimitResponse>, u64) {
+    let tg = backend.start(rules, &[("failure_mode", "error")], &[]);
+    let calls_before = backend.evalsha_calls();
+    let answers = runtime().block_on(concurrent_streams(tg.grpc_addr, 64, total, make));
+    let calls = backend.evalsha_calls() - calls_before;
+    let answers = answers
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|status| panic!("{status:?}")))
+        .collect();
+    (tg, answers, calls)
+}
 
 /// On a cluster, 64 streams on one bucket of 100 tokens (`src/store/redis/batch.rs`): the
 /// requests waiting on the bucket's slot share script calls (fewer `EVALSHA` on all the nodes
@@ -932,22 +946,11 @@ descriptors:
 #[test]
 fn concurrent_requests_on_a_cluster_share_calls_and_admit_exactly_the_capacity() {
     const TOTAL: usize = 512;
-    let backend = Backend::new(
-        Deployment::Cluster,
-        "concurrent_requests_on_a_cluster_share_calls_and_admit_exactly_the_capacity",
-    )
-    .expect("a private cluster");
-    let tg = backend.start(HOT_BUCKET, &[("failure_mode", "error")], &[]);
-    let calls_before = backend.evalsha_calls();
-    let answers = runtime().block_on(concurrent_streams(tg.grpc_addr, 64, TOTAL, |_| {
-        support::request("api", &[("user", "hot")], 1)
-    }));
-    let calls = backend.evalsha_calls() - calls_before;
-
-    let codes: Vec<Code> = answers
-        .iter()
-        .map(|r| overall(r.as_ref().unwrap_or_else(|status| panic!("{status:?}"))))
-        .collect();
+    let backend = private_cluster("concurrent_requests_on_a_cluster_share_calls_and_admit_exactly_the_capacity");
+    let (_tg, answers, calls) = streams_on(&backend, &tight_and_roomy(10, 100), TOTAL, |_| {
+        support::request("api", &[("roomy", "hot")], 1)
+    });
+    let codes: Vec<Code> = answers.iter().map(overall).collect();
     let ok = codes.iter().filter(|c| **c == Code::Ok).count();
     let over = codes.iter().filter(|c| **c == Code::OverLimit).count();
     assert_eq!((ok, over), (100, TOTAL - 100));
@@ -959,17 +962,6 @@ fn concurrent_requests_on_a_cluster_share_calls_and_admit_exactly_the_capacity()
     assert_eq!(backend.assert_every_key_expires(), 1);
 }
 
-const SPANNING: &str = r#"
-domain: api
-descriptors:
-  - key: tight
-    name: tight
-    token_bucket: {capacity: 10, refill: 1/1h}
-  - key: roomy
-    name: roomy
-    token_bucket: {capacity: 100, refill: 1/1h}
-"#;
-
 /// Batched calls keep a request over two slots all or nothing: 64 streams send 256 requests
 /// over a tight bucket (10 tokens) and a roomy one (100) on another node, in alternating
 /// orders. Exactly 10 are admitted, each with both buckets OK; every other one is denied by the
@@ -978,11 +970,7 @@ descriptors:
 #[test]
 fn a_request_over_several_slots_is_all_or_nothing_when_batched() {
     const TOTAL: usize = 256;
-    let backend = Backend::new(
-        Deployment::Cluster,
-        "a_request_over_several_slots_is_all_or_nothing_when_batched",
-    )
-    .expect("a private cluster");
+    let backend = private_cluster("a_request_over_several_slots_is_all_or_nothing_when_batched");
     let owners = slot_owners(&backend.nodes[0]);
     let slot_of = |bucket: &str, entries: &[(&str, &str)]| i64::from(slot(&backend.key_of(bucket, entries)));
     let roomy_port = owner(&owners, slot_of("roomy", &[("roomy", "r")]));
@@ -990,22 +978,19 @@ fn a_request_over_several_slots_is_all_or_nothing_when_batched() {
         .map(|i| format!("t{i}"))
         .find(|v| owner(&owners, slot_of("tight", &[("tight", v.as_str())])) != roomy_port)
         .expect("an endless iterator");
-    let tg = backend.start(SPANNING, &[("failure_mode", "error")], &[]);
-    let calls_before = backend.evalsha_calls();
-    let tight = tight_value.clone();
-    let answers = runtime().block_on(concurrent_streams(tg.grpc_addr, 64, TOTAL, move |i| {
-        let (roomy, tight) = (descriptor(&[("roomy", "r")]), descriptor(&[("tight", tight.as_str())]));
+    let (tg, answers, calls) = streams_on(&backend, &tight_and_roomy(10, 100), TOTAL, move |i| {
+        let (roomy, tight) = (
+            descriptor(&[("roomy", "r")]),
+            descriptor(&[("tight", tight_value.as_str())]),
+        );
         request(if i % 2 == 0 {
             vec![roomy, tight]
         } else {
             vec![tight, roomy]
         })
-    }));
-    let calls = backend.evalsha_calls() - calls_before;
-
+    });
     let mut ok = 0;
     for r in &answers {
-        let r = r.as_ref().unwrap_or_else(|status| panic!("{status:?}"));
         let codes: Vec<i32> = r.statuses.iter().map(|s| s.code).collect();
         match overall(r) {
             Code::Ok => {
