@@ -171,6 +171,14 @@ impl Backend {
         pttls.len()
     }
 
+    /// `EVALSHA` calls so far, summed over the nodes (`INFO commandstats`).
+    fn evalsha_calls(&self) -> u64 {
+        self.nodes
+            .iter()
+            .map(|node| info_commandstats(node).get("evalsha").map_or(0, |(n, _)| *n))
+            .sum()
+    }
+
     /// The key of the bucket instance `bucket` for `entries` in domain `api`, as tollgate names it.
     fn key_of(&self, bucket: &str, entries: &[(&str, &str)]) -> Vec<u8> {
         let entries: Vec<Entry> = entries
@@ -758,16 +766,14 @@ fn a_value_in_the_earlier_text_form_is_read_and_rewritten() {
     assert_eq!(rt.block_on(code(&mut client, &nearly_empty, 1)), Code::OverLimit);
 }
 
-const TIGHT_AND_ROOMY: &str = r#"
-domain: api
-descriptors:
-  - key: tight
-    name: tight
-    token_bucket: {capacity: 1, refill: 1/1h}
-  - key: roomy
-    name: roomy
-    token_bucket: {capacity: 10, refill: 10/1h}
-"#;
+/// Rules of two buckets, `tight` and `roomy`, of the capacities given, refilling too slowly to
+/// move the counts while a test runs.
+fn tight_and_roomy(tight: u32, roomy: u32) -> String {
+    format!(
+        "domain: api\ndescriptors:\n  - key: tight\n    name: tight\n    token_bucket: {{capacity: {tight}, refill: {tight}/1h}}\n  \
+         - key: roomy\n    name: roomy\n    token_bucket: {{capacity: {roomy}, refill: 1/1h}}\n"
+    )
+}
 
 /// The node owning each slot, from `CLUSTER SLOTS`.
 fn slot_owners(node: &RedisTarget) -> BTreeMap<(i64, i64), u16> {
@@ -815,7 +821,7 @@ fn a_request_over_buckets_in_different_slots_is_all_or_nothing() {
         .expect("an endless iterator");
     let roomy = [("roomy", roomy_value)];
     let tight = [("tight", tight_value.as_str())];
-    let tg = backend.start(TIGHT_AND_ROOMY, &[("failure_mode", "error")], &[]);
+    let tg = backend.start(&tight_and_roomy(1, 10), &[("failure_mode", "error")], &[]);
 
     let rt = runtime();
     rt.block_on(async {
@@ -872,6 +878,142 @@ fn a_request_over_buckets_in_different_slots_is_all_or_nothing() {
         // And by requests: 9 more pass, the tenth does not.
         assert_eq!(code(&mut client, &roomy, 9).await, Code::Ok);
         assert_eq!(code(&mut client, &roomy, 1).await, Code::OverLimit);
+    });
+    assert_eq!(backend.assert_every_key_expires(), 2);
+}
+
+/// `streams` concurrent request loops on one connection to `addr`, each sending `make()`'s
+/// request as soon as its previous one is answered, until `total` have been sent: every answer
+/// (or failure), in no particular order.
+async fn concurrent_streams(
+    addr: SocketAddr,
+    streams: usize,
+    total: usize,
+    make: impl Fn(usize) -> RateLimitRequest + Send + Sync + 'static,
+) -> Vec<Result<RateLimitResponse, tonic::Status>> {
+    let client = connect(addr).await;
+    let sent = Arc::new(AtomicUsize::new(0));
+    let make = Arc::new(make);
+    let tasks: Vec<_> = (0..streams)
+        .map(|_| {
+            let (mut client, sent, make) = (client.clone(), sent.clone(), make.clone());
+            tokio::spawn(async move {
+                let mut answers = Vec::new();
+                loop {
+                    let i = sent.fetch_add(1, Ordering::SeqCst);
+                    if i >= total {
+                        return answers;
+                    }
+                    answers.push(client.should_rate_limit(make(i)).await.map(|r| r.into_inner()));
+                }
+            })
+        })
+        .collect();
+    let mut answers = Vec::with_capacity(total);
+    for task in tasks {
+        answers.extend(task.await.expect("a stream task"));
+    }
+    answers
+}
+
+/// A private three-master cluster for `test`.
+fn private_cluster(test: &str) -> Backend {
+    Backend::new(Deployment::Cluster, test).expect("a private cluster")
+}
+
+/// Starts a tollgate with `rules` on `backend` and runs [`concurrent_streams`] against it: the
+/// tollgate, every answer, and the `EVALSHA` calls the nodes received meanwhile.
+fn streams_on(
+    backend: &Backend,
+    rules: &str,
+    total: usize,
+    make: impl Fn(usize) -> RateLimitRequest + Send + Sync + 'static,
+) -> (Tollgate, Vec<RateLimitResponse>, u64) {
+    let tg = backend.start(rules, &[("failure_mode", "error")], &[]);
+    let calls_before = backend.evalsha_calls();
+    let answers = runtime().block_on(concurrent_streams(tg.grpc_addr, 64, total, make));
+    let calls = backend.evalsha_calls() - calls_before;
+    let answers = answers
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|status| panic!("{status:?}")))
+        .collect();
+    (tg, answers, calls)
+}
+
+/// On a cluster, 64 streams on one bucket of 100 tokens (`src/store/redis/batch.rs`): the
+/// requests waiting on the bucket's slot share script calls (fewer `EVALSHA` on all the nodes
+/// together than requests), and exactly the capacity is admitted.
+#[test]
+fn concurrent_requests_on_a_cluster_share_calls_and_admit_exactly_the_capacity() {
+    const TOTAL: usize = 512;
+    let backend = private_cluster("concurrent_requests_on_a_cluster_share_calls_and_admit_exactly_the_capacity");
+    let (_tg, answers, calls) = streams_on(&backend, &tight_and_roomy(10, 100), TOTAL, |_| {
+        support::request("api", &[("roomy", "hot")], 1)
+    });
+    let codes: Vec<Code> = answers.iter().map(overall).collect();
+    let ok = codes.iter().filter(|c| **c == Code::Ok).count();
+    let over = codes.iter().filter(|c| **c == Code::OverLimit).count();
+    assert_eq!((ok, over), (100, TOTAL - 100));
+    eprintln!("{calls} script calls for {TOTAL} requests");
+    assert!(
+        calls < TOTAL as u64,
+        "{calls} script calls for {TOTAL} requests: no call decided more than one"
+    );
+    assert_eq!(backend.assert_every_key_expires(), 1);
+}
+
+/// Batched calls keep a request over two slots all or nothing: 64 streams send 256 requests
+/// over a tight bucket (10 tokens) and a roomy one (100) on another node, in alternating
+/// orders. Exactly 10 are admitted, each with both buckets OK; every other one is denied by the
+/// tight bucket, and what its roomy slot took is given back exactly: 90 tokens remain in the
+/// roomy bucket. The calls were shared (fewer than one per slot and request).
+#[test]
+fn a_request_over_several_slots_is_all_or_nothing_when_batched() {
+    const TOTAL: usize = 256;
+    let backend = private_cluster("a_request_over_several_slots_is_all_or_nothing_when_batched");
+    let owners = slot_owners(&backend.nodes[0]);
+    let slot_of = |bucket: &str, entries: &[(&str, &str)]| i64::from(slot(&backend.key_of(bucket, entries)));
+    let roomy_port = owner(&owners, slot_of("roomy", &[("roomy", "r")]));
+    let tight_value = (0..)
+        .map(|i| format!("t{i}"))
+        .find(|v| owner(&owners, slot_of("tight", &[("tight", v.as_str())])) != roomy_port)
+        .expect("an endless iterator");
+    let (tg, answers, calls) = streams_on(&backend, &tight_and_roomy(10, 100), TOTAL, move |i| {
+        let (roomy, tight) = (
+            descriptor(&[("roomy", "r")]),
+            descriptor(&[("tight", tight_value.as_str())]),
+        );
+        request(if i % 2 == 0 {
+            vec![roomy, tight]
+        } else {
+            vec![tight, roomy]
+        })
+    });
+    let mut ok = 0;
+    for r in &answers {
+        let codes: Vec<i32> = r.statuses.iter().map(|s| s.code).collect();
+        match overall(r) {
+            Code::Ok => {
+                ok += 1;
+                assert_eq!(codes, [Code::Ok as i32; 2], "{r:?}");
+            }
+            Code::OverLimit => assert!(codes.contains(&(Code::OverLimit as i32)), "{r:?}"),
+            other => panic!("{other:?}: {r:?}"),
+        }
+    }
+    assert_eq!(ok, 10);
+    eprintln!("{calls} script calls for {TOTAL} requests over two slots");
+    assert!(
+        calls < 2 * TOTAL as u64,
+        "{calls} script calls for {TOTAL} requests over two slots: no call decided more than one"
+    );
+    runtime().block_on(async {
+        let peeked = peek(tg.admin_addr, &[("roomy", "r")]).await;
+        assert_eq!(peeked.buckets[0].tokens, 90, "{peeked:?}");
+        assert!(peeked.buckets[0].tokens_micro < 90 * MICRO + MICRO / 10, "{peeked:?}");
+        let mut client = connect(tg.grpc_addr).await;
+        assert_eq!(code(&mut client, &[("roomy", "r")], 90).await, Code::Ok);
+        assert_eq!(code(&mut client, &[("roomy", "r")], 1).await, Code::OverLimit);
     });
     assert_eq!(backend.assert_every_key_expires(), 2);
 }
@@ -1060,12 +1202,7 @@ fn concurrent_requests_share_calls_and_a_corrupt_value_refuses_only_its_own() {
     let key = backend.key_of("per_user", &victim);
     backend.nodes[0].cmd(&[b"SET", &key, b"garbage", b"PX", b"600000"]);
 
-    let calls = || {
-        info_commandstats(&backend.nodes[0])
-            .get("evalsha")
-            .map_or(0, |(n, _)| *n)
-    };
-    let calls_before = calls();
+    let calls_before = backend.evalsha_calls();
     const EACH: usize = 64;
     let (good, bad) = rt.block_on(async {
         let client = connect(tg.grpc_addr).await;
@@ -1093,7 +1230,7 @@ fn concurrent_requests_share_calls_and_a_corrupt_value_refuses_only_its_own() {
             futures_util::future::join_all(bad)
         )
     });
-    let calls_made = calls() - calls_before;
+    let calls_made = backend.evalsha_calls() - calls_before;
 
     for (i, r) in good.iter().enumerate() {
         assert_eq!(r.as_ref().map_err(|s| s.code()), Ok(&Code::Ok), "good-{i}");

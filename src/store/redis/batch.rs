@@ -1,5 +1,5 @@
-//! Implicit pipelining for a single Redis node: the decisions of concurrent requests go to
-//! Redis together, as one call of `lua/decide.lua` over several requests.
+//! Implicit pipelining: the decisions of concurrent requests go to Redis together, as one call
+//! of `lua/decide.lua` over several requests.
 //!
 //! Each request's decision stays one atomic step (the script decides the requests of a call one
 //! after the other, and Redis runs a script alone), so a batch decides exactly what the same
@@ -15,17 +15,26 @@
 //! the lanes' calls are in flight, so batches grow with load. A request whose caller has given up (its timeout passed)
 //! while it waited is dropped before the call, so it consumes nothing.
 //!
-//! Cluster mode does not batch: the keys of one call must share a slot, and the requests of a
-//! batch rarely do.
+//! **Cluster.** Redis Cluster refuses a script call whose keys lie in several slots (CROSSSLOT),
+//! and a script that reads keys it was not given breaks on a resharding, so a call can only
+//! carry the requests of one slot (a job is one slot's part of a request: `RedisStore` splits a
+//! request over several slots first). In Cluster mode a lane therefore groups what it took by
+//! slot and makes one call per slot, all at once on its connection: fred routes each call to its
+//! slot's owner (following `MOVED`/`ASK`) and writes the calls for one node back to back without
+//! waiting for answers, so a node reads them in one go even when each carries a single request. Buckets are spread over the
+//! slots by a hash of their identity, so calls carry several requests when requests share a
+//! bucket (a hot key, where batching matters most); requests on many distinct buckets gain the
+//! shared writes only.
 
 use std::sync::Arc;
 
 use fred::clients::Client;
 use fred::types::{Key, Value};
+use futures_util::future::join_all;
 use tokio::sync::{mpsc, oneshot, Mutex};
 
 use super::script::{encode_header, split_answers, CallSettings};
-use super::Conn;
+use super::{keys, Conn};
 use crate::core::clock::Clock;
 use crate::store::{batch_failure, StoreError};
 
@@ -124,34 +133,63 @@ async fn lane(
         if jobs.is_empty() {
             continue;
         }
-        let now_override = settings.time_override.as_ref().map(|c| c.now_us());
-        let mut argv = encode_header(now_override, settings.call, jobs.len());
-        let mut keys = Vec::with_capacity(jobs.len());
-        for job in &mut jobs {
-            keys.append(&mut job.keys);
-            argv.append(&mut job.args);
+        if conn.cluster && jobs.len() > 1 {
+            let mut groups = by_slot(&mut jobs);
+            join_all(groups.iter_mut().map(|group| call(&conn, &client, &settings, group))).await;
+        } else {
+            call(&conn, &client, &settings, &mut jobs).await;
         }
-        let sent_us = settings.clock.now_us();
-        let result = conn.evalsha_on(&client, &conn.scripts.decide, keys, argv).await;
-        let received_us = settings.clock.now_us();
-        let answers = result.and_then(|v| {
-            split_answers(v, jobs.len()).map_err(|e| StoreError::Unavailable(format!("decide.lua: {e}").into()))
-        });
-        match answers {
-            Ok(answers) => {
-                for (job, value) in jobs.drain(..).zip(answers) {
-                    let _ = job.reply.send(Ok(Answer {
-                        value,
-                        sent_us,
-                        received_us,
-                    }));
-                }
+    }
+}
+
+/// Splits `jobs` (emptied) into runs of one Cluster slot each, every run in arrival order.
+fn by_slot(jobs: &mut Vec<Job>) -> Vec<Vec<Job>> {
+    // A job's keys all share its slot (see the module docs), so its first key tells it.
+    let slot_of = |job: &Job| job.keys.first().map_or(0, |k| keys::slot(k.as_bytes()));
+    jobs.sort_by_cached_key(slot_of);
+    let mut groups: Vec<Vec<Job>> = Vec::new();
+    let mut last = None;
+    for job in jobs.drain(..) {
+        let slot = slot_of(&job);
+        match groups.last_mut() {
+            Some(group) if last == Some(slot) => group.push(job),
+            _ => groups.push(vec![job]),
+        }
+        last = Some(slot);
+    }
+    groups
+}
+
+/// Decides `jobs` (all of one slot in Cluster mode) in one call on `client` and hands each its
+/// answer, or the call's failure; leaves `jobs` empty.
+async fn call(conn: &Conn, client: &Client, settings: &LaneSettings, jobs: &mut Vec<Job>) {
+    let now_override = settings.time_override.as_ref().map(|c| c.now_us());
+    let mut argv = encode_header(now_override, settings.call, jobs.len());
+    let mut keys = Vec::with_capacity(jobs.len());
+    for job in jobs.iter_mut() {
+        keys.append(&mut job.keys);
+        argv.append(&mut job.args);
+    }
+    let sent_us = settings.clock.now_us();
+    let result = conn.evalsha_on(client, &conn.scripts.decide, keys, argv).await;
+    let received_us = settings.clock.now_us();
+    let answers = result.and_then(|v| {
+        split_answers(v, jobs.len()).map_err(|e| StoreError::Unavailable(format!("decide.lua: {e}").into()))
+    });
+    match answers {
+        Ok(answers) => {
+            for (job, value) in jobs.drain(..).zip(answers) {
+                let _ = job.reply.send(Ok(Answer {
+                    value,
+                    sent_us,
+                    received_us,
+                }));
             }
-            Err(e) => {
-                let answers = batch_failure(e, jobs.len());
-                for (job, answer) in jobs.drain(..).zip(answers) {
-                    let _ = job.reply.send(answer);
-                }
+        }
+        Err(e) => {
+            let answers = batch_failure(e, jobs.len());
+            for (job, answer) in jobs.drain(..).zip(answers) {
+                let _ = job.reply.send(answer);
             }
         }
     }

@@ -1,7 +1,7 @@
 //! The Redis store (docs/backends.md): bucket state shared by every tollgate replica, decided by a Lua
 //! script (`lua/decide.lua`) that reads Redis `TIME`, refills, checks and consumes from all of a
-//! request's buckets or none, atomically. On a single node, concurrent requests share a call
-//! (`batch`); each is still decided on its own.
+//! request's buckets or none, atomically. Concurrent requests share a call (`batch`; in
+//! Cluster mode, those of one slot); each is still decided on its own.
 //!
 //! **Time.** Refill uses Redis time, so replicas with skewed clocks agree (docs/backends.md).
 //! Schedules and quotas are evaluated here in Rust, at an estimate of Redis time: the local
@@ -17,7 +17,7 @@
 //! **Keys** (see [`keys`]) expire between one and two margins ([`TTL_MARGIN_MS`]) after the
 //! bucket would be full again: a write keeps the key's expiry (recorded in its value) while it
 //! lies in that range, which spares Redis most expiry updates; a full bucket is deleted. In Cluster mode a request's buckets may lie in several slots: one script
-//! call per slot, in parallel; if any denies, what the others consumed is refunded at once (a
+//! call per slot, in parallel (each batched with other requests on that slot); if any denies, what the others consumed is refunded at once (a
 //! brief under-admission, never an over-admission).
 
 pub(crate) mod batch;
@@ -42,8 +42,7 @@ use futures_util::future::join_all;
 
 use self::batch::{Answer, Batcher, Job, LaneSettings};
 use self::script::{
-    bucket_args, encode_header, encode_request, parse_reply, parse_value, replacement, split_answers, BucketArgs,
-    CallSettings, Replacement, Reply,
+    bucket_args, encode_request, parse_reply, parse_value, replacement, BucketArgs, CallSettings, Replacement, Reply,
 };
 use super::{redact_url, UnreachableAtStart};
 use super::{Applied, BucketRef, Cause, ConnectError, Peeked, Store, StoreError};
@@ -127,7 +126,7 @@ struct Conn {
 
 struct Inner {
     conn: Arc<Conn>,
-    /// Started on the first decision (it needs the runtime); single node only.
+    /// Started on the first decision (it needs the runtime).
     batcher: OnceLock<Batcher>,
     prefix: String,
     /// The local clock, to estimate Redis time between answers.
@@ -565,28 +564,10 @@ impl RedisStore {
             .unwrap_or_else(|| self.inner.offset.estimate(self.inner.clock.now_us()))
     }
 
-    /// One request's call of the decision script: batched with concurrent requests on a single
-    /// node ([`batch`]), alone in Cluster mode.
+    /// One request's call of the decision script (one slot's part of it in Cluster mode),
+    /// batched with concurrent requests ([`batch`]).
     async fn call_decide(&self, keys: Vec<Key>, args: Vec<Value>) -> Result<Answer, StoreError> {
         let conn = &self.inner.conn;
-        if conn.cluster {
-            let mut argv = encode_header(self.now_override(), self.inner.call, 1);
-            argv.extend(args);
-            let sent_us = self.inner.clock.now_us();
-            // Boxed: fred's call future is several KiB, and held inline it would make every
-            // decision's future (moved on each request) that large, batched ones included.
-            let value = Box::pin(conn.evalsha(&conn.scripts.decide, keys, argv)).await?;
-            let received_us = self.inner.clock.now_us();
-            let value = split_answers(value, 1)
-                .map_err(|e| StoreError::Unavailable(format!("decide.lua: {e}").into()))?
-                .pop()
-                .expect("one answer");
-            return Ok(Answer {
-                value,
-                sent_us,
-                received_us,
-            });
-        }
         let batcher = self.inner.batcher.get_or_init(|| {
             Batcher::start(
                 conn.clone(),
