@@ -26,6 +26,8 @@
 
 mod batch;
 
+mod function;
+
 mod settings;
 
 pub use settings::PostgresSettings;
@@ -97,6 +99,8 @@ struct Inner {
     batcher: OnceLock<Batcher>,
     /// `postgres.pool_size`.
     lanes: u32,
+    /// `postgres.unlogged`.
+    unlogged: bool,
 }
 
 fn store_error(e: sqlx::Error) -> StoreError {
@@ -201,6 +205,7 @@ impl PostgresStore {
                 time_override: None,
                 batcher: OnceLock::new(),
                 lanes: settings.pool_size,
+                unlogged: settings.unlogged,
             }),
         })
     }
@@ -246,7 +251,8 @@ impl PostgresStore {
                     .map(|m| format!("{} {}", m.version, m.description))
                     .collect();
                 if missing.is_empty() {
-                    self.check_privileges(&setup).await
+                    self.check_privileges(&setup).await?;
+                    self.check_persistence(&setup).await
                 } else {
                     Err(format!(
                         "schema {:?} lacks migrations {} (or they differ from this build's), and postgres.migrate \
@@ -310,6 +316,7 @@ impl PostgresStore {
                     e
                 }
             })?;
+            self.set_persistence(&setup).await?;
             self.check_privileges(&setup).await?;
             let applied = MIGRATOR
                 .iter()
@@ -371,6 +378,52 @@ impl PostgresStore {
              Migrations in docs/backends.md)",
             missing.join(", "),
             self.inner.schema
+        ))
+    }
+
+    /// Whether the bucket table is `UNLOGGED` now.
+    async fn is_unlogged(setup: &PgPool) -> Result<bool, String> {
+        sqlx::query_scalar("SELECT relpersistence = 'u' FROM pg_class WHERE oid = 'tollgate_buckets'::regclass")
+            .fetch_one(setup)
+            .await
+            .map_err(|e| e.to_string())
+    }
+
+    /// Makes the bucket table `UNLOGGED` or logged as `postgres.unlogged` says, when it is not
+    /// already: the change rewrites the table under an exclusive lock, so it is only made when
+    /// needed (decisions of other replicas wait for it).
+    async fn set_persistence(&self, setup: &PgPool) -> Result<(), String> {
+        if Self::is_unlogged(setup).await? == self.inner.unlogged {
+            return Ok(());
+        }
+        let to = if self.inner.unlogged { "UNLOGGED" } else { "LOGGED" };
+        sqlx::query(&format!("ALTER TABLE tollgate_buckets SET {to}"))
+            .execute(setup)
+            .await
+            .map_err(|e| {
+                format!(
+                    "making {}.tollgate_buckets {to} (postgres.unlogged): {e}",
+                    self.inner.schema
+                )
+            })?;
+        Ok(())
+    }
+
+    /// That the bucket table is as `postgres.unlogged` says, for `postgres.migrate: false`
+    /// (changing it needs the table's owner).
+    async fn check_persistence(&self, setup: &PgPool) -> Result<(), String> {
+        if Self::is_unlogged(setup).await? == self.inner.unlogged {
+            return Ok(());
+        }
+        let (want, is) = if self.inner.unlogged {
+            ("UNLOGGED", "logged")
+        } else {
+            ("logged", "UNLOGGED")
+        };
+        Err(format!(
+            "postgres.unlogged is {} but {}.tollgate_buckets is {is}, and postgres.migrate is false: run \
+             `tollgate migrate` with these settings to make it {want}",
+            self.inner.unlogged, self.inner.schema
         ))
     }
 
@@ -481,7 +534,7 @@ impl PostgresStore {
     }
 
     /// Deletes at most `limit` rows whose bucket is full again (by the plan of its last
-    /// decision), oldest first; returns how many. Run it periodically: a pass does bounded
+    /// decision), the first found in the table; returns how many. Run it periodically: a pass does bounded
     /// work, and a request never depends on it (a full bucket's row reads as full anyway).
     ///
     /// Errors: Postgres unreachable or too slow.
@@ -514,10 +567,12 @@ impl PostgresStore {
     }
 
     async fn sweep_inner(&self, limit: u32) -> Result<u64, StoreError> {
-        // One statement: Postgres's clock read in it, unless a test overrides it.
+        // One statement: Postgres's clock read in it, unless a test overrides it. No index on
+        // full_at_us (every decision writes it, and an index on it would make no update HOT):
+        // a sequential scan that stops at the `limit`th row due, skipping rows a batch holds.
         let sql = format!(
             "DELETE FROM tollgate_buckets WHERE key IN (SELECT key FROM tollgate_buckets \
-             WHERE full_at_us <= COALESCE($1, {CLOCK_US}) ORDER BY full_at_us LIMIT $2 FOR UPDATE SKIP LOCKED)"
+             WHERE full_at_us <= COALESCE($1, {CLOCK_US}) LIMIT $2 FOR UPDATE SKIP LOCKED)"
         );
         let now = self.inner.time_override.as_ref().map(|c| column(c.now_us()));
         let done = sqlx::query(&sql)
