@@ -1,21 +1,23 @@
-//! Concurrent decisions share a transaction: each connection of the pool has a *lane* that
-//! takes every request waiting, locks all their buckets' rows in one statement, decides the
-//! requests one after the other in Rust, and writes and commits once.
+//! Concurrent decisions share a call: each connection of the pool has a *lane* that takes
+//! every request waiting and decides them all in one statement, `tollgate_decide` inside
+//! PostgreSQL (the module above), or for the requests it leaves, in one transaction that locks
+//! their rows, decides in Rust, writes and commits.
 //!
 //! Each request is still decided all or nothing on its own, in the batch's order, at one
 //! instant of Postgres's clock, so a batch decides exactly what the same requests would decide
-//! one transaction each (a test below checks it). What a batch saves is the fixed cost of a
-//! transaction: its round trips (`BEGIN`, the locking statement, the write, `COMMIT`), each a
-//! socket write and a wake-up on both sides, and its commit record and WAL flush. One at a
-//! time, those round trips were most of the CPU per request on both sides (benches/README.md).
+//! one call each (a test below checks it for the transaction). What a batch saves is the fixed
+//! cost of a call: its round trip, a socket write and a wake-up on both sides, and its commit
+//! record and WAL flush. A lane keeps its connection from batch to batch, so a batch the
+//! function decides costs one round trip.
 //!
 //! As for Redis ([`crate::store::redis::batch`]) no timer fills a batch: a lane takes the first
 //! waiting request, lets the runtime's ready tasks run twice so the requests that arrived with
 //! it queue theirs, takes everything waiting then (up to [`MAX_BATCH`]), and goes. Every request
 //! has a deadline (its arrival plus `postgres.command_timeout_ms`): one whose deadline passed
-//! while it waited, or whose caller gave up, is dropped before the transaction and consumes
-//! nothing; a transaction still running at the earliest deadline of its batch is abandoned
-//! (rolled back) and its requests answered with a timeout.
+//! while it waited, or whose caller gave up, is dropped before its batch is sent and consumes
+//! nothing; a batch still running at the earliest deadline of its requests is abandoned and
+//! they are answered with a timeout (a transaction is rolled back; a function call that
+//! completes anyway may have spent tokens for them: an under-admission, never an over-admission).
 
 use std::sync::Arc;
 
