@@ -563,14 +563,15 @@ pub(crate) fn decide_batch(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use proptest::prelude::*;
 
     use super::*;
     use crate::core::bucket::{DemandKind, Limit, Rate, MICRO};
     use crate::core::schedule::Plan;
 
-    fn bucket(key: &str) -> BucketRef {
+    /// A bucket of 3 tokens refilled 3 a minute.
+    pub(in crate::store::postgres) fn bucket(key: &str) -> BucketRef {
         BucketRef {
             key: key.to_owned(),
             plan: Plan::Fixed(Limit::new(3, Rate::per(3, 60_000_000).unwrap())),

@@ -161,15 +161,8 @@ pub(crate) fn parse_answer(a: &[i64], buckets: usize, demands: &[Demand]) -> Res
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::bucket::{Limit, Rate, MICRO};
-    use crate::core::schedule::Plan;
-
-    fn fixed(key: &str) -> BucketRef {
-        BucketRef {
-            key: key.into(),
-            plan: Plan::Fixed(Limit::new(3, Rate::per(3, 60_000_000).unwrap())),
-        }
-    }
+    use crate::core::bucket::MICRO;
+    use crate::store::postgres::batch::tests::bucket as fixed;
 
     #[test]
     fn a_request_is_its_counts_then_nine_numbers_a_bucket_and_five_a_demand() {
