@@ -549,6 +549,19 @@ mod random {
         }
     }
 
+    /// The random search's settings: 128 cases, or `PROPTEST_CASES` (2000 for a longer search).
+    fn search() -> ProptestConfig {
+        ProptestConfig {
+            cases: std::env::var("PROPTEST_CASES")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(128),
+            failure_persistence: None,
+            max_shrink_iters: 4096,
+            ..ProptestConfig::default()
+        }
+    }
+
     /// Sequences the random search found where the stores disagreed, shrunk, kept as they are.
     /// Both reload an allowance (or a quota) into an expiring allowance: at the instant the old
     /// limit is whole again (the old period's end; a quota's reset edge, START + 2,000 s being
@@ -626,17 +639,7 @@ mod random {
         // Buckets whose full time the script may not know (a schedule walked beyond its
         // look-ahead, a refill of zero): their keys are kept without expiry, as memory keeps them.
         let unbounded = std::sync::Mutex::new(std::collections::HashSet::<String>::new());
-        let config = ProptestConfig {
-            // PROPTEST_CASES=2000 for a longer search.
-            cases: std::env::var("PROPTEST_CASES")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(128),
-            failure_persistence: None,
-            max_shrink_iters: 4096,
-            ..ProptestConfig::default()
-        };
-        proptest!(config, |((specs, steps) in arb_case())| {
+        proptest!(search(), |((specs, steps) in arb_case())| {
             let n = case_no.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             agree_on(&Stores { rt: &rt, clock: &clock, redis: &redis, unbounded: &unbounded }, n, &specs, &steps)?;
         });
@@ -666,16 +669,7 @@ mod random {
         let store = rt.block_on(db.store()).with_time_override(Arc::new(clock.clone()));
         let case_no = std::sync::atomic::AtomicU64::new(0);
         let unbounded = std::sync::Mutex::new(std::collections::HashSet::<String>::new());
-        let config = ProptestConfig {
-            cases: std::env::var("PROPTEST_CASES")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(128),
-            failure_persistence: None,
-            max_shrink_iters: 4096,
-            ..ProptestConfig::default()
-        };
-        proptest!(config, |((specs, steps) in arb_case())| {
+        proptest!(search(), |((specs, steps) in arb_case())| {
             let n = case_no.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             agree_on(&Stores { rt: &rt, clock: &clock, redis: &store, unbounded: &unbounded }, n, &specs, &steps)?;
         });
