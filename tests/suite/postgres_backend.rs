@@ -57,6 +57,10 @@ async fn concurrent_requests_admit_exactly_the_capacity_with_or_without_a_row() 
     // A row already there (one token taken): 9 more, whatever the concurrency.
     assert_eq!(admitted(&stores, "warm", 10, 1).await, 1);
     assert_eq!(admitted(&stores, "warm", 10, 32).await, 9);
+    // A full batch's worth of requests on one bucket: exactly its capacity, every round.
+    for round in 0..3 {
+        assert_eq!(admitted(&stores, &format!("many-{round}"), 40, 64).await, 40);
+    }
     db.drop().await;
 }
 
@@ -482,7 +486,7 @@ async fn tollgate_migrate_prepares_the_schema_that_serve_then_only_checks() {
     );
     let (status, stdout, _) = tokio::task::block_in_place(|| migrate(&postgres));
     assert!(status.success());
-    assert!(stdout.contains("up to date (1 migration in place)"), "{stdout}");
+    assert!(stdout.contains("up to date (2 migrations in place)"), "{stdout}");
 
     let tollgate = {
         let (url, schema) = (db.url.clone(), db.name.clone());
@@ -853,4 +857,242 @@ async fn a_least_privilege_user_is_checked_at_start() {
         .execute(&mut admin)
         .await
         .unwrap();
+}
+
+/// `(updates, HOT updates)` of the schema's bucket table as the statistics report them, once
+/// they report at least `min_updates` (backends send their counts when idle, within seconds).
+async fn table_updates(db: &support::postgres::TestSchema, min_updates: i64) -> (i64, i64) {
+    use sqlx::Connection;
+    let mut conn = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    let started = std::time::Instant::now();
+    loop {
+        let (upd, hot): (i64, i64) = sqlx::query_as(
+            "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables \
+             WHERE schemaname = $1 AND relname = 'tollgate_buckets'",
+        )
+        .bind(&db.name)
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+        if upd >= min_updates || started.elapsed() > std::time::Duration::from_secs(30) {
+            return (upd, hot);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    }
+}
+
+/// Decisions rewrite a bucket's row in place: no index covers a column they change, and the
+/// fillfactor leaves room on the page, so nearly every update is heap-only (HOT). (With the
+/// index on `full_at_us`, none was.)
+#[tokio::test(flavor = "multi_thread")]
+async fn decisions_update_their_rows_hot() {
+    let test = "decisions_update_their_rows_hot";
+    let Some(db) = support::postgres::TestSchema::new(test).await else {
+        return;
+    };
+    let store = db.store().await;
+    let requests = 600;
+    for i in 0..requests {
+        let applied = store
+            .apply(&[bucket(&format!("hot-{}", i % 4), 1_000_000)], &[take(0)])
+            .await
+            .unwrap();
+        assert!(!applied.decision.denied);
+    }
+    // The first decision on each bucket inserts its row; every other one updates it.
+    let (updates, hot) = table_updates(&db, requests - 4).await;
+    assert!(updates >= requests - 4, "{updates} updates reported");
+    assert!(
+        hot * 10 >= updates * 9,
+        "{hot} of {updates} updates were HOT: most should be"
+    );
+    db.drop().await;
+}
+
+/// `postgres.unlogged: true` makes the bucket table UNLOGGED at migration, `false` makes it
+/// logged again; with `migrate: false` a table that differs refuses the start, naming the
+/// setting.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_unlogged_setting_switches_the_table_both_ways() {
+    use sqlx::Connection;
+    use std::time::Duration;
+    let test = "the_unlogged_setting_switches_the_table_both_ways";
+    let Some(db) = support::postgres::TestSchema::new(test).await else {
+        return;
+    };
+    let persistence = || async {
+        let mut conn = sqlx::PgConnection::connect(&db.url).await.unwrap();
+        let p: i8 = sqlx::query_scalar(&format!(
+            "SELECT relpersistence::\"char\" FROM pg_class WHERE oid = '\"{}\".tollgate_buckets'::regclass",
+            db.name
+        ))
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+        char::from(p as u8)
+    };
+    let with = |unlogged: bool, migrate: bool| {
+        let mut settings = support::postgres::settings(&db.url, &db.name);
+        settings.unlogged = unlogged;
+        settings.migrate = migrate;
+        PostgresStore::new(&settings).unwrap()
+    };
+    let store = db.store().await;
+    assert_eq!(persistence().await, 'p', "logged by default");
+    store.apply(&[bucket("kept", 10)], &[take(0)]).await.unwrap();
+
+    let unlogged = with(true, true);
+    unlogged.connect(Duration::from_secs(10)).await.unwrap();
+    assert_eq!(persistence().await, 'u');
+    // Its rows survive the switch, and decisions go on.
+    let applied = unlogged.apply(&[bucket("kept", 10)], &[take(0)]).await.unwrap();
+    assert_eq!(applied.decision.instances[0].after.tokens_ut / MICRO, 8, "{applied:?}");
+    // Checked, not changed, without migrations.
+    let e = with(false, false)
+        .connect(Duration::from_secs(10))
+        .await
+        .expect_err("a table that is not as configured");
+    assert!(e.to_string().contains("postgres.unlogged is false"), "{e}");
+    assert_eq!(persistence().await, 'u');
+    with(true, false).connect(Duration::from_secs(10)).await.unwrap();
+
+    with(false, true).connect(Duration::from_secs(10)).await.unwrap();
+    assert_eq!(persistence().await, 'p', "logged again");
+    let e = with(true, false).connect(Duration::from_secs(10)).await.unwrap_err();
+    assert!(e.to_string().contains("postgres.unlogged is true"), "{e}");
+    db.drop().await;
+}
+
+/// A loopback TCP proxy in front of PostgreSQL that counts the client's round trips: each
+/// `Sync` (extended protocol) or `Query` (simple protocol) message ends one.
+struct RoundTrips {
+    port: u16,
+    count: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl RoundTrips {
+    async fn start(upstream: std::net::SocketAddr) -> RoundTrips {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let count = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counter = count.clone();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let server = tokio::net::TcpStream::connect(upstream).await.unwrap();
+                let (mut from_client, mut to_client) = client.into_split();
+                let (mut from_server, mut to_server) = server.into_split();
+                tokio::spawn(async move { tokio::io::copy(&mut from_server, &mut to_client).await });
+                let counter = counter.clone();
+                tokio::spawn(async move {
+                    // Untyped messages (SSL request, startup) until the startup message, then
+                    // typed ones: a type byte and a length that counts itself.
+                    let mut typed = false;
+                    loop {
+                        let tag = if typed {
+                            match from_client.read_u8().await {
+                                Ok(t) => Some(t),
+                                Err(_) => return,
+                            }
+                        } else {
+                            None
+                        };
+                        let Ok(len) = from_client.read_u32().await else { return };
+                        let mut body = vec![0u8; len as usize - 4];
+                        if from_client.read_exact(&mut body).await.is_err() {
+                            return;
+                        }
+                        match tag {
+                            Some(b'S' | b'Q') => {
+                                counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                            }
+                            Some(_) => {}
+                            // SSLRequest and GSSENCRequest come before the startup message.
+                            None => typed = !matches!(body.get(..4), Some([4, 210, 22, 47] | [4, 210, 22, 48])),
+                        }
+                        let mut frame = Vec::with_capacity(len as usize + 1);
+                        frame.extend(tag);
+                        frame.extend_from_slice(&len.to_be_bytes());
+                        frame.extend_from_slice(&body);
+                        if to_server.write_all(&frame).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        RoundTrips { port, count }
+    }
+
+    fn get(&self) -> usize {
+        self.count.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// A decision on constant limits is one round trip to PostgreSQL: one statement in
+/// autocommit, with the rows locked only inside the server. (In a transaction decided in Rust,
+/// it was four: BEGIN, the locking statement, the write, COMMIT.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_decision_is_one_round_trip() {
+    use std::time::Duration;
+    let test = "a_decision_is_one_round_trip";
+    let Some(db) = support::postgres::TestSchema::new(test).await else {
+        return;
+    };
+    let url: url_parts::Url = db.url.parse().unwrap();
+    let upstream = tokio::net::lookup_host((url.host.as_str(), url.port))
+        .await
+        .unwrap()
+        .next()
+        .unwrap();
+    let proxy = RoundTrips::start(upstream).await;
+    let mut settings = support::postgres::settings(&url.with_port(proxy.port), &db.name);
+    settings.pool_size = 1;
+    let store = PostgresStore::new(&settings).unwrap();
+    store.connect(Duration::from_secs(10)).await.unwrap();
+    let both = [bucket("a", 1_000), bucket("b", 1_000)];
+    // The first call prepares the statement (a round trip of its own).
+    store.apply(&both, &[take(0), take(1)]).await.unwrap();
+    let before = proxy.get();
+    for _ in 0..20 {
+        let applied = store.apply(&both, &[take(0), take(1)]).await.unwrap();
+        assert!(!applied.decision.denied);
+    }
+    assert_eq!(proxy.get() - before, 20, "round trips for 20 decisions, one at a time");
+    db.drop().await;
+}
+
+mod url_parts {
+    //! Just enough of a `postgres://user@host:port/db` URL to put a proxy's port in it.
+
+    pub struct Url {
+        pub host: String,
+        pub port: u16,
+        before: String,
+        after: String,
+    }
+
+    impl std::str::FromStr for Url {
+        type Err = String;
+        fn from_str(url: &str) -> Result<Url, String> {
+            let at = url.find('@').map_or("postgres://".len(), |i| i + 1);
+            let rest = &url[at..];
+            let end = rest.find('/').unwrap_or(rest.len());
+            let (host, port) = rest[..end].rsplit_once(':').unwrap_or((&rest[..end], "5432"));
+            Ok(Url {
+                host: host.to_owned(),
+                port: port.parse().map_err(|_| format!("port in {url}"))?,
+                before: url[..at].to_owned(),
+                after: rest[end..].to_owned(),
+            })
+        }
+    }
+
+    impl Url {
+        /// The same URL to 127.0.0.1 at `port`, without TLS (the proxy reads the messages).
+        pub fn with_port(&self, port: u16) -> String {
+            let join = if self.after.contains('?') { '&' } else { '?' };
+            format!("{}127.0.0.1:{port}{}{join}sslmode=disable", self.before, self.after)
+        }
+    }
 }

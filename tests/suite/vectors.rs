@@ -433,17 +433,24 @@ mod random {
         })
     }
 
-    /// The stores and bookkeeping one sequence is decided with.
-    struct Stores<'a> {
+    /// The stores and bookkeeping one sequence is decided with: `redis` is the shared store
+    /// compared with memory (Redis, or Postgres).
+    struct Stores<'a, S> {
         rt: &'a tokio::runtime::Runtime,
         clock: &'a ManualClock,
-        redis: &'a tollgate::store::RedisStore,
+        redis: &'a S,
         unbounded: &'a std::sync::Mutex<std::collections::HashSet<String>>,
     }
 
     /// Decides `steps` over buckets `specs` (case `n`, which names its keys) on a fresh memory
-    /// store and on Redis at the same instants: every decision and micro-token must agree.
-    fn agree_on(s: &Stores, n: u64, specs: &[BucketSpec], steps: &[RandomStep]) -> Result<(), TestCaseError> {
+    /// store and on the shared store at the same instants: every decision and micro-token must
+    /// agree.
+    fn agree_on<S: Store>(
+        s: &Stores<S>,
+        n: u64,
+        specs: &[BucketSpec],
+        steps: &[RandomStep],
+    ) -> Result<(), TestCaseError> {
         let (rt, clock, redis, unbounded) = (s.rt, s.clock, s.redis, s.unbounded);
 
         clock.set_us(START);
@@ -542,6 +549,19 @@ mod random {
         }
     }
 
+    /// The random search's settings: 128 cases, or `PROPTEST_CASES` (2000 for a longer search).
+    fn search() -> ProptestConfig {
+        ProptestConfig {
+            cases: std::env::var("PROPTEST_CASES")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(128),
+            failure_persistence: None,
+            max_shrink_iters: 4096,
+            ..ProptestConfig::default()
+        }
+    }
+
     /// Sequences the random search found where the stores disagreed, shrunk, kept as they are.
     /// Both reload an allowance (or a quota) into an expiring allowance: at the instant the old
     /// limit is whole again (the old period's end; a quota's reset edge, START + 2,000 s being
@@ -619,17 +639,7 @@ mod random {
         // Buckets whose full time the script may not know (a schedule walked beyond its
         // look-ahead, a refill of zero): their keys are kept without expiry, as memory keeps them.
         let unbounded = std::sync::Mutex::new(std::collections::HashSet::<String>::new());
-        let config = ProptestConfig {
-            // PROPTEST_CASES=2000 for a longer search.
-            cases: std::env::var("PROPTEST_CASES")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(128),
-            failure_persistence: None,
-            max_shrink_iters: 4096,
-            ..ProptestConfig::default()
-        };
-        proptest!(config, |((specs, steps) in arb_case())| {
+        proptest!(search(), |((specs, steps) in arb_case())| {
             let n = case_no.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             agree_on(&Stores { rt: &rt, clock: &clock, redis: &redis, unbounded: &unbounded }, n, &specs, &steps)?;
         });
@@ -643,6 +653,27 @@ mod random {
             "keys of buckets with a known full time without a TTL: {without_ttl:?}"
         );
         support::redis::delete_prefix(url.as_str(), &prefix);
+    }
+
+    /// The same random search on Postgres: `tollgate_decide` (and the transaction for
+    /// schedules and walks) must agree with memory as the Redis script does.
+    #[test]
+    fn postgres_and_memory_agree_on_random_sequences() {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let Some(db) = rt.block_on(support::postgres::TestSchema::new(
+            "postgres_and_memory_agree_on_random_sequences",
+        )) else {
+            return;
+        };
+        let clock = ManualClock::new(START);
+        let store = rt.block_on(db.store()).with_time_override(Arc::new(clock.clone()));
+        let case_no = std::sync::atomic::AtomicU64::new(0);
+        let unbounded = std::sync::Mutex::new(std::collections::HashSet::<String>::new());
+        proptest!(search(), |((specs, steps) in arb_case())| {
+            let n = case_no.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            agree_on(&Stores { rt: &rt, clock: &clock, redis: &store, unbounded: &unbounded }, n, &specs, &steps)?;
+        });
+        rt.block_on(db.drop());
     }
 }
 

@@ -1,32 +1,37 @@
-//! Concurrent decisions share a transaction: each connection of the pool has a *lane* that
-//! takes every request waiting, locks all their buckets' rows in one statement, decides the
-//! requests one after the other in Rust, and writes and commits once.
+//! Concurrent decisions share a call: each connection of the pool has a *lane* that takes
+//! every request waiting and decides them all in one statement, `tollgate_decide` inside
+//! PostgreSQL (the module above), or for the requests it leaves, in one transaction that locks
+//! their rows, decides in Rust, writes and commits.
 //!
 //! Each request is still decided all or nothing on its own, in the batch's order, at one
 //! instant of Postgres's clock, so a batch decides exactly what the same requests would decide
-//! one transaction each (a test below checks it). What a batch saves is the fixed cost of a
-//! transaction: its round trips (`BEGIN`, the locking statement, the write, `COMMIT`), each a
-//! socket write and a wake-up on both sides, and its commit record and WAL flush. One at a
-//! time, those round trips were most of the CPU per request on both sides (benches/README.md).
+//! one call each (a test below checks it for the transaction). What a batch saves is the fixed
+//! cost of a call: its round trip, a socket write and a wake-up on both sides, and its commit
+//! record and WAL flush. A lane keeps its connection from batch to batch, so a batch the
+//! function decides costs one round trip.
 //!
 //! As for Redis ([`crate::store::redis::batch`]) no timer fills a batch: a lane takes the first
 //! waiting request, lets the runtime's ready tasks run twice so the requests that arrived with
 //! it queue theirs, takes everything waiting then (up to [`MAX_BATCH`]), and goes. Every request
 //! has a deadline (its arrival plus `postgres.command_timeout_ms`): one whose deadline passed
-//! while it waited, or whose caller gave up, is dropped before the transaction and consumes
-//! nothing; a transaction still running at the earliest deadline of its batch is abandoned
-//! (rolled back) and its requests answered with a timeout.
+//! while it waited, or whose caller gave up, is dropped before its batch is sent and consumes
+//! nothing; a batch still running at the earliest deadline of its requests is abandoned and
+//! they are answered with a timeout (a transaction is rolled back; a function call that
+//! completes anyway may have spent tokens for them: an under-admission, never an over-admission).
 
 use std::sync::Arc;
 
-use sqlx::postgres::PgPool;
+use sqlx::pool::PoolConnection;
+use sqlx::postgres::{PgConnection, PgPool};
+use sqlx::Postgres;
 use sqlx::Row;
 use tokio::sync::{mpsc, oneshot, Mutex};
 use tokio::time::Instant;
 
-use super::{column, row_state, store_error, CLOCK_US};
+use super::{column, function, row_state, store_error, CLOCK_US};
 use crate::core::bucket::{decide, BucketState, Demand};
 use crate::core::clock::Clock;
+use crate::store::redis::script::BucketArgs;
 use crate::store::{batch_failure, Applied, BucketRef, StoreError};
 
 /// The most requests one transaction decides. Bounds how long its rows stay locked.
@@ -91,6 +96,10 @@ impl Batcher {
 
 async fn lane(pool: PgPool, rx: Arc<Mutex<mpsc::UnboundedReceiver<Job>>>, time_override: Option<Arc<dyn Clock>>) {
     let mut jobs: Vec<Job> = Vec::with_capacity(MAX_BATCH);
+    // The lane keeps its connection from batch to batch: the pool pings a connection when it
+    // is taken and again when it is given back, two round trips a batch would otherwise pay
+    // besides its own one.
+    let mut held: Option<PoolConnection<Postgres>> = None;
     loop {
         {
             let mut rx = rx.lock().await;
@@ -115,22 +124,29 @@ async fn lane(pool: PgPool, rx: Arc<Mutex<mpsc::UnboundedReceiver<Job>>>, time_o
             continue;
         };
         let clock = time_override.as_deref();
-        let results = match tokio::time::timeout_at(deadline, transact(&pool, &jobs, clock)).await {
-            Ok(Ok(results)) => results,
-            // The database refused a statement of the batch (say, a row it cannot store): decide
-            // the requests one by one, so only the one at fault fails.
-            Ok(Err(Failure { refused: true, .. })) if jobs.len() > 1 => {
-                match tokio::time::timeout_at(deadline, one_by_one(&pool, &jobs, clock)).await {
-                    Ok(results) => results,
-                    Err(_) => batch_failure(late(), jobs.len()),
-                }
+        // Past the deadline, a batch whose function call or transaction already committed
+        // spent tokens for requests answered with a timeout (never an over-admission).
+        let mut broken = false;
+        let run = async {
+            if held.is_none() {
+                held = Some(pool.acquire().await.map_err(store_error)?);
             }
-            Ok(Err(f)) => batch_failure(f.error, jobs.len()),
-            // Dropping the transaction rolls it back when its connection is next used, unless
-            // its COMMIT was already sent: then it may commit, and its requests, answered with
-            // a timeout, spent tokens without being admitted (never an over-admission).
-            Err(_) => batch_failure(late(), jobs.len()),
+            let conn = held.as_mut().expect("a connection was just acquired");
+            Ok::<_, StoreError>(decide_jobs(conn, &jobs, clock, &mut broken).await)
         };
+        let results = match tokio::time::timeout_at(deadline, run).await {
+            Ok(Ok(results)) => results,
+            Ok(Err(e)) => batch_failure(e, jobs.len()),
+            Err(_) => {
+                broken = true;
+                batch_failure(late(), jobs.len())
+            }
+        };
+        // A connection that failed, or was abandoned in the middle of a statement, goes back to
+        // the pool, which tests it (and closes it if it is broken); the next batch takes another.
+        if broken {
+            held = None;
+        }
         for (job, result) in jobs.drain(..).zip(results) {
             let _ = job.reply.send(result);
         }
@@ -141,16 +157,137 @@ fn late() -> StoreError {
     StoreError::Timeout("no decision from Postgres in time".into())
 }
 
-/// Each job in a transaction of its own, one after the other.
-async fn one_by_one(pool: &PgPool, jobs: &[Job], clock: Option<&dyn Clock>) -> Vec<Result<Applied, StoreError>> {
-    let mut results = Vec::with_capacity(jobs.len());
-    for job in jobs {
-        match transact(pool, std::slice::from_ref(job), clock).await {
-            Ok(mut one) => results.push(one.pop().unwrap_or_else(|| Err(late()))),
-            Err(f) => results.push(Err(f.error)),
+/// Decides `jobs`: those [`function::request_args`] accepts in one call of `tollgate_decide`
+/// (one statement in autocommit: one round trip, the rows locked only inside the server), and
+/// the rest, with those it answered "again", in one transaction decided in Rust. Either step
+/// that PostgreSQL refuses is done again one job at a time, so only the job at fault fails;
+/// the function's commits are never undone nor repeated by the transaction's failure.
+/// Sets `broken` when the connection failed (rather than PostgreSQL refusing a statement).
+async fn decide_jobs(
+    conn: &mut PgConnection,
+    jobs: &[Job],
+    clock: Option<&dyn Clock>,
+    broken: &mut bool,
+) -> Vec<Result<Applied, StoreError>> {
+    let mut note = |f: Failure| {
+        *broken |= !f.refused;
+        f.error
+    };
+    let all: Vec<&Job> = jobs.iter().collect();
+    let mut results = match in_function(conn, &all, clock).await {
+        Ok(results) => results,
+        Err(Failure { refused: true, .. }) if all.len() > 1 => {
+            let mut results = Vec::with_capacity(all.len());
+            for job in &all {
+                results.push(match in_function(conn, std::slice::from_ref(job), clock).await {
+                    Ok(mut one) => one.pop().flatten(),
+                    Err(f) => Some(Err(note(f))),
+                });
+            }
+            results
+        }
+        Err(f) => batch_failure(note(f), all.len()).into_iter().map(Some).collect(),
+    };
+    let rest: Vec<&Job> = all
+        .iter()
+        .zip(&results)
+        .filter(|(_, r)| r.is_none())
+        .map(|(j, _)| *j)
+        .collect();
+    if !rest.is_empty() {
+        let decided = match transact(conn, &rest, clock).await {
+            Ok(decided) => decided,
+            Err(Failure { refused: true, .. }) if rest.len() > 1 => {
+                let mut decided = Vec::with_capacity(rest.len());
+                for job in &rest {
+                    decided.push(match transact(conn, std::slice::from_ref(job), clock).await {
+                        Ok(mut one) => one.pop().unwrap_or_else(|| Err(late())),
+                        Err(f) => Err(note(f)),
+                    });
+                }
+                decided
+            }
+            Err(f) => batch_failure(note(f), rest.len()),
+        };
+        let mut decided = decided.into_iter();
+        for slot in results.iter_mut().filter(|r| r.is_none()) {
+            *slot = decided.next();
         }
     }
-    results
+    results.into_iter().map(|r| r.unwrap_or_else(|| Err(late()))).collect()
+}
+
+/// Postgres's time as tollgate estimates it, to work out the function's arguments: the local
+/// clock (or the test override). An estimate off by enough to cross a change of limit costs
+/// the request a transaction (the function answers "again"), never a wrong decision.
+fn estimate_us(clock: Option<&dyn Clock>) -> u64 {
+    match clock {
+        Some(c) => c.now_us(),
+        None => crate::core::clock::SystemClock.now_us(),
+    }
+}
+
+/// `jobs` in one call of `tollgate_decide`. Per job, its decision or refusal, or `None`: not
+/// sent (see [`function::request_args`]) or answered "again", left for a transaction.
+async fn in_function(
+    conn: &mut PgConnection,
+    jobs: &[&Job],
+    clock: Option<&dyn Clock>,
+) -> Result<Vec<Option<Result<Applied, StoreError>>>, Failure> {
+    let buckets: Vec<&[BucketRef]> = jobs.iter().map(|j| j.buckets.as_slice()).collect();
+    let (keys, index) = keys_of(&buckets);
+    let t = estimate_us(clock);
+    let accepted: Vec<(usize, Vec<BucketArgs>)> = jobs
+        .iter()
+        .enumerate()
+        .filter_map(|(j, job)| Some((j, function::request_args(&job.buckets, &index[j], t)?)))
+        .collect();
+    let mut results: Vec<Option<Result<Applied, StoreError>>> = (0..jobs.len()).map(|_| None).collect();
+    if accepted.is_empty() {
+        return Ok(results);
+    }
+    // Only the rows of the jobs sent are locked here; the others' are the transaction's.
+    let mut used: Vec<usize> = accepted.iter().flat_map(|(j, _)| index[*j].iter().copied()).collect();
+    used.sort_unstable();
+    used.dedup();
+    let mut call = function::Call::default();
+    for (j, args) in &accepted {
+        let local: Vec<usize> = index[*j]
+            .iter()
+            .map(|k| used.binary_search(k).expect("a key of the list"))
+            .collect();
+        call.push(args, &local, &jobs[*j].demands);
+    }
+    let sent_keys: Vec<&Vec<u8>> = used.iter().map(|&k| &keys[k]).collect();
+    let answers: Vec<Vec<i64>> = sqlx::query_scalar("SELECT a FROM tollgate_decide($1, $2, $3, $4, $5) AS a")
+        .bind(clock.map(|c| column(c.now_us())))
+        .bind(&sent_keys)
+        .bind(&call.req)
+        .bind(&call.bk)
+        .bind(&call.dm)
+        .fetch_all(&mut *conn)
+        .await?;
+    if answers.len() != accepted.len() {
+        return Err(StoreError::Unavailable(
+            format!(
+                "tollgate_decide answered {} of {} requests",
+                answers.len(),
+                accepted.len()
+            )
+            .into(),
+        )
+        .into());
+    }
+    for ((j, _), answer) in accepted.iter().zip(&answers) {
+        let (j, job) = (*j, jobs[*j]);
+        results[j] = match function::parse_answer(answer, job.buckets.len(), &job.demands) {
+            Ok(function::Answer::Decided(applied)) => Some(Ok(applied)),
+            Ok(function::Answer::Bad(e)) => Some(Err(e)),
+            Ok(function::Answer::Again) => None,
+            Err(e) => Some(Err(StoreError::Unavailable(e.into()))),
+        };
+    }
+    Ok(results)
 }
 
 /// Why a batch's transaction failed.
@@ -229,16 +366,17 @@ pub(super) fn keys_of(jobs: &[&[BucketRef]]) -> (Vec<Vec<u8>>, Vec<Vec<usize>>) 
     (keys, index)
 }
 
-/// One batch's transaction: lock (inserting what is missing), read Postgres's clock, decide
-/// each job in turn, write, commit. Per job, its decision, or why it was refused.
+/// One batch's transaction, for the jobs the function does not decide: lock (inserting what is
+/// missing), read Postgres's clock, decide each job in turn in Rust, write, commit. Per job,
+/// its decision, or why it was refused.
 async fn transact(
-    pool: &PgPool,
-    jobs: &[Job],
+    conn: &mut PgConnection,
+    jobs: &[&Job],
     time_override: Option<&dyn Clock>,
 ) -> Result<Vec<Result<Applied, StoreError>>, Failure> {
     let buckets: Vec<&[BucketRef]> = jobs.iter().map(|j| j.buckets.as_slice()).collect();
     let (keys, index) = keys_of(&buckets);
-    let mut tx = pool.begin().await?;
+    let mut tx = sqlx::Connection::begin(conn).await?;
     let (stored, clock) = lock_rows(&mut tx, &keys).await?;
     let now = match time_override {
         Some(c) => c.now_us(),
@@ -425,14 +563,15 @@ pub(crate) fn decide_batch(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use proptest::prelude::*;
 
     use super::*;
     use crate::core::bucket::{DemandKind, Limit, Rate, MICRO};
     use crate::core::schedule::Plan;
 
-    fn bucket(key: &str) -> BucketRef {
+    /// A bucket of 3 tokens refilled 3 a minute.
+    pub(in crate::store::postgres) fn bucket(key: &str) -> BucketRef {
         BucketRef {
             key: key.to_owned(),
             plan: Plan::Fixed(Limit::new(3, Rate::per(3, 60_000_000).unwrap())),

@@ -1,30 +1,43 @@
 //! The Postgres store (docs/backends.md): bucket state in one table, shared by every replica, each
-//! request decided all or nothing inside a transaction that holds its buckets' rows locked.
+//! request decided all or nothing while its buckets' rows are locked, inside PostgreSQL.
 //!
-//! Concurrent requests share that transaction (`batch`: a lane per pooled connection takes
-//! every request waiting, up to 64). **A transaction** (`READ COMMITTED`):
-//! 1. One `INSERT ... ON CONFLICT DO UPDATE ... RETURNING` over the buckets of all its requests,
-//!    deduplicated and in ascending key order, takes each bucket's row and its lock in the same
-//!    step: it inserts the row a first touch needs (NULL state, read as full), or waits for
-//!    whoever holds the existing one and locks it (inserting it again if that holder deleted it
-//!    meanwhile). So no request decides on a row another can still change or delete,
-//!    concurrent first touches serialise, and since every transaction locks in the same order,
-//!    requests over {A, B} and {B, A} never deadlock. (An `ON CONFLICT DO NOTHING` and a
-//!    separate `SELECT ... FOR UPDATE` would leave a window in which a concurrent delete makes
-//!    the row vanish: a lost write.)
-//! 2. Reads Postgres's `clock_timestamp()` (after the locks, so a bucket's decisions follow its
-//!    lock order in time), and decides each request in turn in Rust with the same pure core as
-//!    the memory store ([`crate::core::bucket::decide`], schedules and quotas through each bucket's
-//!    [`Plan`](crate::core::schedule::Plan)): the same micro-tokens, bit for bit, and what the same
-//!    requests would get one transaction each.
-//! 3. Writes the changed rows (a bucket full again is deleted, as is a row created here and
-//!    left unchanged) in one statement and commits. If PostgreSQL refuses a statement, the
-//!    lane decides the batch's requests one transaction each, so only the one at fault fails.
+//! Concurrent requests share a call (`batch`: a lane per pooled connection takes every request
+//! waiting, up to 64). **A batch is one statement** in autocommit, `tollgate_decide` (a PL/pgSQL
+//! function created by the migrations; its calling convention is in `function`):
+//! 1. One `INSERT ... ON CONFLICT DO UPDATE ... WHERE false` over the buckets of all its
+//!    requests, deduplicated and in ascending key order, takes each bucket's row lock: it
+//!    inserts the row a first touch needs (NULL state, read as full), or waits for whoever holds
+//!    the existing one and locks it without writing a version of it (inserting it again if that
+//!    holder deleted it meanwhile). So no request decides on a row another can still change or
+//!    delete, concurrent first touches serialise, and since every batch locks in the same order,
+//!    requests over {A, B} and {B, A} never deadlock.
+//! 2. Reads `clock_timestamp()` once every lock is held, and decides each request in turn with
+//!    the arithmetic of `lua/decide.lua` (the same per-bucket arguments, worked out here from
+//!    each bucket's [`Plan`](crate::core::schedule::Plan) by the Redis store's
+//!    [`bucket_args`](crate::store::redis::script::bucket_args)); the shared vectors pin it to
+//!    the memory store's [`crate::core::bucket::decide`], micro-token for micro-token.
+//! 3. Writes each changed row once (a bucket full again is deleted, as is a row created here
+//!    and left unchanged), and returns the answers: the locks are held for the function's own
+//!    work, never across a round trip to tollgate.
+//!
+//! The function leaves some requests to a transaction decided in Rust with the pure core (the
+//! previous design, kept for them): a scheduled limit (bringing a bucket forward over changes
+//! of limit is tollgate's), one naming an instance twice (refused there), and those it answers
+//! "again" (a limit tollgate looked up for a time the server's clock is not in, a bucket
+//! written before a reload that changed its limit, a debt quota crossed by a reset edge). If
+//! PostgreSQL refuses a statement, its requests are decided again one at a time, so only the
+//! one at fault fails.
+//!
+//! **Rows** are updated in place as heap-only tuples (HOT): the primary key is the only index
+//! and never changes, and the table's fillfactor leaves room on each page. `postgres.unlogged`
+//! makes the table `UNLOGGED` (no WAL: its rows are lost on a crash and not replicated).
 //!
 //! Replicas whose clocks disagree still agree on every bucket: all time comes from Postgres.
 //! Rows whose bucket is full again are deleted by [`PostgresStore::sweep`] in bounded passes.
 
 mod batch;
+
+mod function;
 
 mod settings;
 
@@ -97,6 +110,8 @@ struct Inner {
     batcher: OnceLock<Batcher>,
     /// `postgres.pool_size`.
     lanes: u32,
+    /// `postgres.unlogged`.
+    unlogged: bool,
 }
 
 fn store_error(e: sqlx::Error) -> StoreError {
@@ -201,6 +216,7 @@ impl PostgresStore {
                 time_override: None,
                 batcher: OnceLock::new(),
                 lanes: settings.pool_size,
+                unlogged: settings.unlogged,
             }),
         })
     }
@@ -246,7 +262,8 @@ impl PostgresStore {
                     .map(|m| format!("{} {}", m.version, m.description))
                     .collect();
                 if missing.is_empty() {
-                    self.check_privileges(&setup).await
+                    self.check_privileges(&setup).await?;
+                    self.check_persistence(&setup).await
                 } else {
                     Err(format!(
                         "schema {:?} lacks migrations {} (or they differ from this build's), and postgres.migrate \
@@ -310,6 +327,7 @@ impl PostgresStore {
                     e
                 }
             })?;
+            self.set_persistence(&setup).await?;
             self.check_privileges(&setup).await?;
             let applied = MIGRATOR
                 .iter()
@@ -371,6 +389,52 @@ impl PostgresStore {
              Migrations in docs/backends.md)",
             missing.join(", "),
             self.inner.schema
+        ))
+    }
+
+    /// Whether the bucket table is `UNLOGGED` now.
+    async fn is_unlogged(setup: &PgPool) -> Result<bool, String> {
+        sqlx::query_scalar("SELECT relpersistence = 'u' FROM pg_class WHERE oid = 'tollgate_buckets'::regclass")
+            .fetch_one(setup)
+            .await
+            .map_err(|e| e.to_string())
+    }
+
+    /// Makes the bucket table `UNLOGGED` or logged as `postgres.unlogged` says, when it is not
+    /// already: the change rewrites the table under an exclusive lock, so it is only made when
+    /// needed (decisions of other replicas wait for it).
+    async fn set_persistence(&self, setup: &PgPool) -> Result<(), String> {
+        if Self::is_unlogged(setup).await? == self.inner.unlogged {
+            return Ok(());
+        }
+        let to = if self.inner.unlogged { "UNLOGGED" } else { "LOGGED" };
+        sqlx::query(&format!("ALTER TABLE tollgate_buckets SET {to}"))
+            .execute(setup)
+            .await
+            .map_err(|e| {
+                format!(
+                    "making {}.tollgate_buckets {to} (postgres.unlogged): {e}",
+                    self.inner.schema
+                )
+            })?;
+        Ok(())
+    }
+
+    /// That the bucket table is as `postgres.unlogged` says, for `postgres.migrate: false`
+    /// (changing it needs the table's owner).
+    async fn check_persistence(&self, setup: &PgPool) -> Result<(), String> {
+        if Self::is_unlogged(setup).await? == self.inner.unlogged {
+            return Ok(());
+        }
+        let (want, is) = if self.inner.unlogged {
+            ("UNLOGGED", "logged")
+        } else {
+            ("logged", "UNLOGGED")
+        };
+        Err(format!(
+            "postgres.unlogged is {} but {}.tollgate_buckets is {is}, and postgres.migrate is false: run \
+             `tollgate migrate` with these settings to make it {want}",
+            self.inner.unlogged, self.inner.schema
         ))
     }
 
@@ -481,7 +545,7 @@ impl PostgresStore {
     }
 
     /// Deletes at most `limit` rows whose bucket is full again (by the plan of its last
-    /// decision), oldest first; returns how many. Run it periodically: a pass does bounded
+    /// decision), the first found in the table; returns how many. Run it periodically: a pass does bounded
     /// work, and a request never depends on it (a full bucket's row reads as full anyway).
     ///
     /// Errors: Postgres unreachable or too slow.
@@ -514,10 +578,12 @@ impl PostgresStore {
     }
 
     async fn sweep_inner(&self, limit: u32) -> Result<u64, StoreError> {
-        // One statement: Postgres's clock read in it, unless a test overrides it.
+        // One statement: Postgres's clock read in it, unless a test overrides it. No index on
+        // full_at_us (every decision writes it, and an index on it would make no update HOT):
+        // a sequential scan that stops at the `limit`th row due, skipping rows a batch holds.
         let sql = format!(
             "DELETE FROM tollgate_buckets WHERE key IN (SELECT key FROM tollgate_buckets \
-             WHERE full_at_us <= COALESCE($1, {CLOCK_US}) ORDER BY full_at_us LIMIT $2 FOR UPDATE SKIP LOCKED)"
+             WHERE full_at_us <= COALESCE($1, {CLOCK_US}) LIMIT $2 FOR UPDATE SKIP LOCKED)"
         );
         let now = self.inner.time_override.as_ref().map(|c| column(c.now_us()));
         let done = sqlx::query(&sql)
@@ -623,8 +689,8 @@ impl Store for PostgresStore {
         }
     }
 
-    /// Queues the request for a lane (`batch`), which decides it in one transaction with
-    /// the requests waiting with it, within `postgres.command_timeout_ms` of now.
+    /// Queues the request for a lane (`batch`), which decides it in one call with the requests
+    /// waiting with it, within `postgres.command_timeout_ms` of now.
     async fn apply(&self, buckets: &[BucketRef], demands: &[Demand]) -> Result<Applied, StoreError> {
         let timeout = self.inner.timeout;
         let deadline = tokio::time::Instant::now() + timeout;

@@ -51,6 +51,11 @@ pub struct PostgresSettings {
     pub sweep_interval_seconds: Seconds,
     /// Rows a sweep deletes per statement (a pass runs at most 10 of them).
     pub sweep_batch: u32,
+    /// Whether the bucket table is `UNLOGGED` (no write-ahead log: cheaper writes, but its rows
+    /// are emptied after a PostgreSQL crash and are not replicated to standbys, so buckets read
+    /// as full again). Applied by migrations (`ALTER TABLE ... SET UNLOGGED` or `SET LOGGED`, a
+    /// rewrite of the table under an exclusive lock); with `migrate: false`, checked.
+    pub unlogged: bool,
 }
 
 impl Default for PostgresSettings {
@@ -71,6 +76,7 @@ impl Default for PostgresSettings {
             breaker_window_ms: Millis(1_000),
             sweep_interval_seconds: Seconds(10),
             sweep_batch: 1_000,
+            unlogged: false,
         }
     }
 }
