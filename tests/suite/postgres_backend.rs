@@ -486,7 +486,14 @@ async fn tollgate_migrate_prepares_the_schema_that_serve_then_only_checks() {
     );
     let (status, stdout, _) = tokio::task::block_in_place(|| migrate(&postgres));
     assert!(status.success());
-    assert!(stdout.contains("up to date (2 migrations in place)"), "{stdout}");
+    let migrations = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/migrations"))
+        .unwrap()
+        .filter(|e| e.as_ref().unwrap().path().extension().is_some_and(|x| x == "sql"))
+        .count();
+    assert!(
+        stdout.contains(&format!("up to date ({migrations} migrations in place)")),
+        "{stdout}"
+    );
 
     let tollgate = {
         let (url, schema) = (db.url.clone(), db.name.clone());
@@ -1095,4 +1102,73 @@ mod url_parts {
             format!("{}127.0.0.1:{port}{}{join}sslmode=disable", self.before, self.after)
         }
     }
+}
+
+/// The batch function finds its rows through the primary key, however many keys a batch
+/// carries and however many rows the table holds. (PostgreSQL planned its joins of the batch's
+/// keys to the table as a sequential scan of every row and a hash join once a batch carried a
+/// few dozen keys and the table a few thousand rows: about an eighth of the server's CPU under
+/// load, for rows the batch never touches.) Called here in a transaction of the test's own, so
+/// `pg_stat_xact_user_tables` counts exactly its scans; the arguments are laid out as the
+/// migration `20261204000001_decide_in_postgres.sql` describes.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_reads_its_rows_through_the_primary_key() {
+    use sqlx::Connection;
+    let test = "a_batch_reads_its_rows_through_the_primary_key";
+    let Some(db) = support::postgres::TestSchema::new(test).await else {
+        return;
+    };
+    let store = db.store().await; // creates and migrates the schema
+    drop(store);
+    let mut conn = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    for sql in [
+        "SET search_path TO \"{}\"",
+        // Rows of other buckets, as a busy table holds, with fresh statistics.
+        "INSERT INTO tollgate_buckets (key, tokens_ut, updated_us, full_at_us) \
+         SELECT convert_to('other-' || g, 'UTF8'), 1, 1, 1 FROM generate_series(1, 3000) AS g",
+        "ANALYZE tollgate_buckets",
+        "BEGIN",
+    ] {
+        sqlx::query(&sql.replace("{}", &db.name))
+            .execute(&mut conn)
+            .await
+            .unwrap();
+    }
+    // One request over 40 constant buckets of 1,000 tokens, taking a token from each.
+    let n: i64 = 40;
+    let mut keys: Vec<Vec<u8>> = (0..n).map(|i| format!("wide-{i:02}").into_bytes()).collect();
+    keys.sort();
+    let bk: Vec<i64> = (1..=n)
+        .flat_map(|k| [k, 1, 1_000 * MICRO as i64, MICRO as i64, 3_600_000_000, 0, 0, 0, 0])
+        .collect();
+    let dm: Vec<i64> = (1..=n).flat_map(|i| [i, 1, MICRO as i64, 1, 0]).collect();
+    let batches = 20;
+    for _ in 0..batches {
+        let answers: Vec<Vec<i64>> = sqlx::query_scalar("SELECT tollgate_decide(NULL, $1, $2, $3, $4)")
+            .bind(&keys)
+            .bind(vec![n, n])
+            .bind(&bk)
+            .bind(&dm)
+            .fetch_all(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(answers.len(), 1);
+        assert_eq!(&answers[0][..1], &[0], "decided");
+        assert_eq!(answers[0][2], 0, "admitted");
+    }
+    let (seq, idx): (i64, i64) = sqlx::query_as(
+        "SELECT seq_scan, coalesce(idx_scan, 0) FROM pg_stat_xact_user_tables \
+         WHERE schemaname = $1 AND relname = 'tollgate_buckets'",
+    )
+    .bind(&db.name)
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    assert!(idx >= batches, "{idx} index scans for {batches} batches");
+    assert_eq!(
+        seq, 0,
+        "sequential scans of the whole table for {batches} batches of {n} keys"
+    );
+    sqlx::query("ROLLBACK").execute(&mut conn).await.unwrap();
+    db.drop().await;
 }
