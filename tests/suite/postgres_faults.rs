@@ -726,3 +726,67 @@ async fn connections_use_tls_when_the_url_asks() {
     assert_eq!(plain, "0", "plain connections from tollgate");
     assert!(tls.parse::<u32>().unwrap() >= 1, "TLS connections: {tls}");
 }
+
+/// After PostgreSQL restarts, every lane's kept connection is dead; none of them may fail a
+/// request once the server is back. (A lane kept its connection from batch to batch and failed
+/// its first batch after the restart: one failed request per lane, well after recovery, which
+/// could open the circuit again.) A lane idle for a while pings its connection first; after a
+/// restart sooner than that, the first lane to find its connection broken makes the others
+/// give theirs back, so at most that one request fails.
+#[tokio::test(flavor = "multi_thread")]
+async fn kept_connections_that_died_in_a_restart_fail_no_request_after_it() {
+    use tollgate::core::bucket::{Demand, DemandKind, Limit, Rate, MICRO};
+    use tollgate::core::schedule::Plan;
+    use tollgate::store::{BucketRef, PostgresStore, Store};
+    let test = "kept_connections_that_died_in_a_restart_fail_no_request_after_it";
+    let Some(bin) = server_bin_or_skip(test) else {
+        return;
+    };
+    let mut server = block_in_place(|| PostgresServer::start(&bin));
+    let mut settings = support::postgres::settings(&server.url(), "tollgate");
+    settings.pool_size = 4;
+    let store = PostgresStore::new(&settings).unwrap();
+    store.connect(Duration::from_secs(10)).await.unwrap();
+    let one = |key: &str| {
+        let bucket = BucketRef {
+            key: key.to_owned(),
+            plan: Plan::Fixed(Limit::new(1_000, Rate::per(1_000, 3_600_000_000).unwrap())),
+        };
+        let demand = Demand {
+            instance: 0,
+            kind: DemandKind::Consume(MICRO),
+            enforced: true,
+        };
+        (vec![bucket], vec![demand])
+    };
+    // One request at a time: the lanes take turns, so eight requests give each of the four
+    // a connection. Then a restart; then eight requests again.
+    let mut failed = Vec::new();
+    for (phase, idle_first) in [("idle", true), ("at once", false)] {
+        for i in 0..8 {
+            let (b, d) = one(&format!("{phase}-before-{i}"));
+            store.apply(&b, &d).await.expect("decided before the restart");
+        }
+        if idle_first {
+            tokio::time::sleep(Duration::from_millis(1_500)).await;
+        }
+        block_in_place(|| server.restart());
+        let mut failures = 0;
+        for i in 0..8 {
+            let (b, d) = one(&format!("{phase}-after-{i}"));
+            if let Err(e) = store.apply(&b, &d).await {
+                eprintln!("{phase}: request {i} after the restart failed: {e}");
+                failures += 1;
+            }
+        }
+        failed.push((phase, failures));
+    }
+    assert_eq!(
+        failed[0].1, 0,
+        "requests failed after a restart, lanes idle: {failed:?}"
+    );
+    assert!(
+        failed[1].1 <= 1,
+        "requests failed after a restart, lanes just used: {failed:?}"
+    );
+}

@@ -19,6 +19,7 @@
 //! they are answered with a timeout (a transaction is rolled back; a function call that
 //! completes anyway may have spent tokens for them: an under-admission, never an over-admission).
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use sqlx::pool::PoolConnection;
@@ -64,13 +65,15 @@ impl Batcher {
     pub(crate) fn start(pool: PgPool, lanes: u32, time_override: Option<Arc<dyn Clock>>) -> Batcher {
         let (tx, rx) = mpsc::unbounded_channel();
         let rx = Arc::new(Mutex::new(rx));
+        let breaks = Arc::new(AtomicU64::new(0));
         for _ in 0..lanes.max(1) {
             let (pool, rx, time_override) = (pool.clone(), rx.clone(), time_override.clone());
+            let breaks = breaks.clone();
             // A lane that panicked (a bug: nothing in it should) is started again, so the store
             // does not lose its lanes one by one; the requests it held see their channel close.
             tokio::spawn(async move {
                 loop {
-                    let run = tokio::spawn(lane(pool.clone(), rx.clone(), time_override.clone()));
+                    let run = tokio::spawn(lane(pool.clone(), rx.clone(), breaks.clone(), time_override.clone()));
                     match run.await {
                         Err(e) if e.is_panic() => {
                             tracing::error!("a Postgres decision lane panicked; starting it again");
@@ -94,12 +97,33 @@ impl Batcher {
     }
 }
 
-async fn lane(pool: PgPool, rx: Arc<Mutex<mpsc::UnboundedReceiver<Job>>>, time_override: Option<Arc<dyn Clock>>) {
+/// A held connection idle longer than this is pinged before a batch uses it.
+const IDLE_CHECK: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// A lane's connection, with the count of broken connections when it was taken and when it
+/// last served.
+struct Held {
+    conn: PoolConnection<Postgres>,
+    breaks: u64,
+    used: Instant,
+}
+
+async fn lane(
+    pool: PgPool,
+    rx: Arc<Mutex<mpsc::UnboundedReceiver<Job>>>,
+    breaks: Arc<AtomicU64>,
+    time_override: Option<Arc<dyn Clock>>,
+) {
     let mut jobs: Vec<Job> = Vec::with_capacity(MAX_BATCH);
     // The lane keeps its connection from batch to batch: the pool pings a connection when it
     // is taken and again when it is given back, two round trips a batch would otherwise pay
-    // besides its own one.
-    let mut held: Option<PoolConnection<Postgres>> = None;
+    // besides its own one. A kept connection can die unseen (PostgreSQL restarted, a failover)
+    // and would fail its lane's next batch after the server is back, with requests failing,
+    // and the circuit opening again, well after recovery. So once any lane found its
+    // connection broken (`breaks` moved), every lane gives its own back to the pool, which
+    // tests it before handing it out again; and a connection idle for over `IDLE_CHECK` (no
+    // load to speak of, so a round trip costs nothing) is pinged before it is used.
+    let mut held: Option<Held> = None;
     loop {
         {
             let mut rx = rx.lock().await;
@@ -128,11 +152,23 @@ async fn lane(pool: PgPool, rx: Arc<Mutex<mpsc::UnboundedReceiver<Job>>>, time_o
         // spent tokens for requests answered with a timeout (never an over-admission).
         let mut broken = false;
         let run = async {
-            if held.is_none() {
-                held = Some(pool.acquire().await.map_err(store_error)?);
+            let seen = breaks.load(Ordering::Acquire);
+            if let Some(h) = held.as_mut() {
+                let stale = h.breaks != seen
+                    || (h.used.elapsed() > IDLE_CHECK && sqlx::Connection::ping(&mut *h.conn).await.is_err());
+                if stale {
+                    held = None;
+                }
             }
-            let conn = held.as_mut().expect("a connection was just acquired");
-            Ok::<_, StoreError>(decide_jobs(conn, &jobs, clock, &mut broken).await)
+            if held.is_none() {
+                held = Some(Held {
+                    conn: pool.acquire().await.map_err(store_error)?,
+                    breaks: seen,
+                    used: Instant::now(),
+                });
+            }
+            let h = held.as_mut().expect("a connection was just acquired");
+            Ok::<_, StoreError>(decide_jobs(&mut h.conn, &jobs, clock, &mut broken).await)
         };
         let results = match tokio::time::timeout_at(deadline, run).await {
             Ok(Ok(results)) => results,
@@ -146,6 +182,9 @@ async fn lane(pool: PgPool, rx: Arc<Mutex<mpsc::UnboundedReceiver<Job>>>, time_o
         // the pool, which tests it (and closes it if it is broken); the next batch takes another.
         if broken {
             held = None;
+            breaks.fetch_add(1, Ordering::AcqRel);
+        } else if let Some(h) = held.as_mut() {
+            h.used = Instant::now();
         }
         for (job, result) in jobs.drain(..).zip(results) {
             let _ = job.reply.send(result);
