@@ -1107,7 +1107,7 @@ mod url_parts {
 /// The batch function finds its rows through the primary key, however many keys a batch
 /// carries and however many rows the table holds. (PostgreSQL planned its joins of the batch's
 /// keys to the table as a sequential scan of every row and a hash join once a batch carried a
-/// few dozen keys and the table a few thousand rows: about an eighth of the server's CPU under
+/// few dozen keys and the table a few thousand rows: about a fifth of PostgreSQL's CPU under
 /// load, for rows the batch never touches.) Called here in a transaction of the test's own, so
 /// `pg_stat_xact_user_tables` counts exactly its scans; the arguments are laid out as the
 /// migration `20261204000001_decide_in_postgres.sql` describes.
