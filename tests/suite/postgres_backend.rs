@@ -9,21 +9,7 @@ use tollgate::core::bucket::{Demand, DemandKind, Limit, Rate, MICRO};
 use tollgate::core::schedule::Plan;
 use tollgate::store::{BucketRef, PostgresStore, Store, StoreError};
 
-/// `capacity` tokens refilled `capacity` an hour: nothing refills over a test.
-fn bucket(key: &str, capacity: u64) -> BucketRef {
-    BucketRef {
-        key: key.to_owned(),
-        plan: Plan::Fixed(Limit::new(capacity, Rate::per(capacity, 3_600_000_000).unwrap())),
-    }
-}
-
-fn take(instance: usize) -> Demand {
-    Demand {
-        instance,
-        kind: DemandKind::Consume(MICRO),
-        enforced: true,
-    }
-}
+use support::postgres::{bucket, take};
 
 /// `requests` requests at once, spread over two stores (two pools, as two replicas would
 /// have), each taking one token from `key`; how many were admitted.

@@ -735,9 +735,8 @@ async fn connections_use_tls_when_the_url_asks() {
 /// give theirs back, so at most that one request fails.
 #[tokio::test(flavor = "multi_thread")]
 async fn kept_connections_that_died_in_a_restart_fail_no_request_after_it() {
-    use tollgate::core::bucket::{Demand, DemandKind, Limit, Rate, MICRO};
-    use tollgate::core::schedule::Plan;
-    use tollgate::store::{BucketRef, PostgresStore, Store};
+    use support::postgres::{bucket, take};
+    use tollgate::store::{PostgresStore, Store};
     let test = "kept_connections_that_died_in_a_restart_fail_no_request_after_it";
     let Some(bin) = server_bin_or_skip(test) else {
         return;
@@ -747,18 +746,7 @@ async fn kept_connections_that_died_in_a_restart_fail_no_request_after_it() {
     settings.pool_size = 4;
     let store = PostgresStore::new(&settings).unwrap();
     store.connect(Duration::from_secs(10)).await.unwrap();
-    let one = |key: &str| {
-        let bucket = BucketRef {
-            key: key.to_owned(),
-            plan: Plan::Fixed(Limit::new(1_000, Rate::per(1_000, 3_600_000_000).unwrap())),
-        };
-        let demand = Demand {
-            instance: 0,
-            kind: DemandKind::Consume(MICRO),
-            enforced: true,
-        };
-        (vec![bucket], vec![demand])
-    };
+    let one = |key: &str| ([bucket(key, 1_000)], [take(0)]);
     // One request at a time: the lanes take turns, so eight requests give each of the four
     // a connection. Then a restart; then eight requests again.
     let mut failed = Vec::new();

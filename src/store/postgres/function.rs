@@ -4,7 +4,7 @@
 //! of Postgres's time), sent as `bigint[]`s, and its answers. Pure: no I/O.
 
 use crate::core::bucket::{BucketState, Decision, Demand, DemandKind, InstanceOutcome, EXACT_LIMIT};
-use crate::store::redis::script::{bucket_args, BucketArgs};
+use crate::store::redis::script::{bucket_args, demand_code, kind_code, BucketArgs};
 use crate::store::{Applied, BucketRef, StoreError};
 
 /// One call's arguments (after the time override): every array the function takes.
@@ -41,15 +41,9 @@ impl Call {
     pub(crate) fn push(&mut self, args: &[BucketArgs], index: &[usize], demands: &[Demand]) {
         self.req.extend([args.len() as i64, demands.len() as i64]);
         for (a, &k) in args.iter().zip(index) {
-            let kind = match a.kind {
-                b'F' => 1,
-                b'D' => 4,
-                b'E' => 5,
-                _ => 3,
-            };
             self.bk.extend([
                 k as i64 + 1,
-                kind,
+                n(kind_code(a.kind)),
                 n(a.limit.capacity_ut),
                 n(a.limit.rate.num()),
                 n(a.limit.rate.den()),
@@ -62,16 +56,10 @@ impl Call {
         for d in demands {
             // Amounts capped at 2^53 as for the script, so both answer alike: more than any
             // capacity, so still failing every consume and filling every refund.
-            let (kind, amount, need) = match d.kind {
-                DemandKind::Consume(a) => (1, a, 0),
-                DemandKind::Check => (2, 0, 0),
-                DemandKind::Refund(a) => (3, a, 0),
-                DemandKind::Debit { amount_ut, depth_ut } => (4, amount_ut, depth_ut.saturating_add(1)),
-                DemandKind::DebtCheck { depth_ut } => (5, 0, depth_ut.saturating_add(1)),
-            };
+            let (kind, amount, need) = demand_code(d.kind);
             self.dm.extend([
                 d.instance as i64 + 1,
-                kind,
+                n(kind),
                 n(amount.min(EXACT_LIMIT)),
                 i64::from(d.enforced),
                 n(need),

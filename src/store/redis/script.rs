@@ -238,6 +238,32 @@ fn int_value(n: u64) -> Value {
     Value::Integer(i64::try_from(n).unwrap_or(i64::MAX))
 }
 
+/// A bucket's kind as the script and the Postgres function number it: 1 a constant limit
+/// (`F`), 2 a schedule (`S`), 3 a calendar quota (`Q`), 4 a debt quota (`D`), 5 an expiring
+/// allowance (`E`).
+pub fn kind_code(kind: u8) -> u64 {
+    match kind {
+        b'F' => 1,
+        b'S' => 2,
+        b'D' => 4,
+        b'E' => 5,
+        _ => 3,
+    }
+}
+
+/// A demand as the script and the Postgres function take it: `(kind, amount in µt, need in
+/// µt)`, kind 1 consume, 2 check, 3 refund, 4 debit, 5 debt check; `need` is what the bucket
+/// must hold to pass (debits and debt checks: one more than their depth).
+pub fn demand_code(kind: DemandKind) -> (u64, u64, u64) {
+    match kind {
+        DemandKind::Consume(n) => (1, n, 0),
+        DemandKind::Check => (2, 0, 0),
+        DemandKind::Refund(n) => (3, n, 0),
+        DemandKind::Debit { amount_ut, depth_ut } => (4, amount_ut, depth_ut.saturating_add(1)),
+        DemandKind::DebtCheck { depth_ut } => (5, 0, depth_ut.saturating_add(1)),
+    }
+}
+
 /// One request's ARGV fields (see `lua/decide.lua`): one string of little-endian `f64`s (the
 /// counts, 9 numbers per bucket, 5 per demand; every number an integer below 2^53, so exact),
 /// then the two strings of each [`Replacement`], in bucket order. Its keys go into KEYS in the
@@ -254,13 +280,7 @@ pub fn encode_request(buckets: &[(BucketArgs, Option<&Replacement>)], demands: &
     put(demands.len() as u64);
     put(replaced as u64);
     for (b, rep) in buckets {
-        put(match b.kind {
-            b'F' => 1,
-            b'S' => 2,
-            b'D' => 4,
-            b'E' => 5,
-            _ => 3,
-        });
+        put(kind_code(b.kind));
         put(b.limit.capacity_ut);
         put(b.limit.rate.num());
         put(b.limit.rate.den());
@@ -272,13 +292,7 @@ pub fn encode_request(buckets: &[(BucketArgs, Option<&Replacement>)], demands: &
     }
     for d in demands {
         put(d.instance as u64 + 1);
-        let (kind, n, need) = match d.kind {
-            DemandKind::Consume(n) => (1, n, 0),
-            DemandKind::Check => (2, 0, 0),
-            DemandKind::Refund(n) => (3, n, 0),
-            DemandKind::Debit { amount_ut, depth_ut } => (4, amount_ut, depth_ut.saturating_add(1)),
-            DemandKind::DebtCheck { depth_ut } => (5, 0, depth_ut.saturating_add(1)),
-        };
+        let (kind, n, need) = demand_code(d.kind);
         put(kind);
         put(n);
         put(u64::from(d.enforced));

@@ -456,3 +456,22 @@ impl Drop for PostgresServer {
         self.crash();
     }
 }
+
+/// `capacity` tokens refilled `capacity` an hour: nothing refills over a test.
+pub fn bucket(key: &str, capacity: u64) -> tollgate::store::BucketRef {
+    use tollgate::core::bucket::{Limit, Rate};
+    tollgate::store::BucketRef {
+        key: key.to_owned(),
+        plan: tollgate::core::schedule::Plan::Fixed(Limit::new(capacity, Rate::per(capacity, 3_600_000_000).unwrap())),
+    }
+}
+
+/// An enforced demand of one token on the request's bucket `instance`.
+pub fn take(instance: usize) -> tollgate::core::bucket::Demand {
+    use tollgate::core::bucket::{Demand, DemandKind, MICRO};
+    Demand {
+        instance,
+        kind: DemandKind::Consume(MICRO),
+        enforced: true,
+    }
+}
