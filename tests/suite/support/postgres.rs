@@ -224,6 +224,9 @@ impl PostgresServer {
             .args(["-D"])
             .arg(dir.path().join("data"))
             .args(["-U", "postgres", "--no-sync", "-E", "UTF8"])
+            // Its own directory, not the test process's: initdb, run as another user, fails
+            // when it cannot resolve the directory it starts in.
+            .current_dir(dir.path())
             .stdin(Stdio::null());
         match password {
             Some(pw) => {
