@@ -732,7 +732,7 @@ async fn connections_use_tls_when_the_url_asks() {
 /// its first batch after the restart: one failed request per lane, well after recovery, which
 /// could open the circuit again.) A lane idle for a while pings its connection first; after a
 /// restart sooner than that, the first lane to find its connection broken makes the others
-/// give theirs back, so at most that one request fails.
+/// check theirs before their next batch, so at most that one request fails.
 #[tokio::test(flavor = "multi_thread")]
 async fn kept_connections_that_died_in_a_restart_fail_no_request_after_it() {
     use support::postgres::{bucket, take};
@@ -776,5 +776,74 @@ async fn kept_connections_that_died_in_a_restart_fail_no_request_after_it() {
     assert!(
         failed[1].1 <= 1,
         "requests failed after a restart, lanes just used: {failed:?}"
+    );
+}
+
+/// Requests keep coming while PostgreSQL crashes and starts again: those started once it
+/// accepts connections again are all decided within their budget. (The lanes took their
+/// connections from a pool that, refused while the server was down or starting up, retried
+/// with a growing back-off and held its connection slots while it slept: requests well after
+/// the server was back waited out their 300 ms for a connection.)
+#[tokio::test(flavor = "multi_thread")]
+async fn requests_after_a_restart_do_not_wait_for_attempts_made_during_it() {
+    use support::postgres::{bucket, take};
+    use tollgate::store::{PostgresStore, Store};
+    let test = "requests_after_a_restart_do_not_wait_for_attempts_made_during_it";
+    let Some(bin) = server_bin_or_skip(test) else {
+        return;
+    };
+    let mut server = block_in_place(|| PostgresServer::start(&bin));
+    let mut settings = support::postgres::settings(&server.url(), "tollgate");
+    settings.pool_size = 4;
+    settings.command_timeout_ms = tollgate::core::units::Millis(300);
+    settings.connect_timeout_ms = tollgate::core::units::Millis(1_000);
+    let store = PostgresStore::new(&settings).unwrap();
+    store.connect(Duration::from_secs(10)).await.unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Four callers, each one request at a time, 5 ms apart: (start, result).
+    let callers: Vec<_> = (0..4)
+        .map(|c| {
+            let (store, stop) = (store.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut seen = Vec::new();
+                let mut i = 0u32;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let (b, d) = ([bucket(&format!("c{c}-{i}"), 1_000)], [take(0)]);
+                    let started = Instant::now();
+                    seen.push((
+                        started,
+                        store.apply(&b, &d).await.map(|_| ()).map_err(|e| e.to_string()),
+                    ));
+                    i += 1;
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                seen
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    block_in_place(|| server.crash());
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    block_in_place(|| server.restart());
+    let back = Instant::now();
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut after = Vec::new();
+    for caller in callers {
+        after.extend(
+            caller
+                .await
+                .unwrap()
+                .into_iter()
+                .filter(|(started, _)| *started >= back),
+        );
+    }
+    let failed: Vec<&String> = after.iter().filter_map(|(_, r)| r.as_ref().err()).collect();
+    assert!(after.len() >= 40, "too few requests after the restart: {}", after.len());
+    assert!(
+        failed.is_empty(),
+        "{} of {} requests after the restart failed: {failed:?}",
+        failed.len(),
+        after.len()
     );
 }

@@ -1,7 +1,7 @@
-//! Concurrent decisions share a call: each connection of the pool has a *lane* that takes
-//! every request waiting and decides them all in one statement, `tollgate_decide` inside
-//! PostgreSQL (the module above), or for the requests it leaves, in one transaction that locks
-//! their rows, decides in Rust, writes and commits.
+//! Concurrent decisions share a call: each of `postgres.pool_size` *lanes*, on a connection of
+//! its own ([`super::connections`]), takes every request waiting and decides them all in one
+//! statement, `tollgate_decide` inside PostgreSQL (the module above), or for the requests it
+//! leaves, in one transaction that locks their rows, decides in Rust, writes and commits.
 //!
 //! Each request is still decided all or nothing on its own, in the batch's order, at one
 //! instant of Postgres's clock, so a batch decides exactly what the same requests would decide
@@ -19,16 +19,14 @@
 //! they are answered with a timeout (a transaction is rolled back; a function call that
 //! completes anyway may have spent tokens for them: an under-admission, never an over-admission).
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use sqlx::pool::PoolConnection;
-use sqlx::postgres::{PgConnection, PgPool};
-use sqlx::Postgres;
+use sqlx::postgres::PgConnection;
 use sqlx::Row;
 use tokio::sync::{mpsc, oneshot, Mutex};
 use tokio::time::Instant;
 
+use super::connections::{Connections, Held, IDLE_CHECK};
 use super::{column, function, row_state, store_error, CLOCK_US};
 use crate::core::bucket::{decide, BucketState, Demand};
 use crate::core::clock::Clock;
@@ -60,20 +58,19 @@ pub(crate) struct Batcher {
 }
 
 impl Batcher {
-    /// Starts `lanes` lanes on `pool`, each deciding one batch at a time on one connection.
-    /// `time_override` (tests only) replaces Postgres's clock. Call within a Tokio runtime.
-    pub(crate) fn start(pool: PgPool, lanes: u32, time_override: Option<Arc<dyn Clock>>) -> Batcher {
+    /// Starts `lanes` lanes, each deciding one batch at a time on a connection of its own from
+    /// `connections`. `time_override` (tests only) replaces Postgres's clock. Call within a
+    /// Tokio runtime.
+    pub(crate) fn start(connections: Arc<Connections>, lanes: u32, time_override: Option<Arc<dyn Clock>>) -> Batcher {
         let (tx, rx) = mpsc::unbounded_channel();
         let rx = Arc::new(Mutex::new(rx));
-        let breaks = Arc::new(AtomicU64::new(0));
         for _ in 0..lanes.max(1) {
-            let (pool, rx, time_override) = (pool.clone(), rx.clone(), time_override.clone());
-            let breaks = breaks.clone();
+            let (connections, rx, time_override) = (connections.clone(), rx.clone(), time_override.clone());
             // A lane that panicked (a bug: nothing in it should) is started again, so the store
             // does not lose its lanes one by one; the requests it held see their channel close.
             tokio::spawn(async move {
                 loop {
-                    let run = tokio::spawn(lane(pool.clone(), rx.clone(), breaks.clone(), time_override.clone()));
+                    let run = tokio::spawn(lane(connections.clone(), rx.clone(), time_override.clone()));
                     match run.await {
                         Err(e) if e.is_panic() => {
                             tracing::error!("a Postgres decision lane panicked; starting it again");
@@ -97,37 +94,43 @@ impl Batcher {
     }
 }
 
-/// A held connection idle longer than this is pinged before a batch uses it.
-const IDLE_CHECK: std::time::Duration = std::time::Duration::from_secs(1);
-
-/// A lane's connection, with the count of broken connections when it was taken and when it
-/// last served.
-struct Held {
-    conn: PoolConnection<Postgres>,
-    breaks: u64,
-    used: Instant,
-}
-
 async fn lane(
-    pool: PgPool,
+    connections: Arc<Connections>,
     rx: Arc<Mutex<mpsc::UnboundedReceiver<Job>>>,
-    breaks: Arc<AtomicU64>,
     time_override: Option<Arc<dyn Clock>>,
 ) {
     let mut jobs: Vec<Job> = Vec::with_capacity(MAX_BATCH);
-    // The lane keeps its connection from batch to batch: the pool pings a connection when it
-    // is taken and again when it is given back, two round trips a batch would otherwise pay
-    // besides its own one. A kept connection can die unseen (PostgreSQL restarted, a failover)
-    // and would fail its lane's next batch after the server is back, with requests failing,
-    // and the circuit opening again, well after recovery. So once any lane found its
-    // connection broken (`breaks` moved), every lane gives its own back to the pool, which
-    // tests it before handing it out again; and a connection idle for over `IDLE_CHECK` (no
-    // load to speak of, so a round trip costs nothing) is pinged before it is used.
+    let mut breaks = connections.breaks();
     let mut held: Option<Held> = None;
     loop {
+        // Between batches, off the request path: a connection that a break elsewhere made
+        // suspect is checked (and replaced if dead), and a lane without one opens one. When that fails (PostgreSQL
+        // down) the lane takes requests anyway and tries again for them, so they fail with the
+        // reason, at once when the server refuses.
+        let seen = *breaks.borrow_and_update();
+        if let Some(h) = held.as_mut().filter(|h| h.breaks != seen) {
+            if connections.check(&mut h.conn).await {
+                h.breaks = seen;
+                h.used = Instant::now();
+            } else {
+                held = None;
+            }
+        }
+        if held.is_none() {
+            held = connections.open().await.ok();
+        }
         {
-            let mut rx = rx.lock().await;
-            match rx.recv().await {
+            // Waiting for requests, a lane also wakes on a break, to replace its connection
+            // before a request needs it.
+            let mut rx = tokio::select! {
+                rx = rx.lock() => rx,
+                _ = breaks.changed() => continue,
+            };
+            let first = tokio::select! {
+                first = rx.recv() => first,
+                _ = breaks.changed() => continue,
+            };
+            match first {
                 Some(job) => jobs.push(job),
                 None => return,
             }
@@ -152,22 +155,20 @@ async fn lane(
         // spent tokens for requests answered with a timeout (never an over-admission).
         let mut broken = false;
         let run = async {
-            let seen = breaks.load(Ordering::Acquire);
             if let Some(h) = held.as_mut() {
-                let stale = h.breaks != seen
-                    || (h.used.elapsed() > IDLE_CHECK && sqlx::Connection::ping(&mut *h.conn).await.is_err());
-                if stale {
-                    held = None;
+                let seen = *breaks.borrow();
+                if h.breaks != seen || h.used.elapsed() > IDLE_CHECK {
+                    if sqlx::Connection::ping(&mut h.conn).await.is_ok() {
+                        h.breaks = seen;
+                    } else {
+                        held = None;
+                    }
                 }
             }
             if held.is_none() {
-                held = Some(Held {
-                    conn: pool.acquire().await.map_err(store_error)?,
-                    breaks: seen,
-                    used: Instant::now(),
-                });
+                held = Some(connections.open().await?);
             }
-            let h = held.as_mut().expect("a connection was just acquired");
+            let h = held.as_mut().expect("a connection was just opened");
             Ok::<_, StoreError>(decide_jobs(&mut h.conn, &jobs, clock, &mut broken).await)
         };
         let results = match tokio::time::timeout_at(deadline, run).await {
@@ -178,11 +179,12 @@ async fn lane(
                 batch_failure(late(), jobs.len())
             }
         };
-        // A connection that failed, or was abandoned in the middle of a statement, goes back to
-        // the pool, which tests it (and closes it if it is broken); the next batch takes another.
+        // A connection that failed, or was abandoned in the middle of a statement, is closed;
+        // the lane opens another before its next batch, and the others replace theirs.
         if broken {
-            held = None;
-            breaks.fetch_add(1, Ordering::AcqRel);
+            if held.take().is_some() {
+                connections.broke();
+            }
         } else if let Some(h) = held.as_mut() {
             h.used = Instant::now();
         }

@@ -37,6 +37,8 @@
 
 mod batch;
 
+mod connections;
+
 mod function;
 
 mod settings;
@@ -51,6 +53,7 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{Postgres, Row, Transaction};
 
 use self::batch::{Batcher, Job};
+use self::connections::Connections;
 use super::redact_url;
 use super::{Applied, BucketRef, Cause, ConnectError, Peeked, Store, StoreError};
 use crate::core::bucket::{BucketState, Demand};
@@ -75,22 +78,22 @@ pub struct MigrationReport {
     pub in_place: usize,
 }
 
-/// The Postgres store. Cheap to clone; clones share the pool.
+/// The Postgres store. Cheap to clone; clones share the connections.
 #[derive(Clone)]
 pub struct PostgresStore {
     inner: Arc<Inner>,
 }
 
 struct Inner {
-    /// The lanes' connections ([`batch`]).
-    pool: PgPool,
+    /// The lanes' connections ([`batch`], [`connections`]).
+    connections: Arc<Connections>,
     /// One connection for the sweep, peek, reset and probes.
     aux: PgPool,
     /// Connection options without `statement_timeout`, for migrations (waiting for another
     /// replica's migration lock is one long statement).
     setup: PgConnectOptions,
-    /// What the pool connects with: also a direct connection's, whose error says why a
-    /// server cannot be used (the pool's says only that it timed out).
+    /// What the lanes and the pool connect with: also a direct connection's, whose error says
+    /// why a server cannot be used (the pool's says only that it timed out).
     options: PgConnectOptions,
     /// `postgres.connect_timeout_ms`.
     connect_timeout: Duration,
@@ -187,23 +190,18 @@ impl PostgresStore {
             .clone()
             .options([("statement_timeout", &format!("{}ms", settings.command_timeout_ms.0))]);
         let acquire = settings.connect_timeout_ms.duration();
-        // One connection per lane; the sweep, admin calls and probes have their own, so a busy
-        // lane never keeps them waiting (nor they a lane).
-        // All of them kept open (and opened again in the background after a restart): a new
-        // connection costs a TCP and authentication handshake (SCRAM: milliseconds of key
-        // derivation) that a decision's 15 ms budget cannot afford.
-        let pool = PgPoolOptions::new()
-            .max_connections(settings.pool_size)
-            .min_connections(settings.pool_size)
-            .acquire_timeout(acquire)
-            .connect_lazy_with(options.clone());
+        // One connection per lane, kept open: a new connection costs a TCP and authentication
+        // handshake (SCRAM: milliseconds of key derivation) that a decision's 15 ms budget
+        // cannot afford. The sweep, admin calls and probes have their own, so a busy lane never
+        // keeps them waiting (nor they a lane).
+        let connections = Arc::new(Connections::new(options.clone(), acquire));
         let aux = PgPoolOptions::new()
             .max_connections(1)
             .acquire_timeout(acquire)
             .connect_lazy_with(options.clone());
         Ok(PostgresStore {
             inner: Arc::new(Inner {
-                pool,
+                connections,
                 aux,
                 setup,
                 options,
@@ -278,15 +276,11 @@ impl PostgresStore {
             checked?;
         }
         // Open the lanes' connections now, so the first decisions do not pay for them.
-        let warm = futures_util::future::join_all((0..self.inner.lanes).map(|_| self.inner.pool.acquire()));
-        let warmed = self.within(timeout, async { Ok(warm.await) }).await?;
-        if let Some(Err(e)) = warmed.into_iter().find(|c| c.is_err()) {
-            return Err(ConnectError {
-                backend: "Postgres",
-                url: self.inner.describe.clone(),
-                reason: format!("opening the pool's connections: {e}"),
-            });
-        }
+        let warm = async {
+            (self.inner.connections.warm(self.inner.lanes as usize).await)
+                .map_err(|e| format!("opening the lanes' connections: {e}"))
+        };
+        self.within(timeout, warm).await?;
         self.inner.migrated.store(true, Ordering::Release);
         Ok(())
     }
@@ -506,6 +500,17 @@ impl PostgresStore {
         });
     }
 
+    /// The decision lanes, started on the first call (within a Tokio runtime).
+    fn batcher(&self) -> &Batcher {
+        self.inner.batcher.get_or_init(|| {
+            Batcher::start(
+                self.inner.connections.clone(),
+                self.inner.lanes,
+                self.inner.time_override.clone(),
+            )
+        })
+    }
+
     /// Whether the schema and migrations are in place: readiness.
     pub fn is_migrated(&self) -> bool {
         self.inner.migrated.load(Ordering::Acquire)
@@ -694,13 +699,7 @@ impl Store for PostgresStore {
     async fn apply(&self, buckets: &[BucketRef], demands: &[Demand]) -> Result<Applied, StoreError> {
         let timeout = self.inner.timeout;
         let deadline = tokio::time::Instant::now() + timeout;
-        let batcher = self.inner.batcher.get_or_init(|| {
-            Batcher::start(
-                self.inner.pool.clone(),
-                self.inner.lanes,
-                self.inner.time_override.clone(),
-            )
-        });
+        let batcher = self.batcher();
         let (reply, answer) = tokio::sync::oneshot::channel();
         batcher.submit(Job {
             buckets: buckets.to_vec(),

@@ -1,0 +1,162 @@
+//! The decision lanes' connections ([`super::batch`]): each lane owns one, opened directly
+//! (not through a pool) and kept from batch to batch.
+//!
+//! Why not a pool: a pool tests a connection when it is taken and when it is given back, two
+//! round trips a batch would pay besides its own one; and sqlx's pool, refused while a server
+//! is down or starting up, retries with a back-off that grows to a fifth of its timeout and
+//! holds a connection slot while it sleeps, so requests well after PostgreSQL was back waited
+//! out their whole budget for a connection. A lane opens its own at once when it needs one,
+//! and gives up at once when refused: spacing attempts during an outage is the circuit
+//! breaker's job.
+//!
+//! A kept connection can die unseen (PostgreSQL restarted, a failover). The first lane to find
+//! its connection broken counts a *break*; every lane watches the count and then checks its own
+//! connection (one round trip) and replaces it if it is dead, off the request path, before it
+//! takes another request. A break only asks for a check, not a new connection, so a batch that
+//! timed out under load does not make every lane pay a handshake.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use sqlx::postgres::{PgConnectOptions, PgConnection};
+use sqlx::Connection;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use super::store_error;
+use crate::store::StoreError;
+
+/// A connection unused for longer than this is pinged before a batch goes on it: with so little
+/// load a round trip costs nothing, and a connection that died quietly fails no request.
+pub(super) const IDLE_CHECK: Duration = Duration::from_secs(1);
+
+/// Where lanes get their connections.
+pub(crate) struct Connections {
+    options: PgConnectOptions,
+    /// `postgres.connect_timeout_ms`: the most one attempt may take.
+    connect_timeout: Duration,
+    /// Opened ahead ([`Connections::warm`]) for lanes to take without a handshake.
+    spare: Mutex<Vec<Spare>>,
+    /// How many connections lanes hold now (kept by [`Held`]'s drop).
+    holding: Arc<AtomicUsize>,
+    /// How many kept connections were found broken so far.
+    breaks: watch::Sender<u64>,
+}
+
+/// A connection opened ahead, with when and at which break count.
+struct Spare {
+    conn: PgConnection,
+    since: Instant,
+    breaks: u64,
+}
+
+/// A lane's connection.
+pub(super) struct Held {
+    pub conn: PgConnection,
+    /// The break count when it was opened: a later break makes it suspect.
+    pub breaks: u64,
+    /// When it last served (or was opened).
+    pub used: Instant,
+    holding: Arc<AtomicUsize>,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.holding.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl Connections {
+    /// Connections made with `options`, each attempt given at most `connect_timeout`.
+    pub(crate) fn new(options: PgConnectOptions, connect_timeout: Duration) -> Connections {
+        Connections {
+            options,
+            connect_timeout,
+            spare: Mutex::new(Vec::new()),
+            holding: Arc::new(AtomicUsize::new(0)),
+            breaks: watch::channel(0).0,
+        }
+    }
+
+    /// Opens connections until `lanes` are held or spare, all at once, so the first decisions
+    /// do not pay for a handshake (SCRAM costs milliseconds of key derivation).
+    ///
+    /// Errors: the first attempt that failed (refused, authentication, timeout).
+    pub(crate) async fn warm(&self, lanes: usize) -> Result<(), StoreError> {
+        let have = self.holding.load(Ordering::Acquire) + self.spare.lock().expect("spare lock").len();
+        let opened = futures_util::future::join_all((have..lanes).map(|_| self.connect())).await;
+        let mut spare = Vec::with_capacity(opened.len());
+        let mut failed = None;
+        for c in opened {
+            match c {
+                Ok(conn) => spare.push(Spare {
+                    conn,
+                    since: Instant::now(),
+                    breaks: *self.breaks.borrow(),
+                }),
+                Err(e) => failed = failed.or(Some(e)),
+            }
+        }
+        self.spare.lock().expect("spare lock").extend(spare);
+        failed.map_or(Ok(()), Err)
+    }
+
+    /// A connection for a lane: a spare one (checked first if it waited past [`IDLE_CHECK`]
+    /// or a break came since it was opened), else a new one.
+    ///
+    /// Errors: PostgreSQL refused it, or did not answer within `connect_timeout`.
+    pub(super) async fn open(&self) -> Result<Held, StoreError> {
+        let breaks = *self.breaks.borrow();
+        let conn = loop {
+            let spare = self.spare.lock().expect("spare lock").pop();
+            match spare {
+                Some(mut s) => {
+                    if (s.since.elapsed() <= IDLE_CHECK && s.breaks == breaks) || self.check(&mut s.conn).await {
+                        break s.conn;
+                    }
+                }
+                None => break self.connect().await?,
+            }
+        };
+        self.holding.fetch_add(1, Ordering::AcqRel);
+        Ok(Held {
+            conn,
+            breaks,
+            used: Instant::now(),
+            holding: self.holding.clone(),
+        })
+    }
+
+    async fn connect(&self) -> Result<PgConnection, StoreError> {
+        match tokio::time::timeout(self.connect_timeout, PgConnection::connect_with(&self.options)).await {
+            Ok(connected) => connected.map_err(store_error),
+            Err(_) => Err(StoreError::Timeout(
+                format!(
+                    "no connection to Postgres within {} ms",
+                    self.connect_timeout.as_millis()
+                )
+                .into(),
+            )),
+        }
+    }
+
+    /// Whether `conn` still answers, within `connect_timeout`.
+    pub(super) async fn check(&self, conn: &mut PgConnection) -> bool {
+        matches!(
+            tokio::time::timeout(self.connect_timeout, conn.ping()).await,
+            Ok(Ok(()))
+        )
+    }
+
+    /// A lane found its connection broken, or gave up on it in the middle of a statement:
+    /// every other connection is suspect until checked.
+    pub(super) fn broke(&self) {
+        self.breaks.send_modify(|n| *n += 1);
+    }
+
+    /// The break count, to watch.
+    pub(super) fn breaks(&self) -> watch::Receiver<u64> {
+        self.breaks.subscribe()
+    }
+}
