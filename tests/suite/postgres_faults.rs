@@ -750,13 +750,22 @@ async fn kept_connections_that_died_in_a_restart_fail_no_request_after_it() {
     // One request at a time: the lanes take turns, so eight requests give each of the four
     // a connection. Then a restart; then eight requests again.
     let mut failed = Vec::new();
-    for (phase, idle_first) in [("idle", true), ("at once", false)] {
+    // A crash (SIGQUIT: the sockets just close) and a fast shutdown (SIGINT, `pg_ctl stop`'s
+    // default: each session is first sent `FATAL 57P01`, an error that is not about the request).
+    for (phase, idle_first, fast) in [
+        ("idle", true, false),
+        ("at once", false, false),
+        ("fast stop", false, true),
+    ] {
         for i in 0..8 {
             let (b, d) = one(&format!("{phase}-before-{i}"));
             store.apply(&b, &d).await.expect("decided before the restart");
         }
         if idle_first {
             tokio::time::sleep(Duration::from_millis(1_500)).await;
+        }
+        if fast {
+            block_in_place(|| server.stop_fast());
         }
         block_in_place(|| server.restart());
         let mut failures = 0;
@@ -777,6 +786,10 @@ async fn kept_connections_that_died_in_a_restart_fail_no_request_after_it() {
         failed[1].1 <= 1,
         "requests failed after a restart, lanes just used: {failed:?}"
     );
+    assert!(
+        failed[2].1 <= 1,
+        "requests failed after a fast shutdown and a start, lanes just used: {failed:?}"
+    );
 }
 
 /// Requests keep coming while PostgreSQL crashes and starts again: those started once it
@@ -787,18 +800,12 @@ async fn kept_connections_that_died_in_a_restart_fail_no_request_after_it() {
 #[tokio::test(flavor = "multi_thread")]
 async fn requests_after_a_restart_do_not_wait_for_attempts_made_during_it() {
     use support::postgres::{bucket, take};
-    use tollgate::store::{PostgresStore, Store};
-    let test = "requests_after_a_restart_do_not_wait_for_attempts_made_during_it";
-    let Some(bin) = server_bin_or_skip(test) else {
+    use tollgate::store::Store;
+    let Some((mut server, store)) =
+        four_lanes_on_a_private_server("requests_after_a_restart_do_not_wait_for_attempts_made_during_it").await
+    else {
         return;
     };
-    let mut server = block_in_place(|| PostgresServer::start(&bin));
-    let mut settings = support::postgres::settings(&server.url(), "tollgate");
-    settings.pool_size = 4;
-    settings.command_timeout_ms = tollgate::core::units::Millis(300);
-    settings.connect_timeout_ms = tollgate::core::units::Millis(1_000);
-    let store = PostgresStore::new(&settings).unwrap();
-    store.connect(Duration::from_secs(10)).await.unwrap();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     // Four callers, each one request at a time, 5 ms apart: (start, result).
     let callers: Vec<_> = (0..4)
@@ -846,4 +853,65 @@ async fn requests_after_a_restart_do_not_wait_for_attempts_made_during_it() {
         failed.len(),
         after.len()
     );
+}
+
+/// Lanes that lost their connections in an outage connect again in the background once
+/// PostgreSQL is back, before any request needs them: a decision's budget (15 ms by default)
+/// cannot always afford a handshake, and a lane that only reconnected for a request would fail
+/// the circuit breaker's probes one lane after another.
+#[tokio::test(flavor = "multi_thread")]
+async fn lanes_connect_again_in_the_background_once_postgres_is_back() {
+    use support::postgres::{bucket, take};
+    use tollgate::store::Store;
+    let Some((mut server, store)) =
+        four_lanes_on_a_private_server("lanes_connect_again_in_the_background_once_postgres_is_back").await
+    else {
+        return;
+    };
+    let one = |key: &str| ([bucket(key, 1_000)], [take(0)]);
+    for i in 0..8 {
+        let (b, d) = one(&format!("before-{i}"));
+        store.apply(&b, &d).await.expect("decided before the outage");
+    }
+    let sessions = |server: &PostgresServer| {
+        server
+            .psql(
+                "tollgate",
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = 'tollgate' AND pid <> pg_backend_pid()",
+            )
+            .and_then(|n| n.parse::<u32>().ok())
+    };
+    assert!(sessions(&server) >= Some(4), "the lanes' sessions before the outage");
+    block_in_place(|| server.crash());
+    // Requests during the outage: the lanes find their connections dead.
+    for i in 0..4 {
+        let (b, d) = one(&format!("during-{i}"));
+        assert!(store.apply(&b, &d).await.is_err(), "decided with PostgreSQL down");
+    }
+    block_in_place(|| server.restart());
+    // No request now: the lanes' attempts are at most a second apart.
+    tokio::time::sleep(Duration::from_millis(2_000)).await;
+    let after = sessions(&server);
+    assert!(
+        after >= Some(4),
+        "sessions 2 s after PostgreSQL came back, with no request: {after:?} (4 lanes)"
+    );
+    for i in 0..8 {
+        let (b, d) = one(&format!("after-{i}"));
+        store.apply(&b, &d).await.expect("decided after the outage");
+    }
+}
+
+/// A private server and a connected store on it with four lanes and a 300 ms budget (1 s to
+/// connect); `None` (the test skips) without PostgreSQL's binaries outside CI.
+async fn four_lanes_on_a_private_server(test: &str) -> Option<(PostgresServer, tollgate::store::PostgresStore)> {
+    let bin = server_bin_or_skip(test)?;
+    let server = block_in_place(|| PostgresServer::start(&bin));
+    let mut settings = support::postgres::settings(&server.url(), "tollgate");
+    settings.pool_size = 4;
+    settings.command_timeout_ms = tollgate::core::units::Millis(300);
+    settings.connect_timeout_ms = tollgate::core::units::Millis(1_000);
+    let store = tollgate::store::PostgresStore::new(&settings).unwrap();
+    store.connect(Duration::from_secs(10)).await.unwrap();
+    Some((server, store))
 }

@@ -20,13 +20,14 @@
 //! completes anyway may have spent tokens for them: an under-admission, never an over-admission).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use sqlx::postgres::PgConnection;
 use sqlx::Row;
 use tokio::sync::{mpsc, oneshot, Mutex};
 use tokio::time::Instant;
 
-use super::connections::{Connections, Held, IDLE_CHECK};
+use super::connections::{back_off, renewed, Connections, Held, Renewal, IDLE_CHECK};
 use super::{column, function, row_state, store_error, CLOCK_US};
 use crate::core::bucket::{decide, BucketState, Demand};
 use crate::core::clock::Clock;
@@ -102,33 +103,38 @@ async fn lane(
     let mut jobs: Vec<Job> = Vec::with_capacity(MAX_BATCH);
     let mut breaks = connections.breaks();
     let mut held: Option<Held> = None;
+    // Getting the lane a connection, in the background (`connections`): a check of one a break
+    // made suspect, or a new one, `retry` after the last failed attempt.
+    let mut renewal: Option<Renewal> = None;
+    let mut retry = Duration::ZERO;
     loop {
-        // Between batches, off the request path: a connection that a break elsewhere made
-        // suspect is checked (and replaced if dead), and a lane without one opens one. When that fails (PostgreSQL
-        // down) the lane takes requests anyway and tries again for them, so they fail with the
-        // reason, at once when the server refuses.
         let seen = *breaks.borrow_and_update();
-        if let Some(h) = held.as_mut().filter(|h| h.breaks != seen) {
-            if connections.check(&mut h.conn).await {
-                h.breaks = seen;
-                h.used = Instant::now();
-            } else {
-                held = None;
+        if renewal.is_none() {
+            if held.as_ref().is_some_and(|h| h.breaks != seen) {
+                renewal = Some(connections.renew(held.take(), Duration::ZERO));
+            } else if held.is_none() {
+                renewal = Some(connections.renew(None, retry));
             }
         }
-        if held.is_none() {
-            held = connections.open().await.ok();
-        }
         {
-            // Waiting for requests, a lane also wakes on a break, to replace its connection
-            // before a request needs it.
+            // Waiting for requests, a lane also wakes when its renewal ends, and on a break.
             let mut rx = tokio::select! {
+                got = renewed(&mut renewal) => {
+                    renewal = None;
+                    settle(got, &mut held, &mut retry);
+                    continue;
+                }
+                Ok(()) = breaks.changed() => continue,
                 rx = rx.lock() => rx,
-                _ = breaks.changed() => continue,
             };
             let first = tokio::select! {
+                got = renewed(&mut renewal) => {
+                    renewal = None;
+                    settle(got, &mut held, &mut retry);
+                    continue;
+                }
+                Ok(()) = breaks.changed() => continue,
                 first = rx.recv() => first,
-                _ = breaks.changed() => continue,
             };
             match first {
                 Some(job) => jobs.push(job),
@@ -162,13 +168,25 @@ async fn lane(
                         h.breaks = seen;
                     } else {
                         held = None;
+                        connections.broke();
                     }
                 }
             }
             if held.is_none() {
-                held = Some(connections.open().await?);
+                // A renewal waiting out its back-off starts again now: a request is waiting.
+                // One that is under way is waited for; at the deadline it goes on without us.
+                if renewal.as_ref().is_none_or(Renewal::waiting) {
+                    renewal = Some(connections.renew(None, Duration::ZERO));
+                }
+                let got = renewed(&mut renewal).await;
+                renewal = None;
+                if let Err(e) = got {
+                    retry = back_off(retry);
+                    return Err(e);
+                }
+                settle(got, &mut held, &mut retry);
             }
-            let h = held.as_mut().expect("a connection was just opened");
+            let h = held.as_mut().expect("a connection was just got");
             Ok::<_, StoreError>(decide_jobs(&mut h.conn, &jobs, clock, &mut broken).await)
         };
         let results = match tokio::time::timeout_at(deadline, run).await {
@@ -180,7 +198,7 @@ async fn lane(
             }
         };
         // A connection that failed, or was abandoned in the middle of a statement, is closed;
-        // the lane opens another before its next batch, and the others replace theirs.
+        // the lane opens another in the background, and the others check theirs.
         if broken {
             if held.take().is_some() {
                 connections.broke();
@@ -190,6 +208,21 @@ async fn lane(
         }
         for (job, result) in jobs.drain(..).zip(results) {
             let _ = job.reply.send(result);
+        }
+    }
+}
+
+/// Takes what a renewal got: the lane's connection, or the error of a failed attempt, which
+/// `retry` backs off.
+fn settle(got: Result<Held, StoreError>, held: &mut Option<Held>, retry: &mut Duration) {
+    match got {
+        Ok(h) => {
+            *held = Some(h);
+            *retry = Duration::ZERO;
+        }
+        Err(e) => {
+            tracing::debug!(error = %e, "a Postgres decision lane could not connect");
+            *retry = back_off(*retry);
         }
     }
 }
@@ -341,7 +374,7 @@ struct Failure {
 
 impl From<sqlx::Error> for Failure {
     fn from(e: sqlx::Error) -> Failure {
-        let refused = matches!(&e, sqlx::Error::Database(d) if d.code().as_deref() != Some("57014"));
+        let refused = matches!(&e, sqlx::Error::Database(d) if !ends_the_connection(d.as_ref()));
         Failure {
             error: store_error(e),
             refused,
@@ -353,6 +386,22 @@ impl From<StoreError> for Failure {
     fn from(error: StoreError) -> Failure {
         Failure { error, refused: false }
     }
+}
+
+/// Whether an error PostgreSQL sent says the connection is done for, or that the statement was
+/// cancelled, rather than refusing something in the statement: a `FATAL` or `PANIC` one (the
+/// server ends the session after it), class 08 (connection exception), 57P01 to 57P03 (the
+/// server shutting down, crashed, or not yet accepting connections: a fast shutdown or
+/// `pg_terminate_backend` sends 57P01 before it closes the socket), and 57014 (the statement
+/// timeout). Codes from PostgreSQL's Appendix A, "PostgreSQL Error Codes".
+fn ends_the_connection(d: &dyn sqlx::error::DatabaseError) -> bool {
+    use sqlx::postgres::{PgDatabaseError, PgSeverity};
+    let fatal = d
+        .try_downcast_ref::<PgDatabaseError>()
+        .is_some_and(|p| matches!(p.severity(), PgSeverity::Fatal | PgSeverity::Panic));
+    let code = d.code();
+    let code = code.as_deref().unwrap_or("");
+    fatal || code.starts_with("08") || matches!(code, "57P01" | "57P02" | "57P03" | "57014")
 }
 
 /// Moves the jobs waiting in `rx` into `jobs`, up to [`MAX_BATCH`] in all.

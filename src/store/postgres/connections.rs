@@ -9,11 +9,17 @@
 //! and gives up at once when refused: spacing attempts during an outage is the circuit
 //! breaker's job.
 //!
+//! Getting a connection runs on a task of its own ([`Connections::renew`]), beside the lane, so
+//! it never holds up a request that has one, and a handshake a request stopped waiting for is
+//! not wasted. A lane without a connection keeps trying in the background, 50 ms to a second
+//! apart, so it is connected soon after PostgreSQL is back; a request that comes to it
+//! meanwhile starts an attempt at once and waits for it within its own budget.
+//!
 //! A kept connection can die unseen (PostgreSQL restarted, a failover). The first lane to find
 //! its connection broken counts a *break*; every lane watches the count and then checks its own
-//! connection (one round trip) and replaces it if it is dead, off the request path, before it
-//! takes another request. A break only asks for a check, not a new connection, so a batch that
-//! timed out under load does not make every lane pay a handshake.
+//! connection (one round trip) and replaces it if it is dead, in the background. A break only
+//! asks for a check, not a new connection, so a batch that timed out under load does not make
+//! every lane pay a handshake.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -86,19 +92,20 @@ impl Connections {
     pub(crate) async fn warm(&self, lanes: usize) -> Result<(), StoreError> {
         let have = self.holding.load(Ordering::Acquire) + self.spare.lock().expect("spare lock").len();
         let opened = futures_util::future::join_all((have..lanes).map(|_| self.connect())).await;
-        let mut spare = Vec::with_capacity(opened.len());
         let mut failed = None;
+        let mut spare = self.spare.lock().expect("spare lock");
         for c in opened {
             match c {
-                Ok(conn) => spare.push(Spare {
+                // Lanes may have opened their own meanwhile: never more than `lanes` in all.
+                Ok(conn) if self.holding.load(Ordering::Acquire) + spare.len() < lanes => spare.push(Spare {
                     conn,
                     since: Instant::now(),
                     breaks: *self.breaks.borrow(),
                 }),
+                Ok(_) => {}
                 Err(e) => failed = failed.or(Some(e)),
             }
         }
-        self.spare.lock().expect("spare lock").extend(spare);
         failed.map_or(Ok(()), Err)
     }
 
@@ -159,4 +166,66 @@ impl Connections {
     pub(super) fn breaks(&self) -> watch::Receiver<u64> {
         self.breaks.subscribe()
     }
+
+    /// Starts getting a lane a connection in the background, after `delay`: checks `suspect`
+    /// (a connection a break elsewhere made suspect) and keeps it if it answers, else opens
+    /// one. Runs on its own task, so a request that stops waiting for it at its deadline does
+    /// not waste the handshake.
+    pub(super) fn renew(self: &Arc<Self>, suspect: Option<Held>, delay: Duration) -> Renewal {
+        let this = self.clone();
+        let starts = Instant::now() + delay;
+        let task = tokio::spawn(async move {
+            tokio::time::sleep_until(starts).await;
+            if let Some(mut h) = suspect {
+                let seen = *this.breaks.borrow();
+                if this.check(&mut h.conn).await {
+                    h.breaks = seen;
+                    h.used = Instant::now();
+                    return Ok(h);
+                }
+            }
+            this.open().await
+        });
+        Renewal { task, starts }
+    }
+}
+
+/// A connection being got for a lane ([`Connections::renew`]); dropping it stops the attempt.
+pub(super) struct Renewal {
+    task: tokio::task::JoinHandle<Result<Held, StoreError>>,
+    starts: Instant,
+}
+
+impl Renewal {
+    /// Whether it is still waiting out its delay (a back-off after failed attempts).
+    pub(super) fn waiting(&self) -> bool {
+        Instant::now() < self.starts
+    }
+}
+
+impl Drop for Renewal {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// The connection `renewal` got, once it has; never ready when there is none. Cancel-safe: the
+/// attempt goes on when the caller stops waiting. Set `renewal` to `None` once this returns.
+pub(super) async fn renewed(renewal: &mut Option<Renewal>) -> Result<Held, StoreError> {
+    match renewal {
+        Some(r) => match (&mut r.task).await {
+            Ok(got) => got,
+            Err(e) => Err(StoreError::Unavailable(
+                format!("opening a connection failed: {e}").into(),
+            )),
+        },
+        None => std::future::pending().await,
+    }
+}
+
+/// The delay before a lane's next attempt after one failed: 50 ms, doubling up to a second.
+/// Attempts go on in the background during an outage, so a lane is connected soon after
+/// PostgreSQL is back; a request that comes meanwhile does not wait for the delay.
+pub(super) fn back_off(previous: Duration) -> Duration {
+    (previous * 2).clamp(Duration::from_millis(50), Duration::from_secs(1))
 }

@@ -1,8 +1,8 @@
 //! The Postgres store (docs/backends.md): bucket state in one table, shared by every replica, each
 //! request decided all or nothing while its buckets' rows are locked, inside PostgreSQL.
 //!
-//! Concurrent requests share a call (`batch`: a lane per pooled connection takes every request
-//! waiting, up to 64). **A batch is one statement** in autocommit, `tollgate_decide` (a PL/pgSQL
+//! Concurrent requests share a call (`batch`: a lane per connection, `connections`, takes every
+//! request waiting, up to 64). **A batch is one statement** in autocommit, `tollgate_decide` (a PL/pgSQL
 //! function created by the migrations; its calling convention is in `function`):
 //! 1. One `INSERT ... ON CONFLICT DO UPDATE ... WHERE false` over the buckets of all its
 //!    requests, deduplicated and in ascending key order, takes each bucket's row lock: it
@@ -168,7 +168,7 @@ fn column(n: u64) -> i64 {
 }
 
 impl PostgresStore {
-    /// Builds the pool for `settings` without connecting; [`PostgresStore::connect`] connects.
+    /// Builds the store for `settings` without connecting; [`PostgresStore::connect`] connects.
     ///
     /// Errors: invalid settings, or a URL that does not parse.
     pub fn new(settings: &PostgresSettings) -> Result<PostgresStore, ConnectError> {
@@ -712,7 +712,8 @@ impl Store for PostgresStore {
             || StoreError::Timeout(format!("no decision from Postgres within {} ms", timeout.as_millis()).into());
         // The lane answers by the deadline (it abandons a transaction at its batch's earliest
         // one); the margin only covers its own scheduling. A job it dropped unanswered (its
-        // deadline passed while it waited) closes the channel.
+        // deadline passed while it waited) closes the channel; one no lane took in time (every
+        // lane busy past it, say on a paused server) is answered by this timer.
         match tokio::time::timeout_at(deadline + LANE_MARGIN, answer).await {
             Ok(Ok(result)) => result.map_err(|e| match e {
                 StoreError::Timeout(_) => late(),

@@ -19,9 +19,11 @@ pub struct PostgresSettings {
     /// The password, when it is not in `url` (say, from a secret in `TOLLGATE_POSTGRES__PASSWORD`);
     /// it wins over one in the URL. Redacted in `/config`.
     pub password: Option<String>,
-    /// Connections in the pool.
+    /// Decision lanes, one connection each (plus one connection for the sweep, admin calls and
+    /// probes).
     pub pool_size: u32,
-    /// How long to wait for a connection, at start and from the pool, in milliseconds.
+    /// How long one connection attempt may take, at start and when a lane connects again, in
+    /// milliseconds.
     pub connect_timeout_ms: Millis,
     /// How long one decision may take, its whole transaction included, in milliseconds (under
     /// Envoy's 20 ms filter timeout by default); also Postgres's `statement_timeout`.

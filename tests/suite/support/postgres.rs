@@ -400,15 +400,27 @@ impl PostgresServer {
     /// at once, as in a crash; the data stays for [`Self::restart`]. Waits until it is gone.
     /// A no-op when it is not running.
     pub fn crash(&mut self) {
+        self.stop_with("QUIT");
+    }
+
+    /// Stops the server as `pg_ctl stop` does by default (SIGINT, a fast shutdown: each session
+    /// is sent `FATAL 57P01` before its socket closes); the data stays for [`Self::restart`].
+    /// Waits until it is gone.
+    pub fn stop_fast(&mut self) {
+        self.stop_with("INT");
+    }
+
+    /// Sends the postmaster `signal` and waits (10 s at most) until it is gone; then the guard
+    /// kills and reaps whatever is left. A no-op when it is not running.
+    fn stop_with(&mut self, signal: &str) {
         // A paused server would not act on the signal.
         self.resume();
         if let Some(mut process) = self.process.take() {
-            super::try_signal(process.id(), "QUIT");
+            super::try_signal(process.id(), signal);
             let deadline = Instant::now() + Duration::from_secs(10);
             while process.exited().is_none() && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_millis(20));
             }
-            // Dropping the guard kills and reaps whatever is left.
         }
     }
 
