@@ -736,16 +736,13 @@ async fn connections_use_tls_when_the_url_asks() {
 #[tokio::test(flavor = "multi_thread")]
 async fn kept_connections_that_died_in_a_restart_fail_no_request_after_it() {
     use support::postgres::{bucket, take};
-    use tollgate::store::{PostgresStore, Store};
+    use tollgate::store::Store;
     let test = "kept_connections_that_died_in_a_restart_fail_no_request_after_it";
     let Some(bin) = server_bin_or_skip(test) else {
         return;
     };
     let mut server = block_in_place(|| PostgresServer::start(&bin));
-    let mut settings = support::postgres::settings(&server.url(), "tollgate");
-    settings.pool_size = 4;
-    let store = PostgresStore::new(&settings).unwrap();
-    store.connect(Duration::from_secs(10)).await.unwrap();
+    let store = four_lanes(&server).await;
     let one = |key: &str| ([bucket(key, 1_000)], [take(0)]);
     // One request at a time: the lanes take turns, so eight requests give each of the four
     // a connection. Then a restart; then eight requests again.
@@ -801,11 +798,11 @@ async fn kept_connections_that_died_in_a_restart_fail_no_request_after_it() {
 async fn requests_after_a_restart_do_not_wait_for_attempts_made_during_it() {
     use support::postgres::{bucket, take};
     use tollgate::store::Store;
-    let Some((mut server, store)) =
-        four_lanes_on_a_private_server("requests_after_a_restart_do_not_wait_for_attempts_made_during_it").await
-    else {
+    let Some(bin) = server_bin_or_skip("requests_after_a_restart_do_not_wait_for_attempts_made_during_it") else {
         return;
     };
+    let mut server = block_in_place(|| PostgresServer::start(&bin));
+    let store = four_lanes(&server).await;
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     // Four callers, each one request at a time, 5 ms apart: (start, result).
     let callers: Vec<_> = (0..4)
@@ -863,11 +860,11 @@ async fn requests_after_a_restart_do_not_wait_for_attempts_made_during_it() {
 async fn lanes_connect_again_in_the_background_once_postgres_is_back() {
     use support::postgres::{bucket, take};
     use tollgate::store::Store;
-    let Some((mut server, store)) =
-        four_lanes_on_a_private_server("lanes_connect_again_in_the_background_once_postgres_is_back").await
-    else {
+    let Some(bin) = server_bin_or_skip("lanes_connect_again_in_the_background_once_postgres_is_back") else {
         return;
     };
+    let mut server = block_in_place(|| PostgresServer::start(&bin));
+    let store = four_lanes(&server).await;
     let one = |key: &str| ([bucket(key, 1_000)], [take(0)]);
     for i in 0..8 {
         let (b, d) = one(&format!("before-{i}"));
@@ -902,16 +899,116 @@ async fn lanes_connect_again_in_the_background_once_postgres_is_back() {
     }
 }
 
-/// A private server and a connected store on it with four lanes and a 300 ms budget (1 s to
-/// connect); `None` (the test skips) without PostgreSQL's binaries outside CI.
-async fn four_lanes_on_a_private_server(test: &str) -> Option<(PostgresServer, tollgate::store::PostgresStore)> {
-    let bin = server_bin_or_skip(test)?;
-    let server = block_in_place(|| PostgresServer::start(&bin));
+/// A connected store on `server` with four lanes and a 300 ms budget (1 s to connect).
+async fn four_lanes(server: &PostgresServer) -> tollgate::store::PostgresStore {
     let mut settings = support::postgres::settings(&server.url(), "tollgate");
     settings.pool_size = 4;
     settings.command_timeout_ms = tollgate::core::units::Millis(300);
     settings.connect_timeout_ms = tollgate::core::units::Millis(1_000);
     let store = tollgate::store::PostgresStore::new(&settings).unwrap();
     store.connect(Duration::from_secs(10)).await.unwrap();
-    Some((server, store))
+    store
+}
+
+/// Requests that time out on a slow server (here a lock another session holds on the table)
+/// leave the lanes their connections: each is checked after its abandoned statement and kept,
+/// so slowness does not make every timeout cost a new session (a fork and an authentication on
+/// a server already struggling). The lanes' sessions are the same before and after.
+#[tokio::test(flavor = "multi_thread")]
+async fn timeouts_on_a_slow_server_keep_the_lanes_connections() {
+    use sqlx::Connection;
+    use support::postgres::{bucket, take};
+    use tollgate::store::Store;
+    let Some(bin) = server_bin_or_skip("timeouts_on_a_slow_server_keep_the_lanes_connections") else {
+        return;
+    };
+    let server = block_in_place(|| PostgresServer::start(&bin));
+    let store = four_lanes(&server).await;
+    let one = |key: &str| ([bucket(key, 1_000)], [take(0)]);
+    for i in 0..8 {
+        let (b, d) = one(&format!("before-{i}"));
+        store.apply(&b, &d).await.expect("decided before the lock");
+    }
+    let mut locker = sqlx::PgConnection::connect(&server.url()).await.unwrap();
+    let lanes = "SELECT coalesce(string_agg(pid::text, ',' ORDER BY pid), '') FROM pg_stat_activity \
+                 WHERE datname = 'tollgate' AND pid <> pg_backend_pid()";
+    let before: String = sqlx::query_scalar(lanes).fetch_one(&mut locker).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut locker).await.unwrap();
+    sqlx::query("LOCK TABLE tollgate.tollgate_buckets IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut locker)
+        .await
+        .unwrap();
+    for i in 0..12 {
+        let (b, d) = one(&format!("locked-{i}"));
+        let e = store.apply(&b, &d).await.expect_err("decided under the table lock");
+        assert!(e.to_string().contains("timed out"), "{e}");
+    }
+    sqlx::query("ROLLBACK").execute(&mut locker).await.unwrap();
+    for i in 0..8 {
+        let (b, d) = one(&format!("after-{i}"));
+        store.apply(&b, &d).await.expect("decided after the lock");
+    }
+    let after: String = sqlx::query_scalar(lanes).fetch_one(&mut locker).await.unwrap();
+    assert_eq!(
+        after, before,
+        "the lanes' sessions (PIDs) after 12 timeouts, besides the locker's"
+    );
+}
+
+/// A lane that cannot connect again while the others can (PostgreSQL at `max_connections`
+/// after one of the lanes' sessions was terminated) leaves the requests to the lanes that have
+/// a connection, instead of failing every fourth one with "too many clients".
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lane_that_cannot_connect_leaves_requests_to_the_others() {
+    use sqlx::Connection;
+    use support::postgres::{bucket, take};
+    use tollgate::store::Store;
+    let test = "a_lane_that_cannot_connect_leaves_requests_to_the_others";
+    let Some(bin) = server_bin_or_skip(test) else {
+        return;
+    };
+    let mut server = block_in_place(|| PostgresServer::start(&bin));
+    // Four lanes, this test's own session and two more: full once one lane lost its own.
+    server.set_max_connections(6);
+    block_in_place(|| server.restart());
+    let store = four_lanes(&server).await;
+    let one = |key: &str| ([bucket(key, 1_000)], [take(0)]);
+    for i in 0..8 {
+        let (b, d) = one(&format!("before-{i}"));
+        store.apply(&b, &d).await.expect("decided with every lane connected");
+    }
+    let mut admin = sqlx::PgConnection::connect(&server.url()).await.unwrap();
+    let terminated: bool = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = 'tollgate' \
+         AND pid <> pg_backend_pid() ORDER BY pid LIMIT 1",
+    )
+    .fetch_one(&mut admin)
+    .await
+    .unwrap();
+    assert!(terminated);
+    // The lanes' sessions left, besides this one: three once the terminated one is gone.
+    let lanes = "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend' \
+                 AND pid <> pg_backend_pid()";
+    let gone_by = Instant::now() + Duration::from_secs(5);
+    while sqlx::query_scalar::<_, i64>(lanes).fetch_one(&mut admin).await.unwrap() != 3 {
+        assert!(Instant::now() < gone_by, "the terminated session is still there");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut fillers = Vec::new();
+    for _ in 0..2 {
+        fillers.push(sqlx::PgConnection::connect(&server.url()).await.unwrap());
+    }
+    let mut failed = Vec::new();
+    for i in 0..40 {
+        let (b, d) = one(&format!("full-{i}"));
+        if let Err(e) = store.apply(&b, &d).await {
+            failed.push(format!("{i}: {e}"));
+        }
+    }
+    // The one that finds the terminated session may fail; none after it.
+    assert!(
+        failed.len() <= 1,
+        "requests failed with three lanes connected: {failed:?}"
+    );
+    drop(fillers);
 }

@@ -27,7 +27,7 @@ use sqlx::Row;
 use tokio::sync::{mpsc, oneshot, Mutex};
 use tokio::time::Instant;
 
-use super::connections::{back_off, renewed, Connections, Held, Renewal, IDLE_CHECK};
+use super::connections::{back_off, renewed, session_ended, Connections, Held, Renewal, IDLE_CHECK};
 use super::{column, function, row_state, store_error, CLOCK_US};
 use crate::core::bucket::{decide, BucketState, Demand};
 use crate::core::clock::Clock;
@@ -111,13 +111,15 @@ async fn lane(
         let seen = *breaks.borrow_and_update();
         if renewal.is_none() {
             if held.as_ref().is_some_and(|h| h.breaks != seen) {
-                renewal = Some(connections.renew(held.take(), Duration::ZERO));
+                renewal = Some(connections.renew(held.take(), Duration::ZERO, false));
             } else if held.is_none() {
-                renewal = Some(connections.renew(None, retry));
+                renewal = Some(connections.renew(None, retry, false));
             }
         }
         {
-            // Waiting for requests, a lane also wakes when its renewal ends, and on a break.
+            // Waiting for requests, a lane also wakes when its renewal ends, and on a break. A
+            // lane without a connection leaves requests to those with one; when no lane has
+            // one (PostgreSQL down) it takes them, to try for them and fail them with the reason.
             let mut rx = tokio::select! {
                 got = renewed(&mut renewal) => {
                     renewal = None;
@@ -125,7 +127,7 @@ async fn lane(
                     continue;
                 }
                 Ok(()) = breaks.changed() => continue,
-                rx = rx.lock() => rx,
+                rx = rx.lock(), if held.is_some() || connections.holding() == 0 => rx,
             };
             let first = tokio::select! {
                 got = renewed(&mut renewal) => {
@@ -159,7 +161,7 @@ async fn lane(
         let clock = time_override.as_deref();
         // Past the deadline, a batch whose function call or transaction already committed
         // spent tokens for requests answered with a timeout (never an over-admission).
-        let mut broken = false;
+        let mut broken = Broken::No;
         let run = async {
             if let Some(h) = held.as_mut() {
                 let seen = *breaks.borrow();
@@ -176,7 +178,7 @@ async fn lane(
                 // A renewal waiting out its back-off starts again now: a request is waiting.
                 // One that is under way is waited for; at the deadline it goes on without us.
                 if renewal.as_ref().is_none_or(Renewal::waiting) {
-                    renewal = Some(connections.renew(None, Duration::ZERO));
+                    renewal = Some(connections.renew(None, Duration::ZERO, false));
                 }
                 let got = renewed(&mut renewal).await;
                 renewal = None;
@@ -193,23 +195,46 @@ async fn lane(
             Ok(Ok(results)) => results,
             Ok(Err(e)) => batch_failure(e, jobs.len()),
             Err(_) => {
-                broken = true;
+                broken = broken.max(Broken::InDoubt);
                 batch_failure(late(), jobs.len())
             }
         };
-        // A connection that failed, or was abandoned in the middle of a statement, is closed;
-        // the lane opens another in the background, and the others check theirs.
-        if broken {
-            if held.take().is_some() {
-                connections.broke();
+        match broken {
+            // Checked in the background before it serves again: kept if it answers (a slow
+            // statement), else replaced, and then the other lanes check theirs.
+            Broken::InDoubt => {
+                if let Some(h) = held.take() {
+                    renewal = renewal.or_else(|| Some(connections.renew(Some(h), Duration::ZERO, true)));
+                }
             }
-        } else if let Some(h) = held.as_mut() {
-            h.used = Instant::now();
+            // Dead: closed, and the other lanes check theirs at once, before their next batch.
+            Broken::Dead => {
+                if held.take().is_some() {
+                    connections.broke();
+                }
+            }
+            Broken::No => {
+                if let Some(h) = held.as_mut() {
+                    h.used = Instant::now();
+                }
+            }
         }
         for (job, result) in jobs.drain(..).zip(results) {
             let _ = job.reply.send(result);
         }
     }
+}
+
+/// What a batch found out about its lane's connection, worst last.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Broken {
+    /// It served.
+    No,
+    /// A statement timed out (PostgreSQL's `statement_timeout`, or abandoned at the deadline):
+    /// the server may only be slow.
+    InDoubt,
+    /// It failed (an I/O error, or PostgreSQL ended the session).
+    Dead,
 }
 
 /// Takes what a renewal got: the lane's connection, or the error of a failed attempt, which
@@ -236,15 +261,22 @@ fn late() -> StoreError {
 /// the rest, with those it answered "again", in one transaction decided in Rust. Either step
 /// that PostgreSQL refuses is done again one job at a time, so only the job at fault fails;
 /// the function's commits are never undone nor repeated by the transaction's failure.
-/// Sets `broken` when the connection failed (rather than PostgreSQL refusing a statement).
+/// Sets `broken` when the connection failed, or a statement timed out (rather than PostgreSQL
+/// refusing a statement).
 async fn decide_jobs(
     conn: &mut PgConnection,
     jobs: &[Job],
     clock: Option<&dyn Clock>,
-    broken: &mut bool,
+    broken: &mut Broken,
 ) -> Vec<Result<Applied, StoreError>> {
     let mut note = |f: Failure| {
-        *broken |= !f.refused;
+        if !f.refused {
+            let this = match f.error {
+                StoreError::Timeout(_) => Broken::InDoubt,
+                _ => Broken::Dead,
+            };
+            *broken = (*broken).max(this);
+        }
         f.error
     };
     let all: Vec<&Job> = jobs.iter().collect();
@@ -388,20 +420,11 @@ impl From<StoreError> for Failure {
     }
 }
 
-/// Whether an error PostgreSQL sent says the connection is done for, or that the statement was
-/// cancelled, rather than refusing something in the statement: a `FATAL` or `PANIC` one (the
-/// server ends the session after it), class 08 (connection exception), 57P01 to 57P03 (the
-/// server shutting down, crashed, or not yet accepting connections: a fast shutdown or
-/// `pg_terminate_backend` sends 57P01 before it closes the socket), and 57014 (the statement
-/// timeout). Codes from PostgreSQL's Appendix A, "PostgreSQL Error Codes".
+/// Whether an error PostgreSQL sent is about the connection rather than the statement's data:
+/// the session ended ([`session_ended`]), or the statement was cancelled (57014, the statement
+/// timeout). Either way the lane's connection is checked before it serves again.
 fn ends_the_connection(d: &dyn sqlx::error::DatabaseError) -> bool {
-    use sqlx::postgres::{PgDatabaseError, PgSeverity};
-    let fatal = d
-        .try_downcast_ref::<PgDatabaseError>()
-        .is_some_and(|p| matches!(p.severity(), PgSeverity::Fatal | PgSeverity::Panic));
-    let code = d.code();
-    let code = code.as_deref().unwrap_or("");
-    fatal || code.starts_with("08") || matches!(code, "57P01" | "57P02" | "57P03" | "57014")
+    session_ended(d) || d.code().as_deref() == Some("57014")
 }
 
 /// Moves the jobs waiting in `rx` into `jobs`, up to [`MAX_BATCH`] in all.

@@ -13,7 +13,10 @@
 //! it never holds up a request that has one, and a handshake a request stopped waiting for is
 //! not wasted. A lane without a connection keeps trying in the background, 50 ms to a second
 //! apart, so it is connected soon after PostgreSQL is back; a request that comes to it
-//! meanwhile starts an attempt at once and waits for it within its own budget.
+//! meanwhile starts an attempt at once and waits for it within its own budget. While other
+//! lanes have a connection, a lane without one leaves the requests to them. A connection whose
+//! statement timed out is only in doubt: it is checked in the background, and kept if it
+//! answers, so a slow server does not get a new session for every timeout.
 //!
 //! A kept connection can die unseen (PostgreSQL restarted, a failover). The first lane to find
 //! its connection broken counts a *break*; every lane watches the count and then checks its own
@@ -44,7 +47,7 @@ pub(crate) struct Connections {
     connect_timeout: Duration,
     /// Opened ahead ([`Connections::warm`]) for lanes to take without a handshake.
     spare: Mutex<Vec<Spare>>,
-    /// How many connections lanes hold now (kept by [`Held`]'s drop).
+    /// How many connections lanes hold or are opening now (kept by [`Slot`]'s drop).
     holding: Arc<AtomicUsize>,
     /// How many kept connections were found broken so far.
     breaks: watch::Sender<u64>,
@@ -64,12 +67,23 @@ pub(super) struct Held {
     pub breaks: u64,
     /// When it last served (or was opened).
     pub used: Instant,
-    holding: Arc<AtomicUsize>,
+    _slot: Slot,
 }
 
-impl Drop for Held {
+/// One count in [`Connections::holding`], from the start of an attempt to open a connection
+/// until that attempt fails or is dropped, or the connection it opened is closed.
+struct Slot(Arc<AtomicUsize>);
+
+impl Slot {
+    fn take(holding: &Arc<AtomicUsize>) -> Slot {
+        holding.fetch_add(1, Ordering::AcqRel);
+        Slot(holding.clone())
+    }
+}
+
+impl Drop for Slot {
     fn drop(&mut self) {
-        self.holding.fetch_sub(1, Ordering::AcqRel);
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -114,6 +128,8 @@ impl Connections {
     ///
     /// Errors: PostgreSQL refused it, or did not answer within `connect_timeout`.
     pub(super) async fn open(&self) -> Result<Held, StoreError> {
+        // Counted from now, so that `warm` running meanwhile does not open one more.
+        let slot = Slot::take(&self.holding);
         let breaks = *self.breaks.borrow();
         let conn = loop {
             let spare = self.spare.lock().expect("spare lock").pop();
@@ -126,13 +142,17 @@ impl Connections {
                 None => break self.connect().await?,
             }
         };
-        self.holding.fetch_add(1, Ordering::AcqRel);
         Ok(Held {
             conn,
             breaks,
             used: Instant::now(),
-            holding: self.holding.clone(),
+            _slot: slot,
         })
+    }
+
+    /// How many lanes hold a connection or are opening one.
+    pub(super) fn holding(&self) -> usize {
+        self.holding.load(Ordering::Acquire)
     }
 
     async fn connect(&self) -> Result<PgConnection, StoreError> {
@@ -148,12 +168,23 @@ impl Connections {
         }
     }
 
-    /// Whether `conn` still answers, within `connect_timeout`.
+    /// Whether `conn` still answers, within `connect_timeout`. After a statement abandoned at
+    /// its deadline, sqlx first reads what that statement still had to say (PostgreSQL cancels
+    /// it at its `statement_timeout`, the same budget), so a slow server's connection is kept.
     pub(super) async fn check(&self, conn: &mut PgConnection) -> bool {
-        matches!(
-            tokio::time::timeout(self.connect_timeout, conn.ping()).await,
-            Ok(Ok(()))
-        )
+        let check = async {
+            // The abandoned statement's own error (57014, the statement timeout) comes back
+            // first, as the first ping's answer: the session goes on, so ask again.
+            for _ in 0..2 {
+                match conn.ping().await {
+                    Ok(()) => return true,
+                    Err(sqlx::Error::Database(d)) if !session_ended(d.as_ref()) => continue,
+                    Err(_) => return false,
+                }
+            }
+            false
+        };
+        tokio::time::timeout(self.connect_timeout, check).await.unwrap_or(false)
     }
 
     /// A lane found its connection broken, or gave up on it in the middle of a statement:
@@ -168,10 +199,11 @@ impl Connections {
     }
 
     /// Starts getting a lane a connection in the background, after `delay`: checks `suspect`
-    /// (a connection a break elsewhere made suspect) and keeps it if it answers, else opens
-    /// one. Runs on its own task, so a request that stops waiting for it at its deadline does
-    /// not waste the handshake.
-    pub(super) fn renew(self: &Arc<Self>, suspect: Option<Held>, delay: Duration) -> Renewal {
+    /// (a connection a break elsewhere made suspect, or the lane's own after a failed or
+    /// abandoned statement) and keeps it if it answers, else opens one; a dead one counts a
+    /// break when `own_failure` (the other lanes then check theirs). Runs on its own task, so a
+    /// request that stops waiting for it at its deadline does not waste the handshake.
+    pub(super) fn renew(self: &Arc<Self>, suspect: Option<Held>, delay: Duration, own_failure: bool) -> Renewal {
         let this = self.clone();
         let starts = Instant::now() + delay;
         let task = tokio::spawn(async move {
@@ -182,6 +214,10 @@ impl Connections {
                     h.breaks = seen;
                     h.used = Instant::now();
                     return Ok(h);
+                }
+                drop(h);
+                if own_failure {
+                    this.broke();
                 }
             }
             this.open().await
@@ -228,4 +264,18 @@ pub(super) async fn renewed(renewal: &mut Option<Renewal>) -> Result<Held, Store
 /// PostgreSQL is back; a request that comes meanwhile does not wait for the delay.
 pub(super) fn back_off(previous: Duration) -> Duration {
     (previous * 2).clamp(Duration::from_millis(50), Duration::from_secs(1))
+}
+
+/// Whether an error PostgreSQL sent says it ended the session: a `FATAL` or `PANIC` one, class
+/// 08 (connection exception), or 57P01 to 57P03 (the server shutting down, crashed, or not yet
+/// accepting connections: a fast shutdown or `pg_terminate_backend` sends 57P01 before it
+/// closes the socket). Codes from PostgreSQL's Appendix A, "PostgreSQL Error Codes".
+pub(super) fn session_ended(d: &dyn sqlx::error::DatabaseError) -> bool {
+    use sqlx::postgres::{PgDatabaseError, PgSeverity};
+    let fatal = d
+        .try_downcast_ref::<PgDatabaseError>()
+        .is_some_and(|p| matches!(p.severity(), PgSeverity::Fatal | PgSeverity::Panic));
+    let code = d.code();
+    let code = code.as_deref().unwrap_or("");
+    fatal || code.starts_with("08") || matches!(code, "57P01" | "57P02" | "57P03")
 }
