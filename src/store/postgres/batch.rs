@@ -1,5 +1,4 @@
-//! Concurrent decisions share a call: each of `postgres.pool_size` *lanes*, on a connection of
-//! its own ([`super::connections`]), takes every request waiting and decides them all in one
+//! What a lane ([`super::lane`]) does with a batch: it decides all its requests in one
 //! statement, `tollgate_decide` inside PostgreSQL (the module above), or for the requests it
 //! leaves, in one transaction that locks their rows, decides in Rust, writes and commits.
 //!
@@ -9,25 +8,13 @@
 //! cost of a call: its round trip, a socket write and a wake-up on both sides, and its commit
 //! record and WAL flush. A lane keeps its connection from batch to batch, so a batch the
 //! function decides costs one round trip.
-//!
-//! As for Redis ([`crate::store::redis::batch`]) no timer fills a batch: a lane takes the first
-//! waiting request, lets the runtime's ready tasks run twice so the requests that arrived with
-//! it queue theirs, takes everything waiting then (up to [`MAX_BATCH`]), and goes. Every request
-//! has a deadline (its arrival plus `postgres.command_timeout_ms`): one whose deadline passed
-//! while it waited, or whose caller gave up, is dropped before its batch is sent and consumes
-//! nothing; a batch still running at the earliest deadline of its requests is abandoned and
-//! they are answered with a timeout (a transaction is rolled back; a function call that
-//! completes anyway may have spent tokens for them: an under-admission, never an over-admission).
-
-use std::sync::Arc;
-use std::time::Duration;
 
 use sqlx::postgres::PgConnection;
 use sqlx::Row;
-use tokio::sync::{mpsc, oneshot, Mutex};
+use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use super::connections::{back_off, renewed, session_ended, Connections, Held, Renewal, IDLE_CHECK};
+use super::connections::session_ended;
 use super::{column, function, row_state, store_error, CLOCK_US};
 use crate::core::bucket::{decide, BucketState, Demand};
 use crate::core::clock::Clock;
@@ -53,181 +40,9 @@ pub(crate) struct Job {
     pub reply: oneshot::Sender<Result<Applied, StoreError>>,
 }
 
-/// Hands requests to the lanes. Dropping it ends them once they have answered what they hold.
-pub(crate) struct Batcher {
-    jobs: mpsc::UnboundedSender<Job>,
-}
-
-impl Batcher {
-    /// Starts `lanes` lanes, each deciding one batch at a time on a connection of its own from
-    /// `connections`. `time_override` (tests only) replaces Postgres's clock. Call within a
-    /// Tokio runtime.
-    pub(crate) fn start(connections: Arc<Connections>, lanes: u32, time_override: Option<Arc<dyn Clock>>) -> Batcher {
-        let (tx, rx) = mpsc::unbounded_channel();
-        let rx = Arc::new(Mutex::new(rx));
-        for _ in 0..lanes.max(1) {
-            let (connections, rx, time_override) = (connections.clone(), rx.clone(), time_override.clone());
-            // A lane that panicked (a bug: nothing in it should) is started again, so the store
-            // does not lose its lanes one by one; the requests it held see their channel close.
-            tokio::spawn(async move {
-                loop {
-                    let run = tokio::spawn(lane(connections.clone(), rx.clone(), time_override.clone()));
-                    match run.await {
-                        Err(e) if e.is_panic() => {
-                            tracing::error!("a Postgres decision lane panicked; starting it again");
-                        }
-                        // The queue closed (the store is gone), or the runtime is shutting down.
-                        _ => return,
-                    }
-                }
-            });
-        }
-        Batcher { jobs: tx }
-    }
-
-    /// Queues a request; its decision arrives on the job's `reply`.
-    ///
-    /// Errors: the lanes have ended (the store is being dropped).
-    pub(crate) fn submit(&self, job: Job) -> Result<(), StoreError> {
-        self.jobs
-            .send(job)
-            .map_err(|_| StoreError::Unavailable("the Postgres store is shutting down".into()))
-    }
-}
-
-async fn lane(
-    connections: Arc<Connections>,
-    rx: Arc<Mutex<mpsc::UnboundedReceiver<Job>>>,
-    time_override: Option<Arc<dyn Clock>>,
-) {
-    let mut jobs: Vec<Job> = Vec::with_capacity(MAX_BATCH);
-    let mut breaks = connections.breaks();
-    let mut held: Option<Held> = None;
-    // Getting the lane a connection, in the background (`connections`): a check of one a break
-    // made suspect, or a new one, `retry` after the last failed attempt.
-    let mut renewal: Option<Renewal> = None;
-    let mut retry = Duration::ZERO;
-    loop {
-        let seen = *breaks.borrow_and_update();
-        if renewal.is_none() {
-            if held.as_ref().is_some_and(|h| h.breaks != seen) {
-                renewal = Some(connections.renew(held.take(), Duration::ZERO, false));
-            } else if held.is_none() {
-                renewal = Some(connections.renew(None, retry, false));
-            }
-        }
-        {
-            // Waiting for requests, a lane also wakes when its renewal ends, and on a break. A
-            // lane without a connection leaves requests to those with one; when no lane has
-            // one (PostgreSQL down) it takes them, to try for them and fail them with the reason.
-            let mut rx = tokio::select! {
-                got = renewed(&mut renewal) => {
-                    renewal = None;
-                    settle(got, &mut held, &mut retry);
-                    continue;
-                }
-                Ok(()) = breaks.changed() => continue,
-                rx = rx.lock(), if held.is_some() || connections.holding() == 0 => rx,
-            };
-            let first = tokio::select! {
-                got = renewed(&mut renewal) => {
-                    renewal = None;
-                    settle(got, &mut held, &mut retry);
-                    continue;
-                }
-                Ok(()) = breaks.changed() => continue,
-                first = rx.recv() => first,
-            };
-            match first {
-                Some(job) => jobs.push(job),
-                None => return,
-            }
-            drain(&mut rx, &mut jobs);
-            if jobs.len() < MAX_BATCH {
-                // As in the Redis lanes: two turns of the ready tasks let the requests that
-                // arrived together queue theirs; idle, nothing is ready and this goes at once.
-                tokio::task::yield_now().await;
-                tokio::task::yield_now().await;
-                drain(&mut rx, &mut jobs);
-            }
-        }
-        // A job whose caller gave up, or that waited past its start-by instant, is dropped with
-        // its sender: its caller reports the timeout, and it consumes nothing.
-        let now = Instant::now();
-        jobs.retain(|j| !j.reply.is_closed() && j.start_by > now);
-        let Some(deadline) = jobs.iter().map(|j| j.deadline).min() else {
-            continue;
-        };
-        let clock = time_override.as_deref();
-        // Past the deadline, a batch whose function call or transaction already committed
-        // spent tokens for requests answered with a timeout (never an over-admission).
-        let mut broken = Broken::No;
-        let run = async {
-            if let Some(h) = held.as_mut() {
-                let seen = *breaks.borrow();
-                if h.breaks != seen || h.used.elapsed() > IDLE_CHECK {
-                    if sqlx::Connection::ping(&mut h.conn).await.is_ok() {
-                        h.breaks = seen;
-                    } else {
-                        held = None;
-                        connections.broke();
-                    }
-                }
-            }
-            if held.is_none() {
-                // A renewal waiting out its back-off starts again now: a request is waiting.
-                // One that is under way is waited for; at the deadline it goes on without us.
-                if renewal.as_ref().is_none_or(Renewal::waiting) {
-                    renewal = Some(connections.renew(None, Duration::ZERO, false));
-                }
-                let got = renewed(&mut renewal).await;
-                renewal = None;
-                if let Err(e) = got {
-                    retry = back_off(retry);
-                    return Err(e);
-                }
-                settle(got, &mut held, &mut retry);
-            }
-            let h = held.as_mut().expect("a connection was just got");
-            Ok::<_, StoreError>(decide_jobs(&mut h.conn, &jobs, clock, &mut broken).await)
-        };
-        let results = match tokio::time::timeout_at(deadline, run).await {
-            Ok(Ok(results)) => results,
-            Ok(Err(e)) => batch_failure(e, jobs.len()),
-            Err(_) => {
-                broken = broken.max(Broken::InDoubt);
-                batch_failure(late(), jobs.len())
-            }
-        };
-        match broken {
-            // Checked in the background before it serves again: kept if it answers (a slow
-            // statement), else replaced, and then the other lanes check theirs.
-            Broken::InDoubt => {
-                if let Some(h) = held.take() {
-                    renewal = renewal.or_else(|| Some(connections.renew(Some(h), Duration::ZERO, true)));
-                }
-            }
-            // Dead: closed, and the other lanes check theirs at once, before their next batch.
-            Broken::Dead => {
-                if held.take().is_some() {
-                    connections.broke();
-                }
-            }
-            Broken::No => {
-                if let Some(h) = held.as_mut() {
-                    h.used = Instant::now();
-                }
-            }
-        }
-        for (job, result) in jobs.drain(..).zip(results) {
-            let _ = job.reply.send(result);
-        }
-    }
-}
-
 /// What a batch found out about its lane's connection, worst last.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-enum Broken {
+pub(super) enum Broken {
     /// It served.
     No,
     /// A statement timed out (PostgreSQL's `statement_timeout`, or abandoned at the deadline):
@@ -237,22 +52,7 @@ enum Broken {
     Dead,
 }
 
-/// Takes what a renewal got: the lane's connection, or the error of a failed attempt, which
-/// `retry` backs off.
-fn settle(got: Result<Held, StoreError>, held: &mut Option<Held>, retry: &mut Duration) {
-    match got {
-        Ok(h) => {
-            *held = Some(h);
-            *retry = Duration::ZERO;
-        }
-        Err(e) => {
-            tracing::debug!(error = %e, "a Postgres decision lane could not connect");
-            *retry = back_off(*retry);
-        }
-    }
-}
-
-fn late() -> StoreError {
+pub(super) fn late() -> StoreError {
     StoreError::Timeout("no decision from Postgres in time".into())
 }
 
@@ -263,7 +63,7 @@ fn late() -> StoreError {
 /// the function's commits are never undone nor repeated by the transaction's failure.
 /// Sets `broken` when the connection failed, or a statement timed out (rather than PostgreSQL
 /// refusing a statement).
-async fn decide_jobs(
+pub(super) async fn decide_jobs(
     conn: &mut PgConnection,
     jobs: &[Job],
     clock: Option<&dyn Clock>,
@@ -425,16 +225,6 @@ impl From<StoreError> for Failure {
 /// timeout). Either way the lane's connection is checked before it serves again.
 fn ends_the_connection(d: &dyn sqlx::error::DatabaseError) -> bool {
     session_ended(d) || d.code().as_deref() == Some("57014")
-}
-
-/// Moves the jobs waiting in `rx` into `jobs`, up to [`MAX_BATCH`] in all.
-fn drain(rx: &mut mpsc::UnboundedReceiver<Job>, jobs: &mut Vec<Job>) {
-    while jobs.len() < MAX_BATCH {
-        match rx.try_recv() {
-            Ok(job) => jobs.push(job),
-            Err(_) => break,
-        }
-    }
 }
 
 /// The longest instance key stored as it is; a longer one (a descriptor value can be a header of

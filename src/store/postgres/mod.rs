@@ -39,6 +39,8 @@ mod batch;
 
 mod connections;
 
+mod lane;
+
 mod function;
 
 mod settings;
@@ -52,8 +54,9 @@ use std::time::Duration;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{Postgres, Row, Transaction};
 
-use self::batch::{Batcher, Job};
+use self::batch::Job;
 use self::connections::Connections;
+use self::lane::Batcher;
 use super::redact_url;
 use super::{Applied, BucketRef, Cause, ConnectError, Peeked, Store, StoreError};
 use crate::core::bucket::{BucketState, Demand};
