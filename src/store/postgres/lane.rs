@@ -20,7 +20,7 @@ use tokio::time::Instant;
 use super::batch::{decide_jobs, late, Broken, Job, MAX_BATCH};
 use super::connections::{back_off, renewed, Connections, Held, Renewal, IDLE_CHECK};
 use crate::core::clock::Clock;
-use crate::store::{batch_failure, StoreError};
+use crate::store::{batch_failure, gather, StoreError};
 
 /// Hands requests to the lanes. Dropping it ends them once they have answered what they hold.
 pub(crate) struct Batcher {
@@ -111,14 +111,7 @@ async fn lane(
                 Some(job) => jobs.push(job),
                 None => return,
             }
-            drain(&mut rx, &mut jobs);
-            if jobs.len() < MAX_BATCH {
-                // As in the Redis lanes: two turns of the ready tasks let the requests that
-                // arrived together queue theirs; idle, nothing is ready and this goes at once.
-                tokio::task::yield_now().await;
-                tokio::task::yield_now().await;
-                drain(&mut rx, &mut jobs);
-            }
+            gather(&mut rx, &mut jobs, MAX_BATCH).await;
         }
         // A job whose caller gave up, or that waited past its start-by instant, is dropped with
         // its sender: its caller reports the timeout, and it consumes nothing.
@@ -205,16 +198,6 @@ fn settle(got: Result<Held, StoreError>, held: &mut Option<Held>, retry: &mut Du
         Err(e) => {
             tracing::debug!(error = %e, "a Postgres decision lane could not connect");
             *retry = back_off(*retry);
-        }
-    }
-}
-
-/// Moves the jobs waiting in `rx` into `jobs`, up to [`MAX_BATCH`] in all.
-fn drain(rx: &mut mpsc::UnboundedReceiver<Job>, jobs: &mut Vec<Job>) {
-    while jobs.len() < MAX_BATCH {
-        match rx.try_recv() {
-            Ok(job) => jobs.push(job),
-            Err(_) => break,
         }
     }
 }

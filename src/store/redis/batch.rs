@@ -36,7 +36,7 @@ use tokio::sync::{mpsc, oneshot, Mutex};
 use super::script::{encode_header, split_answers, CallSettings};
 use super::{keys, Conn};
 use crate::core::clock::Clock;
-use crate::store::{batch_failure, StoreError};
+use crate::store::{batch_failure, gather, StoreError};
 
 /// The most requests one call decides. Bounds the script's run time (Redis serves nothing else
 /// meanwhile): a few hundred microseconds for the largest batch.
@@ -116,18 +116,7 @@ async fn lane(
                 Some(job) => jobs.push(job),
                 None => return,
             }
-            drain(&mut rx, &mut jobs);
-            if jobs.len() < MAX_BATCH {
-                // Let the tasks that are ready run first, twice: a request takes two turns from
-                // bytes on its connection to a queued job (the connection task reads it, then
-                // the request's own task decides it), so the requests that arrived with these
-                // join this call. Idle, nothing else is ready and the call goes at once; under
-                // load each call carries more requests (26 instead of 10 at 64 streams,
-                // benches/README.md). A full batch goes without waiting.
-                tokio::task::yield_now().await;
-                tokio::task::yield_now().await;
-                drain(&mut rx, &mut jobs);
-            }
+            gather(&mut rx, &mut jobs, MAX_BATCH).await;
         }
         jobs.retain(|j| !j.reply.is_closed());
         if jobs.is_empty() {
@@ -191,16 +180,6 @@ async fn call(conn: &Conn, client: &Client, settings: &LaneSettings, jobs: &mut 
             for (job, answer) in jobs.drain(..).zip(answers) {
                 let _ = job.reply.send(answer);
             }
-        }
-    }
-}
-
-/// Moves the jobs waiting in `rx` into `jobs`, up to [`MAX_BATCH`] in all.
-fn drain(rx: &mut mpsc::UnboundedReceiver<Job>, jobs: &mut Vec<Job>) {
-    while jobs.len() < MAX_BATCH {
-        match rx.try_recv() {
-            Ok(job) => jobs.push(job),
-            Err(_) => break,
         }
     }
 }
