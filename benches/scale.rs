@@ -155,6 +155,7 @@ fn held_store(n: usize) -> (MemoryStore, ManualClock, Vec<String>) {
     let demand = take();
     for key in &keys {
         let bucket = [BucketRef {
+            lease_ut: 0,
             key: key.clone(),
             plan: held_plan(),
         }];
@@ -175,6 +176,7 @@ fn report_bucket_memory() {
     let demand = take();
     for key in &keys {
         let bucket = [BucketRef {
+            lease_ut: 0,
             key: key.clone(),
             plan: held_plan(),
         }];
@@ -248,6 +250,7 @@ fn bench_memory_store(c: &mut Criterion) {
             .iter()
             .map(|k| {
                 [BucketRef {
+                    lease_ut: 0,
                     key: k.clone(),
                     plan: held_plan(),
                 }]
@@ -299,6 +302,7 @@ fn contended(threads: usize, hot: bool, iters: u64) -> Duration {
                 let refs: Vec<[BucketRef; 1]> = (0..64)
                     .map(|i| {
                         [BucketRef {
+                            lease_ut: 0,
                             key: if hot { key_of(0) } else { key_of(t * 1_000 + i) },
                             plan: held_plan(),
                         }]

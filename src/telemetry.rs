@@ -62,6 +62,21 @@ pub const BACKEND_CIRCUIT_OPEN: &str = "tollgate_backend_circuit_open";
 /// Counter `{answer}`: requests answered by `failure_mode` because the backend failed
 /// (`allow`: OK without a decision; `deny`: OVER_LIMIT without one).
 pub const BACKEND_FAILURE_ANSWERS: &str = "tollgate_backend_failure_answers_total";
+/// Requests a replica on a shared backend denied without a store call: the over-limit cache
+/// showed the store would deny them (docs/backends.md, "Deciding locally").
+pub const LOCAL_DENIALS: &str = "tollgate_local_denials_total";
+/// Buckets the over-limit cache holds.
+pub const LOCAL_CACHE_ENTRIES: &str = "tollgate_local_cache_entries";
+/// Buckets the over-limit cache evicted at `local.over_limit_cache_entries` (their requests ask
+/// the store again).
+pub const LOCAL_CACHE_EVICTIONS: &str = "tollgate_local_cache_evictions_total";
+/// Requests admitted on leased tokens alone, without a store call.
+pub const LEASE_ADMISSIONS: &str = "tollgate_lease_admissions_total";
+/// Store calls for token leases, by `kind`: `grant` (taking a lease), `return` (giving back
+/// what a lease did not spend).
+pub const LEASE_CALLS: &str = "tollgate_lease_calls_total";
+/// Leased tokens a replica holds unspent, all buckets together.
+pub const LEASE_TOKENS: &str = "tollgate_lease_tokens";
 /// Rules reloads by `result`: `success`, `failure` (the previous rules stay in force).
 pub const RELOADS: &str = "tollgate_rules_reloads_total";
 /// The generation of the rules in force: 1 at start, plus one per reload that took effect.

@@ -462,6 +462,7 @@ impl<S: Store> Limiter<S> {
             .map(|(policy, _)| BucketRef {
                 key: m.key(domain, policy, entries),
                 plan: policy.plan.clone(),
+                lease_ut: policy.lease_ut,
             })
             .collect();
         let policies = m.parts.iter().map(|(policy, _)| BucketPolicy::clone(policy)).collect();
@@ -614,7 +615,14 @@ fn demands_of<'a>(
             // (`super::quota_mode`).
             let enforced = !shadow && !quota;
             let own = policy.demand_kind(kind);
-            let (instance, demand) = add_demand(&mut buckets, &mut demands, key, &policy.plan, own, enforced);
+            let (instance, demand) = add_demand(
+                &mut buckets,
+                &mut demands,
+                key,
+                (&policy.plan, policy.lease_ut),
+                own,
+                enforced,
+            );
             parts.push(Part {
                 policy,
                 instance,
@@ -667,12 +675,13 @@ fn key_capacity(domain: &str, bucket: &str, entries: &[Entry]) -> usize {
 }
 
 /// Adds a demand of `kind` (`enforced`: it can deny) on the instance `key` (shared with an earlier descriptor of the
-/// request that reached the same instance); returns the indices of the instance and the demand.
+/// request that reached the same instance) of a bucket following `plan` and leased `lease_ut` at a time
+/// ([`BucketRef::lease_ut`]); returns the indices of the instance and the demand.
 fn add_demand(
     buckets: &mut SmallVec<[BucketRef; 4]>,
     demands: &mut SmallVec<[Demand; 4]>,
     key: String,
-    plan: &Plan,
+    (plan, lease_ut): (&Plan, u64),
     kind: DemandKind,
     enforced: bool,
 ) -> (usize, usize) {
@@ -682,6 +691,7 @@ fn add_demand(
             buckets.push(BucketRef {
                 key,
                 plan: plan.clone(),
+                lease_ut,
             });
             buckets.len() - 1
         }

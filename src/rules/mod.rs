@@ -197,6 +197,10 @@ pub struct BucketPolicy {
     /// bucket; what clients and operators see is brought back down ([`BucketPolicy::shown`],
     /// [`BucketPolicy::balance_ut`]).
     pub debt_depth_ut: u64,
+    /// `lease: N` (docs/backends.md, token leases): a replica may reserve `N` tokens of this
+    /// bucket from the shared store at a time and spend them locally, in micro-tokens; 0 for
+    /// none.
+    pub lease_ut: u64,
     /// For a scheduled policy, [`ReportedLimit::of`] each entry's limit, worked out once.
     entry_reported: Vec<ReportedLimit>,
 }
@@ -219,6 +223,7 @@ impl BucketPolicy {
             hidden: false,
             debt: false,
             debt_depth_ut: 0,
+            lease_ut: 0,
             entry_reported,
         }
     }
@@ -271,6 +276,12 @@ impl BucketPolicy {
     /// This policy with [`BucketPolicy::hidden`] set to `hidden`.
     pub fn with_hidden(mut self, hidden: bool) -> BucketPolicy {
         self.hidden = hidden;
+        self
+    }
+
+    /// The policy with `lease` ([`BucketPolicy::lease_ut`], micro-tokens; 0: none).
+    pub fn with_lease(mut self, lease_ut: u64) -> BucketPolicy {
+        self.lease_ut = lease_ut;
         self
     }
 

@@ -61,7 +61,7 @@ use crate::server::settings::{Backend, FailureMode, FallbackBackend, RuntimeFlav
 use crate::server::tls::{accept::Acceptor, Listener, Tls};
 use crate::server::wire::RateLimitServer;
 use crate::store::{
-    start_shared, AnyStore, Fallback, Guarded, MemoryStore, Metered, PostgresStore, RedisStore, Resilient,
+    start_shared, AnyStore, Fallback, Guarded, Local, MemoryStore, Metered, PostgresStore, RedisStore, Resilient,
 };
 
 impl LimiterOptions {
@@ -164,8 +164,15 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
 
     let failed = until_stop(&mut tasks).await;
     report_not_serving(&ready, &health_follower, &health_reporter).await;
-    shut_down(stop_tx, reload_task, settings.shutdown, failed, tasks).await
+    let result = shut_down(stop_tx, reload_task, settings.shutdown, failed, tasks).await;
+    // Leased tokens this replica did not spend go back to the shared store, so the other
+    // replicas can spend them (docs/backends.md, token leases).
+    limiter.store().return_leases(LEASE_RETURN_TIMEOUT).await;
+    result
 }
+
+/// How long a shutdown waits for the store to take unspent leased tokens back.
+const LEASE_RETURN_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// The listener tasks of `serve`: each ends with its server's error, if it failed.
 type Tasks = JoinSet<anyhow::Result<()>>;
@@ -203,8 +210,14 @@ fn memory_store(settings: &Settings, clock: Arc<dyn Clock>) -> MemoryStore {
 async fn build_store(settings: &Settings, memory: &MemoryStore, clock: Arc<dyn Clock>) -> anyhow::Result<AnyStore> {
     Ok(match settings.backend {
         Backend::Memory => AnyStore::Memory(Metered::new(memory.clone(), "memory")),
-        Backend::Redis => AnyStore::Redis(redis_store(settings, memory.clone(), clock).await?),
-        Backend::Postgres => AnyStore::Postgres(postgres_store(settings, memory.clone()).await?),
+        Backend::Redis => AnyStore::Redis(Local::new(
+            redis_store(settings, memory.clone(), clock).await?,
+            &settings.local,
+        )),
+        Backend::Postgres => AnyStore::Postgres(Local::new(
+            postgres_store(settings, memory.clone()).await?,
+            &settings.local,
+        )),
     })
 }
 

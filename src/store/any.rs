@@ -2,8 +2,8 @@
 
 use super::resilient::failing;
 use super::{
-    Applied, BucketRef, MemoryStore, Metered, Peeked, PostgresStore, RedisStore, Resilient, SharedBackend, Store,
-    StoreError,
+    Applied, BucketRef, Local, MemoryStore, Metered, Peeked, PostgresStore, RedisStore, Resilient, SharedBackend,
+    Store, StoreError,
 };
 use crate::core::bucket::Demand;
 
@@ -14,10 +14,12 @@ const PROBE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
 pub enum AnyStore {
     /// `backend: memory`.
     Memory(Metered<MemoryStore>),
-    /// `backend: redis`, behind a circuit breaker (and a memory fallback when so configured).
-    Redis(Resilient<RedisStore>),
-    /// `backend: postgres`, behind a circuit breaker (and a memory fallback when so configured).
-    Postgres(Resilient<PostgresStore>),
+    /// `backend: redis`, behind a circuit breaker (and a fallback when so configured), with the
+    /// replica's local layer in front (the over-limit cache, leases).
+    Redis(Local<Resilient<RedisStore>>),
+    /// `backend: postgres`, behind a circuit breaker (and a memory fallback when so configured),
+    /// with the replica's local layer in front.
+    Postgres(Local<Resilient<PostgresStore>>),
 }
 
 /// What a readiness check of the backend found ([`AnyStore::ready`]).
@@ -61,8 +63,8 @@ impl AnyStore {
                     notice: None,
                 }
             }
-            AnyStore::Redis(r) => (shared_problem(r).await, r.fallback()),
-            AnyStore::Postgres(p) => (shared_problem(p).await, p.fallback()),
+            AnyStore::Redis(r) => (shared_problem(r.inner()).await, r.inner().fallback()),
+            AnyStore::Postgres(p) => (shared_problem(p.inner()).await, p.inner().fallback()),
         };
         let fallback_ready = match fallback {
             Some(f) => Some((f.name(), f.ready(PROBE_TIMEOUT).await)),
@@ -71,7 +73,7 @@ impl AnyStore {
         // Redis that may evict buckets still decides (taking every replica out of rotation for
         // a setting would leave Envoy no one to ask), but says so.
         let eviction = match self {
-            AnyStore::Redis(r) => r.primary().eviction_warning(),
+            AnyStore::Redis(r) => r.inner().primary().eviction_warning(),
             _ => None,
         };
         let ready = match (problem, fallback_ready) {
@@ -86,6 +88,27 @@ impl AnyStore {
         Health {
             verdict: ready,
             notice: eviction,
+        }
+    }
+}
+
+impl AnyStore {
+    /// Gives the unspent tokens of every lease back to the shared store, waiting at most
+    /// `timeout` for it: for a shutdown. Nothing to do on the memory backend.
+    pub async fn return_leases(&self, timeout: std::time::Duration) {
+        match self {
+            AnyStore::Memory(_) => {}
+            AnyStore::Redis(s) => s.return_leases(timeout).await,
+            AnyStore::Postgres(s) => s.return_leases(timeout).await,
+        }
+    }
+
+    /// The local layer in front of a shared backend; `None` on the memory backend.
+    pub fn local(&self) -> Option<&super::local::LocalLayer> {
+        match self {
+            AnyStore::Memory(_) => None,
+            AnyStore::Redis(s) => Some(s.layer()),
+            AnyStore::Postgres(s) => Some(s.layer()),
         }
     }
 }
@@ -184,19 +207,25 @@ mod tests {
         ));
         let stores = [
             AnyStore::Memory(Metered::new(memory.clone(), "memory")),
-            AnyStore::Redis(Resilient::new(
-                Metered::new(redis, "redis"),
-                "redis",
-                5,
-                Duration::from_secs(1),
-                Some(fallback),
+            AnyStore::Redis(Local::new(
+                Resilient::new(
+                    Metered::new(redis, "redis"),
+                    "redis",
+                    5,
+                    Duration::from_secs(1),
+                    Some(fallback),
+                ),
+                &super::super::LocalSettings::default(),
             )),
-            AnyStore::Postgres(Resilient::new(
-                Metered::new(postgres, "postgres"),
-                "postgres",
-                5,
-                Duration::from_secs(1),
-                Some(super::super::Fallback::Memory(Metered::new(memory, "memory"))),
+            AnyStore::Postgres(Local::new(
+                Resilient::new(
+                    Metered::new(postgres, "postgres"),
+                    "postgres",
+                    5,
+                    Duration::from_secs(1),
+                    Some(super::super::Fallback::Memory(Metered::new(memory, "memory"))),
+                ),
+                &super::super::LocalSettings::default(),
             )),
         ];
         for store in &stores {

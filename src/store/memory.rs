@@ -31,6 +31,7 @@ mod settings;
 
 pub use settings::MemorySettings;
 
+use super::digest::{Digest, DigestHash, Digester};
 use super::{Applied, BucketRef, Peeked, Store, StoreError};
 use crate::core::bucket::{decide, BucketState, Demand};
 use crate::core::clock::Clock;
@@ -47,49 +48,6 @@ struct Entry {
 /// at random positions in constant time; hashed by [`DigestHash`], since a digest is already a
 /// keyed hash.
 type Shard = IndexMap<Digest, Entry, DigestHash>;
-
-/// What a key is stored and looked up as: its 128-bit SipHash-1-3 under a random 128-bit key
-/// drawn when the store is made (see [`MemoryStore::digest`]). By chance, two of `n` keys
-/// collide with probability about `n^2 / 2^129`; by design, a client that does not know the
-/// hash key cannot make its key collide with another's.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Digest([u64; 2]);
-
-impl std::hash::Hash for Digest {
-    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
-        // The second half: the first picks the shard, so within a shard it is not uniform.
-        state.write_u64(self.0[1]);
-    }
-}
-
-/// Hashes a [`Digest`] as the one `u64` it writes, unchanged.
-#[derive(Clone, Copy, Default)]
-struct DigestHash;
-
-impl BuildHasher for DigestHash {
-    type Hasher = PassThrough;
-    fn build_hasher(&self) -> PassThrough {
-        PassThrough(0)
-    }
-}
-
-/// See [`DigestHash`].
-struct PassThrough(u64);
-
-impl std::hash::Hasher for PassThrough {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        // Only `write_u64` is used (by `Digest`); fold anything else in rather than drop it.
-        for &b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(b);
-        }
-    }
-    fn write_u64(&mut self, n: u64) {
-        self.0 = n;
-    }
-}
 
 /// Counters a memory store keeps about itself.
 #[derive(Debug, Default)]
@@ -109,8 +67,8 @@ struct Inner {
     shards: Vec<Mutex<Shard>>,
     /// Seeds the eviction sample.
     hasher: RandomState,
-    /// The key of the 128-bit SipHash that makes a key's [`Digest`].
-    digest_key: [u8; 16],
+    /// Makes a key's [`Digest`].
+    digester: Digester,
     /// Counts eviction samples drawn: hashed with `hasher`, a fresh seed for each.
     samples: AtomicU64,
     /// The cap on buckets held in all shards together (`memory.max_buckets`, at least 1).
@@ -178,7 +136,7 @@ impl MemoryStore {
                     .map(|_| Mutex::new(IndexMap::with_hasher(DigestHash)))
                     .collect(),
                 hasher: RandomState::new(),
-                digest_key: random_key(),
+                digester: Digester::random(),
                 samples: AtomicU64::new(0),
                 max_buckets: max_buckets.max(1),
                 held: AtomicUsize::new(0),
@@ -271,17 +229,15 @@ impl MemoryStore {
     }
 
     /// The [`Digest`] of instance key `key`: its 128-bit SipHash-1-3 under the store's key.
+    #[inline]
     fn digest(&self, key: &str) -> Digest {
-        use std::hash::Hasher;
-        let mut hasher = siphasher::sip128::SipHasher13::new_with_key(&self.inner.digest_key);
-        hasher.write(key.as_bytes());
-        let h = siphasher::sip128::Hasher128::finish128(&hasher);
-        Digest([h.h1, h.h2])
+        self.inner.digester.digest(key)
     }
 
     /// The shard of a key: from the first half of its digest (the map hashes the second).
+    #[inline]
     fn shard_of(&self, key: &Digest) -> usize {
-        ((u128::from(key.0[0]) * self.inner.shards.len() as u128) >> 64) as usize
+        key.shard(self.inner.shards.len())
     }
 
     /// Decides synchronously; [`Store::apply`] wraps this.
@@ -528,17 +484,6 @@ impl SplitMix64 {
     fn below(&mut self, n: usize) -> usize {
         ((u128::from(self.next()) * n as u128) >> 64) as usize
     }
-}
-
-/// A random 128-bit key from the operating system's generator (through std's `RandomState`,
-/// whose keys come from it: two outputs of one keyed hash over different inputs are as good as
-/// fresh random bits to anyone who does not know its key).
-fn random_key() -> [u8; 16] {
-    let state = RandomState::new();
-    let mut key = [0; 16];
-    key[..8].copy_from_slice(&state.hash_one(0u8).to_le_bytes());
-    key[8..].copy_from_slice(&state.hash_one(1u8).to_le_bytes());
-    key
 }
 
 fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {

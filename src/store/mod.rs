@@ -6,7 +6,9 @@
 
 mod any;
 mod breaker;
+mod digest;
 mod error;
+pub mod local;
 mod memory;
 mod metered;
 mod postgres;
@@ -21,6 +23,7 @@ use std::future::Future;
 pub use any::{AnyStore, Health};
 pub use breaker::{Breaker, BreakerPolicy, BreakerState, Outcome, Permit, Transition};
 pub use error::{batch_failure, Cause, ConnectError, StoreError};
+pub use local::{Local, LocalSettings};
 pub use memory::MemorySettings;
 pub use memory::{MemoryStore, MemoryStoreStats};
 pub use metered::Metered;
@@ -44,6 +47,10 @@ pub struct BucketRef {
     /// Its limit and how the limit changes over time; the store evaluates it at its own clock's
     /// now (docs/backends.md).
     pub plan: Plan,
+    /// The rule's `lease`, in micro-tokens: how many tokens a replica may reserve from the
+    /// shared store at a time and spend locally ([`local`], docs/backends.md); 0 for none (every
+    /// decision asks the store).
+    pub lease_ut: u64,
 }
 
 /// A store's answer: the decision and the instant, by the store's clock, it was taken at.

@@ -65,6 +65,7 @@ async fn a_row_deleted_under_a_request_never_loses_its_write() {
     let stores = [db.store().await, db.store().await];
     // 10 tokens refilled over 1,000 hours: a few micro-tokens over the test.
     let churn = || BucketRef {
+        lease_ut: 0,
         key: "churn".into(),
         plan: Plan::Fixed(Limit::new(10, Rate::per(10, 3_600_000_000_000).unwrap())),
     };
@@ -150,6 +151,7 @@ async fn the_sweep_deletes_only_buckets_full_again() {
     let store = db.store().await;
     // 1,000 tokens a second: one token short is full again 1 ms later.
     let fast = BucketRef {
+        lease_ut: 0,
         key: "fast".into(),
         plan: Plan::Fixed(Limit::new(1_000, Rate::per(1_000, 1_000_000).unwrap())),
     };
@@ -191,6 +193,7 @@ async fn a_sweep_pass_is_bounded() {
     let store = db.store().await;
     // 1,000 tokens a second: one token short is full again 1 ms later.
     let fast = |i: usize| BucketRef {
+        lease_ut: 0,
         key: format!("fast{i:02}"),
         plan: Plan::Fixed(Limit::new(1_000, Rate::per(1_000, 1_000_000).unwrap())),
     };

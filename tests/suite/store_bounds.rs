@@ -98,6 +98,7 @@ fn cases(now_us: u64) -> Vec<Case> {
 /// is full, and checks that nothing came back by then and everything did when it is full.
 async fn keeps_state<S: Store>(store: &S, clock: &ManualClock, case: &Case, key: &str, sweep: impl AsyncFn()) {
     let buckets = [BucketRef {
+        lease_ut: 0,
         key: key.to_string(),
         plan: case.plan.clone(),
     }];
@@ -134,6 +135,7 @@ async fn memory_keeps_state_until_full_at_the_bounds() {
     }
     // The schedule whose full time the look-ahead does not find is kept (until evicted).
     let buckets = [BucketRef {
+        lease_ut: 0,
         key: "slow_schedule".into(),
         plan: slow_schedule(),
     }];
@@ -158,6 +160,7 @@ async fn postgres_keeps_state_until_full_at_the_bounds() {
         .await;
     }
     let buckets = [BucketRef {
+        lease_ut: 0,
         key: "slow_schedule".into(),
         plan: slow_schedule(),
     }];
@@ -186,6 +189,7 @@ async fn redis_keys_live_until_their_bucket_is_full_at_the_bounds() {
     };
     for case in cases(utc_us(2026, 1, 1)) {
         let buckets = [BucketRef {
+            lease_ut: 0,
             key: case.name.into(),
             plan: case.plan.clone(),
         }];
@@ -212,6 +216,7 @@ async fn redis_keys_live_until_their_bucket_is_full_at_the_bounds() {
     }
     // Full time beyond the look-ahead: kept without expiry until a write finds it full.
     let buckets = [BucketRef {
+        lease_ut: 0,
         key: "slow_schedule".into(),
         plan: slow_schedule(),
     }];
@@ -259,6 +264,7 @@ async fn redis_keys_are_bounded_whatever_the_value() {
     let plan = Plan::Fixed(Limit::new(2, Rate::per(1, DAY_US).unwrap()));
     let bucket = |value: &str| {
         [BucketRef {
+            lease_ut: 0,
             key: identity(value),
             plan: plan.clone(),
         }]
@@ -307,6 +313,7 @@ async fn a_denial_across_slots_refunds_exactly_what_was_taken() {
     let buckets: Vec<BucketRef> = ["drained", "three_left", "five_left"]
         .iter()
         .map(|k| BucketRef {
+            lease_ut: 0,
             key: (*k).into(),
             plan: plan.clone(),
         })

@@ -263,6 +263,7 @@ mod concurrent {
         let mut limit = Limit::new(1_000_000, Rate::per(1_000_000, 86_400_000_000).unwrap());
         limit.capacity_ut += DEPTH_UT;
         vec![BucketRef {
+            lease_ut: 0,
             key: key.to_owned(),
             plan: Plan::Fixed(limit),
         }]

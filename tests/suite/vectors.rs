@@ -174,6 +174,7 @@ fn bucket_refs(case: &Case) -> Vec<BucketRef> {
         .iter()
         .enumerate()
         .map(|(i, b)| BucketRef {
+            lease_ut: 0,
             key: format!("{}#{i}", case.name),
             plan: plan(b),
         })
@@ -459,6 +460,7 @@ mod random {
             .iter()
             .enumerate()
             .map(|(i, b)| BucketRef {
+                lease_ut: 0,
                 key: format!("case{n}#{i}"),
                 plan: plan(b),
             })
@@ -694,6 +696,7 @@ async fn redis_store_decides_a_request_of_a_thousand_buckets() {
     let store = support::redis::store_on_clock(vec![url.clone()], false, &prefix, &clock).await;
     let limit = Limit::new(10, Rate::per(10, 3_600_000_000).unwrap());
     let bucket = |key: String| BucketRef {
+        lease_ut: 0,
         key,
         plan: Plan::Fixed(limit),
     };

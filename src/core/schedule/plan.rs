@@ -120,6 +120,23 @@ impl Plan {
         }
     }
 
+    /// The first instant in `(now_us, now_us + horizon_us]` at which the limit may change by
+    /// the clock (a schedule window opens or closes, a quota resets, a reload takes effect),
+    /// or `None` when there is none within the horizon: a constant limit never changes, and an
+    /// expiring allowance's period end depends on its state ([`Plan::full_at_us`] gives it).
+    /// What a cache of bucket states must not trust a state beyond (the local over-limit cache).
+    pub fn next_change_us(&self, now_us: u64, horizon_us: u64) -> Option<u64> {
+        match self {
+            Plan::Fixed(_) | Plan::Expiring(_) => None,
+            Plan::Scheduled(s) => s.next_limit_change(now_us, horizon_us),
+            Plan::Quota(q) => q.next_edge(now_us, now_us.saturating_add(horizon_us)),
+            Plan::Reloaded(r) if now_us < r.at_us() => {
+                (r.at_us() <= now_us.saturating_add(horizon_us)).then_some(r.at_us())
+            }
+            Plan::Reloaded(r) => r.after().next_change_us(now_us, horizon_us),
+        }
+    }
+
     /// The `w` of the `RateLimit-Policy` header in microseconds: how long the policy in force
     /// at `now_us` takes to give back a whole capacity. For a token bucket the time to fill
     /// from empty at the limit in force; for a quota the current period, from the last reset

@@ -69,6 +69,8 @@ struct Compiled {
     debt_ut: Option<u64>,
     /// The quota's, likewise.
     quota_debt_ut: Option<u64>,
+    /// The token bucket's `lease`, in micro-tokens (0: none).
+    lease_ut: u64,
 }
 
 /// The name under which the quota of a policy that also has a token bucket is reported and
@@ -296,6 +298,10 @@ impl<'a> DomainBuilder<'a> {
             }
             (q, _) => (q, None),
         };
+        let lease_ut = match spec.lease {
+            None => 0,
+            Some(lease) => self.lease(rule, lease, &bucket, quota.is_some(), debt_ut.is_some())?,
+        };
         Some(Compiled {
             bucket,
             quota,
@@ -303,7 +309,41 @@ impl<'a> DomainBuilder<'a> {
             quota_hidden: spec.hidden || spec.quota.as_ref().is_some_and(|q| q.hidden),
             debt_ut,
             quota_debt_ut,
+            lease_ut,
         })
+    }
+
+    /// A bucket's `lease: lease` in micro-tokens; `None` (with the error recorded) unless the
+    /// bucket is a plain token bucket (`capacity` and `refill`, schedules allowed: not a quota,
+    /// a fixed allowance or a debt bucket, whose every use must reach the store) and
+    /// `1 <= lease <= capacity`.
+    fn lease(&mut self, rule: &str, lease: u64, bucket: &Option<Plan>, quota: bool, debt: bool) -> Option<u64> {
+        let why = match bucket {
+            _ if quota => Some("a bucket with a `quota` (its quota is asked on every request)"),
+            _ if debt => Some("a debt bucket (every usage report must reach the store)"),
+            Some(Plan::Fixed(limit)) if limit.rate.is_zero() => Some("a fixed allowance (it never refills)"),
+            Some(Plan::Fixed(_)) | Some(Plan::Scheduled(_)) => None,
+            _ => Some("this bucket"),
+        };
+        if let Some(what) = why {
+            self.error(
+                rule,
+                format!("`lease` is for a token bucket (`capacity` and `refill`), not for {what}; remove `lease`"),
+            );
+            return None;
+        }
+        let capacity = bucket.as_ref().map_or(0, |p| p.base().capacity());
+        if lease == 0 || lease > capacity {
+            self.error(
+                rule,
+                format!(
+                    "`lease: {lease}` must be between 1 and the bucket's capacity ({capacity}): the tokens a \
+                     replica reserves at a time"
+                ),
+            );
+            return None;
+        }
+        Some(lease.saturating_mul(crate::core::bucket::MICRO))
     }
 
     /// How deep a debt floor of `floor` tokens (default minus `capacity`) lies, in
@@ -573,8 +613,9 @@ impl<'a> DomainBuilder<'a> {
                 quota_hidden,
                 debt_ut,
                 quota_debt_ut,
+                ..
             } => {
-                let bucket = self.add_policy(rule, name.clone(), plan, hidden, debt_ut)?;
+                let bucket = self.add_policy(rule, name.clone(), plan, hidden, debt_ut, 0)?;
                 let companion = quota_name(&name);
                 if self.by_name.contains_key(&companion) {
                     self.error(
@@ -586,7 +627,7 @@ impl<'a> DomainBuilder<'a> {
                     );
                     return None;
                 }
-                let quota = self.add_policy(rule, companion, Plan::Quota(quota), quota_hidden, quota_debt_ut)?;
+                let quota = self.add_policy(rule, companion, Plan::Quota(quota), quota_hidden, quota_debt_ut, 0)?;
                 self.companions.insert(bucket, quota);
                 Some((bucket, Some(quota)))
             }
@@ -595,8 +636,9 @@ impl<'a> DomainBuilder<'a> {
                 quota: None,
                 hidden,
                 debt_ut,
+                lease_ut,
                 ..
-            } => Some((self.add_policy(rule, name, plan, hidden, debt_ut)?, None)),
+            } => Some((self.add_policy(rule, name, plan, hidden, debt_ut, lease_ut)?, None)),
             Compiled {
                 bucket: None,
                 quota: Some(quota),
@@ -604,7 +646,7 @@ impl<'a> DomainBuilder<'a> {
                 quota_debt_ut,
                 ..
             } => Some((
-                self.add_policy(rule, name, Plan::Quota(quota), quota_hidden, quota_debt_ut)?,
+                self.add_policy(rule, name, Plan::Quota(quota), quota_hidden, quota_debt_ut, 0)?,
                 None,
             )),
             Compiled {
@@ -632,13 +674,15 @@ impl<'a> DomainBuilder<'a> {
         plan: Plan,
         hidden: bool,
         debt_ut: Option<u64>,
+        lease_ut: u64,
     ) -> Option<usize> {
         let reported = reported_base(&plan, debt_ut.unwrap_or(0));
         if let Some(&idx) = self.by_name.get(&name) {
             let existing = &self.buckets[idx];
             let same_limit = existing.plan == plan
                 && existing.reported == reported
-                && existing.debt.then_some(existing.debt_depth_ut) == debt_ut;
+                && existing.debt.then_some(existing.debt_depth_ut) == debt_ut
+                && existing.lease_ut == lease_ut;
             if same_limit && existing.hidden == hidden {
                 return Some(idx);
             }
@@ -657,7 +701,9 @@ impl<'a> DomainBuilder<'a> {
             self.error(rule, reason);
             return None;
         }
-        let policy = BucketPolicy::new(name.clone(), plan, reported).with_hidden(hidden);
+        let policy = BucketPolicy::new(name.clone(), plan, reported)
+            .with_hidden(hidden)
+            .with_lease(lease_ut);
         let idx = self.push_bucket(match debt_ut {
             Some(depth_ut) => policy.with_debt_depth(depth_ut),
             None => policy,
@@ -1027,6 +1073,7 @@ impl<'a> DomainBuilder<'a> {
             debt: false,
             debt_floor: None,
             expires: None,
+            lease: None,
         });
         for (field, twice) in [
             ("schedule", merged.schedule.is_some() && spec.schedule.is_some()),

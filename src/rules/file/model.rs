@@ -72,6 +72,10 @@ pub(crate) struct BucketSpec {
     /// A fixed allowance's period: whole again this long after its first use (`24h`, or whole
     /// seconds).
     pub expires: Option<crate::core::units::Seconds>,
+    /// Token leases (docs/backends.md): a replica may reserve this many tokens of the bucket
+    /// from the shared store at a time and spend them without asking it. Only on a token
+    /// bucket (`capacity` and `refill`, schedules allowed), at most its capacity.
+    pub lease: Option<u64>,
 }
 
 /// One schedule window (docs/schedules-and-quotas.md): a five-field `cron` in `timezone` (IANA, default UTC), and

@@ -16,7 +16,8 @@ use serde::{Deserialize, Serialize};
 pub use crate::decision::{HeaderSettings, RequestLimits, ResponseSettings};
 pub use crate::server::tls::{ListenerTls, TlsSettings};
 pub use crate::store::{
-    redact_url, FailureMode, FallbackBackend, MemorySettings, PostgresSettings, RedisSettings, UnreachableAtStart,
+    redact_url, FailureMode, FallbackBackend, LocalSettings, MemorySettings, PostgresSettings, RedisSettings,
+    UnreachableAtStart,
 };
 pub use xds::{RulesSource, XdsSettings};
 
@@ -60,6 +61,9 @@ pub struct Settings {
     pub redis: RedisSettings,
     /// The Postgres backend (used when `backend: postgres`).
     pub postgres: PostgresSettings,
+    /// What a replica on Redis or Postgres decides without a store call: the over-limit cache
+    /// and token leases.
+    pub local: LocalSettings,
     /// The bucket admin API (peek, refund, reset).
     pub admin: AdminSettings,
     /// Reloading the rules when their files change.
@@ -228,6 +232,7 @@ impl Default for Settings {
             memory: MemorySettings::default(),
             redis: RedisSettings::default(),
             postgres: PostgresSettings::default(),
+            local: LocalSettings::default(),
             admin: AdminSettings::default(),
             reload: ReloadSettings::default(),
             shutdown: ShutdownSettings::default(),
@@ -304,7 +309,7 @@ pub const DEFAULT_SETTINGS_FILE: &str = "config/tollgate.yaml";
 
 /// Top-level settings keys; only these are read from `TOLLGATE_*`, so unrelated variables
 /// with the same prefix are not mistaken for settings.
-const KEYS: [&str; 23] = [
+const KEYS: [&str; 24] = [
     "grpc_addr",
     "http_addr",
     "rules",
@@ -321,6 +326,7 @@ const KEYS: [&str; 23] = [
     "memory",
     "redis",
     "postgres",
+    "local",
     "admin",
     "reload",
     "shutdown",
@@ -641,6 +647,7 @@ impl Settings {
         }
         problems.extend(self.redis.problems());
         problems.extend(self.postgres.problems());
+        problems.extend(self.local.problems());
         problems.extend(self.tls.problems());
         if self.rules_source == RulesSource::Xds {
             problems.extend(self.xds.problems());

@@ -9,6 +9,7 @@ const HOUR_US: u64 = 3_600_000_000;
 
 fn bucket(key: &str, capacity: u64, per_hour: u64) -> BucketRef {
     BucketRef {
+        lease_ut: 0,
         key: key.to_owned(),
         plan: Plan::Fixed(Limit::new(capacity, Rate::per(per_hour, HOUR_US).unwrap())),
     }

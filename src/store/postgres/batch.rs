@@ -476,6 +476,7 @@ pub(super) mod tests {
     /// A bucket of 3 tokens refilled 3 a minute.
     pub(in crate::store::postgres) fn bucket(key: &str) -> BucketRef {
         BucketRef {
+            lease_ut: 0,
             key: key.to_owned(),
             plan: Plan::Fixed(Limit::new(3, Rate::per(3, 60_000_000).unwrap())),
         }

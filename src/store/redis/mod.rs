@@ -957,10 +957,12 @@ mod tests {
         ));
         let buckets = vec![
             BucketRef {
+                lease_ut: 0,
                 key: "ahead".into(),
                 plan: plan.clone(),
             },
             BucketRef {
+                lease_ut: 0,
                 key: "behind".into(),
                 plan: plan.clone(),
             },

@@ -476,6 +476,7 @@ impl Drop for PostgresServer {
 pub fn bucket(key: &str, capacity: u64) -> tollgate::store::BucketRef {
     use tollgate::core::bucket::{Limit, Rate};
     tollgate::store::BucketRef {
+        lease_ut: 0,
         key: key.to_owned(),
         plan: tollgate::core::schedule::Plan::Fixed(Limit::new(capacity, Rate::per(capacity, 3_600_000_000).unwrap())),
     }

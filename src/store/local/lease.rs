@@ -1,0 +1,293 @@
+//! Token leases: a replica reserves a slice of a hot bucket's tokens from the shared store in
+//! one call (an ordinary consuming decision of `lease` tokens, so the store has debited them
+//! before any is spent) and admits requests on them locally, with no store call.
+//!
+//! **Bounds.** A lease is taken only when the store's last answer showed the bucket holding at
+//! least `lease` tokens after the request it decided, and topped up to `lease` (never beyond)
+//! when half of it is spent, so a replica never holds more than `lease` unspent tokens of a
+//! bucket. Admissions never exceed what the store debited: no over-admission, ever. What the
+//! leases cost is under-admission: tokens held unspent by one replica cannot serve another, at
+//! most `lease` x (replicas holding one) at any moment; over any window, a bucket admits at
+//! most its capacity plus its refill over the window plus the tokens leased and unspent at
+//! the window's start. Unspent tokens go back to the store (a refund, capped at the capacity)
+//! when the lease's hold ends (`lease_hold_ms` after it was taken), at a reload and at
+//! shutdown; a reset of the bucket drops them.
+//!
+//! Only plain consuming demands of enforced rules are served from a lease; a check
+//! (`hits_addend: 0`), a refund, a shadow-mode demand or a demand larger than what the lease
+//! holds goes to the store.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+use super::super::digest::{Digest, DigestHash};
+use super::super::BucketRef;
+use crate::core::bucket::{BucketState, Refilling};
+
+/// Shards of the lease table.
+const SHARDS: usize = 16;
+
+/// One bucket's lease on this replica.
+#[derive(Debug)]
+struct Lease {
+    /// The bucket, for the return.
+    bucket: BucketRef,
+    /// Leased tokens not spent nor reserved, in micro-tokens.
+    tokens_ut: u64,
+    /// Tokens reserved by requests whose other buckets are still being decided.
+    reserved_ut: u64,
+    /// The bucket's state in the store right after the latest grant: with `tokens_ut`, what
+    /// this replica reports as the bucket's remaining tokens.
+    granted: BucketState,
+    /// When the leased tokens go back (store clock, microseconds).
+    expires_us: u64,
+    /// A grant is on its way.
+    acquiring: bool,
+}
+
+type Map = HashMap<Digest, Lease, DigestHash>;
+
+/// A lease the store must be asked for: consume `tokens_ut` from `bucket` (all or nothing).
+#[derive(Clone, Debug)]
+pub struct LeaseOrder {
+    /// The bucket.
+    pub bucket: BucketRef,
+    /// Micro-tokens to take.
+    pub tokens_ut: u64,
+    pub(crate) key: Digest,
+}
+
+/// Unspent leased tokens to give back to the store: a refund of `tokens_ut` on `bucket`.
+#[derive(Clone, Debug)]
+pub struct LeaseReturn {
+    /// The bucket.
+    pub bucket: BucketRef,
+    /// Micro-tokens to give back.
+    pub tokens_ut: u64,
+    pub(crate) key: Digest,
+}
+
+/// What a request reserved from a lease: `taken_ut` micro-tokens, and the bucket as this
+/// replica sees it before the request.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Reserved {
+    pub(crate) taken_ut: u64,
+    pub(crate) view: BucketState,
+}
+
+/// Every lease of a replica.
+pub(crate) struct Leases {
+    shards: Box<[Mutex<Map>]>,
+    hold_us: u64,
+    /// Unspent tokens held, all leases together (micro-tokens), for the gauge.
+    held_ut: AtomicU64,
+    held_gauge: metrics::Gauge,
+}
+
+fn lock(shard: &Mutex<Map>) -> MutexGuard<'_, Map> {
+    shard.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Leases {
+    /// Leases held `hold_us` microseconds each before their unspent tokens go back.
+    pub(crate) fn new(hold_us: u64) -> Leases {
+        let held_gauge = metrics::gauge!(crate::telemetry::LEASE_TOKENS);
+        held_gauge.set(0.0);
+        Leases {
+            shards: (0..SHARDS).map(|_| Mutex::new(Map::with_hasher(DigestHash))).collect(),
+            hold_us: hold_us.max(1),
+            held_ut: AtomicU64::new(0),
+            held_gauge,
+        }
+    }
+
+    fn shard(&self, key: &Digest) -> MutexGuard<'_, Map> {
+        lock(&self.shards[key.shard(SHARDS)])
+    }
+
+    fn held(&self, add: u64, sub: u64) {
+        if add > sub {
+            self.held_ut.fetch_add(add - sub, Ordering::Relaxed);
+        } else if sub > add {
+            self.held_ut.fetch_sub(sub - add, Ordering::Relaxed);
+        }
+        self.held_gauge
+            .set(self.held_ut.load(Ordering::Relaxed) as f64 / crate::core::bucket::MICRO as f64);
+    }
+
+    /// Unspent leased tokens held now, all buckets together, in micro-tokens.
+    pub(crate) fn held_ut(&self) -> u64 {
+        self.held_ut.load(Ordering::Relaxed)
+    }
+
+    /// Reserves `need_ut` micro-tokens of `bucket` (digest `key`) from its lease at `now_us`,
+    /// if the lease holds them and its hold has not ended. Orders a top-up into `orders` when
+    /// the lease falls to half or less.
+    pub(crate) fn reserve(
+        &self,
+        bucket: &BucketRef,
+        key: Digest,
+        need_ut: u64,
+        now_us: u64,
+        orders: &mut Vec<LeaseOrder>,
+    ) -> Option<Reserved> {
+        let mut shard = self.shard(&key);
+        let lease = shard.get_mut(&key)?;
+        if lease.expires_us <= now_us || lease.tokens_ut < need_ut {
+            return None;
+        }
+        let capacity = bucket.plan.capacity_ut_at(now_us);
+        let view_tokens = bucket
+            .plan
+            .refill_to(lease.granted, now_us)
+            .tokens_ut
+            .saturating_add(lease.tokens_ut)
+            .min(capacity);
+        lease.tokens_ut -= need_ut;
+        lease.reserved_ut += need_ut;
+        if lease.tokens_ut <= bucket.lease_ut / 2 && !lease.acquiring {
+            lease.acquiring = true;
+            orders.push(LeaseOrder {
+                bucket: lease.bucket.clone(),
+                tokens_ut: bucket.lease_ut - lease.tokens_ut,
+                key,
+            });
+        }
+        Some(Reserved {
+            taken_ut: need_ut,
+            view: BucketState {
+                tokens_ut: view_tokens.max(need_ut),
+                updated_us: now_us,
+            },
+        })
+    }
+
+    /// The request that reserved `taken_ut` of `key` was admitted: the tokens are spent.
+    pub(crate) fn commit(&self, key: &Digest, taken_ut: u64) {
+        if let Some(lease) = self.shard(key).get_mut(key) {
+            lease.reserved_ut = lease.reserved_ut.saturating_sub(taken_ut);
+        }
+        self.held(0, taken_ut);
+    }
+
+    /// The request that reserved `taken_ut` of `key` was denied (or failed): the tokens are
+    /// the lease's again.
+    pub(crate) fn release(&self, key: &Digest, taken_ut: u64) {
+        if let Some(lease) = self.shard(key).get_mut(key) {
+            lease.reserved_ut = lease.reserved_ut.saturating_sub(taken_ut);
+            lease.tokens_ut = lease.tokens_ut.saturating_add(taken_ut);
+        } else {
+            // The lease is gone (a reset dropped it): nothing holds these tokens any more.
+            self.held(0, taken_ut);
+        }
+    }
+
+    /// After the store admitted a request on `bucket` (digest `key`), leaving it at `after`:
+    /// orders a lease when none is held or on its way and the store had `lease` tokens to
+    /// spare.
+    pub(crate) fn consider(&self, bucket: &BucketRef, key: Digest, after: BucketState, orders: &mut Vec<LeaseOrder>) {
+        if after.tokens_ut < bucket.lease_ut {
+            return;
+        }
+        let mut shard = self.shard(&key);
+        let lease = shard.entry(key).or_insert_with(|| Lease {
+            bucket: bucket.clone(),
+            tokens_ut: 0,
+            reserved_ut: 0,
+            granted: after,
+            expires_us: 0,
+            acquiring: false,
+        });
+        if lease.acquiring || lease.tokens_ut > bucket.lease_ut / 2 {
+            return;
+        }
+        lease.acquiring = true;
+        orders.push(LeaseOrder {
+            bucket: bucket.clone(),
+            tokens_ut: bucket.lease_ut - lease.tokens_ut,
+            key,
+        });
+    }
+
+    /// The store's answer to `order`: `Some(state)` when it granted the tokens, leaving the
+    /// bucket at `state` at `now_us`; `None` when it denied or failed. Returns the tokens to
+    /// give back at once, if the lease was dropped while the order was on its way.
+    pub(crate) fn granted(&self, order: &LeaseOrder, state: Option<BucketState>, now_us: u64) -> Option<LeaseReturn> {
+        let mut shard = self.shard(&order.key);
+        let Some(lease) = shard.get_mut(&order.key) else {
+            return state.map(|_| LeaseReturn {
+                bucket: order.bucket.clone(),
+                tokens_ut: order.tokens_ut,
+                key: order.key,
+            });
+        };
+        lease.acquiring = false;
+        let state = state?;
+        if lease.expires_us <= now_us {
+            // A fresh lease (or one whose hold ended: what it held went back already).
+            lease.expires_us = now_us.saturating_add(self.hold_us);
+        }
+        lease.tokens_ut = lease.tokens_ut.saturating_add(order.tokens_ut);
+        lease.granted = state;
+        lease.bucket = order.bucket.clone();
+        drop(shard);
+        self.held(order.tokens_ut, 0);
+        None
+    }
+
+    /// The unspent tokens of leases whose hold ended by `now_us`, taken out to go back; leases
+    /// left with nothing are dropped.
+    pub(crate) fn due(&self, now_us: u64) -> Vec<LeaseReturn> {
+        self.take(|lease| lease.expires_us <= now_us)
+    }
+
+    /// Every lease's unspent tokens, taken out to go back, and every lease ended (a reload, a
+    /// shutdown).
+    pub(crate) fn take_all(&self) -> Vec<LeaseReturn> {
+        self.take(|lease| {
+            lease.expires_us = 0;
+            true
+        })
+    }
+
+    fn take(&self, mut ends: impl FnMut(&mut Lease) -> bool) -> Vec<LeaseReturn> {
+        let mut out = Vec::new();
+        for shard in self.shards.iter() {
+            let mut shard = lock(shard);
+            shard.retain(|key, lease| {
+                if !ends(lease) {
+                    return true;
+                }
+                if lease.tokens_ut > 0 {
+                    out.push(LeaseReturn {
+                        bucket: lease.bucket.clone(),
+                        tokens_ut: lease.tokens_ut,
+                        key: *key,
+                    });
+                    lease.tokens_ut = 0;
+                }
+                lease.reserved_ut > 0 || lease.acquiring
+            });
+        }
+        let returned: u64 = out.iter().map(|r| r.tokens_ut).sum();
+        self.held(0, returned);
+        out
+    }
+
+    /// Drops the lease of `key` without giving its tokens back (the bucket was reset: it is
+    /// full, and a refund would be capped away).
+    pub(crate) fn drop_lease(&self, key: &Digest) {
+        let mut shard = self.shard(key);
+        if let Some(lease) = shard.get_mut(key) {
+            let dropped = lease.tokens_ut;
+            lease.tokens_ut = 0;
+            lease.expires_us = 0;
+            if lease.reserved_ut == 0 && !lease.acquiring {
+                shard.remove(key);
+            }
+            drop(shard);
+            self.held(0, dropped);
+        }
+    }
+}
