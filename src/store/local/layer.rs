@@ -285,12 +285,12 @@ impl LocalLayer {
     /// their leases).
     pub fn finish(
         &self,
-        ask: Box<Ask>,
+        ask: Ask,
         buckets: &[BucketRef],
         demands: &[Demand],
         answer: Result<Applied, StoreError>,
     ) -> Result<Applied, StoreError> {
-        let Ask { keys, split, ticket } = *ask;
+        let Ask { keys, split, ticket } = ask;
         let applied = match answer {
             Ok(a) => a,
             Err(e) => {

@@ -166,7 +166,7 @@ impl<S: Store> Store for Local<S> {
             let (b, d) = ask.request(buckets, demands);
             self.inner.apply(b, d).await
         };
-        let result = self.layer.finish(ask, buckets, demands, answer);
+        let result = self.layer.finish(*ask, buckets, demands, answer);
         self.background();
         result
     }

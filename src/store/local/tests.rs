@@ -281,7 +281,7 @@ fn an_answer_from_before_a_refund_is_not_learnt() {
     assert!(answer.decision.denied);
     // Meanwhile, a refund through this replica.
     rig.apply(&b, &[demand(0, DemandKind::Refund(MICRO))]);
-    rig.layer.finish(ask, &b, &[consume(0, 1)], Ok(answer)).unwrap();
+    rig.layer.finish(*ask, &b, &[consume(0, 1)], Ok(answer)).unwrap();
     assert!(rig.layer.cache().unwrap().is_empty(), "the stale denial was not learnt");
     assert!(!rig.apply(&b, &[consume(0, 1)]).decision.denied);
 }
