@@ -65,7 +65,7 @@ impl Rig {
                     self.store.apply_now(b, d)
                 };
                 self.layer
-                    .finish(ask, buckets, demands, Ok(answer))
+                    .finish(*ask, buckets, demands, Ok(answer))
                     .expect("no store error")
             }
         };
