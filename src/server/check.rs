@@ -122,6 +122,9 @@ fn render_level(out: &mut String, d: &Domain, level: &Level, depth: usize, paren
                     if b.hidden {
                         s.push_str(" [hidden]");
                     }
+                    if b.lease_ut > 0 {
+                        let _ = write!(s, " [lease {}]", b.lease_ut / crate::core::bucket::MICRO);
+                    }
                 }
                 if *shadow {
                     s.push_str(" [shadow]");

@@ -184,6 +184,10 @@ struct BucketView<'a> {
     /// A debt bucket's floor, in tokens (at most 0; docs/usage-budgets.md); absent otherwise.
     #[serde(skip_serializing_if = "Option::is_none")]
     debt_floor: Option<i64>,
+    /// `lease`: tokens a replica reserves from the shared store at a time (docs/backends.md);
+    /// absent when none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lease: Option<u64>,
 }
 
 /// What a bucket policy is.
@@ -394,6 +398,7 @@ fn bucket_view(b: &BucketPolicy) -> BucketView<'_> {
         debt_floor: b
             .debt
             .then(|| -i64::try_from(b.debt_depth_ut / MICRO).unwrap_or(i64::MAX)),
+        lease: (b.lease_ut > 0).then_some(b.lease_ut / MICRO),
     }
 }
 

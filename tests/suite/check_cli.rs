@@ -279,6 +279,31 @@ const INVALID: &[Invalid] = &[
         &["`expires` is for a fixed allowance (`capacity` without `refill`)"],
     ),
     inv(
+        "lease_on_quota.yaml",
+        Some("buckets.per_key"),
+        &["`lease` is for a token bucket", "a bucket with a `quota`"],
+    ),
+    inv(
+        "lease_on_allowance.yaml",
+        Some("buckets.trial"),
+        &["`lease` is for a token bucket", "a fixed allowance"],
+    ),
+    inv(
+        "lease_on_debt.yaml",
+        Some("buckets.budget"),
+        &["`lease` is for a token bucket", "a debt bucket"],
+    ),
+    inv(
+        "lease_too_large.yaml",
+        Some("buckets.global"),
+        &["`lease: 500` must be between 1 and the bucket's capacity (100)"],
+    ),
+    inv(
+        "lease_zero.yaml",
+        Some("buckets.global"),
+        &["`lease: 0` must be between 1 and the bucket's capacity (100)"],
+    ),
+    inv(
         "expires_zero.yaml",
         Some("buckets.trial"),
         &["`expires: 0s` must be from 1 second to 3660 days"],
@@ -1349,4 +1374,14 @@ fn migration_guide_shows_real_explain_output() {
         snapshot.contains(excerpt),
         "docs/migration.md's excerpt is not in explain_month_year.txt:\n{excerpt}"
     );
+}
+
+/// `valid/lease.yaml`: a bucket's `lease` is shown beside it in the tree.
+#[test]
+fn a_lease_is_shown_in_the_tree() {
+    let out = check(&fixtures().join("valid/lease.yaml"));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("-> bucket everyone [lease 100]"), "{stdout}");
+    assert!(stdout.contains("-> bucket per_client\n"), "{stdout}");
 }

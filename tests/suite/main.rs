@@ -25,6 +25,7 @@ mod image;
 mod instruction_gate;
 mod limiter;
 mod loadgen_smoke;
+mod local_decisions;
 mod metrics;
 mod monitoring;
 mod network_faults;
