@@ -325,3 +325,68 @@ async fn postgres_gets_the_same_cache() {
     drop(tg);
     support::postgres::drop_schema(&url, &schema).await;
 }
+
+/// Through a Redis outage with `failure_mode: allow`, a bucket the store denied a moment ago is
+/// still denied (the cache knows the store's answer, which needs no store); a bucket it knows
+/// nothing of gets the failure mode's answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn through_an_outage_the_cache_still_denies_what_it_knows() {
+    let _one = one_at_a_time();
+    let mut redis = block_in_place(RedisServer::start);
+    let prefix = unique_prefix("outage");
+    let tg = block_in_place(|| {
+        Tollgate::builder()
+            .rules_file("rules.yaml", FLOOD_RULES)
+            .settings(&format!(
+                "backend: redis\nredis: {{urls: [{}], key_prefix: {}, command_timeout_ms: 200, failure_mode: allow}}\n",
+                yaml_str(&redis.url()),
+                yaml_str(&prefix)
+            ))
+            .start()
+    });
+    let mut client = connect(&tg).await;
+    for _ in 0..5 {
+        assert_eq!(flood_one(&mut client, "mallory").await.overall_code, Code::Ok as i32);
+    }
+    let from_store = flood_one(&mut client, "mallory").await;
+    assert_eq!(from_store.overall_code, Code::OverLimit as i32, "from the store");
+    block_in_place(|| redis.kill());
+    let denied = flood_one(&mut client, "mallory").await;
+    assert_eq!(
+        denied.overall_code,
+        Code::OverLimit as i32,
+        "from the cache: {denied:?}"
+    );
+    let wait = |r: &RateLimitResponse| {
+        r.response_headers_to_add
+            .iter()
+            .find(|h| h.key == "retry-after")
+            .cloned()
+    };
+    assert!(wait(&denied).is_some(), "with the store's wait: {denied:?}");
+    assert_eq!(
+        denied.statuses[0].limit_remaining,
+        from_store.statuses[0].limit_remaining
+    );
+    let allowed = flood_one(&mut client, "alice").await;
+    assert_eq!(allowed.overall_code, Code::Ok as i32, "the failure mode: {allowed:?}");
+    assert!(
+        allowed.response_headers_to_add.is_empty(),
+        "no decision, no headers: {allowed:?}"
+    );
+    assert!(counter(&tg, "tollgate_backend_failure_answers_total", &[("answer", "allow")]) >= 1.0);
+}
+
+/// One request of domain `flood` for `user`.
+async fn flood_one(
+    client: &mut envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient<
+        tonic::transport::Channel,
+    >,
+    user: &str,
+) -> RateLimitResponse {
+    client
+        .should_rate_limit(request("flood", &[("user", user)], 0))
+        .await
+        .expect("an answer")
+        .into_inner()
+}

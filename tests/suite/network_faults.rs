@@ -20,7 +20,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
-use support::faults::{one_at_a_time, scrape, summary, Expect, FaultRun, BACKEND_ERRORS, RULES};
+use support::faults::{one_at_a_time, scrape, start_tollgate, summary, Expect, FaultRun, BACKEND_ERRORS};
 use support::postgres::{server_bin_or_skip, PostgresServer};
 use support::proxy::FaultProxy;
 use support::redis::RedisServer;
@@ -75,7 +75,7 @@ fn redis_setup() -> Setup {
     );
     Setup {
         expect: expect("redis", Ok((Code::Ok, false)), Some("allow")),
-        tollgate: start(&settings),
+        tollgate: start_tollgate(&settings),
         proxy,
         _redis: Some(redis),
         _postgres: None,
@@ -94,18 +94,11 @@ fn postgres_setup(bin: &std::path::Path) -> Setup {
     );
     Setup {
         expect: expect("postgres", Err(tonic::Code::Unavailable), None),
-        tollgate: start(&settings),
+        tollgate: start_tollgate(&settings),
         proxy,
         _redis: None,
         _postgres: Some(postgres),
     }
-}
-
-fn start(settings: &str) -> Tollgate {
-    Tollgate::builder()
-        .rules_file("faults.yaml", RULES)
-        .settings(settings)
-        .start()
 }
 
 /// The backend slower than the timeout (every chunk held back three times the timeout): every

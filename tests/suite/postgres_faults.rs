@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use support::faults::{
-    self, call, calls, circuit_open, connect, eventually, one_at_a_time, readyz, real_decisions, scrape, summary, Load,
-    Sample, AFTER, BEFORE, CAPACITY, CHANGING, CLIENTS, OUTAGE_PHASE, RULES,
+    self, call, calls, circuit_open, connect, eventually, one_at_a_time, readyz, real_decisions, scrape,
+    start_tollgate, summary, Load, Sample, AFTER, BEFORE, CAPACITY, CHANGING, CLIENTS, OUTAGE_PHASE, RULES,
 };
 use support::postgres::{server_bin_or_skip, PostgresServer};
 use support::redis::RedisServer;
@@ -54,13 +54,6 @@ fn postgres_section(url: &str, mode: &str, extra: &str) -> String {
          breaker_failures: {BREAKER_FAILURES}, breaker_open_ms: {BREAKER_OPEN_MS}, connect_timeout_ms: 1000{extra}}}",
         yaml_str(url)
     )
-}
-
-fn start_tollgate(settings: &str) -> Tollgate {
-    Tollgate::builder()
-        .rules_file("faults.yaml", RULES)
-        .settings(settings)
-        .start()
 }
 
 /// [`faults::exhaust`] within this file's latency bound.

@@ -17,10 +17,10 @@ use std::time::Duration;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use sqlx::postgres::{PgConnectOptions, PgConnection};
 use sqlx::Connection;
-use support::faults::{call, code, connect, one_at_a_time, readyz, summary, Expect, FaultRun, RULES};
+use support::faults::{call, code, connect, one_at_a_time, readyz, start_tollgate, summary, Expect, FaultRun};
 use support::postgres::{server_bin_or_skip, PostgresServer};
 use support::redis::{RedisServer, RespValue};
-use support::{yaml_str, Tollgate};
+use support::yaml_str;
 use tokio::task::block_in_place;
 
 /// `command_timeout_ms` of either backend in these tests (a debug build on a busy machine).
@@ -45,13 +45,6 @@ fn expect(
         max_latency: Duration::from_millis(COMMAND_TIMEOUT_MS) + SLACK,
         recovery: Duration::from_secs(10),
     }
-}
-
-fn start(settings: &str) -> Tollgate {
-    Tollgate::builder()
-        .rules_file("faults.yaml", RULES)
-        .settings(settings)
-        .start()
 }
 
 // ---- Redis at maxmemory -------------------------------------------------------------------
@@ -124,7 +117,7 @@ async fn redis_at_maxmemory_with_noeviction_answers_by_the_failure_mode_and_reco
          connect_timeout_ms: 1000, {BREAKER}}}",
         yaml_str(&redis.url())
     );
-    let tollgate = block_in_place(|| start(&settings));
+    let tollgate = block_in_place(|| start_tollgate(&settings));
     let expect = expect("redis", Err(tonic::Code::Unavailable), None);
 
     let run = FaultRun::start(&tollgate, &expect).await;
@@ -258,7 +251,7 @@ async fn postgres_out_of_connections_answers_by_the_failure_mode_and_recovers() 
          connect_timeout_ms: 1000, pool_size: 2, {BREAKER}}}",
         yaml_str(&postgres.url())
     );
-    let tollgate = block_in_place(|| start(&settings));
+    let tollgate = block_in_place(|| start_tollgate(&settings));
     let expect = expect("postgres", Ok((Code::Ok, false)), Some("allow"));
     let mut hogs = Hogs::new(&postgres);
 

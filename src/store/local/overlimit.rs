@@ -25,7 +25,12 @@
 //!
 //! **Races.** A store answer is learnt only if no refund, reset or reload touched its buckets'
 //! shards since the call left (an epoch per shard): an answer read before a refund must not
-//! bring back the state the refund raised.
+//! bring back the state the refund raised. Tokens another request gives back as it rolls back
+//! (a request over several Cluster slots takes from one, then refunds it when another
+//! denies) are not seen here: a bucket's state read meanwhile may be low by them. So only a
+//! bucket the store itself denied can deny here (a bucket that merely passed in a denied
+//! request is kept to complete the answer), and such a rollback is honoured, as a refund on
+//! another replica is, by the reopen time.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -67,6 +72,12 @@ struct Entry {
     /// Until when a request let through to the store near the reopen time (a probe) is
     /// awaited: meanwhile the others are denied here if they would be at the estimated now.
     probe_until_us: u64,
+    /// The store denied a request on this bucket. Only such an entry can deny here; the others
+    /// (the buckets that passed in a denied request) only complete its answer, since their
+    /// state may have been read while another request's all-or-nothing rollback was giving
+    /// them tokens back (a request over several Cluster slots takes from one slot, then
+    /// refunds it when another denies).
+    denies: bool,
 }
 
 type Map = HashMap<Digest, Entry, DigestHash>;
@@ -169,6 +180,7 @@ impl OverLimitCache {
             return None;
         }
         let mut states: SmallVec<[BucketState; 4]> = SmallVec::with_capacity(keys.len());
+        let mut denies: SmallVec<[bool; 4]> = SmallVec::with_capacity(keys.len());
         let mut probing = true;
         for key in keys {
             let entry = *lock(&self.shards[self.shard(key)]).get(key)?;
@@ -179,10 +191,15 @@ impl OverLimitCache {
             }
             probing &= entry.probe_until_us > now_us;
             states.push(entry.state);
+            denies.push(entry.denies);
         }
         let plans: SmallVec<[&Plan; 4]> = buckets.iter().map(|b| &b.plan).collect();
         let decision = decide(now_us, &states, &plans, demands);
-        if !decision.denied {
+        let by_a_denier = demands
+            .iter()
+            .zip(&decision.passed)
+            .any(|(d, ok)| d.enforced && !ok && denies[d.instance]);
+        if !decision.denied || !by_a_denier {
             return None;
         }
         if decide(now_us.saturating_add(CLOCK_MARGIN_US), &states, &plans, demands).denied || probing {
@@ -259,6 +276,7 @@ impl OverLimitCache {
                             at_us: now,
                             until_us: until,
                             probe_until_us,
+                            denies: held.denies || failed.is_some(),
                         };
                         false
                     } else {
@@ -271,6 +289,7 @@ impl OverLimitCache {
                         at_us: now,
                         until_us: until,
                         probe_until_us: 0,
+                        denies: failed.is_some(),
                     };
                     self.insert(&mut shard, *key, entry, now);
                     false

@@ -37,6 +37,19 @@ pub fn one_at_a_time() -> MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// `tollgate serve` on `settings` with [`RULES`] (file `faults.yaml`). The over-limit cache is
+/// off: the fault tests judge what `failure_mode` answers for requests that reach a failing
+/// store, and their load hammers exhausted buckets, which the cache answers without the store
+/// (docs/backends.md, "Deciding locally"; `tests/suite/local_decisions.rs` shows it through an
+/// outage).
+pub fn start_tollgate(settings: &str) -> Tollgate {
+    Tollgate::builder()
+        .rules_file("faults.yaml", RULES)
+        .settings(settings)
+        .env("TOLLGATE_LOCAL__OVER_LIMIT_CACHE", "false")
+        .start()
+}
+
 /// A gRPC client of `tollgate`.
 pub async fn connect(tollgate: &Tollgate) -> RateLimitServiceClient<Channel> {
     RateLimitServiceClient::connect(format!("http://{}", tollgate.grpc_addr))
