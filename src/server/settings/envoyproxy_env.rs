@@ -37,6 +37,10 @@ pub const RATELIMIT_ARGV0: &str = "ratelimit";
 /// as `ratelimit`.
 const GENERIC: [&str; 4] = ["HOST", "PORT", "LOG_LEVEL", "LOG_FORMAT"];
 
+/// The bytes of `LOCAL_CACHE_SIZE_IN_BYTES` counted per bucket of tollgate's over-limit cache
+/// (an entry and its share of the map: about 70 bytes, rounded up).
+pub const LOCAL_CACHE_BYTES_PER_ENTRY: u64 = 100;
+
 /// Variables that hold a secret: their values never appear in a message.
 const SECRETS: [&str; 5] = [
     "REDIS_AUTH",
@@ -62,7 +66,6 @@ const IGNORED: &[(&str, &str)] = &[
     ("RUNTIME_IGNOREDOTFILES", "tollgate always ignores files and folders whose names start with a dot (ConfigMap mounts' ..data and timestamped folders)"),
     ("RUNTIME_WATCH_ROOT", "tollgate watches the rules folder itself, which follows ConfigMap symlink swaps either way, and also polls it"),
     ("EXPIRATION_JITTER_MAX_SECONDS", "tollgate's Redis keys expire when their bucket is full again, not at a window's end, so expiries do not bunch"),
-    ("LOCAL_CACHE_SIZE_IN_BYTES", "tollgate keeps no local over-limit cache; every decision asks the backend, so a refill is seen at once"),
     ("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT", "a denied request never consumes tokens in tollgate, as if this were always true"),
     ("REDIS_PIPELINE_WINDOW", "tollgate batches the requests waiting for Redis by itself, with no timer"),
     ("REDIS_PIPELINE_LIMIT", "tollgate batches the requests waiting for Redis by itself"),
@@ -126,6 +129,7 @@ const HANDLED: &[&str] = &[
     "RUNTIME_SUBDIRECTORY",
     "RUNTIME_APPDIRECTORY",
     "NEAR_LIMIT_RATIO",
+    "LOCAL_CACHE_SIZE_IN_BYTES",
     "CACHE_KEY_PREFIX",
     "BACKEND_TYPE",
     "LIMIT_RESPONSE_HEADERS_ENABLED",
@@ -718,6 +722,32 @@ impl Reader<'_> {
         }
         if let Some(v) = self.bool("SHADOW_MODE") {
             self.set("shadow_mode", json!(v), "SHADOW_MODE");
+        }
+        self.local_cache();
+    }
+
+    /// `LOCAL_CACHE_SIZE_IN_BYTES`: their local over-limit cache's size, 0 (their default) for
+    /// none. Tollgate's over-limit cache is exact (docs/backends.md) and on by default; an
+    /// explicit 0 turns it off, a size caps it at one bucket per [`LOCAL_CACHE_BYTES_PER_ENTRY`].
+    fn local_cache(&mut self) {
+        const NAME: &str = "LOCAL_CACHE_SIZE_IN_BYTES";
+        let Some(size) = self.get(NAME) else {
+            return;
+        };
+        match size.parse::<u64>() {
+            Ok(0) => self.set("local.over_limit_cache", json!(false), NAME),
+            Ok(bytes) => {
+                let entries = (bytes / LOCAL_CACHE_BYTES_PER_ENTRY).max(1);
+                self.set("local.over_limit_cache", json!(true), NAME);
+                self.set("local.over_limit_cache_entries", json!(entries), NAME);
+            }
+            Err(_) => {
+                let shown = self.shown(NAME);
+                self.refuse(
+                    NAME,
+                    format!("{shown} is not a number of bytes; use a whole number (0: no local cache, their default)"),
+                );
+            }
         }
     }
 
@@ -1353,6 +1383,44 @@ mod tests {
         assert_eq!(env.origins["redis.urls"], "REDIS_URL");
         let noted: Vec<&str> = env.notes.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(noted, ["RUNTIME_IGNOREDOTFILES", "RUNTIME_WATCH_ROOT"]);
+    }
+
+    /// Their local cache's size: 0 turns tollgate's exact cache off, a size bounds it, unset
+    /// leaves tollgate's default (on), and a non-number is refused naming the variable.
+    #[test]
+    fn local_cache_size_maps_onto_the_over_limit_cache() {
+        let doc = read(&[
+            ("REDIS_SOCKET_TYPE", "tcp"),
+            ("REDIS_URL", "redis:6379"),
+            ("LOCAL_CACHE_SIZE_IN_BYTES", "0"),
+        ])
+        .unwrap()
+        .document();
+        assert_eq!(doc["local"]["over_limit_cache"], false);
+        let doc = read(&[
+            ("REDIS_SOCKET_TYPE", "tcp"),
+            ("REDIS_URL", "redis:6379"),
+            ("LOCAL_CACHE_SIZE_IN_BYTES", "1048576"),
+        ])
+        .unwrap()
+        .document();
+        assert_eq!(doc["local"]["over_limit_cache"], true);
+        assert_eq!(doc["local"]["over_limit_cache_entries"], 10485);
+        let doc = read(&[("REDIS_SOCKET_TYPE", "tcp"), ("REDIS_URL", "redis:6379")])
+            .unwrap()
+            .document();
+        assert!(doc.get("local").is_none(), "{doc}");
+        let err = read(&[
+            ("REDIS_SOCKET_TYPE", "tcp"),
+            ("REDIS_URL", "redis:6379"),
+            ("LOCAL_CACHE_SIZE_IN_BYTES", "1GB"),
+        ])
+        .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("LOCAL_CACHE_SIZE_IN_BYTES: \"1GB\" is not a number of bytes"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -13,6 +13,13 @@
 //! when the lease's hold ends (`lease_hold_ms` after it was taken), at a reload and at
 //! shutdown; a reset of the bucket drops them.
 //!
+//! **The accounting, for other holders.** A lease is a share of a bucket held outside the store:
+//! taken by an ordinary all-or-nothing consuming decision (so whatever holds it, the store has
+//! debited it first), spent without the store, given back by an ordinary refund. Nothing here
+//! depends on the holder being this replica: a server handing token shares to remote
+//! data-plane clients (a quota assignment per client) can take and return them the same way,
+//! with the same bound (the sum of shares outstanding).
+//!
 //! Only plain consuming demands of enforced rules are served from a lease; a check
 //! (`hits_addend: 0`), a refund, a shadow-mode demand or a demand larger than what the lease
 //! holds goes to the store.
