@@ -451,3 +451,62 @@ fn no_lease_is_taken_from_a_bucket_that_cannot_spare_one() {
     }
     assert!(rig.apply(&b, &[consume(0, 1)]).decision.denied);
 }
+
+/// A top-up granted while requests hold tokens reserved from the lease, and those requests
+/// then denied by the store's part: the reserved tokens go back to the lease, which must
+/// still hold no more than `lease` tokens (the bound on what leases cost, lease x replicas).
+#[test]
+fn a_lease_never_holds_more_than_its_size() {
+    let mut rig = Rig::new(LocalSettings::default());
+    let tenant = bucket("tenant", 100, 1, 4);
+    assert!(
+        !rig.apply(std::slice::from_ref(&tenant), &[consume(0, 1)])
+            .decision
+            .denied
+    );
+    assert_eq!(rig.layer.leased_ut(), 4 * MICRO);
+    // Three clients whose own buckets are empty.
+    let clients: Vec<BucketRef> = (0..3).map(|i| bucket(&format!("client-{i}"), 1, 1, 0)).collect();
+    for c in &clients {
+        assert!(!rig.apply(std::slice::from_ref(c), &[consume(0, 1)]).decision.denied);
+    }
+    let demands = [consume(0, 1), consume(1, 1)];
+    // Each request reserves a leased token of the tenant and asks the store about its client;
+    // the lease falls to half on the way.
+    let asks: Vec<Box<Ask>> = clients
+        .iter()
+        .map(
+            |c| match rig.layer.route(&[tenant.clone(), c.clone()], &demands, rig.now()) {
+                Route::Store(ask) => ask,
+                Route::Local(_) => panic!("the client's bucket is decided by the store"),
+            },
+        )
+        .collect();
+    // Whatever top-up was ordered meanwhile is granted before the answers come back.
+    for order in rig.layer.take_orders() {
+        let answer = rig
+            .store
+            .apply_now(std::slice::from_ref(&order.bucket), &[lease_demand(&order)]);
+        assert!(rig.layer.granted(&order, Some(&answer)).is_none());
+    }
+    for (ask, c) in asks.into_iter().zip(&clients) {
+        let both = [tenant.clone(), c.clone()];
+        let answer = {
+            let (b, d) = ask.request(&both, &demands);
+            rig.store.apply_now(b, d)
+        };
+        assert!(answer.decision.denied, "the client's bucket is empty");
+        assert!(
+            rig.layer
+                .finish(*ask, &both, &demands, Ok(answer))
+                .unwrap()
+                .decision
+                .denied
+        );
+    }
+    assert!(
+        rig.layer.leased_ut() <= 4 * MICRO,
+        "{} leased µt held, on a lease of 4 tokens",
+        rig.layer.leased_ut()
+    );
+}
