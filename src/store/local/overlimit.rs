@@ -25,7 +25,9 @@
 //!
 //! **Races.** A store answer is learnt only if no refund, reset or reload touched its buckets'
 //! shards since the call left (an epoch per shard): an answer read before a refund must not
-//! bring back the state the refund raised.
+//! bring back the state the refund raised. A refund (or lease return) through this replica
+//! moves the epoch again when its answer is back: a request sent after it may have reached the
+//! store before it.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
