@@ -260,9 +260,9 @@ fn buckets(replicas: usize, lambda: f64) -> Vec<Spec> {
         // gives back a hit its upstream did not use and retries at once (10 µs later).
         spec(Kind::Refunder, "refunder", "client", 5, 5, 0),
     ];
-    // A tenant: 0.35 x lambda / TENANTS hits a second asked at the base rate (35% of the
-    // requests, 20 of them with a client, whose bucket denies some), 0.08 x lambda refilled:
-    // room at the base rate, scarce in the burst.
+    // A tenant: up to 0.35 x lambda / TENANTS hits a second asked at the base rate (35% of
+    // the requests, 20 points of them with a client, whose bucket denies some), 0.08 x lambda
+    // refilled: room at the base rate, scarce in the burst.
     for k in 0..TENANTS {
         all.push(spec(
             Kind::Tenant,
@@ -357,7 +357,8 @@ impl Traffic {
         } else if x < 0.895 {
             (vec![FLOOD], vec![consume(0, 1)], false)
         } else if x < 0.90 {
-            replica = 0;
+            // The last replica: the one the skewed clients reach least.
+            replica = self.replicas - 1;
             if self.rng.random::<f64>() < 0.2 {
                 (vec![REFUNDER], vec![refund(0)], true)
             } else {
@@ -376,7 +377,7 @@ impl Traffic {
             };
             (vec![b], vec![refund(0)], true)
         };
-        let retried = buckets_retried(&buckets, refund);
+        let retried = refund && buckets == [REFUNDER];
         Request {
             id,
             replica,
@@ -401,11 +402,6 @@ impl Traffic {
             retried: false,
         }
     }
-}
-
-/// Whether a request is the refunding client's refund, which it retries at once.
-fn buckets_retried(buckets: &[usize], refund: bool) -> bool {
-    refund && buckets == [REFUNDER]
 }
 
 /// A refund of one hit (`is_negative_hits`).
@@ -525,7 +521,8 @@ struct Replica {
 pub struct Contrary {
     /// A refund or return from another replica reached the store since the cached state.
     pub elsewhere: u64,
-    /// A refund from this replica reached the store after an answer from before it was learnt.
+    /// A refund or return from this replica reached the store, and its answer is not back: a
+    /// request sent after it, decided before it, answered with the bucket short of it.
     pub own_refund: u64,
     /// The replica's estimate was behind the store's clock, within the margin.
     pub clock: u64,
@@ -619,7 +616,7 @@ pub struct Windows {
 ///
 /// One pass: written as `(taken_e - rate e - credits_e) - (taken_<s - rate s - credits_<s +
 /// slack_<s) <= capacity` (totals before `s`, and up to `e`), the tightest start for an end
-/// is the one with the largest second term, a running maximum. A window can start anywhere,
+/// is the one with the smallest second term, a running minimum. A window can start anywhere,
 /// but between two logged instants the bound only grows as the start moves earlier (more
 /// refill and credits, the same slack), so starts at logged instants are every case; ends
 /// likewise at admissions.
@@ -1057,9 +1054,10 @@ impl Sim {
                 }
                 if by != r {
                     elsewhere = true;
-                } else if told <= self.now {
+                } else if told <= self.now && at > cached.updated_us {
                     // This replica's own refund, answered already: the layer forgot every
-                    // state from before it then, and learns none since.
+                    // state from before it then, and learns none since. (A credit at the very
+                    // microsecond of the cached state may be in it: not counted.)
                     own_answered = true;
                 } else {
                     own = true;
