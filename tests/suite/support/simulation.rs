@@ -9,9 +9,10 @@
 //! simulated time, ties broken by the order they were scheduled in, so a seed fixes
 //! everything. Time is microseconds from a fixed epoch.
 //! - *Replicas*: each has its own [`LocalLayer`] (`LocalSettings::default()`: the cache on,
-//!   leases on, held a second) and its own clock error, a fixed offset drawn in
-//!   ±[`CLOCK_ERROR_US`] added to every `now_us` it gives the layer (its estimate of the
-//!   store's clock; the cache's margin is [`tollgate::store::local::CLOCK_MARGIN_US`]). Every
+//!   leases on, held a second; [`Config`] can say otherwise) and its own clock error, a fixed
+//!   offset drawn in ±[`CLOCK_ERROR_US`] added to every `now_us` it gives the layer (its
+//!   estimate of the store's clock; the cache's margin is
+//!   [`tollgate::store::local::CLOCK_MARGIN_US`]). Every
 //!   100 ms (a phase of its own) its upkeep gives back the leases whose hold ended
 //!   (`due_returns`, then `returned` and a refund call, and `returned` again when that call is
 //!   done), as `Local`'s upkeep task does, and sweeps the cache every 5 s. Lease orders
@@ -119,7 +120,8 @@ pub const NODES: usize = 3;
 const LATENCY_US: (u64, u64) = (50, 500);
 /// The slowest one-way latency (1 leg in 100), in microseconds.
 pub const MAX_ONE_WAY_US: u64 = 2_000;
-/// A replica's clock error is a fixed offset within ± this, in microseconds.
+/// A replica's clock error is a fixed offset within ± this, in microseconds, unless the
+/// [`Config`] says otherwise.
 pub const CLOCK_ERROR_US: i64 = 400;
 /// The replicas' upkeep period (`Local`'s), and how many ticks between cache sweeps.
 const UPKEEP_US: u64 = 100_000;
@@ -151,6 +153,10 @@ pub struct Config {
     /// A broken replica, to show that the checks catch one: every n-th request on the flooded
     /// bucket is admitted with no tokens from anywhere (0: none).
     pub over_admit_every: u64,
+    /// Every replica's layer's settings.
+    pub settings: LocalSettings,
+    /// A replica's clock error is a fixed offset within ± this, in microseconds.
+    pub clock_error_us: i64,
 }
 
 impl Config {
@@ -163,6 +169,8 @@ impl Config {
             rate_per_replica: 200.0,
             local: true,
             over_admit_every: 0,
+            settings: LocalSettings::default(),
+            clock_error_us: CLOCK_ERROR_US,
         }
     }
 
@@ -727,8 +735,8 @@ impl Sim {
         let mut rep = SmallRng::seed_from_u64(cfg.seed ^ 0x7265_706c);
         let replicas = (0..cfg.replicas)
             .map(|_| Replica {
-                layer: cfg.local.then(|| LocalLayer::new(&LocalSettings::default())),
-                offset_us: rep.random_range(-CLOCK_ERROR_US..=CLOCK_ERROR_US),
+                layer: cfg.local.then(|| LocalLayer::new(&cfg.settings)),
+                offset_us: rep.random_range(-cfg.clock_error_us..=cfg.clock_error_us),
                 asks: 0,
                 pending: VecDeque::new(),
                 deferred: None,
