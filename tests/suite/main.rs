@@ -40,6 +40,7 @@ mod resource_faults;
 mod schedules;
 mod several_limits;
 mod shutdown;
+mod simulation;
 mod soak;
 mod store_bounds;
 mod tidy;

@@ -291,6 +291,17 @@ impl LocalLayer {
         answer: Result<Applied, StoreError>,
     ) -> Result<Applied, StoreError> {
         let Ask { keys, split, ticket } = ask;
+        // A refund of this request reached the store (or may have: a failed call may have
+        // decided). A request sent after it but decided before it arrived (another connection)
+        // answers with the bucket short of the refund: learnt already, or on its way, it would
+        // deny here what the store admits. Forgotten again, as at the route.
+        if let Some(cache) = &self.cache {
+            for d in demands {
+                if matches!(d.kind, DemandKind::Refund(_)) {
+                    cache.forget(&keys[d.instance]);
+                }
+            }
+        }
         let applied = match answer {
             Ok(a) => a,
             Err(e) => {
@@ -384,7 +395,10 @@ impl LocalLayer {
         self.leases.take_all()
     }
 
-    /// A return is on its way to the store: what the cache holds of its bucket is stale.
+    /// A return is on its way to the store, or its call is done: what the cache holds of its
+    /// bucket is stale. Call it when the return leaves and again when its answer is back (or
+    /// its call failed): a request sent after the return but decided before it arrived answers
+    /// with the bucket short of the returned tokens, and may have been learnt meanwhile.
     pub fn returned(&self, ret: &LeaseReturn) {
         if let Some(cache) = &self.cache {
             cache.forget(&ret.key);

@@ -3,9 +3,10 @@
 //! before any is spent) and admits requests on them locally, with no store call.
 //!
 //! **Bounds.** A lease is taken only when the store's last answer showed the bucket holding at
-//! least `lease` tokens after the request it decided, and topped up to `lease` (never beyond)
-//! when half of it is spent, so a replica never holds more than `lease` unspent tokens of a
-//! bucket. Admissions never exceed what the store debited: no over-admission, ever. What the
+//! least `lease` tokens after the request it decided, and topped up to `lease` (never beyond:
+//! the tokens reserved by requests still being decided count as held, since a denial gives
+//! them back) when half of it is spent, so a replica never holds more than `lease` unspent
+//! tokens of a bucket. Admissions never exceed what the store debited: no over-admission, ever. What the
 //! leases cost is under-admission: tokens held unspent by one replica cannot serve another, at
 //! most `lease` x (replicas holding one) at any moment; over any window, a bucket admits at
 //! most its capacity plus its refill over the window plus the tokens leased and unspent at
@@ -51,6 +52,24 @@ struct Lease {
     expires_us: u64,
     /// A grant is on its way.
     acquiring: bool,
+}
+
+impl Lease {
+    /// Orders what brings the lease back to `lease` tokens: what it holds counts the tokens
+    /// reserved by requests still being decided, which come back to it if they are denied (a
+    /// top-up that left them out held up to twice the lease once they did).
+    fn top_up(&mut self, lease_ut: u64, bucket: BucketRef, key: Digest, orders: &mut Vec<LeaseOrder>) {
+        let missing = lease_ut.saturating_sub(self.tokens_ut.saturating_add(self.reserved_ut));
+        if missing == 0 {
+            return;
+        }
+        self.acquiring = true;
+        orders.push(LeaseOrder {
+            bucket,
+            tokens_ut: missing,
+            key,
+        });
+    }
 }
 
 type Map = HashMap<Digest, Lease, DigestHash>;
@@ -154,12 +173,8 @@ impl Leases {
         lease.tokens_ut -= need_ut;
         lease.reserved_ut += need_ut;
         if lease.tokens_ut <= bucket.lease_ut / 2 && !lease.acquiring {
-            lease.acquiring = true;
-            orders.push(LeaseOrder {
-                bucket: lease.bucket.clone(),
-                tokens_ut: bucket.lease_ut - lease.tokens_ut,
-                key,
-            });
+            let order_bucket = lease.bucket.clone();
+            lease.top_up(bucket.lease_ut, order_bucket, key, orders);
         }
         Some(Reserved {
             taken_ut: need_ut,
@@ -209,12 +224,7 @@ impl Leases {
         if lease.acquiring || lease.tokens_ut > bucket.lease_ut / 2 {
             return;
         }
-        lease.acquiring = true;
-        orders.push(LeaseOrder {
-            bucket: bucket.clone(),
-            tokens_ut: bucket.lease_ut - lease.tokens_ut,
-            key,
-        });
+        lease.top_up(bucket.lease_ut, bucket.clone(), key, orders);
     }
 
     /// The store's answer to `order`: `Some(state)` when it granted the tokens, leaving the

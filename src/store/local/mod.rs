@@ -122,13 +122,16 @@ impl<S: Store> Local<S> {
     }
 }
 
-/// Gives `ret`'s tokens back to `store` (a refund), after making `layer` forget its stale
-/// state. A failure is logged: the tokens then come back by refill (an under-admission).
+/// Gives `ret`'s tokens back to `store` (a refund), making `layer` forget its stale state
+/// before the call and again after it ([`LocalLayer::returned`]). A failure is logged: the
+/// tokens then come back by refill (an under-admission).
 async fn give_back<S: Store>(store: &S, layer: &LocalLayer, counter: &metrics::Counter, ret: LeaseReturn) {
     layer.returned(&ret);
     counter.increment(1);
     let demand = return_demand(&ret);
-    if let Err(e) = store.apply(std::slice::from_ref(&ret.bucket), &[demand]).await {
+    let answer = store.apply(std::slice::from_ref(&ret.bucket), &[demand]).await;
+    layer.returned(&ret);
+    if let Err(e) = answer {
         tracing::warn!(error = %e, "could not give leased tokens back: they come back by refill");
     }
 }

@@ -25,12 +25,14 @@
 //!
 //! **Races.** A store answer is learnt only if no refund, reset or reload touched its buckets'
 //! shards since the call left (an epoch per shard): an answer read before a refund must not
-//! bring back the state the refund raised. Tokens another request gives back as it rolls back
-//! (a request over several Cluster slots takes from one, then refunds it when another
-//! denies) are not seen here: a bucket's state read meanwhile may be low by them. So only a
-//! bucket the store itself denied can deny here (a bucket that merely passed in a denied
-//! request is kept to complete the answer), and such a rollback is honoured, as a refund on
-//! another replica is, by the reopen time.
+//! bring back the state the refund raised. A refund (or lease return) through this replica
+//! moves the epoch again when its answer is back: a request sent after it may have reached the
+//! store before it. Tokens another request gives back as it rolls back (a request over
+//! several Cluster slots takes from one, then refunds it when another denies) are not seen
+//! here: a bucket's state read meanwhile may be low by them. So only a bucket the store itself
+//! denied can deny here (a bucket that merely passed in a denied request is kept to complete
+//! the answer), and such a rollback is honoured, as a refund on another replica is, by the
+//! reopen time.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};

@@ -86,6 +86,7 @@ impl Rig {
         self.store_calls += 1;
         self.store
             .apply_now(std::slice::from_ref(&ret.bucket), &[return_demand(&ret)]);
+        self.layer.returned(&ret);
     }
 
     fn return_due(&mut self) {
@@ -450,4 +451,137 @@ fn no_lease_is_taken_from_a_bucket_that_cannot_spare_one() {
         assert!(!rig.apply(&b, &[consume(0, 1)]).decision.denied, "token {i}");
     }
     assert!(rig.apply(&b, &[consume(0, 1)]).decision.denied);
+}
+
+/// A top-up granted while requests hold tokens reserved from the lease, and those requests
+/// then denied by the store's part: the reserved tokens go back to the lease, which must
+/// still hold no more than `lease` tokens (the bound on what leases cost, lease x replicas).
+#[test]
+fn a_lease_never_holds_more_than_its_size() {
+    let mut rig = Rig::new(LocalSettings::default());
+    let tenant = bucket("tenant", 100, 1, 4);
+    assert!(
+        !rig.apply(std::slice::from_ref(&tenant), &[consume(0, 1)])
+            .decision
+            .denied
+    );
+    assert_eq!(rig.layer.leased_ut(), 4 * MICRO);
+    // Three clients whose own buckets are empty.
+    let clients: Vec<BucketRef> = (0..3).map(|i| bucket(&format!("client-{i}"), 1, 1, 0)).collect();
+    for c in &clients {
+        assert!(!rig.apply(std::slice::from_ref(c), &[consume(0, 1)]).decision.denied);
+    }
+    let demands = [consume(0, 1), consume(1, 1)];
+    // Each request reserves a leased token of the tenant and asks the store about its client;
+    // the lease falls to half on the way.
+    let asks: Vec<Box<Ask>> = clients
+        .iter()
+        .map(
+            |c| match rig.layer.route(&[tenant.clone(), c.clone()], &demands, rig.now()) {
+                Route::Store(ask) => ask,
+                Route::Local(_) => panic!("the client's bucket is decided by the store"),
+            },
+        )
+        .collect();
+    // Whatever top-up was ordered meanwhile is granted before the answers come back.
+    for order in rig.layer.take_orders() {
+        let answer = rig
+            .store
+            .apply_now(std::slice::from_ref(&order.bucket), &[lease_demand(&order)]);
+        assert!(rig.layer.granted(&order, Some(&answer)).is_none());
+    }
+    for (ask, c) in asks.into_iter().zip(&clients) {
+        let both = [tenant.clone(), c.clone()];
+        let answer = {
+            let (b, d) = ask.request(&both, &demands);
+            rig.store.apply_now(b, d)
+        };
+        assert!(answer.decision.denied, "the client's bucket is empty");
+        assert!(
+            rig.layer
+                .finish(*ask, &both, &demands, Ok(answer))
+                .unwrap()
+                .decision
+                .denied
+        );
+    }
+    assert!(
+        rig.layer.leased_ut() <= 4 * MICRO,
+        "{} leased µt held, on a lease of 4 tokens",
+        rig.layer.leased_ut()
+    );
+}
+
+/// A refund through this replica, and a request sent after it that the store decides first
+/// (the two went on different connections): that request's denial predates the refund, and
+/// once the refund is through it must not deny here what the store would admit, whichever of
+/// the two answers comes back first.
+#[test]
+fn an_answer_decided_before_this_replicas_refund_is_not_learnt() {
+    for refund_answered_first in [true, false] {
+        let mut rig = Rig::new(LocalSettings::default());
+        // One token, back in a second.
+        let b = [bucket("user", 1, 1, 0)];
+        let one = [consume(0, 1)];
+        let refund = [demand(0, DemandKind::Refund(MICRO))];
+        assert!(!rig.apply(&b, &one).decision.denied);
+        let now = rig.now();
+        let Route::Store(give) = rig.layer.route(&b, &refund, now) else {
+            panic!("a refund goes to the store");
+        };
+        let Route::Store(ask) = rig.layer.route(&b, &one, now) else {
+            panic!("nothing is cached yet");
+        };
+        // The store decides the request before the refund reaches it.
+        let denied = rig.store.apply_now(&b, &one);
+        assert!(denied.decision.denied);
+        let refunded = rig.store.apply_now(&b, &refund);
+        if refund_answered_first {
+            rig.layer.finish(*give, &b, &refund, Ok(refunded)).unwrap();
+            rig.layer.finish(*ask, &b, &one, Ok(denied)).unwrap();
+        } else {
+            rig.layer.finish(*ask, &b, &one, Ok(denied)).unwrap();
+            rig.layer.finish(*give, &b, &refund, Ok(refunded)).unwrap();
+        }
+        assert!(
+            !rig.apply(&b, &one).decision.denied,
+            "the store holds the refunded token (refund answered first: {refund_answered_first})"
+        );
+    }
+}
+
+/// The same for a lease return: a request sent after the return left but decided before it
+/// arrived answers with the bucket short of the returned tokens; `returned` again once the
+/// return's answer is back (as `Local` calls it) forgets that answer.
+#[test]
+fn an_answer_decided_before_this_replicas_lease_return_is_forgotten() {
+    let mut rig = Rig::new(LocalSettings::default());
+    // 20 tokens, one back every 100 s, leased 10 at a time.
+    let b = [BucketRef {
+        plan: Plan::Fixed(Limit::new(20, Rate::per(1, 100 * SECOND).unwrap())),
+        ..bucket("global", 20, 1, 10)
+    }];
+    assert!(!rig.apply(&b, &[consume(0, 1)]).decision.denied);
+    assert_eq!(rig.layer.leased_ut(), 10 * MICRO);
+    // Another replica takes what the store has left.
+    assert!(!rig.store.apply_now(&b, &[consume(0, 9)]).decision.denied);
+    // The hold ends: the 10 leased tokens go back.
+    rig.clock.advance_us(SECOND);
+    let ret = rig.layer.due_returns(rig.now()).pop().expect("a return");
+    rig.layer.returned(&ret);
+    // Meanwhile a request of 10, which the store decides before the return arrives.
+    let ten = [consume(0, 10)];
+    let Route::Store(ask) = rig.layer.route(&b, &ten, rig.now()) else {
+        panic!("the lease's hold ended: the store decides");
+    };
+    let denied = rig.store.apply_now(&b, &ten);
+    assert!(denied.decision.denied);
+    rig.layer.finish(*ask, &b, &ten, Ok(denied)).unwrap();
+    rig.store
+        .apply_now(std::slice::from_ref(&ret.bucket), &[return_demand(&ret)]);
+    rig.layer.returned(&ret);
+    assert!(
+        !rig.apply(&b, &ten).decision.denied,
+        "the returned tokens are in the store"
+    );
 }

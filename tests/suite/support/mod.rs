@@ -12,6 +12,7 @@ pub mod openssl;
 pub mod postgres;
 pub mod proxy;
 pub mod redis;
+pub mod simulation;
 pub mod tls;
 pub mod tools;
 
