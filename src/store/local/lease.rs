@@ -8,9 +8,10 @@
 //! them back) when half of it is spent, so a replica never holds more than `lease` unspent
 //! tokens of a bucket. Admissions never exceed what the store debited: no over-admission, ever. What the
 //! leases cost is under-admission: tokens held unspent by one replica cannot serve another, at
-//! most `lease` x (replicas holding one) at any moment; over any window, a bucket admits at
-//! most its capacity plus its refill over the window plus the tokens leased and unspent at
-//! the window's start. Unspent tokens go back to the store (a refund, capped at the capacity)
+//! most `lease` x (replicas holding one) at any moment; over any window (an admission counted
+//! when its tokens are taken), a bucket admits at most its capacity plus its refill over the
+//! window plus the refunds given in it plus the tokens leased and unspent at the window's
+//! start (grants and returns on their way included). Unspent tokens go back to the store (a refund, capped at the capacity)
 //! when the lease's hold ends (`lease_hold_ms` after it was taken), at a reload and at
 //! shutdown; a reset of the bucket drops them.
 //!
