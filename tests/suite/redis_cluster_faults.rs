@@ -1,0 +1,364 @@
+// The tests that load the machine hold a std Mutex across awaits on purpose: it only keeps
+// them from running at the same time, and no task ever waits on it from the same thread.
+#![allow(clippy::await_holding_lock)]
+//! A Redis Cluster losing a node under load, on a running `tollgate serve` against a private
+//! cluster of three masters with a replica each (`RedisCluster::with_replicas`, a short
+//! `cluster-node-timeout`): a coordinated `CLUSTER FAILOVER` costs no request; a master killed
+//! (`kill -9`) fails only the requests whose buckets live on its slots, each by the failure mode,
+//! and none once its replica is promoted and tollgate has seen it; `/readyz` says degraded
+//! meanwhile; the killed node restarted rejoins as a replica without tollgate noticing; a hot
+//! bucket never admits more than its capacity and refill through it all.
+
+use crate::support;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use support::faults::{connect, one_at_a_time, readyz, scrape};
+use support::redis::{redis_binaries_or_skip, RedisCluster};
+use support::{request, yaml_str, Tollgate};
+use tokio::task::{block_in_place, JoinHandle};
+use tollgate::rules::instance_key;
+use tollgate::store::redis::keys::{bucket_key, slot};
+
+const DOMAIN: &str = "cluster";
+const PREFIX: &str = "tg:";
+/// The hot bucket's capacity and refill (one token per `HOT_REFILL`).
+const HOT_CAPACITY: u64 = 30;
+const HOT_REFILL: Duration = Duration::from_secs(10);
+const RULES: &str = r#"
+domain: cluster
+buckets:
+  per_user: {capacity: 5, refill: 1/1h}
+  hot: {capacity: 30, refill: 1/10s}
+descriptors:
+  - {key: user, bucket: per_user}
+  - {key: hot, bucket: hot}
+"#;
+/// `cluster-node-timeout`: a killed master's replica takes over after about twice this.
+const NODE_TIMEOUT_MS: u64 = 1000;
+/// `redis.command_timeout_ms` (a debug build on a busy two-core machine).
+const COMMAND_TIMEOUT_MS: u64 = 300;
+/// Clients on many users each, and clients on the one hot bucket.
+const CLIENTS: usize = 6;
+const USERS_PER_CLIENT: usize = 16;
+const HOT_CLIENTS: usize = 2;
+/// How long after the cluster has promoted a replica tollgate may still fail the lost slots'
+/// requests: its slot map refresh, generous for a loaded machine.
+const REFRESH_BOUND: Duration = Duration::from_secs(3);
+
+// The phases of a run, by when a request was sent and answered.
+const STEADY: u8 = 0;
+const FAILOVER: u8 = 1;
+const SETTLED: u8 = 2;
+const KILLED: u8 = 3;
+const CATCHING_UP: u8 = 4;
+const PROMOTED: u8 = 5;
+const REJOINING: u8 = 6;
+const AFTER: u8 = 7;
+const PHASES: [(u8, &str); 8] = [
+    (STEADY, "steady"),
+    (FAILOVER, "failover"),
+    (SETTLED, "settled"),
+    (KILLED, "killed"),
+    (CATCHING_UP, "catching up"),
+    (PROMOTED, "promoted"),
+    (REJOINING, "rejoining"),
+    (AFTER, "after"),
+];
+
+/// The Cluster slot of the bucket `bucket` for descriptor `key: value`, as tollgate names it.
+fn slot_of(bucket: &str, key: &str, value: &str) -> u16 {
+    let entries = [Entry {
+        key: key.into(),
+        value: value.into(),
+    }];
+    let mut identity = String::new();
+    instance_key(&mut identity, DOMAIN, bucket, &entries, &[None]);
+    slot(&bucket_key(PREFIX, &identity))
+}
+
+fn user_slot(user: &str) -> u16 {
+    slot_of("per_user", "user", user)
+}
+
+fn settings(cluster: &RedisCluster, mode: &str) -> String {
+    let urls: Vec<String> = cluster.urls().iter().map(|u| yaml_str(u)).collect();
+    format!(
+        "backend: redis\nredis:\n  urls: [{}]\n  cluster: true\n  key_prefix: \"{PREFIX}\"\n  \
+         command_timeout_ms: {COMMAND_TIMEOUT_MS}\n  failure_mode: {mode}\n  fallback: memory\n  \
+         connect_timeout_ms: 2000\n",
+        urls.join(", ")
+    )
+}
+
+/// One request of the load.
+#[derive(Debug)]
+struct Sample {
+    /// The user, or `None` for the hot bucket.
+    user: Option<String>,
+    sent: u8,
+    answered: u8,
+    result: Result<Code, (tonic::Code, String)>,
+}
+
+impl Sample {
+    fn slot(&self) -> u16 {
+        match &self.user {
+            Some(u) => user_slot(u),
+            None => slot_of("hot", "hot", "1"),
+        }
+    }
+}
+
+/// Clients on their own users (five tokens each, then OVER_LIMIT: real decisions) and on the
+/// hot bucket, every request tagged with the phase it was sent and answered in.
+struct ClusterLoad {
+    phase: Arc<AtomicU8>,
+    stop: Arc<AtomicBool>,
+    tasks: Vec<JoinHandle<Vec<Sample>>>,
+}
+
+impl ClusterLoad {
+    async fn start(tollgate: &Tollgate) -> ClusterLoad {
+        let phase = Arc::new(AtomicU8::new(STEADY));
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut tasks = Vec::new();
+        for i in 0..CLIENTS + HOT_CLIENTS {
+            let mut client = connect(tollgate).await;
+            let (phase, stop) = (phase.clone(), stop.clone());
+            tasks.push(tokio::spawn(async move {
+                let users: Vec<Option<String>> = if i < CLIENTS {
+                    (0..USERS_PER_CLIENT).map(|k| Some(format!("u{i}-{k}"))).collect()
+                } else {
+                    vec![None]
+                };
+                let mut samples = Vec::new();
+                let mut n = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    let user = users[n % users.len()].clone();
+                    n += 1;
+                    let entries = match &user {
+                        Some(u) => vec![("user", u.as_str())],
+                        None => vec![("hot", "1")],
+                    };
+                    let sent = phase.load(Ordering::SeqCst);
+                    let result = tokio::time::timeout(
+                        Duration::from_secs(10),
+                        client.should_rate_limit(request(DOMAIN, &entries, 0)),
+                    )
+                    .await
+                    .unwrap_or_else(|_| Err(tonic::Status::deadline_exceeded("no answer within 10 s")));
+                    let answered = phase.load(Ordering::SeqCst);
+                    samples.push(Sample {
+                        user,
+                        sent,
+                        answered,
+                        result: result
+                            .map(|r| Code::try_from(r.into_inner().overall_code).expect("a known code"))
+                            .map_err(|e| (e.code(), e.message().to_owned())),
+                    });
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+                samples
+            }));
+        }
+        ClusterLoad { phase, stop, tasks }
+    }
+
+    fn set_phase(&self, phase: u8) {
+        self.phase.store(phase, Ordering::SeqCst);
+    }
+
+    async fn stop(self) -> Vec<Sample> {
+        self.stop.store(true, Ordering::Relaxed);
+        let mut all = Vec::new();
+        for t in self.tasks {
+            all.extend(t.await.expect("a load task"));
+        }
+        all
+    }
+}
+
+/// Per phase (by when answered): requests, and errors on the lost slots and elsewhere.
+fn summary(samples: &[Sample], lost: &[(u16, u16)]) -> String {
+    let mut by: BTreeMap<u8, (usize, usize, usize)> = BTreeMap::new();
+    for s in samples {
+        let e = by.entry(s.answered).or_default();
+        e.0 += 1;
+        if s.result.is_err() {
+            if in_ranges(s.slot(), lost) {
+                e.1 += 1;
+            } else {
+                e.2 += 1;
+            }
+        }
+    }
+    let mut out = String::new();
+    for (phase, name) in PHASES {
+        let (n, on_lost, elsewhere) = by.get(&phase).copied().unwrap_or_default();
+        out.push_str(&format!(
+            "{name}: {n} requests, {on_lost} errors on the lost slots, {elsewhere} elsewhere; "
+        ));
+    }
+    out
+}
+
+fn in_ranges(slot: u16, ranges: &[(u16, u16)]) -> bool {
+    ranges.iter().any(|&(a, b)| (a..=b).contains(&slot))
+}
+
+/// A coordinated failover of the hot bucket's master, then a `kill -9` of another master under
+/// load in `failure_mode: error`, then the killed node restarted: (a) the failover costs no
+/// request; (b) while the killed master's replica is not yet promoted and seen, only requests
+/// on its slots fail, the others are decided, `/readyz` is 200 and says degraded (no address),
+/// the metrics count the failing slots; none fails once tollgate has seen the promotion;
+/// (c) the old master rejoins as a replica and costs nothing; (d) the hot bucket admits at
+/// most its capacity and refill through both events.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lost_master_fails_only_its_own_slots() {
+    if !redis_binaries_or_skip("a_lost_master_fails_only_its_own_slots") {
+        return;
+    }
+    let _one = one_at_a_time();
+    let mut cluster = block_in_place(|| RedisCluster::with_replicas(NODE_TIMEOUT_MS));
+    let tollgate = block_in_place(|| {
+        Tollgate::builder()
+            .rules_file("cluster.yaml", RULES)
+            .settings(&settings(&cluster, "error"))
+            .start()
+    });
+    assert_eq!(readyz(&tollgate).0, 200, "ready on a healthy cluster");
+    let hot_master = block_in_place(|| cluster.master_of(slot_of("hot", "hot", "1")));
+    let masters = block_in_place(|| cluster.masters());
+    let victim = *masters.iter().find(|&&m| m != hot_master).expect("another master");
+    let lost = block_in_place(|| cluster.slots_of(victim));
+    let users_on_lost = (0..CLIENTS)
+        .flat_map(|i| (0..USERS_PER_CLIENT).map(move |k| format!("u{i}-{k}")))
+        .filter(|u| in_ranges(user_slot(u), &lost))
+        .count();
+    assert!(users_on_lost > 0, "no user on the victim's slots {lost:?}");
+    let started = Instant::now();
+    let load = ClusterLoad::start(&tollgate).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+
+    // (a) A coordinated failover of the hot bucket's master.
+    load.set_phase(FAILOVER);
+    let replica = block_in_place(|| cluster.replica_of(hot_master));
+    block_in_place(|| cluster.failover(replica));
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    load.set_phase(SETTLED);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+
+    // (b) kill -9 of another master.
+    load.set_phase(KILLED);
+    let killed = Instant::now();
+    block_in_place(|| cluster.kill(victim));
+    let mut degraded = None;
+    let mut failing_slots = 0.0;
+    let promoted = loop {
+        let (status, body) = readyz(&tollgate);
+        if status == 200 && body.contains("degraded") && degraded.is_none() {
+            degraded = Some(body);
+            failing_slots = scrape(&tollgate)
+                .get("tollgate_redis_cluster_slots_failing", &[])
+                .unwrap_or(0.0);
+        }
+        let replaced = block_in_place(|| cluster.masters().len() == 3 && !cluster.masters().contains(&victim));
+        if replaced {
+            break killed.elapsed();
+        }
+        assert!(killed.elapsed() < Duration::from_secs(30), "no promotion within 30 s");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    load.set_phase(CATCHING_UP);
+    tokio::time::sleep(REFRESH_BOUND).await;
+    load.set_phase(PROMOTED);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let (ready_after, ready_body_after) = readyz(&tollgate);
+
+    // (c) The killed node comes back, as a replica.
+    load.set_phase(REJOINING);
+    block_in_place(|| cluster.restart(victim));
+    let rejoined = Instant::now();
+    loop {
+        let view = block_in_place(|| cluster.view_from(victim));
+        if view
+            .iter()
+            .any(|v| v.node == victim && !v.master && v.replica_of.is_some())
+        {
+            break;
+        }
+        assert!(
+            rejoined.elapsed() < Duration::from_secs(30),
+            "{victim} did not rejoin as a replica"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    block_in_place(|| cluster.wait_ok(Duration::from_secs(30)));
+    load.set_phase(AFTER);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let samples = load.stop().await;
+    let ran = started.elapsed();
+    let metrics = block_in_place(|| support::http_get(tollgate.http_addr, "/metrics")).expect("/metrics");
+    eprintln!(
+        "promotion after {promoted:?}; {}; readyz while degraded: {degraded:?}",
+        summary(&samples, &lost)
+    );
+
+    // (a) and (c): no error outside the time the victim's slots had no master tollgate knew.
+    let errors = |pred: &dyn Fn(&Sample) -> bool| samples.iter().filter(|s| s.result.is_err() && pred(s)).count();
+    let outside = errors(&|s| s.answered != KILLED && s.answered != CATCHING_UP);
+    assert_eq!(outside, 0, "errors outside the outage\n{}", summary(&samples, &lost));
+    // (b) Only the lost slots' requests failed, and they did (the kill mattered).
+    let elsewhere = errors(&|s| !in_ranges(s.slot(), &lost));
+    assert_eq!(elsewhere, 0, "errors on healthy masters\n{}", summary(&samples, &lost));
+    let decided_elsewhere = samples
+        .iter()
+        .filter(|s| s.sent == KILLED && s.answered == KILLED && s.result.is_ok() && !in_ranges(s.slot(), &lost))
+        .count();
+    assert!(
+        decided_elsewhere > 0,
+        "nothing decided during the outage\n{}",
+        summary(&samples, &lost)
+    );
+    let mut lost_errors: Vec<&Sample> = samples.iter().filter(|s| s.result.is_err()).collect();
+    assert!(
+        !lost_errors.is_empty(),
+        "the kill cost nothing: {}",
+        summary(&samples, &lost)
+    );
+    lost_errors.retain(|s| !matches!(&s.result, Err((tonic::Code::Unavailable, _))));
+    assert!(
+        lost_errors.is_empty(),
+        "failure_mode error answers UNAVAILABLE: {lost_errors:?}"
+    );
+    // Readiness: degraded, naming slots and no address; the metrics counted the lost slots.
+    let degraded = degraded.expect("/readyz said degraded while a master was lost");
+    assert!(degraded.contains("slots"), "{degraded}");
+    assert!(!degraded.contains("127.0.0.1"), "/readyz shows an address: {degraded}");
+    assert!(
+        failing_slots > 0.0,
+        "tollgate_redis_cluster_slots_failing while degraded"
+    );
+    assert_eq!(ready_after, 200);
+    assert!(!ready_body_after.contains("degraded"), "{ready_body_after}");
+    assert!(!metrics.1.contains("127.0.0.1"), "/metrics shows an address");
+    // (d) The hot bucket: at most its capacity and what refilled over the run.
+    let hot_ok = samples
+        .iter()
+        .filter(|s| s.user.is_none() && s.result == Ok(Code::Ok))
+        .count() as u64;
+    let refilled = ran.as_secs() / HOT_REFILL.as_secs() + 1;
+    assert!(
+        hot_ok <= HOT_CAPACITY + refilled,
+        "the hot bucket admitted {hot_ok} > {HOT_CAPACITY} + {refilled}"
+    );
+    assert!(hot_ok >= HOT_CAPACITY, "the hot bucket admitted only {hot_ok}");
+    let log = tollgate.process.log();
+    assert!(!log.contains("panicked"), "tollgate panicked:\n{log}");
+}
