@@ -197,6 +197,14 @@ impl<P: Store> Guarded<P> {
                 }
                 Err(e)
             }
+            // One Redis Cluster master failed: its own breaker counted it. The backend as a
+            // whole answered (a probe let through closes the store-wide breaker).
+            Err(e @ StoreError::NodeFailed(_)) => {
+                if permit == Permit::Probe {
+                    self.succeeded(permit);
+                }
+                Err(e)
+            }
             Err(e) => {
                 self.failed(permit, &e);
                 Err(e)
@@ -314,6 +322,10 @@ impl<P: Store> Resilient<P> {
     {
         let error = match self.guarded.run(primary).await {
             Ok(v) => return Ok(v),
+            // A Cluster master failed, and the fallback already had its part (or nothing
+            // else failed): deciding the whole request again there would decide the other
+            // slots twice.
+            Err(e @ StoreError::NodeFailed(_)) => return Err(e),
             Err(e) => e,
         };
         match &self.fallback {
@@ -328,8 +340,17 @@ impl<P: Store> Resilient<P> {
 
 impl<P: Store> Store for Resilient<P> {
     async fn apply(&self, buckets: &[BucketRef], demands: &[Demand]) -> Result<Applied, StoreError> {
+        let Some(fallback) = &self.fallback else {
+            return self.guarded.run(|| self.guarded.primary.apply(buckets, demands)).await;
+        };
+        // The primary may decide part of the request on the fallback (a lost Cluster master's
+        // slots); when it failed as a whole, the fallback decides it all.
+        let partial = Counted {
+            fallback,
+            fallbacks: &self.fallbacks,
+        };
         self.run(
-            || self.guarded.primary.apply(buckets, demands),
+            || self.guarded.primary.apply_or_fall_back(buckets, demands, &partial),
             |f| f.apply(buckets, demands),
         )
         .await
@@ -361,6 +382,20 @@ impl<P: Store> Store for Resilient<P> {
 
     fn clock_estimate_us(&self) -> u64 {
         self.guarded.clock_estimate_us()
+    }
+}
+
+/// A [`Fallback`] handed to a primary that decides part of a request on it, counting each such
+/// decision in `tollgate_backend_fallbacks_total`.
+struct Counted<'a> {
+    fallback: &'a Fallback,
+    fallbacks: &'a metrics::Counter,
+}
+
+impl super::PartFallback for Counted<'_> {
+    async fn decide(&self, buckets: &[BucketRef], demands: &[Demand]) -> Result<Applied, StoreError> {
+        self.fallbacks.increment(1);
+        self.fallback.apply(buckets, demands).await
     }
 }
 

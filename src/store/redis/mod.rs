@@ -21,10 +21,12 @@
 //! brief under-admission, never an over-admission).
 
 pub(crate) mod batch;
+mod cluster;
 pub mod keys;
 pub mod script;
 mod settings;
 
+pub use cluster::ClusterHealth;
 pub use settings::{FallbackBackend, RedisSettings};
 
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -35,7 +37,7 @@ use fred::bytes::Bytes;
 use fred::clients::Client;
 use fred::prelude::{
     Builder, ClientLike, Config, Error as FredError, ErrorKind, EventInterface, LuaInterface, Pool, ReconnectPolicy,
-    Server, ServerConfig, TlsConnector,
+    Server, TlsConnector,
 };
 use fred::types::{Key, Value};
 use futures_util::future::join_all;
@@ -102,6 +104,7 @@ impl ClockOffset {
 }
 
 /// The three scripts, by SHA1.
+#[derive(Clone)]
 struct Scripts {
     decide: String,
     peek: String,
@@ -114,20 +117,33 @@ pub struct RedisStore {
     inner: Arc<Inner>,
 }
 
-/// The connections and what every call on them needs; shared with the batch lanes, which
-/// must not keep the store itself alive.
+/// The connections to one Redis (a single node, or one master of a Cluster) and what every
+/// call on them needs; shared with the batch lanes, which must not keep the store itself alive.
 struct Conn {
     pool: Pool,
+    /// A master of a Cluster: a call carries the requests of one slot only.
     cluster: bool,
     scripts: Scripts,
     /// The URLs, passwords redacted.
     describe: String,
 }
 
+/// One Redis, or a Cluster master by master.
+enum Backend {
+    /// A single node: its pool, and its lanes (started on the first decision: they need the
+    /// runtime).
+    Single {
+        conn: Arc<Conn>,
+        batcher: OnceLock<Batcher>,
+    },
+    /// A Redis Cluster: a pool, lanes and a breaker per master (`cluster`).
+    Cluster(Arc<cluster::Cluster>),
+}
+
 struct Inner {
-    conn: Arc<Conn>,
-    /// Started on the first decision (it needs the runtime).
-    batcher: OnceLock<Batcher>,
+    backend: Backend,
+    /// The URLs, passwords redacted.
+    describe: String,
     prefix: String,
     /// The local clock, to estimate Redis time between answers.
     clock: Arc<dyn Clock>,
@@ -191,25 +207,20 @@ impl Conn {
         // (`default_command_timeout`): at start and in readiness probes a busy machine or a
         // distant Redis may take longer than one decision may, and that is no failure (a
         // connect once timed out so, with Redis answering, on a loaded test machine). `None`:
-        // the default, for the reload inside a decision. fred's script commands ignore per-command options, so on a single node `SCRIPT LOAD`
-        // is sent as a custom command, which takes them. In a Cluster, fred's per-primary load
-        // runs under the default timeout (its routing table is not exposed without the
-        // `i-cluster` feature).
+        // the default, for the reload inside a decision. fred's script commands ignore
+        // per-command options, so `SCRIPT LOAD` is sent as a custom command, which takes them
+        // (a Cluster's masters each have a pool of their own: this loads on one master).
         let client = self.pool.next();
         for lua in [DECIDE_LUA, PEEK_LUA, RESET_LUA] {
-            if self.cluster {
-                client.script_load_cluster::<(), _>(lua).await?;
-            } else {
-                let options = fred::types::config::Options {
-                    timeout,
-                    ..Default::default()
-                };
-                let load = fred::types::CustomCommand::new_static("SCRIPT", fred::types::ClusterHash::Random, false);
-                client
-                    .with_options(&options)
-                    .custom::<Value, _>(load, vec!["LOAD", lua])
-                    .await?;
-            }
+            let options = fred::types::config::Options {
+                timeout,
+                ..Default::default()
+            };
+            let load = fred::types::CustomCommand::new_static("SCRIPT", fred::types::ClusterHash::Random, false);
+            client
+                .with_options(&options)
+                .custom::<Value, _>(load, vec!["LOAD", lua])
+                .await?;
         }
         Ok(())
     }
@@ -217,6 +228,45 @@ impl Conn {
     /// `EVALSHA` on the pool's next connection.
     async fn evalsha(&self, sha: &str, keys: Vec<Key>, argv: Vec<Value>) -> Result<Value, StoreError> {
         self.evalsha_on(self.pool.next(), sha, keys, argv).await
+    }
+
+    /// `ASKING` then `EVALSHA` on `client`, back to back on its one connection (a Cluster node
+    /// answered `ASK`: the slot is being migrated here, and only a call after `ASKING` on the
+    /// same connection is served), loading the scripts again on `NOSCRIPT`.
+    async fn asking_evalsha_on(
+        &self,
+        client: &Client,
+        sha: &str,
+        keys: Vec<Key>,
+        argv: Vec<Value>,
+    ) -> Result<Value, StoreError> {
+        for attempt in 0..2 {
+            let pipeline = client.pipeline();
+            let asking = fred::types::CustomCommand::new_static("ASKING", fred::types::ClusterHash::Random, false);
+            // fred's pipelines have no script commands: `EVALSHA` as a custom command.
+            let evalsha = fred::types::CustomCommand::new_static("EVALSHA", fred::types::ClusterHash::FirstKey, false);
+            let mut args: Vec<Value> = Vec::with_capacity(2 + keys.len() + argv.len());
+            args.push(sha.into());
+            args.push(Value::Integer(keys.len() as i64));
+            args.extend(keys.iter().cloned().map(Value::from));
+            args.extend(argv.iter().cloned());
+            let queued: Result<(), FredError> = async {
+                pipeline.custom::<(), _>(asking, Vec::<Value>::new()).await?;
+                pipeline.custom::<(), _>(evalsha, args).await
+            }
+            .await;
+            queued.map_err(|e| store_error(&e))?;
+            match pipeline.try_all::<Value>().await.into_iter().nth(1) {
+                Some(Err(e)) if attempt == 0 && e.details().starts_with("NOSCRIPT") => {
+                    self.load_scripts(None).await.map_err(|e| store_error(&e))?;
+                }
+                Some(answer) => return answer.map_err(|e| store_error(&e)),
+                None => break,
+            }
+        }
+        Err(StoreError::Unavailable(
+            "ASKING and EVALSHA: no answer to the call".into(),
+        ))
     }
 
     /// `EVALSHA` on `client`, loading the scripts again when Redis has lost them (`NOSCRIPT`: a
@@ -242,8 +292,28 @@ impl Conn {
     }
 }
 
-/// The client configuration for `settings`, whose first URL is `first`: the nodes (every URL's,
-/// for a Cluster), the credentials, TLS and whether to fail fast.
+/// Every URL's host and port: where a Cluster's slot map is first asked for.
+///
+/// Errors: a URL that does not parse (made by `fail`).
+fn cluster_seeds(
+    settings: &RedisSettings,
+    fail: &impl Fn(String) -> ConnectError,
+) -> Result<Vec<(String, u16)>, ConnectError> {
+    let mut hosts = Vec::new();
+    for url in &settings.urls {
+        let c = Config::from_url(url).map_err(|e| fail(e.details().to_string()))?;
+        hosts.extend(
+            c.server
+                .hosts()
+                .into_iter()
+                .map(|s: Server| (s.host.to_string(), s.port)),
+        );
+    }
+    Ok(hosts)
+}
+
+/// The client configuration for `settings`, whose first URL is `first`: that node (a Cluster's
+/// masters each get a copy, addressed to them), the credentials, TLS and whether to fail fast.
 ///
 /// Errors: a URL that does not parse, or TLS that cannot be set up (made by `fail`).
 fn client_config(
@@ -252,19 +322,6 @@ fn client_config(
     fail: &impl Fn(String) -> ConnectError,
 ) -> Result<Config, ConnectError> {
     let mut config = Config::from_url(first).map_err(|e| fail(e.details().to_string()))?;
-    if settings.cluster {
-        let mut hosts = Vec::new();
-        for url in &settings.urls {
-            let c = Config::from_url(url).map_err(|e| fail(e.details().to_string()))?;
-            hosts.extend(
-                c.server
-                    .hosts()
-                    .into_iter()
-                    .map(|s: Server| (s.host.to_string(), s.port)),
-            );
-        }
-        config.server = ServerConfig::new_clustered(hosts);
-    }
     if settings.username.is_some() {
         config.username = settings.username.clone();
     }
@@ -314,34 +371,54 @@ impl RedisStore {
         let config = client_config(settings, first, &fail)?;
         let config_fail_fast = config.fail_fast;
         let timeout = settings.command_timeout_ms.duration();
-        let pool = build_pool(settings, config, timeout).map_err(|e| fail(e.details().to_string()))?;
         let sha = |lua: &str| fred::util::sha1_hash(lua);
-        Ok(RedisStore {
-            inner: Arc::new(Inner {
+        let scripts = Scripts {
+            decide: sha(DECIDE_LUA),
+            peek: sha(PEEK_LUA),
+            reset: sha(RESET_LUA),
+        };
+        let describe = settings
+            .urls
+            .iter()
+            .map(|u| redact_url(u))
+            .collect::<Vec<_>>()
+            .join(",");
+        let call = CallSettings {
+            ttl_margin_ms: TTL_MARGIN_MS,
+            unknown_ttl_ms: UNKNOWN_TTL_MS,
+        };
+        let backend = if settings.cluster {
+            let seeds = cluster_seeds(settings, &fail)?;
+            Backend::Cluster(Arc::new(cluster::Cluster::new(
+                settings,
+                config,
+                seeds,
+                scripts,
+                clock.clone(),
+                None,
+                call,
+            )))
+        } else {
+            let pool = build_pool(settings, config, timeout).map_err(|e| fail(e.details().to_string()))?;
+            Backend::Single {
                 conn: Arc::new(Conn {
                     pool,
-                    cluster: settings.cluster,
-                    scripts: Scripts {
-                        decide: sha(DECIDE_LUA),
-                        peek: sha(PEEK_LUA),
-                        reset: sha(RESET_LUA),
-                    },
-                    describe: settings
-                        .urls
-                        .iter()
-                        .map(|u| redact_url(u))
-                        .collect::<Vec<_>>()
-                        .join(","),
+                    cluster: false,
+                    scripts,
+                    describe: describe.clone(),
                 }),
                 batcher: OnceLock::new(),
+            }
+        };
+        Ok(RedisStore {
+            inner: Arc::new(Inner {
+                backend,
+                describe,
                 prefix: settings.key_prefix.clone(),
                 clock,
                 offset: ClockOffset::default(),
                 time_override: None,
-                call: CallSettings {
-                    ttl_margin_ms: TTL_MARGIN_MS,
-                    unknown_ttl_ms: UNKNOWN_TTL_MS,
-                },
+                call,
                 timeout,
                 fail_fast: config_fail_fast,
                 eviction: std::sync::Mutex::new(None),
@@ -353,10 +430,28 @@ impl RedisStore {
     /// Tests only: decide at `clock`'s time instead of Redis `TIME` (sent to the scripts as an
     /// argument), so the shared test vectors can move time. Must be called before any clone.
     pub fn with_time_override(mut self, clock: Arc<dyn Clock>) -> RedisStore {
-        Arc::get_mut(&mut self.inner)
-            .expect("with_time_override before the store is shared")
-            .time_override = Some(clock);
+        let inner = Arc::get_mut(&mut self.inner).expect("with_time_override before the store is shared");
+        if let Backend::Cluster(c) = &mut inner.backend {
+            Arc::get_mut(c)
+                .expect("with_time_override before the store is shared")
+                .set_time_override(clock.clone());
+        }
+        inner.time_override = Some(clock);
         self
+    }
+
+    /// The Cluster, in Cluster mode.
+    fn cluster(&self) -> Option<&Arc<cluster::Cluster>> {
+        match &self.inner.backend {
+            Backend::Cluster(c) => Some(c),
+            Backend::Single { .. } => None,
+        }
+    }
+
+    /// The slots of a Redis Cluster lost now (their master failing, or none known) and the
+    /// failing masters; `None` on a single node.
+    pub fn cluster_health(&self) -> Option<ClusterHealth> {
+        self.cluster().map(|c| c.update_metrics())
     }
 
     /// Connects and loads the scripts, waiting at most `timeout`.
@@ -365,10 +460,19 @@ impl RedisStore {
     pub async fn connect(&self, timeout: Duration) -> Result<(), ConnectError> {
         let fail = |reason: String| ConnectError {
             backend: "Redis",
-            url: self.inner.conn.describe.clone(),
+            url: self.inner.describe.clone(),
             reason,
         };
-        let pool = &self.inner.conn.pool;
+        let conn = match &self.inner.backend {
+            Backend::Single { conn, .. } => conn,
+            Backend::Cluster(c) => {
+                c.connect(timeout, self.inner.fail_fast).await.map_err(fail)?;
+                self.inner.warm.store(true, Ordering::Release);
+                self.check_eviction(timeout).await;
+                return Ok(());
+            }
+        };
+        let pool = &conn.pool;
         let deadline = tokio::time::Instant::now() + timeout;
         // Every client's error stream is subscribed before its connection starts, so a
         // timeout can still say what went wrong meanwhile (refused, reset) instead of only
@@ -409,7 +513,7 @@ impl RedisStore {
                 }
             }
         }
-        tokio::time::timeout(timeout, self.inner.conn.load_scripts(Some(timeout)))
+        tokio::time::timeout(timeout, conn.load_scripts(Some(timeout)))
             .await
             .map_err(|_| fail("loading the scripts timed out".into()))?
             .map_err(|e| fail(e.to_string()))?;
@@ -419,7 +523,7 @@ impl RedisStore {
     }
 
     /// Whether the store is ready for its first decisions: the scripts loaded (on every
-    /// primary of a Cluster) and, by then, every connection of the pool opened. Readiness waits
+    /// master of a Cluster) and, by then, every connection of the pool opened. Readiness waits
     /// for it, so the first decisions after start do not pay a connection or a `NOSCRIPT`
     /// reload under `command_timeout_ms` and fail.
     pub fn is_warm(&self) -> bool {
@@ -433,19 +537,15 @@ impl RedisStore {
     /// (docs/backends.md). A Redis that refuses `CONFIG` (many managed ones) is reported as not
     /// checked. Never fails: the decisions do not depend on it.
     async fn check_eviction(&self, timeout: Duration) {
-        let conn = &self.inner.conn;
-        let client = conn.pool.next();
-        let nodes: Vec<Option<Server>> = if conn.cluster {
-            client.active_connections().into_iter().map(Some).collect()
-        } else {
-            vec![None]
+        let clients: Vec<Client> = match &self.inner.backend {
+            Backend::Single { conn, .. } => vec![conn.pool.next().clone()],
+            Backend::Cluster(c) => c.master_clients(),
         };
         let mut evicting = std::collections::BTreeSet::new();
         let mut unchecked = None;
-        for node in nodes {
+        for client in clients {
             let options = fred::types::config::Options {
                 timeout: Some(timeout),
-                cluster_node: node,
                 ..Default::default()
             };
             let get = fred::types::CustomCommand::new_static("CONFIG", fred::types::ClusterHash::Random, false);
@@ -492,15 +592,15 @@ impl RedisStore {
         let store = self.clone();
         tokio::spawn(async move {
             loop {
-                let connected = tokio::time::timeout(retry, store.inner.conn.pool.wait_for_connect()).await;
-                if matches!(connected, Ok(Ok(())))
-                    && store
-                        .inner
-                        .conn
-                        .load_scripts(Some(retry.max(Duration::from_secs(1))))
-                        .await
-                        .is_ok()
-                {
+                let wait = retry.max(Duration::from_secs(1));
+                let ready = match &store.inner.backend {
+                    Backend::Single { conn, .. } => {
+                        let connected = tokio::time::timeout(retry, conn.pool.wait_for_connect()).await;
+                        matches!(connected, Ok(Ok(()))) && conn.load_scripts(Some(wait)).await.is_ok()
+                    }
+                    Backend::Cluster(c) => c.connect(wait, false).await.is_ok(),
+                };
+                if ready {
                     tracing::info!(redis = %store.describe(), "connected to Redis");
                     store.inner.warm.store(true, Ordering::Release);
                     store.check_eviction(retry.max(Duration::from_secs(1))).await;
@@ -518,7 +618,13 @@ impl RedisStore {
     ///
     /// Errors: no answer in time, or an error answer.
     pub async fn probe(&self, timeout: Duration) -> Result<(), StoreError> {
-        match tokio::time::timeout(timeout, self.inner.conn.load_scripts(Some(timeout))).await {
+        let loaded = async {
+            match &self.inner.backend {
+                Backend::Single { conn, .. } => conn.load_scripts(Some(timeout)).await,
+                Backend::Cluster(c) => c.load_scripts(timeout).await,
+            }
+        };
+        match tokio::time::timeout(timeout, loaded).await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) => Err(store_error(&e)),
             Err(_) => Err(StoreError::Timeout(
@@ -532,7 +638,12 @@ impl RedisStore {
     /// keeps its one store until it exits.
     pub async fn quit(&self) {
         // An error here is a connection that was already gone: closed either way.
-        let _ = self.inner.conn.pool.quit().await;
+        match &self.inner.backend {
+            Backend::Single { conn, .. } => {
+                let _ = conn.pool.quit().await;
+            }
+            Backend::Cluster(c) => c.quit().await,
+        }
     }
 
     /// How long one decision may take, all calls included (`redis.command_timeout_ms`).
@@ -540,9 +651,13 @@ impl RedisStore {
         self.inner.timeout
     }
 
-    /// Whether every connection of the pool is up.
+    /// Whether every connection of the pool is up (a Cluster: its slot map is known and every
+    /// master's pool has been up).
     pub fn is_connected(&self) -> bool {
-        self.inner.conn.pool.clients().iter().all(|c| c.is_connected())
+        match &self.inner.backend {
+            Backend::Single { conn, .. } => conn.pool.clients().iter().all(|c| c.is_connected()),
+            Backend::Cluster(c) => c.is_connected(),
+        }
     }
 
     /// The offset from the local clock to Redis time, as last measured (microseconds).
@@ -552,7 +667,7 @@ impl RedisStore {
 
     /// The URLs, passwords redacted, for logs.
     pub fn describe(&self) -> &str {
-        &self.inner.conn.describe
+        &self.inner.describe
     }
 
     fn now_override(&self) -> Option<u64> {
@@ -564,11 +679,24 @@ impl RedisStore {
             .unwrap_or_else(|| self.inner.offset.estimate(self.inner.clock.now_us()))
     }
 
-    /// One request's call of the decision script (one slot's part of it in Cluster mode),
-    /// batched with concurrent requests ([`batch`]).
-    async fn call_decide(&self, keys: Vec<Key>, args: Vec<Value>) -> Result<Answer, StoreError> {
-        let conn = &self.inner.conn;
-        let batcher = self.inner.batcher.get_or_init(|| {
+    /// One request's call of the decision script (one slot's part of it in Cluster mode, sent
+    /// to its master within `deadline`), batched with concurrent requests ([`batch`]).
+    async fn call_decide(
+        &self,
+        keys: Vec<Key>,
+        args: Vec<Value>,
+        deadline: Option<tokio::time::Instant>,
+    ) -> Result<Answer, StoreError> {
+        let (conn, batcher) = match &self.inner.backend {
+            Backend::Single { conn, batcher } => (conn, batcher),
+            Backend::Cluster(c) => {
+                let deadline = deadline.unwrap_or_else(|| tokio::time::Instant::now() + self.inner.timeout);
+                // Boxed, as every Cluster-only path here: a single node's decision future (moved
+                // at every request) must not grow by what it never runs.
+                return Box::pin(c.call(keys, args, deadline)).await;
+            }
+        };
+        let batcher = batcher.get_or_init(|| {
             Batcher::start(
                 conn.clone(),
                 LaneSettings {
@@ -579,14 +707,25 @@ impl RedisStore {
             )
         });
         let (reply, answer) = tokio::sync::oneshot::channel();
-        batcher.submit(Job { keys, args, reply })?;
+        batcher.submit(Job {
+            keys,
+            args,
+            asking: false,
+            reply,
+        })?;
         answer
             .await
             .map_err(|_| StoreError::Unavailable("the Redis store is shutting down".into()))?
     }
 
-    /// Decides the buckets of one slot (all of them on a single node).
-    async fn decide_group(&self, buckets: &[&BucketRef], demands: &[Demand]) -> Result<script::Decided, StoreError> {
+    /// Decides the buckets of one slot (all of them on a single node); in Cluster mode every
+    /// call within `deadline`.
+    async fn decide_group(
+        &self,
+        buckets: &[&BucketRef],
+        demands: &[Demand],
+        deadline: Option<tokio::time::Instant>,
+    ) -> Result<script::Decided, StoreError> {
         // Keys are reference-counted bytes: a retry or a batch moves them, never copies.
         let keys: Vec<Key> = buckets
             .iter()
@@ -601,7 +740,9 @@ impl RedisStore {
                 .zip(&at)
                 .map(|((b, r), t)| (bucket_args(&b.plan, *t), r.as_ref()))
                 .collect();
-            let answer = self.call_decide(keys.clone(), encode_request(&args, demands)).await?;
+            let answer = self
+                .call_decide(keys.clone(), encode_request(&args, demands), deadline)
+                .await?;
             let (sent, received) = (answer.sent_us, answer.received_us);
             let reply = parse_reply(answer.value, buckets.len(), demands.len())
                 .map_err(|e| StoreError::Unavailable(format!("decide.lua: {e}").into()))?;
@@ -667,7 +808,7 @@ impl RedisStore {
 
     /// Groups bucket indexes by Cluster slot (one group on a single node), in first-seen order.
     fn groups(&self, buckets: &[BucketRef]) -> Vec<Vec<usize>> {
-        if !self.inner.conn.cluster {
+        if self.cluster().is_none() {
             return vec![(0..buckets.len()).collect()];
         }
         let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
@@ -681,11 +822,54 @@ impl RedisStore {
         groups.into_iter().map(|(_, g)| g).collect()
     }
 
-    async fn apply_inner(&self, buckets: &[BucketRef], demands: &[Demand]) -> Result<Applied, StoreError> {
+    /// Decides the buckets of one slot ([`RedisStore::decide_group`]); when that slot's Cluster
+    /// master failed ([`StoreError::NodeFailed`]) and there is a `fallback`, decides them there
+    /// instead. Also whether the fallback decided.
+    async fn decide_part<F: super::PartFallback>(
+        &self,
+        buckets: &[&BucketRef],
+        demands: &[Demand],
+        fallback: Option<&F>,
+        deadline: tokio::time::Instant,
+    ) -> Result<(script::Decided, bool), StoreError> {
+        // The result goes out of scope before the fallback's await, so the future does not
+        // keep room for it there.
+        let fallback = match (self.decide_group(buckets, demands, Some(deadline)).await, fallback) {
+            (Err(StoreError::NodeFailed(_)), Some(fallback)) => fallback,
+            (result, _) => return result.map(|d| (d, false)),
+        };
+        // Boxed: the fallback's future (a Postgres decision's) would otherwise sit inside every
+        // Redis decision's, which is moved at every request.
+        Box::pin(decide_on_fallback(fallback, buckets, demands)).await
+    }
+
+    /// Decides a request on a single node: one call.
+    async fn apply_single(&self, buckets: &[BucketRef], demands: &[Demand]) -> Result<Applied, StoreError> {
+        let refs: Vec<&BucketRef> = buckets.iter().collect();
+        let d = self.decide_group(&refs, demands, None).await?;
+        Ok(Applied {
+            now_us: d.now_us,
+            decision: Decision {
+                denied: d.denied,
+                passed: d.passed,
+                instances: d.instances,
+            },
+        })
+    }
+
+    /// Decides a request in Cluster mode: one call per slot, all or nothing across them, a
+    /// slot whose master failed decided on `fallback` when there is one.
+    async fn apply_inner<F: super::PartFallback>(
+        &self,
+        buckets: &[BucketRef],
+        demands: &[Demand],
+        fallback: Option<&F>,
+        deadline: tokio::time::Instant,
+    ) -> Result<Applied, StoreError> {
         let groups = self.groups(buckets);
         if groups.len() == 1 {
             let refs: Vec<&BucketRef> = buckets.iter().collect();
-            let d = self.decide_group(&refs, demands).await?;
+            let (d, _) = self.decide_part(&refs, demands, fallback, deadline).await?;
             return Ok(Applied {
                 now_us: d.now_us,
                 decision: Decision {
@@ -711,15 +895,22 @@ impl RedisStore {
                 (refs, ds, idx)
             })
             .collect();
-        let results = join_all(split.iter().map(|(refs, ds, _)| self.decide_group(refs, ds))).await;
-        let denied = results.iter().any(|r| matches!(r, Ok(d) if d.denied));
+        let results = join_all(
+            split
+                .iter()
+                .map(|(refs, ds, _)| self.decide_part(refs, ds, fallback, deadline)),
+        )
+        .await;
+        let denied = results.iter().any(|r| matches!(r, Ok((d, _)) if d.denied));
         let failed = results.iter().any(|r| r.is_err());
         if denied || failed {
             // All or nothing across slots: give back exactly what the admitting slots took,
             // shadow demands' share included (a single call takes nothing on a denial either);
             // their refunds stay applied, as refunds always are.
+            // A refund has a budget of its own: the request's may be spent.
+            let refund_deadline = Some(tokio::time::Instant::now() + self.inner.timeout);
             let refunds = split.iter().zip(&results).filter_map(|((refs, _, _), r)| {
-                let d = r.as_ref().ok()?;
+                let (d, on_fallback) = r.as_ref().ok()?;
                 let back: Vec<Demand> = d
                     .instances
                     .iter()
@@ -733,7 +924,15 @@ impl RedisStore {
                         })
                     })
                     .collect();
-                (!back.is_empty()).then_some(async move { self.decide_group(refs, &back).await })
+                (!back.is_empty()).then_some(async move {
+                    match (on_fallback, fallback) {
+                        (true, Some(f)) => {
+                            let owned: Vec<BucketRef> = refs.iter().map(|&b| b.clone()).collect();
+                            f.decide(&owned, &back).await.map(|_| ())
+                        }
+                        _ => self.decide_group(refs, &back, refund_deadline).await.map(|_| ()),
+                    }
+                })
             });
             let refunded = join_all(refunds).await;
             for r in &refunded {
@@ -744,9 +943,32 @@ impl RedisStore {
         }
         let mut decided = Vec::with_capacity(results.len());
         for r in results {
-            decided.push(r?);
+            decided.push(r?.0);
         }
         Ok(merge_slots(buckets, demands.len(), &groups, &split, decided, denied))
+    }
+
+    /// A Cluster decision: every call to a master within `command_timeout_ms` of the request's
+    /// arrival, so that a master that does not answer fails its slots' part as that master's
+    /// failure ([`StoreError::NodeFailed`]), not the store's; a fallback then has its own
+    /// budget. The whole is still bounded: by the budget twice over (a refund after a denial
+    /// has one of its own) and the fallback's.
+    async fn apply_cluster<F: super::PartFallback>(
+        &self,
+        buckets: &[BucketRef],
+        demands: &[Demand],
+        fallback: Option<&F>,
+    ) -> Result<Applied, StoreError> {
+        let deadline = tokio::time::Instant::now() + self.inner.timeout;
+        self.apply_inner(buckets, demands, fallback, deadline).await
+    }
+
+    /// The scripts' SHA1s.
+    fn scripts(&self) -> &Scripts {
+        match &self.inner.backend {
+            Backend::Single { conn, .. } => &conn.scripts,
+            Backend::Cluster(c) => c.scripts(),
+        }
     }
 
     async fn read(&self, sha: &str, buckets: &[BucketRef]) -> Result<(u64, Vec<Option<Vec<u8>>>), StoreError> {
@@ -761,7 +983,14 @@ impl RedisStore {
                 Some(t) => Value::Integer(t as i64),
                 None => Value::String("".into()),
             };
-            let value = self.inner.conn.evalsha(sha, keys, vec![over]).await?;
+            let value = match &self.inner.backend {
+                Backend::Single { conn, .. } => conn.evalsha(sha, keys, vec![over]).await?,
+                Backend::Cluster(c) => {
+                    let slot = keys.first().map_or(0, |k| keys::slot(k.as_bytes()));
+                    let deadline = tokio::time::Instant::now() + self.inner.timeout;
+                    c.evalsha(slot, sha, keys, vec![over], deadline).await?
+                }
+            };
             let bad = |what: &str| StoreError::Unavailable(format!("peek/reset script: {what}").into());
             match value {
                 Value::Integer(t) => now = now.max(t as u64),
@@ -777,6 +1006,42 @@ impl RedisStore {
             }
         }
         Ok((now, values))
+    }
+}
+
+/// `buckets` decided on `fallback` (their Cluster master failed), as a slot's decision, and
+/// `true`. Errors: the fallback's, as the node's failure: the store-wide breaker must not count
+/// it, nor the whole request be sent to the fallback again.
+async fn decide_on_fallback<F: super::PartFallback>(
+    fallback: &F,
+    buckets: &[&BucketRef],
+    demands: &[Demand],
+) -> Result<(script::Decided, bool), StoreError> {
+    let owned: Vec<BucketRef> = buckets.iter().map(|&b| b.clone()).collect();
+    let applied = fallback
+        .decide(&owned, demands)
+        .await
+        .map_err(|e| StoreError::NodeFailed(Box::new(e)))?;
+    let Decision {
+        denied,
+        passed,
+        instances,
+    } = applied.decision;
+    let decided = script::Decided {
+        now_us: applied.now_us,
+        denied,
+        passed,
+        instances,
+    };
+    Ok((decided, true))
+}
+
+/// The fallback of a store that has none (`None` of it is what is passed).
+enum NoFallback {}
+
+impl super::PartFallback for NoFallback {
+    async fn decide(&self, _: &[BucketRef], _: &[Demand]) -> Result<Applied, StoreError> {
+        match *self {}
     }
 }
 
@@ -852,7 +1117,10 @@ impl Store for RedisStore {
     }
 
     async fn apply(&self, buckets: &[BucketRef], demands: &[Demand]) -> Result<Applied, StoreError> {
-        match tokio::time::timeout(self.inner.timeout, self.apply_inner(buckets, demands)).await {
+        if self.cluster().is_some() {
+            return Box::pin(self.apply_cluster::<NoFallback>(buckets, demands, None)).await;
+        }
+        match tokio::time::timeout(self.inner.timeout, self.apply_single(buckets, demands)).await {
             Ok(result) => result,
             Err(_) => Err(StoreError::Timeout(
                 format!("no answer from Redis within {} ms", self.inner.timeout.as_millis()).into(),
@@ -860,8 +1128,22 @@ impl Store for RedisStore {
         }
     }
 
+    /// In Cluster mode, the slots of a lost master are decided on `fallback`, the others on
+    /// Redis, all or nothing (docs/backends.md, "Cluster"); on a single node, as `apply`.
+    async fn apply_or_fall_back<F: super::PartFallback>(
+        &self,
+        buckets: &[BucketRef],
+        demands: &[Demand],
+        fallback: &F,
+    ) -> Result<Applied, StoreError> {
+        if self.cluster().is_some() {
+            return Box::pin(self.apply_cluster(buckets, demands, Some(fallback))).await;
+        }
+        self.apply(buckets, demands).await
+    }
+
     async fn peek(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
-        let (now_us, values) = self.read(&self.inner.conn.scripts.peek, buckets).await?;
+        let (now_us, values) = self.read(&self.scripts().peek, buckets).await?;
         let stored = values
             .into_iter()
             .map(|raw| raw.as_deref().and_then(script::parse_value).map(|(state, _)| state));
@@ -869,7 +1151,7 @@ impl Store for RedisStore {
     }
 
     async fn reset(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
-        let (now_us, _) = self.read(&self.inner.conn.scripts.reset, buckets).await?;
+        let (now_us, _) = self.read(&self.scripts().reset, buckets).await?;
         Ok(Peeked::all_full(buckets, now_us))
     }
 }
@@ -892,6 +1174,11 @@ impl super::SharedBackend for RedisStore {
     }
 
     fn not_ready_yet(&self) -> Option<String> {
+        if self.cluster().is_some() {
+            // Connected once, a Cluster is ready: a master that fails since loses its own
+            // slots only, which readiness weighs (`cluster_health`).
+            return (!self.is_warm()).then(|| format!("not connected to the Redis Cluster at {}", self.describe()));
+        }
         if !self.is_connected() {
             Some(format!("not connected to Redis at {}", self.describe()))
         } else if !self.is_warm() {

@@ -114,6 +114,11 @@ impl RedisCluster {
             conf.to_string_lossy().into_owned(),
             "--cluster-node-timeout".into(),
             self.node_timeout_ms.to_string(),
+            // The healthy masters keep answering while a lost master's slots have no owner (by
+            // default every node refuses every command then, CLUSTERDOWN): docs/backends.md
+            // asks for this setting.
+            "--cluster-require-full-coverage".into(),
+            "no".into(),
             "--save".into(),
             "".into(),
             "--appendonly".into(),
@@ -171,9 +176,10 @@ impl RedisCluster {
                         .unwrap_or_default()
                 })
                 .collect();
-            let ok = states
-                .iter()
-                .all(|s| s.contains("cluster_state:ok") && s.contains("cluster_slots_ok:16384"));
+            let ok = !states.is_empty()
+                && states
+                    .iter()
+                    .all(|s| s.contains("cluster_state:ok") && s.contains("cluster_slots_ok:16384"));
             if ok && self.views_agree() {
                 return;
             }

@@ -1,0 +1,234 @@
+//! One master of a Redis Cluster as tollgate uses it: a connection pool to it alone (a fred
+//! centralized pool, with the credentials, TLS and timeouts of the settings), its own batching
+//! lanes and its own circuit breaker. A node that fails fails the calls routed to it, and only
+//! those: the other masters' pools, lanes and breakers never wait for it.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use fred::prelude::{ClientLike, Error as FredError, ErrorKind};
+use fred::types::{Key, Value};
+use tokio::sync::oneshot;
+
+use super::super::batch::{Answer, Batcher, Job, LaneSettings};
+use super::super::Conn;
+use super::slots::Addr;
+use crate::store::{Breaker, BreakerPolicy, Outcome, Permit, StoreError, Transition};
+
+/// What a node answered instead of running a call, read from the error Redis sent.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Redirect {
+    /// `MOVED <slot> <host:port>`: the slot has a new master; ask it, and refresh the map.
+    Moved(Addr),
+    /// `ASK <slot> <host:port>`: the slot is being migrated; ask that node once, after `ASKING`.
+    Ask(Addr),
+    /// `TRYAGAIN`: a multi-key call during a migration; try again shortly.
+    TryAgain,
+    /// `CLUSTERDOWN`: the node serves no slot now (the cluster is down, or it lost its slots).
+    Down,
+}
+
+/// The redirect in a failed call's error, if it is one.
+pub(crate) fn redirect_of(e: &StoreError) -> Option<Redirect> {
+    let StoreError::Unavailable(cause) = e.cause() else {
+        return None;
+    };
+    let details = std::error::Error::source(cause)
+        .and_then(|s| s.downcast_ref::<FredError>())
+        .map_or(cause.message(), |f| f.details());
+    parse_redirect(details)
+}
+
+/// Reads `MOVED 3999 127.0.0.1:6381`, `ASK ...`, `TRYAGAIN ...`, `CLUSTERDOWN ...`.
+pub(crate) fn parse_redirect(details: &str) -> Option<Redirect> {
+    let mut words = details.split_whitespace();
+    let kind = words.next()?;
+    let addr = |mut words: std::str::SplitWhitespace<'_>| {
+        let _slot = words.next()?;
+        let (host, port) = words.next()?.rsplit_once(':')?;
+        Some(Addr {
+            host: host.trim_start_matches('[').trim_end_matches(']').to_string(),
+            port: port.parse().ok()?,
+        })
+    };
+    match kind {
+        "MOVED" => addr(words).map(Redirect::Moved),
+        "ASK" => addr(words).map(Redirect::Ask),
+        "TRYAGAIN" => Some(Redirect::TryAgain),
+        "CLUSTERDOWN" => Some(Redirect::Down),
+        _ => None,
+    }
+}
+
+/// A master of the cluster, with its own pool, lanes and breaker.
+pub(crate) struct Node {
+    pub(crate) addr: Addr,
+    pub(crate) conn: Arc<Conn>,
+    batcher: Batcher,
+    breaker: Breaker,
+    started: Instant,
+    /// Whether any of its connections was ever up: a node that was up and has none now is
+    /// failing (fail at once); one still connecting for the first time is waited for.
+    was_up: AtomicBool,
+}
+
+impl Node {
+    /// A node over `conn` (a pool to it alone, not connected yet), its lanes started. Call
+    /// within a Tokio runtime.
+    pub(crate) fn new(addr: Addr, conn: Arc<Conn>, lane: LaneSettings, policy: BreakerPolicy) -> Node {
+        Node {
+            batcher: Batcher::start(conn.clone(), lane),
+            addr,
+            conn,
+            breaker: Breaker::new(policy),
+            started: Instant::now(),
+            was_up: AtomicBool::new(false),
+        }
+    }
+
+    fn mono_us(&self) -> u64 {
+        u64::try_from(self.started.elapsed().as_micros()).unwrap_or(u64::MAX)
+    }
+
+    /// Whether any of its connections is up.
+    pub(crate) fn connected(&self) -> bool {
+        let up = self.conn.pool.clients().iter().any(|c| c.is_connected());
+        if up {
+            self.was_up.store(true, Ordering::Relaxed);
+        }
+        up
+    }
+
+    /// Whether it is failing: its breaker is open, or its connections went down.
+    pub(crate) fn failing(&self) -> bool {
+        self.breaker.is_open() || (!self.connected() && self.was_up.load(Ordering::Relaxed))
+    }
+
+    /// Whether it has been up since it was made.
+    pub(crate) fn was_up(&self) -> bool {
+        self.connected() || self.was_up.load(Ordering::Relaxed)
+    }
+
+    /// One request's call on this node (through its lanes), within `deadline`; `asking`
+    /// sends `ASKING` before it on the same connection. Records the outcome in the node's
+    /// breaker. Errors: as the call failed, a redirect included ([`redirect_of`]); an open
+    /// breaker or a node whose connections are down fails at once.
+    pub(crate) async fn call(
+        &self,
+        keys: Vec<Key>,
+        args: Vec<Value>,
+        asking: bool,
+        deadline: tokio::time::Instant,
+    ) -> Result<Answer, StoreError> {
+        let Some(permit) = self.breaker.allow(self.mono_us()) else {
+            return Err(StoreError::Unavailable(
+                format!("Redis Cluster node {} is failing (circuit open)", self.addr).into(),
+            ));
+        };
+        if !self.connected() {
+            if self.was_up.load(Ordering::Relaxed) {
+                let e = StoreError::Unavailable(format!("not connected to Redis Cluster node {}", self.addr).into());
+                self.record::<()>(permit, &Err(e.clone()));
+                return Err(e);
+            }
+            // A node new to the map (a promoted replica): its pool is still connecting.
+            let _ = tokio::time::timeout_at(deadline, self.conn.pool.wait_for_connect()).await;
+        }
+        let (reply, answer) = oneshot::channel();
+        let result = match self.batcher.submit(Job {
+            keys,
+            args,
+            asking,
+            reply,
+        }) {
+            Ok(()) => match tokio::time::timeout_at(deadline, answer).await {
+                Ok(Ok(answer)) => answer,
+                Ok(Err(_)) => Err(StoreError::Unavailable("the Redis store is shutting down".into())),
+                Err(_) => Err(StoreError::Timeout(
+                    format!("no answer from Redis Cluster node {} in time", self.addr).into(),
+                )),
+            },
+            Err(e) => Err(e),
+        };
+        self.record(permit, &result);
+        result
+    }
+
+    fn record<T>(&self, permit: Permit, result: &Result<T, StoreError>) {
+        let outcome = match result {
+            Ok(_) => Outcome::Success,
+            Err(e) => match (e, redirect_of(e)) {
+                // The node answered: a refusal of one request's data, or a redirect.
+                (StoreError::Rejected(_), _) => Outcome::Success,
+                (_, Some(Redirect::Moved(_) | Redirect::Ask(_) | Redirect::TryAgain)) => Outcome::Success,
+                (StoreError::InFailedBatch(_), _) => Outcome::FailedInBatch,
+                _ => Outcome::Failure,
+            },
+        };
+        match self.breaker.record(self.mono_us(), permit, outcome) {
+            Transition::Opened => tracing::error!(
+                node = %self.addr,
+                "Redis Cluster node failing: its circuit is open; its slots' requests get the failure answer"
+            ),
+            Transition::Closed => tracing::info!(node = %self.addr, "Redis Cluster node answers again: circuit closed"),
+            Transition::None => {}
+        }
+    }
+
+    /// `CLUSTER SLOTS` as this node sees it, within `timeout`.
+    pub(crate) async fn cluster_slots(&self, timeout: std::time::Duration) -> Result<Value, FredError> {
+        if !self.connected() {
+            return Err(FredError::new(ErrorKind::IO, "not connected"));
+        }
+        cluster_slots_on(self.conn.pool.next(), timeout).await
+    }
+}
+
+/// `CLUSTER SLOTS` on `client`, within `timeout`.
+pub(crate) async fn cluster_slots_on(
+    client: &fred::clients::Client,
+    timeout: std::time::Duration,
+) -> Result<Value, FredError> {
+    let options = fred::types::config::Options {
+        timeout: Some(timeout),
+        ..Default::default()
+    };
+    let command = fred::types::CustomCommand::new_static("CLUSTER", fred::types::ClusterHash::Random, false);
+    client
+        .with_options(&options)
+        .custom::<Value, _>(command, vec!["SLOTS"])
+        .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::Cause;
+
+    #[test]
+    fn redirects_are_read_from_the_errors_redis_sends() {
+        let addr = |host: &str, port| Addr {
+            host: host.into(),
+            port,
+        };
+        assert_eq!(
+            parse_redirect("MOVED 3999 127.0.0.1:6381"),
+            Some(Redirect::Moved(addr("127.0.0.1", 6381)))
+        );
+        assert_eq!(
+            parse_redirect("ASK 3999 [::1]:7000"),
+            Some(Redirect::Ask(addr("::1", 7000)))
+        );
+        assert_eq!(
+            parse_redirect("TRYAGAIN Multiple keys request during rehashing of slot"),
+            Some(Redirect::TryAgain)
+        );
+        assert_eq!(parse_redirect("CLUSTERDOWN The cluster is down"), Some(Redirect::Down));
+        assert_eq!(parse_redirect("NOSCRIPT No matching script"), None);
+        assert_eq!(parse_redirect("MOVED 3999"), None);
+        let fred = FredError::new(ErrorKind::Cluster, "MOVED 12 10.0.0.2:7001");
+        let e = StoreError::InFailedBatch(Box::new(StoreError::Unavailable(Cause::from_error(fred))));
+        assert_eq!(redirect_of(&e), Some(Redirect::Moved(addr("10.0.0.2", 7001))));
+    }
+}
