@@ -18,9 +18,9 @@ use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
-use support::faults::{connect, one_at_a_time, readyz, scrape};
+use support::faults::{connect, eventually, one_at_a_time, readyz, real_decisions, scrape, CAPACITY};
 use support::redis::{redis_binaries_or_skip, RedisCluster};
-use support::{request, yaml_str, Tollgate};
+use support::{descriptor, request, yaml_str, Tollgate};
 use tokio::task::{block_in_place, JoinHandle};
 use tollgate::rules::instance_key;
 use tollgate::store::redis::keys::{bucket_key, slot};
@@ -35,9 +35,13 @@ domain: cluster
 buckets:
   per_user: {capacity: 5, refill: 1/1h}
   hot: {capacity: 30, refill: 1/10s}
+  tight: {capacity: 1, refill: 1/1h}
+  roomy: {capacity: 3, refill: 1/1h}
 descriptors:
   - {key: user, bucket: per_user}
   - {key: hot, bucket: hot}
+  - {key: tight, bucket: tight}
+  - {key: roomy, bucket: roomy}
 "#;
 /// `cluster-node-timeout`: a killed master's replica takes over after about twice this.
 const NODE_TIMEOUT_MS: u64 = 1000;
@@ -359,6 +363,216 @@ async fn a_lost_master_fails_only_its_own_slots() {
         "the hot bucket admitted {hot_ok} > {HOT_CAPACITY} + {refilled}"
     );
     assert!(hot_ok >= HOT_CAPACITY, "the hot bucket admitted only {hot_ok}");
+    let log = tollgate.process.log();
+    assert!(!log.contains("panicked"), "tollgate panicked:\n{log}");
+}
+
+/// A value for descriptor `key` whose bucket `bucket` lies (or not, as `inside` says) in `ranges`.
+fn value_where(bucket: &str, key: &str, ranges: &[(u16, u16)], inside: bool) -> String {
+    (0..10_000)
+        .map(|i| format!("{key}-{i}"))
+        .find(|v| in_ranges(slot_of(bucket, key, v), ranges) == inside)
+        .expect("a value on either side")
+}
+
+/// One request with a descriptor per `(key, value)`.
+async fn call_many(
+    client: &mut envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient<
+        tonic::transport::Channel,
+    >,
+    entries: &[(&str, &str)],
+) -> Result<Code, tonic::Status> {
+    let request = envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest {
+        domain: DOMAIN.into(),
+        descriptors: entries.iter().map(|e| descriptor(&[*e])).collect(),
+        hits_addend: 0,
+    };
+    client
+        .should_rate_limit(request)
+        .await
+        .map(|r| Code::try_from(r.into_inner().overall_code).expect("a known code"))
+}
+
+/// With `failure_mode: fallback` (memory) and a master killed (no replica: its slots stay
+/// lost): a request on its slots is decided on the fallback, one on the others on Redis (the
+/// fallback counts only the first); a request over a lost slot and a healthy one is all or
+/// nothing across Redis and the fallback (a denial on Redis gives back what the fallback took);
+/// `/readyz` says the fallback decides the lost slots; once the master is back, without a
+/// restart of tollgate, its slots are decided on Redis again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_fallback_decides_only_the_lost_slots() {
+    if !redis_binaries_or_skip("the_fallback_decides_only_the_lost_slots") {
+        return;
+    }
+    let _one = one_at_a_time();
+    let mut cluster = block_in_place(RedisCluster::start);
+    let tollgate = block_in_place(|| {
+        Tollgate::builder()
+            .rules_file("cluster.yaml", RULES)
+            .settings(&settings(&cluster, "fallback"))
+            .start()
+    });
+    let victim = 0;
+    let lost = block_in_place(|| cluster.slots_of(victim));
+    let mut client = connect(&tollgate).await;
+    let fallbacks = || scrape(&tollgate).counter("tollgate_backend_fallbacks_total", &[("backend", "redis")]);
+    assert_eq!(fallbacks(), 0.0);
+
+    block_in_place(|| cluster.kill(victim));
+    eventually(Duration::from_secs(10), "/readyz says slots are lost", || {
+        readyz(&tollgate).1.contains("slots lost")
+    })
+    .await;
+    let (status, body) = readyz(&tollgate);
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("deciding on the memory fallback"), "{body}");
+    assert!(!body.contains("127.0.0.1"), "{body}");
+
+    // Real decisions on either side; only the lost slot's are the fallback's.
+    let on_lost = value_where("per_user", "user", &lost, true);
+    let elsewhere = value_where("per_user", "user", &lost, false);
+    let bound = Duration::from_millis(COMMAND_TIMEOUT_MS) + Duration::from_secs(1);
+    assert_eq!(exhaust_on(&mut client, &on_lost, bound).await, real_decisions());
+    assert_eq!(
+        fallbacks(),
+        (CAPACITY + 2) as f64,
+        "the lost slot's requests, on the fallback"
+    );
+    assert_eq!(exhaust_on(&mut client, &elsewhere, bound).await, real_decisions());
+    assert_eq!(
+        fallbacks(),
+        (CAPACITY + 2) as f64,
+        "the healthy slot's requests, on Redis"
+    );
+
+    // All or nothing across Redis and the fallback: tight (capacity 1) on a healthy master,
+    // roomy (capacity 3) on the lost one.
+    let tight = value_where("tight", "tight", &lost, false);
+    let roomy = value_where("roomy", "roomy", &lost, true);
+    let both = [("tight", tight.as_str()), ("roomy", roomy.as_str())];
+    assert_eq!(call_many(&mut client, &both).await.expect("decided"), Code::Ok);
+    assert_eq!(call_many(&mut client, &both).await.expect("decided"), Code::OverLimit);
+    let mut roomy_alone = Vec::new();
+    for _ in 0..3 {
+        roomy_alone.push(
+            call_many(&mut client, &[("roomy", roomy.as_str())])
+                .await
+                .expect("decided"),
+        );
+    }
+    // Two left: the denied request's take from roomy was given back on the fallback.
+    assert_eq!(roomy_alone, vec![Code::Ok, Code::Ok, Code::OverLimit]);
+
+    // The master comes back (empty: no persistence): its slots are Redis's again.
+    block_in_place(|| cluster.restart(victim));
+    block_in_place(|| cluster.wait_ok(Duration::from_secs(30)));
+    eventually(Duration::from_secs(10), "/readyz ready again", || {
+        readyz(&tollgate) == (200, "ready\n".to_string())
+    })
+    .await;
+    let before = fallbacks();
+    let back = value_where("per_user", "user-back", &lost, true);
+    assert_eq!(exhaust_on(&mut client, &back, bound).await, real_decisions());
+    assert_eq!(fallbacks(), before, "decided on Redis once the master is back");
+    let log = tollgate.process.log();
+    assert!(!log.contains("panicked"), "tollgate panicked:\n{log}");
+}
+
+/// `CAPACITY + 2` requests for `user` in this file's domain, each within `bound`: the codes.
+async fn exhaust_on(
+    client: &mut envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient<
+        tonic::transport::Channel,
+    >,
+    user: &str,
+    bound: Duration,
+) -> Vec<Code> {
+    let mut codes = Vec::new();
+    for _ in 0..CAPACITY + 2 {
+        let started = Instant::now();
+        let code = call_many(client, &[("user", user)])
+            .await
+            .unwrap_or_else(|e| panic!("request for {user}: {e:?}"));
+        assert!(
+            started.elapsed() <= bound,
+            "request for {user} took {:?}",
+            started.elapsed()
+        );
+        codes.push(code);
+    }
+    codes
+}
+
+/// Three masters without replicas in `failure_mode: error`: one killed, a third of the slots
+/// lost, `/readyz` is 200 and degraded; a second killed, two thirds lost, it is 503 (no
+/// fallback can decide them), naming slots and no address; both back, it is ready again and
+/// decides on every master, with no restart of tollgate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn half_the_slots_lost_is_not_ready() {
+    if !redis_binaries_or_skip("half_the_slots_lost_is_not_ready") {
+        return;
+    }
+    let _one = one_at_a_time();
+    let mut cluster = block_in_place(RedisCluster::start);
+    let tollgate = block_in_place(|| {
+        Tollgate::builder()
+            .rules_file("cluster.yaml", RULES)
+            .settings(&settings(&cluster, "error"))
+            .start()
+    });
+    assert_eq!(readyz(&tollgate), (200, "ready\n".to_string()));
+    let first = block_in_place(|| cluster.slots_of(0));
+    let mut client = connect(&tollgate).await;
+
+    block_in_place(|| cluster.kill(0));
+    eventually(Duration::from_secs(10), "/readyz degraded with a third lost", || {
+        let (status, body) = readyz(&tollgate);
+        status == 200 && body.contains("5461 of 16384 slots lost")
+    })
+    .await;
+    // The lost slots fail, the others are decided.
+    let on_lost = value_where("per_user", "user", &first, true);
+    let elsewhere = value_where("per_user", "user", &first, false);
+    let failed = call_many(&mut client, &[("user", on_lost.as_str())]).await;
+    assert_eq!(failed.map_err(|e| e.code()), Err(tonic::Code::Unavailable));
+    assert_eq!(
+        call_many(&mut client, &[("user", elsewhere.as_str())])
+            .await
+            .expect("decided"),
+        Code::Ok
+    );
+
+    block_in_place(|| cluster.kill(1));
+    eventually(Duration::from_secs(10), "/readyz 503 with two thirds lost", || {
+        readyz(&tollgate).0 == 503
+    })
+    .await;
+    let (_, body) = readyz(&tollgate);
+    assert!(body.starts_with("not ready"), "{body}");
+    assert!(body.contains("slots lost"), "{body}");
+    assert!(!body.contains("127.0.0.1"), "{body}");
+    let metrics = block_in_place(|| support::http_get(tollgate.http_addr, "/metrics")).expect("/metrics");
+    assert!(!metrics.1.contains("127.0.0.1"), "/metrics shows an address");
+    let failing = scrape(&tollgate)
+        .get("tollgate_redis_cluster_slots_failing", &[])
+        .expect("the gauge");
+    assert!(failing >= 10922.0, "{failing}");
+
+    block_in_place(|| {
+        cluster.restart(0);
+        cluster.restart(1);
+        cluster.wait_ok(Duration::from_secs(30));
+    });
+    eventually(Duration::from_secs(15), "/readyz ready again", || {
+        readyz(&tollgate) == (200, "ready\n".to_string())
+    })
+    .await;
+    assert_eq!(
+        scrape(&tollgate).get("tollgate_redis_cluster_slots_failing", &[]),
+        Some(0.0)
+    );
+    let back = value_where("per_user", "user-back", &first, true);
+    let bound = Duration::from_millis(COMMAND_TIMEOUT_MS) + Duration::from_secs(1);
+    assert_eq!(exhaust_on(&mut client, &back, bound).await, real_decisions());
     let log = tollgate.process.log();
     assert!(!log.contains("panicked"), "tollgate panicked:\n{log}");
 }

@@ -348,11 +348,19 @@ impl Cluster {
                 }
                 let Some(c) = cluster.upgrade() else { return };
                 c.refresh().await;
+                c.probe_failing().await;
                 let _ = c.update_metrics();
                 drop(c);
                 tokio::time::sleep(MIN_GAP).await;
             }
         });
+    }
+
+    /// Probes the masters whose breaker is open, each when its probe is due.
+    async fn probe_failing(&self) {
+        let timeout = self.settings.connect_timeout_ms.duration().min(Duration::from_secs(1));
+        let nodes = self.topology.load_full().nodes.clone();
+        futures_util::future::join_all(nodes.iter().map(|n| n.probe_if_open(timeout))).await;
     }
 
     /// Asks for a refresh of the map soon (debounced).

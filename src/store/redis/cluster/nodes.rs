@@ -176,6 +176,24 @@ impl Node {
         }
     }
 
+    /// While its breaker is open and a probe is due, loads the scripts as that probe (a node
+    /// that restarted has lost them) and records the outcome: how the breaker of a node that is
+    /// back closes without waiting for a request to its slots (readiness would otherwise report
+    /// its slots lost until one came).
+    pub(crate) async fn probe_if_open(&self, timeout: std::time::Duration) {
+        if !self.breaker.is_open() || !self.connected() {
+            return;
+        }
+        if let Some(permit) = self.breaker.allow(self.mono_us()) {
+            let loaded = match tokio::time::timeout(timeout, self.conn.load_scripts(Some(timeout))).await {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(e)) => Err(super::super::store_error(&e)),
+                Err(_) => Err(StoreError::Timeout("probe timed out".into())),
+            };
+            self.record(permit, &loaded);
+        }
+    }
+
     /// `CLUSTER SLOTS` as this node sees it, within `timeout`.
     pub(crate) async fn cluster_slots(&self, timeout: std::time::Duration) -> Result<Value, FredError> {
         if !self.connected() {
