@@ -210,6 +210,42 @@ mod tests {
     use crate::core::clock::{Clock, SystemClock};
     use crate::server::settings::{PostgresSettings, RedisSettings};
 
+    /// A Redis Cluster that lost some slots: ready and degraded below half of them (or with a
+    /// fallback that decides them), not ready at half or more; the public notice names slots,
+    /// never a host, which only the logged detail does.
+    #[test]
+    fn lost_cluster_slots_degrade_readiness_until_half_are_lost() {
+        let lost = |end: u16| ClusterHealth {
+            lost: vec![(0, end)],
+            failing: vec!["10.1.2.3:7000".into()],
+            masters: 3,
+        };
+        let memory_ok = ("memory", Ok(()));
+        let memory_failing = ("memory", Err("no".to_string()));
+        let (verdict, notice) = cluster_verdict(&lost(5460), Ok(None), None, None);
+        let detail = verdict.expect("ready").expect("degraded");
+        assert!(detail.contains("10.1.2.3:7000"), "{detail}");
+        let notice = notice.expect("a notice");
+        assert_eq!(notice, "Redis Cluster: 5461 of 16384 slots lost (0-5460)");
+        let (verdict, _) = cluster_verdict(&lost(8191), Ok(None), None, None);
+        assert!(verdict.is_err(), "half lost: {verdict:?}");
+        let (verdict, _) = cluster_verdict(&lost(8191), Ok(None), Some(&memory_ok), None);
+        let detail = verdict.expect("the fallback decides").expect("degraded");
+        assert!(detail.contains("deciding on the memory fallback"), "{detail}");
+        let (verdict, _) = cluster_verdict(&lost(8191), Ok(None), Some(&memory_failing), None);
+        assert!(verdict.is_err());
+        let (verdict, _) = cluster_verdict(&lost(100), Ok(None), Some(&memory_failing), None);
+        let detail = verdict.expect("ready").expect("degraded");
+        assert!(!detail.contains("deciding on the"), "{detail}");
+        let (verdict, _) = cluster_verdict(&lost(100), Err("circuit open".into()), None, None);
+        assert!(verdict.is_err());
+        let (_, notice) = cluster_verdict(&lost(0), Ok(None), None, Some("maxmemory".into()));
+        assert_eq!(
+            notice.as_deref(),
+            Some("Redis Cluster: 1 of 16384 slots lost (0); maxmemory")
+        );
+    }
+
     /// A decision's future is moved at least once per request (tonic boxes it), so its size is
     /// CPU on every request: it once reached 24 KiB (a Redis call's future held inline, and
     /// kept twice by a wrapper that took it by value), and memmove was 8% of tollgate's CPU on

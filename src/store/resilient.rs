@@ -537,4 +537,14 @@ mod tests {
         fail_times(&g, 3).await;
         assert!(g.circuit_open(), "3 failed calls");
     }
+
+    /// A Redis Cluster master's failure is counted by that master's own breaker: the
+    /// store-wide one stays closed, so the other masters keep deciding.
+    #[tokio::test]
+    async fn a_cluster_nodes_failure_does_not_open_the_store_wide_breaker() {
+        let node = StoreError::NodeFailed(Box::new(StoreError::Timeout("one master".into())));
+        let g = guarded(node);
+        fail_times(&g, 100).await;
+        assert!(!g.circuit_open(), "100 requests on a failed master");
+    }
 }

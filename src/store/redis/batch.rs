@@ -18,10 +18,12 @@
 //! **Cluster.** Redis Cluster refuses a script call whose keys lie in several slots (CROSSSLOT),
 //! and a script that reads keys it was not given breaks on a resharding, so a call can only
 //! carry the requests of one slot (a job is one slot's part of a request: `RedisStore` splits a
-//! request over several slots first). In Cluster mode a lane therefore groups what it took by
-//! slot and makes one call per slot, all at once on its connection: fred routes each call to its
-//! slot's owner (following `MOVED`/`ASK`) and writes the calls for one node back to back without
-//! waiting for answers, so a node reads them in one go even when each carries a single request. Buckets are spread over the
+//! request over several slots first). In Cluster mode each master has lanes of its own (on a
+//! pool to it alone, `super::cluster`), and a lane groups what it took by slot and makes one
+//! call per slot, all at once on its connection, back to back without waiting for answers, so
+//! the master reads them in one go even when each carries a single request (a redirect is the
+//! caller's to follow; a job sent after an `ASK` goes in a call of its own, after `ASKING`).
+//! Buckets are spread over the
 //! slots by a hash of their identity, so calls carry several requests when requests share a
 //! bucket (a hot key, where batching matters most); requests on many distinct buckets gain the
 //! shared writes only.

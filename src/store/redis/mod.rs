@@ -18,7 +18,10 @@
 //! bucket would be full again: a write keeps the key's expiry (recorded in its value) while it
 //! lies in that range, which spares Redis most expiry updates; a full bucket is deleted. In Cluster mode a request's buckets may lie in several slots: one script
 //! call per slot, in parallel (each batched with other requests on that slot); if any denies, what the others consumed is refunded at once (a
-//! brief under-admission, never an over-admission).
+//! brief under-admission, never an over-admission). Each slot's call goes to its master
+//! through that master's own pool, lanes and breaker (`cluster`): a master that fails fails
+//! only its slots' part ([`StoreError::NodeFailed`]), which a fallback may decide instead
+//! ([`Store::apply_or_fall_back`]).
 
 pub(crate) mod batch;
 mod cluster;
