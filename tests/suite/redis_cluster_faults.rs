@@ -45,7 +45,9 @@ descriptors:
 "#;
 /// `cluster-node-timeout`: a killed master's replica takes over after about twice this.
 const NODE_TIMEOUT_MS: u64 = 1000;
-/// `redis.command_timeout_ms` (a debug build on a busy two-core machine).
+/// `redis.command_timeout_ms` (a debug build on a busy two-core machine). A coordinated
+/// failover pauses writes on the master until its replica has caught up and won its election
+/// (under 50 ms here); a request on its slots waits that long, then goes to the new master.
 const COMMAND_TIMEOUT_MS: u64 = 300;
 /// Clients on many users each, and clients on the one hot bucket.
 const CLIENTS: usize = 6;
@@ -253,7 +255,14 @@ async fn a_lost_master_fails_only_its_own_slots() {
     // (a) A coordinated failover of the hot bucket's master.
     load.set_phase(FAILOVER);
     let replica = block_in_place(|| cluster.replica_of(hot_master));
+    let failing_over = Instant::now();
     block_in_place(|| cluster.failover(replica));
+    eprintln!(
+        "failover from {} to {} took {:?}",
+        cluster.ports()[hot_master],
+        cluster.ports()[replica],
+        failing_over.elapsed()
+    );
     tokio::time::sleep(Duration::from_millis(1000)).await;
     load.set_phase(SETTLED);
     tokio::time::sleep(Duration::from_millis(1000)).await;
@@ -316,8 +325,15 @@ async fn a_lost_master_fails_only_its_own_slots() {
 
     // (a) and (c): no error outside the time the victim's slots had no master tollgate knew.
     let errors = |pred: &dyn Fn(&Sample) -> bool| samples.iter().filter(|s| s.result.is_err() && pred(s)).count();
-    let outside = errors(&|s| s.answered != KILLED && s.answered != CATCHING_UP);
-    assert_eq!(outside, 0, "errors outside the outage\n{}", summary(&samples, &lost));
+    let outside: Vec<&Sample> = samples
+        .iter()
+        .filter(|s| s.result.is_err() && s.answered != KILLED && s.answered != CATCHING_UP)
+        .collect();
+    assert!(
+        outside.is_empty(),
+        "errors outside the outage: {outside:?}\n{}",
+        summary(&samples, &lost)
+    );
     // (b) Only the lost slots' requests failed, and they did (the kill mattered).
     let elsewhere = errors(&|s| !in_ranges(s.slot(), &lost));
     assert_eq!(elsewhere, 0, "errors on healthy masters\n{}", summary(&samples, &lost));

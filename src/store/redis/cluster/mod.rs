@@ -183,11 +183,14 @@ impl Cluster {
     /// Connects a node made while running, in the background, and loads the scripts on it
     /// once it is up (a promoted replica may not have them).
     fn start_node(&self, node: &Arc<Node>) {
+        if !node.start_connecting() {
+            return;
+        }
         let _tasks = node.conn.pool.connect_pool();
         let node = node.clone();
         let wait = self.settings.connect_timeout_ms.duration().max(Duration::from_secs(1));
         tokio::spawn(async move {
-            if let Ok(Ok(())) = tokio::time::timeout(wait, node.conn.pool.wait_for_connect()).await {
+            if node.wait_connected(tokio::time::Instant::now() + wait).await.is_ok() {
                 if let Err(e) = node.conn.load_scripts(Some(wait)).await {
                     tracing::warn!(node = %node.addr, error = %e, "could not load the scripts on a Redis Cluster node");
                 }
@@ -258,9 +261,14 @@ impl Cluster {
             tracing::info!(masters = %masters.join(", "), "Redis Cluster slot map changed");
         }
         self.topology.store(Arc::new(Topology { map, nodes }));
+        // Calls already on their way to a master let go answer first (a MOVED sends them on):
+        // closing its connections at once left them unanswered until their deadline (two or
+        // three requests of a coordinated failover timed out so).
+        let linger = self.settings.command_timeout_ms.duration() + Duration::from_secs(1);
         for node in gone {
-            tracing::info!(node = %node.addr, "Redis Cluster node no longer a master: its connections closed");
+            tracing::info!(node = %node.addr, "Redis Cluster node no longer a master: closing its connections");
             tokio::spawn(async move {
+                tokio::time::sleep(linger).await;
                 let _ = node.conn.pool.quit().await;
             });
         }
@@ -296,19 +304,20 @@ impl Cluster {
         let nodes = self.topology.load_full().nodes.clone();
         let prepared = futures_util::future::join_all(nodes.iter().map(|node| async move {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            let connected = if fail_fast {
+            let first = node.start_connecting();
+            let connected = if fail_fast && first {
                 match tokio::time::timeout(left, node.conn.pool.init()).await {
                     Ok(Ok(_)) => Ok(()),
                     Ok(Err(e)) => Err(e.to_string()),
                     Err(_) => Err(format!("not reachable within {} ms", timeout.as_millis())),
                 }
             } else {
-                let _tasks = node.conn.pool.connect_pool();
-                match tokio::time::timeout(left, node.conn.pool.wait_for_connect()).await {
-                    Ok(Ok(())) => Ok(()),
-                    Ok(Err(e)) => Err(e.to_string()),
-                    Err(_) => Err(format!("not reachable within {} ms", timeout.as_millis())),
+                if first {
+                    let _tasks = node.conn.pool.connect_pool();
                 }
+                node.wait_connected(deadline)
+                    .await
+                    .map_err(|e| format!("{e} (within {} ms)", timeout.as_millis()))
             };
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
             let loaded = match connected {

@@ -71,6 +71,8 @@ pub(crate) struct Node {
     /// Whether any of its connections was ever up: a node that was up and has none now is
     /// failing (fail at once); one still connecting for the first time is waited for.
     was_up: AtomicBool,
+    /// Whether its pool was told to connect (once: each time would start more connections).
+    connecting: AtomicBool,
 }
 
 impl Node {
@@ -84,7 +86,32 @@ impl Node {
             breaker: Breaker::new(policy),
             started: Instant::now(),
             was_up: AtomicBool::new(false),
+            connecting: AtomicBool::new(false),
         }
+    }
+
+    /// Waits until a connection of the pool is up, or `deadline`. fred's `wait_for_connect`
+    /// misses a connection that comes up while it subscribes (see `RedisStore::connect`), so
+    /// the wait is renewed every `CONNECT_RECHECK`. Errors: not connected by `deadline`, or
+    /// fred's error.
+    pub(crate) async fn wait_connected(&self, deadline: tokio::time::Instant) -> Result<(), String> {
+        loop {
+            if self.connected() {
+                return Ok(());
+            }
+            let step = deadline.min(tokio::time::Instant::now() + super::super::CONNECT_RECHECK);
+            match tokio::time::timeout_at(step, self.conn.pool.wait_for_connect()).await {
+                Ok(Ok(())) => return Ok(()),
+                Ok(Err(e)) => return Err(e.to_string()),
+                Err(_) if step >= deadline => return Err("not reachable in time".into()),
+                Err(_) => {}
+            }
+        }
+    }
+
+    /// Whether the caller is the first to start this node's connections (and must).
+    pub(crate) fn start_connecting(&self) -> bool {
+        !self.connecting.swap(true, Ordering::AcqRel)
     }
 
     fn mono_us(&self) -> u64 {
@@ -133,7 +160,7 @@ impl Node {
                 return Err(e);
             }
             // A node new to the map (a promoted replica): its pool is still connecting.
-            let _ = tokio::time::timeout_at(deadline, self.conn.pool.wait_for_connect()).await;
+            let _ = self.wait_connected(deadline).await;
         }
         let (reply, answer) = oneshot::channel();
         let result = match self.batcher.submit(Job {
