@@ -514,6 +514,8 @@ pub struct ClusterMetrics {
     moved: Counter,
     ask: Counter,
     slots_failing: Gauge,
+    errors: Counter,
+    timeouts: Counter,
 }
 
 impl ClusterMetrics {
@@ -525,6 +527,8 @@ impl ClusterMetrics {
             moved: counter!(REDIS_CLUSTER_REDIRECTS, "kind" => "moved"),
             ask: counter!(REDIS_CLUSTER_REDIRECTS, "kind" => "ask"),
             slots_failing: gauge!(REDIS_CLUSTER_SLOTS_FAILING),
+            errors: counter!(BACKEND_ERRORS, "backend" => "redis", "kind" => "error"),
+            timeouts: counter!(BACKEND_ERRORS, "backend" => "redis", "kind" => "timeout"),
         };
         for c in [&m.refreshed, &m.refresh_failed, &m.moved, &m.ask] {
             c.increment(0);
@@ -541,6 +545,13 @@ impl ClusterMetrics {
     /// A call redirected: `moved` or `ask`.
     pub fn redirect(&self, kind: &'static str) {
         if kind == "ask" { &self.ask } else { &self.moved }.increment(1);
+    }
+
+    /// A master's failure that the fallback decided around (the request succeeded, so the
+    /// store's own count does not see it): one more in [`BACKEND_ERRORS`] for `redis`, `kind`
+    /// `timeout` or `error`.
+    pub fn node_failed(&self, timeout: bool) {
+        if timeout { &self.timeouts } else { &self.errors }.increment(1);
     }
 
     /// Whether the master whose first slot is `first_slot` answers.

@@ -166,8 +166,16 @@ pub trait Store: Send + Sync + 'static {
 /// What decides the part of a request that a failed part of a store cannot
 /// ([`Store::apply_or_fall_back`]): the configured fallback, counted.
 pub trait PartFallback: Sync {
-    /// Decides `buckets` with `demands` as [`Store::apply`] does.
+    /// Decides `buckets` with `demands` as [`Store::apply`] does (counted as a fallback).
     fn decide(
+        &self,
+        buckets: &[BucketRef],
+        demands: &[Demand],
+    ) -> impl Future<Output = Result<Applied, StoreError>> + Send;
+
+    /// Gives back what a part it decided took, when another part of the request denied: as
+    /// [`PartFallback::decide`] with refund demands, but no decision to count.
+    fn give_back(
         &self,
         buckets: &[BucketRef],
         demands: &[Demand],

@@ -397,6 +397,10 @@ impl super::PartFallback for Counted<'_> {
         self.fallbacks.increment(1);
         self.fallback.apply(buckets, demands).await
     }
+
+    async fn give_back(&self, buckets: &[BucketRef], demands: &[Demand]) -> Result<Applied, StoreError> {
+        self.fallback.apply(buckets, demands).await
+    }
 }
 
 /// "`<backend>` at `<where>` is failing", with the circuit state and the latest failure.

@@ -448,18 +448,19 @@ async fn the_fallback_decides_only_the_lost_slots() {
     let on_lost = value_where("per_user", "user", &lost, true);
     let elsewhere = value_where("per_user", "user", &lost, false);
     let bound = Duration::from_millis(COMMAND_TIMEOUT_MS) + Duration::from_secs(1);
+    let errors = || scrape(&tollgate).sum("tollgate_backend_errors_total", &[("backend", "redis")]);
+    let errors_before = errors();
+    let requests = (CAPACITY + 2) as f64;
     assert_eq!(exhaust_on(&mut client, &on_lost, bound).await, real_decisions());
+    assert_eq!(fallbacks(), requests, "the lost slot's requests, on the fallback");
     assert_eq!(
-        fallbacks(),
-        (CAPACITY + 2) as f64,
-        "the lost slot's requests, on the fallback"
+        errors() - errors_before,
+        requests,
+        "each a failed call to Redis, counted"
     );
     assert_eq!(exhaust_on(&mut client, &elsewhere, bound).await, real_decisions());
-    assert_eq!(
-        fallbacks(),
-        (CAPACITY + 2) as f64,
-        "the healthy slot's requests, on Redis"
-    );
+    assert_eq!(fallbacks(), requests, "the healthy slot's requests, on Redis");
+    assert_eq!(errors() - errors_before, requests, "and no failed call");
 
     // All or nothing across Redis and the fallback: tight (capacity 1) on a healthy master,
     // roomy (capacity 3) on the lost one.
@@ -589,6 +590,69 @@ async fn half_the_slots_lost_is_not_ready() {
     let back = value_where("per_user", "user-back", &first, true);
     let bound = Duration::from_millis(COMMAND_TIMEOUT_MS) + Duration::from_secs(1);
     assert_eq!(exhaust_on(&mut client, &back, bound).await, real_decisions());
+    let log = tollgate.process.log();
+    assert!(!log.contains("panicked"), "tollgate panicked:\n{log}");
+}
+
+/// A master paused (SIGSTOP: its connections open, nothing answered) under load in
+/// `failure_mode: error`: its slots' requests time out (at the command timeout) and
+/// open its breaker; every other request is decided and the store-wide breaker stays closed;
+/// resumed, its slots are decided again with no restart of tollgate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_paused_master_stalls_only_its_own_slots() {
+    if !redis_binaries_or_skip("a_paused_master_stalls_only_its_own_slots") {
+        return;
+    }
+    let _one = one_at_a_time();
+    let cluster = block_in_place(RedisCluster::start);
+    let tollgate = block_in_place(|| {
+        Tollgate::builder()
+            .rules_file("cluster.yaml", RULES)
+            .settings(&settings(&cluster, "error"))
+            .start()
+    });
+    let lost = block_in_place(|| cluster.slots_of(0));
+    let load = ClusterLoad::start(&tollgate).await;
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    load.set_phase(KILLED);
+    block_in_place(|| cluster.pause(0));
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let circuit = scrape(&tollgate).get("tollgate_backend_circuit_open", &[("backend", "redis")]);
+    let node_up = scrape(&tollgate).get("tollgate_redis_cluster_node_up", &[("first_slot", "0")]);
+    load.set_phase(CATCHING_UP);
+    block_in_place(|| cluster.resume(0));
+    eventually(Duration::from_secs(10), "/readyz ready again", || {
+        readyz(&tollgate) == (200, "ready\n".to_string())
+    })
+    .await;
+    load.set_phase(AFTER);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let samples = load.stop().await;
+    eprintln!("{}", summary(&samples, &lost));
+
+    let elsewhere: Vec<&Sample> = samples
+        .iter()
+        .filter(|s| s.result.is_err() && !in_ranges(s.slot(), &lost))
+        .collect();
+    assert!(elsewhere.is_empty(), "errors on healthy masters: {elsewhere:?}");
+    let after: Vec<&Sample> = samples
+        .iter()
+        .filter(|s| s.result.is_err() && s.sent == AFTER)
+        .collect();
+    assert!(after.is_empty(), "errors after the master was back: {after:?}");
+    assert!(
+        samples.iter().any(|s| s.answered == KILLED && s.result.is_err()),
+        "the pause cost nothing: {}",
+        summary(&samples, &lost)
+    );
+    assert!(
+        samples
+            .iter()
+            .any(|s| s.sent == KILLED && s.answered == KILLED && s.result.is_ok() && !in_ranges(s.slot(), &lost)),
+        "nothing decided during the pause"
+    );
+    assert_eq!(circuit, Some(0.0), "the store-wide breaker opened");
+    assert_eq!(node_up, Some(0.0), "the paused master is down in the metrics");
     let log = tollgate.process.log();
     assert!(!log.contains("panicked"), "tollgate panicked:\n{log}");
 }

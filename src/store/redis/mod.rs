@@ -837,10 +837,15 @@ impl RedisStore {
     ) -> Result<(script::Decided, bool), StoreError> {
         // The result goes out of scope before the fallback's await, so the future does not
         // keep room for it there.
-        let fallback = match (self.decide_group(buckets, demands, Some(deadline)).await, fallback) {
-            (Err(StoreError::NodeFailed(_)), Some(fallback)) => fallback,
+        let (fallback, timed_out) = match (self.decide_group(buckets, demands, Some(deadline)).await, fallback) {
+            (Err(e @ StoreError::NodeFailed(_)), Some(fallback)) => {
+                (fallback, matches!(e.cause(), StoreError::Timeout(_)))
+            }
             (result, _) => return result.map(|d| (d, false)),
         };
+        if let Some(c) = self.cluster() {
+            c.node_failed(timed_out);
+        }
         // Boxed: the fallback's future (a Postgres decision's) would otherwise sit inside every
         // Redis decision's, which is moved at every request.
         Box::pin(decide_on_fallback(fallback, buckets, demands)).await
@@ -931,7 +936,7 @@ impl RedisStore {
                     match (on_fallback, fallback) {
                         (true, Some(f)) => {
                             let owned: Vec<BucketRef> = refs.iter().map(|&b| b.clone()).collect();
-                            f.decide(&owned, &back).await.map(|_| ())
+                            f.give_back(&owned, &back).await.map(|_| ())
                         }
                         _ => self.decide_group(refs, &back, refund_deadline).await.map(|_| ()),
                     }
@@ -1044,6 +1049,10 @@ enum NoFallback {}
 
 impl super::PartFallback for NoFallback {
     async fn decide(&self, _: &[BucketRef], _: &[Demand]) -> Result<Applied, StoreError> {
+        match *self {}
+    }
+
+    async fn give_back(&self, _: &[BucketRef], _: &[Demand]) -> Result<Applied, StoreError> {
         match *self {}
     }
 }

@@ -365,6 +365,12 @@ impl Cluster {
         });
     }
 
+    /// Counts a master's failure that a fallback decided around (`timeout` or not) in the
+    /// backend's errors, which the request's success hides from the store's own count.
+    pub(crate) fn node_failed(&self, timeout: bool) {
+        self.metrics.node_failed(timeout);
+    }
+
     /// Probes the masters whose breaker is open, each when its probe is due.
     async fn probe_failing(&self) {
         let timeout = self.settings.connect_timeout_ms.duration().min(Duration::from_secs(1));

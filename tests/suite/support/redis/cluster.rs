@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use tempfile::TempDir;
 
 use super::*;
-use crate::support::{free_port, ChildGuard, STARTUP_TIMEOUT};
+use crate::support::{free_port, signal, ChildGuard, STARTUP_TIMEOUT};
 
 /// Redis Cluster nodes on free loopback ports (each with its cluster bus on port + 10000), all
 /// slots assigned, killed when dropped.
@@ -345,6 +345,18 @@ impl RedisCluster {
     pub fn kill(&mut self, node: usize) {
         // ChildGuard's drop kills (SIGKILL) and reaps.
         self.processes[node].take();
+    }
+
+    /// Stops node `node` (SIGSTOP): its connections stay open, nothing answers.
+    pub fn pause(&self, node: usize) {
+        let process = self.processes[node].as_ref().expect("pause: the node is not running");
+        signal(process.id(), "STOP");
+    }
+
+    /// Lets a paused node go on (SIGCONT).
+    pub fn resume(&self, node: usize) {
+        let process = self.processes[node].as_ref().expect("resume: the node is not running");
+        signal(process.id(), "CONT");
     }
 
     /// Starts node `node` again on its port with its cluster configuration, so it rejoins (a
