@@ -322,9 +322,10 @@ impl<P: Store> Resilient<P> {
     {
         let error = match self.guarded.run(primary).await {
             Ok(v) => return Ok(v),
-            // A Cluster master failed, and the fallback already had its part (or nothing
-            // else failed): deciding the whole request again there would decide the other
-            // slots twice.
+            // A Cluster master failed. A decision's part on it was the fallback's already
+            // (`apply_or_fall_back`): deciding the whole request there again would decide the
+            // other slots twice. A peek or reset is not answered from the fallback either: it
+            // would show the fallback's state of buckets Redis holds.
             Err(e @ StoreError::NodeFailed(_)) => return Err(e),
             Err(e) => e,
         };

@@ -88,6 +88,17 @@ fn slot_of(bucket: &str, key: &str, value: &str) -> u16 {
     slot(&bucket_key(PREFIX, &identity))
 }
 
+/// The Redis key of the bucket `bucket` for descriptor `key: value`, as tollgate names it.
+fn key_of(bucket: &str, key: &str, value: &str) -> Vec<u8> {
+    let entries = [Entry {
+        key: key.into(),
+        value: value.into(),
+    }];
+    let mut identity = String::new();
+    instance_key(&mut identity, DOMAIN, bucket, &entries, &[None]);
+    bucket_key(PREFIX, &identity)
+}
+
 fn user_slot(user: &str) -> u16 {
     slot_of("per_user", "user", user)
 }
@@ -653,6 +664,94 @@ async fn a_paused_master_stalls_only_its_own_slots() {
     );
     assert_eq!(circuit, Some(0.0), "the store-wide breaker opened");
     assert_eq!(node_up, Some(0.0), "the paused master is down in the metrics");
+    let log = tollgate.process.log();
+    assert!(!log.contains("panicked"), "tollgate panicked:\n{log}");
+}
+
+/// A slot migrated between masters under tollgate: while it is half way (`MIGRATING` on its
+/// master, `IMPORTING` on the other), a bucket not yet on the old master is answered `ASK` and
+/// decided on the new one after `ASKING` (real decisions, its key there); once the slot is the
+/// new master's, the old one answers `MOVED` and the call goes to the new one, with the bucket's
+/// state as it was. Both redirects are counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_slot_migrating_between_masters_is_followed() {
+    if !redis_binaries_or_skip("a_slot_migrating_between_masters_is_followed") {
+        return;
+    }
+    let _one = one_at_a_time();
+    let cluster = block_in_place(RedisCluster::start);
+    let tollgate = block_in_place(|| {
+        Tollgate::builder()
+            .rules_file("cluster.yaml", RULES)
+            .settings(&settings(&cluster, "error"))
+            .start()
+    });
+    let user = "migrating";
+    let slot = user_slot(user);
+    let (from, to) = block_in_place(|| {
+        let from = cluster.master_of(slot);
+        (from, (from + 1) % 3)
+    });
+    let id = |node: usize| cluster.cmd(node, &[b"CLUSTER", b"MYID"]).as_text().expect("an id");
+    let (from_id, to_id) = block_in_place(|| (id(from), id(to)));
+    let slot_arg = slot.to_string();
+    block_in_place(|| {
+        cluster.cmd(
+            to,
+            &[
+                b"CLUSTER",
+                b"SETSLOT",
+                slot_arg.as_bytes(),
+                b"IMPORTING",
+                from_id.as_bytes(),
+            ],
+        );
+        cluster.cmd(
+            from,
+            &[
+                b"CLUSTER",
+                b"SETSLOT",
+                slot_arg.as_bytes(),
+                b"MIGRATING",
+                to_id.as_bytes(),
+            ],
+        );
+    });
+    let redirects = |kind: &str| scrape(&tollgate).counter("tollgate_redis_cluster_redirects_total", &[("kind", kind)]);
+    let mut client = connect(&tollgate).await;
+    let bound = Duration::from_millis(COMMAND_TIMEOUT_MS) + Duration::from_secs(1);
+    assert_eq!(exhaust_on(&mut client, user, bound).await, real_decisions());
+    assert!(redirects("ask") >= 1.0, "no ASK followed");
+    let key = key_of("per_user", "user", user);
+    let on_new = block_in_place(|| {
+        let mut conn = support::redis::RespConn::connect(
+            &support::redis::RedisTarget::port(cluster.ports()[to]),
+            Duration::from_secs(5),
+        )
+        .expect("connect");
+        conn.pipeline(&[vec![b"ASKING".to_vec()], vec![b"EXISTS".to_vec(), key.clone()]])
+            .expect("ASKING, EXISTS")
+    });
+    assert_eq!(on_new[1].as_int(), Some(1), "the bucket is on the importing master");
+
+    // The slot is the new master's: the old one answers MOVED.
+    block_in_place(|| {
+        for node in 0..3 {
+            cluster.cmd(
+                node,
+                &[b"CLUSTER", b"SETSLOT", slot_arg.as_bytes(), b"NODE", to_id.as_bytes()],
+            );
+        }
+    });
+    let moved_before = redirects("moved");
+    let answer = call_many(&mut client, &[("user", user)]).await.expect("decided");
+    assert_eq!(answer, Code::OverLimit, "the bucket kept its state across the move");
+    let other = (0..1_000_000)
+        .map(|i| format!("moved-{i}"))
+        .find(|u| user_slot(u) == slot)
+        .expect("another user on the slot");
+    assert_eq!(exhaust_on(&mut client, &other, bound).await, real_decisions());
+    assert!(redirects("moved") > moved_before, "no MOVED followed");
     let log = tollgate.process.log();
     assert!(!log.contains("panicked"), "tollgate panicked:\n{log}");
 }

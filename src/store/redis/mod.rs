@@ -28,6 +28,7 @@ mod cluster;
 pub mod keys;
 pub mod script;
 mod settings;
+mod slotted;
 
 pub use cluster::ClusterHealth;
 pub use settings::{FallbackBackend, RedisSettings};
@@ -43,15 +44,15 @@ use fred::prelude::{
     Server, TlsConnector,
 };
 use fred::types::{Key, Value};
-use futures_util::future::join_all;
 
 use self::batch::{Answer, Batcher, Job, LaneSettings};
 use self::script::{
     bucket_args, encode_request, parse_reply, parse_value, replacement, BucketArgs, CallSettings, Replacement, Reply,
 };
+use self::slotted::NoFallback;
 use super::{redact_url, UnreachableAtStart};
 use super::{Applied, BucketRef, Cause, ConnectError, Peeked, Store, StoreError};
-use crate::core::bucket::{Decision, Demand, DemandKind, InstanceOutcome};
+use crate::core::bucket::{Decision, Demand, DemandKind};
 use crate::core::clock::Clock;
 
 /// The decision script.
@@ -233,45 +234,6 @@ impl Conn {
         self.evalsha_on(self.pool.next(), sha, keys, argv).await
     }
 
-    /// `ASKING` then `EVALSHA` on `client`, back to back on its one connection (a Cluster node
-    /// answered `ASK`: the slot is being migrated here, and only a call after `ASKING` on the
-    /// same connection is served), loading the scripts again on `NOSCRIPT`.
-    async fn asking_evalsha_on(
-        &self,
-        client: &Client,
-        sha: &str,
-        keys: Vec<Key>,
-        argv: Vec<Value>,
-    ) -> Result<Value, StoreError> {
-        for attempt in 0..2 {
-            let pipeline = client.pipeline();
-            let asking = fred::types::CustomCommand::new_static("ASKING", fred::types::ClusterHash::Random, false);
-            // fred's pipelines have no script commands: `EVALSHA` as a custom command.
-            let evalsha = fred::types::CustomCommand::new_static("EVALSHA", fred::types::ClusterHash::FirstKey, false);
-            let mut args: Vec<Value> = Vec::with_capacity(2 + keys.len() + argv.len());
-            args.push(sha.into());
-            args.push(Value::Integer(keys.len() as i64));
-            args.extend(keys.iter().cloned().map(Value::from));
-            args.extend(argv.iter().cloned());
-            let queued: Result<(), FredError> = async {
-                pipeline.custom::<(), _>(asking, Vec::<Value>::new()).await?;
-                pipeline.custom::<(), _>(evalsha, args).await
-            }
-            .await;
-            queued.map_err(|e| store_error(&e))?;
-            match pipeline.try_all::<Value>().await.into_iter().nth(1) {
-                Some(Err(e)) if attempt == 0 && e.details().starts_with("NOSCRIPT") => {
-                    self.load_scripts(None).await.map_err(|e| store_error(&e))?;
-                }
-                Some(answer) => return answer.map_err(|e| store_error(&e)),
-                None => break,
-            }
-        }
-        Err(StoreError::Unavailable(
-            "ASKING and EVALSHA: no answer to the call".into(),
-        ))
-    }
-
     /// `EVALSHA` on `client`, loading the scripts again when Redis has lost them (`NOSCRIPT`: a
     /// restart, `SCRIPT FLUSH`, a failover).
     async fn evalsha_on(
@@ -293,26 +255,6 @@ impl Conn {
             other => other.map_err(|e| store_error(&e)),
         }
     }
-}
-
-/// Every URL's host and port: where a Cluster's slot map is first asked for.
-///
-/// Errors: a URL that does not parse (made by `fail`).
-fn cluster_seeds(
-    settings: &RedisSettings,
-    fail: &impl Fn(String) -> ConnectError,
-) -> Result<Vec<(String, u16)>, ConnectError> {
-    let mut hosts = Vec::new();
-    for url in &settings.urls {
-        let c = Config::from_url(url).map_err(|e| fail(e.details().to_string()))?;
-        hosts.extend(
-            c.server
-                .hosts()
-                .into_iter()
-                .map(|s: Server| (s.host.to_string(), s.port)),
-        );
-    }
-    Ok(hosts)
 }
 
 /// The client configuration for `settings`, whose first URL is `first`: that node (a Cluster's
@@ -391,7 +333,7 @@ impl RedisStore {
             unknown_ttl_ms: UNKNOWN_TTL_MS,
         };
         let backend = if settings.cluster {
-            let seeds = cluster_seeds(settings, &fail)?;
+            let seeds = cluster::seeds(settings, &fail)?;
             Backend::Cluster(Arc::new(cluster::Cluster::new(
                 settings,
                 config,
@@ -825,32 +767,6 @@ impl RedisStore {
         groups.into_iter().map(|(_, g)| g).collect()
     }
 
-    /// Decides the buckets of one slot ([`RedisStore::decide_group`]); when that slot's Cluster
-    /// master failed ([`StoreError::NodeFailed`]) and there is a `fallback`, decides them there
-    /// instead. Also whether the fallback decided.
-    async fn decide_part<F: super::PartFallback>(
-        &self,
-        buckets: &[&BucketRef],
-        demands: &[Demand],
-        fallback: Option<&F>,
-        deadline: tokio::time::Instant,
-    ) -> Result<(script::Decided, bool), StoreError> {
-        // The result goes out of scope before the fallback's await, so the future does not
-        // keep room for it there.
-        let (fallback, timed_out) = match (self.decide_group(buckets, demands, Some(deadline)).await, fallback) {
-            (Err(e @ StoreError::NodeFailed(_)), Some(fallback)) => {
-                (fallback, matches!(e.cause(), StoreError::Timeout(_)))
-            }
-            (result, _) => return result.map(|d| (d, false)),
-        };
-        if let Some(c) = self.cluster() {
-            c.node_failed(timed_out);
-        }
-        // Boxed: the fallback's future (a Postgres decision's) would otherwise sit inside every
-        // Redis decision's, which is moved at every request.
-        Box::pin(decide_on_fallback(fallback, buckets, demands)).await
-    }
-
     /// Decides a request on a single node: one call.
     async fn apply_single(&self, buckets: &[BucketRef], demands: &[Demand]) -> Result<Applied, StoreError> {
         let refs: Vec<&BucketRef> = buckets.iter().collect();
@@ -863,112 +779,6 @@ impl RedisStore {
                 instances: d.instances,
             },
         })
-    }
-
-    /// Decides a request in Cluster mode: one call per slot, all or nothing across them, a
-    /// slot whose master failed decided on `fallback` when there is one.
-    async fn apply_inner<F: super::PartFallback>(
-        &self,
-        buckets: &[BucketRef],
-        demands: &[Demand],
-        fallback: Option<&F>,
-        deadline: tokio::time::Instant,
-    ) -> Result<Applied, StoreError> {
-        let groups = self.groups(buckets);
-        if groups.len() == 1 {
-            let refs: Vec<&BucketRef> = buckets.iter().collect();
-            let (d, _) = self.decide_part(&refs, demands, fallback, deadline).await?;
-            return Ok(Applied {
-                now_us: d.now_us,
-                decision: Decision {
-                    denied: d.denied,
-                    passed: d.passed,
-                    instances: d.instances,
-                },
-            });
-        }
-        // Cluster, several slots: one call per slot, in parallel.
-        let split: Vec<(Vec<&BucketRef>, Vec<Demand>, Vec<usize>)> = groups
-            .iter()
-            .map(|g| {
-                let refs = g.iter().map(|&i| &buckets[i]).collect();
-                let (ds, idx): (Vec<Demand>, Vec<usize>) = demands
-                    .iter()
-                    .enumerate()
-                    .filter_map(|(j, d)| {
-                        let local = g.iter().position(|&i| i == d.instance)?;
-                        Some((Demand { instance: local, ..*d }, j))
-                    })
-                    .unzip();
-                (refs, ds, idx)
-            })
-            .collect();
-        let results = join_all(
-            split
-                .iter()
-                .map(|(refs, ds, _)| self.decide_part(refs, ds, fallback, deadline)),
-        )
-        .await;
-        let denied = results.iter().any(|r| matches!(r, Ok((d, _)) if d.denied));
-        let failed = results.iter().any(|r| r.is_err());
-        if denied || failed {
-            // All or nothing across slots: give back exactly what the admitting slots took,
-            // shadow demands' share included (a single call takes nothing on a denial either);
-            // their refunds stay applied, as refunds always are.
-            // A refund has a budget of its own: the request's may be spent.
-            let refund_deadline = Some(tokio::time::Instant::now() + self.inner.timeout);
-            let refunds = split.iter().zip(&results).filter_map(|((refs, _, _), r)| {
-                let (d, on_fallback) = r.as_ref().ok()?;
-                let back: Vec<Demand> = d
-                    .instances
-                    .iter()
-                    .enumerate()
-                    .filter_map(|(i, o)| {
-                        let taken = taken_ut(d, o);
-                        (taken > 0).then_some(Demand {
-                            instance: i,
-                            kind: DemandKind::Refund(taken),
-                            enforced: false,
-                        })
-                    })
-                    .collect();
-                (!back.is_empty()).then_some(async move {
-                    match (on_fallback, fallback) {
-                        (true, Some(f)) => {
-                            let owned: Vec<BucketRef> = refs.iter().map(|&b| b.clone()).collect();
-                            f.give_back(&owned, &back).await.map(|_| ())
-                        }
-                        _ => self.decide_group(refs, &back, refund_deadline).await.map(|_| ()),
-                    }
-                })
-            });
-            let refunded = join_all(refunds).await;
-            for r in &refunded {
-                if let Err(e) = r {
-                    tracing::error!(error = %e, "could not refund a slot after another slot denied: tokens are held until they refill");
-                }
-            }
-        }
-        let mut decided = Vec::with_capacity(results.len());
-        for r in results {
-            decided.push(r?.0);
-        }
-        Ok(merge_slots(buckets, demands.len(), &groups, &split, decided, denied))
-    }
-
-    /// A Cluster decision: every call to a master within `command_timeout_ms` of the request's
-    /// arrival, so that a master that does not answer fails its slots' part as that master's
-    /// failure ([`StoreError::NodeFailed`]), not the store's; a fallback then has its own
-    /// budget. The whole is still bounded: by the budget twice over (a refund after a denial
-    /// has one of its own) and the fallback's.
-    async fn apply_cluster<F: super::PartFallback>(
-        &self,
-        buckets: &[BucketRef],
-        demands: &[Demand],
-        fallback: Option<&F>,
-    ) -> Result<Applied, StoreError> {
-        let deadline = tokio::time::Instant::now() + self.inner.timeout;
-        self.apply_inner(buckets, demands, fallback, deadline).await
     }
 
     /// The scripts' SHA1s.
@@ -1014,112 +824,6 @@ impl RedisStore {
             }
         }
         Ok((now, values))
-    }
-}
-
-/// `buckets` decided on `fallback` (their Cluster master failed), as a slot's decision, and
-/// `true`. Errors: the fallback's, as the node's failure: the store-wide breaker must not count
-/// it, nor the whole request be sent to the fallback again.
-async fn decide_on_fallback<F: super::PartFallback>(
-    fallback: &F,
-    buckets: &[&BucketRef],
-    demands: &[Demand],
-) -> Result<(script::Decided, bool), StoreError> {
-    let owned: Vec<BucketRef> = buckets.iter().map(|&b| b.clone()).collect();
-    let applied = fallback
-        .decide(&owned, demands)
-        .await
-        .map_err(|e| StoreError::NodeFailed(Box::new(e)))?;
-    let Decision {
-        denied,
-        passed,
-        instances,
-    } = applied.decision;
-    let decided = script::Decided {
-        now_us: applied.now_us,
-        denied,
-        passed,
-        instances,
-    };
-    Ok((decided, true))
-}
-
-/// The fallback of a store that has none (`None` of it is what is passed).
-enum NoFallback {}
-
-impl super::PartFallback for NoFallback {
-    async fn decide(&self, _: &[BucketRef], _: &[Demand]) -> Result<Applied, StoreError> {
-        match *self {}
-    }
-
-    async fn give_back(&self, _: &[BucketRef], _: &[Demand]) -> Result<Applied, StoreError> {
-        match *self {}
-    }
-}
-
-/// Micro-tokens a slot's decision `d` took from the bucket `o` (the script takes a bucket's
-/// consuming demands, shadow ones included, only when the request is admitted and the bucket
-/// holds them all): what a refund must give back. Not `consumed_ut`, which is what was asked.
-fn taken_ut(d: &script::Decided, o: &InstanceOutcome) -> u64 {
-    if !d.denied && o.consumed_ut > 0 && o.before.tokens_ut >= o.consumed_ut {
-        o.consumed_ut
-    } else {
-        0
-    }
-}
-
-/// Puts the slots' decisions of one request back together in the request's order. Each slot
-/// was decided at the clock of the node holding it, and nodes' clocks may differ: the request's
-/// `now_us` is the latest, and every other slot's states are moved by the difference, so a wait
-/// measured from them at that `now_us` is the wait at their own node's clock (a client told to
-/// retry then is not early on a node that runs behind). When another slot denied, an admitting
-/// slot's buckets are reported as its refund left them: as before, less nothing, plus their own
-/// refunds.
-fn merge_slots(
-    buckets: &[BucketRef],
-    demands: usize,
-    groups: &[Vec<usize>],
-    split: &[(Vec<&BucketRef>, Vec<Demand>, Vec<usize>)],
-    decided: Vec<script::Decided>,
-    denied: bool,
-) -> Applied {
-    let now_us = decided.iter().map(|d| d.now_us).max().unwrap_or(0);
-    let mut passed = vec![false; demands];
-    let mut instances = vec![None; buckets.len()];
-    for ((_, _, idx), (g, d)) in split.iter().zip(groups.iter().zip(decided)) {
-        let shift = now_us - d.now_us;
-        for (local, &j) in idx.iter().enumerate() {
-            passed[j] = d.passed[local];
-        }
-        for (local, &i) in g.iter().enumerate() {
-            let mut o: InstanceOutcome = d.instances[local];
-            if denied && !d.denied {
-                let taken = taken_ut(&d, &o);
-                if taken > 0 {
-                    let capacity = buckets[i].plan.limit_at(o.after.updated_us).capacity_ut;
-                    o.after.tokens_ut = o
-                        .after
-                        .tokens_ut
-                        .saturating_add(taken)
-                        .min(capacity.max(o.before.tokens_ut));
-                }
-            }
-            for state in [&mut o.stored, &mut o.before, &mut o.after] {
-                state.updated_us = state.updated_us.saturating_add(shift);
-            }
-            instances[i] = Some(o);
-        }
-    }
-    Applied {
-        now_us,
-        decision: Decision {
-            denied,
-            passed,
-            instances: instances
-                .into_iter()
-                .map(|o| o.expect("every bucket is in a group"))
-                .collect(),
-        },
     }
 }
 
@@ -1210,7 +914,6 @@ impl super::SharedBackend for RedisStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::bucket::BucketState;
 
     #[test]
     fn fred_errors_stay_the_source_of_store_errors() {
@@ -1226,68 +929,6 @@ mod tests {
         let bad = store_error(&FredError::new(ErrorKind::Unknown, "WRONGTYPE Operation against a key"));
         assert!(matches!(bad, StoreError::Rejected(_)), "{bad:?}");
         assert!(source(&bad).is_some());
-    }
-
-    fn outcome(tokens: u64, updated_us: u64) -> InstanceOutcome {
-        let state = BucketState {
-            tokens_ut: tokens,
-            updated_us,
-        };
-        InstanceOutcome {
-            stored: state,
-            before: state,
-            after: state,
-            consumed_ut: 0,
-            debited_ut: 0,
-            lost_ut: 0,
-            changed: false,
-        }
-    }
-
-    /// Two slots on nodes whose clocks differ by 5 s: the request's time is the later one and
-    /// the other slot's states move by the difference, so that a wait measured from them at
-    /// that time is the wait at their own node's clock. (Before, they kept their own node's
-    /// times and a wait on the node behind came out 5 s short: a client retried too early.)
-    #[test]
-    fn slots_decided_at_different_clocks_are_merged_at_the_latest() {
-        let plan = crate::core::schedule::Plan::Fixed(crate::core::bucket::Limit::new(
-            10,
-            crate::core::bucket::Rate::per(1, 1_000_000).unwrap(),
-        ));
-        let buckets = vec![
-            BucketRef {
-                key: "ahead".into(),
-                plan: plan.clone(),
-            },
-            BucketRef {
-                key: "behind".into(),
-                plan: plan.clone(),
-            },
-        ];
-        let groups = vec![vec![0], vec![1]];
-        let split: Vec<(Vec<&BucketRef>, Vec<Demand>, Vec<usize>)> =
-            vec![(vec![&buckets[0]], vec![], vec![]), (vec![&buckets[1]], vec![], vec![])];
-        let t = 1_780_000_000_000_000;
-        let decided = vec![
-            script::Decided {
-                now_us: t + 5_000_000,
-                denied: false,
-                passed: vec![],
-                instances: vec![outcome(0, t + 5_000_000)],
-            },
-            script::Decided {
-                now_us: t,
-                denied: false,
-                passed: vec![],
-                instances: vec![outcome(0, t)],
-            },
-        ];
-        let merged = merge_slots(&buckets, 0, &groups, &split, decided, false);
-        assert_eq!(merged.now_us, t + 5_000_000);
-        let behind = merged.decision.instances[1];
-        assert_eq!(behind.after.updated_us, t + 5_000_000);
-        // Empty at one token a second: a token in a second on its own node's clock.
-        assert_eq!(plan.wait_us(behind.kept(), 1_000_000, merged.now_us), Some(1_000_000));
     }
 
     #[test]

@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use fred::clients::Client;
-use fred::prelude::{Builder, ClientLike, Config, ServerConfig};
+use fred::prelude::{Builder, ClientLike, Config, Server, ServerConfig};
 use fred::types::{Key, Value};
 use tokio::sync::Notify;
 
@@ -34,7 +34,7 @@ use super::batch::{Answer, LaneSettings};
 use super::script::CallSettings;
 use super::{build_pool, keys, Conn, RedisSettings, Scripts};
 use crate::core::clock::Clock;
-use crate::store::StoreError;
+use crate::store::{ConnectError, StoreError};
 use crate::telemetry::ClusterMetrics;
 
 /// How often the slot map is read again while every master answers.
@@ -638,6 +638,26 @@ impl Cluster {
             let _ = node.conn.pool.quit().await;
         }
     }
+}
+
+/// Every URL's host and port: where a Cluster's slot map is first asked for.
+///
+/// Errors: a URL that does not parse (made by `fail`).
+pub(super) fn seeds(
+    settings: &RedisSettings,
+    fail: &impl Fn(String) -> ConnectError,
+) -> Result<Vec<(String, u16)>, ConnectError> {
+    let mut hosts = Vec::new();
+    for url in &settings.urls {
+        let c = Config::from_url(url).map_err(|e| fail(e.details().to_string()))?;
+        hosts.extend(
+            c.server
+                .hosts()
+                .into_iter()
+                .map(|s: Server| (s.host.to_string(), s.port)),
+        );
+    }
+    Ok(hosts)
 }
 
 /// `e` as the failure of one node (a refusal of the request's data stays what it is).

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
+use fred::clients::Client;
 use fred::prelude::{ClientLike, Error as FredError, ErrorKind};
 use fred::types::{Key, Value};
 use tokio::sync::oneshot;
@@ -244,6 +245,49 @@ pub(crate) async fn cluster_slots_on(
         .with_options(&options)
         .custom::<Value, _>(command, vec!["SLOTS"])
         .await
+}
+
+impl Conn {
+    /// `ASKING` then `EVALSHA` on `client`, back to back on its one connection (a Cluster node
+    /// answered `ASK`: the slot is being migrated here, and only a call after `ASKING` on the
+    /// same connection is served), loading the scripts again on `NOSCRIPT`.
+    pub(crate) async fn asking_evalsha_on(
+        &self,
+        client: &Client,
+        sha: &str,
+        keys: Vec<Key>,
+        argv: Vec<Value>,
+    ) -> Result<Value, StoreError> {
+        for attempt in 0..2 {
+            let pipeline = client.pipeline();
+            let asking = fred::types::CustomCommand::new_static("ASKING", fred::types::ClusterHash::Random, false);
+            // fred's pipelines have no script commands: `EVALSHA` as a custom command.
+            let evalsha = fred::types::CustomCommand::new_static("EVALSHA", fred::types::ClusterHash::FirstKey, false);
+            let mut args: Vec<Value> = Vec::with_capacity(2 + keys.len() + argv.len());
+            args.push(sha.into());
+            args.push(Value::Integer(keys.len() as i64));
+            args.extend(keys.iter().cloned().map(Value::from));
+            args.extend(argv.iter().cloned());
+            let queued: Result<(), FredError> = async {
+                pipeline.custom::<(), _>(asking, Vec::<Value>::new()).await?;
+                pipeline.custom::<(), _>(evalsha, args).await
+            }
+            .await;
+            queued.map_err(|e| super::super::store_error(&e))?;
+            match pipeline.try_all::<Value>().await.into_iter().nth(1) {
+                Some(Err(e)) if attempt == 0 && e.details().starts_with("NOSCRIPT") => {
+                    self.load_scripts(None)
+                        .await
+                        .map_err(|e| super::super::store_error(&e))?;
+                }
+                Some(answer) => return answer.map_err(|e| super::super::store_error(&e)),
+                None => break,
+            }
+        }
+        Err(StoreError::Unavailable(
+            "ASKING and EVALSHA: no answer to the call".into(),
+        ))
+    }
 }
 
 #[cfg(test)]
