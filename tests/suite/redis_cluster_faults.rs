@@ -120,6 +120,8 @@ struct Sample {
     user: Option<String>,
     sent: u8,
     answered: u8,
+    /// When the answer came.
+    at: Instant,
     result: Result<Code, (tonic::Code, String)>,
 }
 
@@ -175,6 +177,7 @@ impl ClusterLoad {
                         user,
                         sent,
                         answered,
+                        at: Instant::now(),
                         result: result
                             .map(|r| Code::try_from(r.into_inner().overall_code).expect("a known code"))
                             .map_err(|e| (e.code(), e.message().to_owned())),
@@ -294,7 +297,7 @@ async fn a_lost_master_fails_only_its_own_slots() {
         }
         let replaced = block_in_place(|| cluster.masters().len() == 3 && !cluster.masters().contains(&victim));
         if replaced {
-            break killed.elapsed();
+            break Instant::now();
         }
         assert!(killed.elapsed() < Duration::from_secs(30), "no promotion within 30 s");
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -329,8 +332,11 @@ async fn a_lost_master_fails_only_its_own_slots() {
     let samples = load.stop().await;
     let ran = started.elapsed();
     let metrics = block_in_place(|| support::http_get(tollgate.http_addr, "/metrics")).expect("/metrics");
+    let last_error = samples.iter().filter(|s| s.result.is_err()).map(|s| s.at).max();
     eprintln!(
-        "promotion after {promoted:?}; {}; readyz while degraded: {degraded:?}",
+        "promotion seen {:?} after the kill, the last error {:?} after that; {}; readyz while degraded: {degraded:?}",
+        promoted - killed,
+        last_error.map(|t| t.saturating_duration_since(promoted)),
         summary(&samples, &lost)
     );
 

@@ -390,16 +390,32 @@ impl Cluster {
         let topology = self.topology.load_full();
         let mut tried: Vec<&Addr> = Vec::new();
         let mut why = String::from("no node to ask");
-        for node in topology.nodes.iter().filter(|n| !n.failing() && n.connected()) {
+        // Every healthy master at once (a few round trips in parallel), since they learn of a
+        // promotion at different moments: the first map that no longer names a failing master
+        // wins, else the first one read. (Asking one master, whose view could lag, let the
+        // lost slots fail for a second or more after the promotion.)
+        let healthy: Vec<&Arc<Node>> = topology
+            .nodes
+            .iter()
+            .filter(|n| !n.failing() && n.connected())
+            .collect();
+        let failing: Vec<&Addr> = topology.nodes.iter().filter(|n| n.failing()).map(|n| &n.addr).collect();
+        let answers = futures_util::future::join_all(healthy.iter().map(|n| n.cluster_slots(timeout))).await;
+        let mut maps = Vec::new();
+        for (node, answer) in healthy.iter().zip(answers) {
             tried.push(&node.addr);
-            match node.cluster_slots(timeout).await {
-                Ok(value) => match parse_cluster_slots(&value, &node.addr.host) {
-                    Ok(ranges) if !ranges.is_empty() => return self.installed(&ranges),
-                    Ok(_) => why = format!("{}: no slot in CLUSTER SLOTS", node.addr),
-                    Err(e) => why = format!("{}: {e}", node.addr),
-                },
+            match answer
+                .map_err(|e| e.to_string())
+                .and_then(|v| parse_cluster_slots(&v, &node.addr.host))
+            {
+                Ok(ranges) if !ranges.is_empty() => maps.push(ranges),
+                Ok(_) => why = format!("{}: no slot in CLUSTER SLOTS", node.addr),
                 Err(e) => why = format!("{}: {e}", node.addr),
             }
+        }
+        let names_no_failing = |ranges: &Vec<Range>| ranges.iter().all(|r| !failing.contains(&&r.master));
+        if let Some(ranges) = maps.iter().find(|r| names_no_failing(r)).or(maps.first()) {
+            return self.installed(ranges);
         }
         let others: Vec<&Addr> = topology.map.replicas().iter().chain(&self.seeds).collect();
         for addr in others {
