@@ -77,6 +77,19 @@ pub const LEASE_ADMISSIONS: &str = "tollgate_lease_admissions_total";
 pub const LEASE_CALLS: &str = "tollgate_lease_calls_total";
 /// Leased tokens a replica holds unspent, all buckets together.
 pub const LEASE_TOKENS: &str = "tollgate_lease_tokens";
+/// Redis Cluster: 1 while a master answers, 0 while it fails (its circuit open, or its
+/// connections down), by `first_slot`, the first slot it serves (a bounded label that names no
+/// address and stays when a replica takes over the master's slots).
+pub const REDIS_CLUSTER_NODE_UP: &str = "tollgate_redis_cluster_node_up";
+/// Redis Cluster: how many of the 16384 slots are lost now (their master failing, or none
+/// known): their requests get the failure answer (or the fallback's decision).
+pub const REDIS_CLUSTER_SLOTS_FAILING: &str = "tollgate_redis_cluster_slots_failing";
+/// Redis Cluster: reads of the slot map (`CLUSTER SLOTS`) by `result`: `ok`, `error` (no node
+/// answered).
+pub const REDIS_CLUSTER_REFRESHES: &str = "tollgate_redis_cluster_slot_map_refreshes_total";
+/// Redis Cluster: calls redirected by a node, by `kind`: `moved` (the slot has a new master:
+/// a failover or a resharding), `ask` (a slot being migrated).
+pub const REDIS_CLUSTER_REDIRECTS: &str = "tollgate_redis_cluster_redirects_total";
 /// Rules reloads by `result`: `success`, `failure` (the previous rules stay in force).
 pub const RELOADS: &str = "tollgate_rules_reloads_total";
 /// The generation of the rules in force: 1 at start, plus one per reload that took effect.
@@ -504,6 +517,72 @@ impl BackendMetrics {
         m.timeouts.increment(0);
         m.circuit_open.set(0.0);
         m
+    }
+}
+
+/// The Redis Cluster handles ([`REDIS_CLUSTER_NODE_UP`], [`REDIS_CLUSTER_SLOTS_FAILING`],
+/// [`REDIS_CLUSTER_REFRESHES`], [`REDIS_CLUSTER_REDIRECTS`]).
+#[derive(Clone, Debug)]
+pub struct ClusterMetrics {
+    refreshed: Counter,
+    refresh_failed: Counter,
+    moved: Counter,
+    ask: Counter,
+    slots_failing: Gauge,
+    errors: Counter,
+    timeouts: Counter,
+}
+
+impl ClusterMetrics {
+    /// Registers the counters at zero and no slot failing.
+    pub fn new() -> ClusterMetrics {
+        let m = ClusterMetrics {
+            refreshed: counter!(REDIS_CLUSTER_REFRESHES, "result" => "ok"),
+            refresh_failed: counter!(REDIS_CLUSTER_REFRESHES, "result" => "error"),
+            moved: counter!(REDIS_CLUSTER_REDIRECTS, "kind" => "moved"),
+            ask: counter!(REDIS_CLUSTER_REDIRECTS, "kind" => "ask"),
+            slots_failing: gauge!(REDIS_CLUSTER_SLOTS_FAILING),
+            errors: counter!(BACKEND_ERRORS, "backend" => "redis", "kind" => "error"),
+            timeouts: counter!(BACKEND_ERRORS, "backend" => "redis", "kind" => "timeout"),
+        };
+        for c in [&m.refreshed, &m.refresh_failed, &m.moved, &m.ask] {
+            c.increment(0);
+        }
+        m.slots_failing.set(0.0);
+        m
+    }
+
+    /// A read of the slot map, `ok` or not.
+    pub fn refresh(&self, ok: bool) {
+        if ok { &self.refreshed } else { &self.refresh_failed }.increment(1);
+    }
+
+    /// A call redirected: `moved` or `ask`.
+    pub fn redirect(&self, kind: &'static str) {
+        if kind == "ask" { &self.ask } else { &self.moved }.increment(1);
+    }
+
+    /// A master's failure that the fallback decided around (the request succeeded, so the
+    /// store's own count does not see it): one more in [`BACKEND_ERRORS`] for `redis`, `kind`
+    /// `timeout` or `error`.
+    pub fn node_failed(&self, timeout: bool) {
+        if timeout { &self.timeouts } else { &self.errors }.increment(1);
+    }
+
+    /// Whether the master whose first slot is `first_slot` answers.
+    pub fn node_up(&self, first_slot: u16, up: bool) {
+        gauge!(REDIS_CLUSTER_NODE_UP, "first_slot" => first_slot.to_string()).set(if up { 1.0 } else { 0.0 });
+    }
+
+    /// How many slots are lost now.
+    pub fn slots_failing(&self, slots: usize) {
+        self.slots_failing.set(slots as f64);
+    }
+}
+
+impl Default for ClusterMetrics {
+    fn default() -> Self {
+        ClusterMetrics::new()
     }
 }
 

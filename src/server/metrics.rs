@@ -69,6 +69,19 @@ fn describe() {
     describe_histogram!(BACKEND_DURATION, Unit::Seconds, "Backend call time");
     describe_counter!(BACKEND_FALLBACKS, "Decisions taken by the fallback backend");
     describe_gauge!(BACKEND_CIRCUIT_OPEN, "1 while the backend's circuit breaker is open");
+    describe_gauge!(
+        REDIS_CLUSTER_NODE_UP,
+        "Redis Cluster: 1 while the master serving from first_slot answers, 0 while it fails"
+    );
+    describe_gauge!(
+        REDIS_CLUSTER_SLOTS_FAILING,
+        "Redis Cluster: slots whose master fails or is unknown"
+    );
+    describe_counter!(
+        REDIS_CLUSTER_REFRESHES,
+        "Redis Cluster: reads of the slot map, by result"
+    );
+    describe_counter!(REDIS_CLUSTER_REDIRECTS, "Redis Cluster: calls redirected (moved, ask)");
     describe_counter!(
         BACKEND_FAILURE_ANSWERS,
         "Requests answered by failure_mode (allow or deny) because the backend failed"

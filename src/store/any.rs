@@ -1,11 +1,15 @@
 //! The store `tollgate serve` runs on, chosen by the `backend` setting at start.
 
+use super::redis::ClusterHealth;
 use super::resilient::failing;
 use super::{
     Applied, BucketRef, Local, MemoryStore, Metered, Peeked, PostgresStore, RedisStore, Resilient, SharedBackend,
     Store, StoreError,
 };
 use crate::core::bucket::Demand;
+
+/// The number of Redis Cluster slots.
+const SLOTS: usize = 16384;
 
 /// How long the readiness probe of an open circuit may take: it is off the request path.
 const PROBE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
@@ -76,7 +80,7 @@ impl AnyStore {
             AnyStore::Redis(r) => r.inner().primary().eviction_warning(),
             _ => None,
         };
-        let ready = match (problem, fallback_ready) {
+        let ready = match (problem, fallback_ready.clone()) {
             (None, None | Some((_, Ok(())))) => Ok(None),
             // The backend decides, but the safety net is gone: say so (and the fallback's
             // circuit gauge clears once it answers again).
@@ -85,10 +89,16 @@ impl AnyStore {
             (Some(problem), Some((name, Ok(())))) => Ok(Some(format!("{problem}; deciding on the {name} fallback"))),
             (Some(problem), Some((name, Err(also)))) => Err(format!("{problem}; and the {name} fallback: {also}")),
         };
-        Health {
-            verdict: ready,
-            notice: eviction,
-        }
+        // A Redis Cluster that lost some masters still decides the other slots.
+        let cluster = match self {
+            AnyStore::Redis(r) => r.inner().primary().cluster_health().filter(|h| h.lost_slots() > 0),
+            _ => None,
+        };
+        let (verdict, notice) = match cluster {
+            Some(lost) => cluster_verdict(&lost, ready, fallback_ready.as_ref(), eviction),
+            None => (ready, eviction),
+        };
+        Health { verdict, notice }
     }
 }
 
@@ -111,6 +121,40 @@ impl AnyStore {
             AnyStore::Postgres(s) => Some(s.layer()),
         }
     }
+}
+
+/// Readiness with `lost` slots of a Redis Cluster, from `ready`, the verdict of the rest: still
+/// ready (degraded) while fewer than half of the 16384 slots are lost (most requests are
+/// decided; taking every replica out of rotation would fail them all) or while the fallback
+/// decides them; not ready otherwise. The public notice names the slots, never a host; the
+/// verdict's detail (logged) names the failing masters.
+fn cluster_verdict(
+    lost: &ClusterHealth,
+    ready: Result<Option<String>, String>,
+    fallback: Option<&(&'static str, Result<(), String>)>,
+    eviction: Option<String>,
+) -> (Result<Option<String>, String>, Option<String>) {
+    let slots = lost.lost_slots();
+    let said = format!("Redis Cluster: {slots} of {SLOTS} slots lost ({})", lost.lost_ranges());
+    let notice = Some(match eviction {
+        Some(e) => format!("{said}; {e}"),
+        None => said.clone(),
+    });
+    let detail = if lost.failing.is_empty() {
+        format!("{said}: no master known for them")
+    } else {
+        format!("{said}: failing master(s) {}", lost.failing.join(", "))
+    };
+    let verdict = match (ready, fallback) {
+        (Err(why), _) => Err(format!("{why}; {detail}")),
+        (Ok(_), Some((name, Ok(())))) => Ok(Some(format!("{detail}; deciding on the {name} fallback"))),
+        (Ok(why), _) if slots * 2 < SLOTS => Ok(Some(match why {
+            Some(why) => format!("{why}; {detail}; the other slots are decided"),
+            None => format!("{detail}; the other slots are decided"),
+        })),
+        (Ok(_), _) => Err(format!("{detail}; half or more of the slots cannot be decided")),
+    };
+    (verdict, notice)
 }
 
 /// Why a shared backend cannot decide now, with its address (for the log): not connected or
@@ -188,6 +232,42 @@ mod tests {
     use super::*;
     use crate::core::clock::{Clock, SystemClock};
     use crate::server::settings::{PostgresSettings, RedisSettings};
+
+    /// A Redis Cluster that lost some slots: ready and degraded below half of them (or with a
+    /// fallback that decides them), not ready at half or more; the public notice names slots,
+    /// never a host, which only the logged detail does.
+    #[test]
+    fn lost_cluster_slots_degrade_readiness_until_half_are_lost() {
+        let lost = |end: u16| ClusterHealth {
+            lost: vec![(0, end)],
+            failing: vec!["10.1.2.3:7000".into()],
+            masters: 3,
+        };
+        let memory_ok = ("memory", Ok(()));
+        let memory_failing = ("memory", Err("no".to_string()));
+        let (verdict, notice) = cluster_verdict(&lost(5460), Ok(None), None, None);
+        let detail = verdict.expect("ready").expect("degraded");
+        assert!(detail.contains("10.1.2.3:7000"), "{detail}");
+        let notice = notice.expect("a notice");
+        assert_eq!(notice, "Redis Cluster: 5461 of 16384 slots lost (0-5460)");
+        let (verdict, _) = cluster_verdict(&lost(8191), Ok(None), None, None);
+        assert!(verdict.is_err(), "half lost: {verdict:?}");
+        let (verdict, _) = cluster_verdict(&lost(8191), Ok(None), Some(&memory_ok), None);
+        let detail = verdict.expect("the fallback decides").expect("degraded");
+        assert!(detail.contains("deciding on the memory fallback"), "{detail}");
+        let (verdict, _) = cluster_verdict(&lost(8191), Ok(None), Some(&memory_failing), None);
+        assert!(verdict.is_err());
+        let (verdict, _) = cluster_verdict(&lost(100), Ok(None), Some(&memory_failing), None);
+        let detail = verdict.expect("ready").expect("degraded");
+        assert!(!detail.contains("deciding on the"), "{detail}");
+        let (verdict, _) = cluster_verdict(&lost(100), Err("circuit open".into()), None, None);
+        assert!(verdict.is_err());
+        let (_, notice) = cluster_verdict(&lost(0), Ok(None), None, Some("maxmemory".into()));
+        assert_eq!(
+            notice.as_deref(),
+            Some("Redis Cluster: 1 of 16384 slots lost (0); maxmemory")
+        );
+    }
 
     /// A decision's future is moved at least once per request (tonic boxes it), so its size is
     /// CPU on every request: it once reached 24 KiB (a Redis call's future held inline, and

@@ -89,13 +89,20 @@ pub enum StoreError {
     /// threshold counts failed calls to the backend, however many requests each carried.
     #[error("{0}")]
     InFailedBatch(Box<StoreError>),
+    /// One node of a Redis Cluster failed this request's call with `.0` (or is known to be
+    /// failing): only the requests whose buckets live on its slots fail. The node's own breaker
+    /// counts it; the store-wide one does not, so one lost master does not stop the decisions
+    /// of the others. Counted in the metrics as `.0` is.
+    #[error("{0}")]
+    NodeFailed(Box<StoreError>),
 }
 
 impl StoreError {
-    /// The failure itself: `.0` of [`StoreError::InFailedBatch`], else this.
+    /// The failure itself: `.0` of [`StoreError::InFailedBatch`] and [`StoreError::NodeFailed`]
+    /// (all the way down), else this.
     pub fn cause(&self) -> &StoreError {
         match self {
-            StoreError::InFailedBatch(e) => StoreError::cause(e),
+            StoreError::InFailedBatch(e) | StoreError::NodeFailed(e) => StoreError::cause(e),
             e => e,
         }
     }

@@ -40,7 +40,7 @@ impl<S> Metered<S> {
             match e.cause() {
                 StoreError::Unavailable(_) | StoreError::Rejected(_) => self.metrics.errors.increment(1),
                 StoreError::Timeout(_) => self.metrics.timeouts.increment(1),
-                StoreError::InFailedBatch(_) => unreachable!("cause() unwraps it"),
+                StoreError::InFailedBatch(_) | StoreError::NodeFailed(_) => unreachable!("cause() unwraps it"),
             }
         }
     }
@@ -50,6 +50,18 @@ impl<S: Store> Store for Metered<S> {
     async fn apply(&self, buckets: &[BucketRef], demands: &[Demand]) -> Result<Applied, StoreError> {
         let started = Instant::now();
         let result = self.inner.apply(buckets, demands).await;
+        self.record(started, &result);
+        result
+    }
+
+    async fn apply_or_fall_back<F: super::PartFallback>(
+        &self,
+        buckets: &[BucketRef],
+        demands: &[Demand],
+        fallback: &F,
+    ) -> Result<Applied, StoreError> {
+        let started = Instant::now();
+        let result = self.inner.apply_or_fall_back(buckets, demands, fallback).await;
         self.record(started, &result);
         result
     }

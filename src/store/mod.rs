@@ -135,6 +135,20 @@ pub trait Store: Send + Sync + 'static {
     /// as if never used (the memory store forgets them). Answers with their states after.
     fn reset(&self, buckets: &[BucketRef]) -> impl Future<Output = Result<Peeked, StoreError>> + Send;
 
+    /// Decides as [`Store::apply`], but the part of the request that only a failed part of the
+    /// store holds (the slots of a lost Redis Cluster master) is decided on `fallback`, the
+    /// rest here, still all or nothing. A store that fails as a whole decides as `apply` (the
+    /// default), and its caller falls back for the whole request.
+    fn apply_or_fall_back<F: PartFallback>(
+        &self,
+        buckets: &[BucketRef],
+        demands: &[Demand],
+        fallback: &F,
+    ) -> impl Future<Output = Result<Applied, StoreError>> + Send {
+        let _ = fallback;
+        self.apply(buckets, demands)
+    }
+
     /// Told when the rules in force are replaced, so that what a store remembers about a bucket
     /// under the old rules (such as when it would be full) is not applied under the new ones.
     fn rules_changed(&self) {}
@@ -154,6 +168,25 @@ pub trait Store: Send + Sync + 'static {
     fn clock_estimate_us(&self) -> u64 {
         crate::core::clock::Clock::now_us(&crate::core::clock::SystemClock)
     }
+}
+
+/// What decides the part of a request that a failed part of a store cannot
+/// ([`Store::apply_or_fall_back`]): the configured fallback, counted.
+pub trait PartFallback: Sync {
+    /// Decides `buckets` with `demands` as [`Store::apply`] does (counted as a fallback).
+    fn decide(
+        &self,
+        buckets: &[BucketRef],
+        demands: &[Demand],
+    ) -> impl Future<Output = Result<Applied, StoreError>> + Send;
+
+    /// Gives back what a part it decided took, when another part of the request denied: as
+    /// [`PartFallback::decide`] with refund demands, but no decision to count.
+    fn give_back(
+        &self,
+        buckets: &[BucketRef],
+        demands: &[Demand],
+    ) -> impl Future<Output = Result<Applied, StoreError>> + Send;
 }
 
 /// A callback for [`Store::on_rules_retired`].

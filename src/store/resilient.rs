@@ -197,6 +197,14 @@ impl<P: Store> Guarded<P> {
                 }
                 Err(e)
             }
+            // One Redis Cluster master failed: its own breaker counted it. The backend as a
+            // whole answered (a probe let through closes the store-wide breaker).
+            Err(e @ StoreError::NodeFailed(_)) => {
+                if permit == Permit::Probe {
+                    self.succeeded(permit);
+                }
+                Err(e)
+            }
             Err(e) => {
                 self.failed(permit, &e);
                 Err(e)
@@ -314,6 +322,11 @@ impl<P: Store> Resilient<P> {
     {
         let error = match self.guarded.run(primary).await {
             Ok(v) => return Ok(v),
+            // A Cluster master failed. A decision's part on it was the fallback's already
+            // (`apply_or_fall_back`): deciding the whole request there again would decide the
+            // other slots twice. A peek or reset is not answered from the fallback either: it
+            // would show the fallback's state of buckets Redis holds.
+            Err(e @ StoreError::NodeFailed(_)) => return Err(e),
             Err(e) => e,
         };
         match &self.fallback {
@@ -328,8 +341,17 @@ impl<P: Store> Resilient<P> {
 
 impl<P: Store> Store for Resilient<P> {
     async fn apply(&self, buckets: &[BucketRef], demands: &[Demand]) -> Result<Applied, StoreError> {
+        let Some(fallback) = &self.fallback else {
+            return self.guarded.run(|| self.guarded.primary.apply(buckets, demands)).await;
+        };
+        // The primary may decide part of the request on the fallback (a lost Cluster master's
+        // slots); when it failed as a whole, the fallback decides it all.
+        let partial = Counted {
+            fallback,
+            fallbacks: &self.fallbacks,
+        };
         self.run(
-            || self.guarded.primary.apply(buckets, demands),
+            || self.guarded.primary.apply_or_fall_back(buckets, demands, &partial),
             |f| f.apply(buckets, demands),
         )
         .await
@@ -361,6 +383,24 @@ impl<P: Store> Store for Resilient<P> {
 
     fn clock_estimate_us(&self) -> u64 {
         self.guarded.clock_estimate_us()
+    }
+}
+
+/// A [`Fallback`] handed to a primary that decides part of a request on it, counting each such
+/// decision in `tollgate_backend_fallbacks_total`.
+struct Counted<'a> {
+    fallback: &'a Fallback,
+    fallbacks: &'a metrics::Counter,
+}
+
+impl super::PartFallback for Counted<'_> {
+    async fn decide(&self, buckets: &[BucketRef], demands: &[Demand]) -> Result<Applied, StoreError> {
+        self.fallbacks.increment(1);
+        self.fallback.apply(buckets, demands).await
+    }
+
+    async fn give_back(&self, buckets: &[BucketRef], demands: &[Demand]) -> Result<Applied, StoreError> {
+        self.fallback.apply(buckets, demands).await
     }
 }
 
@@ -501,5 +541,15 @@ mod tests {
         let g = guarded(timeout);
         fail_times(&g, 3).await;
         assert!(g.circuit_open(), "3 failed calls");
+    }
+
+    /// A Redis Cluster master's failure is counted by that master's own breaker: the
+    /// store-wide one stays closed, so the other masters keep deciding.
+    #[tokio::test]
+    async fn a_cluster_nodes_failure_does_not_open_the_store_wide_breaker() {
+        let node = StoreError::NodeFailed(Box::new(StoreError::Timeout("one master".into())));
+        let g = guarded(node);
+        fail_times(&g, 100).await;
+        assert!(!g.circuit_open(), "100 requests on a failed master");
     }
 }

@@ -32,6 +32,7 @@ mod network_faults;
 mod postgres_backend;
 mod postgres_faults;
 mod redis_backend;
+mod redis_cluster_faults;
 mod redis_connect;
 mod redis_faults;
 mod redis_support;

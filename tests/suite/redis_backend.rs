@@ -1187,6 +1187,52 @@ fn a_corrupt_bucket_value_does_not_open_the_circuit_for_everyone() {
     assert_eq!(http_get(tg.http_addr, "/readyz").map(|(s, _)| s), Some(200));
 }
 
+/// A partial failure stays partial with a fallback too: with `failure_mode: fallback` (memory)
+/// on a single Redis, a descriptor whose stored value is corrupt is decided on the fallback
+/// (for real: two admitted, then denied), and only it: another descriptor is decided on Redis
+/// (its key written there), the fallback counts only the poisoned requests, the breaker stays
+/// closed and `/readyz` is ready, not degraded.
+#[test]
+fn a_corrupt_value_with_a_fallback_sends_only_its_own_requests_there() {
+    let test = "a_corrupt_value_with_a_fallback_sends_only_its_own_requests_there";
+    let Some(backend) = Backend::new(Deployment::Single, test) else {
+        return;
+    };
+    let tg = backend.start(
+        TWO_PER_HOUR,
+        &[
+            ("failure_mode", "fallback"),
+            ("fallback", "memory"),
+            ("breaker_failures", "2"),
+            ("breaker_open_ms", "10000"),
+        ],
+        &[],
+    );
+    let rt = runtime();
+    let mut client = rt.block_on(connect(tg.grpc_addr));
+    let fallbacks = || Scrape::from(tg.http_addr).counter("tollgate_backend_fallbacks_total", &[("backend", "redis")]);
+    let victim = [("user", "victim")];
+    let key = backend.key_of("per_user", &victim);
+    backend.nodes[0].cmd(&[b"SET", &key, b"garbage", b"PX", b"600000"]);
+    let codes: Vec<Code> = (0..3).map(|_| rt.block_on(code(&mut client, &victim, 0))).collect();
+    assert_eq!(
+        codes,
+        vec![Code::Ok, Code::Ok, Code::OverLimit],
+        "decided on the fallback"
+    );
+    assert_eq!(fallbacks(), 3.0);
+    let bystander = [("user", "bystander")];
+    assert_eq!(rt.block_on(code(&mut client, &bystander, 0)), Code::Ok);
+    assert_eq!(fallbacks(), 3.0, "the bystander was decided on Redis");
+    let written = backend.key_of("per_user", &bystander);
+    assert_eq!(backend.nodes[0].cmd(&[b"EXISTS", &written]).as_int(), Some(1));
+    assert_eq!(
+        Scrape::from(tg.http_addr).counter("tollgate_backend_circuit_open", &[("backend", "redis")]),
+        0.0
+    );
+    assert_eq!(http_get(tg.http_addr, "/readyz"), Some((200, "ready\n".to_string())));
+}
+
 /// Concurrent requests on a single node share script calls (`src/store/redis/batch.rs`): 128
 /// requests sent at once over one connection take fewer calls than requests, every request is
 /// still decided on its own, and a corrupt value refuses only the request that reads it, not

@@ -521,7 +521,8 @@ const LONG_FILES: [(&str, &str); 5] = [
     (
         "store/redis/mod.rs",
         "the Redis store: connecting, loading the scripts, deciding, peeking and resetting share one \
-         connection type; the batcher, the keys and the scripts' codec are already files of their own",
+         connection type; the batcher, the keys, the scripts' codec, a request over Cluster slots and \
+         the Cluster's masters are already files of their own",
     ),
     (
         "decision/limiter.rs",

@@ -31,6 +31,10 @@ pub enum Plan {
 
 impl Plan {
     /// The limit in force at `t_us`. A quota's is its allowance with a zero rate.
+    // Inline: it runs on every decision, and left to how rustc splits the crate into codegen
+    // units it stopped being inlined when unrelated modules were added (+1.4% instructions per
+    // decision on the instruction gate's envoy path).
+    #[inline]
     pub fn limit_at(&self, t_us: u64) -> Limit {
         match self {
             Plan::Fixed(limit) => *limit,

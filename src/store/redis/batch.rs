@@ -18,10 +18,12 @@
 //! **Cluster.** Redis Cluster refuses a script call whose keys lie in several slots (CROSSSLOT),
 //! and a script that reads keys it was not given breaks on a resharding, so a call can only
 //! carry the requests of one slot (a job is one slot's part of a request: `RedisStore` splits a
-//! request over several slots first). In Cluster mode a lane therefore groups what it took by
-//! slot and makes one call per slot, all at once on its connection: fred routes each call to its
-//! slot's owner (following `MOVED`/`ASK`) and writes the calls for one node back to back without
-//! waiting for answers, so a node reads them in one go even when each carries a single request. Buckets are spread over the
+//! request over several slots first). In Cluster mode each master has lanes of its own (on a
+//! pool to it alone, `super::cluster`), and a lane groups what it took by slot and makes one
+//! call per slot, all at once on its connection, back to back without waiting for answers, so
+//! the master reads them in one go even when each carries a single request (a redirect is the
+//! caller's to follow; a job sent after an `ASK` goes in a call of its own, after `ASKING`).
+//! Buckets are spread over the
 //! slots by a hash of their identity, so calls carry several requests when requests share a
 //! bucket (a hot key, where batching matters most); requests on many distinct buckets gain the
 //! shared writes only.
@@ -49,6 +51,9 @@ pub(crate) struct Job {
     pub keys: Vec<Key>,
     /// The request's ARGV fields.
     pub args: Vec<Value>,
+    /// Cluster only: send `ASKING` first, on the same connection (the slot is being migrated
+    /// to this node, which answered `ASK`). Such jobs are called apart from the others.
+    pub asking: bool,
     /// Receives the request's answer, with the local clock's readings (µs) when the call was
     /// sent and when it was answered.
     pub reply: oneshot::Sender<Result<Answer, StoreError>>,
@@ -133,8 +138,9 @@ async fn lane(
 
 /// Splits `jobs` (emptied) into runs of one Cluster slot each, every run in arrival order.
 fn by_slot(jobs: &mut Vec<Job>) -> Vec<Vec<Job>> {
-    // A job's keys all share its slot (see the module docs), so its first key tells it.
-    let slot_of = |job: &Job| job.keys.first().map_or(0, |k| keys::slot(k.as_bytes()));
+    // A job's keys all share its slot (see the module docs), so its first key tells it; jobs
+    // that must follow an `ASKING` go in calls of their own.
+    let slot_of = |job: &Job| (job.keys.first().map_or(0, |k| keys::slot(k.as_bytes())), job.asking);
     jobs.sort_by_cached_key(slot_of);
     let mut groups: Vec<Vec<Job>> = Vec::new();
     let mut last = None;
@@ -160,7 +166,11 @@ async fn call(conn: &Conn, client: &Client, settings: &LaneSettings, jobs: &mut 
         argv.append(&mut job.args);
     }
     let sent_us = settings.clock.now_us();
-    let result = conn.evalsha_on(client, &conn.scripts.decide, keys, argv).await;
+    let result = if jobs.first().is_some_and(|j| j.asking) {
+        conn.asking_evalsha_on(client, &conn.scripts.decide, keys, argv).await
+    } else {
+        conn.evalsha_on(client, &conn.scripts.decide, keys, argv).await
+    };
     let received_us = settings.clock.now_us();
     let answers = result.and_then(|v| {
         split_answers(v, jobs.len()).map_err(|e| StoreError::Unavailable(format!("decide.lua: {e}").into()))

@@ -18,13 +18,19 @@
 //! bucket would be full again: a write keeps the key's expiry (recorded in its value) while it
 //! lies in that range, which spares Redis most expiry updates; a full bucket is deleted. In Cluster mode a request's buckets may lie in several slots: one script
 //! call per slot, in parallel (each batched with other requests on that slot); if any denies, what the others consumed is refunded at once (a
-//! brief under-admission, never an over-admission).
+//! brief under-admission, never an over-admission). Each slot's call goes to its master
+//! through that master's own pool, lanes and breaker (`cluster`): a master that fails fails
+//! only its slots' part ([`StoreError::NodeFailed`]), which a fallback may decide instead
+//! ([`Store::apply_or_fall_back`]).
 
 pub(crate) mod batch;
+mod cluster;
 pub mod keys;
 pub mod script;
 mod settings;
+mod slotted;
 
+pub use cluster::ClusterHealth;
 pub use settings::{FallbackBackend, RedisSettings};
 
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -35,18 +41,18 @@ use fred::bytes::Bytes;
 use fred::clients::Client;
 use fred::prelude::{
     Builder, ClientLike, Config, Error as FredError, ErrorKind, EventInterface, LuaInterface, Pool, ReconnectPolicy,
-    Server, ServerConfig, TlsConnector,
+    Server, TlsConnector,
 };
 use fred::types::{Key, Value};
-use futures_util::future::join_all;
 
 use self::batch::{Answer, Batcher, Job, LaneSettings};
 use self::script::{
     bucket_args, encode_request, parse_reply, parse_value, replacement, BucketArgs, CallSettings, Replacement, Reply,
 };
+use self::slotted::NoFallback;
 use super::{redact_url, UnreachableAtStart};
 use super::{Applied, BucketRef, Cause, ConnectError, Peeked, Store, StoreError};
-use crate::core::bucket::{Decision, Demand, DemandKind, InstanceOutcome};
+use crate::core::bucket::{Decision, Demand, DemandKind};
 use crate::core::clock::Clock;
 
 /// The decision script.
@@ -102,6 +108,7 @@ impl ClockOffset {
 }
 
 /// The three scripts, by SHA1.
+#[derive(Clone)]
 struct Scripts {
     decide: String,
     peek: String,
@@ -114,20 +121,33 @@ pub struct RedisStore {
     inner: Arc<Inner>,
 }
 
-/// The connections and what every call on them needs; shared with the batch lanes, which
-/// must not keep the store itself alive.
+/// The connections to one Redis (a single node, or one master of a Cluster) and what every
+/// call on them needs; shared with the batch lanes, which must not keep the store itself alive.
 struct Conn {
     pool: Pool,
+    /// A master of a Cluster: a call carries the requests of one slot only.
     cluster: bool,
     scripts: Scripts,
     /// The URLs, passwords redacted.
     describe: String,
 }
 
+/// One Redis, or a Cluster master by master.
+enum Backend {
+    /// A single node: its pool, and its lanes (started on the first decision: they need the
+    /// runtime).
+    Single {
+        conn: Arc<Conn>,
+        batcher: OnceLock<Batcher>,
+    },
+    /// A Redis Cluster: a pool, lanes and a breaker per master (`cluster`).
+    Cluster(Arc<cluster::Cluster>),
+}
+
 struct Inner {
-    conn: Arc<Conn>,
-    /// Started on the first decision (it needs the runtime).
-    batcher: OnceLock<Batcher>,
+    backend: Backend,
+    /// The URLs, passwords redacted.
+    describe: String,
     prefix: String,
     /// The local clock, to estimate Redis time between answers.
     clock: Arc<dyn Clock>,
@@ -191,25 +211,20 @@ impl Conn {
         // (`default_command_timeout`): at start and in readiness probes a busy machine or a
         // distant Redis may take longer than one decision may, and that is no failure (a
         // connect once timed out so, with Redis answering, on a loaded test machine). `None`:
-        // the default, for the reload inside a decision. fred's script commands ignore per-command options, so on a single node `SCRIPT LOAD`
-        // is sent as a custom command, which takes them. In a Cluster, fred's per-primary load
-        // runs under the default timeout (its routing table is not exposed without the
-        // `i-cluster` feature).
+        // the default, for the reload inside a decision. fred's script commands ignore
+        // per-command options, so `SCRIPT LOAD` is sent as a custom command, which takes them
+        // (a Cluster's masters each have a pool of their own: this loads on one master).
         let client = self.pool.next();
         for lua in [DECIDE_LUA, PEEK_LUA, RESET_LUA] {
-            if self.cluster {
-                client.script_load_cluster::<(), _>(lua).await?;
-            } else {
-                let options = fred::types::config::Options {
-                    timeout,
-                    ..Default::default()
-                };
-                let load = fred::types::CustomCommand::new_static("SCRIPT", fred::types::ClusterHash::Random, false);
-                client
-                    .with_options(&options)
-                    .custom::<Value, _>(load, vec!["LOAD", lua])
-                    .await?;
-            }
+            let options = fred::types::config::Options {
+                timeout,
+                ..Default::default()
+            };
+            let load = fred::types::CustomCommand::new_static("SCRIPT", fred::types::ClusterHash::Random, false);
+            client
+                .with_options(&options)
+                .custom::<Value, _>(load, vec!["LOAD", lua])
+                .await?;
         }
         Ok(())
     }
@@ -242,8 +257,8 @@ impl Conn {
     }
 }
 
-/// The client configuration for `settings`, whose first URL is `first`: the nodes (every URL's,
-/// for a Cluster), the credentials, TLS and whether to fail fast.
+/// The client configuration for `settings`, whose first URL is `first`: that node (a Cluster's
+/// masters each get a copy, addressed to them), the credentials, TLS and whether to fail fast.
 ///
 /// Errors: a URL that does not parse, or TLS that cannot be set up (made by `fail`).
 fn client_config(
@@ -252,19 +267,6 @@ fn client_config(
     fail: &impl Fn(String) -> ConnectError,
 ) -> Result<Config, ConnectError> {
     let mut config = Config::from_url(first).map_err(|e| fail(e.details().to_string()))?;
-    if settings.cluster {
-        let mut hosts = Vec::new();
-        for url in &settings.urls {
-            let c = Config::from_url(url).map_err(|e| fail(e.details().to_string()))?;
-            hosts.extend(
-                c.server
-                    .hosts()
-                    .into_iter()
-                    .map(|s: Server| (s.host.to_string(), s.port)),
-            );
-        }
-        config.server = ServerConfig::new_clustered(hosts);
-    }
     if settings.username.is_some() {
         config.username = settings.username.clone();
     }
@@ -314,34 +316,54 @@ impl RedisStore {
         let config = client_config(settings, first, &fail)?;
         let config_fail_fast = config.fail_fast;
         let timeout = settings.command_timeout_ms.duration();
-        let pool = build_pool(settings, config, timeout).map_err(|e| fail(e.details().to_string()))?;
         let sha = |lua: &str| fred::util::sha1_hash(lua);
-        Ok(RedisStore {
-            inner: Arc::new(Inner {
+        let scripts = Scripts {
+            decide: sha(DECIDE_LUA),
+            peek: sha(PEEK_LUA),
+            reset: sha(RESET_LUA),
+        };
+        let describe = settings
+            .urls
+            .iter()
+            .map(|u| redact_url(u))
+            .collect::<Vec<_>>()
+            .join(",");
+        let call = CallSettings {
+            ttl_margin_ms: TTL_MARGIN_MS,
+            unknown_ttl_ms: UNKNOWN_TTL_MS,
+        };
+        let backend = if settings.cluster {
+            let seeds = cluster::seeds(settings, &fail)?;
+            Backend::Cluster(Arc::new(cluster::Cluster::new(
+                settings,
+                config,
+                seeds,
+                scripts,
+                clock.clone(),
+                None,
+                call,
+            )))
+        } else {
+            let pool = build_pool(settings, config, timeout).map_err(|e| fail(e.details().to_string()))?;
+            Backend::Single {
                 conn: Arc::new(Conn {
                     pool,
-                    cluster: settings.cluster,
-                    scripts: Scripts {
-                        decide: sha(DECIDE_LUA),
-                        peek: sha(PEEK_LUA),
-                        reset: sha(RESET_LUA),
-                    },
-                    describe: settings
-                        .urls
-                        .iter()
-                        .map(|u| redact_url(u))
-                        .collect::<Vec<_>>()
-                        .join(","),
+                    cluster: false,
+                    scripts,
+                    describe: describe.clone(),
                 }),
                 batcher: OnceLock::new(),
+            }
+        };
+        Ok(RedisStore {
+            inner: Arc::new(Inner {
+                backend,
+                describe,
                 prefix: settings.key_prefix.clone(),
                 clock,
                 offset: ClockOffset::default(),
                 time_override: None,
-                call: CallSettings {
-                    ttl_margin_ms: TTL_MARGIN_MS,
-                    unknown_ttl_ms: UNKNOWN_TTL_MS,
-                },
+                call,
                 timeout,
                 fail_fast: config_fail_fast,
                 eviction: std::sync::Mutex::new(None),
@@ -353,10 +375,28 @@ impl RedisStore {
     /// Tests only: decide at `clock`'s time instead of Redis `TIME` (sent to the scripts as an
     /// argument), so the shared test vectors can move time. Must be called before any clone.
     pub fn with_time_override(mut self, clock: Arc<dyn Clock>) -> RedisStore {
-        Arc::get_mut(&mut self.inner)
-            .expect("with_time_override before the store is shared")
-            .time_override = Some(clock);
+        let inner = Arc::get_mut(&mut self.inner).expect("with_time_override before the store is shared");
+        if let Backend::Cluster(c) = &mut inner.backend {
+            Arc::get_mut(c)
+                .expect("with_time_override before the store is shared")
+                .set_time_override(clock.clone());
+        }
+        inner.time_override = Some(clock);
         self
+    }
+
+    /// The Cluster, in Cluster mode.
+    fn cluster(&self) -> Option<&Arc<cluster::Cluster>> {
+        match &self.inner.backend {
+            Backend::Cluster(c) => Some(c),
+            Backend::Single { .. } => None,
+        }
+    }
+
+    /// The slots of a Redis Cluster lost now (their master failing, or none known) and the
+    /// failing masters; `None` on a single node.
+    pub fn cluster_health(&self) -> Option<ClusterHealth> {
+        self.cluster().map(|c| c.update_metrics())
     }
 
     /// Connects and loads the scripts, waiting at most `timeout`.
@@ -365,10 +405,19 @@ impl RedisStore {
     pub async fn connect(&self, timeout: Duration) -> Result<(), ConnectError> {
         let fail = |reason: String| ConnectError {
             backend: "Redis",
-            url: self.inner.conn.describe.clone(),
+            url: self.inner.describe.clone(),
             reason,
         };
-        let pool = &self.inner.conn.pool;
+        let conn = match &self.inner.backend {
+            Backend::Single { conn, .. } => conn,
+            Backend::Cluster(c) => {
+                c.connect(timeout, self.inner.fail_fast).await.map_err(fail)?;
+                self.inner.warm.store(true, Ordering::Release);
+                self.check_eviction(timeout).await;
+                return Ok(());
+            }
+        };
+        let pool = &conn.pool;
         let deadline = tokio::time::Instant::now() + timeout;
         // Every client's error stream is subscribed before its connection starts, so a
         // timeout can still say what went wrong meanwhile (refused, reset) instead of only
@@ -409,7 +458,7 @@ impl RedisStore {
                 }
             }
         }
-        tokio::time::timeout(timeout, self.inner.conn.load_scripts(Some(timeout)))
+        tokio::time::timeout(timeout, conn.load_scripts(Some(timeout)))
             .await
             .map_err(|_| fail("loading the scripts timed out".into()))?
             .map_err(|e| fail(e.to_string()))?;
@@ -419,7 +468,7 @@ impl RedisStore {
     }
 
     /// Whether the store is ready for its first decisions: the scripts loaded (on every
-    /// primary of a Cluster) and, by then, every connection of the pool opened. Readiness waits
+    /// master of a Cluster) and, by then, every connection of the pool opened. Readiness waits
     /// for it, so the first decisions after start do not pay a connection or a `NOSCRIPT`
     /// reload under `command_timeout_ms` and fail.
     pub fn is_warm(&self) -> bool {
@@ -433,19 +482,15 @@ impl RedisStore {
     /// (docs/backends.md). A Redis that refuses `CONFIG` (many managed ones) is reported as not
     /// checked. Never fails: the decisions do not depend on it.
     async fn check_eviction(&self, timeout: Duration) {
-        let conn = &self.inner.conn;
-        let client = conn.pool.next();
-        let nodes: Vec<Option<Server>> = if conn.cluster {
-            client.active_connections().into_iter().map(Some).collect()
-        } else {
-            vec![None]
+        let clients: Vec<Client> = match &self.inner.backend {
+            Backend::Single { conn, .. } => vec![conn.pool.next().clone()],
+            Backend::Cluster(c) => c.master_clients(),
         };
         let mut evicting = std::collections::BTreeSet::new();
         let mut unchecked = None;
-        for node in nodes {
+        for client in clients {
             let options = fred::types::config::Options {
                 timeout: Some(timeout),
-                cluster_node: node,
                 ..Default::default()
             };
             let get = fred::types::CustomCommand::new_static("CONFIG", fred::types::ClusterHash::Random, false);
@@ -492,15 +537,15 @@ impl RedisStore {
         let store = self.clone();
         tokio::spawn(async move {
             loop {
-                let connected = tokio::time::timeout(retry, store.inner.conn.pool.wait_for_connect()).await;
-                if matches!(connected, Ok(Ok(())))
-                    && store
-                        .inner
-                        .conn
-                        .load_scripts(Some(retry.max(Duration::from_secs(1))))
-                        .await
-                        .is_ok()
-                {
+                let wait = retry.max(Duration::from_secs(1));
+                let ready = match &store.inner.backend {
+                    Backend::Single { conn, .. } => {
+                        let connected = tokio::time::timeout(retry, conn.pool.wait_for_connect()).await;
+                        matches!(connected, Ok(Ok(()))) && conn.load_scripts(Some(wait)).await.is_ok()
+                    }
+                    Backend::Cluster(c) => c.connect(wait, false).await.is_ok(),
+                };
+                if ready {
                     tracing::info!(redis = %store.describe(), "connected to Redis");
                     store.inner.warm.store(true, Ordering::Release);
                     store.check_eviction(retry.max(Duration::from_secs(1))).await;
@@ -518,7 +563,13 @@ impl RedisStore {
     ///
     /// Errors: no answer in time, or an error answer.
     pub async fn probe(&self, timeout: Duration) -> Result<(), StoreError> {
-        match tokio::time::timeout(timeout, self.inner.conn.load_scripts(Some(timeout))).await {
+        let loaded = async {
+            match &self.inner.backend {
+                Backend::Single { conn, .. } => conn.load_scripts(Some(timeout)).await,
+                Backend::Cluster(c) => c.load_scripts(timeout).await,
+            }
+        };
+        match tokio::time::timeout(timeout, loaded).await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) => Err(store_error(&e)),
             Err(_) => Err(StoreError::Timeout(
@@ -532,7 +583,12 @@ impl RedisStore {
     /// keeps its one store until it exits.
     pub async fn quit(&self) {
         // An error here is a connection that was already gone: closed either way.
-        let _ = self.inner.conn.pool.quit().await;
+        match &self.inner.backend {
+            Backend::Single { conn, .. } => {
+                let _ = conn.pool.quit().await;
+            }
+            Backend::Cluster(c) => c.quit().await,
+        }
     }
 
     /// How long one decision may take, all calls included (`redis.command_timeout_ms`).
@@ -540,9 +596,13 @@ impl RedisStore {
         self.inner.timeout
     }
 
-    /// Whether every connection of the pool is up.
+    /// Whether every connection of the pool is up (a Cluster: its slot map is known and every
+    /// master's pool has been up).
     pub fn is_connected(&self) -> bool {
-        self.inner.conn.pool.clients().iter().all(|c| c.is_connected())
+        match &self.inner.backend {
+            Backend::Single { conn, .. } => conn.pool.clients().iter().all(|c| c.is_connected()),
+            Backend::Cluster(c) => c.is_connected(),
+        }
     }
 
     /// The offset from the local clock to Redis time, as last measured (microseconds).
@@ -552,7 +612,7 @@ impl RedisStore {
 
     /// The URLs, passwords redacted, for logs.
     pub fn describe(&self) -> &str {
-        &self.inner.conn.describe
+        &self.inner.describe
     }
 
     fn now_override(&self) -> Option<u64> {
@@ -564,11 +624,24 @@ impl RedisStore {
             .unwrap_or_else(|| self.inner.offset.estimate(self.inner.clock.now_us()))
     }
 
-    /// One request's call of the decision script (one slot's part of it in Cluster mode),
-    /// batched with concurrent requests ([`batch`]).
-    async fn call_decide(&self, keys: Vec<Key>, args: Vec<Value>) -> Result<Answer, StoreError> {
-        let conn = &self.inner.conn;
-        let batcher = self.inner.batcher.get_or_init(|| {
+    /// One request's call of the decision script (one slot's part of it in Cluster mode, sent
+    /// to its master within `deadline`), batched with concurrent requests ([`batch`]).
+    async fn call_decide(
+        &self,
+        keys: Vec<Key>,
+        args: Vec<Value>,
+        deadline: Option<tokio::time::Instant>,
+    ) -> Result<Answer, StoreError> {
+        let (conn, batcher) = match &self.inner.backend {
+            Backend::Single { conn, batcher } => (conn, batcher),
+            Backend::Cluster(c) => {
+                let deadline = deadline.unwrap_or_else(|| tokio::time::Instant::now() + self.inner.timeout);
+                // Boxed, as every Cluster-only path here: a single node's decision future (moved
+                // at every request) must not grow by what it never runs.
+                return Box::pin(c.call(keys, args, deadline)).await;
+            }
+        };
+        let batcher = batcher.get_or_init(|| {
             Batcher::start(
                 conn.clone(),
                 LaneSettings {
@@ -579,14 +652,25 @@ impl RedisStore {
             )
         });
         let (reply, answer) = tokio::sync::oneshot::channel();
-        batcher.submit(Job { keys, args, reply })?;
+        batcher.submit(Job {
+            keys,
+            args,
+            asking: false,
+            reply,
+        })?;
         answer
             .await
             .map_err(|_| StoreError::Unavailable("the Redis store is shutting down".into()))?
     }
 
-    /// Decides the buckets of one slot (all of them on a single node).
-    async fn decide_group(&self, buckets: &[&BucketRef], demands: &[Demand]) -> Result<script::Decided, StoreError> {
+    /// Decides the buckets of one slot (all of them on a single node); in Cluster mode every
+    /// call within `deadline`.
+    async fn decide_group(
+        &self,
+        buckets: &[&BucketRef],
+        demands: &[Demand],
+        deadline: Option<tokio::time::Instant>,
+    ) -> Result<script::Decided, StoreError> {
         // Keys are reference-counted bytes: a retry or a batch moves them, never copies.
         let keys: Vec<Key> = buckets
             .iter()
@@ -601,7 +685,9 @@ impl RedisStore {
                 .zip(&at)
                 .map(|((b, r), t)| (bucket_args(&b.plan, *t), r.as_ref()))
                 .collect();
-            let answer = self.call_decide(keys.clone(), encode_request(&args, demands)).await?;
+            let answer = self
+                .call_decide(keys.clone(), encode_request(&args, demands), deadline)
+                .await?;
             let (sent, received) = (answer.sent_us, answer.received_us);
             let reply = parse_reply(answer.value, buckets.len(), demands.len())
                 .map_err(|e| StoreError::Unavailable(format!("decide.lua: {e}").into()))?;
@@ -667,7 +753,7 @@ impl RedisStore {
 
     /// Groups bucket indexes by Cluster slot (one group on a single node), in first-seen order.
     fn groups(&self, buckets: &[BucketRef]) -> Vec<Vec<usize>> {
-        if !self.inner.conn.cluster {
+        if self.cluster().is_none() {
             return vec![(0..buckets.len()).collect()];
         }
         let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
@@ -681,72 +767,26 @@ impl RedisStore {
         groups.into_iter().map(|(_, g)| g).collect()
     }
 
-    async fn apply_inner(&self, buckets: &[BucketRef], demands: &[Demand]) -> Result<Applied, StoreError> {
-        let groups = self.groups(buckets);
-        if groups.len() == 1 {
-            let refs: Vec<&BucketRef> = buckets.iter().collect();
-            let d = self.decide_group(&refs, demands).await?;
-            return Ok(Applied {
-                now_us: d.now_us,
-                decision: Decision {
-                    denied: d.denied,
-                    passed: d.passed,
-                    instances: d.instances,
-                },
-            });
+    /// Decides a request on a single node: one call.
+    async fn apply_single(&self, buckets: &[BucketRef], demands: &[Demand]) -> Result<Applied, StoreError> {
+        let refs: Vec<&BucketRef> = buckets.iter().collect();
+        let d = self.decide_group(&refs, demands, None).await?;
+        Ok(Applied {
+            now_us: d.now_us,
+            decision: Decision {
+                denied: d.denied,
+                passed: d.passed,
+                instances: d.instances,
+            },
+        })
+    }
+
+    /// The scripts' SHA1s.
+    fn scripts(&self) -> &Scripts {
+        match &self.inner.backend {
+            Backend::Single { conn, .. } => &conn.scripts,
+            Backend::Cluster(c) => c.scripts(),
         }
-        // Cluster, several slots: one call per slot, in parallel.
-        let split: Vec<(Vec<&BucketRef>, Vec<Demand>, Vec<usize>)> = groups
-            .iter()
-            .map(|g| {
-                let refs = g.iter().map(|&i| &buckets[i]).collect();
-                let (ds, idx): (Vec<Demand>, Vec<usize>) = demands
-                    .iter()
-                    .enumerate()
-                    .filter_map(|(j, d)| {
-                        let local = g.iter().position(|&i| i == d.instance)?;
-                        Some((Demand { instance: local, ..*d }, j))
-                    })
-                    .unzip();
-                (refs, ds, idx)
-            })
-            .collect();
-        let results = join_all(split.iter().map(|(refs, ds, _)| self.decide_group(refs, ds))).await;
-        let denied = results.iter().any(|r| matches!(r, Ok(d) if d.denied));
-        let failed = results.iter().any(|r| r.is_err());
-        if denied || failed {
-            // All or nothing across slots: give back exactly what the admitting slots took,
-            // shadow demands' share included (a single call takes nothing on a denial either);
-            // their refunds stay applied, as refunds always are.
-            let refunds = split.iter().zip(&results).filter_map(|((refs, _, _), r)| {
-                let d = r.as_ref().ok()?;
-                let back: Vec<Demand> = d
-                    .instances
-                    .iter()
-                    .enumerate()
-                    .filter_map(|(i, o)| {
-                        let taken = taken_ut(d, o);
-                        (taken > 0).then_some(Demand {
-                            instance: i,
-                            kind: DemandKind::Refund(taken),
-                            enforced: false,
-                        })
-                    })
-                    .collect();
-                (!back.is_empty()).then_some(async move { self.decide_group(refs, &back).await })
-            });
-            let refunded = join_all(refunds).await;
-            for r in &refunded {
-                if let Err(e) = r {
-                    tracing::error!(error = %e, "could not refund a slot after another slot denied: tokens are held until they refill");
-                }
-            }
-        }
-        let mut decided = Vec::with_capacity(results.len());
-        for r in results {
-            decided.push(r?);
-        }
-        Ok(merge_slots(buckets, demands.len(), &groups, &split, decided, denied))
     }
 
     async fn read(&self, sha: &str, buckets: &[BucketRef]) -> Result<(u64, Vec<Option<Vec<u8>>>), StoreError> {
@@ -761,7 +801,14 @@ impl RedisStore {
                 Some(t) => Value::Integer(t as i64),
                 None => Value::String("".into()),
             };
-            let value = self.inner.conn.evalsha(sha, keys, vec![over]).await?;
+            let value = match &self.inner.backend {
+                Backend::Single { conn, .. } => conn.evalsha(sha, keys, vec![over]).await?,
+                Backend::Cluster(c) => {
+                    let slot = keys.first().map_or(0, |k| keys::slot(k.as_bytes()));
+                    let deadline = tokio::time::Instant::now() + self.inner.timeout;
+                    c.evalsha(slot, sha, keys, vec![over], deadline).await?
+                }
+            };
             let bad = |what: &str| StoreError::Unavailable(format!("peek/reset script: {what}").into());
             match value {
                 Value::Integer(t) => now = now.max(t as u64),
@@ -780,79 +827,16 @@ impl RedisStore {
     }
 }
 
-/// Micro-tokens a slot's decision `d` took from the bucket `o` (the script takes a bucket's
-/// consuming demands, shadow ones included, only when the request is admitted and the bucket
-/// holds them all): what a refund must give back. Not `consumed_ut`, which is what was asked.
-fn taken_ut(d: &script::Decided, o: &InstanceOutcome) -> u64 {
-    if !d.denied && o.consumed_ut > 0 && o.before.tokens_ut >= o.consumed_ut {
-        o.consumed_ut
-    } else {
-        0
-    }
-}
-
-/// Puts the slots' decisions of one request back together in the request's order. Each slot
-/// was decided at the clock of the node holding it, and nodes' clocks may differ: the request's
-/// `now_us` is the latest, and every other slot's states are moved by the difference, so a wait
-/// measured from them at that `now_us` is the wait at their own node's clock (a client told to
-/// retry then is not early on a node that runs behind). When another slot denied, an admitting
-/// slot's buckets are reported as its refund left them: as before, less nothing, plus their own
-/// refunds.
-fn merge_slots(
-    buckets: &[BucketRef],
-    demands: usize,
-    groups: &[Vec<usize>],
-    split: &[(Vec<&BucketRef>, Vec<Demand>, Vec<usize>)],
-    decided: Vec<script::Decided>,
-    denied: bool,
-) -> Applied {
-    let now_us = decided.iter().map(|d| d.now_us).max().unwrap_or(0);
-    let mut passed = vec![false; demands];
-    let mut instances = vec![None; buckets.len()];
-    for ((_, _, idx), (g, d)) in split.iter().zip(groups.iter().zip(decided)) {
-        let shift = now_us - d.now_us;
-        for (local, &j) in idx.iter().enumerate() {
-            passed[j] = d.passed[local];
-        }
-        for (local, &i) in g.iter().enumerate() {
-            let mut o: InstanceOutcome = d.instances[local];
-            if denied && !d.denied {
-                let taken = taken_ut(&d, &o);
-                if taken > 0 {
-                    let capacity = buckets[i].plan.limit_at(o.after.updated_us).capacity_ut;
-                    o.after.tokens_ut = o
-                        .after
-                        .tokens_ut
-                        .saturating_add(taken)
-                        .min(capacity.max(o.before.tokens_ut));
-                }
-            }
-            for state in [&mut o.stored, &mut o.before, &mut o.after] {
-                state.updated_us = state.updated_us.saturating_add(shift);
-            }
-            instances[i] = Some(o);
-        }
-    }
-    Applied {
-        now_us,
-        decision: Decision {
-            denied,
-            passed,
-            instances: instances
-                .into_iter()
-                .map(|o| o.expect("every bucket is in a group"))
-                .collect(),
-        },
-    }
-}
-
 impl Store for RedisStore {
     fn clock_estimate_us(&self) -> u64 {
         self.estimate()
     }
 
     async fn apply(&self, buckets: &[BucketRef], demands: &[Demand]) -> Result<Applied, StoreError> {
-        match tokio::time::timeout(self.inner.timeout, self.apply_inner(buckets, demands)).await {
+        if self.cluster().is_some() {
+            return Box::pin(self.apply_cluster::<NoFallback>(buckets, demands, None)).await;
+        }
+        match tokio::time::timeout(self.inner.timeout, self.apply_single(buckets, demands)).await {
             Ok(result) => result,
             Err(_) => Err(StoreError::Timeout(
                 format!("no answer from Redis within {} ms", self.inner.timeout.as_millis()).into(),
@@ -860,8 +844,22 @@ impl Store for RedisStore {
         }
     }
 
+    /// In Cluster mode, the slots of a lost master are decided on `fallback`, the others on
+    /// Redis, all or nothing (docs/backends.md, "Cluster"); on a single node, as `apply`.
+    async fn apply_or_fall_back<F: super::PartFallback>(
+        &self,
+        buckets: &[BucketRef],
+        demands: &[Demand],
+        fallback: &F,
+    ) -> Result<Applied, StoreError> {
+        if self.cluster().is_some() {
+            return Box::pin(self.apply_cluster(buckets, demands, Some(fallback))).await;
+        }
+        self.apply(buckets, demands).await
+    }
+
     async fn peek(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
-        let (now_us, values) = self.read(&self.inner.conn.scripts.peek, buckets).await?;
+        let (now_us, values) = self.read(&self.scripts().peek, buckets).await?;
         let stored = values
             .into_iter()
             .map(|raw| raw.as_deref().and_then(script::parse_value).map(|(state, _)| state));
@@ -869,7 +867,7 @@ impl Store for RedisStore {
     }
 
     async fn reset(&self, buckets: &[BucketRef]) -> Result<Peeked, StoreError> {
-        let (now_us, _) = self.read(&self.inner.conn.scripts.reset, buckets).await?;
+        let (now_us, _) = self.read(&self.scripts().reset, buckets).await?;
         Ok(Peeked::all_full(buckets, now_us))
     }
 }
@@ -892,6 +890,11 @@ impl super::SharedBackend for RedisStore {
     }
 
     fn not_ready_yet(&self) -> Option<String> {
+        if self.cluster().is_some() {
+            // Connected once, a Cluster is ready: a master that fails since loses its own
+            // slots only, which readiness weighs (`cluster_health`).
+            return (!self.is_warm()).then(|| format!("not connected to the Redis Cluster at {}", self.describe()));
+        }
         if !self.is_connected() {
             Some(format!("not connected to Redis at {}", self.describe()))
         } else if !self.is_warm() {
@@ -911,7 +914,6 @@ impl super::SharedBackend for RedisStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::bucket::BucketState;
 
     #[test]
     fn fred_errors_stay_the_source_of_store_errors() {
@@ -927,70 +929,6 @@ mod tests {
         let bad = store_error(&FredError::new(ErrorKind::Unknown, "WRONGTYPE Operation against a key"));
         assert!(matches!(bad, StoreError::Rejected(_)), "{bad:?}");
         assert!(source(&bad).is_some());
-    }
-
-    fn outcome(tokens: u64, updated_us: u64) -> InstanceOutcome {
-        let state = BucketState {
-            tokens_ut: tokens,
-            updated_us,
-        };
-        InstanceOutcome {
-            stored: state,
-            before: state,
-            after: state,
-            consumed_ut: 0,
-            debited_ut: 0,
-            lost_ut: 0,
-            changed: false,
-        }
-    }
-
-    /// Two slots on nodes whose clocks differ by 5 s: the request's time is the later one and
-    /// the other slot's states move by the difference, so that a wait measured from them at
-    /// that time is the wait at their own node's clock. (Before, they kept their own node's
-    /// times and a wait on the node behind came out 5 s short: a client retried too early.)
-    #[test]
-    fn slots_decided_at_different_clocks_are_merged_at_the_latest() {
-        let plan = crate::core::schedule::Plan::Fixed(crate::core::bucket::Limit::new(
-            10,
-            crate::core::bucket::Rate::per(1, 1_000_000).unwrap(),
-        ));
-        let buckets = vec![
-            BucketRef {
-                lease_ut: 0,
-                key: "ahead".into(),
-                plan: plan.clone(),
-            },
-            BucketRef {
-                lease_ut: 0,
-                key: "behind".into(),
-                plan: plan.clone(),
-            },
-        ];
-        let groups = vec![vec![0], vec![1]];
-        let split: Vec<(Vec<&BucketRef>, Vec<Demand>, Vec<usize>)> =
-            vec![(vec![&buckets[0]], vec![], vec![]), (vec![&buckets[1]], vec![], vec![])];
-        let t = 1_780_000_000_000_000;
-        let decided = vec![
-            script::Decided {
-                now_us: t + 5_000_000,
-                denied: false,
-                passed: vec![],
-                instances: vec![outcome(0, t + 5_000_000)],
-            },
-            script::Decided {
-                now_us: t,
-                denied: false,
-                passed: vec![],
-                instances: vec![outcome(0, t)],
-            },
-        ];
-        let merged = merge_slots(&buckets, 0, &groups, &split, decided, false);
-        assert_eq!(merged.now_us, t + 5_000_000);
-        let behind = merged.decision.instances[1];
-        assert_eq!(behind.after.updated_us, t + 5_000_000);
-        // Empty at one token a second: a token in a second on its own node's clock.
-        assert_eq!(plan.wait_us(behind.kept(), 1_000_000, merged.now_us), Some(1_000_000));
     }
 
     #[test]

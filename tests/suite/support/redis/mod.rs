@@ -52,6 +52,29 @@ pub fn shared_redis(test: &str) -> Option<String> {
     None
 }
 
+/// Whether `redis-server` and `redis-cli` can be run, for a test that starts private servers:
+/// without them the test fails when `CI=true` and is skipped (with a note on stderr) otherwise.
+pub fn redis_binaries_or_skip(test: &str) -> bool {
+    let runs = |bin: &str| {
+        std::process::Command::new(bin)
+            .arg("--version")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if runs("redis-server") && runs("redis-cli") {
+        return true;
+    }
+    let ci = std::env::var("CI").is_ok_and(|v| v.eq_ignore_ascii_case("true"));
+    assert!(
+        !ci,
+        "{test}: no redis-server or redis-cli and CI=true: run scripts/ensure-redis"
+    );
+    eprintln!("skipping {test}: no redis-server or redis-cli (run scripts/ensure-redis)");
+    false
+}
+
 /// A key prefix unique to this call (test name, pid, wall-clock nanoseconds and a counter), so
 /// tests on the shared server never see each other's keys: `tollgate-test:<test>:<pid>:<nanos>-<n>:`.
 /// Any `{`, `}` (hash tags) and glob characters in `test` are replaced with `_`.
