@@ -735,9 +735,26 @@ async fn exported(test: &str) -> Option<Exported> {
     let mut f = connect(&failing).await;
     assert_eq!(code(&mut f, request("shop", &[("user", "carol")], 0)).await, Code::Ok);
 
+    // A Redis Cluster, for the per-master series (tollgate_redis_cluster_*).
+    let cluster = block_in_place(support::redis::RedisCluster::start);
+    let urls: Vec<String> = cluster.urls().iter().map(|u| support::yaml_str(u)).collect();
+    let on_cluster = block_in_place(|| {
+        Tollgate::builder()
+            .rules_file("shop.yaml", RULES)
+            .settings(&format!(
+                "backend: redis\nredis: {{urls: [{}], cluster: true, key_prefix: {}}}",
+                urls.join(", "),
+                support::yaml_str(&prefix)
+            ))
+            .start()
+    });
+    let mut k = connect(&on_cluster).await;
+    assert_eq!(code(&mut k, request("shop", &[("user", "dora")], 0)).await, Code::Ok);
+
     let mut exported = Exported::default();
     exported.add_scrape(&block_in_place(|| metrics_text(&redis)));
     exported.add_scrape(&block_in_place(|| metrics_text(&failing)));
+    exported.add_scrape(&block_in_place(|| metrics_text(&on_cluster)));
     // The mix above must have produced what the kit watches, or the check below means little.
     for name in [
         "tollgate_decisions_total",
@@ -745,6 +762,7 @@ async fn exported(test: &str) -> Option<Exported> {
         "tollgate_backend_fallbacks_total",
         "tollgate_backend_failure_answers_total",
         "tollgate_memory_buckets",
+        "tollgate_redis_cluster_node_up",
     ] {
         assert!(exported.series.contains_key(name), "no {name} in the scrapes");
     }
