@@ -259,9 +259,9 @@ impl LocalLayer {
             .map(|(i, r)| match r {
                 Some(r) => {
                     if admitted {
-                        self.leases.commit(&keys[i], r.taken_ut);
+                        self.leases.commit(&keys[i], r);
                     } else {
-                        self.leases.release(&keys[i], r.taken_ut);
+                        self.leases.release(&keys[i], r);
                     }
                     leased_outcome(r, admitted, now_us)
                 }
@@ -308,7 +308,7 @@ impl LocalLayer {
                 if let Some(s) = split {
                     for (i, r) in s.reserved.iter().enumerate() {
                         if let Some(r) = r {
-                            self.leases.release(&keys[i], r.taken_ut);
+                            self.leases.release(&keys[i], r);
                         }
                     }
                 }
@@ -350,12 +350,20 @@ impl LocalLayer {
     }
 
     /// The leases to ask the store for now (each a consuming decision of
-    /// [`LeaseOrder::tokens_ut`] on its bucket; hand the answer to [`LocalLayer::granted`]).
+    /// [`LeaseOrder::tokens_ut`] on its bucket, to send at once; hand the answer to
+    /// [`LocalLayer::granted`]).
     pub fn take_orders(&self) -> Vec<LeaseOrder> {
         if !self.has_orders.swap(false, Ordering::AcqRel) {
             return Vec::new();
         }
-        std::mem::take(&mut *self.orders.lock().unwrap_or_else(|p| p.into_inner()))
+        let mut orders = std::mem::take(&mut *self.orders.lock().unwrap_or_else(|p| p.into_inner()));
+        if let Some(cache) = &self.cache {
+            // A denial of the order is learnt only if nothing was forgotten since it left.
+            for order in &mut orders {
+                order.ticket = cache.ticket(&[order.key]);
+            }
+        }
+        orders
     }
 
     /// The store's answer to `order`: its decision, or `None` when the call failed. Returns
@@ -373,7 +381,7 @@ impl LocalLayer {
                 // (a request asking less still goes to the store).
                 let demand = lease_demand(order);
                 cache.learn(
-                    &cache.ticket(&[order.key]),
+                    &order.ticket,
                     std::slice::from_ref(&order.bucket),
                     &[order.key],
                     &[demand],

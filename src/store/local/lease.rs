@@ -15,6 +15,13 @@
 //! when the lease's hold ends (`lease_hold_ms` after it was taken), at a reload and at
 //! shutdown; a reset of the bucket drops them.
 //!
+//! **Eras.** A reload or shutdown ends a lease, a reset wipes it: each starts a new era of
+//! the lease (an id). A grant or a reserved token from an earlier era never joins the new one
+//! (the new rules may size the lease smaller): after a reload it goes back to the store; after
+//! a reset it is dropped, since the reset wiped the debit it came from and giving it back could
+//! add tokens the reset bucket never lost. (A grant the store decided just after the reset is
+//! then lost until refill: an under-admission of at most one lease.)
+//!
 //! **The accounting, for other holders.** A lease is a share of a bucket held outside the store:
 //! taken by an ordinary all-or-nothing consuming decision (so whatever holds it, the store has
 //! debited it first), spent without the store, given back by an ordinary refund. Nothing here
@@ -32,6 +39,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use super::super::digest::{Digest, DigestHash};
 use super::super::BucketRef;
+use super::overlimit::Ticket;
 use crate::core::bucket::{BucketState, Refilling};
 
 /// Shards of the lease table.
@@ -53,6 +61,10 @@ struct Lease {
     expires_us: u64,
     /// A grant is on its way.
     acquiring: bool,
+    /// The lease's era: orders and reservations carry the era they were made in.
+    era: u64,
+    /// The era the latest reset started: anything from before it is dropped, not given back.
+    reset_era: u64,
 }
 
 impl Lease {
@@ -69,6 +81,8 @@ impl Lease {
             bucket,
             tokens_ut: missing,
             key,
+            era: self.era,
+            ticket: Ticket::default(),
         });
     }
 }
@@ -83,6 +97,9 @@ pub struct LeaseOrder {
     /// Micro-tokens to take.
     pub tokens_ut: u64,
     pub(crate) key: Digest,
+    pub(crate) era: u64,
+    /// The over-limit cache's epochs when the order left (set by the layer).
+    pub(crate) ticket: Ticket,
 }
 
 /// Unspent leased tokens to give back to the store: a refund of `tokens_ut` on `bucket`.
@@ -101,6 +118,7 @@ pub struct LeaseReturn {
 pub(crate) struct Reserved {
     pub(crate) taken_ut: u64,
     pub(crate) view: BucketState,
+    pub(crate) era: u64,
 }
 
 /// Every lease of a replica.
@@ -110,10 +128,19 @@ pub(crate) struct Leases {
     /// Unspent tokens held, all leases together (micro-tokens), for the gauge.
     held_ut: AtomicU64,
     held_gauge: metrics::Gauge,
+    /// The next era (unique across leases, so a lease made anew never matches an old one).
+    next_era: AtomicU64,
+    /// Reserved tokens of an ended era, released by their requests: to go back with the next
+    /// returns.
+    orphans: Mutex<Vec<LeaseReturn>>,
 }
 
 fn lock(shard: &Mutex<Map>) -> MutexGuard<'_, Map> {
     shard.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn lock_orphans(orphans: &Mutex<Vec<LeaseReturn>>) -> MutexGuard<'_, Vec<LeaseReturn>> {
+    orphans.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Leases {
@@ -126,7 +153,13 @@ impl Leases {
             hold_us: hold_us.max(1),
             held_ut: AtomicU64::new(0),
             held_gauge,
+            next_era: AtomicU64::new(1),
+            orphans: Mutex::new(Vec::new()),
         }
+    }
+
+    fn era(&self) -> u64 {
+        self.next_era.fetch_add(1, Ordering::Relaxed)
     }
 
     fn shard(&self, key: &Digest) -> MutexGuard<'_, Map> {
@@ -183,26 +216,42 @@ impl Leases {
                 tokens_ut: view_tokens.max(need_ut),
                 updated_us: now_us,
             },
+            era: lease.era,
         })
     }
 
-    /// The request that reserved `taken_ut` of `key` was admitted: the tokens are spent.
-    pub(crate) fn commit(&self, key: &Digest, taken_ut: u64) {
+    /// The request that made `r` on `key` was admitted: the tokens are spent.
+    pub(crate) fn commit(&self, key: &Digest, r: &Reserved) {
         if let Some(lease) = self.shard(key).get_mut(key) {
-            lease.reserved_ut = lease.reserved_ut.saturating_sub(taken_ut);
+            lease.reserved_ut = lease.reserved_ut.saturating_sub(r.taken_ut);
         }
-        self.held(0, taken_ut);
+        self.held(0, r.taken_ut);
     }
 
-    /// The request that reserved `taken_ut` of `key` was denied (or failed): the tokens are
-    /// the lease's again.
-    pub(crate) fn release(&self, key: &Digest, taken_ut: u64) {
-        if let Some(lease) = self.shard(key).get_mut(key) {
-            lease.reserved_ut = lease.reserved_ut.saturating_sub(taken_ut);
-            lease.tokens_ut = lease.tokens_ut.saturating_add(taken_ut);
-        } else {
-            // The lease is gone (a reset dropped it): nothing holds these tokens any more.
-            self.held(0, taken_ut);
+    /// The request that made `r` on `key` was denied (or failed): the tokens are the lease's
+    /// again, if its era has not ended meanwhile (see the module's docs).
+    pub(crate) fn release(&self, key: &Digest, r: &Reserved) {
+        let mut shard = self.shard(key);
+        let back = match shard.get_mut(key) {
+            Some(lease) => {
+                lease.reserved_ut = lease.reserved_ut.saturating_sub(r.taken_ut);
+                if lease.era == r.era {
+                    lease.tokens_ut = lease.tokens_ut.saturating_add(r.taken_ut);
+                    return;
+                }
+                (r.era >= lease.reset_era).then(|| LeaseReturn {
+                    bucket: lease.bucket.clone(),
+                    tokens_ut: r.taken_ut,
+                    key: *key,
+                })
+            }
+            // The lease is gone with whatever happened to it: dropped (the safe side).
+            None => None,
+        };
+        drop(shard);
+        match back {
+            Some(ret) => lock_orphans(&self.orphans).push(ret),
+            None => self.held(0, r.taken_ut),
         }
     }
 
@@ -221,7 +270,13 @@ impl Leases {
             granted: after,
             expires_us: 0,
             acquiring: false,
+            era: 0,
+            reset_era: 0,
         });
+        if lease.era == 0 {
+            lease.era = self.era();
+            lease.reset_era = lease.era;
+        }
         if lease.acquiring || lease.tokens_ut > bucket.lease_ut / 2 {
             return;
         }
@@ -230,18 +285,22 @@ impl Leases {
 
     /// The store's answer to `order`: `Some(state)` when it granted the tokens, leaving the
     /// bucket at `state` at `now_us`; `None` when it denied or failed. Returns the tokens to
-    /// give back at once, if the lease was dropped while the order was on its way.
+    /// give back at once, if the lease's era ended while the order was on its way (a reload);
+    /// after a reset they are dropped (see the module's docs).
     pub(crate) fn granted(&self, order: &LeaseOrder, state: Option<BucketState>, now_us: u64) -> Option<LeaseReturn> {
         let mut shard = self.shard(&order.key);
-        let Some(lease) = shard.get_mut(&order.key) else {
-            return state.map(|_| LeaseReturn {
+        // Never removed while acquiring: a missing lease is a bug's aftermath, and dropping
+        // the grant is the safe side.
+        let lease = shard.get_mut(&order.key)?;
+        lease.acquiring = false;
+        let state = state?;
+        if lease.era != order.era {
+            return (order.era >= lease.reset_era).then(|| LeaseReturn {
                 bucket: order.bucket.clone(),
                 tokens_ut: order.tokens_ut,
                 key: order.key,
             });
-        };
-        lease.acquiring = false;
-        let state = state?;
+        }
         if lease.expires_us <= now_us {
             // A fresh lease (or one whose hold ended: what it held went back already).
             lease.expires_us = now_us.saturating_add(self.hold_us);
@@ -261,16 +320,17 @@ impl Leases {
     }
 
     /// Every lease's unspent tokens, taken out to go back, and every lease ended (a reload, a
-    /// shutdown).
+    /// shutdown): a new era for each.
     pub(crate) fn take_all(&self) -> Vec<LeaseReturn> {
         self.take(|lease| {
             lease.expires_us = 0;
+            lease.era = self.era();
             true
         })
     }
 
     fn take(&self, mut ends: impl FnMut(&mut Lease) -> bool) -> Vec<LeaseReturn> {
-        let mut out = Vec::new();
+        let mut out = std::mem::take(&mut *lock_orphans(&self.orphans));
         for shard in self.shards.iter() {
             let mut shard = lock(shard);
             shard.retain(|key, lease| {
@@ -301,6 +361,8 @@ impl Leases {
             let dropped = lease.tokens_ut;
             lease.tokens_ut = 0;
             lease.expires_us = 0;
+            lease.era = self.era();
+            lease.reset_era = lease.era;
             if lease.reserved_ut == 0 && !lease.acquiring {
                 shard.remove(key);
             }

@@ -585,3 +585,165 @@ fn an_answer_decided_before_this_replicas_lease_return_is_forgotten() {
         "the returned tokens are in the store"
     );
 }
+
+/// 20 tokens, one back every 100 s, leased 10 at a time: slow enough that refill never hides
+/// a miscount in these tests.
+fn slow_leased(key: &str) -> BucketRef {
+    BucketRef {
+        plan: Plan::Fixed(Limit::new(20, Rate::per(1, 100 * SECOND).unwrap())),
+        ..bucket(key, 20, 1, 10)
+    }
+}
+
+/// Admits single tokens through the layer until one is denied; how many were admitted.
+fn admit_until_denied(rig: &mut Rig, b: &[BucketRef]) -> u64 {
+    let mut admitted = 0;
+    while !rig.apply(b, &[consume(0, 1)]).decision.denied {
+        admitted += 1;
+        assert!(admitted <= 1_000, "no denial in sight");
+    }
+    admitted
+}
+
+/// A lease order the store denies (the bucket cannot spare a lease), whose answer comes back
+/// after a refund through this replica reached the store: the denial predates the refund and
+/// must not be learnt, or the cache denies what the store admits.
+#[test]
+fn a_denied_lease_order_is_not_learnt_past_a_refund() {
+    let mut rig = Rig::new(LocalSettings::default());
+    let b = [slow_leased("global")];
+    let Route::Store(ask) = rig.layer.route(&b, &[consume(0, 1)], rig.now()) else {
+        panic!("no lease yet");
+    };
+    let first = rig.store.apply_now(&b, &[consume(0, 1)]);
+    rig.layer.finish(*ask, &b, &[consume(0, 1)], Ok(first)).unwrap();
+    let order = rig.layer.take_orders().pop().expect("19 left: a lease is ordered");
+    // Another replica takes 15: 4 left, fewer than the lease.
+    assert!(!rig.store.apply_now(&b, &[consume(0, 15)]).decision.denied);
+    let denied = rig
+        .store
+        .apply_now(std::slice::from_ref(&order.bucket), &[lease_demand(&order)]);
+    assert!(denied.decision.denied);
+    // A refund of 10 through this replica, answered before the lease's denial comes back.
+    let refund = [demand(0, DemandKind::Refund(10 * MICRO))];
+    let Route::Store(give) = rig.layer.route(&b, &refund, rig.now()) else {
+        panic!("a refund goes to the store");
+    };
+    let refunded = rig.store.apply_now(&b, &refund);
+    rig.layer.finish(*give, &b, &refund, Ok(refunded)).unwrap();
+    assert!(rig.layer.granted(&order, Some(&denied)).is_none());
+    assert!(
+        !rig.apply(&b, &[consume(0, 10)]).decision.denied,
+        "the store holds 14 tokens"
+    );
+}
+
+/// A lease granted by the store before an admin reset of the bucket, whose answer arrives
+/// after it: the reset wiped the debit, so spending those tokens would admit beyond what the
+/// reset bucket holds. They are dropped (an under-admission, never an over-admission).
+#[test]
+fn a_grant_across_a_reset_is_not_spent() {
+    let mut rig = Rig::new(LocalSettings::default());
+    let b = [slow_leased("global")];
+    let Route::Store(ask) = rig.layer.route(&b, &[consume(0, 1)], rig.now()) else {
+        panic!("no lease yet");
+    };
+    let first = rig.store.apply_now(&b, &[consume(0, 1)]);
+    rig.layer.finish(*ask, &b, &[consume(0, 1)], Ok(first)).unwrap();
+    let order = rig.layer.take_orders().pop().expect("a lease is ordered");
+    let granted = rig
+        .store
+        .apply_now(std::slice::from_ref(&order.bucket), &[lease_demand(&order)]);
+    assert!(!granted.decision.denied);
+    rig.layer.reset(&b);
+    rig.store.reset_now(&b);
+    assert!(rig.layer.granted(&order, Some(&granted)).is_none());
+    assert_eq!(rig.layer.leased_ut(), 0, "the grant predates the reset");
+    assert_eq!(admit_until_denied(&mut rig, &b), 20, "the reset bucket's 20 tokens");
+}
+
+/// A request holding leased tokens reserved while the store decides its other bucket, across
+/// a reset of the leased bucket, then denied: its reservation predates the reset and must not
+/// come back as spendable (or given back as a refund) on top of the reset bucket.
+#[test]
+fn a_reservation_across_a_reset_is_dropped() {
+    let mut rig = Rig::new(LocalSettings::default());
+    let global = slow_leased("global");
+    let user = bucket("user", 1, 1, 0);
+    assert!(
+        !rig.apply(std::slice::from_ref(&global), &[consume(0, 1)])
+            .decision
+            .denied
+    );
+    assert!(!rig.apply(std::slice::from_ref(&user), &[consume(0, 1)]).decision.denied);
+    assert_eq!(rig.layer.leased_ut(), 10 * MICRO);
+    let both = [global.clone(), user];
+    let demands = [consume(0, 1), consume(1, 1)];
+    let Route::Store(ask) = rig.layer.route(&both, &demands, rig.now()) else {
+        panic!("the user's bucket is decided by the store");
+    };
+    rig.layer.reset(std::slice::from_ref(&global));
+    rig.store.reset_now(std::slice::from_ref(&global));
+    // Another replica spends 5 of the reset bucket.
+    assert!(
+        !rig.store
+            .apply_now(std::slice::from_ref(&global), &[consume(0, 5)])
+            .decision
+            .denied
+    );
+    let answer = {
+        let (b, d) = ask.request(&both, &demands);
+        rig.store.apply_now(b, d)
+    };
+    assert!(answer.decision.denied, "the user's bucket is empty");
+    assert!(
+        rig.layer
+            .finish(*ask, &both, &demands, Ok(answer))
+            .unwrap()
+            .decision
+            .denied
+    );
+    rig.clock.advance_us(2 * SECOND);
+    rig.return_due();
+    assert_eq!(
+        admit_until_denied(&mut rig, std::slice::from_ref(&global)),
+        15,
+        "20 after the reset, less the other replica's 5"
+    );
+}
+
+/// A lease order in flight when the rules are reloaded: the lease ended with the old rules,
+/// so its grant goes straight back to the store instead of filling a lease the new rules may
+/// size smaller.
+#[test]
+fn a_grant_across_a_reload_goes_back() {
+    let mut rig = Rig::new(LocalSettings::default());
+    let b = [slow_leased("global")];
+    let Route::Store(ask) = rig.layer.route(&b, &[consume(0, 1)], rig.now()) else {
+        panic!("no lease yet");
+    };
+    let first = rig.store.apply_now(&b, &[consume(0, 1)]);
+    rig.layer.finish(*ask, &b, &[consume(0, 1)], Ok(first)).unwrap();
+    let order = rig.layer.take_orders().pop().expect("a lease is ordered");
+    rig.layer.rules_changed();
+    assert!(rig.layer.return_all().is_empty(), "nothing granted yet");
+    let granted = rig
+        .store
+        .apply_now(std::slice::from_ref(&order.bucket), &[lease_demand(&order)]);
+    let back = rig.layer.granted(&order, Some(&granted)).expect("the grant goes back");
+    assert_eq!(back.tokens_ut, 10 * MICRO);
+    assert_eq!(rig.layer.leased_ut(), 0);
+    rig.give_back(back);
+    // The new rules lease 2 at a time: no lease holds more.
+    let smaller = [BucketRef {
+        lease_ut: 2 * MICRO,
+        ..slow_leased("global")
+    }];
+    assert!(!rig.apply(&smaller, &[consume(0, 1)]).decision.denied);
+    assert!(
+        rig.layer.leased_ut() <= 2 * MICRO,
+        "{} µt leased",
+        rig.layer.leased_ut()
+    );
+    assert_eq!(admit_until_denied(&mut rig, &smaller), 18, "20 less the two admitted");
+}
