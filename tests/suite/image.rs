@@ -7,7 +7,7 @@
 //! read-only). Real Envoy then limits traffic through it with the shipped `envoy/envoy.yaml`.
 //!
 //! The binary: `$TOLLGATE_RELEASE_BIN` (scripts/test builds it with `cargo build --release
-//! --locked --bin tollgate`), else `target/release/tollgate` if present, else the test profile's
+//! --locked`, beside the instruction gate's driver), else `target/release/tollgate` if present, else the test profile's
 //! binary with a note; under `CI=true` the release one is required. These tests need root (for
 //! the mount namespace and `setpriv`), `unshare` and `setpriv` (util-linux), and Envoy
 //! (`support::envoy_or_skip`); `hadolint` comes from `support::tools`.
