@@ -605,6 +605,17 @@ fn admit_until_denied(rig: &mut Rig, b: &[BucketRef]) -> u64 {
     admitted
 }
 
+/// Admits one token of `b` through the store and takes the lease order that follows (19 tokens
+/// left, a lease of 10 to spare), without sending it: the test decides when it reaches the store.
+fn first_lease_order(rig: &mut Rig, b: &[BucketRef]) -> LeaseOrder {
+    let Route::Store(ask) = rig.layer.route(b, &[consume(0, 1)], rig.now()) else {
+        panic!("no lease yet");
+    };
+    let first = rig.store.apply_now(b, &[consume(0, 1)]);
+    rig.layer.finish(*ask, b, &[consume(0, 1)], Ok(first)).unwrap();
+    rig.layer.take_orders().pop().expect("19 left: a lease is ordered")
+}
+
 /// A lease order the store denies (the bucket cannot spare a lease), whose answer comes back
 /// after a refund through this replica reached the store: the denial predates the refund and
 /// must not be learnt, or the cache denies what the store admits.
@@ -612,12 +623,7 @@ fn admit_until_denied(rig: &mut Rig, b: &[BucketRef]) -> u64 {
 fn a_denied_lease_order_is_not_learnt_past_a_refund() {
     let mut rig = Rig::new(LocalSettings::default());
     let b = [slow_leased("global")];
-    let Route::Store(ask) = rig.layer.route(&b, &[consume(0, 1)], rig.now()) else {
-        panic!("no lease yet");
-    };
-    let first = rig.store.apply_now(&b, &[consume(0, 1)]);
-    rig.layer.finish(*ask, &b, &[consume(0, 1)], Ok(first)).unwrap();
-    let order = rig.layer.take_orders().pop().expect("19 left: a lease is ordered");
+    let order = first_lease_order(&mut rig, &b);
     // Another replica takes 15: 4 left, fewer than the lease.
     assert!(!rig.store.apply_now(&b, &[consume(0, 15)]).decision.denied);
     let denied = rig
@@ -645,12 +651,7 @@ fn a_denied_lease_order_is_not_learnt_past_a_refund() {
 fn a_grant_across_a_reset_is_not_spent() {
     let mut rig = Rig::new(LocalSettings::default());
     let b = [slow_leased("global")];
-    let Route::Store(ask) = rig.layer.route(&b, &[consume(0, 1)], rig.now()) else {
-        panic!("no lease yet");
-    };
-    let first = rig.store.apply_now(&b, &[consume(0, 1)]);
-    rig.layer.finish(*ask, &b, &[consume(0, 1)], Ok(first)).unwrap();
-    let order = rig.layer.take_orders().pop().expect("a lease is ordered");
+    let order = first_lease_order(&mut rig, &b);
     let granted = rig
         .store
         .apply_now(std::slice::from_ref(&order.bucket), &[lease_demand(&order)]);
@@ -719,12 +720,7 @@ fn a_reservation_across_a_reset_is_dropped() {
 fn a_grant_across_a_reload_goes_back() {
     let mut rig = Rig::new(LocalSettings::default());
     let b = [slow_leased("global")];
-    let Route::Store(ask) = rig.layer.route(&b, &[consume(0, 1)], rig.now()) else {
-        panic!("no lease yet");
-    };
-    let first = rig.store.apply_now(&b, &[consume(0, 1)]);
-    rig.layer.finish(*ask, &b, &[consume(0, 1)], Ok(first)).unwrap();
-    let order = rig.layer.take_orders().pop().expect("a lease is ordered");
+    let order = first_lease_order(&mut rig, &b);
     rig.layer.rules_changed();
     assert!(rig.layer.return_all().is_empty(), "nothing granted yet");
     let granted = rig
