@@ -54,7 +54,10 @@
 -- and a busy bucket's range moves slowly, so most writes keep it. Needs Redis 6.2 (PXAT,
 -- KEEPTTL); before 7.0 (no PEXPIRETIME) every write sets the expiry.
 --
--- Returns one answer per request, in order:
+-- A request whose packed string starts with a negative count is a lean one (`decide_lean`
+-- below: plain token buckets, consuming demands).
+--
+-- Returns one answer per request, in order, then the call's time (µs) as a last element:
 --   a decision, as one string (not a table: Redis turns a table into a reply at several
 --    times the cost) of little-endian doubles: now, denied (1/0), passed (1/0) per
 --    demand, then per bucket 8: stored tokens, stored updated, tokens before, updated
@@ -169,7 +172,14 @@ local buckets, answer = {}, {}
 -- Redis's own clock in ms (TIME), for expiry, even when tests override `now`.
 local clock_ms
 -- Whether the server has PEXPIRETIME (Redis 7.0); without it every write sets the expiry.
+-- Asked once per call, and only when a general request writes (a lean one never reads it).
 local has_pexpiretime
+local function pexpiretime_known()
+  if has_pexpiretime == nil then
+    has_pexpiretime = type(pcall_('PEXPIRETIME', KEYS[1])) == 'number'
+  end
+  return has_pexpiretime
+end
 
 -- Decides one request whose keys start after KEYS[ko] and whose fields start after ARGV[ao];
 -- returns its answer and where the next request's fields start.
@@ -347,7 +357,7 @@ local function decide(now, margin_ms, unknown_ttl_ms, ko, ao)
           if ttl < 1 then ttl = 1 end
           local due = clock_ms + ttl
           local expires = -1
-          if x.stored and has_pexpiretime then expires = call('PEXPIRETIME', x.key) end
+          if x.stored and pexpiretime_known() then expires = call('PEXPIRETIME', x.key) end
           if expires >= due and expires <= due + margin_ms then
             call('SET', x.key, value, 'KEEPTTL')
           else
@@ -363,10 +373,75 @@ local function decide(now, margin_ms, unknown_ttl_ms, ko, ao)
   return pack_numbers(out, n), next_ao
 end
 
+-- A lean request's working lists, kept from request to request as `buckets` is.
+local lean_t, lean_u, lean_c, lean_raw = {}, {}, {}, {}
+-- A bucket with no key, in a lean answer: 24 bytes that never read as a valid value.
+local ABSENT = rep('\255', 24)
+
+-- A lean request: plain token buckets (a constant limit that refills, no reload to walk) and
+-- consuming demands only, the shape of nearly every request. Its one ARGV field is a packed
+-- string: -#buckets, #demands; per bucket cap, num, den; per demand instance, amount (µt),
+-- enforced. It decides as `decide` does for such a request, and its keys expire as there
+-- (one to two margins after full; always set, as PEXPIRETIME would cost about what it saves),
+-- but it answers only what tollgate cannot work out itself: each bucket's stored value (24
+-- bytes, or ABSENT: full at now), concatenated. From these tollgate computes the same decision
+-- with the same arithmetic (src/core/bucket), at the call's time (the script's last element).
+-- A value it cannot read (the text form of earlier versions, a key of another type) answers
+-- "general" and changes nothing: tollgate sends the request again in the general form, which
+-- reads or refuses it.
+local function decide_lean(now, margin_ms, ko, ao, nb)
+  local packed = ARGV[ao + 1]
+  local _, nd, pos = unpack_fields('<dd', packed)
+  local f = read_numbers(packed, pos, nb * 3 + nd * 3)
+  local tt, tu, tc, raws = lean_t, lean_u, lean_c, lean_raw
+  for i = 1, nb do
+    local key = KEYS[ko + i]
+    local raw = pcall_('GET', key)
+    if type(raw) == 'table' then return 'general' end
+    local o = (i - 1) * 3
+    local cap = f[o + 1]
+    local st, su = cap, now
+    if raw then
+      if #raw ~= 24 then return 'general' end
+      local e
+      st, su, e = unpack_fields('<ddd', raw)
+      if not (valid(st) and valid(su) and valid(e)) then return 'general' end
+      raws[i] = raw
+    else
+      raws[i] = ABSENT
+    end
+    tt[i], tu[i] = refill(st, su, cap, f[o + 2], f[o + 3], now)
+    tc[i] = 0
+  end
+  local answer_ = raws[1]
+  if nb > 1 then answer_ = table.concat(raws, '', 1, nb) end
+  local dofs = nb * 3
+  for j = 1, nd do
+    local o = dofs + (j - 1) * 3
+    local i = f[o + 1]
+    tc[i] = tc[i] + f[o + 2]
+  end
+  for j = 1, nd do
+    local o = dofs + (j - 1) * 3
+    local i = f[o + 1]
+    if f[o + 3] == 1 and tt[i] < tc[i] then return answer_ end
+  end
+  for i = 1, nb do
+    local c = tc[i]
+    if c > 0 and tt[i] >= c then
+      local o = (i - 1) * 3
+      local t = tt[i] - c
+      local ttl = ceil((tu[i] + time_to_earn(f[o + 1] - t, f[o + 2], f[o + 3]) - now) / 1000) + margin_ms
+      if ttl < 1 then ttl = 1 end
+      call('SET', KEYS[ko + i], pack('<ddd', t, tu[i], 0), 'PX', format('%d', ttl + margin_ms))
+    end
+  end
+  return answer_
+end
+
 local time = call('TIME')
 local now = tonum(time[1]) * MICRO + tonum(time[2])
 clock_ms = floor(now / 1000)
-has_pexpiretime = #KEYS == 0 or type(pcall_('PEXPIRETIME', KEYS[1])) == 'number'
 if ARGV[1] ~= '' then now = tonum(ARGV[1]) end
 local margin_ms, unknown_ttl_ms, nreq = tonum(ARGV[2]), tonum(ARGV[3]), tonum(ARGV[4])
 
@@ -374,7 +449,15 @@ local answers = {}
 local ko, ao = 0, 4
 for r = 1, nreq do
   local nb = unpack_fields('<d', ARGV[ao + 1])
-  answers[r], ao = decide(now, margin_ms, unknown_ttl_ms, ko, ao)
+  if nb < 0 then
+    nb = -nb
+    answers[r] = decide_lean(now, margin_ms, ko, ao, nb)
+    ao = ao + 1
+  else
+    answers[r], ao = decide(now, margin_ms, unknown_ttl_ms, ko, ao)
+  end
   ko = ko + nb
 end
+-- The call's time last: a lean answer does not carry it.
+answers[nreq + 1] = now
 return answers

@@ -258,6 +258,29 @@ async fn redis_store_matches_the_shared_vectors() {
     tokio::task::block_in_place(|| support::redis::delete_prefix(url.as_str(), &prefix));
 }
 
+/// The same vectors with every request in the script's general form: the lean form (plain
+/// token buckets and consumes) takes most of the cases above, so this keeps the general form's
+/// handling of those checked too.
+#[tokio::test(flavor = "multi_thread")]
+async fn redis_store_matches_the_shared_vectors_in_the_general_form() {
+    let Some(url) = support::redis::shared_redis("redis_store_matches_the_shared_vectors_in_the_general_form") else {
+        return;
+    };
+    let prefix = support::redis::unique_prefix("vectors-general");
+    check_vectors(|clock| {
+        let (url, prefix) = (url.clone(), prefix.clone());
+        async move {
+            support::redis::store_on_clock(vec![url], false, &prefix, &clock)
+                .await
+                .general_form_only()
+        }
+    })
+    .await;
+    let without_ttl = tokio::task::block_in_place(|| support::redis::keys_without_ttl(url.as_str(), &prefix));
+    assert_eq!(never_full(&without_ttl), without_ttl, "keys without a TTL");
+    tokio::task::block_in_place(|| support::redis::delete_prefix(url.as_str(), &prefix));
+}
+
 /// Of `keys`, those of a bucket that will never be full again, the only keys that may live
 /// without a TTL: a spent fixed allowance (a case named so) must not be forgotten, which would
 /// hand it back.

@@ -63,6 +63,8 @@ pub(crate) struct Job {
 pub(crate) struct Answer {
     /// The script's answer for this request.
     pub value: Value,
+    /// Redis time of the call (the script's `TIME`, or the test override), in microseconds.
+    pub now_us: u64,
     /// Local time the call was sent, in microseconds.
     pub sent_us: u64,
     /// Local time the answer came, in microseconds.
@@ -176,10 +178,11 @@ async fn call(conn: &Conn, client: &Client, settings: &LaneSettings, jobs: &mut 
         split_answers(v, jobs.len()).map_err(|e| StoreError::Unavailable(format!("decide.lua: {e}").into()))
     });
     match answers {
-        Ok(answers) => {
+        Ok((answers, now_us)) => {
             for (job, value) in jobs.drain(..).zip(answers) {
                 let _ = job.reply.send(Ok(Answer {
                     value,
+                    now_us,
                     sent_us,
                     received_us,
                 }));

@@ -47,12 +47,13 @@ use fred::types::{Key, Value};
 
 use self::batch::{Answer, Batcher, Job, LaneSettings};
 use self::script::{
-    bucket_args, encode_request, parse_reply, parse_value, replacement, BucketArgs, CallSettings, Replacement, Reply,
+    bucket_args, encode_lean, encode_request, lean_limits, parse_lean, parse_reply, parse_value, replacement,
+    BucketArgs, CallSettings, LeanReply, Replacement, Reply,
 };
 use self::slotted::NoFallback;
 use super::{redact_url, UnreachableAtStart};
 use super::{Applied, BucketRef, Cause, ConnectError, Peeked, Store, StoreError};
-use crate::core::bucket::{Decision, Demand, DemandKind};
+use crate::core::bucket::{decide, BucketState, Decision, Demand, DemandKind, Limit};
 use crate::core::clock::Clock;
 
 /// The decision script.
@@ -154,6 +155,8 @@ struct Inner {
     offset: ClockOffset,
     /// Tests only: use this clock's time instead of Redis `TIME` (see [`RedisStore::with_time_override`]).
     time_override: Option<Arc<dyn Clock>>,
+    /// Whether requests that can take the lean form do ([`RedisStore::general_form_only`]).
+    lean: bool,
     call: CallSettings,
     /// How long one decision may take, all calls included.
     timeout: Duration,
@@ -363,6 +366,7 @@ impl RedisStore {
                 clock,
                 offset: ClockOffset::default(),
                 time_override: None,
+                lean: true,
                 call,
                 timeout,
                 fail_fast: config_fail_fast,
@@ -382,6 +386,15 @@ impl RedisStore {
                 .set_time_override(clock.clone());
         }
         inner.time_override = Some(clock);
+        self
+    }
+
+    /// Tests only: every request in the general form of the script, as before the lean form,
+    /// so that the shared test vectors check both forms. Must be called before any clone.
+    pub fn general_form_only(mut self) -> RedisStore {
+        Arc::get_mut(&mut self.inner)
+            .expect("general_form_only before the store is shared")
+            .lean = false;
         self
     }
 
@@ -676,6 +689,11 @@ impl RedisStore {
             .iter()
             .map(|b| Key::from(Bytes::from(keys::bucket_key(&self.inner.prefix, &b.key))))
             .collect();
+        if let Some(limits) = lean_limits(buckets.iter().map(|b| &b.plan), demands).filter(|_| self.inner.lean) {
+            if let Some(decided) = self.decide_lean(&keys, &limits, demands, deadline).await? {
+                return Ok(decided);
+            }
+        }
         let mut at = vec![self.estimate(); buckets.len()];
         let mut reps: Vec<Option<Replacement>> = vec![None; buckets.len()];
         for _ in 0..MAX_ATTEMPTS {
@@ -749,6 +767,42 @@ impl RedisStore {
         Err(StoreError::Unavailable(
             format!("decide.lua: no decision after {MAX_ATTEMPTS} calls (limits changing under a busy bucket?)").into(),
         ))
+    }
+
+    /// Decides a request in the lean form (plain token buckets, consuming demands): the script
+    /// answers the stored states and tollgate decides on them with the core's arithmetic, as
+    /// the script did. `None` when the script found a value only the general form reads.
+    async fn decide_lean(
+        &self,
+        keys: &[Key],
+        limits: &[Limit],
+        demands: &[Demand],
+        deadline: Option<tokio::time::Instant>,
+    ) -> Result<Option<script::Decided>, StoreError> {
+        let args = encode_lean(limits, demands);
+        let answer = self.call_decide(keys.to_vec(), args, deadline).await?;
+        let now = answer.now_us;
+        if self.inner.time_override.is_none() {
+            self.inner.offset.observe(now, answer.sent_us, answer.received_us);
+        }
+        let stored = match parse_lean(&answer.value, limits.len())
+            .map_err(|e| StoreError::Unavailable(format!("decide.lua: {e}").into()))?
+        {
+            LeanReply::Decided(stored) => stored,
+            LeanReply::General => return Ok(None),
+        };
+        let states: smallvec::SmallVec<[BucketState; 4]> = stored
+            .iter()
+            .zip(limits)
+            .map(|(s, l)| s.unwrap_or_else(|| BucketState::full(l, now)))
+            .collect();
+        let d = decide(now, &states, limits, demands);
+        Ok(Some(script::Decided {
+            now_us: now,
+            denied: d.denied,
+            passed: d.passed,
+            instances: d.instances,
+        }))
     }
 
     /// Groups bucket indexes by Cluster slot (one group on a single node), in first-seen order.

@@ -328,15 +328,113 @@ fn unpack_numbers(bytes: &[u8]) -> Result<Vec<u64>, String> {
         .collect()
 }
 
-/// Splits the script's answer to a call over `requests` requests into one answer per request.
+/// Splits the script's answer to a call over `requests` requests into one answer per request
+/// and the call's Redis time in microseconds (the script's last element, which a lean answer
+/// does not carry itself).
 ///
-/// Errors: not an array of that length.
-pub fn split_answers(value: Value, requests: usize) -> Result<Vec<Value>, String> {
+/// Errors: not an array of `requests` answers and a time.
+pub fn split_answers(value: Value, requests: usize) -> Result<(Vec<Value>, u64), String> {
     match value {
-        Value::Array(answers) if answers.len() == requests => Ok(answers),
-        Value::Array(answers) => Err(format!("the script answered {} of {requests} requests", answers.len())),
+        Value::Array(mut answers) if answers.len() == requests + 1 => {
+            let now = answers.pop().as_ref().map(int).transpose()?.unwrap_or_default();
+            Ok((answers, now))
+        }
+        Value::Array(answers) => Err(format!(
+            "the script answered {} of {requests} requests and the time",
+            answers.len()
+        )),
         other => Err(format!("expected an array from the script, got {other:?}")),
     }
+}
+
+/// The limits of a request that can take the lean form (`decide_lean` in `lua/decide.lua`):
+/// every bucket a constant limit that refills (no schedule, quota, reload or allowance), every
+/// demand a consume of at least one micro-token. `None` for any other request, which takes the
+/// general form. Nearly every request Envoy sends is lean.
+pub fn lean_limits<'a>(
+    plans: impl Iterator<Item = &'a Plan>,
+    demands: &[Demand],
+) -> Option<smallvec::SmallVec<[Limit; 4]>> {
+    if !demands
+        .iter()
+        .all(|d| matches!(d.kind, DemandKind::Consume(n) if n > 0))
+    {
+        return None;
+    }
+    plans
+        .map(|p| match p {
+            Plan::Fixed(limit) if !limit.rate.is_zero() => Some(*limit),
+            _ => None,
+        })
+        .collect()
+}
+
+/// One lean request's ARGV field (see `lua/decide.lua`, `decide_lean`): one string of
+/// little-endian `f64`s: -#buckets (the sign tells the script the form), #demands; per bucket
+/// capacity in µt and rate num, den; per demand instance (1-based), amount in µt, enforced.
+pub fn encode_lean(limits: &[Limit], demands: &[Demand]) -> Vec<Value> {
+    let mut packed = Vec::with_capacity(8 * (2 + limits.len() * 3 + demands.len() * 3));
+    let mut put = |x: f64| packed.extend_from_slice(&x.to_le_bytes());
+    put(-(limits.len() as f64));
+    put(demands.len() as f64);
+    for l in limits {
+        put(l.capacity_ut as f64);
+        put(l.rate.num() as f64);
+        put(l.rate.den() as f64);
+    }
+    for d in demands {
+        let amount = match d.kind {
+            DemandKind::Consume(n) => n,
+            _ => 0,
+        };
+        put((d.instance + 1) as f64);
+        // As in the general form: capped at 2^53, which still fails every consume.
+        put(amount.min(crate::core::bucket::EXACT_LIMIT) as f64);
+        put(if d.enforced { 1.0 } else { 0.0 });
+    }
+    vec![Value::Bytes(packed.into())]
+}
+
+/// What the script answered a lean request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LeanReply {
+    /// Decided (and written, if admitted): each bucket's stored state before the decision,
+    /// `None` where the key was absent (full at the call's time).
+    Decided(smallvec::SmallVec<[Option<BucketState>; 4]>),
+    /// A value the lean form cannot read: nothing was written; send the general form.
+    General,
+}
+
+/// Parses the answer to a lean request of `buckets` buckets: `general`, or each bucket's 24
+/// stored bytes (all 0xFF for an absent key), concatenated.
+///
+/// Errors: any other shape, or a value that does not read.
+pub fn parse_lean(value: &Value, buckets: usize) -> Result<LeanReply, String> {
+    let raw = match value {
+        Value::Bytes(b) => &b[..],
+        Value::String(s) => s.as_bytes(),
+        other => return Err(format!("expected a string from the script, got {other:?}")),
+    };
+    if raw == b"general" {
+        return Ok(LeanReply::General);
+    }
+    if raw.len() != buckets * VALUE_LEN {
+        return Err(format!(
+            "the script answered {} bytes for {buckets} lean buckets",
+            raw.len()
+        ));
+    }
+    raw.chunks_exact(VALUE_LEN)
+        .map(|c| {
+            if c.iter().all(|&b| b == 0xFF) {
+                return Ok(None);
+            }
+            parse_value(c)
+                .map(|(state, _)| Some(state))
+                .ok_or_else(|| "the script answered a value it should not have read".to_string())
+        })
+        .collect::<Result<_, _>>()
+        .map(LeanReply::Decided)
 }
 
 /// The script's decision for one call.
@@ -725,13 +823,113 @@ mod tests {
     }
 
     #[test]
+    fn only_plain_token_buckets_and_consumes_are_lean() {
+        let limit = Limit::new(10, Rate::per(10, 1_000_000).unwrap());
+        let consume = |n| Demand {
+            instance: 0,
+            kind: DemandKind::Consume(n),
+            enforced: true,
+        };
+        let fixed = [Plan::Fixed(limit)];
+        assert_eq!(
+            lean_limits(fixed.iter(), &[consume(MICRO)]).unwrap().as_slice(),
+            &[limit]
+        );
+        // A check (hits_addend 0) is not a consume of at least one micro-token.
+        assert!(lean_limits(fixed.iter(), &[consume(0)]).is_none());
+        let check = Demand {
+            kind: DemandKind::Check,
+            ..consume(0)
+        };
+        assert!(lean_limits(fixed.iter(), &[check]).is_none());
+        let refund = Demand {
+            kind: DemandKind::Refund(MICRO),
+            ..consume(0)
+        };
+        assert!(lean_limits(fixed.iter(), &[refund]).is_none());
+        // An allowance that never refills has no fill time to expire by.
+        let allowance = [Plan::Fixed(Limit::new(10, Rate::ZERO))];
+        assert!(lean_limits(allowance.iter(), &[consume(MICRO)]).is_none());
+    }
+
+    #[test]
+    fn a_lean_request_packs_its_limits_and_demands() {
+        let slow = Limit::new(10, Rate::per(10, 60_000_000).unwrap());
+        let fast = Limit::new(5, Rate::per(5, 1_000_000).unwrap());
+        let demands = [
+            Demand {
+                instance: 1,
+                kind: DemandKind::Consume(2 * MICRO),
+                enforced: false,
+            },
+            Demand {
+                instance: 0,
+                kind: DemandKind::Consume(u64::MAX),
+                enforced: true,
+            },
+        ];
+        let argv = encode_lean(&[slow, fast], &demands);
+        assert_eq!(argv.len(), 1);
+        let numbers: Vec<f64> = argv[0]
+            .as_bytes()
+            .unwrap()
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let (num, den) = (slow.rate.num() as f64, slow.rate.den() as f64);
+        assert_eq!(
+            numbers,
+            vec![
+                -2.0,
+                2.0,
+                10e6,
+                num,
+                den,
+                5e6,
+                fast.rate.num() as f64,
+                fast.rate.den() as f64,
+                2.0,
+                2e6,
+                0.0,
+                1.0,
+                crate::core::bucket::EXACT_LIMIT as f64,
+                1.0
+            ]
+        );
+    }
+
+    #[test]
+    fn lean_answers_are_stored_values_or_absent() {
+        let absent = vec![0xFF; VALUE_LEN];
+        let stored = doubles(&[5.0, 17.0, 0.0]);
+        let both = Value::Bytes([stored.clone(), absent.clone()].concat().into());
+        assert_eq!(
+            parse_lean(&both, 2).unwrap(),
+            LeanReply::Decided(smallvec::smallvec![
+                Some(BucketState {
+                    tokens_ut: 5,
+                    updated_us: 17
+                }),
+                None
+            ])
+        );
+        assert_eq!(parse_lean(&Value::from("general"), 2).unwrap(), LeanReply::General);
+        assert!(parse_lean(&both, 1).is_err(), "a length that is not the buckets'");
+        let invalid = Value::Bytes(doubles(&[-1.0, 17.0, 0.0]).into());
+        assert!(parse_lean(&invalid, 1).is_err());
+        assert!(parse_lean(&Value::Integer(1), 1).is_err());
+    }
+
+    #[test]
     fn answers_are_split_per_request() {
-        let two = Value::Array(vec![Value::Integer(1), Value::Integer(2)]);
+        // Two answers, then the call's time.
+        let two = Value::Array(vec![Value::Integer(1), Value::Integer(2), Value::Integer(9)]);
         assert_eq!(
             split_answers(two.clone(), 2).unwrap(),
-            vec![Value::Integer(1), Value::Integer(2)]
+            (vec![Value::Integer(1), Value::Integer(2)], 9)
         );
-        assert!(split_answers(two, 3).is_err());
+        assert!(split_answers(two.clone(), 3).is_err());
+        assert!(split_answers(two, 1).is_err());
         assert!(split_answers(Value::Integer(1), 1).is_err());
         let bad = Value::Array(vec![
             "bad".into(),
