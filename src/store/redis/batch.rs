@@ -28,6 +28,7 @@
 //! bucket (a hot key, where batching matters most); requests on many distinct buckets gain the
 //! shared writes only.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use fred::clients::Client;
@@ -35,7 +36,7 @@ use fred::types::{Key, Value};
 use futures_util::future::join_all;
 use tokio::sync::{mpsc, oneshot, Mutex};
 
-use super::script::{encode_header, split_answers, CallSettings};
+use super::script::{encode_header, is_lean, split_answers, CallSettings};
 use super::{keys, Conn};
 use crate::core::clock::Clock;
 use crate::store::{batch_failure, gather, StoreError};
@@ -130,8 +131,27 @@ async fn lane(
             continue;
         }
         if conn.cluster && jobs.len() > 1 {
+            // Lean requests of any slot of this master share one call of the Cluster form;
+            // the others (and all of them before Redis 7.0) one call per slot.
+            let mut cross: Vec<Job> = Vec::new();
+            if conn.cross_slot.load(Ordering::Relaxed) {
+                let (lean, rest): (Vec<Job>, Vec<Job>) = jobs.drain(..).partition(|j| !j.asking && is_lean(&j.args));
+                cross = lean;
+                jobs = rest;
+            }
             let mut groups = by_slot(&mut jobs);
-            join_all(groups.iter_mut().map(|group| call(&conn, &client, &settings, group))).await;
+            if cross.len() == 1 {
+                groups.push(cross);
+                cross = Vec::new();
+            }
+            let cross_call = async {
+                if !cross.is_empty() {
+                    call_on(&conn, &client, &settings, &mut cross, true).await;
+                }
+            };
+            let slot_calls = join_all(groups.iter_mut().map(|group| call(&conn, &client, &settings, group)));
+            futures_util::future::join(cross_call, slot_calls).await;
+            jobs = Vec::with_capacity(MAX_BATCH);
         } else {
             call(&conn, &client, &settings, &mut jobs).await;
         }
@@ -160,6 +180,13 @@ fn by_slot(jobs: &mut Vec<Job>) -> Vec<Vec<Job>> {
 /// Decides `jobs` (all of one slot in Cluster mode) in one call on `client` and hands each its
 /// answer, or the call's failure; leaves `jobs` empty.
 async fn call(conn: &Conn, client: &Client, settings: &LaneSettings, jobs: &mut Vec<Job>) {
+    call_on(conn, client, settings, jobs, false).await
+}
+
+/// As [`call`]; with `cross_slot`, `jobs` are lean requests of any slots of one Cluster master,
+/// sent to the Cluster form of the script (`lua/cross_slot.lua`): the first key declared, for
+/// routing, and all of them at the end of ARGV with their count.
+async fn call_on(conn: &Conn, client: &Client, settings: &LaneSettings, jobs: &mut Vec<Job>, cross_slot: bool) {
     let now_override = settings.time_override.as_ref().map(|c| c.now_us());
     let mut argv = encode_header(now_override, settings.call, jobs.len());
     let mut keys = Vec::with_capacity(jobs.len());
@@ -167,11 +194,22 @@ async fn call(conn: &Conn, client: &Client, settings: &LaneSettings, jobs: &mut 
         keys.append(&mut job.keys);
         argv.append(&mut job.args);
     }
+    if cross_slot {
+        let count = keys.len();
+        argv.extend(keys.iter().map(|k| Value::Bytes(k.as_bytes().to_vec().into())));
+        argv.push(Value::Integer(count as i64));
+        keys.truncate(1);
+    }
+    let sha = if cross_slot {
+        &conn.scripts.cross_slot
+    } else {
+        &conn.scripts.decide
+    };
     let sent_us = settings.clock.now_us();
     let result = if jobs.first().is_some_and(|j| j.asking) {
-        conn.asking_evalsha_on(client, &conn.scripts.decide, keys, argv).await
+        conn.asking_evalsha_on(client, sha, keys, argv).await
     } else {
-        conn.evalsha_on(client, &conn.scripts.decide, keys, argv).await
+        conn.evalsha_on(client, sha, keys, argv).await
     };
     let received_us = settings.clock.now_us();
     let answers = result.and_then(|v| {

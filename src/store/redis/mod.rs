@@ -58,6 +58,13 @@ use crate::core::clock::Clock;
 
 /// The decision script.
 pub const DECIDE_LUA: &str = include_str!("../../../lua/decide.lua");
+/// The Cluster form of the decision script: lean requests of several slots of one master in one
+/// call (`lua/cross_slot.lua`, then `lua/decide.lua`); Redis 7.0 or later.
+pub const DECIDE_CROSS_SLOT_LUA: &str = concat!(
+    "#!lua flags=allow-cross-slot-keys\n",
+    include_str!("../../../lua/cross_slot.lua"),
+    include_str!("../../../lua/decide.lua")
+);
 /// The peek script.
 pub const PEEK_LUA: &str = include_str!("../../../lua/peek.lua");
 /// The reset script.
@@ -108,10 +115,12 @@ impl ClockOffset {
     }
 }
 
-/// The three scripts, by SHA1.
+/// The scripts, by SHA1.
 #[derive(Clone)]
 struct Scripts {
     decide: String,
+    /// [`DECIDE_CROSS_SLOT_LUA`]: loaded on Cluster masters only.
+    cross_slot: String,
     peek: String,
     reset: String,
 }
@@ -126,9 +135,13 @@ pub struct RedisStore {
 /// call on them needs; shared with the batch lanes, which must not keep the store itself alive.
 struct Conn {
     pool: Pool,
-    /// A master of a Cluster: a call carries the requests of one slot only.
+    /// A master of a Cluster: a call carries the requests of one slot only, but for lean ones
+    /// when `cross_slot` holds.
     cluster: bool,
     scripts: Scripts,
+    /// Whether [`DECIDE_CROSS_SLOT_LUA`] loaded (a Cluster master of Redis 7.0 or later), so
+    /// lean requests of different slots share calls.
+    cross_slot: std::sync::atomic::AtomicBool,
     /// The URLs, passwords redacted.
     describe: String,
 }
@@ -229,6 +242,22 @@ impl Conn {
                 .custom::<Value, _>(load, vec!["LOAD", lua])
                 .await?;
         }
+        if self.cluster {
+            let options = fred::types::config::Options {
+                timeout,
+                ..Default::default()
+            };
+            let load = fred::types::CustomCommand::new_static("SCRIPT", fred::types::ClusterHash::Random, false);
+            let loaded = client
+                .with_options(&options)
+                .custom::<Value, _>(load, vec!["LOAD", DECIDE_CROSS_SLOT_LUA])
+                .await;
+            // Before Redis 7.0 (no script flags) it does not load: calls stay one slot each.
+            if let Err(e) = &loaded {
+                tracing::info!(redis = %self.describe, error = %e, "the Cluster form of the decision script did not load; calls carry one slot each");
+            }
+            self.cross_slot.store(loaded.is_ok(), Ordering::Relaxed);
+        }
         Ok(())
     }
 
@@ -322,6 +351,7 @@ impl RedisStore {
         let sha = |lua: &str| fred::util::sha1_hash(lua);
         let scripts = Scripts {
             decide: sha(DECIDE_LUA),
+            cross_slot: sha(DECIDE_CROSS_SLOT_LUA),
             peek: sha(PEEK_LUA),
             reset: sha(RESET_LUA),
         };
@@ -353,6 +383,7 @@ impl RedisStore {
                     pool,
                     cluster: false,
                     scripts,
+                    cross_slot: std::sync::atomic::AtomicBool::new(false),
                     describe: describe.clone(),
                 }),
                 batcher: OnceLock::new(),

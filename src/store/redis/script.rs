@@ -395,6 +395,17 @@ pub fn encode_lean(limits: &[Limit], demands: &[Demand]) -> Vec<Value> {
     vec![Value::Bytes(packed.into())]
 }
 
+/// Whether a request's ARGV fields are in the lean form ([`encode_lean`]): one packed string
+/// whose first number is negative.
+pub fn is_lean(args: &[Value]) -> bool {
+    match args {
+        [Value::Bytes(packed)] => packed
+            .get(..8)
+            .is_some_and(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")) < 0.0),
+        _ => false,
+    }
+}
+
 /// What the script answered a lean request.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum LeanReply {

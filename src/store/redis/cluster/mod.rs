@@ -165,6 +165,7 @@ impl Cluster {
             pool,
             cluster: true,
             scripts: self.scripts.clone(),
+            cross_slot: std::sync::atomic::AtomicBool::new(false),
             describe: format!("Redis Cluster node {addr}"),
         });
         let lane = LaneSettings {
