@@ -758,7 +758,7 @@ impl<'a> DomainBuilder<'a> {
             Some(v) => match Pattern::parse(v) {
                 Some(pattern) => {
                     let dup = !self.wildcards.insert((parent_id, spec.key.clone(), pattern.text()));
-                    level.wildcard.push((spec.key.clone(), pattern, id));
+                    level.wildcard.insert(spec.key.clone(), pattern, id);
                     dup
                 }
                 None => level
