@@ -334,3 +334,46 @@ fn ten_thousand_path_prefixes_under_one_key() {
     );
     assert_eq!(bucket("/other").as_deref(), Some("default"));
 }
+
+/// A wildcard listed after a pattern of its key that takes all its values in file order (a
+/// shorter prefix, nothing after the `*`) is noted: the precedence changed what it does.
+#[test]
+fn a_wildcard_that_file_order_never_reached_is_noted() {
+    let rule = |value: &str, name: &str| {
+        format!("  - {{key: path, value: \"{value}\", name: {name}, token_bucket: {{capacity: 1, refill: 1/s}}}}\n")
+    };
+    let yaml = format!(
+        "domain: d\ndescriptors:\n{}{}{}{}{}{}",
+        rule("/api/*", "api"),
+        rule("/api/*.json", "json"),
+        rule("/api/v1/*", "v1"),
+        rule("/api/v1/users/*", "users"),
+        rule("/static/*", "static"),
+        rule("/static*", "static_any"),
+    );
+    let set = load(&yaml);
+    let notes: Vec<(&str, &str)> = set
+        .domain("d")
+        .unwrap()
+        .notes
+        .iter()
+        .map(|(r, n)| (r.as_str(), n.as_str()))
+        .collect();
+    assert_eq!(
+        notes,
+        [
+            (
+                "path=/api/v1/*",
+                "`/api/v1/*` wins over `/api/*`, listed before it, for every value it matches (the longer literal \
+                 prefix wins); tried in file order, as envoyproxy/ratelimit tries wildcards, it would never apply"
+            ),
+            (
+                "path=/api/v1/users/*",
+                "`/api/v1/users/*` wins over `/api/*`, listed before it, for every value it matches (the longer \
+                 literal prefix wins); tried in file order, as envoyproxy/ratelimit tries wildcards, it would never \
+                 apply"
+            ),
+        ],
+        "`/api/*.json` has the same prefix (file order applies), and `/static*` a shorter one listed after"
+    );
+}
