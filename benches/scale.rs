@@ -4,7 +4,12 @@
 //! - `matching/*`: [`find_rule`] on a tree of 10 and of 10,000 exact values under one key (plus
 //!   three wildcard nodes and a key-only default at the same level), for values that match
 //!   exactly (a thousand spread over the tree, and the same ten in both trees), one that
-//!   matches a wildcard and one that falls to the default.
+//!   matches a wildcard and one that falls to the default. `matching/gateway_wildcard/*`: 10 and
+//!   10,000 routes as Envoy Gateway writes them (per route a key whose wildcard value is its own
+//!   name, `httproute/.../match/0/*`, and the rule's match below it), for a route in the middle;
+//!   `matching/prefix_wildcard/*`: 10 and 10,000 path prefixes (`/route/<i>/*`) under one key,
+//!   for a path under the middle one. Wildcards are found through a trie of their literal
+//!   prefixes, not scanned, so neither should grow with the rules.
 //! - `memory_store/cardinality/*`: one decision ([`MemoryStore::apply_now`]) on a random one of
 //!   1,000 and of 1,000,000 held buckets.
 //! - `memory_store/contention/*`: decisions from 1 and from 2 threads at once, on one hot bucket
@@ -78,6 +83,34 @@ fn tree_yaml(n: usize) -> String {
     yaml
 }
 
+/// Envoy Gateway's route `i`: the key and the value of its descriptor (its host name `*`).
+fn gateway_route(i: usize) -> String {
+    format!("httproute/default/route-{i}/rule/0/match/0/*")
+}
+
+/// `n` routes as Envoy Gateway writes them, each with a header match below its route.
+fn gateway_yaml(n: usize) -> String {
+    let mut yaml = String::from("domain: gateway\ndescriptors:\n");
+    for i in 0..n {
+        let route = gateway_route(i);
+        yaml.push_str(&format!(
+            "  - key: {route}\n    value: \"{route}\"\n    descriptors:\n      - key: rule-0-match-0\n        \
+             rate_limit: {{unit: minute, requests_per_unit: 100}}\n"
+        ));
+    }
+    yaml
+}
+
+/// `n` path prefixes under one key, and a default.
+fn prefix_yaml(n: usize) -> String {
+    let mut yaml = String::from("domain: prefixes\nbuckets:\n  b: {capacity: 10, refill: 10/s}\ndescriptors:\n");
+    for i in 0..n {
+        yaml.push_str(&format!("  - {{key: path, value: \"/route/{i}/*\", bucket: b}}\n"));
+    }
+    yaml.push_str("  - {key: path, bucket: b}\n");
+    yaml
+}
+
 fn entry(key: &str, value: &str) -> Entry {
     Entry {
         key: key.to_owned(),
@@ -121,6 +154,23 @@ fn bench_matching(c: &mut Criterion) {
         let default = [entry("user", "someone-else")];
         group.bench_with_input(BenchmarkId::new("default", n), &n, |b, _| {
             b.iter(|| black_box(find_rule(domain, black_box(&default))))
+        });
+
+        std::fs::write(dir.path().join("gateway.yaml"), gateway_yaml(n)).expect("write the rules");
+        std::fs::write(dir.path().join("prefixes.yaml"), prefix_yaml(n)).expect("write the rules");
+        let rules = load_rules(dir.path()).unwrap_or_else(|e| panic!("the rules load: {e}"));
+        let gateway = rules.domain("gateway").expect("the domain");
+        let route = gateway_route(n / 2);
+        let request = [entry(&route, &route), entry("rule-0-match-0", "alice")];
+        assert!(find_rule(gateway, &request).is_some(), "the route matches");
+        group.bench_with_input(BenchmarkId::new("gateway_wildcard", n), &n, |b, _| {
+            b.iter(|| black_box(find_rule(gateway, black_box(&request))))
+        });
+        let prefixes = rules.domain("prefixes").expect("the domain");
+        let path = [entry("path", &format!("/route/{}/users/7", n / 2))];
+        assert!(find_rule(prefixes, &path).is_some(), "the path matches");
+        group.bench_with_input(BenchmarkId::new("prefix_wildcard", n), &n, |b, _| {
+            b.iter(|| black_box(find_rule(prefixes, black_box(&path))))
         });
     }
     group.finish();

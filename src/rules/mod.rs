@@ -4,10 +4,12 @@
 pub(crate) mod counters;
 pub(crate) mod file;
 pub(crate) mod matcher;
+pub(crate) mod wildcard;
 
 pub use counters::envoyproxy_stat_key;
 pub use file::{load_rules, load_rules_text, parse_refill, ConfigError, Refill};
 pub use matcher::{find_node, find_rule, instance_key};
+pub use wildcard::{Candidates, Pattern, WildcardIndex};
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -462,8 +464,9 @@ pub struct Level {
     /// comparing it reads no other memory: a big tree's lookups miss the cache once, not
     /// twice).
     pub exact: LookupMap<String, LookupMap<compact_str::CompactString, usize>>,
-    /// `(key, pattern, node)` for values with `*`, in config order.
-    pub wildcard: Vec<(String, Pattern, usize)>,
+    /// The nodes whose value has a `*`, looked up by key and literal prefix (a level may hold
+    /// one per route of a gateway); listed in config order.
+    pub wildcard: WildcardIndex,
     /// `key` -> node, for nodes with no value (any value).
     pub any: LookupMap<String, usize>,
 }
@@ -481,8 +484,9 @@ pub enum LevelValue<'a> {
 
 impl Level {
     /// Every node of this level as `(key, value, node)`, in matching precedence: exact values,
-    /// then wildcards in config order, then key-only nodes; exact and key-only nodes sorted by
-    /// their path in `domain`, so listings are stable.
+    /// then wildcards by [`WildcardIndex::in_precedence_order`] (the longest literal prefix
+    /// first, then config order), then key-only nodes; exact and key-only nodes sorted by their
+    /// path in `domain`, so listings are stable.
     pub fn in_match_order<'a>(&'a self, domain: &Domain) -> Vec<(&'a str, LevelValue<'a>, usize)> {
         let by_path = |a: &(&str, LevelValue, usize), b: &(&str, LevelValue, usize)| {
             domain.nodes[a.2].path.cmp(&domain.nodes[b.2].path)
@@ -505,67 +509,25 @@ impl Level {
         any.sort_by(by_path);
         let wildcard = self
             .wildcard
-            .iter()
+            .in_precedence_order()
+            .into_iter()
             .map(|(k, p, n)| (k.as_str(), LevelValue::Wildcard(p), *n));
         exact.into_iter().chain(wildcard).chain(any).collect()
     }
 
-    /// The node an entry `(key, value)` leads to: the exact value first, then wildcard patterns
-    /// in config order, then the key-only default (docs/rules.md).
+    /// The node an entry `(key, value)` leads to: the exact value first, then the matching
+    /// wildcard with the longest literal prefix (of equal ones, the first in config order), then
+    /// the key-only default (docs/rules.md). Costs a hash lookup or two and, with wildcards of
+    /// the key, the value's length plus the patterns it has the prefix of
+    /// ([`WildcardIndex::find`]), however many rules the level holds.
     pub fn find(&self, key: &str, value: &str) -> Option<usize> {
         if let Some(node) = self.exact.get(key).and_then(|values| values.get(value)) {
             return Some(*node);
         }
-        if let Some((_, _, node)) = self
-            .wildcard
-            .iter()
-            .find(|(k, pattern, _)| k == key && pattern.matches(value))
-        {
-            return Some(*node);
+        if let Some(node) = self.wildcard.find(key, value) {
+            return Some(node);
         }
         self.any.get(key).copied()
-    }
-}
-
-/// A value pattern where `*` matches any run of characters (possibly empty).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Pattern {
-    /// The literal pieces between stars; the first is a prefix, the last a suffix.
-    pieces: Vec<String>,
-}
-
-impl Pattern {
-    /// A pattern from its text; `None` when it has no `*` (an exact value).
-    pub fn parse(text: &str) -> Option<Pattern> {
-        text.contains('*').then(|| Pattern {
-            pieces: text.split('*').map(str::to_owned).collect(),
-        })
-    }
-
-    /// The pattern as written, stars included (`/api/*`).
-    pub fn text(&self) -> String {
-        self.pieces.join("*")
-    }
-
-    /// Whether `value` matches: the first piece is a prefix, the last a suffix, and the middle
-    /// pieces occur in order, without overlapping, in between.
-    pub fn matches(&self, value: &str) -> bool {
-        let (first, rest) = self.pieces.split_first().expect("a pattern has two pieces at least");
-        let (last, middle) = rest.split_last().expect("a pattern has two pieces at least");
-        if value.len() < first.len() + last.len()
-            || !value.starts_with(first.as_str())
-            || !value.ends_with(last.as_str())
-        {
-            return false;
-        }
-        let mut inner = &value[first.len()..value.len() - last.len()];
-        for piece in middle {
-            match inner.find(piece.as_str()) {
-                Some(at) => inner = &inner[at + piece.len()..],
-                None => return false,
-            }
-        }
-        true
     }
 }
 
@@ -573,25 +535,6 @@ impl Pattern {
 mod tests {
     use super::*;
     use crate::core::bucket::Rate;
-
-    #[test]
-    fn patterns() {
-        let p = |t| Pattern::parse(t).unwrap();
-        assert!(p("*").matches(""));
-        assert!(p("/api/*").matches("/api/v1"));
-        assert!(!p("/api/*").matches("/apx/v1"));
-        assert!(p("*.png").matches("a.png"));
-        assert!(p("a*b*c").matches("abc"));
-        assert!(p("a*b*c").matches("aXbYc"));
-        assert!(!p("a*b*c").matches("acb"));
-        assert!(!p("ab*ba").matches("aba"), "prefix and suffix must not overlap");
-        assert!(p("*x*x*").matches("xx"));
-        assert!(!p("*x*x*").matches("x"));
-        assert!(Pattern::parse("plain").is_none());
-        for text in ["*", "/api/*", "a*b*c", "*x*x*", "**"] {
-            assert_eq!(p(text).text(), text);
-        }
-    }
 
     #[test]
     fn reported_limits() {

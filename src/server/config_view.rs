@@ -75,8 +75,8 @@ pub(crate) const REDACTED: &str = "<redacted>";
 /// - `domains`: by name, each with its `file`, its `buckets` (the compiled bucket policies, in
 ///   the order rules refer to them by `bucket_index`), its `rules` (one per descriptor-tree
 ///   node, in tree order: depth first, and at each level in matching order, exact values by
-///   path, then wildcards in config order, then key-only nodes), and the `notes` that
-///   `tollgate check` prints;
+///   path, then wildcards by precedence, the longest literal prefix first and then config order,
+///   then key-only nodes), and the `notes` that `tollgate check` prints;
 /// - `settings`: the effective [`Settings`], with `admin.token` shown as [`REDACTED`] when set.
 ///
 /// A bucket is `{"name", "kind": "token_bucket", "capacity", "refill", "reported_limit",
@@ -345,8 +345,8 @@ fn domain_view(d: &Domain) -> DomainView<'_> {
 }
 
 /// Depth first, each level in the order `tollgate check` prints it, which is the matcher's
-/// precedence: exact values (sorted by path), wildcards in config order, key-only nodes (sorted
-/// by path).
+/// precedence: exact values (sorted by path), wildcards (the longest literal prefix first, then
+/// config order), key-only nodes (sorted by path).
 fn walk<'a>(d: &'a Domain, level: &'a Level, prefix: &mut Vec<EntryView<'a>>, out: &mut Vec<RuleView<'a>>) {
     for (key, value, id) in level.in_match_order(d) {
         let value = match value {
@@ -786,7 +786,8 @@ descriptors:
             None,
         );
         statics["unlimited"] = json!(true);
-        // Exact values by path, wildcards in config order, key-only last; children after their parent.
+        // Exact values by path, wildcards by precedence (`/static/*`, the longer literal prefix,
+        // before `vip_*`, listed first), key-only last; children after their parent.
         let expected = json!([
             rule(
                 "database=blocked",
@@ -800,8 +801,8 @@ descriptors:
                 Some("db"),
                 None
             ),
-            vip,
             statics,
+            vip,
             rule(
                 "api_key",
                 json!([{"key": "api_key", "value": null}]),

@@ -612,7 +612,8 @@ fn envoyproxy_schema_loads_and_lists_ignored_fields() {
 }
 
 /// The tree shows each node's own `key=value`, even when the value contains `.` (a path
-/// separator in bucket names), in matching order: exact, wildcards in config order, default.
+/// separator in bucket names), in matching order: exact, wildcards (the longest literal prefix
+/// first: `/v1.2/*/items/*` before `*.png`, listed first), default.
 #[test]
 fn tree_prints_each_node_step_in_matching_order() {
     let out = check(&fixtures().join("valid/tollgate_schema.yaml"));
@@ -620,8 +621,8 @@ fn tree_prints_each_node_step_in_matching_order() {
     assert_eq!(out.status.code(), Some(0));
     let expected = "    api_key  -> bucket per_api_key [replaces per_client_ip]\n      \
                     path=/upload  -> bucket uploads_per_key\n      \
-                    path=*.png  -> bucket api_key.path=*.png\n      \
                     path=/v1.2/*/items/*  -> bucket api_key.path=/v1.2/*/items/* [shadow]\n      \
+                    path=*.png  -> bucket api_key.path=*.png\n      \
                     path  unlimited\n";
     assert!(stdout.contains(expected), "expected\n{expected}in:\n{stdout}");
 }

@@ -758,7 +758,8 @@ impl<'a> DomainBuilder<'a> {
             Some(v) => match Pattern::parse(v) {
                 Some(pattern) => {
                     let dup = !self.wildcards.insert((parent_id, spec.key.clone(), pattern.text()));
-                    level.wildcard.push((spec.key.clone(), pattern, id));
+                    self.note_outranked(&path, level, &spec.key, &pattern);
+                    level.wildcard.insert(spec.key.clone(), pattern, id);
                     dup
                 }
                 None => level
@@ -798,6 +799,32 @@ impl<'a> DomainBuilder<'a> {
             self.node(child, &path, Some(id), &mut children);
         }
         self.nodes[id].children = children;
+    }
+
+    /// Notes a wildcard that an earlier pattern of its key, with a shorter prefix, matches
+    /// wholly (`/api/v1/*` after `/api/*`): the longer prefix wins, so it applies to its values,
+    /// where file order (envoyproxy/ratelimit's, and tollgate's before) never reached it. Said
+    /// once, naming the first such pattern, which file order applied instead.
+    fn note_outranked(&mut self, path: &str, level: &Level, key: &str, pattern: &Pattern) {
+        let prefix = pattern.prefix();
+        let earlier = level
+            .wildcard
+            .candidates(key, prefix)
+            .map(|(_, entry)| entry)
+            .filter(|(_, p, _)| p.prefix().len() < prefix.len() && p.is_prefix_only())
+            .min_by_key(|(_, _, node)| *node);
+        if let Some((_, earlier, _)) = earlier {
+            self.note(
+                path,
+                format!(
+                    "`{}` wins over `{}`, listed before it, for every value it matches (the longer literal \
+                     prefix wins); tried in file order, as envoyproxy/ratelimit tries wildcards, it would never \
+                     apply",
+                    pattern.text(),
+                    earlier.text()
+                ),
+            );
+        }
     }
 
     /// The node's rule; errors are recorded and give `None`.

@@ -121,23 +121,44 @@ fn wildcard_patterns() {
 }
 
 #[test]
-fn wildcards_are_tried_in_config_order() {
-    let first = format!(
-        "domain: d\ndescriptors:\n{}{}",
-        limited(2, "k", Some("a*"), "starts_a"),
-        limited(2, "k", Some("*z"), "ends_z"),
+fn the_longest_literal_prefix_wins_then_config_order() {
+    // `a*` has the longer literal prefix (`a` against nothing): it wins for `az`, whichever the
+    // file lists first.
+    for (first, second) in [("a*", "*z"), ("*z", "a*")] {
+        let yaml = format!(
+            "domain: d\ndescriptors:\n{}{}",
+            limited(2, "k", Some(first), if first == "a*" { "starts_a" } else { "ends_z" }),
+            limited(2, "k", Some(second), if second == "a*" { "starts_a" } else { "ends_z" }),
+        );
+        let set = load(&yaml);
+        assert_eq!(
+            matched(&set, &[("k", "az")]).as_deref(),
+            Some("starts_a"),
+            "{first} first"
+        );
+        assert_eq!(matched(&set, &[("k", "bz")]).as_deref(), Some("ends_z"));
+        assert_eq!(matched(&set, &[("k", "ab")]).as_deref(), Some("starts_a"));
+    }
+    // The shorter prefix listed first no longer hides the longer one; the same prefix twice
+    // (`/api/*.json` and `/api/*`) goes by config order.
+    let yaml = format!(
+        "domain: d\ndescriptors:\n{}{}{}{}",
+        limited(2, "path", Some("/api/*.json"), "api_json"),
+        limited(2, "path", Some("/api/*"), "api"),
+        limited(2, "path", Some("/api/v1/*"), "api_v1"),
+        limited(2, "path", Some("/api/v1/users"), "exact"),
     );
-    let set = load(&first);
-    assert_eq!(matched(&set, &[("k", "az")]).as_deref(), Some("starts_a"));
-    assert_eq!(matched(&set, &[("k", "bz")]).as_deref(), Some("ends_z"));
-    let second = format!(
-        "domain: d\ndescriptors:\n{}{}",
-        limited(2, "k", Some("*z"), "ends_z"),
-        limited(2, "k", Some("a*"), "starts_a"),
+    let set = load(&yaml);
+    assert_eq!(matched(&set, &[("path", "/api/v1/users")]).as_deref(), Some("exact"));
+    assert_eq!(
+        matched(&set, &[("path", "/api/v1/orders.json")]).as_deref(),
+        Some("api_v1")
     );
-    let set = load(&second);
-    assert_eq!(matched(&set, &[("k", "az")]).as_deref(), Some("ends_z"));
-    assert_eq!(matched(&set, &[("k", "ab")]).as_deref(), Some("starts_a"));
+    assert_eq!(
+        matched(&set, &[("path", "/api/v2/orders.json")]).as_deref(),
+        Some("api_json")
+    );
+    assert_eq!(matched(&set, &[("path", "/api/v2/orders")]).as_deref(), Some("api"));
 }
 
 #[test]
@@ -214,7 +235,8 @@ descriptors:
     );
     // The exact branch dead-ends: neither the wildcard nor the default sibling applies.
     assert_eq!(matched(&set, &[("k", "v"), ("c", "2")]), None);
-    // The first matching wildcard is the one walked, even when the second would apply.
+    // One matching wildcard is walked (`v*`, the longer literal prefix), even when the other
+    // would apply below.
     assert_eq!(
         matched(&set, &[("k", "vx"), ("c", "2")]).as_deref(),
         Some("first_wildcard_branch")

@@ -113,8 +113,12 @@ impl Difference {
             }
             Difference::Wildcard => {
                 "A value with `*` matches like envoyproxy/ratelimit's wildcards (a prefix `foo*`, or `*` \
-                 anywhere): at each level the exact value first, then wildcards in file order, then the \
-                 key alone. envoyproxy/ratelimit matches the joined text `key_value` against `key_pattern`, \
+                 anywhere): at each level the exact value first, then the wildcards, then the key alone. \
+                 Of several matching wildcards of a key, tollgate applies the one with the longest literal \
+                 prefix (the text before the first `*`), and of equal prefixes the first in file order; \
+                 envoyproxy/ratelimit applies the first in file order, so where a shorter prefix is listed \
+                 first (`/api/*` before `/api/v1/*`) it never reaches the longer one, which tollgate applies \
+                 to its values. envoyproxy/ratelimit matches the joined text `key_value` against `key_pattern`, \
                  so a key containing `_` can match another key's pattern there; tollgate compares the key \
                  exactly and the pattern with the value only. Without share_threshold each matching value \
                  has its own bucket in both."
