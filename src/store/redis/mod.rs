@@ -721,10 +721,24 @@ impl RedisStore {
             .map(|b| Key::from(Bytes::from(keys::bucket_key(&self.inner.prefix, &b.key))))
             .collect();
         if let Some(limits) = lean_limits(buckets.iter().map(|b| &b.plan), demands).filter(|_| self.inner.lean) {
-            if let Some(decided) = self.decide_lean(&keys, &limits, demands, deadline).await? {
+            if let Some(decided) = Box::pin(self.decide_lean(&keys, &limits, demands, deadline)).await? {
                 return Ok(decided);
             }
         }
+        // Both forms boxed: inline, their states grew every store's decision future past the
+        // bound `store::any`'s tests keep (one allocation a request, beside the batch's own).
+        Box::pin(self.decide_general(buckets, keys, demands, deadline)).await
+    }
+
+    /// Decides the buckets of one slot in the general form of the script: any limit and demand,
+    /// with the retries and walks a schedule or a reload may ask for.
+    async fn decide_general(
+        &self,
+        buckets: &[&BucketRef],
+        keys: Vec<Key>,
+        demands: &[Demand],
+        deadline: Option<tokio::time::Instant>,
+    ) -> Result<script::Decided, StoreError> {
         let mut at = vec![self.estimate(); buckets.len()];
         let mut reps: Vec<Option<Replacement>> = vec![None; buckets.len()];
         for _ in 0..MAX_ATTEMPTS {
