@@ -4,7 +4,7 @@
 //! so a regression shows on a noisy machine where time cannot.
 //!
 //! ```text
-//! instructions <memory|grpc|envoy> <decisions>
+//! instructions <memory|grpc|envoy|gateway10|gateway10000|redis-client> <decisions>
 //! ```
 //!
 //! - `memory`: [`Limiter::should_rate_limit`] over the memory store, the decision path without
@@ -16,6 +16,14 @@
 //! - `envoy`: the memory path on the Envoy shape of the load benchmark
 //!   (`benches/rules/envoy-shape.yaml`: four descriptors a request, two of them nested, one
 //!   bucket every request shares), for 1,000 clients in turn.
+//! - `gateway10`, `gateway10000`: the memory path on Envoy Gateway's shape with 10 and with
+//!   10,000 route rules (each a descriptor named by its route, a value ending in `*`, with the
+//!   client below it; `SHAPE=gateway` of `scripts/bench-compare`), the same 1,000 clients on
+//!   the first ten routes in both: what the number of rules costs a request.
+//! - `redis-client`: tollgate's own side of a decision on Redis in the lean form, without the
+//!   network: the bucket key, the request's fields (`encode_lean`), the script's answer read
+//!   back (`parse_lean`, a stored value) and the decision on it. The script's side is counted
+//!   by `scripts/lua-instructions`; fred's RESP framing and the batch lane are in neither.
 //!
 //! `memory` and `grpc` decide one token of `benches/rules/bench.yaml` (one key-only descriptor, a bucket of
 //! 1,000,000 tokens refilled 1,000,000/s) on values `0` to `999` in turn, on a manual clock that
@@ -56,7 +64,7 @@ const START_US: u64 = 1_796_212_800_000_000;
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
     let (Some(path), Some(Ok(decisions))) = (args.get(1), args.get(2).map(|n| n.parse::<usize>())) else {
-        eprintln!("usage: instructions <memory|grpc> <decisions>");
+        eprintln!("usage: instructions <memory|grpc|envoy|gateway10|gateway10000|redis-client> <decisions>");
         return ExitCode::from(2);
     };
     let slowdown: u64 = std::env::var("TOLLGATE_INSTRUCTIONS_SLOWDOWN")
@@ -67,12 +75,22 @@ fn main() -> ExitCode {
         eprintln!("{e:#}");
         return ExitCode::FAILURE;
     }
-    let file = if path == "envoy" {
-        "benches/rules/envoy-shape.yaml"
-    } else {
-        "benches/rules/bench.yaml"
+    if path == "redis-client" {
+        return redis_client(decisions, slowdown);
+    }
+    let routes = match path.as_str() {
+        "gateway10" => Some(10),
+        "gateway10000" => Some(10_000),
+        _ => None,
     };
-    let rules = match load_rules(&Path::new(env!("CARGO_MANIFEST_DIR")).join(file)) {
+    let generated = tempdir_for_rules(routes);
+    let file = match (&generated, path.as_str()) {
+        (Some(dir), _) => dir.join("gateway.yaml"),
+        (None, "envoy") => Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/rules/envoy-shape.yaml"),
+        (None, _) => Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/rules/bench.yaml"),
+    };
+    let file = file.display().to_string();
+    let rules = match load_rules(Path::new(&file)) {
         Ok(rules) => rules,
         Err(e) => {
             eprintln!("{file}: {e}");
@@ -83,15 +101,25 @@ fn main() -> ExitCode {
     let store = MemoryStore::new(64, 1_000_000, Arc::new(clock.clone()));
     let options = LimiterOptions::from_settings(&tollgate::server::settings::Settings::default());
     let limiter = Arc::new(Limiter::new(rules, store, options));
-    let requests: Vec<RateLimitRequest> = if path == "envoy" {
-        (0..KEYS).map(envoy_request).collect()
-    } else {
-        (0..KEYS).map(request).collect()
+    let requests: Vec<RateLimitRequest> = match path.as_str() {
+        "envoy" => (0..KEYS).map(envoy_request).collect(),
+        "gateway10" | "gateway10000" => (0..KEYS).map(gateway_request).collect(),
+        _ => (0..KEYS).map(request).collect(),
     };
+    if let Some(dir) = generated {
+        let _ = std::fs::remove_dir_all(dir);
+    }
     let admitted = match path.as_str() {
         "memory" | "envoy" => run(decisions, slowdown, &clock, |i| {
             let response = block_on(limiter.should_rate_limit(&requests[i % KEYS]));
             response.is_ok_and(|r| r.overall_code == Code::Ok as i32)
+        }),
+        // Admitted by a rule: a status with the route's limit, so the rule was found.
+        "gateway10" | "gateway10000" => run(decisions, slowdown, &clock, |i| {
+            let response = block_on(limiter.should_rate_limit(&requests[i % KEYS]));
+            response.is_ok_and(|r| {
+                r.overall_code == Code::Ok as i32 && r.statuses.first().is_some_and(|s| s.current_limit.is_some())
+            })
         }),
         "grpc" => {
             let service = tollgate::server::rate_limit_service(limiter.clone());
@@ -109,7 +137,7 @@ fn main() -> ExitCode {
             })
         }
         other => {
-            eprintln!("unknown path {other:?}: memory, grpc or envoy");
+            eprintln!("unknown path {other:?}: memory, grpc, envoy, gateway10, gateway10000 or redis-client");
             return ExitCode::from(2);
         }
     };
@@ -208,9 +236,107 @@ fn envoy_request(i: usize) -> RateLimitRequest {
     }
 }
 
+/// Envoy Gateway's rules for `routes` routes, written to a new temporary directory (`None`
+/// for the other paths): route `r`'s descriptor is keyed and valued by its name, which ends
+/// in `*`, with a key-only client entry below it, as `scripts/bench-compare` writes them.
+fn tempdir_for_rules(routes: Option<usize>) -> Option<std::path::PathBuf> {
+    let routes = routes?;
+    let dir = std::env::temp_dir().join(format!("tollgate-instructions-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).ok()?;
+    let mut yaml = String::from("domain: envoy-gateway/gateway-1/http\ndescriptors:\n");
+    for r in 0..routes {
+        let route = gateway_route(r);
+        yaml.push_str(&format!(
+            "  - key: {route}\n    value: \"{route}\"\n    descriptors:\n      - key: rule-0-match-0\n        \
+             rate_limit: {{unit: second, requests_per_unit: 1000000}}\n"
+        ));
+    }
+    std::fs::write(dir.join("gateway.yaml"), yaml).ok()?;
+    Some(dir)
+}
+
+/// The name Envoy Gateway gives route `r`'s first rule and match.
+fn gateway_route(r: usize) -> String {
+    format!("httproute/default/route-{r}/rule/0/match/0/*")
+}
+
+/// Client `i` on route `i` mod 10, as `tollgate-loadgen run --shape gateway --routes 10`.
+fn gateway_request(i: usize) -> RateLimitRequest {
+    let route = gateway_route(i % 10);
+    RateLimitRequest {
+        domain: "envoy-gateway/gateway-1/http".to_owned(),
+        descriptors: vec![RateLimitDescriptor {
+            entries: vec![
+                Entry {
+                    key: route.clone(),
+                    value: route,
+                },
+                Entry {
+                    key: "rule-0-match-0".to_owned(),
+                    value: i.to_string(),
+                },
+            ],
+            ..Default::default()
+        }],
+        hits_addend: 1,
+    }
+}
+
+/// The `redis-client` path: per decision, the key of the bench rules' bucket for value `i`,
+/// the lean request's fields, the answer of a script that found the bucket stored 2 µs earlier
+/// holding half its tokens, and the decision tollgate takes on it.
+fn redis_client(decisions: usize, slowdown: u64) -> ExitCode {
+    use tollgate::core::bucket::{decide, Demand, DemandKind, Limit, Rate, MICRO};
+    use tollgate::core::schedule::Plan;
+    use tollgate::store::redis::{keys, script};
+    let plan = Plan::Fixed(Limit::new(1_000_000, Rate::per(1_000_000, 1_000_000).expect("a rate")));
+    let demands = [Demand {
+        instance: 0,
+        kind: DemandKind::Consume(MICRO),
+        enforced: true,
+    }];
+    let clock = ManualClock::new(START_US);
+    let identities: Vec<String> = (0..KEYS)
+        .map(|i| {
+            let mut id = String::new();
+            let entries = [Entry {
+                key: "k".to_owned(),
+                value: i.to_string(),
+            }];
+            tollgate::rules::instance_key(&mut id, "bench", "per_key", &entries, &[]);
+            id
+        })
+        .collect();
+    let admitted = run(decisions, slowdown, &clock, |i| {
+        let now = START_US + (i as u64 + 1) * STEP_US;
+        let key = keys::bucket_key("tollgate:", &identities[i % KEYS]);
+        let Some(limits) = script::lean_limits(std::iter::once(&plan), &demands) else {
+            return false;
+        };
+        let argv = script::encode_lean(&limits, &demands);
+        black_box((&key, &argv));
+        let stored: Vec<u8> = [500_000.0 * MICRO as f64, (now - STEP_US) as f64, 0.0]
+            .iter()
+            .flat_map(|x: &f64| x.to_le_bytes())
+            .collect();
+        let answer = fred::types::Value::Bytes(stored.into());
+        let Ok(script::LeanReply::Decided(states)) = script::parse_lean(&answer, 1) else {
+            return false;
+        };
+        let states: Vec<_> = states.iter().map(|s| s.expect("stored")).collect();
+        !decide(now, &states, &limits, &demands).denied
+    });
+    if admitted != decisions {
+        eprintln!("{admitted} of {decisions} decisions admitted: the measured path is not the one intended");
+        return ExitCode::FAILURE;
+    }
+    ExitCode::SUCCESS
+}
+
 /// Drives a future that completes without waiting, as the memory store's always does: polled
 /// once with a no-op waker, nothing is added to what is counted; one that waits is finished on
 /// a current-thread runtime.
+#[inline(always)]
 fn block_on<F: Future>(future: F) -> F::Output {
     let mut future = pin!(future);
     match future.as_mut().poll(&mut Context::from_waker(Waker::noop())) {

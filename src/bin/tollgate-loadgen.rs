@@ -128,8 +128,15 @@ struct RunArgs {
     /// `[generic_key=global]` and `[header_match=premium, tenant=<one of 50>]`, where a client
     /// `i` drawn from `--keys` as above gives the address, the API key and the tenant (`i` mod
     /// 50), and the path rotates over the eight per request loop; `--key` is not used.
+    /// `gateway`: one descriptor as Envoy Gateway sends for a route rule with a client selector,
+    /// `[httproute/default/route-<r>/rule/0/match/0/*=<same>, rule-0-match-0=<i>]`, where `i` is
+    /// drawn from `--keys` as above and `r` is `i` mod `--routes` (the rules:
+    /// `scripts/bench-compare` with `SHAPE=gateway`, `gateway_rules` there).
     #[arg(long, value_enum, default_value_t = ShapeKind::Single)]
     shape: ShapeKind,
+    /// Routes of `--shape gateway`.
+    #[arg(long, default_value_t = 10)]
+    routes: usize,
     /// End the measured window after this many requests were sent in it (or after
     /// `--duration`, whichever comes first), at the last answer: to touch every key of a
     /// `sequential` run once (with `--descriptors d`, every `d` keys). Calls already in flight
@@ -160,6 +167,7 @@ struct RunArgs {
 enum ShapeKind {
     Single,
     Envoy,
+    Gateway,
 }
 
 impl ShapeKind {
@@ -167,6 +175,7 @@ impl ShapeKind {
         match self {
             ShapeKind::Single => "single",
             ShapeKind::Envoy => "envoy",
+            ShapeKind::Gateway => "gateway",
         }
     }
 }
@@ -195,6 +204,7 @@ impl RunArgs {
         match self.shape {
             ShapeKind::Single => self.descriptors,
             ShapeKind::Envoy => 4,
+            ShapeKind::Gateway => 1,
         }
     }
 }
@@ -444,6 +454,8 @@ struct Shape {
     keys: usize,
     /// Descriptors per request (four for `envoy`).
     descriptors: usize,
+    /// `--routes` (`gateway`).
+    routes: usize,
     hits_addend: u32,
 }
 
@@ -471,6 +483,14 @@ impl Shape {
                 .map(|_| descriptor([(self.key.as_str(), draw.next(self.keys).to_string())]))
                 .collect(),
             ShapeKind::Envoy => Shape::envoy_descriptors(draw.next(self.keys), sent),
+            ShapeKind::Gateway => {
+                let i = draw.next(self.keys);
+                let route = format!("httproute/default/route-{}/rule/0/match/0/*", i % self.routes);
+                vec![descriptor([
+                    (route.as_str(), route.clone()),
+                    ("rule-0-match-0", i.to_string()),
+                ])]
+            }
         };
         RateLimitRequest {
             domain: self.domain.clone(),
@@ -692,6 +712,7 @@ async fn run(args: RunArgs) -> Result<(), BoxError> {
         key: args.key.clone(),
         keys: args.keys,
         descriptors: args.shape_descriptors(),
+        routes: args.routes,
         hits_addend: args.hits_addend,
     });
     let next = Arc::new(AtomicUsize::new(0));
@@ -727,8 +748,11 @@ fn check_run_args(args: &RunArgs) -> Result<(), BoxError> {
     if args.concurrency == 0 || args.connections == 0 || args.keys == 0 || args.descriptors == 0 {
         return Err("--concurrency, --connections, --keys and --descriptors must be at least 1".into());
     }
-    if args.shape == ShapeKind::Envoy && args.descriptors != 1 {
-        return Err("--descriptors is for --shape single: --shape envoy sends four".into());
+    if args.shape != ShapeKind::Single && args.descriptors != 1 {
+        return Err("--descriptors is for --shape single: --shape envoy sends four, gateway one".into());
+    }
+    if args.routes == 0 {
+        return Err("--routes must be at least 1".into());
     }
     if args.shape == ShapeKind::Envoy && args.keys > ENVOY_MAX_KEYS {
         return Err(format!("--shape envoy tells at most {ENVOY_MAX_KEYS} clients apart (--keys)").into());
