@@ -767,3 +767,121 @@ async fn a_slot_migrating_between_masters_is_followed() {
     let log = tollgate.process.log();
     assert!(!log.contains("panicked"), "tollgate panicked:\n{log}");
 }
+
+/// Requests of many slots of one master ride one call (the Cluster form of the script), which
+/// declares only the first request's key. While one of that master's slots is half migrated, a
+/// call whose declared key is on that slot is answered `ASK` as a whole; that redirect concerns
+/// its slot alone, so the call's requests go again slot by slot, each on its own route. 64
+/// streams send requests on the migrating slot's users and on 40 other users of the same
+/// master: none fails, and every user gets exactly its capacity.
+///
+/// Before, the `ASK` reached every request of the call: the others followed it to the
+/// importing master, bounced back with `MOVED`, and ran out of redirects (errors on healthy
+/// slots).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_redirect_for_one_slot_leaves_the_other_slots_of_a_shared_call_decided() {
+    if !redis_binaries_or_skip("a_redirect_for_one_slot_leaves_the_other_slots_of_a_shared_call_decided") {
+        return;
+    }
+    let _one = one_at_a_time();
+    let cluster = block_in_place(RedisCluster::start);
+    let tollgate = block_in_place(|| {
+        Tollgate::builder()
+            .rules_file("cluster.yaml", RULES)
+            .settings(&settings(&cluster, "error"))
+            .start()
+    });
+    let migrating_user = "migrating-0";
+    let slot = user_slot(migrating_user);
+    let (from, to) = block_in_place(|| {
+        let from = cluster.master_of(slot);
+        (from, (from + 1) % 3)
+    });
+    // More users on the migrating slot (their keys absent on the old master: `ASK`), and users
+    // of other slots of the same master.
+    let mut on_slot = vec![migrating_user.to_string()];
+    on_slot.extend(
+        (0..2_000_000)
+            .map(|i| format!("migrating-{i}"))
+            .filter(|u| user_slot(u) == slot)
+            .skip(1)
+            .take(3),
+    );
+    let others: Vec<String> = block_in_place(|| {
+        (0..100_000)
+            .map(|i| format!("other-{i}"))
+            .filter(|u| user_slot(u) != slot && cluster.master_of(user_slot(u)) == from)
+            .take(40)
+            .collect()
+    });
+    assert_eq!((on_slot.len(), others.len()), (4, 40));
+    let id = |node: usize| cluster.cmd(node, &[b"CLUSTER", b"MYID"]).as_text().expect("an id");
+    let (from_id, to_id) = block_in_place(|| (id(from), id(to)));
+    let slot_arg = slot.to_string();
+    block_in_place(|| {
+        cluster.cmd(
+            to,
+            &[
+                b"CLUSTER",
+                b"SETSLOT",
+                slot_arg.as_bytes(),
+                b"IMPORTING",
+                from_id.as_bytes(),
+            ],
+        );
+        cluster.cmd(
+            from,
+            &[
+                b"CLUSTER",
+                b"SETSLOT",
+                slot_arg.as_bytes(),
+                b"MIGRATING",
+                to_id.as_bytes(),
+            ],
+        );
+    });
+    let users: Arc<Vec<String>> = Arc::new(on_slot.iter().chain(&others).cloned().collect());
+    // Every user asked CAPACITY + 3 times, interleaved, from 64 streams.
+    let total = users.len() * (CAPACITY + 3);
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    // Each stream's answers: (user index, answer).
+    type Answers = Vec<(usize, Result<Code, tonic::Status>)>;
+    let tasks: Vec<JoinHandle<Answers>> = (0..64)
+        .map(|_| {
+            let (users, next, addr) = (users.clone(), next.clone(), tollgate.grpc_addr);
+            tokio::spawn(async move {
+                let mut client =
+                    envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient::connect(
+                        format!("http://{addr}"),
+                    )
+                    .await
+                    .expect("connect to tollgate");
+                let mut out = Vec::new();
+                loop {
+                    let i = next.fetch_add(1, Ordering::SeqCst);
+                    if i >= total {
+                        return out;
+                    }
+                    let u = i % users.len();
+                    out.push((u, call_many(&mut client, &[("user", users[u].as_str())]).await));
+                }
+            })
+        })
+        .collect();
+    let mut admitted = vec![0usize; users.len()];
+    for task in tasks {
+        for (u, answer) in task.await.expect("a stream") {
+            match answer {
+                Ok(Code::Ok) => admitted[u] += 1,
+                Ok(_) => {}
+                Err(status) => panic!("request for {}: {status:?}", users[u]),
+            }
+        }
+    }
+    assert!(
+        admitted.iter().all(|&n| n == CAPACITY),
+        "admitted per user (capacity {CAPACITY}): {admitted:?}"
+    );
+    let log = tollgate.process.log();
+    assert!(!log.contains("panicked"), "tollgate panicked:\n{log}");
+}

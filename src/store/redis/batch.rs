@@ -36,6 +36,7 @@ use fred::types::{Key, Value};
 use futures_util::future::join_all;
 use tokio::sync::{mpsc, oneshot, Mutex};
 
+use super::cluster::nodes::{redirect_of, Redirect};
 use super::script::{encode_header, is_lean, split_answers, CallSettings};
 use super::{keys, Conn};
 use crate::core::clock::Clock;
@@ -146,7 +147,7 @@ async fn lane(
             }
             let cross_call = async {
                 if !cross.is_empty() {
-                    call_on(&conn, &client, &settings, &mut cross, true).await;
+                    call_cross_slot(&conn, &client, &settings, &mut cross).await;
                 }
             };
             let slot_calls = join_all(groups.iter_mut().map(|group| call(&conn, &client, &settings, group)));
@@ -178,15 +179,64 @@ fn by_slot(jobs: &mut Vec<Job>) -> Vec<Vec<Job>> {
 }
 
 /// Decides `jobs` (all of one slot in Cluster mode) in one call on `client` and hands each its
-/// answer, or the call's failure; leaves `jobs` empty.
+/// answer, or the call's failure; leaves `jobs` empty. On a Cluster, several requests answered
+/// `ASK` or `TRYAGAIN` go again one by one.
 async fn call(conn: &Conn, client: &Client, settings: &LaneSettings, jobs: &mut Vec<Job>) {
-    call_on(conn, client, settings, jobs, false).await
+    if !conn.cluster || jobs.len() < 2 {
+        return call_once(conn, client, settings, jobs).await;
+    }
+    // Copies (reference-counted bytes), to send the requests again one by one.
+    let copies: Vec<(Vec<Key>, Vec<Value>)> = jobs.iter().map(|j| (j.keys.clone(), j.args.clone())).collect();
+    let (keys, argv, asking) = fields(settings, jobs);
+    let sent = send(
+        conn,
+        client,
+        settings,
+        &conn.scripts.decide,
+        keys,
+        argv,
+        asking,
+        jobs.len(),
+    )
+    .await;
+    match sent {
+        // While the slot migrates, a call whose keys are partly on each master is answered
+        // `TRYAGAIN`, or `ASK` for keys that are all gone: with several requests' keys in one
+        // call that may never change (no write lands while every call fails), so each request
+        // goes again alone, and its own route follows what Redis says about its keys.
+        Err(e) if matches!(redirect_of(&e), Some(Redirect::Ask(_) | Redirect::TryAgain)) => {
+            for (job, (keys, args)) in jobs.iter_mut().zip(copies) {
+                job.keys = keys;
+                job.args = args;
+            }
+            let mut alone: Vec<Vec<Job>> = jobs.drain(..).map(|job| vec![job]).collect();
+            join_all(alone.iter_mut().map(|one| call_once(conn, client, settings, one))).await;
+        }
+        sent => answer(jobs, sent),
+    }
 }
 
-/// As [`call`]; with `cross_slot`, `jobs` are lean requests of any slots of one Cluster master,
-/// sent to the Cluster form of the script (`lua/cross_slot.lua`): the first key declared, for
-/// routing, and all of them at the end of ARGV with their count.
-async fn call_on(conn: &Conn, client: &Client, settings: &LaneSettings, jobs: &mut Vec<Job>, cross_slot: bool) {
+/// Decides `jobs` in one call of the decision script, and hands each its answer or the call's
+/// failure; leaves `jobs` empty.
+async fn call_once(conn: &Conn, client: &Client, settings: &LaneSettings, jobs: &mut Vec<Job>) {
+    let (keys, argv, asking) = fields(settings, jobs);
+    let sent = send(
+        conn,
+        client,
+        settings,
+        &conn.scripts.decide,
+        keys,
+        argv,
+        asking,
+        jobs.len(),
+    )
+    .await;
+    answer(jobs, sent);
+}
+
+/// The keys and ARGV of one call over `jobs` (their fields moved out), and whether it follows
+/// an `ASK`.
+fn fields(settings: &LaneSettings, jobs: &mut [Job]) -> (Vec<Key>, Vec<Value>, bool) {
     let now_override = settings.time_override.as_ref().map(|c| c.now_us());
     let mut argv = encode_header(now_override, settings.call, jobs.len());
     let mut keys = Vec::with_capacity(jobs.len());
@@ -194,29 +244,83 @@ async fn call_on(conn: &Conn, client: &Client, settings: &LaneSettings, jobs: &m
         keys.append(&mut job.keys);
         argv.append(&mut job.args);
     }
-    if cross_slot {
-        let count = keys.len();
-        argv.extend(keys.iter().map(|k| Value::Bytes(k.as_bytes().to_vec().into())));
-        argv.push(Value::Integer(count as i64));
-        keys.truncate(1);
+    (keys, argv, jobs.first().is_some_and(|j| j.asking))
+}
+
+/// Decides `jobs`, lean requests of any slots of one Cluster master, in one call of the
+/// Cluster form of the script (`lua/cross_slot.lua`): the first key declared, for routing, and
+/// all of them at the end of ARGV with their count. A failure that is not a timeout sends the
+/// jobs again one slot at a time ([`call`]): an error about the call (a redirect or
+/// `CLUSTERDOWN` for the declared key's slot, `TRYAGAIN`, the Cluster form missing after
+/// `NOSCRIPT`, `OOM` for a script that may write) says nothing about the other slots' requests,
+/// and each request's own route follows its own slot's redirects.
+async fn call_cross_slot(conn: &Conn, client: &Client, settings: &LaneSettings, jobs: &mut Vec<Job>) {
+    let now_override = settings.time_override.as_ref().map(|c| c.now_us());
+    let mut argv = encode_header(now_override, settings.call, jobs.len());
+    // Copies (reference-counted bytes), so that the jobs can be sent again if the call fails.
+    let mut keys: Vec<Key> = Vec::with_capacity(jobs.len());
+    for job in jobs.iter() {
+        keys.extend(job.keys.iter().cloned());
+        argv.extend(job.args.iter().cloned());
     }
-    let sha = if cross_slot {
-        &conn.scripts.cross_slot
-    } else {
-        &conn.scripts.decide
-    };
+    let count = keys.len();
+    argv.extend(keys.iter().map(|k| Value::Bytes(k.clone().into_bytes())));
+    argv.push(Value::Integer(count as i64));
+    keys.truncate(1);
+    let sent = send(
+        conn,
+        client,
+        settings,
+        &conn.scripts.cross_slot,
+        keys,
+        argv,
+        false,
+        jobs.len(),
+    )
+    .await;
+    match sent {
+        Err(e) if !matches!(e.cause(), StoreError::Timeout(_)) => {
+            tracing::debug!(redis = %conn.describe, error = %e, "a call across slots failed; its requests go again slot by slot");
+            let mut groups = by_slot(jobs);
+            join_all(groups.iter_mut().map(|group| call(conn, client, settings, group))).await;
+        }
+        sent => answer(jobs, sent),
+    }
+}
+
+/// The answers of one call: one per request and the call's Redis time, with the local clock's
+/// readings (µs) when it was sent and answered.
+type Sent = Result<(Vec<Value>, u64, u64, u64), StoreError>;
+
+/// Sends one call of the script `sha` deciding `requests` requests.
+#[allow(clippy::too_many_arguments)]
+async fn send(
+    conn: &Conn,
+    client: &Client,
+    settings: &LaneSettings,
+    sha: &str,
+    keys: Vec<Key>,
+    argv: Vec<Value>,
+    asking: bool,
+    requests: usize,
+) -> Sent {
     let sent_us = settings.clock.now_us();
-    let result = if jobs.first().is_some_and(|j| j.asking) {
+    let result = if asking {
         conn.asking_evalsha_on(client, sha, keys, argv).await
     } else {
         conn.evalsha_on(client, sha, keys, argv).await
     };
     let received_us = settings.clock.now_us();
-    let answers = result.and_then(|v| {
-        split_answers(v, jobs.len()).map_err(|e| StoreError::Unavailable(format!("decide.lua: {e}").into()))
-    });
-    match answers {
-        Ok((answers, now_us)) => {
+    let (answers, now_us) = result.and_then(|v| {
+        split_answers(v, requests).map_err(|e| StoreError::Unavailable(format!("decide.lua: {e}").into()))
+    })?;
+    Ok((answers, now_us, sent_us, received_us))
+}
+
+/// Hands each of `jobs` (emptied) its answer, or the call's failure.
+fn answer(jobs: &mut Vec<Job>, sent: Sent) {
+    match sent {
+        Ok((answers, now_us, sent_us, received_us)) => {
             for (job, value) in jobs.drain(..).zip(answers) {
                 let _ = job.reply.send(Ok(Answer {
                     value,

@@ -355,9 +355,11 @@ pub fn lean_limits<'a>(
     plans: impl Iterator<Item = &'a Plan>,
     demands: &[Demand],
 ) -> Option<smallvec::SmallVec<[Limit; 4]>> {
-    if !demands
-        .iter()
-        .all(|d| matches!(d.kind, DemandKind::Consume(n) if n > 0))
+    // (No demand: nothing to decide, and -0 buckets would not read as the lean form.)
+    if demands.is_empty()
+        || !demands
+            .iter()
+            .all(|d| matches!(d.kind, DemandKind::Consume(n) if n > 0))
     {
         return None;
     }
@@ -861,6 +863,8 @@ mod tests {
         // An allowance that never refills has no fill time to expire by.
         let allowance = [Plan::Fixed(Limit::new(10, Rate::ZERO))];
         assert!(lean_limits(allowance.iter(), &[consume(MICRO)]).is_none());
+        // No bucket and no demand: -0 buckets would read as the general form.
+        assert!(lean_limits(std::iter::empty(), &[]).is_none());
     }
 
     #[test]
