@@ -131,7 +131,7 @@ struct RunArgs {
     /// `gateway`: one descriptor as Envoy Gateway sends for a route rule with a client selector,
     /// `[httproute/default/route-<r>/rule/0/match/0/*=<same>, rule-0-match-0=<i>]`, where `i` is
     /// drawn from `--keys` as above and `r` is `i` mod `--routes` (the rules:
-    /// `scripts/bench-compare` with `SHAPE=gateway`, `gateway_rules` there).
+    /// `scripts/bench-compare` with `SHAPE=gateway` writes them).
     #[arg(long, value_enum, default_value_t = ShapeKind::Single)]
     shape: ShapeKind,
     /// Routes of `--shape gateway`.

@@ -15,18 +15,17 @@
 //! the lanes' calls are in flight, so batches grow with load. A request whose caller has given up (its timeout passed)
 //! while it waited is dropped before the call, so it consumes nothing.
 //!
-//! **Cluster.** Redis Cluster refuses a script call whose keys lie in several slots (CROSSSLOT),
-//! and a script that reads keys it was not given breaks on a resharding, so a call can only
-//! carry the requests of one slot (a job is one slot's part of a request: `RedisStore` splits a
-//! request over several slots first). In Cluster mode each master has lanes of its own (on a
-//! pool to it alone, `super::cluster`), and a lane groups what it took by slot and makes one
-//! call per slot, all at once on its connection, back to back without waiting for answers, so
-//! the master reads them in one go even when each carries a single request (a redirect is the
-//! caller's to follow; a job sent after an `ASK` goes in a call of its own, after `ASKING`).
-//! Buckets are spread over the
-//! slots by a hash of their identity, so calls carry several requests when requests share a
-//! bucket (a hot key, where batching matters most); requests on many distinct buckets gain the
-//! shared writes only.
+//! **Cluster.** Redis Cluster refuses a script call whose declared keys lie in several slots
+//! (CROSSSLOT); a job is one slot's part of a request (`RedisStore` splits a request over
+//! several slots first). In Cluster mode each master has lanes of its own (on a pool to it
+//! alone, `super::cluster`). A lane sends the lean jobs it took, whatever their slots, in one
+//! call of the Cluster form of the script (Redis 7's `allow-cross-slot-keys`: the first key
+//! declared, every key in ARGV), and the others one call per slot, all at once on its
+//! connection. A redirect is the caller's to follow; a job sent after an `ASK` goes in a call of
+//! its own, after `ASKING`. A Cluster-form call that fails as a whole (not a timeout) goes again
+//! slot by slot, and a slot's call of several jobs answered `ASK` or `TRYAGAIN` (a migration
+//! half done) goes again one job at a time, so that an error about one slot or key never
+//! reaches another's request.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
