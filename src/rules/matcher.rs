@@ -70,4 +70,4 @@ fn push_part(out: &mut String, part: &str) {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

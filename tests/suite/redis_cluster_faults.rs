@@ -680,6 +680,30 @@ async fn a_paused_master_stalls_only_its_own_slots() {
     assert!(!log.contains("panicked"), "tollgate panicked:\n{log}");
 }
 
+/// Starts moving `slot` from master `from` to master `to` (`IMPORTING` on `to`, then
+/// `MIGRATING` on `from`), as `redis-cli --cluster reshard` does before it moves keys; returns
+/// `to`'s node id.
+fn begin_migration(cluster: &RedisCluster, slot: u16, from: usize, to: usize) -> String {
+    let id = |node: usize| cluster.cmd(node, &[b"CLUSTER", b"MYID"]).as_text().expect("an id");
+    let (from_id, to_id) = (id(from), id(to));
+    let slot = slot.to_string();
+    cluster.cmd(
+        to,
+        &[
+            b"CLUSTER",
+            b"SETSLOT",
+            slot.as_bytes(),
+            b"IMPORTING",
+            from_id.as_bytes(),
+        ],
+    );
+    cluster.cmd(
+        from,
+        &[b"CLUSTER", b"SETSLOT", slot.as_bytes(), b"MIGRATING", to_id.as_bytes()],
+    );
+    to_id
+}
+
 /// A slot migrated between masters under tollgate: while it is half way (`MIGRATING` on its
 /// master, `IMPORTING` on the other), a bucket not yet on the old master is answered `ASK` and
 /// decided on the new one after `ASKING` (real decisions, its key there); once the slot is the
@@ -704,31 +728,8 @@ async fn a_slot_migrating_between_masters_is_followed() {
         let from = cluster.master_of(slot);
         (from, (from + 1) % 3)
     });
-    let id = |node: usize| cluster.cmd(node, &[b"CLUSTER", b"MYID"]).as_text().expect("an id");
-    let (from_id, to_id) = block_in_place(|| (id(from), id(to)));
+    let to_id = block_in_place(|| begin_migration(&cluster, slot, from, to));
     let slot_arg = slot.to_string();
-    block_in_place(|| {
-        cluster.cmd(
-            to,
-            &[
-                b"CLUSTER",
-                b"SETSLOT",
-                slot_arg.as_bytes(),
-                b"IMPORTING",
-                from_id.as_bytes(),
-            ],
-        );
-        cluster.cmd(
-            from,
-            &[
-                b"CLUSTER",
-                b"SETSLOT",
-                slot_arg.as_bytes(),
-                b"MIGRATING",
-                to_id.as_bytes(),
-            ],
-        );
-    });
     let redirects = |kind: &str| scrape(&tollgate).counter("tollgate_redis_cluster_redirects_total", &[("kind", kind)]);
     let mut client = connect(&tollgate).await;
     let bound = Duration::from_millis(COMMAND_TIMEOUT_MS) + Duration::from_secs(1);
@@ -815,31 +816,7 @@ async fn a_redirect_for_one_slot_leaves_the_other_slots_of_a_shared_call_decided
             .collect()
     });
     assert_eq!((on_slot.len(), others.len()), (4, 40));
-    let id = |node: usize| cluster.cmd(node, &[b"CLUSTER", b"MYID"]).as_text().expect("an id");
-    let (from_id, to_id) = block_in_place(|| (id(from), id(to)));
-    let slot_arg = slot.to_string();
-    block_in_place(|| {
-        cluster.cmd(
-            to,
-            &[
-                b"CLUSTER",
-                b"SETSLOT",
-                slot_arg.as_bytes(),
-                b"IMPORTING",
-                from_id.as_bytes(),
-            ],
-        );
-        cluster.cmd(
-            from,
-            &[
-                b"CLUSTER",
-                b"SETSLOT",
-                slot_arg.as_bytes(),
-                b"MIGRATING",
-                to_id.as_bytes(),
-            ],
-        );
-    });
+    block_in_place(|| begin_migration(&cluster, slot, from, to));
     let users: Arc<Vec<String>> = Arc::new(on_slot.iter().chain(&others).cloned().collect());
     // Every user asked CAPACITY + 3 times, interleaved, from 64 streams.
     let total = users.len() * (CAPACITY + 3);

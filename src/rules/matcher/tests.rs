@@ -6,13 +6,15 @@ use super::*;
 use crate::rules::file::load_rules;
 use crate::rules::RuleSet;
 
-fn load(yaml: &str) -> RuleSet {
+/// The rule set of `yaml`, loaded from a file as the server loads it.
+pub(crate) fn load(yaml: &str) -> RuleSet {
     let mut file = tempfile::Builder::new().suffix(".yaml").tempfile().unwrap();
     file.write_all(yaml.as_bytes()).unwrap();
     load_rules(file.path()).unwrap_or_else(|e| panic!("rules should load: {e}"))
 }
 
-fn entries(pairs: &[(&str, &str)]) -> Vec<Entry> {
+/// A descriptor's entries from `(key, value)` pairs.
+pub(crate) fn entries(pairs: &[(&str, &str)]) -> Vec<Entry> {
     pairs
         .iter()
         .map(|(k, v)| Entry {

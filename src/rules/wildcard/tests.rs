@@ -1,12 +1,10 @@
 //! Patterns, and the index's answers against the precedence it documents.
 
-use std::io::Write;
-
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use proptest::prelude::*;
 
 use super::*;
-use crate::rules::{find_node, load_rules, RuleSet};
+use crate::rules::find_node;
+use crate::rules::matcher::tests::{entries, load};
 
 fn p(text: &str) -> Pattern {
     Pattern::parse(text).unwrap()
@@ -233,22 +231,6 @@ proptest! {
             prop_assert_eq!(index.find(key, &value), reference(&entries, key, &value), "{}={:?}", key, value);
         }
     }
-}
-
-fn load(yaml: &str) -> RuleSet {
-    let mut file = tempfile::Builder::new().suffix(".yaml").tempfile().unwrap();
-    file.write_all(yaml.as_bytes()).unwrap();
-    load_rules(file.path()).unwrap_or_else(|e| panic!("rules should load: {e}"))
-}
-
-fn entries(pairs: &[(&str, &str)]) -> Vec<Entry> {
-    pairs
-        .iter()
-        .map(|(k, v)| Entry {
-            key: (*k).to_owned(),
-            value: (*v).to_owned(),
-        })
-        .collect()
 }
 
 const ROUTES: usize = 10_000;

@@ -186,18 +186,7 @@ async fn call(conn: &Conn, client: &Client, settings: &LaneSettings, jobs: &mut 
     }
     // Copies (reference-counted bytes), to send the requests again one by one.
     let copies: Vec<(Vec<Key>, Vec<Value>)> = jobs.iter().map(|j| (j.keys.clone(), j.args.clone())).collect();
-    let (keys, argv, asking) = fields(settings, jobs);
-    let sent = send(
-        conn,
-        client,
-        settings,
-        &conn.scripts.decide,
-        keys,
-        argv,
-        asking,
-        jobs.len(),
-    )
-    .await;
+    let sent = send_jobs(conn, client, settings, jobs).await;
     match sent {
         // While the slot migrates, a call whose keys are partly on each master is answered
         // `TRYAGAIN`, or `ASK` for keys that are all gone: with several requests' keys in one
@@ -218,8 +207,14 @@ async fn call(conn: &Conn, client: &Client, settings: &LaneSettings, jobs: &mut 
 /// Decides `jobs` in one call of the decision script, and hands each its answer or the call's
 /// failure; leaves `jobs` empty.
 async fn call_once(conn: &Conn, client: &Client, settings: &LaneSettings, jobs: &mut Vec<Job>) {
+    let sent = send_jobs(conn, client, settings, jobs).await;
+    answer(jobs, sent);
+}
+
+/// Sends one call of the decision script over `jobs` (their fields moved out).
+async fn send_jobs(conn: &Conn, client: &Client, settings: &LaneSettings, jobs: &mut [Job]) -> Sent {
     let (keys, argv, asking) = fields(settings, jobs);
-    let sent = send(
+    send(
         conn,
         client,
         settings,
@@ -229,8 +224,7 @@ async fn call_once(conn: &Conn, client: &Client, settings: &LaneSettings, jobs: 
         asking,
         jobs.len(),
     )
-    .await;
-    answer(jobs, sent);
+    .await
 }
 
 /// The keys and ARGV of one call over `jobs` (their fields moved out), and whether it follows
