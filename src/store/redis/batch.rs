@@ -133,12 +133,11 @@ async fn lane(
         if conn.cluster && jobs.len() > 1 {
             // Lean requests of any slot of this master share one call of the Cluster form;
             // the others (and all of them before Redis 7.0) one call per slot.
-            let mut cross: Vec<Job> = Vec::new();
-            if conn.cross_slot.load(Ordering::Relaxed) {
-                let (lean, rest): (Vec<Job>, Vec<Job>) = jobs.drain(..).partition(|j| !j.asking && is_lean(&j.args));
-                cross = lean;
-                jobs = rest;
-            }
+            let mut cross: Vec<Job> = if conn.cross_slot.load(Ordering::Relaxed) {
+                jobs.extract_if(.., |j| !j.asking && is_lean(&j.args)).collect()
+            } else {
+                Vec::new()
+            };
             let mut groups = by_slot(&mut jobs);
             if cross.len() == 1 {
                 groups.push(cross);
@@ -151,7 +150,6 @@ async fn lane(
             };
             let slot_calls = join_all(groups.iter_mut().map(|group| call(&conn, &client, &settings, group)));
             futures_util::future::join(cross_call, slot_calls).await;
-            jobs = Vec::with_capacity(MAX_BATCH);
         } else {
             call(&conn, &client, &settings, &mut jobs).await;
         }
