@@ -10,6 +10,7 @@
 // benches, fuzz targets and integration tests use is public; the rest is `pub(crate)`.
 pub mod core;
 pub mod decision;
+pub mod rlqs;
 pub mod rules;
 pub mod server;
 pub mod store;

@@ -128,6 +128,32 @@ pub const TLS_RELOADS: &str = "tollgate_tls_certificate_reloads_total";
 /// client that does not trust tollgate's certificate, or no TLS at all.
 pub const TLS_HANDSHAKE_FAILURES: &str = "tollgate_tls_handshake_failures_total";
 
+/// Open RLQS streams (Envoy's Rate Limit Quota Service, docs/rlqs.md): one per Envoy filter
+/// domain.
+pub const RLQS_STREAMS: &str = "tollgate_rlqs_streams";
+/// RLQS streams refused at `rlqs.max_streams`.
+pub const RLQS_STREAMS_REFUSED: &str = "tollgate_rlqs_streams_refused_total";
+/// Bucket usage reports received (one per bucket per report message).
+pub const RLQS_REPORTS: &str = "tollgate_rlqs_reports_total";
+/// Requests Envoys reported, by `outcome`: `allowed`, `denied` (by their assignments).
+pub const RLQS_REPORTED_REQUESTS: &str = "tollgate_rlqs_reported_requests_total";
+/// Report parts ignored, by `reason`: `empty_domain`, `empty_bucket_id`, `bad_duration`,
+/// `absurd_count`, `too_many_buckets`, `slow_stream` (a stream whose Envoy did not read, ended).
+pub const RLQS_IGNORED: &str = "tollgate_rlqs_ignored_total";
+/// Bucket ids that no rule matched, by `reason`: `unknown_domain`, `no_rule`, `invalid`.
+pub const RLQS_UNMATCHED: &str = "tollgate_rlqs_unmatched_total";
+/// Envoy buckets bound on open streams.
+pub const RLQS_BUCKETS: &str = "tollgate_rlqs_buckets";
+/// Global buckets with Envoys on this replica.
+pub const RLQS_GLOBAL_BUCKETS: &str = "tollgate_rlqs_global_buckets";
+/// Assignments sent, by `strategy`: `token_bucket`, `allow_all`, `deny_all`, `abandon`.
+pub const RLQS_ASSIGNMENTS: &str = "tollgate_rlqs_assignments_total";
+/// Tokens the Envoys of this replica may still admit on what was paid for (their shares
+/// outstanding), at the latest assignment round.
+pub const RLQS_OUTSTANDING_TOKENS: &str = "tollgate_rlqs_outstanding_tokens";
+/// Store calls paying for (or giving back) assignments, by `result`: `ok`, `error`.
+pub const RLQS_STORE_CALLS: &str = "tollgate_rlqs_store_calls_total";
+
 /// envoyproxy/ratelimit's `ratelimit_service_rate_limit_total_hits`: hits (`hits_addend`) of
 /// every decision of a rule with a limit, by `domain`, `key1`, `key2` ([`envoyproxy_labels`]).
 pub const ERL_TOTAL_HITS: &str = "ratelimit_service_rate_limit_total_hits";

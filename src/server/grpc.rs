@@ -7,6 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::{
+    RateLimitQuotaService, RateLimitQuotaServiceServer,
+};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use tokio::net::TcpListener;
 use tonic::transport::server::TcpIncoming;
@@ -118,16 +121,32 @@ pub async fn serve_rate_limit_service_draining<T: RateLimitService>(
     close: impl Future<Output = ()> + Send + 'static,
     go_away: impl Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
-    serve_draining_tls(listener, None, service, health, limits, close, go_away).await
+    serve_draining_tls(
+        listener,
+        None,
+        service,
+        None::<NoQuotaService>,
+        health,
+        limits,
+        close,
+        go_away,
+    )
+    .await
 }
+
+/// The RLQS service's type where none is served.
+type NoQuotaService = crate::rlqs::QuotaService<crate::store::MemoryStore>;
 
 /// [`serve_rate_limit_service_draining`], over TLS with `tls` when given (`tls.grpc`): each
 /// connection is served once its handshake is done, and a failed handshake closes only its
-/// own connection.
-pub(crate) async fn serve_draining_tls<T: RateLimitService>(
+/// own connection. With `rlqs`, Envoy's Rate Limit Quota Service is served beside it, with the
+/// same message size limit.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn serve_draining_tls<T: RateLimitService, Q: RateLimitQuotaService>(
     listener: TcpListener,
     tls: Option<Acceptor>,
     service: T,
+    rlqs: Option<Q>,
     health: HealthServer<impl Health>,
     limits: GrpcSettings,
     close: impl Future<Output = ()> + Send + 'static,
@@ -143,7 +162,12 @@ pub(crate) async fn serve_draining_tls<T: RateLimitService>(
         .http2_keepalive_interval(keepalive)
         .http2_keepalive_timeout(Some(Duration::from_secs(limits.keepalive_timeout_seconds.0.max(1))))
         .add_service(health)
-        .add_service(RateLimitServer::new(service).max_message_bytes(limits.max_message_bytes));
+        .add_service(RateLimitServer::new(service).max_message_bytes(limits.max_message_bytes))
+        .add_optional_service(rlqs.map(|q| {
+            RateLimitQuotaServiceServer::new(q)
+                .max_decoding_message_size(limits.max_message_bytes)
+                .max_encoding_message_size(limits.max_message_bytes)
+        }));
     let close = Box::pin(close);
     let served = match tls {
         None => {

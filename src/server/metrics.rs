@@ -64,6 +64,20 @@ fn describe() {
         "Tokens of usage reports that found a debt bucket at its floor"
     );
     describe_gauge!(DEBT_TOKENS, "Debt in tokens of the debt bucket instance decided last");
+    describe_gauge!(RLQS_STREAMS, "Open RLQS streams");
+    describe_counter!(RLQS_STREAMS_REFUSED, "RLQS streams refused at rlqs.max_streams");
+    describe_counter!(RLQS_REPORTS, "RLQS bucket usage reports received");
+    describe_counter!(RLQS_REPORTED_REQUESTS, "Requests Envoys reported over RLQS, by outcome");
+    describe_counter!(RLQS_IGNORED, "RLQS report parts ignored, by reason");
+    describe_counter!(RLQS_UNMATCHED, "RLQS bucket ids no rule matched, by reason");
+    describe_gauge!(RLQS_BUCKETS, "Envoy buckets bound on open RLQS streams");
+    describe_gauge!(RLQS_GLOBAL_BUCKETS, "Global buckets with RLQS Envoys on this replica");
+    describe_counter!(RLQS_ASSIGNMENTS, "RLQS assignments sent, by strategy");
+    describe_gauge!(
+        RLQS_OUTSTANDING_TOKENS,
+        "Tokens RLQS Envoys may still admit on what was paid for"
+    );
+    describe_counter!(RLQS_STORE_CALLS, "Store calls paying for RLQS assignments, by result");
     describe_counter!(BACKEND_CALLS, "Calls to the bucket backend");
     describe_counter!(BACKEND_ERRORS, "Failed backend calls, by kind");
     describe_histogram!(BACKEND_DURATION, Unit::Seconds, "Backend call time");

@@ -426,6 +426,7 @@ async fn start_grpc(
     // request of the last moments. Told to go away only shortly before the deadline,
     // Envoy moves on while the streams it already sent are still answered.
     let close = stopped(stop);
+    let rlqs_stop = stopped(stop);
     let stop = stopped(stop);
     let timeout = settings.shutdown.timeout_seconds.duration();
     let go_away = async move {
@@ -433,10 +434,23 @@ async fn start_grpc(
         tokio::time::sleep(timeout.saturating_sub(grpc::go_away_margin(timeout))).await;
     };
     let service = RateLimitGrpc::new(limiter.clone()).with_gate(source.gate());
+    let rlqs = settings.rlqs.enabled.then(|| {
+        let hub = crate::rlqs::Hub::new(limiter.clone(), settings.rlqs);
+        tokio::spawn(hub.clone().run());
+        // At the stop its streams end, so their Envoys reconnect to another replica (this
+        // one's open connections keep serving RLS until their GOAWAY, but refuse new streams).
+        let ending = hub.clone();
+        tokio::spawn(async move {
+            rlqs_stop.await;
+            ending.shut_down();
+        });
+        crate::rlqs::QuotaService::new(hub)
+    });
     tasks.spawn(grpc::serve_draining_tls(
         listener,
         tls,
         service,
+        rlqs,
         health,
         settings.grpc,
         close,

@@ -7,13 +7,14 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// Each layer and the layers it may use, besides itself.
-const LAYERS: [(&str, &[&str]); 6] = [
+const LAYERS: [(&str, &[&str]); 7] = [
     ("core", &[]),
     ("telemetry", &[]),
     ("rules", &["core", "telemetry"]),
     ("store", &["core", "telemetry"]),
     ("decision", &["core", "telemetry", "rules", "store"]),
-    ("server", &["core", "telemetry", "rules", "store", "decision"]),
+    ("rlqs", &["core", "telemetry", "rules", "store", "decision"]),
+    ("server", &["core", "telemetry", "rules", "store", "decision", "rlqs"]),
 ];
 
 /// The items `lib.rs` defines itself (not re-exports of a module's).

@@ -76,6 +76,8 @@ pub struct Settings {
     pub runtime: RuntimeFlavor,
     /// TLS on the gRPC, HTTP and admin listeners: see [`TlsSettings`].
     pub tls: TlsSettings,
+    /// Envoy's Rate Limit Quota Service on the gRPC listener (docs/rlqs.md).
+    pub rlqs: crate::rlqs::RlqsSettings,
 }
 
 /// Which tokio runtime `tollgate serve` runs on.
@@ -239,6 +241,7 @@ impl Default for Settings {
             metrics: MetricsSettings::default(),
             runtime: RuntimeFlavor::Auto,
             tls: TlsSettings::default(),
+            rlqs: crate::rlqs::RlqsSettings::default(),
         }
     }
 }
@@ -631,6 +634,9 @@ impl Settings {
         }
         if self.limits.max_value_bytes == 0 {
             problems.push("limits.max_value_bytes must be at least 1".into());
+        }
+        if let Err(e) = self.rlqs.validate() {
+            problems.push(e);
         }
         if self.grpc.max_message_bytes < 1024 || self.grpc.max_concurrent_streams == 0 {
             problems

@@ -1,0 +1,239 @@
+//! One global bucket's Envoys on this replica: what each reported, holds and is owed. Pure:
+//! time comes in as arguments.
+
+use std::hash::Hash;
+
+use indexmap::IndexMap;
+
+use super::plan::{self, fair_split, GroupPlan, Held, Terms};
+use crate::core::bucket::{Limit, MICRO};
+
+/// A bucket that does not refill (a calendar quota, a fixed allowance) is handed out as if it
+/// refilled its capacity over this long, in microseconds: in slices, each paid for before it
+/// is sent, so an Envoy never holds much of an allowance another Envoy could use.
+pub const NO_REFILL_SLICE_US: u64 = 10_000_000;
+
+/// A share's demand estimate never falls under this fraction of an equal share: an Envoy that
+/// was idle for a report still gets a bucket to start again with.
+const FLOOR_DIVISOR: u64 = 10;
+
+/// One Envoy's share of the bucket.
+#[derive(Clone, Debug, Default)]
+pub struct Share {
+    /// What it holds.
+    pub held: Held,
+    /// Requests it saw (allowed + denied) per second, in micro-tokens a second, smoothed over
+    /// reports; `None` before a report that covers some time.
+    pub demand_ut_per_s: Option<u64>,
+    /// When it last reported (tollgate's clock, microseconds).
+    pub last_report_us: u64,
+    /// When it last reported a request, or was first seen.
+    pub last_use_us: u64,
+}
+
+/// The Envoys of one global bucket on this replica, keyed by `K` (a stream and its bucket id).
+#[derive(Debug)]
+pub struct Group<K> {
+    shares: IndexMap<K, Share>,
+    /// No store call before this instant (the bucket was found spent; microseconds).
+    pub blocked_until_us: u64,
+    /// The global bucket's tokens as the latest store answer showed them (micro-tokens) and
+    /// when; `None` before one (counted as full).
+    pool: Option<(u64, u64)>,
+}
+
+impl<K> Default for Group<K> {
+    fn default() -> Self {
+        Group {
+            shares: IndexMap::new(),
+            blocked_until_us: 0,
+            pool: None,
+        }
+    }
+}
+
+impl<K: Hash + Eq + Clone> Group<K> {
+    /// Records a usage report of `allowed` + `denied` requests over `elapsed_us` (0 for Envoy's
+    /// first report of a bucket) at `now_us`. Returns whether the share is new.
+    pub fn report(&mut self, key: &K, allowed: u64, denied: u64, elapsed_us: u64, now_us: u64) -> bool {
+        let new = !self.shares.contains_key(key);
+        let share = self.shares.entry(key.clone()).or_insert_with(|| Share {
+            last_use_us: now_us,
+            ..Share::default()
+        });
+        let seen = allowed.saturating_add(denied);
+        if seen > 0 {
+            share.last_use_us = now_us;
+        }
+        if elapsed_us > 0 {
+            let rate = (u128::from(seen) * u128::from(MICRO) * u128::from(MICRO) / u128::from(elapsed_us))
+                .min(u128::from(u64::MAX)) as u64;
+            share.demand_ut_per_s = Some(match share.demand_ut_per_s {
+                Some(old) => old / 2 + rate / 2,
+                None => rate,
+            });
+        }
+        share.last_report_us = now_us;
+        new
+    }
+
+    /// Forgets a share (its stream ended, or it was abandoned). What it was paid for stays
+    /// taken: its Envoy may spend it until its assignment expires.
+    pub fn remove(&mut self, key: &K) -> Option<Share> {
+        self.shares.shift_remove(key)
+    }
+
+    /// The shares, in the order plans list them.
+    pub fn shares(&self) -> impl Iterator<Item = (&K, &Share)> {
+        self.shares.iter()
+    }
+
+    /// How many shares.
+    pub fn len(&self) -> usize {
+        self.shares.len()
+    }
+
+    /// Whether no Envoy holds a share.
+    pub fn is_empty(&self) -> bool {
+        self.shares.is_empty()
+    }
+
+    /// The shares not used (no request reported) since `since_us`.
+    pub fn idle_since(&self, since_us: u64) -> Vec<K> {
+        self.shares
+            .iter()
+            .filter(|(_, s)| s.last_use_us < since_us)
+            .map(|(k, _)| k.clone())
+            .collect()
+    }
+
+    /// Target rates, in micro-tokens a second: `total` split max-min fairly over the shares'
+    /// demands, a share not yet measured counted as wanting an equal part, none under a tenth
+    /// of one.
+    pub fn targets(&self, total_ut_per_s: u64) -> Vec<u64> {
+        let n = self.shares.len().max(1) as u64;
+        let equal = total_ut_per_s / n;
+        let floor = equal / FLOOR_DIVISOR;
+        let demands: Vec<u64> = self
+            .shares
+            .values()
+            .map(|s| s.demand_ut_per_s.unwrap_or(equal).max(floor))
+            .collect();
+        fair_split(total_ut_per_s, &demands)
+    }
+
+    /// Records the global bucket's tokens as a store answer showed them at `at_us`.
+    pub fn saw_tokens(&mut self, tokens_ut: u64, at_us: u64) {
+        self.pool = Some((tokens_ut, at_us));
+    }
+
+    /// The global bucket's tokens at `now_us` as far as this replica knows: the latest answer
+    /// brought forward by `limit`'s refill (others may have taken some: an estimate, which the
+    /// store corrects by denying), or full before any.
+    pub fn pool_ut(&self, limit: &Limit, now_us: u64) -> u64 {
+        match self.pool {
+            None => limit.capacity_ut,
+            Some((tokens, at)) => {
+                crate::core::bucket::refill(
+                    crate::core::bucket::BucketState {
+                        tokens_ut: tokens,
+                        updated_us: at,
+                    },
+                    limit,
+                    now_us,
+                )
+                .tokens_ut
+            }
+        }
+    }
+
+    /// The next assignments under `limit` (the global bucket's, in force now); cut to
+    /// `budget_ut` when given ([`plan::plan`]).
+    pub fn plan(&self, limit: &Limit, now_us: u64, terms: &Terms, budget_ut: Option<u64>) -> GroupPlan {
+        let held: Vec<Held> = self.shares.values().map(|s| s.held).collect();
+        let targets = self.targets(split_rate_ut_per_s(limit));
+        let pool = budget_ut.unwrap_or_else(|| self.pool_ut(limit, now_us));
+        plan::plan(&held, &targets, pool, limit.capacity_ut, now_us, terms, budget_ut)
+    }
+
+    /// `DENY_ALL` to every share.
+    pub fn deny_all(&self, now_us: u64, terms: &Terms) -> GroupPlan {
+        let held: Vec<Held> = self.shares.values().map(|s| s.held).collect();
+        plan::deny_all(&held, now_us, terms)
+    }
+
+    /// Records what a plan's store call paid for: each share now holds what it was sent.
+    ///
+    /// # Panics
+    /// When the plan was made for a different number of shares (plans are made and committed
+    /// under the same lock).
+    pub fn commit(&mut self, plan: &GroupPlan) {
+        assert_eq!(
+            plan.shares.len(),
+            self.shares.len(),
+            "a plan is committed to the group it was made for"
+        );
+        for (share, assigned) in self.shares.values_mut().zip(&plan.shares) {
+            share.held = assigned.held;
+        }
+    }
+
+    /// Micro-tokens the shares' Envoys may still admit on what was paid for, at `now_us` at
+    /// most: each running bucket's burst plus its refill paid for beyond now.
+    pub fn outstanding_ut(&self, now_us: u64) -> u64 {
+        self.shares
+            .values()
+            .map(|s| match s.held {
+                Held::Bucket {
+                    shape, paid_until_us, ..
+                } if paid_until_us > now_us => shape.burst_ut().saturating_add(shape.refill_ut(paid_until_us - now_us)),
+                _ => 0,
+            })
+            .fold(0u64, u64::saturating_add)
+    }
+}
+
+/// The refill a bucket's shares split, in micro-tokens a second: its rate, or for a bucket that
+/// does not refill, its capacity over [`NO_REFILL_SLICE_US`].
+pub fn split_rate_ut_per_s(limit: &Limit) -> u64 {
+    let rate = limit.rate;
+    if rate.is_zero() {
+        return (u128::from(limit.capacity_ut) * u128::from(MICRO) / u128::from(NO_REFILL_SLICE_US)) as u64;
+    }
+    (u128::from(rate.num()) * u128::from(MICRO) / u128::from(rate.den())).min(u128::from(u64::MAX)) as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::bucket::Rate;
+
+    #[test]
+    fn demand_follows_reports_and_a_new_share_counts_as_an_equal_part() {
+        let mut g: Group<u32> = Group::default();
+        assert!(g.report(&1, 1, 0, 0, 0));
+        assert!(g.report(&2, 0, 0, 0, 0));
+        assert!(!g.report(&1, 50, 50, 5_000_000, 5_000_000));
+        // 100 requests over 5 s: 20 a second.
+        assert_eq!(g.shares[&1].demand_ut_per_s, Some(20 * MICRO));
+        // 10 a second in all: share 2, unmeasured, counts as wanting 5; 1 wants 20.
+        assert_eq!(g.targets(10 * MICRO), vec![5 * MICRO, 5 * MICRO]);
+        g.report(&2, 5, 0, 5_000_000, 5_000_000);
+        assert_eq!(g.targets(10 * MICRO), vec![9 * MICRO, MICRO]);
+        // An idle share keeps a floor.
+        g.report(&2, 0, 0, 5_000_000, 10_000_000);
+        g.report(&2, 0, 0, 5_000_000, 15_000_000);
+        let t = g.targets(10 * MICRO);
+        assert!(t[1] >= MICRO / 2, "{t:?}");
+        g.report(&1, 3, 0, 5_000_000, 15_000_000);
+        assert_eq!(g.idle_since(11_000_000), vec![2]);
+    }
+
+    #[test]
+    fn a_bucket_without_refill_is_split_in_slices_of_its_capacity() {
+        let quota = Limit::new(100, Rate::ZERO);
+        assert_eq!(split_rate_ut_per_s(&quota), 10 * MICRO);
+        let per_second = Limit::new(5, Rate::per(3, 2_000_000).unwrap());
+        assert_eq!(split_rate_ut_per_s(&per_second), 1_500_000);
+    }
+}

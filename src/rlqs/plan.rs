@@ -1,0 +1,368 @@
+//! What each Envoy of one global bucket is assigned next, and what the assignments cost the
+//! bucket. Pure: the hub ([`super::hub`]) reads the clock, asks the store and sends.
+//!
+//! **Shares are paid for in advance.** An assignment lets an Envoy admit, until it expires,
+//! what its token bucket holds and refills ([`super::shape`]). Before it is sent, the hub takes
+//! exactly that many tokens from the global bucket, in the same store, with the same
+//! all-or-nothing decision as any `ShouldRateLimit` (so RLS clients of the rule and other
+//! replicas share the one limit): a new bucket costs its burst plus its refill until it can
+//! expire, `ttl + margin` after it is sent (the margin covers the message's way to Envoy); an
+//! unchanged one costs its refill from where it was paid to the new expiry. A bucket that a new
+//! assignment replaces gives back the refill it was paid for beyond the instant it is replaced.
+//! Every token an Envoy admits was therefore taken from the global bucket first: over any
+//! window, Envoys and RLS clients together admit at most its capacity plus its refill (plus
+//! refunds), whatever the reports say, whenever streams come and go.
+//!
+//! What it costs is the shares' look-ahead: at full demand about `rate x (ttl + margin)` tokens
+//! are paid for and not yet spent, so a bucket whose capacity is under that cannot hand out its
+//! whole refill (docs/rlqs.md).
+
+use super::shape::Shape;
+use crate::core::bucket::MICRO;
+
+/// The timing of every assignment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Terms {
+    /// `assignment_time_to_live`, in microseconds (whole seconds: Envoy reads only those).
+    pub ttl_us: u64,
+    /// How long a message may take to reach Envoy and be applied, in microseconds: an
+    /// assignment is paid for until `ttl + margin` after it is sent.
+    pub margin_us: u64,
+}
+
+impl Terms {
+    /// The look-ahead a new assignment is paid for, in microseconds.
+    pub fn lookahead_us(&self) -> u64 {
+        self.ttl_us.saturating_add(self.margin_us)
+    }
+}
+
+/// What the hub knows an Envoy holds for a bucket.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Held {
+    /// Nothing sent yet (a new bucket, or a new stream).
+    #[default]
+    Nothing,
+    /// A blanket rule (`ALLOW_ALL`, `DENY_ALL`): no token bucket running.
+    Blanket,
+    /// A token bucket of `shape`, last sent at `sent_us`, paid for until `paid_until_us`
+    /// (tollgate's clock, microseconds).
+    Bucket {
+        /// The shape sent.
+        shape: Shape,
+        /// When it was last sent.
+        sent_us: u64,
+        /// Until when its refill is paid for.
+        paid_until_us: u64,
+    },
+}
+
+/// What one Envoy is sent for the bucket.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// A `token_bucket` assignment.
+    Bucket(Shape),
+    /// A `DENY_ALL` blanket rule.
+    DenyAll,
+}
+
+/// One Envoy's next assignment: what is sent and what it then holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Assigned {
+    /// What is sent.
+    pub action: Action,
+    /// What the Envoy holds once it is applied.
+    pub held: Held,
+    /// Micro-tokens this share takes from the global bucket.
+    pub take_ut: u64,
+    /// Micro-tokens this share gives back (refill paid for a bucket it replaces).
+    pub give_ut: u64,
+}
+
+/// The next assignments of every Envoy of a bucket, and what they cost together.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GroupPlan {
+    /// Per share, in the order given.
+    pub shares: Vec<Assigned>,
+    /// The scale applied to the targets of new buckets, or of all (1 when the plan was not cut
+    /// to a budget; 0 when none is sent a new bucket).
+    pub scale: f64,
+}
+
+impl GroupPlan {
+    /// What the plan takes from the global bucket in all, in micro-tokens.
+    pub fn take_ut(&self) -> u64 {
+        self.shares.iter().fold(0u64, |a, s| a.saturating_add(s.take_ut))
+    }
+
+    /// What the plan gives back in all, in micro-tokens.
+    pub fn give_ut(&self) -> u64 {
+        self.shares.iter().fold(0u64, |a, s| a.saturating_add(s.give_ut))
+    }
+
+    /// Whether every share is sent `DENY_ALL`.
+    pub fn denies_all(&self) -> bool {
+        self.shares.iter().all(|s| s.action == Action::DenyAll)
+    }
+
+    /// The net change asked of the store: positive, to take; negative, to give back.
+    pub fn net_ut(&self) -> i128 {
+        i128::from(self.take_ut()) - i128::from(self.give_ut())
+    }
+}
+
+/// A share's current bucket keeps running when the new assignment reaches Envoy before the
+/// old one can have expired (Envoy restarts the TTL on each assignment it applies; an expired
+/// one's bucket is gone, and the next starts full).
+fn still_running(sent_us: u64, now_us: u64, terms: &Terms) -> bool {
+    now_us.saturating_add(terms.margin_us) < sent_us.saturating_add(terms.ttl_us)
+}
+
+/// Refill paid for a running bucket beyond the instant a new assignment can replace it (at
+/// the latest `now + margin`): given back when it is replaced.
+fn unused_refill_ut(held: &Held, now_us: u64, terms: &Terms) -> u64 {
+    match *held {
+        Held::Bucket {
+            shape, paid_until_us, ..
+        } => shape.refill_ut(paid_until_us.saturating_sub(now_us.saturating_add(terms.margin_us))),
+        _ => 0,
+    }
+}
+
+/// What sending `shape` to an Envoy holding `held` costs, and what it holds after.
+pub fn assign(held: &Held, shape: Shape, now_us: u64, terms: &Terms) -> Assigned {
+    let paid_until_us = now_us.saturating_add(terms.lookahead_us());
+    if let Held::Bucket {
+        shape: old,
+        sent_us,
+        paid_until_us: old_paid,
+    } = *held
+    {
+        if old == shape && still_running(sent_us, now_us, terms) {
+            return Assigned {
+                action: Action::Bucket(shape),
+                held: Held::Bucket {
+                    shape,
+                    sent_us: now_us,
+                    paid_until_us: paid_until_us.max(old_paid),
+                },
+                take_ut: shape.refill_ut(paid_until_us.saturating_sub(old_paid)),
+                give_ut: 0,
+            };
+        }
+    }
+    let shape = match held {
+        Held::Bucket { shape: old, .. } => shape.distinct_from(old),
+        _ => shape,
+    };
+    Assigned {
+        action: Action::Bucket(shape),
+        held: Held::Bucket {
+            shape,
+            sent_us: now_us,
+            paid_until_us,
+        },
+        take_ut: shape.burst_ut().saturating_add(shape.refill_ut(terms.lookahead_us())),
+        give_ut: unused_refill_ut(held, now_us, terms),
+    }
+}
+
+/// `DENY_ALL` for an Envoy holding `held`: free, and gives back a replaced bucket's refill.
+pub fn deny(held: &Held, now_us: u64, terms: &Terms) -> Assigned {
+    Assigned {
+        action: Action::DenyAll,
+        held: Held::Blanket,
+        take_ut: 0,
+        give_ut: unused_refill_ut(held, now_us, terms),
+    }
+}
+
+/// A share keeps its running bucket while its rate is within this band of its target: a new
+/// bucket costs a burst and loses what the old one held, so small moves are not worth it. The
+/// band is narrow above, so that the shares of Envoys that stay make room for one that joins.
+const KEEP_BELOW: f64 = 0.8;
+const KEEP_ABOVE: f64 = 1.02;
+
+/// What one share is asked to do in a plan.
+#[derive(Clone, Copy, Debug)]
+struct Want {
+    /// Target rate, micro-tokens a second.
+    rate: u64,
+    /// Burst of a new bucket, in tokens.
+    burst: u64,
+}
+
+/// The next assignment of one share wanting `want`: its running bucket while within the band
+/// (or whenever `keep_any` and it is not above the band), else a new bucket.
+fn next(held: &Held, want: Want, keep_any: bool, now_us: u64, terms: &Terms) -> Assigned {
+    if let Held::Bucket { shape, sent_us, .. } = held {
+        let rate = shape.rate_ut_per_s() as f64;
+        let target = want.rate as f64;
+        let above = rate > target * KEEP_ABOVE + 1.0;
+        if still_running(*sent_us, now_us, terms) && !above && (keep_any || rate >= target * KEEP_BELOW) {
+            return assign(held, *shape, now_us, terms);
+        }
+    }
+    assign(held, Shape::fit(want.rate, want.burst), now_us, terms)
+}
+
+/// Scales tried, in order, when a plan must fit a budget.
+const SCALES: [f64; 12] = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.15, 0.1, 0.05, 0.0];
+
+/// The next assignments of the Envoys holding `held`, with target rates `targets` (micro-tokens
+/// a second, [`fair_split`]), for a bucket of `capacity_ut` thought to hold about `pool_ut`
+/// now.
+///
+/// New buckets share out as bursts what the pool holds beyond the look-ahead the targets need
+/// (each in proportion to its target, at least one token), so a quiet bucket's first Envoy can
+/// burst as an RLS client could; a bucket in steady use has little pool, and its new buckets
+/// burst one token.
+///
+/// With `budget_ut` (the micro-tokens the global bucket holds, from a denied attempt) the plan
+/// is cut to fit, in this order of preference: running buckets kept (those above their target
+/// brought down to it, which gives back), new ones at a scaled target with one token of burst;
+/// new ones denied; every target scaled; every share denied (`DENY_ALL` only gives back).
+pub fn plan(
+    held: &[Held],
+    targets: &[u64],
+    pool_ut: u64,
+    capacity_ut: u64,
+    now_us: u64,
+    terms: &Terms,
+    budget_ut: Option<u64>,
+) -> GroupPlan {
+    let total: u64 = targets.iter().fold(0u64, |a, t| a.saturating_add(*t));
+    let lookahead_ut = (u128::from(total) * u128::from(terms.lookahead_us()) / u128::from(MICRO)) as u64;
+    let spare_ut = pool_ut.min(capacity_ut).saturating_sub(lookahead_ut);
+    let burst = |t: u64| -> u64 {
+        if total == 0 {
+            return 1;
+        }
+        ((u128::from(spare_ut) * u128::from(t) / u128::from(total)) as u64 / MICRO).max(1)
+    };
+    let ideal = GroupPlan {
+        shares: held
+            .iter()
+            .zip(targets)
+            .map(|(h, &t)| {
+                next(
+                    h,
+                    Want {
+                        rate: t,
+                        burst: burst(t),
+                    },
+                    false,
+                    now_us,
+                    terms,
+                )
+            })
+            .collect(),
+        scale: 1.0,
+    };
+    let Some(budget) = budget_ut else {
+        return ideal;
+    };
+    let fits = |p: &GroupPlan| p.net_ut() <= i128::from(budget);
+    if fits(&ideal) {
+        return ideal;
+    }
+    let running = |h: &Held| matches!(h, Held::Bucket { sent_us, .. } if still_running(*sent_us, now_us, terms));
+    // Running buckets kept; new ones scaled.
+    for scale in SCALES {
+        let p = GroupPlan {
+            shares: held
+                .iter()
+                .zip(targets)
+                .map(|(h, &t)| {
+                    let rate = if running(h) { t } else { (t as f64 * scale) as u64 };
+                    next(h, Want { rate, burst: 1 }, true, now_us, terms)
+                })
+                .collect(),
+            scale,
+        };
+        if fits(&p) {
+            return p;
+        }
+    }
+    // Running buckets kept, new ones denied.
+    let keep_only = GroupPlan {
+        shares: held
+            .iter()
+            .zip(targets)
+            .map(|(h, &t)| {
+                if running(h) {
+                    next(h, Want { rate: t, burst: 1 }, true, now_us, terms)
+                } else {
+                    deny(h, now_us, terms)
+                }
+            })
+            .collect(),
+        scale: 0.0,
+    };
+    if fits(&keep_only) {
+        return keep_only;
+    }
+    // Everything scaled.
+    for scale in SCALES {
+        let p = GroupPlan {
+            shares: held
+                .iter()
+                .zip(targets)
+                .map(|(h, &t)| {
+                    next(
+                        h,
+                        Want {
+                            rate: (t as f64 * scale) as u64,
+                            burst: 1,
+                        },
+                        false,
+                        now_us,
+                        terms,
+                    )
+                })
+                .collect(),
+            scale,
+        };
+        if scale > 0.0 && fits(&p) {
+            return p;
+        }
+    }
+    deny_all(held, now_us, terms)
+}
+
+/// `DENY_ALL` to every share.
+pub fn deny_all(held: &[Held], now_us: u64, terms: &Terms) -> GroupPlan {
+    GroupPlan {
+        shares: held.iter().map(|h| deny(h, now_us, terms)).collect(),
+        scale: 0.0,
+    }
+}
+
+/// Max-min fair shares of `total` among `demands` (any unit): each share gets its demand, or
+/// an equal part of what the smaller demands leave, whichever is less; what is left when every
+/// demand is met is spread equally, so the shares sum to `total` (less rounding) whenever there
+/// is at least one.
+pub fn fair_split(total: u64, demands: &[u64]) -> Vec<u64> {
+    let n = demands.len();
+    let mut out = vec![0u64; n];
+    if n == 0 {
+        return out;
+    }
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by_key(|&i| demands[i]);
+    let mut left = total;
+    for (rank, &i) in order.iter().enumerate() {
+        let equal = left / (n - rank) as u64;
+        let given = demands[i].min(equal);
+        out[i] = given;
+        left -= given;
+    }
+    let each = left / n as u64;
+    for o in &mut out {
+        *o += each;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests;
