@@ -13,6 +13,10 @@ use crate::core::bucket::{Limit, MICRO};
 /// is sent, so an Envoy never holds much of an allowance another Envoy could use.
 pub const NO_REFILL_SLICE_US: u64 = 10_000_000;
 
+/// Of the refill the shares split, this much is left unassigned: a share keeps its bucket
+/// while within 2% above its target, and the refill is split again only once a period.
+pub const HEADROOM_PERCENT: u64 = 3;
+
 /// A share's demand estimate never falls under this fraction of an equal share: an Envoy that
 /// was idle for a report still gets a bucket to start again with.
 const FLOOR_DIVISOR: u64 = 10;
@@ -37,9 +41,12 @@ pub struct Group<K> {
     shares: IndexMap<K, Share>,
     /// No store call before this instant (the bucket was found spent; microseconds).
     pub blocked_until_us: u64,
-    /// The global bucket's tokens as the latest store answer showed them (micro-tokens) and
+    /// The global bucket's tokens as the latest store answer left them (micro-tokens) and
     /// when; `None` before one (counted as full).
     pool: Option<(u64, u64)>,
+    /// What others (RLS clients, other replicas) take from the global bucket, in micro-tokens
+    /// a second, smoothed: the refill the shares here do not split.
+    others_ut_per_s: u64,
 }
 
 impl<K> Default for Group<K> {
@@ -48,6 +55,7 @@ impl<K> Default for Group<K> {
             shares: IndexMap::new(),
             blocked_until_us: 0,
             pool: None,
+            others_ut_per_s: 0,
         }
     }
 }
@@ -122,9 +130,28 @@ impl<K: Hash + Eq + Clone> Group<K> {
         fair_split(total_ut_per_s, &demands)
     }
 
-    /// Records the global bucket's tokens as a store answer showed them at `at_us`.
-    pub fn saw_tokens(&mut self, tokens_ut: u64, at_us: u64) {
-        self.pool = Some((tokens_ut, at_us));
+    /// Records a store answer at `at_us`: the global bucket held `before_ut` before this
+    /// replica's call and `after_ut` after it. What it lacked against the previous answer
+    /// brought forward by `limit`'s refill, others took.
+    pub fn saw_tokens(&mut self, before_ut: u64, after_ut: u64, at_us: u64, limit: &Limit) {
+        if let Some((_, then)) = self.pool {
+            let dt = at_us.saturating_sub(then);
+            if dt >= 100_000 {
+                let expected = self.pool_ut(limit, at_us);
+                let took = expected.saturating_sub(before_ut);
+                let rate = (u128::from(took) * u128::from(MICRO) / u128::from(dt)).min(u128::from(u64::MAX)) as u64;
+                self.others_ut_per_s = self.others_ut_per_s / 2 + rate / 2;
+            }
+        }
+        self.pool = Some((after_ut, at_us));
+    }
+
+    /// The refill the shares here split, in micro-tokens a second: `limit`'s
+    /// ([`split_rate_ut_per_s`]) less what others take, less a margin of [`HEADROOM_PERCENT`]
+    /// so that shares kept near their targets do not overdraw it.
+    pub fn split_ut_per_s(&self, limit: &Limit) -> u64 {
+        let left = split_rate_ut_per_s(limit).saturating_sub(self.others_ut_per_s);
+        left / 100 * (100 - HEADROOM_PERCENT)
     }
 
     /// The global bucket's tokens at `now_us` as far as this replica knows: the latest answer
@@ -148,18 +175,38 @@ impl<K: Hash + Eq + Clone> Group<K> {
     }
 
     /// The next assignments under `limit` (the global bucket's, in force now); cut to
-    /// `budget_ut` when given ([`plan::plan`]).
-    pub fn plan(&self, limit: &Limit, now_us: u64, terms: &Terms, budget_ut: Option<u64>) -> GroupPlan {
+    /// `budget_ut` when given ([`plan::plan`]); with `only`, of those shares alone (the others
+    /// [`plan::Action::Unchanged`]).
+    pub fn plan(
+        &self,
+        limit: &Limit,
+        now_us: u64,
+        terms: &Terms,
+        budget_ut: Option<u64>,
+        only: Option<&[K]>,
+    ) -> GroupPlan {
         let held: Vec<Held> = self.shares.values().map(|s| s.held).collect();
-        let targets = self.targets(split_rate_ut_per_s(limit));
+        let targets = self.targets(self.split_ut_per_s(limit));
         let pool = budget_ut.unwrap_or_else(|| self.pool_ut(limit, now_us));
-        plan::plan(&held, &targets, pool, limit.capacity_ut, now_us, terms, budget_ut)
+        let keys: Vec<&K> = self.shares.keys().collect();
+        let selected = |i: usize| only.is_none_or(|o| o.contains(keys[i]));
+        plan::plan(
+            &held,
+            &targets,
+            pool,
+            limit.capacity_ut,
+            now_us,
+            terms,
+            budget_ut,
+            &selected,
+        )
     }
 
-    /// `DENY_ALL` to every share.
-    pub fn deny_all(&self, now_us: u64, terms: &Terms) -> GroupPlan {
+    /// `DENY_ALL` to every share (with `only`, to those alone).
+    pub fn deny_all(&self, now_us: u64, terms: &Terms, only: Option<&[K]>) -> GroupPlan {
         let held: Vec<Held> = self.shares.values().map(|s| s.held).collect();
-        plan::deny_all(&held, now_us, terms)
+        let keys: Vec<&K> = self.shares.keys().collect();
+        plan::deny_all(&held, now_us, terms).only(&held, |i| only.is_none_or(|o| o.contains(keys[i])))
     }
 
     /// Records what a plan's store call paid for: each share now holds what it was sent.

@@ -106,12 +106,12 @@ struct GroupState {
 
 type GroupCell = Arc<tokio::sync::Mutex<GroupState>>;
 
-#[derive(Default)]
 struct Inner {
     streams: HashMap<u64, StreamState>,
     groups: HashMap<Arc<str>, GroupCell>,
-    /// The rules generation the bindings were made under.
-    generation: u64,
+    /// The rules the bindings were made under (a weak reference: compared, never kept alive,
+    /// so the old rules retire when their last request is done).
+    rules: std::sync::Weak<crate::rules::RuleSet>,
     closed: bool,
 }
 
@@ -134,15 +134,17 @@ impl<S: Store> Hub<S> {
 
     /// [`Hub::new`] on `clock` (tests move time by hand).
     pub fn with_clock(limiter: Arc<Limiter<S>>, settings: RlqsSettings, clock: Arc<dyn Clock>) -> Arc<Hub<S>> {
-        let generation = limiter.rules().generation;
+        let rules = Arc::downgrade(&limiter.rules());
         Arc::new(Hub {
             limiter,
             terms: settings.terms(),
             settings,
             clock,
             inner: Mutex::new(Inner {
-                generation,
-                ..Inner::default()
+                streams: HashMap::new(),
+                groups: HashMap::new(),
+                rules,
+                closed: false,
             }),
             next_stream: AtomicU64::new(1),
             metrics: RlqsMetrics::new(),
@@ -233,7 +235,7 @@ impl<S: Store> Hub<S> {
                 .ignored(Ignored::EmptyDomain, reports.bucket_quota_usages.len());
             return;
         }
-        let mut fresh_groups: Vec<GroupCell> = Vec::new();
+        let mut fresh: Vec<(GroupCell, Vec<ShareKey>)> = Vec::new();
         let mut blankets: Vec<BucketAction> = Vec::new();
         for usage in reports.bucket_quota_usages {
             self.metrics.report();
@@ -266,8 +268,12 @@ impl<S: Store> Hub<S> {
                         elapsed_us,
                         now,
                     );
-                    if is_new && !fresh_groups.iter().any(|c| Arc::ptr_eq(c, &cell)) {
-                        fresh_groups.push(cell);
+                    if is_new {
+                        let share = (id, key.clone());
+                        match fresh.iter_mut().find(|(c, _)| Arc::ptr_eq(c, &cell)) {
+                            Some((_, keys)) => keys.push(share),
+                            None => fresh.push((cell, vec![share])),
+                        }
                     }
                 }
                 Binding::Blanket(allow) if new => blankets.push(self.blanket(&key, allow)),
@@ -277,8 +283,10 @@ impl<S: Store> Hub<S> {
         if !blankets.is_empty() {
             self.send(id, blankets);
         }
-        for cell in fresh_groups {
-            self.run_group(&cell).await;
+        // Only the new shares: a fleet of Envoys starting together costs one message each,
+        // not one per Envoy to every Envoy.
+        for (cell, keys) in fresh {
+            self.run_group(&cell, Some(&keys)).await;
         }
     }
 
@@ -374,7 +382,7 @@ impl<S: Store> Hub<S> {
     }
 
     /// Plans, pays for and sends the next assignments of one group.
-    async fn run_group(&self, cell: &GroupCell) {
+    async fn run_group(&self, cell: &GroupCell, only: Option<&[ShareKey]>) {
         let mut state = cell.lock().await;
         if state.group.is_empty() {
             return;
@@ -405,7 +413,7 @@ impl<S: Store> Hub<S> {
             return;
         }
         let now = self.clock.now_us();
-        let plan = self.pay(&mut state, now).await;
+        let plan = self.pay(&mut state, now, only).await;
         let Some(plan) = plan else { return };
         state.group.commit(&plan);
         for (((stream, key), _), assigned) in state.group.shares().zip(&plan.shares) {
@@ -435,6 +443,7 @@ impl<S: Store> Hub<S> {
                         self.terms.ttl_us,
                     )
                 }
+                plan::Action::Unchanged => continue,
             };
             if let Some((_, actions)) = permits.get_mut(stream) {
                 actions.push(action);
@@ -450,19 +459,19 @@ impl<S: Store> Hub<S> {
     /// The plan for a group, paid for in the store: in full, else cut to what the global
     /// bucket holds, else `DENY_ALL` (which only gives back). `None` when the store failed:
     /// nothing is sent, and the Envoys keep what they hold until it expires.
-    async fn pay(&self, state: &mut GroupState, now: u64) -> Option<GroupPlan> {
+    async fn pay(&self, state: &mut GroupState, now: u64, only: Option<&[ShareKey]>) -> Option<GroupPlan> {
         let limit = limit_at(&state.resolved, now);
         if now < state.group.blocked_until_us {
-            let plan = state.group.deny_all(now, &self.terms);
+            let plan = state.group.deny_all(now, &self.terms, only);
             return self.settle(state, plan).await.paid();
         }
-        let full = state.group.plan(&limit, now, &self.terms, None);
+        let full = state.group.plan(&limit, now, &self.terms, None, only);
         let (budget, wait) = match self.settle(state, full).await {
             Settled::Paid(plan) => return Some(plan),
             Settled::Short { budget_ut, wait_us } => (budget_ut, wait_us),
             Settled::Failed => return None,
         };
-        let cut = state.group.plan(&limit, now, &self.terms, Some(budget));
+        let cut = state.group.plan(&limit, now, &self.terms, Some(budget), only);
         if cut.denies_all() {
             // Spent: no store call until one token is there again (a quota's reset), for at
             // most 30 periods, so a refund by an operator shows soon.
@@ -473,7 +482,7 @@ impl<S: Store> Hub<S> {
             Settled::Paid(plan) => Some(plan),
             // Taken by others meanwhile (RLS clients, other replicas).
             Settled::Short { .. } => {
-                let plan = state.group.deny_all(now, &self.terms);
+                let plan = state.group.deny_all(now, &self.terms, only);
                 self.settle(state, plan).await.paid()
             }
             Settled::Failed => None,
@@ -503,14 +512,18 @@ impl<S: Store> Hub<S> {
         self.metrics.store_call(applied.is_ok());
         match applied {
             Ok(applied) if !applied.decision.denied => {
-                let left = applied.decision.instances.iter().map(|i| i.after.tokens_ut).min();
-                state.group.saw_tokens(left.unwrap_or(0), applied.now_us);
+                let instances = &applied.decision.instances;
+                let before = instances.iter().map(|i| i.before.tokens_ut).min().unwrap_or(0);
+                let after = instances.iter().map(|i| i.after.tokens_ut).min().unwrap_or(0);
+                let limit = limit_at(&state.resolved, applied.now_us);
+                state.group.saw_tokens(before, after, applied.now_us, &limit);
                 Settled::Paid(plan)
             }
             Ok(applied) => {
                 let instances = &applied.decision.instances;
-                let left = instances.iter().map(|i| i.before.tokens_ut).min();
-                state.group.saw_tokens(left.unwrap_or(0), applied.now_us);
+                let left = instances.iter().map(|i| i.before.tokens_ut).min().unwrap_or(0);
+                let limit = limit_at(&state.resolved, applied.now_us);
+                state.group.saw_tokens(left, left, applied.now_us, &limit);
                 Settled::Short {
                     budget_ut: instances.iter().map(|i| i.before.tokens_ut).min().unwrap_or(0),
                     wait_us: instances
@@ -559,7 +572,7 @@ impl<S: Store> Hub<S> {
         }
         use futures_util::StreamExt;
         futures_util::stream::iter(cells.iter())
-            .for_each_concurrent(64, |cell| async move { self.run_group(cell).await })
+            .for_each_concurrent(64, |cell| async move { self.run_group(cell, None).await })
             .await;
         let mut outstanding = 0u64;
         for cell in &cells {
@@ -574,15 +587,15 @@ impl<S: Store> Hub<S> {
     /// paid for there stays taken) and joins its new one as a new share; one that became
     /// `unlimited` or shadow gets `ALLOW_ALL` at this tick.
     async fn rebind_after_reload(&self) {
-        let generation = self.limiter.rules().generation;
+        let rules = self.limiter.rules();
         let mut moves: Vec<Move> = Vec::new();
         let mut abandoned: Vec<ShareKey> = Vec::new();
         {
             let mut inner = self.lock();
-            if inner.generation == generation {
+            if std::ptr::eq(inner.rules.as_ptr(), Arc::as_ptr(&rules)) {
                 return;
             }
-            inner.generation = generation;
+            inner.rules = Arc::downgrade(&rules);
             let ids: Vec<u64> = inner.streams.keys().copied().collect();
             for id in ids {
                 let stream = &inner.streams[&id];

@@ -64,6 +64,8 @@ pub enum Action {
     Bucket(Shape),
     /// A `DENY_ALL` blanket rule.
     DenyAll,
+    /// Nothing sent: the share is not part of this round ([`GroupPlan::only`]).
+    Unchanged,
 }
 
 /// One Envoy's next assignment: what is sent and what it then holds.
@@ -100,9 +102,27 @@ impl GroupPlan {
         self.shares.iter().fold(0u64, |a, s| a.saturating_add(s.give_ut))
     }
 
-    /// Whether every share is sent `DENY_ALL`.
+    /// Whether every share of the round is sent `DENY_ALL`.
     pub fn denies_all(&self) -> bool {
-        self.shares.iter().all(|s| s.action == Action::DenyAll)
+        self.shares
+            .iter()
+            .all(|s| matches!(s.action, Action::DenyAll | Action::Unchanged))
+    }
+
+    /// The plan for the shares `selected` says, the others left as they are (nothing sent,
+    /// nothing paid): a new Envoy is assigned at once without a round for every other.
+    pub fn only(mut self, held: &[Held], selected: impl Fn(usize) -> bool) -> GroupPlan {
+        for (i, (share, h)) in self.shares.iter_mut().zip(held).enumerate() {
+            if !selected(i) {
+                *share = Assigned {
+                    action: Action::Unchanged,
+                    held: *h,
+                    take_ut: 0,
+                    give_ut: 0,
+                };
+            }
+        }
+        self
     }
 
     /// The net change asked of the store: positive, to take; negative, to give back.
@@ -206,6 +226,14 @@ fn next(held: &Held, want: Want, keep_any: bool, now_us: u64, terms: &Terms) -> 
     assign(held, Shape::fit(want.rate, want.burst), now_us, terms)
 }
 
+/// The least burst of a new bucket refilled at `rate_ut_per_s`, in tokens: a second of its
+/// rate, and at least 2. A bucket of one token loses the refill of every interval between
+/// requests shorter than a token's (a request at 1.9 a second on a share of 1.85 would pass
+/// one time in two); two hold the jitter of requests that come about as fast as the share.
+fn least_burst(rate_ut_per_s: u64) -> u64 {
+    (rate_ut_per_s / MICRO).max(2)
+}
+
 /// Scales tried, in order, when a plan must fit a budget.
 const SCALES: [f64; 12] = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.15, 0.1, 0.05, 0.0];
 
@@ -214,14 +242,15 @@ const SCALES: [f64; 12] = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.15, 0.1, 0.
 /// now.
 ///
 /// New buckets share out as bursts what the pool holds beyond the look-ahead the targets need
-/// (each in proportion to its target, at least one token), so a quiet bucket's first Envoy can
-/// burst as an RLS client could; a bucket in steady use has little pool, and its new buckets
-/// burst one token.
+/// (each in proportion to its target, at least [`least_burst`]), so a quiet bucket's first
+/// Envoy can burst as an RLS client could; a bucket in steady use has little pool, and its new
+/// buckets burst a second of their rate.
 ///
 /// With `budget_ut` (the micro-tokens the global bucket holds, from a denied attempt) the plan
 /// is cut to fit, in this order of preference: running buckets kept (those above their target
-/// brought down to it, which gives back), new ones at a scaled target with one token of burst;
+/// brought down to it, which gives back), new ones at a scaled target with the least burst;
 /// new ones denied; every target scaled; every share denied (`DENY_ALL` only gives back).
+#[allow(clippy::too_many_arguments)] // a plan's inputs, each its own unit; none defaults
 pub fn plan(
     held: &[Held],
     targets: &[u64],
@@ -230,15 +259,17 @@ pub fn plan(
     now_us: u64,
     terms: &Terms,
     budget_ut: Option<u64>,
+    selected: &dyn Fn(usize) -> bool,
 ) -> GroupPlan {
+    let cut = |p: GroupPlan| p.only(held, selected);
     let total: u64 = targets.iter().fold(0u64, |a, t| a.saturating_add(*t));
     let lookahead_ut = (u128::from(total) * u128::from(terms.lookahead_us()) / u128::from(MICRO)) as u64;
     let spare_ut = pool_ut.min(capacity_ut).saturating_sub(lookahead_ut);
     let burst = |t: u64| -> u64 {
         if total == 0 {
-            return 1;
+            return least_burst(t);
         }
-        ((u128::from(spare_ut) * u128::from(t) / u128::from(total)) as u64 / MICRO).max(1)
+        ((u128::from(spare_ut) * u128::from(t) / u128::from(total)) as u64 / MICRO).max(least_burst(t))
     };
     let ideal = GroupPlan {
         shares: held
@@ -267,38 +298,67 @@ pub fn plan(
         return ideal;
     }
     let running = |h: &Held| matches!(h, Held::Bucket { sent_us, .. } if still_running(*sent_us, now_us, terms));
-    // Running buckets kept; new ones scaled.
+    // Running buckets kept, those above their target brought down to it, those below it
+    // raised part of the way; new ones at a part of their target.
     for scale in SCALES {
-        let p = GroupPlan {
+        let p = cut(GroupPlan {
             shares: held
                 .iter()
                 .zip(targets)
                 .map(|(h, &t)| {
-                    let rate = if running(h) { t } else { (t as f64 * scale) as u64 };
-                    next(h, Want { rate, burst: 1 }, true, now_us, terms)
+                    let rate = match h {
+                        Held::Bucket { shape, .. } if running(h) => {
+                            let r = shape.rate_ut_per_s();
+                            if (r as f64) < t as f64 * KEEP_BELOW {
+                                r + ((t - r) as f64 * scale) as u64
+                            } else {
+                                t
+                            }
+                        }
+                        _ => (t as f64 * scale) as u64,
+                    };
+                    next(
+                        h,
+                        Want {
+                            rate,
+                            burst: least_burst(rate),
+                        },
+                        false,
+                        now_us,
+                        terms,
+                    )
                 })
                 .collect(),
             scale,
-        };
+        });
         if fits(&p) {
             return p;
         }
     }
     // Running buckets kept, new ones denied.
-    let keep_only = GroupPlan {
+    let keep_only = cut(GroupPlan {
         shares: held
             .iter()
             .zip(targets)
             .map(|(h, &t)| {
                 if running(h) {
-                    next(h, Want { rate: t, burst: 1 }, true, now_us, terms)
+                    next(
+                        h,
+                        Want {
+                            rate: t,
+                            burst: least_burst(t),
+                        },
+                        true,
+                        now_us,
+                        terms,
+                    )
                 } else {
                     deny(h, now_us, terms)
                 }
             })
             .collect(),
         scale: 0.0,
-    };
+    });
     if fits(&keep_only) {
         return keep_only;
     }
@@ -313,7 +373,7 @@ pub fn plan(
                         h,
                         Want {
                             rate: (t as f64 * scale) as u64,
-                            burst: 1,
+                            burst: least_burst((t as f64 * scale) as u64),
                         },
                         false,
                         now_us,
@@ -327,7 +387,7 @@ pub fn plan(
             return p;
         }
     }
-    deny_all(held, now_us, terms)
+    cut(deny_all(held, now_us, terms))
 }
 
 /// `DENY_ALL` to every share.

@@ -53,18 +53,27 @@ fn a_budget_scales_the_targets_down_and_denies_when_nothing_fits() {
     let held = [Held::Nothing, Held::Nothing];
     let targets = [5 * MICRO, 5 * MICRO];
     // The look-ahead (2 x 5/s x 2.25 s) is more than the pool: one token of burst each.
-    let full = plan(&held, &targets, 20 * MICRO, 20 * MICRO, 0, &TERMS, None);
+    let full = plan(&held, &targets, 20 * MICRO, 20 * MICRO, 0, &TERMS, None, &|_| true);
     assert_eq!(full.net_ut(), 2 * (i128::from(MICRO) + 11_250_000));
     // A quiet large bucket: the rest of the pool goes out as bursts.
-    let quiet = plan(&held, &targets, 100 * MICRO, 100 * MICRO, 0, &TERMS, None);
+    let quiet = plan(&held, &targets, 100 * MICRO, 100 * MICRO, 0, &TERMS, None, &|_| true);
     assert!(quiet
         .shares
         .iter()
         .all(|s| matches!(s.action, Action::Bucket(b) if b.max_tokens == 38)));
-    let cut = plan(&held, &targets, 20 * MICRO, 20 * MICRO, 0, &TERMS, Some(20 * MICRO));
+    let cut = plan(
+        &held,
+        &targets,
+        20 * MICRO,
+        20 * MICRO,
+        0,
+        &TERMS,
+        Some(20 * MICRO),
+        &|_| true,
+    );
     assert!(cut.net_ut() <= 20 * i128::from(MICRO) && cut.net_ut() > 10 * i128::from(MICRO));
     assert!(cut.scale > 0.0 && cut.scale < 1.0);
-    let none = plan(&held, &targets, 0, 20 * MICRO, 0, &TERMS, Some(MICRO / 2));
+    let none = plan(&held, &targets, 0, 20 * MICRO, 0, &TERMS, Some(MICRO / 2), &|_| true);
     assert!(none.denies_all());
     assert_eq!(none.net_ut(), 0);
 }
@@ -72,10 +81,14 @@ fn a_budget_scales_the_targets_down_and_denies_when_nothing_fits() {
 #[test]
 fn a_share_near_its_target_keeps_its_bucket() {
     let a = assign(&Held::Nothing, Shape::fit(5 * MICRO, 5), 0, &TERMS);
-    let p = plan(&[a.held], &[5_000_000], 0, 20 * MICRO, 1_000_000, &TERMS, None);
+    let p = plan(&[a.held], &[5_000_000], 0, 20 * MICRO, 1_000_000, &TERMS, None, &|_| {
+        true
+    });
     assert_eq!(p.shares[0].action, a.action);
     assert_eq!(p.shares[0].take_ut, 5 * MICRO);
     // Well above: a larger bucket.
-    let p = plan(&[a.held], &[9 * MICRO], 0, 20 * MICRO, 1_000_000, &TERMS, None);
+    let p = plan(&[a.held], &[9 * MICRO], 0, 20 * MICRO, 1_000_000, &TERMS, None, &|_| {
+        true
+    });
     assert_ne!(p.shares[0].action, a.action);
 }

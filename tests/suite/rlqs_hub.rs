@@ -1,0 +1,376 @@
+//! The RLQS hub driven by hand on a manual clock and the memory store: what each kind of bucket
+//! id is assigned, bad input, bounds on streams and buckets, reloads, spent allowances, idle
+//! buckets and shutdown. Envoys are the model of `rlqs_model.rs`.
+
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::BucketAction as Action;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
+    BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
+};
+use envoy_types::pb::google::protobuf::Duration as PbDuration;
+use tokio::sync::mpsc;
+use tollgate::core::clock::ManualClock;
+use tollgate::decision::Limiter;
+use tollgate::rlqs::{Hub, RlqsSettings, Unmatched};
+use tollgate::store::MemoryStore;
+
+use crate::harness::{options, rules};
+use crate::rlqs_model::{key, EnvoyModel};
+
+const START_US: u64 = 1_700_000_000_000_000;
+
+const RULES: &str = "domain: edge
+buckets:
+  trial: {capacity: 30, expires: 10s}
+descriptors:
+  - key: api_key
+    token_bucket: {capacity: 20, refill: 10/s}
+  - key: tenant
+    descriptors:
+      - key: path
+        value: /upload
+        token_bucket: {capacity: 5, refill: 1/s}
+  - key: static
+    unlimited: true
+  - key: trying
+    shadow_mode: true
+    token_bucket: {capacity: 1, refill: 1/m}
+  - key: trial
+    bucket: trial
+";
+
+type Outgoing = Result<RateLimitQuotaResponse, tonic::Status>;
+
+struct Setup {
+    hub: Arc<Hub<MemoryStore>>,
+    limiter: Arc<Limiter<MemoryStore>>,
+    clock: ManualClock,
+}
+
+fn setup(settings: RlqsSettings) -> Setup {
+    let clock = ManualClock::new(START_US);
+    let store = MemoryStore::new(4, 10_000, Arc::new(clock.clone()));
+    let limiter = Arc::new(Limiter::new(rules(RULES), store, options()));
+    let hub = Hub::with_clock(limiter.clone(), settings, Arc::new(clock.clone()));
+    Setup { hub, limiter, clock }
+}
+
+fn open(hub: &Hub<MemoryStore>) -> (u64, mpsc::Receiver<Outgoing>) {
+    let (tx, rx) = mpsc::channel(1_024);
+    (hub.open(tx).expect("a stream"), rx)
+}
+
+fn usage(pairs: &[(&str, &str)], allowed: u64, denied: u64, elapsed_s: i64) -> BucketQuotaUsage {
+    BucketQuotaUsage {
+        bucket_id: Some(BucketId {
+            bucket: pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+        }),
+        time_elapsed: Some(PbDuration {
+            seconds: elapsed_s,
+            nanos: 0,
+        }),
+        num_requests_allowed: allowed,
+        num_requests_denied: denied,
+    }
+}
+
+fn reports(domain: &str, usages: Vec<BucketQuotaUsage>) -> RateLimitQuotaUsageReports {
+    RateLimitQuotaUsageReports {
+        domain: domain.into(),
+        bucket_quota_usages: usages,
+    }
+}
+
+/// Every action received so far, with its bucket id as `k=v,...`.
+fn drain(rx: &mut mpsc::Receiver<Outgoing>) -> Vec<(String, Action)> {
+    let mut out = Vec::new();
+    while let Ok(msg) = rx.try_recv() {
+        for a in msg.expect("no status").bucket_action {
+            let mut pairs: Vec<String> = a
+                .bucket_id
+                .expect("every action names its bucket")
+                .bucket
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect();
+            pairs.sort();
+            out.push((pairs.join(","), a.bucket_action.expect("an action")));
+        }
+    }
+    out
+}
+
+/// What an action is, in short: `token_bucket`, `allow_all`, `deny_all`, `abandon`.
+fn kind(a: &Action) -> &'static str {
+    match a {
+        Action::AbandonAction(_) => "abandon",
+        Action::QuotaAssignmentAction(q) => {
+            assert!(
+                q.assignment_time_to_live.is_some_and(|d| d.seconds >= 1),
+                "every assignment carries a TTL of whole seconds: {q:?}"
+            );
+            match q.rate_limit_strategy.and_then(|s| s.strategy) {
+                Some(Strategy::TokenBucket(tb)) => {
+                    assert!(tb.max_tokens >= 1 && tb.tokens_per_fill.is_some_and(|v| v.value >= 1));
+                    assert!(tb.fill_interval.is_some_and(|d| d.seconds >= 1 && d.nanos == 0));
+                    "token_bucket"
+                }
+                Some(Strategy::BlanketRule(r)) if r == BlanketRule::AllowAll as i32 => "allow_all",
+                Some(Strategy::BlanketRule(_)) => "deny_all",
+                other => panic!("unexpected strategy {other:?}"),
+            }
+        }
+    }
+}
+
+fn kinds(actions: &[(String, Action)]) -> Vec<(String, &'static str)> {
+    actions.iter().map(|(id, a)| (id.clone(), kind(a))).collect()
+}
+
+#[tokio::test]
+async fn each_kind_of_bucket_id_gets_what_its_rule_says() {
+    let s = setup(RlqsSettings {
+        unmatched: Unmatched::DenyAll,
+        ..RlqsSettings::default()
+    });
+    let (id, mut rx) = open(&s.hub);
+    s.hub
+        .report(
+            id,
+            reports(
+                "edge",
+                vec![
+                    usage(&[("api_key", "k1")], 1, 0, 0),
+                    // Keys in the tree's order, whatever order the map gives.
+                    usage(&[("path", "/upload"), ("tenant", "acme")], 1, 0, 0),
+                    usage(&[("static", "x")], 1, 0, 0),
+                    usage(&[("trying", "x")], 1, 0, 0),
+                    usage(&[("nothing", "here")], 1, 0, 0),
+                ],
+            ),
+        )
+        .await;
+    let mut got = kinds(&drain(&mut rx));
+    got.sort();
+    assert_eq!(
+        got,
+        vec![
+            ("api_key=k1".into(), "token_bucket"),
+            ("nothing=here".into(), "deny_all"),
+            ("path=/upload,tenant=acme".into(), "token_bucket"),
+            ("static=x".into(), "allow_all"),
+            ("trying=x".into(), "allow_all"),
+        ]
+    );
+
+    // An unknown domain is unmatched too; with `no_assignment` nothing is sent.
+    let quiet = setup(RlqsSettings::default());
+    let (id, mut rx) = open(&quiet.hub);
+    quiet
+        .hub
+        .report(id, reports("elsewhere", vec![usage(&[("api_key", "k1")], 1, 0, 0)]))
+        .await;
+    quiet
+        .hub
+        .report(id, reports("edge", vec![usage(&[("nothing", "here")], 1, 0, 0)]))
+        .await;
+    quiet.hub.tick().await;
+    assert!(drain(&mut rx).is_empty());
+}
+
+#[tokio::test]
+async fn bad_reports_are_ignored_and_the_stream_goes_on() {
+    let s = setup(RlqsSettings::default());
+    let (id, mut rx) = open(&s.hub);
+    let bad = vec![
+        // No bucket id, an empty one.
+        BucketQuotaUsage {
+            bucket_id: None,
+            ..usage(&[], 1, 0, 0)
+        },
+        usage(&[], 1, 0, 0),
+        // A negative duration, nanoseconds out of range, over a day.
+        usage(&[("api_key", "neg")], 1, 0, -5),
+        BucketQuotaUsage {
+            time_elapsed: Some(PbDuration {
+                seconds: 1,
+                nanos: 2_000_000_000,
+            }),
+            ..usage(&[("api_key", "nanos")], 1, 0, 0)
+        },
+        usage(&[("api_key", "long")], 1, 0, 10 * 86_400),
+        // Absurd counts.
+        usage(&[("api_key", "huge")], u64::MAX, u64::MAX, 5),
+        // A key or value Envoy could never have sent in a descriptor: empty key, a huge value.
+        usage(&[("", "v")], 1, 0, 0),
+        usage(&[("api_key", &"x".repeat(100_000))], 1, 0, 0),
+    ];
+    s.hub.report(id, reports("edge", bad.clone())).await;
+    s.hub.report(id, reports("", bad)).await;
+    let got = kinds(&drain(&mut rx));
+    // Only the over-long value reaches a rule (cut as a request's would be): a bucket of its own.
+    assert!(
+        got.iter()
+            .all(|(id, k)| id.starts_with("api_key=xxx") && *k == "token_bucket"),
+        "{got:?}"
+    );
+    // The stream still works.
+    s.hub
+        .report(id, reports("edge", vec![usage(&[("api_key", "ok")], 1, 0, 0)]))
+        .await;
+    assert_eq!(kinds(&drain(&mut rx)), vec![("api_key=ok".into(), "token_bucket")]);
+}
+
+#[tokio::test]
+async fn streams_and_buckets_per_stream_are_bounded() {
+    let s = setup(RlqsSettings {
+        max_streams: 2,
+        max_buckets_per_stream: 3,
+        ..RlqsSettings::default()
+    });
+    let (id, mut rx) = open(&s.hub);
+    let _second = open(&s.hub);
+    let (tx, _rx) = mpsc::channel(1);
+    let refused = s.hub.open(tx).expect_err("a third stream is refused");
+    assert_eq!(refused.code(), tonic::Code::ResourceExhausted);
+    let many: Vec<BucketQuotaUsage> = (0..10)
+        .map(|i| usage(&[("api_key", &format!("k{i}"))], 1, 0, 0))
+        .collect();
+    s.hub.report(id, reports("edge", many)).await;
+    assert_eq!(drain(&mut rx).len(), 3);
+    s.hub.tick().await;
+    assert_eq!(drain(&mut rx).len(), 3, "only the buckets bound are renewed");
+    // A closed stream frees its place.
+    s.hub.close(id).await;
+    let (tx, _rx) = mpsc::channel(1);
+    assert!(s.hub.open(tx).is_ok());
+}
+
+#[tokio::test]
+async fn a_spent_allowance_is_denied_until_it_is_whole_again() {
+    let s = setup(RlqsSettings::default());
+    let (id, mut rx) = open(&s.hub);
+    let mut envoy = EnvoyModel::new("edge", false);
+    let trial = key(&[("trial", "t1")]);
+    let mut admitted = 0;
+    let mut denied_all_seen = false;
+    let mut token_bucket_after_reset = false;
+    // 25 seconds of 20 requests a second; the allowance is 30 per 10 s from first use.
+    for step in 0..2_500u64 {
+        let now = START_US + step * 10_000;
+        s.clock.set_us(now);
+        for (_, action) in drain(&mut rx).iter() {
+            let response = RateLimitQuotaResponse {
+                bucket_action: vec![
+                    envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::BucketAction {
+                        bucket_id: Some(BucketId {
+                            bucket: trial.iter().cloned().collect(),
+                        }),
+                        bucket_action: Some(*action),
+                    },
+                ],
+            };
+            if kind(action) == "deny_all" {
+                denied_all_seen = true;
+            } else if denied_all_seen && kind(action) == "token_bucket" {
+                token_bucket_after_reset = true;
+            }
+            envoy.apply(&response, now);
+        }
+        if step % 5 == 0 {
+            let (ok, first) = envoy.request(&trial, now);
+            admitted += u64::from(ok);
+            if let Some(r) = first {
+                s.hub.report(id, r).await;
+            }
+        }
+        if step % 500 == 499 {
+            let r = envoy.report(now);
+            s.hub.report(id, r).await;
+        }
+        if step % 100 == 99 {
+            s.hub.tick().await;
+        }
+        // Within the first period, never more than the allowance.
+        if step < 1_000 {
+            assert!(
+                admitted <= 30,
+                "{admitted} admitted of an allowance of 30 at step {step}"
+            );
+        }
+    }
+    assert!(denied_all_seen, "a spent allowance is DENY_ALL");
+    assert!(token_bucket_after_reset, "whole again, it is handed out again");
+    // Three periods started in 25 s at most: 90 at most.
+    assert!((30..=90).contains(&admitted), "{admitted}");
+}
+
+#[tokio::test]
+async fn a_reload_reassigns_and_a_removed_rule_is_abandoned() {
+    let s = setup(RlqsSettings::default());
+    let (id, mut rx) = open(&s.hub);
+    s.hub
+        .report(
+            id,
+            reports(
+                "edge",
+                vec![usage(&[("api_key", "k1")], 1, 0, 0), usage(&[("static", "x")], 1, 0, 0)],
+            ),
+        )
+        .await;
+    let first = drain(&mut rx);
+    assert_eq!(first.len(), 2);
+    s.clock.advance_us(1_000_000);
+    s.hub.tick().await;
+    let before = drain(&mut rx);
+    // A slower refill for api_key; `static` gone.
+    s.limiter.swap_rules(rules(
+        "domain: edge\ndescriptors:\n  - key: api_key\n    token_bucket: {capacity: 20, refill: 2/s}\n",
+    ));
+    s.clock.advance_us(1_000_000);
+    s.hub.tick().await;
+    let after = drain(&mut rx);
+    let of = |actions: &[(String, Action)], id: &str| actions.iter().find(|(i, _)| i == id).map(|(_, a)| *a);
+    assert_ne!(
+        of(&before, "api_key=k1"),
+        of(&after, "api_key=k1"),
+        "the new refill gives a new bucket"
+    );
+    assert_eq!(of(&after, "static=x").map(|a| kind(&a)), Some("abandon"));
+}
+
+#[tokio::test]
+async fn idle_buckets_are_abandoned_and_shutdown_ends_every_stream() {
+    let s = setup(RlqsSettings {
+        idle_seconds: tollgate::core::units::Seconds(10),
+        ..RlqsSettings::default()
+    });
+    let (id, mut rx) = open(&s.hub);
+    s.hub
+        .report(id, reports("edge", vec![usage(&[("api_key", "k1")], 1, 0, 0)]))
+        .await;
+    for _ in 0..11 {
+        s.clock.advance_us(1_000_000);
+        s.hub
+            .report(id, reports("edge", vec![usage(&[("api_key", "k1")], 0, 0, 1)]))
+            .await;
+        s.hub.tick().await;
+    }
+    let got = kinds(&drain(&mut rx));
+    assert_eq!(got.last().map(|(_, k)| *k), Some("abandon"), "{got:?}");
+
+    s.hub.shut_down();
+    match rx.recv().await {
+        Some(Err(status)) => assert_eq!(status.code(), tonic::Code::Unavailable),
+        other => panic!("the stream ends with UNAVAILABLE, not {other:?}"),
+    }
+    assert!(rx.recv().await.is_none(), "and then ends");
+    let (tx, _rx) = mpsc::channel(1);
+    assert_eq!(
+        s.hub.open(tx).expect_err("no new stream").code(),
+        tonic::Code::Unavailable
+    );
+}
