@@ -16,19 +16,21 @@ use std::time::Duration;
 
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
-use envoy_types::pb::envoy::r#type::v3::{RateLimitStrategy, TokenBucket};
+use envoy_types::pb::envoy::r#type::v3::TokenBucket;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::{
-    AbandonAction, BucketAction as Action, QuotaAssignmentAction,
+    AbandonAction, BucketAction as Action,
 };
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::BucketAction;
-use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
-    BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
-};
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::{RateLimitQuotaResponse, RateLimitQuotaUsageReports};
 use envoy_types::pb::google::protobuf::{Duration as PbDuration, UInt32Value};
-use serde::Serialize;
 use tokio::sync::mpsc;
 use tonic::Status;
 
+mod messages;
+mod view;
+
+use self::messages::{assignment, bucket_id, bucket_key, elapsed_us};
+pub use self::view::{RlqsBucketView, RlqsView, ShareView};
 use super::bucket_id::entries_in_tree_order;
 use super::group::{split_rate_ut_per_s, Group};
 use super::metrics::{Ignored, RlqsMetrics};
@@ -211,6 +213,13 @@ impl<S: Store> Hub<S> {
             cell.lock().await.group.remove(&(id, key));
         }
         self.drop_empty_groups();
+    }
+
+    /// Ends stream `id` with `status` (its forgetting follows with [`Hub::close`]).
+    pub fn end(&self, id: u64, status: Status) {
+        if let Some(stream) = self.lock().streams.get(&id) {
+            let _ = stream.tx.try_send(Err(status));
+        }
     }
 
     /// Ends every stream with `UNAVAILABLE` (their Envoys reconnect, to another replica behind
@@ -695,6 +704,18 @@ impl<S: Store> Hub<S> {
         self.metrics.groups(groups.len());
     }
 
+    /// Starts the assignment loop, and [`Hub::shut_down`] when `stop` completes; returns the
+    /// hub.
+    pub fn start(self: Arc<Self>, stop: impl std::future::Future<Output = ()> + Send + 'static) -> Arc<Self> {
+        tokio::spawn(self.clone().run());
+        let ending = self.clone();
+        tokio::spawn(async move {
+            stop.await;
+            ending.shut_down();
+        });
+        self
+    }
+
     /// Runs the assignment loop until the hub is shut down.
     pub async fn run(self: Arc<Self>) {
         let mut every = tokio::time::interval(self.settings.assignment_period_ms.duration());
@@ -707,91 +728,6 @@ impl<S: Store> Hub<S> {
             self.tick().await;
         }
     }
-
-    /// What `/config` and the admin API show: every global bucket with Envoys on this replica.
-    pub async fn view(&self) -> RlqsView {
-        let now = self.clock.now_us();
-        let (streams, cells) = {
-            let inner = self.lock();
-            (inner.streams.len(), inner.groups.values().cloned().collect::<Vec<_>>())
-        };
-        let mut buckets = Vec::new();
-        for cell in cells {
-            let g = cell.lock().await;
-            let limit = limit_at(&g.resolved, now);
-            buckets.push(RlqsBucketView {
-                domain: g.domain.clone(),
-                rule: g.resolved.rule.clone(),
-                buckets: g.resolved.policies.iter().map(|p| p.name.clone()).collect(),
-                refill_per_second: split_rate_ut_per_s(&limit) as f64 / MICRO as f64,
-                shares: g
-                    .group
-                    .shares()
-                    .map(|((stream, _), s)| ShareView {
-                        stream: *stream,
-                        assignment: match s.held {
-                            Held::Bucket { shape, .. } => format!(
-                                "token_bucket max_tokens={} tokens_per_fill={} fill_interval={}s",
-                                shape.max_tokens, shape.tokens_per_fill, shape.fill_seconds
-                            ),
-                            Held::Blanket => "deny_all".into(),
-                            Held::Nothing => "none".into(),
-                        },
-                        demand_per_second: s.demand_ut_per_s.map(|d| d as f64 / MICRO as f64),
-                    })
-                    .collect(),
-                outstanding_tokens: g.group.outstanding_ut(now) as f64 / MICRO as f64,
-            });
-        }
-        buckets.sort_by(|a, b| (&a.domain, &a.rule).cmp(&(&b.domain, &b.rule)));
-        RlqsView {
-            enabled: true,
-            streams,
-            ttl_seconds: self.settings.ttl_seconds(),
-            buckets,
-        }
-    }
-}
-
-/// The RLQS part of `/config` and of the admin API's `/v1/rlqs`.
-#[derive(Clone, Debug, Serialize)]
-pub struct RlqsView {
-    /// Whether the service is served.
-    pub enabled: bool,
-    /// Open streams.
-    pub streams: usize,
-    /// `assignment_time_to_live` of every assignment, in seconds.
-    pub ttl_seconds: u64,
-    /// Global buckets with Envoys on this replica.
-    pub buckets: Vec<RlqsBucketView>,
-}
-
-/// One global bucket's Envoys on this replica.
-#[derive(Clone, Debug, Serialize)]
-pub struct RlqsBucketView {
-    /// Its domain.
-    pub domain: String,
-    /// The rule's path.
-    pub rule: String,
-    /// The rule's bucket names.
-    pub buckets: Vec<String>,
-    /// The refill split among the shares, in tokens a second.
-    pub refill_per_second: f64,
-    /// One per Envoy bucket.
-    pub shares: Vec<ShareView>,
-    /// Tokens the Envoys may still admit on what was paid for.
-    pub outstanding_tokens: f64,
-}
-
-/// One Envoy's share.
-#[derive(Clone, Debug, Serialize)]
-pub struct ShareView {
-    /// The stream (a number local to this replica).
-    pub stream: u64,
-    /// What it was last sent.
-    pub assignment: String,
-    /// Its requests a second, as reported; none before a report covering some time.
-    pub demand_per_second: Option<f64>,
 }
 
 /// The limit the shares split: the tightest of the rule's buckets (least refill, least
@@ -821,48 +757,4 @@ fn group_key(domain: &str, resolved: &Resolved) -> Arc<str> {
         key.push_str(&b.key);
     }
     key.into()
-}
-
-/// The bucket id as sorted pairs; `None` when empty.
-fn bucket_key(id: Option<&BucketId>) -> Option<BucketKey> {
-    let id = id?;
-    if id.bucket.is_empty() {
-        return None;
-    }
-    let mut pairs: Vec<(String, String)> = id.bucket.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-    pairs.sort();
-    Some(pairs.into())
-}
-
-fn bucket_id(key: &BucketKey) -> BucketId {
-    BucketId {
-        bucket: key.iter().cloned().collect(),
-    }
-}
-
-/// `time_elapsed` in microseconds (absent: 0, as Envoy's first report); `None` when negative,
-/// malformed or over a day.
-fn elapsed_us(d: Option<&PbDuration>) -> Option<u64> {
-    let Some(d) = d else { return Some(0) };
-    if d.seconds < 0 || d.nanos < 0 || d.nanos >= 1_000_000_000 {
-        return None;
-    }
-    let us = u64::try_from(d.seconds).ok()?.checked_mul(1_000_000)? + u64::try_from(d.nanos / 1_000).ok()?;
-    (us <= LONGEST_REPORT.as_micros() as u64).then_some(us)
-}
-
-/// A `quota_assignment_action` for `key` with `strategy`, living `ttl_us` (whole seconds).
-fn assignment(key: &BucketKey, strategy: Strategy, ttl_us: u64) -> BucketAction {
-    BucketAction {
-        bucket_id: Some(bucket_id(key)),
-        bucket_action: Some(Action::QuotaAssignmentAction(QuotaAssignmentAction {
-            assignment_time_to_live: Some(PbDuration {
-                seconds: i64::try_from(ttl_us / 1_000_000).unwrap_or(i64::MAX),
-                nanos: 0,
-            }),
-            rate_limit_strategy: Some(RateLimitStrategy {
-                strategy: Some(strategy),
-            }),
-        })),
-    }
 }

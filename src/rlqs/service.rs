@@ -50,9 +50,18 @@ impl<S: Store> RateLimitQuotaService for QuotaService<S> {
         let hub = self.hub.clone();
         let mut inbound = request.into_inner();
         tokio::spawn(async move {
-            // Ends when Envoy half-closes or the stream breaks; nothing is read after that.
-            while let Some(Ok(reports)) = inbound.next().await {
-                hub.report(id, reports).await;
+            // Ends when Envoy half-closes or the stream breaks; nothing is read after that. A
+            // message that cannot be read (over `grpc.max_message_bytes`: OUT_OF_RANGE, not
+            // protobuf) ends the stream with its status.
+            loop {
+                match inbound.next().await {
+                    Some(Ok(reports)) => hub.report(id, reports).await,
+                    Some(Err(status)) => {
+                        hub.end(id, status);
+                        break;
+                    }
+                    None => break,
+                }
             }
             hub.close(id).await;
         });

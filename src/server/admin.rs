@@ -269,6 +269,20 @@ pub struct AdminOptions {
     pub allowed_hosts: Vec<String>,
     /// `GET /config` when given (else it is 404).
     pub config: Option<ConfigView>,
+    /// `GET /rlqs` when given (else it is 404): the RLQS streams and shares of this replica.
+    pub rlqs: Option<RlqsProbe>,
+}
+
+/// Builds the `/rlqs` document ([`crate::rlqs::RlqsView`] as JSON) on each call.
+pub type RlqsProbe =
+    Arc<dyn Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = serde_json::Value> + Send>> + Send + Sync>;
+
+/// The `/rlqs` document of `hub`.
+pub fn rlqs_probe<S: Store>(hub: Arc<crate::rlqs::Hub<S>>) -> RlqsProbe {
+    Arc::new(move || {
+        let hub = hub.clone();
+        Box::pin(async move { serde_json::to_value(hub.view().await).unwrap_or_default() })
+    })
 }
 
 /// The admin API over `limiter`'s rules and store, admitting requests as `options` says
@@ -291,6 +305,16 @@ pub fn router<S: Store>(limiter: Arc<Limiter<S>>, options: AdminOptions) -> Rout
     if let Some(view) = options.config {
         app = app.route(CONFIG_PATH, get(move || config(view.clone())).fallback(get_only));
     }
+    if let Some(probe) = options.rlqs {
+        app = app.route(
+            RLQS_PATH,
+            get(move || {
+                let probe = probe.clone();
+                async move { Json(probe().await).into_response() }
+            })
+            .fallback(get_only),
+        );
+    }
     app.fallback(not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(axum::middleware::from_fn_with_state(gate, admit))
@@ -298,6 +322,9 @@ pub fn router<S: Store>(limiter: Arc<Limiter<S>>, options: AdminOptions) -> Rout
 
 /// The path of the rules-and-settings document on the admin listener.
 pub const CONFIG_PATH: &str = "/config";
+
+/// The path of the RLQS document on the admin listener: streams, global buckets, shares.
+pub const RLQS_PATH: &str = "/rlqs";
 
 struct Admin<S> {
     limiter: Arc<Limiter<S>>,

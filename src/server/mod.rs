@@ -148,13 +148,28 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
     let http_state = http_state(&settings, &limiter, &memory, &ready, prometheus).with_rules(source.check());
     let mut tasks = JoinSet::new();
     let grpc_tls = tls.acceptor(Listener::Grpc);
-    let (health_reporter, serving) =
-        start_grpc(&mut tasks, grpc, &limiter, &settings, &stop_rx, &source, grpc_tls).await;
+    let rlqs = settings
+        .rlqs
+        .enabled
+        .then(|| crate::rlqs::Hub::new(limiter.clone(), settings.rlqs));
+    let (health_reporter, serving) = start_grpc(
+        &mut tasks,
+        grpc,
+        &limiter,
+        &settings,
+        &stop_rx,
+        &source,
+        grpc_tls,
+        rlqs.clone(),
+    )
+    .await;
     // Ready before the HTTP listeners are served, so the first probe that gets an answer
     // hears the backend's state and never "starting" (the ports are bound already; a probe
     // that came early waits in the backlog).
     ready.set(true);
-    start_http_listeners(&mut tasks, http, http_state, &settings, &limiter, &source, &stop_rx);
+    start_http_listeners(
+        &mut tasks, http, http_state, &settings, &limiter, &source, &stop_rx, rlqs,
+    );
     let health_follower = tokio::spawn(follow_readiness(
         health_reporter.clone(),
         limiter.clone(),
@@ -320,6 +335,7 @@ fn http_state(
 
 /// Starts the HTTP listener and, when configured, the metrics and admin listeners, each
 /// serving until `stop` says so.
+#[allow(clippy::too_many_arguments)]
 fn start_http_listeners(
     tasks: &mut Tasks,
     listeners: HttpListeners,
@@ -328,6 +344,7 @@ fn start_http_listeners(
     limiter: &Arc<Limiter<AnyStore>>,
     source: &RulesSource,
     stop: &tokio::sync::watch::Receiver<bool>,
+    rlqs: Option<Arc<crate::rlqs::Hub<AnyStore>>>,
 ) {
     let (app, tls) = (router(http_state.clone()), &listeners.tls);
     let http_tls = tls.acceptor(Listener::Http);
@@ -345,7 +362,7 @@ fn start_http_listeners(
     }
     if let Some(listener) = listeners.admin {
         let (app, admin_tls) = (
-            admin_router(settings, limiter, source, tls),
+            admin_router(settings, limiter, source, tls, rlqs),
             tls.acceptor(Listener::Admin),
         );
         spawn_axum(tasks, listener, admin_tls, app, stopped(stop), "admin server failed");
@@ -381,7 +398,10 @@ fn admin_router(
     limiter: &Arc<Limiter<AnyStore>>,
     source: &RulesSource,
     tls: &Arc<Tls>,
+    rlqs: Option<Arc<crate::rlqs::Hub<AnyStore>>>,
 ) -> axum::Router {
+    let rlqs = rlqs.map(crate::server::admin::rlqs_probe);
+    let config_rlqs = rlqs.clone();
     let config_view: crate::server::admin::ConfigView = {
         let config_limiter = limiter.clone();
         let config_settings = settings.clone();
@@ -392,6 +412,11 @@ fn admin_router(
             let mut config = config_json(&rules, &config_settings);
             config_source.add_to_config(&mut config, rules.generation);
             config["tls"] = config_tls.status_json();
+            // Run on a blocking thread (see admin's `config`): the hub's locks are awaited here.
+            config["rlqs"] = match &config_rlqs {
+                Some(probe) => tokio::runtime::Handle::current().block_on(probe()),
+                None => serde_json::json!({"enabled": false}),
+            };
             config
         })
     };
@@ -399,6 +424,7 @@ fn admin_router(
         token: settings.admin.token.clone(),
         allowed_hosts: settings.admin.allowed_hosts.clone(),
         config: Some(config_view),
+        rlqs,
     };
     crate::server::admin::router(limiter.clone(), options)
 }
@@ -406,6 +432,7 @@ fn admin_router(
 /// Sets gRPC health as the rules and the backend are now, and starts the gRPC server on
 /// `listener`: it stops accepting when `stop` says so, and sends its GOAWAY shortly before the
 /// shutdown deadline. Returns the health reporter and whether it says `SERVING`.
+#[allow(clippy::too_many_arguments)]
 async fn start_grpc(
     tasks: &mut Tasks,
     listener: TcpListener,
@@ -414,6 +441,7 @@ async fn start_grpc(
     stop: &tokio::sync::watch::Receiver<bool>,
     source: &RulesSource,
     tls: Option<Acceptor>,
+    rlqs: Option<Arc<crate::rlqs::Hub<AnyStore>>>,
 ) -> (HealthReporter, bool) {
     let (health_reporter, health) = tonic_health::server::health_reporter();
     // Before the first connection is accepted: a probe that came early must not hear SERVING
@@ -426,7 +454,9 @@ async fn start_grpc(
     // request of the last moments. Told to go away only shortly before the deadline,
     // Envoy moves on while the streams it already sent are still answered.
     let close = stopped(stop);
-    let rlqs_stop = stopped(stop);
+    // At the stop the RLQS streams end, so their Envoys reconnect to another replica (the open
+    // connections keep serving RLS until their GOAWAY, but refuse new streams).
+    let rlqs = rlqs.map(|hub| crate::rlqs::QuotaService::new(hub.start(stopped(stop))));
     let stop = stopped(stop);
     let timeout = settings.shutdown.timeout_seconds.duration();
     let go_away = async move {
@@ -434,18 +464,6 @@ async fn start_grpc(
         tokio::time::sleep(timeout.saturating_sub(grpc::go_away_margin(timeout))).await;
     };
     let service = RateLimitGrpc::new(limiter.clone()).with_gate(source.gate());
-    let rlqs = settings.rlqs.enabled.then(|| {
-        let hub = crate::rlqs::Hub::new(limiter.clone(), settings.rlqs);
-        tokio::spawn(hub.clone().run());
-        // At the stop its streams end, so their Envoys reconnect to another replica (this
-        // one's open connections keep serving RLS until their GOAWAY, but refuse new streams).
-        let ending = hub.clone();
-        tokio::spawn(async move {
-            rlqs_stop.await;
-            ending.shut_down();
-        });
-        crate::rlqs::QuotaService::new(hub)
-    });
     tasks.spawn(grpc::serve_draining_tls(
         listener,
         tls,
