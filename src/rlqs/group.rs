@@ -15,7 +15,25 @@ pub const NO_REFILL_SLICE_US: u64 = 10_000_000;
 
 /// Of the refill the shares split, this much is left unassigned: a share keeps its bucket
 /// while within 2% above its target, and the refill is split again only once a period.
-pub const HEADROOM_PERCENT: u64 = 3;
+pub const HEADROOM_PERCENT: u64 = 5;
+
+/// What others take is measured over windows this long (microseconds): long enough that
+/// another replica's new shares, paid ahead and partly given back, do not swing the split.
+pub const OTHERS_WINDOW_US: u64 = 1_500_000;
+
+/// The other replicas' demand is measured over windows this long (microseconds): each adds
+/// its demand once a period, so a window of ten periods reads it within a tenth; Envoys report
+/// their demand only every 5 s anyway.
+pub const METER_WINDOW_US: u64 = 5_000_000;
+
+/// The demand meter: a second bucket per global bucket, with no refill, from which every
+/// replica takes its Envoys' demand each round, so that each can read the others' (the meter's
+/// fall between its own calls). This many micro-tokens of it stand for one request.
+pub const METER_UT_PER_REQUEST: u64 = 1_000;
+
+/// The demand meter's capacity, in tokens: nine billion requests' worth. A replica that
+/// finds it under a tenth full fills it again.
+pub const METER_CAPACITY: u64 = crate::core::bucket::MAX_CAPACITY;
 
 /// A share's demand estimate never falls under this fraction of an equal share: an Envoy that
 /// was idle for a report still gets a bucket to start again with.
@@ -45,8 +63,19 @@ pub struct Group<K> {
     /// when; `None` before one (counted as full).
     pool: Option<(u64, u64)>,
     /// What others (RLS clients, other replicas) take from the global bucket, in micro-tokens
-    /// a second, smoothed: the refill the shares here do not split.
-    others_ut_per_s: u64,
+    /// a second (negative while they give back more than they take): the refill the shares
+    /// here do not split.
+    others_ut_per_s: i128,
+    /// Since when (microseconds) and how much (micro-tokens) others took in the window being
+    /// summed.
+    others_window: (u64, i128),
+    /// The demand meter ([`METER_UT_PER_REQUEST`]): its level after this replica's latest call,
+    /// when this replica last added its demand to it, and the window of what others added.
+    meter_after: Option<u64>,
+    meter_at_us: Option<u64>,
+    meter_window: (u64, i128),
+    /// What the other replicas' Envoys of this bucket ask for, in micro-tokens a second.
+    others_demand_ut_per_s: u64,
 }
 
 impl<K> Default for Group<K> {
@@ -56,6 +85,11 @@ impl<K> Default for Group<K> {
             blocked_until_us: 0,
             pool: None,
             others_ut_per_s: 0,
+            others_window: (0, 0),
+            meter_after: None,
+            meter_at_us: None,
+            meter_window: (0, 0),
+            others_demand_ut_per_s: 0,
         }
     }
 }
@@ -132,25 +166,87 @@ impl<K: Hash + Eq + Clone> Group<K> {
 
     /// Records a store answer at `at_us`: the global bucket held `before_ut` before this
     /// replica's call and `after_ut` after it. What it lacked against the previous answer
-    /// brought forward by `limit`'s refill, others took.
+    /// brought forward by `limit`'s refill, others took; what it had beyond, others gave back
+    /// (another replica's shares replaced). Both are summed over [`OTHERS_WINDOW_US`], so that
+    /// another replica's paying ahead for a new share and its giving back the unused part
+    /// cancel out: what remains is what the others spend.
     pub fn saw_tokens(&mut self, before_ut: u64, after_ut: u64, at_us: u64, limit: &Limit) {
-        if let Some((_, then)) = self.pool {
-            let dt = at_us.saturating_sub(then);
-            if dt >= 100_000 {
-                let expected = self.pool_ut(limit, at_us);
-                let took = expected.saturating_sub(before_ut);
-                let rate = (u128::from(took) * u128::from(MICRO) / u128::from(dt)).min(u128::from(u64::MAX)) as u64;
-                self.others_ut_per_s = self.others_ut_per_s / 2 + rate / 2;
+        if self.pool.is_some() {
+            let expected = i128::from(self.pool_ut(limit, at_us));
+            self.others_window.1 += expected - i128::from(before_ut);
+            let span = at_us.saturating_sub(self.others_window.0);
+            if span >= OTHERS_WINDOW_US {
+                self.others_ut_per_s = self.others_window.1 * i128::from(MICRO) / i128::from(span);
+                self.others_window = (at_us, 0);
             }
+        } else {
+            self.others_window = (at_us, 0);
         }
         self.pool = Some((after_ut, at_us));
+    }
+
+    /// What this replica's Envoys of the bucket ask for, in micro-tokens a second: their
+    /// demands as [`Group::targets`] counts them, each at most the whole refill.
+    pub fn demand_ut_per_s(&self, limit: &Limit) -> u64 {
+        let refill = split_rate_ut_per_s(limit);
+        let n = self.shares.len().max(1) as u64;
+        self.shares
+            .values()
+            .map(|s| s.demand_ut_per_s.unwrap_or(refill / n).min(refill))
+            .fold(0u64, u64::saturating_add)
+    }
+
+    /// Micro-tokens to take from the demand meter for this replica's demand since it last
+    /// did, at `now_us` (0 the first time).
+    pub fn meter_take_ut(&mut self, limit: &Limit, now_us: u64) -> u64 {
+        let since = self.meter_at_us.replace(now_us).unwrap_or(now_us);
+        let requests_x_us =
+            u128::from(self.demand_ut_per_s(limit)) * u128::from(now_us.saturating_sub(since)) / u128::from(MICRO);
+        // Requests (in micro-tokens of them) times METER_UT_PER_REQUEST / MICRO.
+        (requests_x_us / u128::from(MICRO) * u128::from(METER_UT_PER_REQUEST)).min(u128::from(u64::MAX)) as u64
+    }
+
+    /// Whether the demand meter, as last seen, is under a tenth full: then this replica fills
+    /// it again rather than take from it.
+    pub fn meter_low(&self) -> bool {
+        self.meter_after.is_some_and(|m| m < METER_CAPACITY / 10 * MICRO)
+    }
+
+    /// Records the demand meter's level before and after this replica's call at `at_us`: what
+    /// it lost meanwhile beyond this replica's own takes, the other replicas' Envoys asked for.
+    pub fn saw_meter(&mut self, before_ut: u64, after_ut: u64, at_us: u64) {
+        match self.meter_after {
+            Some(last) => {
+                // A top-up by another replica reads as a negative demand: counted as none.
+                self.meter_window.1 += i128::from(last.saturating_sub(before_ut));
+                let span = at_us.saturating_sub(self.meter_window.0);
+                if span >= METER_WINDOW_US {
+                    let requests = self.meter_window.1 * i128::from(MICRO) / i128::from(METER_UT_PER_REQUEST);
+                    self.others_demand_ut_per_s =
+                        u64::try_from(requests * i128::from(MICRO) / i128::from(span)).unwrap_or(0);
+                    self.meter_window = (at_us, 0);
+                }
+            }
+            None => self.meter_window = (at_us, 0),
+        }
+        self.meter_after = Some(after_ut);
     }
 
     /// The refill the shares here split, in micro-tokens a second: `limit`'s
     /// ([`split_rate_ut_per_s`]) less what others take, less a margin of [`HEADROOM_PERCENT`]
     /// so that shares kept near their targets do not overdraw it.
     pub fn split_ut_per_s(&self, limit: &Limit) -> u64 {
-        let left = split_rate_ut_per_s(limit).saturating_sub(self.others_ut_per_s);
+        let refill = split_rate_ut_per_s(limit);
+        let mine = self.demand_ut_per_s(limit);
+        // Other replicas' Envoys want some too: this replica's part of the demand (offered
+        // load, which does not move with what each replica takes, so the replicas do not chase
+        // each other's takes). Alone, the refill that others (RLS clients) leave.
+        let left = if self.others_demand_ut_per_s > 0 && mine > 0 {
+            let all = u128::from(mine) + u128::from(self.others_demand_ut_per_s);
+            (u128::from(refill) * u128::from(mine) / all) as u64
+        } else {
+            refill.saturating_sub(u64::try_from(self.others_ut_per_s.max(0)).unwrap_or(u64::MAX))
+        };
         left / 100 * (100 - HEADROOM_PERCENT)
     }
 

@@ -32,14 +32,15 @@ mod view;
 use self::messages::{assignment, bucket_id, bucket_key, elapsed_us};
 pub use self::view::{RlqsBucketView, RlqsView, ShareView};
 use super::bucket_id::entries_in_tree_order;
-use super::group::{split_rate_ut_per_s, Group};
+use super::group::{split_rate_ut_per_s, Group, METER_CAPACITY};
 use super::metrics::{Ignored, RlqsMetrics};
 use super::plan::{self, GroupPlan, Held, Terms};
 use super::settings::{RlqsSettings, Unmatched};
-use crate::core::bucket::{Demand, DemandKind, Limit, MICRO};
+use crate::core::bucket::{Demand, DemandKind, Limit, Rate, MICRO};
 use crate::core::clock::{Clock, SystemClock};
+use crate::core::schedule::Plan;
 use crate::decision::limiter::{Limiter, ResolveError, Resolved};
-use crate::store::Store;
+use crate::store::{BucketRef, Store};
 
 /// A message to one stream: assignments, or the status that ends it.
 pub type Outgoing = Result<RateLimitQuotaResponse, Status>;
@@ -76,6 +77,9 @@ struct StreamState {
     buckets: HashMap<BucketKey, Binding>,
 }
 
+/// Plans cut to a budget tried in one round before every share is denied.
+const CUT_ATTEMPTS: usize = 3;
+
 /// A bucket that a reload moved: its stream, its id, its old group and its new one.
 type Move = (u64, BucketKey, Option<Arc<str>>, Option<Arc<str>>);
 
@@ -104,6 +108,8 @@ struct GroupState {
     domain: String,
     resolved: Resolved,
     group: Group<ShareKey>,
+    /// The demand meter ([`super::group::METER_UT_PER_REQUEST`]).
+    meter: BucketRef,
 }
 
 type GroupCell = Arc<tokio::sync::Mutex<GroupState>>;
@@ -347,6 +353,11 @@ impl<S: Store> Hub<S> {
         let cell = inner.groups.entry(group_key.clone()).or_insert_with(|| {
             Arc::new(tokio::sync::Mutex::new(GroupState {
                 domain: domain.to_owned(),
+                meter: BucketRef {
+                    key: format!("rlqs-demand\n{group_key}"),
+                    plan: Plan::Fixed(Limit::new(METER_CAPACITY, Rate::ZERO)),
+                    lease_ut: 0,
+                },
                 resolved: resolved.clone(),
                 group: Group::default(),
             }))
@@ -475,27 +486,45 @@ impl<S: Store> Hub<S> {
             return self.settle(state, plan).await.paid();
         }
         let full = state.group.plan(&limit, now, &self.terms, None, only);
+        tracing::debug!(
+            rule = %state.resolved.rule,
+            shares = state.group.len(),
+            split_per_s = state.group.split_ut_per_s(&limit) as f64 / 1e6,
+            pool = state.group.pool_ut(&limit, now) as f64 / 1e6,
+            net = full.net_ut() as f64 / 1e6,
+            "RLQS round"
+        );
         let (budget, wait) = match self.settle(state, full).await {
             Settled::Paid(plan) => return Some(plan),
             Settled::Short { budget_ut, wait_us } => (budget_ut, wait_us),
             Settled::Failed => return None,
         };
-        let cut = state.group.plan(&limit, now, &self.terms, Some(budget), only);
-        if cut.denies_all() {
-            // Spent: no store call until one token is there again (a quota's reset), for at
-            // most 30 periods, so a refund by an operator shows soon.
-            let most = self.settings.assignment_period_ms.0.saturating_mul(30_000);
-            state.group.blocked_until_us = now.saturating_add(wait.unwrap_or(most).min(most));
-        }
-        match self.settle(state, cut).await {
-            Settled::Paid(plan) => Some(plan),
-            // Taken by others meanwhile (RLS clients, other replicas).
-            Settled::Short { .. } => {
-                let plan = state.group.deny_all(now, &self.terms, only);
-                self.settle(state, plan).await.paid()
+        let (mut budget, mut wait) = (budget, wait);
+        // Cut to what the bucket holds; when others took some meanwhile (RLS clients, other
+        // replicas), cut again to what it then holds, a few times, before denying.
+        for _ in 0..CUT_ATTEMPTS {
+            let cut = state.group.plan(&limit, now, &self.terms, Some(budget), only);
+            tracing::debug!(
+                budget = budget as f64 / 1e6,
+                net = cut.net_ut() as f64 / 1e6,
+                scale = cut.scale,
+                denies = cut.denies_all(),
+                "RLQS round cut to the budget"
+            );
+            if cut.denies_all() {
+                // Spent: no store call until one token is there again (a quota's reset), for
+                // at most 30 periods, so a refund by an operator shows soon.
+                let most = self.settings.assignment_period_ms.0.saturating_mul(30_000);
+                state.group.blocked_until_us = now.saturating_add(wait.unwrap_or(most).min(most));
             }
-            Settled::Failed => None,
+            match self.settle(state, cut).await {
+                Settled::Paid(plan) => return Some(plan),
+                Settled::Short { budget_ut, wait_us } => (budget, wait) = (budget_ut, wait_us),
+                Settled::Failed => return None,
+            }
         }
+        let plan = state.group.deny_all(now, &self.terms, only);
+        self.settle(state, plan).await.paid()
     }
 
     /// Asks the store for a plan's net take (or gives its net back).
@@ -504,40 +533,66 @@ impl<S: Store> Hub<S> {
         if net == 0 {
             return Settled::Paid(plan);
         }
-        let buckets = &state.resolved.buckets;
         let kind = if net > 0 {
             DemandKind::Consume(u64::try_from(net).unwrap_or(u64::MAX))
         } else {
             DemandKind::Refund(u64::try_from(-net).unwrap_or(u64::MAX))
         };
-        let demands: Vec<Demand> = (0..buckets.len())
+        let n = state.resolved.buckets.len();
+        let mut demands: Vec<Demand> = (0..n)
             .map(|instance| Demand {
                 instance,
                 kind,
                 enforced: true,
             })
             .collect();
-        let applied = self.limiter.store().apply(buckets, &demands).await;
+        // This replica's demand goes on the meter in the same call, taken whatever the call
+        // decides (a usage report's kind of demand), and never denying it.
+        let now = self.clock.now_us();
+        let limit = limit_at(&state.resolved, now);
+        let mut buckets = state.resolved.buckets.clone();
+        buckets.push(state.meter.clone());
+        let low = state.group.meter_low();
+        let metered = if low {
+            METER_CAPACITY * MICRO
+        } else {
+            state.group.meter_take_ut(&limit, now)
+        };
+        demands.push(Demand {
+            instance: n,
+            kind: if low {
+                DemandKind::Refund(metered)
+            } else {
+                DemandKind::Debit {
+                    amount_ut: metered,
+                    depth_ut: 0,
+                }
+            },
+            enforced: false,
+        });
+        let applied = self.limiter.store().apply(&buckets, &demands).await;
         self.metrics.store_call(applied.is_ok());
         match applied {
-            Ok(applied) if !applied.decision.denied => {
-                let instances = &applied.decision.instances;
+            Ok(applied) => {
+                let (instances, meter) = applied.decision.instances.split_at(n);
+                let limit = limit_at(&state.resolved, applied.now_us);
                 let before = instances.iter().map(|i| i.before.tokens_ut).min().unwrap_or(0);
                 let after = instances.iter().map(|i| i.after.tokens_ut).min().unwrap_or(0);
-                let limit = limit_at(&state.resolved, applied.now_us);
-                state.group.saw_tokens(before, after, applied.now_us, &limit);
-                Settled::Paid(plan)
-            }
-            Ok(applied) => {
-                let instances = &applied.decision.instances;
-                let left = instances.iter().map(|i| i.before.tokens_ut).min().unwrap_or(0);
-                let limit = limit_at(&state.resolved, applied.now_us);
-                state.group.saw_tokens(left, left, applied.now_us, &limit);
+                if let Some(m) = meter.first() {
+                    state
+                        .group
+                        .saw_meter(m.before.tokens_ut, m.after.tokens_ut, applied.now_us);
+                }
+                if !applied.decision.denied {
+                    state.group.saw_tokens(before, after, applied.now_us, &limit);
+                    return Settled::Paid(plan);
+                }
+                state.group.saw_tokens(before, before, applied.now_us, &limit);
                 Settled::Short {
-                    budget_ut: instances.iter().map(|i| i.before.tokens_ut).min().unwrap_or(0),
+                    budget_ut: before,
                     wait_us: instances
                         .iter()
-                        .zip(buckets)
+                        .zip(&state.resolved.buckets)
                         .filter_map(|(i, b)| b.plan.wait_us(i.kept(), MICRO, applied.now_us))
                         .max(),
                 }

@@ -200,7 +200,7 @@ pub fn deny(held: &Held, now_us: u64, terms: &Terms) -> Assigned {
 /// A share keeps its running bucket while its rate is within this band of its target: a new
 /// bucket costs a burst and loses what the old one held, so small moves are not worth it. The
 /// band is narrow above, so that the shares of Envoys that stay make room for one that joins.
-const KEEP_BELOW: f64 = 0.8;
+const KEEP_BELOW: f64 = 0.9;
 const KEEP_ABOVE: f64 = 1.02;
 
 /// What one share is asked to do in a plan.
@@ -226,12 +226,14 @@ fn next(held: &Held, want: Want, keep_any: bool, now_us: u64, terms: &Terms) -> 
     assign(held, Shape::fit(want.rate, want.burst), now_us, terms)
 }
 
-/// The least burst of a new bucket refilled at `rate_ut_per_s`, in tokens: a second of its
-/// rate, and at least 2. A bucket of one token loses the refill of every interval between
-/// requests shorter than a token's (a request at 1.9 a second on a share of 1.85 would pass
-/// one time in two); two hold the jitter of requests that come about as fast as the share.
-fn least_burst(rate_ut_per_s: u64) -> u64 {
-    (rate_ut_per_s / MICRO).max(2)
+/// The least burst of a new bucket refilled at `rate_ut_per_s`, in tokens: a quarter of a
+/// second of its rate, but no more than its part (`part_ut`) of the global bucket's capacity,
+/// and at least 2. A bucket of one token loses the refill of every interval between requests
+/// shorter than a token's (a request at 1.9 a second on a share of 1.85 would pass one time in
+/// two); two hold the jitter of requests that come about as fast as the share. More is paid for
+/// at every new bucket, which a share raised towards its target needs to afford.
+fn least_burst(rate_ut_per_s: u64, part_ut: u64) -> u64 {
+    (rate_ut_per_s / 4 / MICRO).min(part_ut / MICRO).max(2)
 }
 
 /// Scales tried, in order, when a plan must fit a budget.
@@ -244,12 +246,13 @@ const SCALES: [f64; 12] = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.15, 0.1, 0.
 /// New buckets share out as bursts what the pool holds beyond the look-ahead the targets need
 /// (each in proportion to its target, at least [`least_burst`]), so a quiet bucket's first
 /// Envoy can burst as an RLS client could; a bucket in steady use has little pool, and its new
-/// buckets burst a second of their rate.
+/// buckets burst a quarter of a second of their rate.
 ///
 /// With `budget_ut` (the micro-tokens the global bucket holds, from a denied attempt) the plan
 /// is cut to fit, in this order of preference: running buckets kept (those above their target
-/// brought down to it, which gives back), new ones at a scaled target with the least burst;
-/// new ones denied; every target scaled; every share denied (`DENY_ALL` only gives back).
+/// brought down to it, which gives back) and new ones at a scaled target with the least burst,
+/// or denied, then whole raises of the shares furthest under their targets while the budget
+/// lasts; every target scaled; every share denied (`DENY_ALL` only gives back).
 #[allow(clippy::too_many_arguments)] // a plan's inputs, each its own unit; none defaults
 pub fn plan(
     held: &[Held],
@@ -265,11 +268,18 @@ pub fn plan(
     let total: u64 = targets.iter().fold(0u64, |a, t| a.saturating_add(*t));
     let lookahead_ut = (u128::from(total) * u128::from(terms.lookahead_us()) / u128::from(MICRO)) as u64;
     let spare_ut = pool_ut.min(capacity_ut).saturating_sub(lookahead_ut);
+    let part = |t: u64| -> u64 {
+        match total {
+            0 => capacity_ut,
+            _ => (u128::from(capacity_ut) * u128::from(t) / u128::from(total)) as u64,
+        }
+    };
+    let least = |rate: u64, t: u64| least_burst(rate, part(t));
     let burst = |t: u64| -> u64 {
         if total == 0 {
-            return least_burst(t);
+            return least(t, t);
         }
-        ((u128::from(spare_ut) * u128::from(t) / u128::from(total)) as u64 / MICRO).max(least_burst(t))
+        ((u128::from(spare_ut) * u128::from(t) / u128::from(total)) as u64 / MICRO).max(least(t, t))
     };
     let ideal = GroupPlan {
         shares: held
@@ -298,69 +308,80 @@ pub fn plan(
         return ideal;
     }
     let running = |h: &Held| matches!(h, Held::Bucket { sent_us, .. } if still_running(*sent_us, now_us, terms));
-    // Running buckets kept, those above their target brought down to it, those below it
-    // raised part of the way; new ones at a part of their target.
+    // Running buckets kept (those above their target brought down to it, which gives back),
+    // new ones at a part of their target, or denied.
+    let mut base = None;
     for scale in SCALES {
         let p = cut(GroupPlan {
             shares: held
                 .iter()
                 .zip(targets)
                 .map(|(h, &t)| {
-                    let rate = match h {
-                        Held::Bucket { shape, .. } if running(h) => {
-                            let r = shape.rate_ut_per_s();
-                            if (r as f64) < t as f64 * KEEP_BELOW {
-                                r + ((t - r) as f64 * scale) as u64
-                            } else {
-                                t
-                            }
-                        }
-                        _ => (t as f64 * scale) as u64,
-                    };
-                    next(
-                        h,
-                        Want {
-                            rate,
-                            burst: least_burst(rate),
-                        },
-                        false,
-                        now_us,
-                        terms,
-                    )
+                    if running(h) {
+                        next(
+                            h,
+                            Want {
+                                rate: t,
+                                burst: least(t, t),
+                            },
+                            true,
+                            now_us,
+                            terms,
+                        )
+                    } else if scale == 0.0 {
+                        deny(h, now_us, terms)
+                    } else {
+                        let rate = (t as f64 * scale) as u64;
+                        next(
+                            h,
+                            Want {
+                                rate,
+                                burst: least(rate, t),
+                            },
+                            false,
+                            now_us,
+                            terms,
+                        )
+                    }
                 })
                 .collect(),
             scale,
         });
         if fits(&p) {
-            return p;
+            base = Some(p);
+            break;
         }
     }
-    // Running buckets kept, new ones denied.
-    let keep_only = cut(GroupPlan {
-        shares: held
-            .iter()
-            .zip(targets)
-            .map(|(h, &t)| {
-                if running(h) {
-                    next(
-                        h,
-                        Want {
-                            rate: t,
-                            burst: least_burst(t),
-                        },
-                        true,
-                        now_us,
-                        terms,
-                    )
-                } else {
-                    deny(h, now_us, terms)
-                }
-            })
-            .collect(),
-        scale: 0.0,
-    });
-    if fits(&keep_only) {
-        return keep_only;
+    if let Some(mut p) = base {
+        // Then whole raises, the shares furthest under their targets first, while the budget
+        // lasts: a raise is a new bucket, paid ahead, so a part of one is rarely worth its
+        // burst; kept, a share leaves its surplus in the bucket until a whole raise fits.
+        let below = |i: usize| match held[i] {
+            Held::Bucket { shape, .. } => shape.rate_ut_per_s() as f64 / targets[i].max(1) as f64,
+            _ => 1.0,
+        };
+        let mut order: Vec<usize> = (0..held.len())
+            .filter(|&i| selected(i) && running(&held[i]) && below(i) < KEEP_BELOW)
+            .collect();
+        order.sort_by(|a, b| below(*a).total_cmp(&below(*b)));
+        for i in order {
+            let t = targets[i];
+            let kept = p.shares[i];
+            p.shares[i] = next(
+                &held[i],
+                Want {
+                    rate: t,
+                    burst: least(t, t),
+                },
+                false,
+                now_us,
+                terms,
+            );
+            if !fits(&p) {
+                p.shares[i] = kept;
+            }
+        }
+        return p;
     }
     // Everything scaled.
     for scale in SCALES {
@@ -373,7 +394,7 @@ pub fn plan(
                         h,
                         Want {
                             rate: (t as f64 * scale) as u64,
-                            burst: least_burst((t as f64 * scale) as u64),
+                            burst: least((t as f64 * scale) as u64, t),
                         },
                         false,
                         now_us,

@@ -31,7 +31,8 @@ pub struct RlqsSettings {
     /// the assignments do not wait for reports.
     pub assignment_period_ms: Millis,
     /// `assignment_time_to_live`, in assignment periods, rounded up to whole seconds (Envoy
-    /// reads whole seconds): 2 by default, so one late assignment does not expire a share.
+    /// reads whole seconds): 2 by default (1 s with the default period), so one late
+    /// assignment does not expire a share. A share's refill is paid this long ahead.
     pub ttl_periods: u32,
     /// How long an assignment may take to reach Envoy, in milliseconds: a share is paid for
     /// until this long after its TTL would end.
@@ -51,7 +52,7 @@ impl Default for RlqsSettings {
     fn default() -> Self {
         RlqsSettings {
             enabled: true,
-            assignment_period_ms: Millis(1_000),
+            assignment_period_ms: Millis(500),
             ttl_periods: 2,
             delivery_margin_ms: Millis(250),
             unmatched: Unmatched::NoAssignment,
@@ -107,10 +108,11 @@ mod tests {
     #[test]
     fn the_ttl_is_whole_seconds_and_must_outlast_a_period() {
         let s = RlqsSettings::default();
-        assert_eq!(s.ttl_seconds(), 2);
+        assert_eq!(s.ttl_seconds(), 1);
         assert!(s.validate().is_ok());
         let odd = RlqsSettings {
             assignment_period_ms: Millis(700),
+            ttl_periods: 2,
             ..s
         };
         assert_eq!(odd.ttl_seconds(), 2);

@@ -38,6 +38,7 @@ mod redis_faults;
 mod redis_support;
 mod reload;
 mod resource_faults;
+mod rlqs_envoy;
 mod rlqs_grpc;
 mod rlqs_hub;
 mod rlqs_model;

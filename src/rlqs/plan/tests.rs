@@ -52,10 +52,10 @@ fn a_replaced_bucket_gives_back_the_refill_paid_beyond_its_replacement() {
 fn a_budget_scales_the_targets_down_and_denies_when_nothing_fits() {
     let held = [Held::Nothing, Held::Nothing];
     let targets = [5 * MICRO, 5 * MICRO];
-    // The look-ahead (2 x 5/s x 2.25 s) is more than the pool: the least burst each, a
-    // second of the rate.
+    // The look-ahead (2 x 5/s x 2.25 s) is more than the pool: the least burst each, 2 tokens
+    // (a quarter of a second of 5/s is less).
     let full = plan(&held, &targets, 20 * MICRO, 20 * MICRO, 0, &TERMS, None, &|_| true);
-    assert_eq!(full.net_ut(), 2 * (5 * i128::from(MICRO) + 11_250_000));
+    assert_eq!(full.net_ut(), 2 * (2 * i128::from(MICRO) + 11_250_000));
     // A quiet large bucket: the rest of the pool goes out as bursts.
     let quiet = plan(&held, &targets, 100 * MICRO, 100 * MICRO, 0, &TERMS, None, &|_| true);
     assert!(quiet

@@ -228,6 +228,7 @@ pub struct TollgateBuilder {
     settings: String,
     env: Vec<(String, String)>,
     ready: Option<ReadyProbe>,
+    grpc_port: Option<u16>,
 }
 
 /// A readiness check of a starting tollgate, given its gRPC, HTTP and admin addresses.
@@ -260,6 +261,15 @@ impl TollgateBuilder {
     /// are not passed on, so a developer's shell cannot change what the tests run).
     pub fn env(mut self, key: &str, value: &str) -> Self {
         self.env.push((key.to_owned(), value.to_owned()));
+        self
+    }
+
+    /// Binds the gRPC listener to loopback port `port` instead of a free one: a tollgate started
+    /// again where its clients (an Envoy's static cluster) still point. The HTTP and admin
+    /// ports stay free ones; when the port cannot be bound, the start is retried on it a few
+    /// times (a moment apart, for a process that is only just gone), then fails.
+    pub fn grpc_port(mut self, port: u16) -> Self {
+        self.grpc_port = Some(port);
         self
     }
 
@@ -297,7 +307,7 @@ impl TollgateBuilder {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let grpc_port = free_port();
+            let grpc_port = self.grpc_port.unwrap_or_else(free_port);
             let http_port = std::iter::repeat_with(free_port)
                 .find(|p| *p != grpc_port)
                 .expect("an endless iterator");
@@ -377,6 +387,9 @@ impl TollgateBuilder {
                 }
                 Err(why) if attempt < 5 && process.log().contains("cannot listen") => {
                     eprintln!("tollgate could not bind ({why}); retrying on other ports");
+                    if self.grpc_port.is_some() {
+                        std::thread::sleep(Duration::from_millis(200));
+                    }
                 }
                 Err(why) => panic!("tollgate did not start: {why}\n{}", process.log_tail(60)),
             }
