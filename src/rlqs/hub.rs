@@ -163,6 +163,11 @@ impl<S: Store> Hub<S> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The limiter whose rules and store it uses.
+    pub fn limiter(&self) -> &Arc<Limiter<S>> {
+        &self.limiter
+    }
+
     /// The settings it runs with.
     pub fn settings(&self) -> &RlqsSettings {
         &self.settings

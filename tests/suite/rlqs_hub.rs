@@ -58,7 +58,7 @@ fn setup(settings: RlqsSettings) -> Setup {
     Setup { hub, limiter, clock }
 }
 
-fn open(hub: &Hub<MemoryStore>) -> (u64, mpsc::Receiver<Outgoing>) {
+fn open<S: tollgate::store::Store>(hub: &Hub<S>) -> (u64, mpsc::Receiver<Outgoing>) {
     let (tx, rx) = mpsc::channel(1_024);
     (hub.open(tx).expect("a stream"), rx)
 }
@@ -373,4 +373,71 @@ async fn idle_buckets_are_abandoned_and_shutdown_ends_every_stream() {
         s.hub.open(tx).expect_err("no new stream").code(),
         tonic::Code::Unavailable
     );
+}
+
+/// Two replicas on one PostgreSQL schema: each pays for its Envoy's share in the shared table.
+/// The first Envoy, on a quiet bucket, bursts most of it; the second replica's share is cut to
+/// what is left (here: nothing, so `DENY_ALL`), and the bursts never add up to more than the
+/// capacity.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_on_postgres_pay_from_one_bucket() {
+    use envoy_types::pb::envoy::r#type::v3::TokenBucket;
+    const TEST: &str = "two_replicas_on_postgres_pay_from_one_bucket";
+    let Some(url) = crate::support::postgres::shared_postgres(TEST).await else {
+        return;
+    };
+    let schema = crate::support::postgres::unique_schema();
+    let rules_yaml = "domain: edge\ndescriptors:\n  - key: api_key\n    token_bucket: {capacity: 20, refill: 1/s}\n";
+    let mut replicas = Vec::new();
+    for _ in 0..2 {
+        let store = crate::support::postgres::store(&url, &schema).await;
+        let limiter = Arc::new(Limiter::new(rules(rules_yaml), store, options()));
+        replicas.push(Hub::new(limiter, RlqsSettings::default()));
+    }
+    // A token bucket's burst, or 0 for DENY_ALL.
+    let burst_of = |actions: Vec<(String, Action)>| -> u32 {
+        match actions.into_iter().next().map(|(_, a)| a) {
+            Some(Action::QuotaAssignmentAction(q)) => match q.rate_limit_strategy.and_then(|s| s.strategy) {
+                Some(Strategy::TokenBucket(TokenBucket { max_tokens, .. })) => max_tokens,
+                Some(Strategy::BlanketRule(r)) if r == BlanketRule::DenyAll as i32 => 0,
+                other => panic!("a token bucket or DENY_ALL, not {other:?}"),
+            },
+            other => panic!("an assignment, not {other:?}"),
+        }
+    };
+    let mut bursts = Vec::new();
+    for hub in &replicas {
+        let (id, mut rx) = open(hub);
+        hub.report(id, reports("edge", vec![usage(&[("api_key", "k1")], 1, 0, 0)]))
+            .await;
+        bursts.push(burst_of(drain(&mut rx)));
+    }
+    assert!(
+        bursts[0] >= 10,
+        "the first Envoy bursts most of a quiet bucket: {bursts:?}"
+    );
+    let bursts: u32 = bursts.iter().sum();
+    assert!(bursts <= 20, "bursts of {bursts} tokens in all from a bucket of 20");
+    // What the shares were paid with is gone from the shared bucket.
+    let resolved = replicas[0]
+        .limiter()
+        .resolve(
+            "edge",
+            &[
+                envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry {
+                    key: "api_key".into(),
+                    value: "k1".into(),
+                },
+            ],
+        )
+        .expect("the rule");
+    let peeked = tollgate::store::Store::peek(replicas[0].limiter().store(), &resolved.buckets)
+        .await
+        .expect("peek");
+    assert!(
+        peeked.states[0].tokens_ut <= (20 - u64::from(bursts)) * 1_000_000 + 2_000_000,
+        "the bucket holds {} µt after paying for {bursts} tokens of bursts",
+        peeked.states[0].tokens_ut
+    );
+    crate::support::postgres::drop_schema(&url, &schema).await;
 }
