@@ -96,9 +96,18 @@ impl<K> Default for Group<K> {
 
 impl<K: Hash + Eq + Clone> Group<K> {
     /// Records a usage report of `allowed` + `denied` requests over `elapsed_us` (0 for Envoy's
-    /// first report of a bucket) at `now_us`. Returns whether the share is new.
+    /// first report of a bucket) at `now_us`. Returns whether the share is to be assigned as
+    /// new: unknown here, or reported with no time elapsed, which Envoy does for a bucket it
+    /// has just created (after an `abandon_action`, or an expiry): whatever this replica last
+    /// sent, that Envoy holds nothing now, so its next bucket is paid for in full.
     pub fn report(&mut self, key: &K, allowed: u64, denied: u64, elapsed_us: u64, now_us: u64) -> bool {
-        let new = !self.shares.contains_key(key);
+        let mut new = !self.shares.contains_key(key);
+        if elapsed_us == 0 {
+            if let Some(share) = self.shares.get_mut(key) {
+                share.held = Held::Nothing;
+                new = true;
+            }
+        }
         let share = self.shares.entry(key.clone()).or_insert_with(|| Share {
             last_use_us: now_us,
             ..Share::default()

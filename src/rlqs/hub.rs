@@ -110,6 +110,8 @@ struct GroupState {
     group: Group<ShareKey>,
     /// The demand meter ([`super::group::METER_UT_PER_REQUEST`]).
     meter: BucketRef,
+    /// The descriptor it was resolved from, to resolve it again after a reload.
+    entries: Vec<Entry>,
 }
 
 type GroupCell = Arc<tokio::sync::Mutex<GroupState>>;
@@ -344,15 +346,17 @@ impl<S: Store> Hub<S> {
             Err(ResolveError::Unlimited(_)) => return Binding::Blanket(true),
             Err(why) => {
                 self.metrics.unmatched(&why);
-                return match self.settings.unmatched {
-                    Unmatched::NoAssignment => Binding::Silent,
-                    Unmatched::AllowAll => Binding::Blanket(true),
-                    Unmatched::DenyAll => Binding::Blanket(false),
-                };
+                return self.unmatched_binding();
             }
         };
         if resolved.shadow {
             return Binding::Blanket(true);
+        }
+        // A debt bucket (docs/usage-budgets.md) passes down to a floor below zero and is
+        // charged after use; a share paid ahead from it could spend the floor. Not served.
+        if resolved.policies.iter().any(|p| p.debt) {
+            self.metrics.unmatched_reason("debt_bucket");
+            return self.unmatched_binding();
         }
         let group_key = group_key(domain, &resolved);
         let cell = inner.groups.entry(group_key.clone()).or_insert_with(|| {
@@ -365,6 +369,7 @@ impl<S: Store> Hub<S> {
                 },
                 resolved: resolved.clone(),
                 group: Group::default(),
+                entries: entries.clone(),
             }))
         });
         // A reload may have changed the plan of the same instances: the latest resolution wins.
@@ -372,6 +377,15 @@ impl<S: Store> Hub<S> {
             g.resolved = resolved;
         }
         Binding::Group(group_key)
+    }
+
+    /// What the `unmatched` setting binds a bucket id to.
+    fn unmatched_binding(&self) -> Binding {
+        match self.settings.unmatched {
+            Unmatched::NoAssignment => Binding::Silent,
+            Unmatched::AllowAll => Binding::Blanket(true),
+            Unmatched::DenyAll => Binding::Blanket(false),
+        }
     }
 
     /// A blanket rule for bucket `key`.
@@ -438,7 +452,18 @@ impl<S: Store> Hub<S> {
             return;
         }
         let now = self.clock.now_us();
-        let plan = self.pay(&mut state, now, only).await;
+        // The round must be on its way within half the delivery margin of `now` (what the
+        // plan is timed from): past it, nothing is sent, and what was taken is an
+        // under-admission (the Envoys keep what they hold, paid until it expires).
+        let deadline = std::time::Duration::from_micros(self.terms.margin_us / 2);
+        let plan = match tokio::time::timeout(deadline, self.pay(&mut state, now, only)).await {
+            Ok(plan) => plan,
+            Err(_) => {
+                self.metrics.store_call(false);
+                tracing::warn!(domain = %state.domain, "RLQS: the store took longer than half the delivery margin; assignments not renewed");
+                None
+            }
+        };
         let Some(plan) = plan else { return };
         state.group.commit(&plan);
         for (((stream, key), _), assigned) in state.group.shares().zip(&plan.shares) {
@@ -454,7 +479,7 @@ impl<S: Store> Hub<S> {
                             }),
                             fill_interval: Some(PbDuration {
                                 seconds: i64::from(shape.fill_seconds),
-                                nanos: 0,
+                                nanos: shape.fill_nanos(),
                             }),
                         }),
                         self.terms.ttl_us,
@@ -477,6 +502,27 @@ impl<S: Store> Hub<S> {
         for (_, (permit, actions)) in permits {
             if !actions.is_empty() {
                 permit.send(Ok(RateLimitQuotaResponse { bucket_action: actions }));
+            }
+        }
+        // Only now, with the replacements queued, what the round gives back beyond what it
+        // took goes back. A failed give-back is an under-admission.
+        let give = u64::try_from(-plan.net_ut()).unwrap_or(0);
+        if give > 0 {
+            let demands: Vec<Demand> = (0..state.resolved.buckets.len())
+                .map(|instance| Demand {
+                    instance,
+                    kind: DemandKind::Refund(give),
+                    enforced: true,
+                })
+                .collect();
+            let given = self.limiter.store().apply(&state.resolved.buckets, &demands).await;
+            self.metrics.store_call(given.is_ok());
+            if let Ok(given) = given {
+                let instances = &given.decision.instances;
+                let before = instances.iter().map(|i| i.before.tokens_ut).min().unwrap_or(0);
+                let after = instances.iter().map(|i| i.after.tokens_ut).min().unwrap_or(0);
+                let limit = limit_at(&state.resolved, given.now_us);
+                state.group.saw_tokens(before, after, given.now_us, &limit);
             }
         }
     }
@@ -532,17 +578,16 @@ impl<S: Store> Hub<S> {
         self.settle(state, plan).await.paid()
     }
 
-    /// Asks the store for a plan's net take (or gives its net back).
+    /// Asks the store for a plan's net take (a net give-back goes back once the plan's
+    /// messages are queued, in `run_group`).
     async fn settle(&self, state: &mut GroupState, plan: GroupPlan) -> Settled {
-        let net = plan.net_ut();
-        if net == 0 {
+        let Ok(take) = u64::try_from(plan.net_ut()) else {
+            return Settled::Paid(plan);
+        };
+        if take == 0 {
             return Settled::Paid(plan);
         }
-        let kind = if net > 0 {
-            DemandKind::Consume(u64::try_from(net).unwrap_or(u64::MAX))
-        } else {
-            DemandKind::Refund(u64::try_from(-net).unwrap_or(u64::MAX))
-        };
+        let kind = DemandKind::Consume(take);
         let n = state.resolved.buckets.len();
         let mut demands: Vec<Demand> = (0..n)
             .map(|instance| Demand {
@@ -689,6 +734,17 @@ impl<S: Store> Hub<S> {
                     } else {
                         s.buckets.insert(key, new);
                     }
+                }
+            }
+        }
+        // Every group's limits as the new rules say (the same instances may have a new plan).
+        let cells: Vec<GroupCell> = self.lock().groups.values().cloned().collect();
+        for cell in cells {
+            let mut g = cell.lock().await;
+            if let Ok(resolved) = self.limiter.resolve(&g.domain, &g.entries) {
+                if group_key(&g.domain, &resolved) == group_key(&g.domain, &g.resolved) {
+                    g.resolved = resolved;
+                    g.group.blocked_until_us = 0;
                 }
             }
         }

@@ -99,6 +99,10 @@ impl RlqsMetrics {
         counter!(RLQS_UNMATCHED, "reason" => reason).increment(1);
     }
 
+    pub(crate) fn unmatched_reason(&self, reason: &'static str) {
+        counter!(RLQS_UNMATCHED, "reason" => reason).increment(1);
+    }
+
     pub(crate) fn buckets_delta(&self, delta: i64) {
         if delta >= 0 {
             self.buckets.increment(delta as f64);

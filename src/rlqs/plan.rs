@@ -139,12 +139,12 @@ fn still_running(sent_us: u64, now_us: u64, terms: &Terms) -> bool {
 }
 
 /// Refill paid for a running bucket beyond the instant a new assignment can replace it (at
-/// the latest `now + margin`): given back when it is replaced.
+/// the latest `now + margin`), rounded down: given back once the replacement is on its way.
 fn unused_refill_ut(held: &Held, now_us: u64, terms: &Terms) -> u64 {
     match *held {
         Held::Bucket {
             shape, paid_until_us, ..
-        } => shape.refill_ut(paid_until_us.saturating_sub(now_us.saturating_add(terms.margin_us))),
+        } => shape.refill_floor_ut(paid_until_us.saturating_sub(now_us.saturating_add(terms.margin_us))),
         _ => 0,
     }
 }
@@ -171,10 +171,6 @@ pub fn assign(held: &Held, shape: Shape, now_us: u64, terms: &Terms) -> Assigned
             };
         }
     }
-    let shape = match held {
-        Held::Bucket { shape: old, .. } => shape.distinct_from(old),
-        _ => shape,
-    };
     Assigned {
         action: Action::Bucket(shape),
         held: Held::Bucket {
@@ -233,7 +229,10 @@ fn next(held: &Held, want: Want, keep_any: bool, now_us: u64, terms: &Terms) -> 
 /// two); two hold the jitter of requests that come about as fast as the share. More is paid for
 /// at every new bucket, which a share raised towards its target needs to afford.
 fn least_burst(rate_ut_per_s: u64, part_ut: u64) -> u64 {
-    (rate_ut_per_s / 4 / MICRO).min(part_ut / MICRO).max(2)
+    (rate_ut_per_s / 4 / MICRO)
+        .min(part_ut / MICRO)
+        .max(2)
+        .min((part_ut / MICRO).max(1))
 }
 
 /// Scales tried, in order, when a plan must fit a budget.
@@ -243,10 +242,10 @@ const SCALES: [f64; 12] = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.15, 0.1, 0.
 /// a second, [`fair_split`]), for a bucket of `capacity_ut` thought to hold about `pool_ut`
 /// now.
 ///
-/// New buckets share out as bursts what the pool holds beyond the look-ahead the targets need
-/// (each in proportion to its target, at least [`least_burst`]), so a quiet bucket's first
-/// Envoy can burst as an RLS client could; a bucket in steady use has little pool, and its new
-/// buckets burst a quarter of a second of their rate.
+/// New buckets share out as bursts what the pool holds beyond the look-ahead the targets need,
+/// each in proportion to its target and at least a quarter of a second of its rate (2 tokens or
+/// more, within the capacity); so a quiet bucket's first Envoy can burst as an RLS client
+/// could, and a bucket in steady use, with little pool, gives its new buckets the least.
 ///
 /// With `budget_ut` (the micro-tokens the global bucket holds, from a denied attempt) the plan
 /// is cut to fit, in this order of preference: running buckets kept (those above their target
@@ -281,7 +280,7 @@ pub fn plan(
         }
         ((u128::from(spare_ut) * u128::from(t) / u128::from(total)) as u64 / MICRO).max(least(t, t))
     };
-    let ideal = GroupPlan {
+    let ideal = cut(GroupPlan {
         shares: held
             .iter()
             .zip(targets)
@@ -299,10 +298,14 @@ pub fn plan(
             })
             .collect(),
         scale: 1.0,
-    };
+    });
     let Some(budget) = budget_ut else {
         return ideal;
     };
+    // A plan's net take must fit (what it gives back pays for what it takes: if the call
+    // taking the net fails after the store applied it, nothing is sent, and the Envoys spend
+    // only what they were paid; a plan that gives back more than it takes gives the rest
+    // only once its messages are queued).
     let fits = |p: &GroupPlan| p.net_ut() <= i128::from(budget);
     if fits(&ideal) {
         return ideal;
@@ -385,7 +388,7 @@ pub fn plan(
     }
     // Everything scaled.
     for scale in SCALES {
-        let p = GroupPlan {
+        let p = cut(GroupPlan {
             shares: held
                 .iter()
                 .zip(targets)
@@ -403,7 +406,7 @@ pub fn plan(
                 })
                 .collect(),
             scale,
-        };
+        });
         if scale > 0.0 && fits(&p) {
             return p;
         }

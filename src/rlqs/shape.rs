@@ -10,7 +10,10 @@
 //!   always sent;
 //! - a new assignment **keeps** the running bucket (its tokens) when `max_tokens`,
 //!   `tokens_per_fill` and the `nanos` of `fill_interval` are unchanged, even if the interval's
-//!   seconds changed (and the rate with them): [`Shape::distinct_from`] never lets that happen.
+//!   seconds changed (and the rate with them). So tollgate sends the interval's seconds again as
+//!   its nanoseconds ([`Shape::fill_nanos`]; the rate reads whole seconds, so they change
+//!   nothing): Envoy keeps a running bucket exactly when the shape is the same, whatever
+//!   tollgate remembers of what it sent before (a reload, a reconnect).
 //!
 //! So from the instant a bucket of shape `s` is created, it admits at most
 //! `s.max_tokens + rate(s) x elapsed` requests: [`Shape::burst_ut`] plus [`Shape::refill_ut`].
@@ -94,25 +97,16 @@ impl Shape {
         u64::try_from(ut).unwrap_or(u64::MAX)
     }
 
-    /// Whether Envoy would keep a running bucket of shape `old` when sent this one: the same
-    /// `max_tokens` and `tokens_per_fill` (the interval's `nanos` are always 0).
-    pub fn kept_by_envoy(&self, old: &Shape) -> bool {
-        self.max_tokens == old.max_tokens && self.tokens_per_fill == old.tokens_per_fill
+    /// The `nanos` of `fill_interval` sent: the interval's seconds again, so that a shape of
+    /// another interval is another bucket to Envoy (which compares `nanos`, not `seconds`).
+    pub fn fill_nanos(&self) -> i32 {
+        self.fill_seconds as i32
     }
 
-    /// This shape, or one token of burst off it (on when it is 1), so that Envoy replaces a
-    /// running bucket of shape `old` rather than keep it at the old rate: needed only when
-    /// the two differ in their interval alone.
-    pub fn distinct_from(self, old: &Shape) -> Shape {
-        if self == *old || !self.kept_by_envoy(old) {
-            return self;
-        }
-        let max_tokens = if self.max_tokens > 1 {
-            self.max_tokens - 1
-        } else {
-            self.max_tokens + 1
-        };
-        Shape { max_tokens, ..self }
+    /// [`Shape::refill_ut`], rounded down: what to give back of a bucket's paid refill.
+    pub fn refill_floor_ut(&self, duration_us: u64) -> u64 {
+        let ut = u128::from(self.tokens_per_fill) * u128::from(duration_us) / u128::from(self.fill_seconds);
+        u64::try_from(ut).unwrap_or(u64::MAX)
     }
 }
 
@@ -171,18 +165,17 @@ mod tests {
     }
 
     #[test]
-    fn a_change_of_interval_alone_is_made_visible_to_envoy() {
+    fn a_change_of_interval_alone_changes_the_nanos_envoy_compares() {
         let old = Shape {
             max_tokens: 5,
             tokens_per_fill: 2,
             fill_seconds: 1,
         };
         let new = Shape { fill_seconds: 2, ..old };
-        let sent = new.distinct_from(&old);
-        assert!(!sent.kept_by_envoy(&old));
-        assert_eq!(sent.max_tokens, 4);
-        assert_eq!(old.distinct_from(&old), old);
-        let one = Shape { max_tokens: 1, ..old };
-        assert_eq!(Shape { fill_seconds: 3, ..one }.distinct_from(&one).max_tokens, 2);
+        assert_ne!(old.fill_nanos(), new.fill_nanos());
+        assert_eq!(new.refill_floor_ut(1), 1);
+        let third = Shape { fill_seconds: 3, ..old };
+        assert_eq!(third.refill_floor_ut(1), 0);
+        assert_eq!(third.refill_ut(1), 1);
     }
 }

@@ -115,7 +115,10 @@ fn kind(a: &Action) -> &'static str {
             match q.rate_limit_strategy.and_then(|s| s.strategy) {
                 Some(Strategy::TokenBucket(tb)) => {
                     assert!(tb.max_tokens >= 1 && tb.tokens_per_fill.is_some_and(|v| v.value >= 1));
-                    assert!(tb.fill_interval.is_some_and(|d| d.seconds >= 1 && d.nanos == 0));
+                    // Whole seconds, and the seconds again as nanos (Envoy compares only those).
+                    assert!(tb
+                        .fill_interval
+                        .is_some_and(|d| d.seconds >= 1 && i64::from(d.nanos) == d.seconds));
                     "token_bucket"
                 }
                 Some(Strategy::BlanketRule(r)) if r == BlanketRule::AllowAll as i32 => "allow_all",
@@ -202,6 +205,14 @@ async fn bad_reports_are_ignored_and_the_stream_goes_on() {
             ..usage(&[("api_key", "nanos")], 1, 0, 0)
         },
         usage(&[("api_key", "long")], 1, 0, 10 * 86_400),
+        // Seconds whose microseconds overflow once the nanoseconds are added.
+        BucketQuotaUsage {
+            time_elapsed: Some(PbDuration {
+                seconds: 18_446_744_073_709,
+                nanos: 999_999_999,
+            }),
+            ..usage(&[("api_key", "overflow")], 1, 0, 0)
+        },
         // Absurd counts.
         usage(&[("api_key", "huge")], u64::MAX, u64::MAX, 5),
         // A key or value Envoy could never have sent in a descriptor: empty key, a huge value.
@@ -440,4 +451,93 @@ async fn two_replicas_on_postgres_pay_from_one_bucket() {
         peeked.states[0].tokens_ut
     );
     crate::support::postgres::drop_schema(&url, &schema).await;
+}
+
+/// A new Envoy bucket is assigned alone: the other Envoys of the group get nothing until the
+/// next round. A report with no time elapsed (Envoy created the bucket anew) is assigned at
+/// once, as a new bucket paid in full.
+#[tokio::test]
+async fn a_new_envoy_is_assigned_alone_and_a_recreated_bucket_is_paid_in_full() {
+    let s = setup(RlqsSettings::default());
+    let mut streams: Vec<(u64, mpsc::Receiver<Outgoing>)> = (0..3).map(|_| open(&s.hub)).collect();
+    for (id, rx) in streams.iter_mut() {
+        s.hub
+            .report(*id, reports("edge", vec![usage(&[("api_key", "k1")], 1, 0, 0)]))
+            .await;
+        assert_eq!(drain(rx).len(), 1);
+    }
+    // The bucket refills meanwhile, so the newcomer can be paid for.
+    s.clock.advance_us(3_000_000);
+    let (late, mut late_rx) = open(&s.hub);
+    s.hub
+        .report(late, reports("edge", vec![usage(&[("api_key", "k1")], 1, 0, 0)]))
+        .await;
+    assert_eq!(kinds(&drain(&mut late_rx)), vec![("api_key=k1".into(), "token_bucket")]);
+    for (_, rx) in streams.iter_mut() {
+        assert!(drain(rx).is_empty(), "the others wait for the next round");
+    }
+    // A periodic report changes nothing at once; a report with no time elapsed does.
+    let (id, rx) = &mut streams[0];
+    s.clock.advance_us(100_000);
+    s.hub
+        .report(*id, reports("edge", vec![usage(&[("api_key", "k1")], 5, 0, 5)]))
+        .await;
+    assert!(drain(rx).is_empty());
+    let resolved = s
+        .limiter
+        .resolve(
+            "edge",
+            &[
+                envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry {
+                    key: "api_key".into(),
+                    value: "k1".into(),
+                },
+            ],
+        )
+        .expect("the rule");
+    let level = || async {
+        tollgate::store::Store::peek(s.limiter.store(), &resolved.buckets)
+            .await
+            .expect("peek")
+            .states[0]
+            .tokens_ut
+    };
+    let before = level().await;
+    s.hub
+        .report(*id, reports("edge", vec![usage(&[("api_key", "k1")], 1, 0, 0)]))
+        .await;
+    let sent = drain(rx);
+    let burst = match sent.first().map(|(_, a)| *a) {
+        Some(Action::QuotaAssignmentAction(q)) => match q.rate_limit_strategy.and_then(|s| s.strategy) {
+            Some(Strategy::TokenBucket(tb)) => u64::from(tb.max_tokens),
+            other => panic!("a token bucket, not {other:?}"),
+        },
+        other => panic!("an assignment, not {other:?}"),
+    };
+    let after = level().await;
+    assert!(
+        before - after >= burst * 1_000_000,
+        "the recreated bucket's burst of {burst} was paid: {before} -> {after}"
+    );
+}
+
+/// A rule with a debt bucket is not served over RLQS: a share paid ahead could spend its floor.
+#[tokio::test]
+async fn a_debt_bucket_is_not_served() {
+    let clock = ManualClock::new(START_US);
+    let store = MemoryStore::new(4, 10_000, Arc::new(clock.clone()));
+    let yaml = "domain: llm\nbuckets:\n  budget: {capacity: 100, refill: 10/s, debt: true}\ndescriptors:\n  - key: tenant\n    bucket: budget\n";
+    let limiter = Arc::new(Limiter::new(rules(yaml), store, options()));
+    let hub = Hub::with_clock(
+        limiter,
+        RlqsSettings {
+            unmatched: Unmatched::DenyAll,
+            ..RlqsSettings::default()
+        },
+        Arc::new(clock.clone()),
+    );
+    let (id, mut rx) = open(&hub);
+    hub.report(id, reports("llm", vec![usage(&[("tenant", "t1")], 1, 0, 0)]))
+        .await;
+    assert_eq!(kinds(&drain(&mut rx)), vec![("tenant=t1".into(), "deny_all")]);
 }

@@ -42,6 +42,8 @@ enum Held {
         max_tokens: u32,
         per_fill: u32,
         fill_s: u32,
+        /// The interval's nanos, which Envoy compares.
+        fill_nanos: i32,
         /// Tokens in micro-tokens x `fill_s`, at `at_us`.
         scaled: u128,
         at_us: u64,
@@ -103,6 +105,7 @@ impl EnvoyModel {
                     fill_s,
                     scaled,
                     at_us,
+                    ..
                 },
                 _,
             )) => {
@@ -162,14 +165,21 @@ impl EnvoyModel {
                             assert!(fill_s >= 1, "a fill interval under a second divides by zero in Envoy");
                             match bucket.held {
                                 // The same bucket: kept, tokens and all (only when still live).
+                                // Envoy compares max_tokens, tokens_per_fill and the interval's
+                                // nanos (not its seconds).
                                 Some((
                                     Held::Bucket {
                                         max_tokens,
                                         per_fill: p,
+                                        fill_nanos,
                                         ..
                                     },
                                     live_until,
-                                )) if max_tokens == tb.max_tokens && p == per_fill && live_until > now_us => {
+                                )) if max_tokens == tb.max_tokens
+                                    && p == per_fill
+                                    && Some(fill_nanos) == tb.fill_interval.map(|d| d.nanos)
+                                    && live_until > now_us =>
+                                {
                                     let (held, _) = bucket.held.expect("matched");
                                     held
                                 }
@@ -177,6 +187,7 @@ impl EnvoyModel {
                                     max_tokens: tb.max_tokens,
                                     per_fill,
                                     fill_s,
+                                    fill_nanos: tb.fill_interval.map(|d| d.nanos).unwrap_or(0),
                                     scaled: u128::from(tb.max_tokens) * MICRO * u128::from(fill_s),
                                     at_us: now_us,
                                 },

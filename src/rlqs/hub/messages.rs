@@ -35,7 +35,10 @@ pub(super) fn elapsed_us(d: Option<&PbDuration>) -> Option<u64> {
     if d.seconds < 0 || d.nanos < 0 || d.nanos >= 1_000_000_000 {
         return None;
     }
-    let us = u64::try_from(d.seconds).ok()?.checked_mul(1_000_000)? + u64::try_from(d.nanos / 1_000).ok()?;
+    let us = u64::try_from(d.seconds)
+        .ok()?
+        .checked_mul(1_000_000)?
+        .checked_add(u64::try_from(d.nanos / 1_000).ok()?)?;
     (us <= LONGEST_REPORT.as_micros() as u64).then_some(us)
 }
 
