@@ -140,7 +140,7 @@ pub const RLQS_REPORTED_REQUESTS: &str = "tollgate_rlqs_reported_requests_total"
 /// Report parts ignored, by `reason`: `empty_domain`, `empty_bucket_id`, `bad_duration`,
 /// `absurd_count`, `too_many_buckets`, `slow_stream` (a stream whose Envoy did not read, ended).
 pub const RLQS_IGNORED: &str = "tollgate_rlqs_ignored_total";
-/// Bucket ids that no rule matched, by `reason`: `unknown_domain`, `no_rule`, `invalid`.
+/// Bucket ids that no rule matched, by `reason`: `unknown_domain`, `no_rule`, `invalid`, `debt_bucket` (a rule with a debt bucket, not served over RLQS).
 pub const RLQS_UNMATCHED: &str = "tollgate_rlqs_unmatched_total";
 /// Envoy buckets bound on open streams.
 pub const RLQS_BUCKETS: &str = "tollgate_rlqs_buckets";

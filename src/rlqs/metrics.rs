@@ -26,7 +26,22 @@ pub(crate) enum Ignored {
     SlowStream,
 }
 
+/// [`RLQS_UNMATCHED`]'s reasons.
+const UNMATCHED_REASONS: [&str; 4] = ["unknown_domain", "no_rule", "invalid", "debt_bucket"];
+
+/// [`RLQS_ASSIGNMENTS`]'s strategies.
+const STRATEGIES: [&str; 4] = ["token_bucket", "allow_all", "deny_all", "abandon"];
+
 impl Ignored {
+    const ALL: [Ignored; 6] = [
+        Ignored::EmptyDomain,
+        Ignored::EmptyBucketId,
+        Ignored::BadDuration,
+        Ignored::AbsurdCount,
+        Ignored::TooManyBuckets,
+        Ignored::SlowStream,
+    ];
+
     fn label(self) -> &'static str {
         match self {
             Ignored::EmptyDomain => "empty_domain",
@@ -55,6 +70,17 @@ pub(crate) struct RlqsMetrics {
 
 impl RlqsMetrics {
     pub(crate) fn new() -> RlqsMetrics {
+        // Every labelled series from the start, at 0: a dashboard or an alert over a rate
+        // finds them before the first one counts.
+        for why in Ignored::ALL {
+            counter!(RLQS_IGNORED, "reason" => why.label()).increment(0);
+        }
+        for reason in UNMATCHED_REASONS {
+            counter!(RLQS_UNMATCHED, "reason" => reason).increment(0);
+        }
+        for strategy in STRATEGIES {
+            counter!(RLQS_ASSIGNMENTS, "strategy" => strategy).increment(0);
+        }
         RlqsMetrics {
             streams: gauge!(RLQS_STREAMS),
             refused: counter!(RLQS_STREAMS_REFUSED),
