@@ -16,7 +16,7 @@
 //! What Envoy 1.40 does that the tests depend on (see envoy/rlqs.yaml and src/rlqs/shape.rs):
 //! a bucket's first request is decided by `no_assignment_behavior` and reported at once; then
 //! every bucket is reported about every 5 s; a `token_bucket` assignment becomes a local bucket
-//! that starts full; an assignment whose TTL (2 s with the default settings) runs out leaves the
+//! that starts full; an assignment whose TTL (1 s with the default settings) runs out leaves the
 //! bucket to `expired_assignment_behavior`; a broken stream is opened again on the next report
 //! timer.
 
@@ -600,7 +600,7 @@ async fn a_spent_allowance_denies_both_envoys_until_it_resets() {
 // ---- 4: tollgate down and back ----------------------------------------------------------------
 
 /// The shipped file (`ALLOW_ALL` fallbacks) on a tight limit: limited while tollgate is up; when
-/// it is killed, each Envoy's assignment expires after its TTL (2 s) and the expired and
+/// it is killed, each Envoy's assignment expires after its TTL (1 s) and the expired and
 /// no-assignment behaviours let everything through; a tollgate started again on the same port
 /// is found by Envoy's next attempt to open the stream (its report timer, every 5 s), and the
 /// limit is back.
@@ -638,8 +638,9 @@ async fn envoys_follow_their_expiry_behaviour_while_tollgate_is_down_and_recover
     let state_before_kill = tollgate_state("before the kill", &tollgate);
     let killed = Instant::now();
     drop(tollgate);
-    // The TTL (2 s) from the last assignment (sent before the kill) and the delivery margin,
-    // plus a second for Envoy to notice; then everything passes until the restart.
+    // The TTL (1 s by default; 2 s allowed for) from the last assignment (sent before the
+    // kill) and the delivery margin, plus a second for Envoy to notice; then everything passes
+    // until the restart.
     let open_from = killed + Duration::from_millis(3_250);
     tokio::time::sleep(Duration::from_secs(7)).await;
     let restarted_at = Instant::now();
