@@ -247,6 +247,9 @@ impl MemoryStore {
         let plans: SmallVec<[&crate::core::schedule::Plan; 4]> = buckets.iter().map(|b| &b.plan).collect();
         let states = locked.read(buckets);
         let decision = decide(now, &states, &plans, demands);
+        // Room made for one of this request's new buckets never evicts another of its own
+        // (written a moment before): that would lose what the request just took from it.
+        let own = locked.keys.clone();
         for (i, (b, out)) in buckets.iter().zip(&decision.instances).enumerate() {
             if !out.changed {
                 continue;
@@ -269,7 +272,7 @@ impl MemoryStore {
                     if let Some(slot) = map.get_mut(&key) {
                         *slot = entry;
                     } else {
-                        self.inner.make_room(map, shard, now);
+                        self.inner.make_room(map, shard, now, &own);
                         map.insert(key, entry);
                     }
                     let latest = &self.inner.written[locked.bucket_shards[i]].0;
@@ -404,18 +407,19 @@ impl Inner {
     /// deadlock), starting at a random one.
     /// An insert that finds the store already past the cap (concurrent inserts that found
     /// nothing to evict) evicts until it is back within it.
-    fn make_room(&self, map: &mut Shard, shard: usize, now: u64) {
+    /// The keys of `own` (the deciding request's) are never chosen.
+    fn make_room(&self, map: &mut Shard, shard: usize, now: u64, own: &[Digest]) {
         self.held.fetch_add(1, Ordering::Relaxed);
         while self.held.load(Ordering::Relaxed) > self.max_buckets {
-            if !self.evict_anywhere(map, shard, now) {
+            if !self.evict_anywhere(map, shard, now, own) {
                 return;
             }
         }
     }
 
     /// Evicts one bucket, from `map` (shard `shard`) or another shard: see [`Inner::make_room`].
-    fn evict_anywhere(&self, map: &mut Shard, shard: usize, now: u64) -> bool {
-        if self.evict_one(map, now) {
+    fn evict_anywhere(&self, map: &mut Shard, shard: usize, now: u64, own: &[Digest]) -> bool {
+        if self.evict_one(map, now, own) {
             return true;
         }
         let n = self.shards.len();
@@ -430,7 +434,7 @@ impl Inner {
                 Err(TryLockError::Poisoned(p)) => p.into_inner(),
                 Err(TryLockError::WouldBlock) => continue,
             };
-            if self.evict_one(&mut guard, now) {
+            if self.evict_one(&mut guard, now, own) {
                 return true;
             }
         }
@@ -442,14 +446,18 @@ impl Inner {
     /// shard this small), so the cost stays constant however large the shard (a flood of new
     /// keys must not make every request scan it) and no part of it is favoured. Evicting a
     /// bucket that is not yet full is counted. Returns whether `map` had one to evict.
-    fn evict_one(&self, map: &mut Shard, now: u64) -> bool {
+    fn evict_one(&self, map: &mut Shard, now: u64, own: &[Digest]) -> bool {
         let len = map.len();
+        let candidate = |i: &usize| map.get_index(*i).is_some_and(|(k, _)| !own.contains(k));
         let full_at = |i: usize| map.get_index(i).map_or(u64::MAX, |(_, e)| e.full_at_us);
         let victim = if len <= EVICTION_SAMPLE {
-            (0..len).min_by_key(|&i| full_at(i))
+            (0..len).filter(candidate).min_by_key(|&i| full_at(i))
         } else {
             let mut rng = self.rng();
-            (0..EVICTION_SAMPLE).map(|_| rng.below(len)).min_by_key(|&i| full_at(i))
+            (0..EVICTION_SAMPLE)
+                .map(|_| rng.below(len))
+                .filter(candidate)
+                .min_by_key(|&i| full_at(i))
         };
         let Some((_, evicted)) = victim.and_then(|i| map.swap_remove_index(i)) else {
             return false;

@@ -549,3 +549,23 @@ fn max_buckets_caps_the_whole_store_across_shards() {
     // Concurrent inserts may pass the cap only while they race; at rest it holds.
     assert!(store.len() <= 10, "{} buckets held", store.len());
 }
+
+/// Room made for a request's second new bucket never evicts its first (written a moment
+/// before): with one shard and a cap of one, the request keeps both for now (the store is over
+/// its cap until the next insert evicts), where it used to lose what it took from the first.
+#[test]
+fn a_request_never_evicts_its_own_buckets() {
+    let clock = ManualClock::new(0);
+    let store = MemoryStore::new(1, 1, Arc::new(clock.clone()));
+    store.apply_now(&[bucket("other", 10, 3600)], &[consume(0, 1)]);
+    let pair = [bucket("left", 10, 3600), bucket("right", 10, 3600)];
+    store.apply_now(&pair, &[consume(0, 1), consume(1, 1)]);
+    assert!(store.peek("other").is_none(), "another request's bucket made room");
+    assert!(store.peek("left").is_some() && store.peek("right").is_some());
+    store.apply_now(&[bucket("next", 10, 3600)], &[consume(0, 1)]);
+    assert!(
+        store.len() <= 2,
+        "the next insert brings the store back towards its cap: {}",
+        store.len()
+    );
+}
