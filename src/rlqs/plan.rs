@@ -280,25 +280,15 @@ pub fn plan(
         }
         ((u128::from(spare_ut) * u128::from(t) / u128::from(total)) as u64 / MICRO).max(least(t, t))
     };
-    let ideal = cut(GroupPlan {
-        shares: held
-            .iter()
-            .zip(targets)
-            .map(|(h, &t)| {
-                next(
-                    h,
-                    Want {
-                        rate: t,
-                        burst: burst(t),
-                    },
-                    false,
-                    now_us,
-                    terms,
-                )
-            })
-            .collect(),
-        scale: 1.0,
-    });
+    // Each share's next assignment, `f(held, target)`, for one way of cutting the round.
+    let round = |scale: f64, f: &dyn Fn(&Held, u64) -> Assigned| {
+        cut(GroupPlan {
+            shares: held.iter().zip(targets).map(|(h, &t)| f(h, t)).collect(),
+            scale,
+        })
+    };
+    let to = |h: &Held, rate: u64, burst: u64, keep_any: bool| next(h, Want { rate, burst }, keep_any, now_us, terms);
+    let ideal = round(1.0, &|h, t| to(h, t, burst(t), false));
     let Some(budget) = budget_ut else {
         return ideal;
     };
@@ -315,40 +305,15 @@ pub fn plan(
     // new ones at a part of their target, or denied.
     let mut base = None;
     for scale in SCALES {
-        let p = cut(GroupPlan {
-            shares: held
-                .iter()
-                .zip(targets)
-                .map(|(h, &t)| {
-                    if running(h) {
-                        next(
-                            h,
-                            Want {
-                                rate: t,
-                                burst: least(t, t),
-                            },
-                            true,
-                            now_us,
-                            terms,
-                        )
-                    } else if scale == 0.0 {
-                        deny(h, now_us, terms)
-                    } else {
-                        let rate = (t as f64 * scale) as u64;
-                        next(
-                            h,
-                            Want {
-                                rate,
-                                burst: least(rate, t),
-                            },
-                            false,
-                            now_us,
-                            terms,
-                        )
-                    }
-                })
-                .collect(),
-            scale,
+        let p = round(scale, &|h, t| {
+            if running(h) {
+                to(h, t, least(t, t), true)
+            } else if scale == 0.0 {
+                deny(h, now_us, terms)
+            } else {
+                let rate = (t as f64 * scale) as u64;
+                to(h, rate, least(rate, t), false)
+            }
         });
         if fits(&p) {
             base = Some(p);
@@ -370,16 +335,7 @@ pub fn plan(
         for i in order {
             let t = targets[i];
             let kept = p.shares[i];
-            p.shares[i] = next(
-                &held[i],
-                Want {
-                    rate: t,
-                    burst: least(t, t),
-                },
-                false,
-                now_us,
-                terms,
-            );
+            p.shares[i] = to(&held[i], t, least(t, t), false);
             if !fits(&p) {
                 p.shares[i] = kept;
             }
@@ -388,24 +344,9 @@ pub fn plan(
     }
     // Everything scaled.
     for scale in SCALES {
-        let p = cut(GroupPlan {
-            shares: held
-                .iter()
-                .zip(targets)
-                .map(|(h, &t)| {
-                    next(
-                        h,
-                        Want {
-                            rate: (t as f64 * scale) as u64,
-                            burst: least((t as f64 * scale) as u64, t),
-                        },
-                        false,
-                        now_us,
-                        terms,
-                    )
-                })
-                .collect(),
-            scale,
+        let p = round(scale, &|h, t| {
+            let rate = (t as f64 * scale) as u64;
+            to(h, rate, least(rate, t), false)
         });
         if scale > 0.0 && fits(&p) {
             return p;

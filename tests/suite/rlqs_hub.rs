@@ -84,6 +84,15 @@ fn reports(domain: &str, usages: Vec<BucketQuotaUsage>) -> RateLimitQuotaUsageRe
     }
 }
 
+/// How `limiter` resolves the descriptor `api_key=k1` of domain `edge`.
+fn k1<S: tollgate::store::Store>(limiter: &Limiter<S>) -> tollgate::decision::Resolved {
+    let entry = envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry {
+        key: "api_key".into(),
+        value: "k1".into(),
+    };
+    limiter.resolve("edge", &[entry]).expect("the rule")
+}
+
 /// Every action received so far, with its bucket id as `k=v,...`.
 fn drain(rx: &mut mpsc::Receiver<Outgoing>) -> Vec<(String, Action)> {
     let mut out = Vec::new();
@@ -430,18 +439,7 @@ async fn two_replicas_on_postgres_pay_from_one_bucket() {
     let bursts: u32 = bursts.iter().sum();
     assert!(bursts <= 20, "bursts of {bursts} tokens in all from a bucket of 20");
     // What the shares were paid with is gone from the shared bucket.
-    let resolved = replicas[0]
-        .limiter()
-        .resolve(
-            "edge",
-            &[
-                envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry {
-                    key: "api_key".into(),
-                    value: "k1".into(),
-                },
-            ],
-        )
-        .expect("the rule");
+    let resolved = k1(replicas[0].limiter());
     let peeked = tollgate::store::Store::peek(replicas[0].limiter().store(), &resolved.buckets)
         .await
         .expect("peek");
@@ -483,18 +481,7 @@ async fn a_new_envoy_is_assigned_alone_and_a_recreated_bucket_is_paid_in_full() 
         .report(*id, reports("edge", vec![usage(&[("api_key", "k1")], 5, 0, 5)]))
         .await;
     assert!(drain(rx).is_empty());
-    let resolved = s
-        .limiter
-        .resolve(
-            "edge",
-            &[
-                envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry {
-                    key: "api_key".into(),
-                    value: "k1".into(),
-                },
-            ],
-        )
-        .expect("the rule");
+    let resolved = k1(&s.limiter);
     let level = || async {
         tollgate::store::Store::peek(s.limiter.store(), &resolved.buckets)
             .await
