@@ -21,9 +21,10 @@ pub const HEADROOM_PERCENT: u64 = 5;
 /// another replica's new shares, paid ahead and partly given back, do not swing the split.
 pub const OTHERS_WINDOW_US: u64 = 1_500_000;
 
-/// The other replicas' demand is measured over windows this long (microseconds): each adds
-/// its demand once a period, so a window of ten periods reads it within a tenth; Envoys report
-/// their demand only every 5 s anyway.
+/// The other replicas' demand is averaged over about this long (microseconds): readings are
+/// weighted by `e^(-age / METER_WINDOW_US)`, so the first reading counts at once (a replica
+/// that joins is split with within a period or two) and later ones smooth the noise of when
+/// each replica's additions land; Envoys report their demand only every 5 s anyway.
 pub const METER_WINDOW_US: u64 = 5_000_000;
 
 /// The demand meter: a second bucket per global bucket, with no refill, from which every
@@ -51,6 +52,9 @@ pub struct Share {
     pub last_report_us: u64,
     /// When it last reported a request, or was first seen.
     pub last_use_us: u64,
+    /// Its latest report over some time counted denied requests: its bucket ran dry, so it
+    /// holds next to nothing and would use more ([`plan::plan`] tops such buckets up).
+    pub starved: bool,
 }
 
 /// The Envoys of one global bucket on this replica, keyed by `K` (a stream and its bucket id).
@@ -69,13 +73,19 @@ pub struct Group<K> {
     /// Since when (microseconds) and how much (micro-tokens) others took in the window being
     /// summed.
     others_window: (u64, i128),
-    /// The demand meter ([`METER_UT_PER_REQUEST`]): its level after this replica's latest call,
-    /// when this replica last added its demand to it, and the window of what others added.
-    meter_after: Option<u64>,
+    /// The demand meter ([`METER_UT_PER_REQUEST`]): its level after this replica's latest call
+    /// and when that was, when this replica last added its demand to it, and what others added
+    /// (meter micro-tokens) over how long (microseconds), both decayed by age
+    /// ([`METER_WINDOW_US`]).
+    meter_after: Option<(u64, u64)>,
     meter_at_us: Option<u64>,
-    meter_window: (u64, i128),
+    meter_sums: (f64, f64),
     /// What the other replicas' Envoys of this bucket ask for, in micro-tokens a second.
     others_demand_ut_per_s: u64,
+    /// Before a reading of the meter: the first store answer found the global bucket in use
+    /// (under its capacity), so another replica may be splitting it too, and is counted as
+    /// asking as much as this one ([`Group::split_ut_per_s`]).
+    others_assumed: bool,
 }
 
 impl<K> Default for Group<K> {
@@ -88,8 +98,9 @@ impl<K> Default for Group<K> {
             others_window: (0, 0),
             meter_after: None,
             meter_at_us: None,
-            meter_window: (0, 0),
+            meter_sums: (0.0, 0.0),
             others_demand_ut_per_s: 0,
+            others_assumed: false,
         }
     }
 }
@@ -123,6 +134,7 @@ impl<K: Hash + Eq + Clone> Group<K> {
                 Some(old) => old / 2 + rate / 2,
                 None => rate,
             });
+            share.starved = denied > 0;
         }
         share.last_report_us = now_us;
         new
@@ -190,6 +202,7 @@ impl<K: Hash + Eq + Clone> Group<K> {
             }
         } else {
             self.others_window = (at_us, 0);
+            self.others_assumed = self.meter_sums.1 == 0.0 && before_ut < limit.capacity_ut;
         }
         self.pool = Some((after_ut, at_us));
     }
@@ -211,52 +224,63 @@ impl<K: Hash + Eq + Clone> Group<K> {
         let since = self.meter_at_us.replace(now_us).unwrap_or(now_us);
         let requests_x_us =
             u128::from(self.demand_ut_per_s(limit)) * u128::from(now_us.saturating_sub(since)) / u128::from(MICRO);
-        // Requests (in micro-tokens of them) times METER_UT_PER_REQUEST / MICRO.
-        (requests_x_us / u128::from(MICRO) * u128::from(METER_UT_PER_REQUEST)).min(u128::from(u64::MAX)) as u64
+        // Micro-requests times METER_UT_PER_REQUEST / MICRO (whole requests would drop up to
+        // one a period: a fifth of a share of 10 a second).
+        (requests_x_us * u128::from(METER_UT_PER_REQUEST) / u128::from(MICRO)).min(u128::from(u64::MAX)) as u64
     }
 
     /// Whether the demand meter, as last seen, is under a tenth full: then this replica fills
     /// it again rather than take from it.
     pub fn meter_low(&self) -> bool {
-        self.meter_after.is_some_and(|m| m < METER_CAPACITY / 10 * MICRO)
+        self.meter_after.is_some_and(|(m, _)| m < METER_CAPACITY / 10 * MICRO)
     }
 
     /// Records the demand meter's level before and after this replica's call at `at_us`: what
     /// it lost meanwhile beyond this replica's own takes, the other replicas' Envoys asked for.
     pub fn saw_meter(&mut self, before_ut: u64, after_ut: u64, at_us: u64) {
-        match self.meter_after {
-            Some(last) => {
-                // A top-up by another replica reads as a negative demand: counted as none.
-                self.meter_window.1 += i128::from(last.saturating_sub(before_ut));
-                let span = at_us.saturating_sub(self.meter_window.0);
-                if span >= METER_WINDOW_US {
-                    let requests = self.meter_window.1 * i128::from(MICRO) / i128::from(METER_UT_PER_REQUEST);
-                    self.others_demand_ut_per_s =
-                        u64::try_from(requests * i128::from(MICRO) / i128::from(span)).unwrap_or(0);
-                    self.meter_window = (at_us, 0);
-                }
+        if let Some((last, seen_us)) = self.meter_after {
+            self.others_assumed = false;
+            let span = at_us.saturating_sub(seen_us) as f64;
+            let decay = (-span / METER_WINDOW_US as f64).exp();
+            // A refill by another replica reads as a negative demand: counted as none.
+            let added = last.saturating_sub(before_ut) as f64;
+            let (sum, time) = self.meter_sums;
+            self.meter_sums = (sum * decay + added, time * decay + span);
+            if self.meter_sums.1 > 0.0 {
+                // Meter micro-tokens a microsecond, as micro-tokens of requests a second.
+                let per_s = self.meter_sums.0 / self.meter_sums.1 * (MICRO * MICRO / METER_UT_PER_REQUEST) as f64;
+                self.others_demand_ut_per_s = per_s.min(u64::MAX as f64) as u64;
             }
-            None => self.meter_window = (at_us, 0),
         }
-        self.meter_after = Some(after_ut);
+        self.meter_after = Some((after_ut, at_us));
     }
 
     /// The refill the shares here split, in micro-tokens a second: `limit`'s
     /// ([`split_rate_ut_per_s`]) less what others take, less a margin of [`HEADROOM_PERCENT`]
     /// so that shares kept near their targets do not overdraw it.
     pub fn split_ut_per_s(&self, limit: &Limit) -> u64 {
+        self.mine_ut_per_s(limit) / 100 * (100 - HEADROOM_PERCENT)
+    }
+
+    /// This replica's part of the refill, in micro-tokens a second, before the headroom
+    /// ([`Group::split_ut_per_s`]): the rest is what the others are counted on.
+    fn mine_ut_per_s(&self, limit: &Limit) -> u64 {
         let refill = split_rate_ut_per_s(limit);
         let mine = self.demand_ut_per_s(limit);
         // Other replicas' Envoys want some too: this replica's part of the demand (offered
         // load, which does not move with what each replica takes, so the replicas do not chase
         // each other's takes). Alone, the refill that others (RLS clients) leave.
-        let left = if self.others_demand_ut_per_s > 0 && mine > 0 {
-            let all = u128::from(mine) + u128::from(self.others_demand_ut_per_s);
+        let others = if self.others_assumed {
+            mine
+        } else {
+            self.others_demand_ut_per_s
+        };
+        if others > 0 && mine > 0 {
+            let all = u128::from(mine) + u128::from(others);
             (u128::from(refill) * u128::from(mine) / all) as u64
         } else {
             refill.saturating_sub(u64::try_from(self.others_ut_per_s.max(0)).unwrap_or(u64::MAX))
-        };
-        left / 100 * (100 - HEADROOM_PERCENT)
+        }
     }
 
     /// The global bucket's tokens at `now_us` as far as this replica knows: the latest answer
@@ -279,6 +303,18 @@ impl<K: Hash + Eq + Clone> Group<K> {
         }
     }
 
+    /// The global bucket's tokens at `now_us` less what others (RLS clients, other replicas)
+    /// have taken since the latest answer at the rate they were last seen taking: what a plan
+    /// counts on, so that two replicas topping up their Envoys do not both count on the same
+    /// tokens (when they do, the store denies one and it cuts its plan).
+    pub fn pool_left_ut(&self, limit: &Limit, now_us: u64) -> u64 {
+        let pool = self.pool_ut(limit, now_us);
+        let Some((_, at)) = self.pool else { return pool };
+        let others = u128::try_from(self.others_ut_per_s.max(0)).unwrap_or(0);
+        let taken = others * u128::from(now_us.saturating_sub(at)) / u128::from(MICRO);
+        pool.saturating_sub(u64::try_from(taken).unwrap_or(u64::MAX))
+    }
+
     /// The next assignments under `limit` (the global bucket's, in force now); cut to
     /// `budget_ut` when given ([`plan::plan`]); with `only`, of those shares alone (the others
     /// [`plan::Action::Unchanged`]).
@@ -292,10 +328,10 @@ impl<K: Hash + Eq + Clone> Group<K> {
     ) -> GroupPlan {
         let held: Vec<Held> = self.shares.values().map(|s| s.held).collect();
         let targets = self.targets(self.split_ut_per_s(limit));
-        let pool = budget_ut.unwrap_or_else(|| self.pool_ut(limit, now_us));
+        let pool = budget_ut.unwrap_or_else(|| self.pool_left_ut(limit, now_us));
         let keys: Vec<&K> = self.shares.keys().collect();
         let selected = |i: usize| only.is_none_or(|o| o.contains(keys[i]));
-        plan::plan(
+        let p = plan::plan(
             &held,
             &targets,
             pool,
@@ -304,7 +340,46 @@ impl<K: Hash + Eq + Clone> Group<K> {
             terms,
             budget_ut,
             &selected,
+        );
+        if budget_ut.is_some() {
+            return p;
+        }
+        // Not while the others take well under the refill they are counted on: their shares
+        // were cut (by a lump of this replica's, or the store), and their raises back need the
+        // stock a top-up would take.
+        let others = split_rate_ut_per_s(limit).saturating_sub(self.mine_ut_per_s(limit));
+        let others_short = (self.others_ut_per_s.max(0) as u128) * 10 < u128::from(others) * 9;
+        let hungry: Vec<bool> = self
+            .shares
+            .values()
+            .enumerate()
+            .map(|(i, s)| s.starved && selected(i) && !others_short)
+            .collect();
+        plan::top_up(
+            p,
+            &held,
+            &targets,
+            &hungry,
+            self.room_ut(limit, now_us, terms),
+            limit.capacity_ut,
+            now_us,
+            terms,
         )
+    }
+
+    /// What a plan with lumps must leave in the global bucket, in micro-tokens: a period of
+    /// the refill the others (other replicas, RLS clients) are counted on, which their
+    /// renewals may need before this replica's next round.
+    pub fn reserve_ut(&self, limit: &Limit, terms: &Terms) -> u64 {
+        let others = split_rate_ut_per_s(limit).saturating_sub(self.mine_ut_per_s(limit));
+        (u128::from(others) * u128::from(terms.period_us) / u128::from(MICRO)) as u64
+    }
+
+    /// What this replica can count on taking from the global bucket at `now_us`, in
+    /// micro-tokens: [`Group::pool_left_ut`] less [`Group::reserve_ut`].
+    pub fn room_ut(&self, limit: &Limit, now_us: u64, terms: &Terms) -> u64 {
+        self.pool_left_ut(limit, now_us)
+            .saturating_sub(self.reserve_ut(limit, terms))
     }
 
     /// `DENY_ALL` to every share (with `only`, to those alone).
@@ -327,6 +402,8 @@ impl<K: Hash + Eq + Clone> Group<K> {
         );
         for (share, assigned) in self.shares.values_mut().zip(&plan.shares) {
             share.held = assigned.held;
+            // A new bucket starts full: starved again only when a report says so.
+            share.starved &= !assigned.fresh;
         }
     }
 
@@ -379,6 +456,80 @@ mod tests {
         assert!(t[1] >= MICRO / 2, "{t:?}");
         g.report(&1, 3, 0, 5_000_000, 15_000_000);
         assert_eq!(g.idle_since(11_000_000), vec![2]);
+    }
+
+    const TERMS: Terms = Terms {
+        ttl_us: 1_000_000,
+        margin_us: 250_000,
+        period_us: 500_000,
+    };
+
+    #[test]
+    fn the_meter_takes_fractions_of_a_request() {
+        // One share, unmeasured, so wanting the whole refill: 10 a second.
+        let limit = Limit::new(40, Rate::per(10, 1_000_000).unwrap());
+        let mut g: Group<u32> = Group::default();
+        g.report(&1, 0, 1, 0, 0);
+        assert_eq!(g.meter_take_ut(&limit, 1_000_000), 0);
+        // 0.4999 s of 10 a second: 4.999 requests, not 4 (whole requests dropped up to one a
+        // period, a fifth of this replica's demand as the others read it).
+        assert_eq!(g.meter_take_ut(&limit, 1_499_900), 4_999 * METER_UT_PER_REQUEST / 1_000);
+    }
+
+    #[test]
+    fn the_others_demand_is_read_from_the_first_fall_of_the_meter_and_smoothed() {
+        let limit = Limit::new(40, Rate::per(10, 1_000_000).unwrap());
+        let mut g: Group<u32> = Group::default();
+        g.report(&1, 0, 1, 0, 0);
+        let full = METER_CAPACITY * MICRO;
+        // The first answer: the global bucket already in use, the meter not yet read. Another
+        // replica may be there, counted as asking as much as this one: half the refill.
+        g.saw_meter(full, full, 0);
+        g.saw_tokens(30 * MICRO, 20 * MICRO, 0, &limit);
+        assert_eq!(g.mine_ut_per_s(&limit), 5 * MICRO);
+        assert_eq!(g.reserve_ut(&limit, &TERMS), 2_500_000);
+        // Half a second later the meter fell by 2.5 requests of another replica's: 5 a second,
+        // read at once.
+        let after = full - 2_500 * METER_UT_PER_REQUEST / 1_000;
+        g.saw_meter(after, after, 500_000);
+        assert_eq!(g.others_demand_ut_per_s, 5 * MICRO);
+        // This replica asks 10, the other 5: two thirds of the refill here.
+        assert_eq!(g.mine_ut_per_s(&limit), 6_666_666);
+        // Then nothing for half a second: the estimate falls, smoothly (not to 0).
+        g.saw_meter(after, after, 1_000_000);
+        assert!(
+            (2 * MICRO..5 * MICRO).contains(&g.others_demand_ut_per_s),
+            "{}",
+            g.others_demand_ut_per_s
+        );
+        // Alone from the first answer (a full bucket): the whole refill.
+        let mut alone: Group<u32> = Group::default();
+        alone.report(&1, 0, 1, 0, 0);
+        alone.saw_meter(full, full, 0);
+        alone.saw_tokens(40 * MICRO, 20 * MICRO, 0, &limit);
+        assert_eq!(alone.mine_ut_per_s(&limit), 10 * MICRO);
+        assert_eq!(alone.reserve_ut(&limit, &TERMS), 0);
+    }
+
+    #[test]
+    fn a_share_is_starved_from_a_report_of_denials_until_it_is_sent_a_new_bucket() {
+        let limit = Limit::new(40, Rate::per(10, 1_000_000).unwrap());
+        let mut g: Group<u32> = Group::default();
+        g.report(&1, 0, 1, 0, 0);
+        // The first report (no time elapsed) says nothing of a bucket running dry.
+        assert!(!g.shares[&1].starved);
+        let p = g.plan(&limit, 0, &TERMS, None, None);
+        g.commit(&p);
+        g.report(&1, 20, 30, 5_000_000, 5_000_000);
+        assert!(g.shares[&1].starved);
+        // A renewal leaves it starved; a new bucket (here, a top-up of the full pool) starts
+        // full.
+        let p = g.plan(&limit, 5_000_000, &TERMS, None, None);
+        assert!(p.shares[0].fresh, "{p:?}");
+        g.commit(&p);
+        assert!(!g.shares[&1].starved);
+        g.report(&1, 20, 0, 5_000_000, 10_000_000);
+        assert!(!g.shares[&1].starved);
     }
 
     #[test]

@@ -259,6 +259,13 @@ impl<S: Store> Hub<S> {
                     let Some(cell) = self.lock().groups.get(&g).cloned() else {
                         continue;
                     };
+                    tracing::debug!(
+                        stream = id,
+                        allowed = usage.num_requests_allowed,
+                        denied = usage.num_requests_denied,
+                        elapsed_us,
+                        "RLQS report"
+                    );
                     let is_new = cell.lock().await.group.report(
                         &(id, key.clone()),
                         usage.num_requests_allowed,

@@ -28,6 +28,8 @@ pub struct Terms {
     /// How long a message may take to reach Envoy and be applied, in microseconds: an
     /// assignment is paid for until `ttl + margin` after it is sent.
     pub margin_us: u64,
+    /// How often shares are renewed, in microseconds (`assignment_period_ms`).
+    pub period_us: u64,
 }
 
 impl Terms {
@@ -79,6 +81,9 @@ pub struct Assigned {
     pub take_ut: u64,
     /// Micro-tokens this share gives back (refill paid for a bucket it replaces).
     pub give_ut: u64,
+    /// Whether Envoy starts a new bucket, full (the burst is paid for), rather than keep the
+    /// one it runs.
+    pub fresh: bool,
 }
 
 /// The next assignments of every Envoy of a bucket, and what they cost together.
@@ -119,6 +124,7 @@ impl GroupPlan {
                     held: *h,
                     take_ut: 0,
                     give_ut: 0,
+                    fresh: false,
                 };
             }
         }
@@ -168,6 +174,7 @@ pub fn assign(held: &Held, shape: Shape, now_us: u64, terms: &Terms) -> Assigned
                 },
                 take_ut: shape.refill_ut(paid_until_us.saturating_sub(old_paid)),
                 give_ut: 0,
+                fresh: false,
             };
         }
     }
@@ -180,6 +187,7 @@ pub fn assign(held: &Held, shape: Shape, now_us: u64, terms: &Terms) -> Assigned
         },
         take_ut: shape.burst_ut().saturating_add(shape.refill_ut(terms.lookahead_us())),
         give_ut: unused_refill_ut(held, now_us, terms),
+        fresh: true,
     }
 }
 
@@ -190,6 +198,7 @@ pub fn deny(held: &Held, now_us: u64, terms: &Terms) -> Assigned {
         held: Held::Blanket,
         take_ut: 0,
         give_ut: unused_refill_ut(held, now_us, terms),
+        fresh: false,
     }
 }
 
@@ -242,8 +251,8 @@ const SCALES: [f64; 12] = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.15, 0.1, 0.
 /// a second, [`fair_split`]), for a bucket of `capacity_ut` thought to hold about `pool_ut`
 /// now.
 ///
-/// New buckets share out as bursts what the pool holds beyond the look-ahead the targets need,
-/// each in proportion to its target and at least a quarter of a second of its rate (2 tokens or
+/// New buckets share out as bursts half of what the pool holds beyond the look-ahead the
+/// targets need, each in proportion to its target and at least a quarter of a second of its rate (2 tokens or
 /// more, within the capacity); so a quiet bucket's first Envoy can burst as an RLS client
 /// could, and a bucket in steady use, with little pool, gives its new buckets the least.
 ///
@@ -266,7 +275,10 @@ pub fn plan(
     let cut = |p: GroupPlan| p.only(held, selected);
     let total: u64 = targets.iter().fold(0u64, |a, t| a.saturating_add(*t));
     let lookahead_ut = (u128::from(total) * u128::from(terms.lookahead_us()) / u128::from(MICRO)) as u64;
-    let spare_ut = pool_ut.min(capacity_ut).saturating_sub(lookahead_ut);
+    // Half: the rest waits for the Envoys that join next (a fleet's first reports come
+    // together, and a large first burst brought down a moment later to make room for the
+    // second Envoy would be lost unspent), else goes to starved buckets as top-ups.
+    let spare_ut = pool_ut.min(capacity_ut).saturating_sub(lookahead_ut) / 2;
     let part = |t: u64| -> u64 {
         match total {
             0 => capacity_ut,
@@ -353,6 +365,71 @@ pub fn plan(
         }
     }
     cut(deny_all(held, now_us, terms))
+}
+
+/// Top-ups of plan `p` (made with `held` and `targets`, [`plan`]): what `pool_ut` (at most
+/// `capacity_ut`) holds beyond `p`'s net take goes to the `hungry` shares (their Envoys
+/// reported denials: their buckets run dry) whose running buckets `p` keeps, in proportion to
+/// their targets. Each whose part makes a burst of at least its least is sent a new bucket of
+/// its target with that burst instead, costing its renewal in `p` plus its part; the plan's
+/// net take stays within `pool_ut`. Otherwise tokens the shares leave (the headroom, a quiet
+/// start, a replica's split too small for its Envoys) would gather in the global bucket,
+/// unused while its Envoys deny. A top-up loses what the replaced bucket still holds: next to
+/// nothing for a bucket that runs dry.
+#[allow(clippy::too_many_arguments)] // the plan's own inputs, passed on
+pub fn top_up(
+    mut p: GroupPlan,
+    held: &[Held],
+    targets: &[u64],
+    hungry: &[bool],
+    pool_ut: u64,
+    capacity_ut: u64,
+    now_us: u64,
+    terms: &Terms,
+) -> GroupPlan {
+    let pool_ut = pool_ut.min(capacity_ut);
+    let Ok(left) = u64::try_from(i128::from(pool_ut) - p.net_ut()) else {
+        return p;
+    };
+    let all = targets.iter().fold(0u128, |a, &t| a + u128::from(t)).max(1);
+    let kept = |i: usize| {
+        matches!(
+            p.shares[i],
+            Assigned {
+                action: Action::Bucket(_),
+                fresh: false,
+                ..
+            }
+        )
+    };
+    let eligible: Vec<usize> = (0..held.len()).filter(|&i| hungry[i] && kept(i)).collect();
+    let total = eligible.iter().fold(0u128, |a, &i| a + u128::from(targets[i]));
+    if left == 0 || total == 0 {
+        return p;
+    }
+    for i in eligible {
+        let t = targets[i];
+        let part = (u128::from(left) * u128::from(t) / total) as u64;
+        // A new bucket of rate `t` and burst `b` costs `b` plus its look-ahead's refill, less
+        // what the running one gives back; the renewal it replaces costs `renewal`.
+        let rate_only = Shape::fit(t, 1);
+        let renewal = p.shares[i].take_ut;
+        let room = u128::from(part) + u128::from(renewal) + u128::from(unused_refill_ut(&held[i], now_us, terms));
+        let Some(burst_ut) = room.checked_sub(u128::from(rate_only.refill_ut(terms.lookahead_us()))) else {
+            continue;
+        };
+        let burst = (burst_ut / u128::from(MICRO)).min(u128::from(pool_ut / MICRO)) as u64;
+        let least = least_burst(t, (u128::from(capacity_ut) * u128::from(t) / all) as u64);
+        if burst < least {
+            continue;
+        }
+        let fresh = assign(&held[i], Shape::fit(t, burst), now_us, terms);
+        let kept = std::mem::replace(&mut p.shares[i], fresh);
+        if !fresh.fresh || p.net_ut() > i128::from(pool_ut) {
+            p.shares[i] = kept;
+        }
+    }
+    p
 }
 
 /// `DENY_ALL` to every share.

@@ -74,6 +74,7 @@ impl RlqsSettings {
         Terms {
             ttl_us: self.ttl_seconds().saturating_mul(1_000_000),
             margin_us: self.delivery_margin_ms.0.saturating_mul(1_000),
+            period_us: self.assignment_period_ms.0.saturating_mul(1_000),
         }
     }
 

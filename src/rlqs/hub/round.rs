@@ -147,12 +147,19 @@ impl<S: Store> Hub<S> {
     /// The plan for a group, paid for in the store: in full, else cut to what the global
     /// bucket holds, else `DENY_ALL` (which only gives back). `None` when the store failed:
     /// nothing is sent, and the Envoys keep what they hold until it expires.
+    ///
+    /// A plan with lumps (new buckets, raises, top-ups: paid ahead, a look-ahead's refill at
+    /// once) is paid only if the global bucket keeps, after it, a period of the refill the
+    /// others (other replicas, RLS clients) are counted on: taken from under another replica's
+    /// renewal, a lump would cut that replica's share down, and its raise back would cut this
+    /// one's. Renewals alone may take the bucket to empty.
     async fn pay(&self, state: &mut GroupState, now: u64, only: Option<&[ShareKey]>) -> Option<GroupPlan> {
         let limit = limit_at(&state.resolved, now);
         if now < state.group.blocked_until_us {
             let plan = state.group.deny_all(now, &self.terms, only);
-            return self.settle(state, plan).await.paid();
+            return self.settle(state, plan, 0).await.paid();
         }
+        let keep = state.group.reserve_ut(&limit, &self.terms);
         let full = state.group.plan(&limit, now, &self.terms, None, only);
         tracing::debug!(
             rule = %state.resolved.rule,
@@ -160,18 +167,30 @@ impl<S: Store> Hub<S> {
             split_per_s = state.group.split_ut_per_s(&limit) as f64 / 1e6,
             pool = state.group.pool_ut(&limit, now) as f64 / 1e6,
             net = full.net_ut() as f64 / 1e6,
+            fresh = full.shares.iter().filter(|s| s.fresh).count(),
+            keep = keep as f64 / 1e6,
             "RLQS round"
         );
-        let (budget, wait) = match self.settle(state, full).await {
+        let (mut budget, mut wait) = match self.settle(state, full.clone(), keep).await {
             Settled::Paid(plan) => return Some(plan),
             Settled::Short { budget_ut, wait_us } => (budget_ut, wait_us),
             Settled::Failed => return None,
         };
-        let (mut budget, mut wait) = (budget, wait);
-        // Cut to what the bucket holds; when others took some meanwhile (RLS clients, other
-        // replicas), cut again to what it then holds, a few times, before denying.
+        // Cut to what the bucket holds, lumps to what it holds beyond the others' renewals
+        // while every running bucket is still renewed; when others took some meanwhile (RLS
+        // clients, other replicas), cut again to what it then holds, a few times, before
+        // denying.
         for _ in 0..CUT_ATTEMPTS {
             let cut = state.group.plan(&limit, now, &self.terms, Some(budget), only);
+            let within = state
+                .group
+                .plan(&limit, now, &self.terms, Some(budget.saturating_sub(keep)), only);
+            // (A cut that renews only by taking what is kept for the others takes it.)
+            let (cut, kept) = if keep > 0 && renews_all(&cut, &within) && !within.denies_all() {
+                (within, keep)
+            } else {
+                (cut, 0)
+            };
             tracing::debug!(
                 budget = budget as f64 / 1e6,
                 net = cut.net_ut() as f64 / 1e6,
@@ -185,19 +204,20 @@ impl<S: Store> Hub<S> {
                 let most = self.settings.assignment_period_ms.0.saturating_mul(30_000);
                 state.group.blocked_until_us = now.saturating_add(wait.unwrap_or(most).min(most));
             }
-            match self.settle(state, cut).await {
+            match self.settle(state, cut, kept).await {
                 Settled::Paid(plan) => return Some(plan),
                 Settled::Short { budget_ut, wait_us } => (budget, wait) = (budget_ut, wait_us),
                 Settled::Failed => return None,
             }
         }
         let plan = state.group.deny_all(now, &self.terms, only);
-        self.settle(state, plan).await.paid()
+        self.settle(state, plan, 0).await.paid()
     }
 
     /// Asks the store for a plan's net take (a net give-back goes back once the plan's
-    /// messages are queued, in `run_group`).
-    async fn settle(&self, state: &mut GroupState, plan: GroupPlan) -> Settled {
+    /// messages are queued, in `run_group`); a plan with lumps ([`has_lumps`]) only if
+    /// `keep_ut` micro-tokens are left after it ([`Hub::pay`]).
+    async fn settle(&self, state: &mut GroupState, plan: GroupPlan, keep_ut: u64) -> Settled {
         let Ok(take) = u64::try_from(plan.net_ut()) else {
             return Settled::Paid(plan);
         };
@@ -213,6 +233,15 @@ impl<S: Store> Hub<S> {
                 enforced: true,
             })
             .collect();
+        if keep_ut > 0 && has_lumps(&plan) {
+            // Passes iff the bucket holds more than its depth: the take and what is kept.
+            let depth_ut = take.saturating_add(keep_ut) - 1;
+            demands.extend((0..n).map(|instance| Demand {
+                instance,
+                kind: DemandKind::DebtCheck { depth_ut },
+                enforced: true,
+            }));
+        }
         // This replica's demand goes on the meter in the same call, taken whatever the call
         // decides (a usage report's kind of demand), and never denying it.
         let now = self.clock.now_us();
@@ -270,4 +299,18 @@ impl<S: Store> Hub<S> {
             }
         }
     }
+}
+
+/// Whether a plan hands out lumps: a new bucket (a new share, a raise, a top-up), paid its
+/// burst and a look-ahead's refill at once.
+fn has_lumps(plan: &GroupPlan) -> bool {
+    plan.shares.iter().any(|s| s.fresh && s.take_ut > 0)
+}
+
+/// Whether `within` renews every bucket that `cut` renews, as `cut` does.
+fn renews_all(cut: &GroupPlan, within: &GroupPlan) -> bool {
+    cut.shares
+        .iter()
+        .zip(&within.shares)
+        .all(|(c, w)| c.fresh || !matches!(c.action, plan::Action::Bucket(_)) || c == w)
 }

@@ -3,6 +3,7 @@ use super::*;
 const TERMS: Terms = Terms {
     ttl_us: 2_000_000,
     margin_us: 250_000,
+    period_us: 500_000,
 };
 
 #[test]
@@ -56,12 +57,12 @@ fn a_budget_scales_the_targets_down_and_denies_when_nothing_fits() {
     // (a quarter of a second of 5/s is less).
     let full = plan(&held, &targets, 20 * MICRO, 20 * MICRO, 0, &TERMS, None, &|_| true);
     assert_eq!(full.net_ut(), 2 * (2 * i128::from(MICRO) + 11_250_000));
-    // A quiet large bucket: the rest of the pool goes out as bursts.
+    // A quiet large bucket: half the rest of the pool goes out as bursts (77.5 / 2 / 2).
     let quiet = plan(&held, &targets, 100 * MICRO, 100 * MICRO, 0, &TERMS, None, &|_| true);
     assert!(quiet
         .shares
         .iter()
-        .all(|s| matches!(s.action, Action::Bucket(b) if b.max_tokens == 38)));
+        .all(|s| matches!(s.action, Action::Bucket(b) if b.max_tokens == 19)));
     let cut = plan(
         &held,
         &targets,
@@ -92,4 +93,72 @@ fn a_share_near_its_target_keeps_its_bucket() {
         true
     });
     assert_ne!(p.shares[0].action, a.action);
+}
+
+#[test]
+fn a_starved_share_is_topped_up_with_what_the_pool_holds_beyond_the_round() {
+    let running = assign(&Held::Nothing, Shape::fit(5 * MICRO, 2), 0, &TERMS).held;
+    let held = [running, running];
+    let targets = [5 * MICRO, 5 * MICRO];
+    let hungry = [true, false];
+    // A second later each renewal costs a second of 5/s; of a pool of 30, 20 are left.
+    let renewals = plan(
+        &held,
+        &targets,
+        30 * MICRO,
+        40 * MICRO,
+        1_000_000,
+        &TERMS,
+        None,
+        &|_| true,
+    );
+    assert!(renewals.shares.iter().all(|s| !s.fresh && s.take_ut == 5 * MICRO));
+    let top = |pool: u64, hungry: &[bool]| {
+        top_up(
+            renewals.clone(),
+            &held,
+            &targets,
+            hungry,
+            pool,
+            40 * MICRO,
+            1_000_000,
+            &TERMS,
+        )
+    };
+    let p = top(30 * MICRO, &hungry);
+    // The hungry share: a new bucket whose burst is the 20 left plus the renewal it replaces
+    // and the refill it gives back (5 + 5), less the new bucket's look-ahead (2.25 s of 5/s).
+    assert!(p.shares[0].fresh);
+    assert!(
+        matches!(p.shares[0].action, Action::Bucket(b) if b.max_tokens == 18),
+        "{p:?}"
+    );
+    assert_eq!(p.shares[0].take_ut, 18 * MICRO + 11_250_000);
+    assert_eq!(p.shares[0].give_ut, 5 * MICRO);
+    // The other keeps its bucket; together they take no more than the pool.
+    assert_eq!((p.shares[1].fresh, p.shares[1].take_ut), (false, 5 * MICRO));
+    assert!(p.net_ut() <= 30 * i128::from(MICRO) && p.net_ut() > 29 * i128::from(MICRO));
+    // Both hungry: 10 each.
+    let p = top(30 * MICRO, &[true, true]);
+    assert!(
+        p.shares
+            .iter()
+            .all(|s| matches!(s.action, Action::Bucket(b) if b.max_tokens == 8)),
+        "{p:?}"
+    );
+    assert!(p.net_ut() <= 30 * i128::from(MICRO));
+    // Too little left for a burst of the least (2 tokens): renewals only.
+    assert_eq!(top(12 * MICRO, &hungry), renewals);
+    // Nor more than the capacity.
+    let p = top_up(
+        renewals.clone(),
+        &held,
+        &targets,
+        &hungry,
+        30 * MICRO,
+        12 * MICRO,
+        1_000_000,
+        &TERMS,
+    );
+    assert_eq!(p, renewals);
 }
