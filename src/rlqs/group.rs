@@ -27,6 +27,12 @@ pub const OTHERS_WINDOW_US: u64 = 1_500_000;
 /// each replica's additions land; Envoys report their demand only every 5 s anyway.
 pub const METER_WINDOW_US: u64 = 5_000_000;
 
+/// The first estimate of the other replicas' demand waits until the meter's readings span this
+/// long (microseconds): a reading a millisecond after the last (a cut's second store call) holds
+/// one addition of another replica's or none, and would read as hundreds of times its demand, or
+/// as no other replica at all.
+pub const METER_FIRST_SPAN_US: u64 = 200_000;
+
 /// The demand meter: a second bucket per global bucket, with no refill, from which every
 /// replica takes its Envoys' demand each round, so that each can read the others' (the meter's
 /// fall between its own calls). This many micro-tokens of it stand for one request.
@@ -52,9 +58,12 @@ pub struct Share {
     pub last_report_us: u64,
     /// When it last reported a request, or was first seen.
     pub last_use_us: u64,
-    /// Its latest report over some time counted denied requests: its bucket ran dry, so it
-    /// holds next to nothing and would use more ([`plan::plan`] tops such buckets up).
+    /// Its latest report over some time counted denied requests, and that report's window
+    /// began after its last new bucket was sent: the bucket it runs ran dry, so it holds next
+    /// to nothing and would use more ([`plan::top_up`] tops such buckets up).
     pub starved: bool,
+    /// When it was last sent a new bucket (tollgate's clock, microseconds).
+    pub fresh_at_us: u64,
 }
 
 /// The Envoys of one global bucket on this replica, keyed by `K` (a stream and its bucket id).
@@ -134,7 +143,7 @@ impl<K: Hash + Eq + Clone> Group<K> {
                 Some(old) => old / 2 + rate / 2,
                 None => rate,
             });
-            share.starved = denied > 0;
+            share.starved = denied > 0 && now_us.saturating_sub(elapsed_us) >= share.fresh_at_us;
         }
         share.last_report_us = now_us;
         new
@@ -239,14 +248,14 @@ impl<K: Hash + Eq + Clone> Group<K> {
     /// it lost meanwhile beyond this replica's own takes, the other replicas' Envoys asked for.
     pub fn saw_meter(&mut self, before_ut: u64, after_ut: u64, at_us: u64) {
         if let Some((last, seen_us)) = self.meter_after {
-            self.others_assumed = false;
             let span = at_us.saturating_sub(seen_us) as f64;
             let decay = (-span / METER_WINDOW_US as f64).exp();
             // A refill by another replica reads as a negative demand: counted as none.
             let added = last.saturating_sub(before_ut) as f64;
             let (sum, time) = self.meter_sums;
             self.meter_sums = (sum * decay + added, time * decay + span);
-            if self.meter_sums.1 > 0.0 {
+            if self.meter_sums.1 >= METER_FIRST_SPAN_US as f64 {
+                self.others_assumed = false;
                 // Meter micro-tokens a microsecond, as micro-tokens of requests a second.
                 let per_s = self.meter_sums.0 / self.meter_sums.1 * (MICRO * MICRO / METER_UT_PER_REQUEST) as f64;
                 self.others_demand_ut_per_s = per_s.min(u64::MAX as f64) as u64;
@@ -317,7 +326,9 @@ impl<K: Hash + Eq + Clone> Group<K> {
 
     /// The next assignments under `limit` (the global bucket's, in force now); cut to
     /// `budget_ut` when given ([`plan::plan`]); with `only`, of those shares alone (the others
-    /// [`plan::Action::Unchanged`]).
+    /// [`plan::Action::Unchanged`]). Without a budget, planned on what the global bucket is
+    /// thought to hold ([`Group::pool_left_ut`]), and starved shares are topped up within
+    /// [`Group::room_ut`] ([`plan::top_up`]), unless the others take well under their part.
     pub fn plan(
         &self,
         limit: &Limit,
@@ -348,7 +359,8 @@ impl<K: Hash + Eq + Clone> Group<K> {
         // were cut (by a lump of this replica's, or the store), and their raises back need the
         // stock a top-up would take.
         let others = split_rate_ut_per_s(limit).saturating_sub(self.mine_ut_per_s(limit));
-        let others_short = (self.others_ut_per_s.max(0) as u128) * 10 < u128::from(others) * 9;
+        // (Under three quarters: a replica's shares run down to 90% of targets that leave 5%.)
+        let others_short = (self.others_ut_per_s.max(0) as u128) * 4 < u128::from(others) * 3;
         let hungry: Vec<bool> = self
             .shares
             .values()
@@ -402,8 +414,13 @@ impl<K: Hash + Eq + Clone> Group<K> {
         );
         for (share, assigned) in self.shares.values_mut().zip(&plan.shares) {
             share.held = assigned.held;
-            // A new bucket starts full: starved again only when a report says so.
-            share.starved &= !assigned.fresh;
+            // A new bucket starts full: starved again only when a report of its own says so.
+            if assigned.fresh {
+                share.starved = false;
+                if let Held::Bucket { sent_us, .. } = assigned.held {
+                    share.fresh_at_us = sent_us;
+                }
+            }
         }
     }
 
@@ -488,17 +505,26 @@ mod tests {
         g.saw_tokens(30 * MICRO, 20 * MICRO, 0, &limit);
         assert_eq!(g.mine_ut_per_s(&limit), 5 * MICRO);
         assert_eq!(g.reserve_ut(&limit, &TERMS), 2_500_000);
-        // Half a second later the meter fell by 2.5 requests of another replica's: 5 a second,
-        // read at once.
+        // A reading a millisecond later (a cut's second call) is too short to go by: one
+        // request added meanwhile is not 1,000 a second.
+        g.saw_meter(full - 1_000, full - 1_000, 1_000);
+        assert_eq!((g.others_demand_ut_per_s, g.mine_ut_per_s(&limit)), (0, 5 * MICRO));
+        let full = full - 1_000;
+        // Half a second later the meter fell by 2.5 requests of another replica's: read at
+        // once, with the first millisecond's request (weighed a little less): about 7 a second.
         let after = full - 2_500 * METER_UT_PER_REQUEST / 1_000;
         g.saw_meter(after, after, 500_000);
-        assert_eq!(g.others_demand_ut_per_s, 5 * MICRO);
-        // This replica asks 10, the other 5: two thirds of the refill here.
-        assert_eq!(g.mine_ut_per_s(&limit), 6_666_666);
+        assert!(
+            (6_500_000..7_000_000).contains(&g.others_demand_ut_per_s),
+            "{}",
+            g.others_demand_ut_per_s
+        );
+        // This replica asks 10, the other about 7: about 59% of the refill here.
+        assert!((5_850_000..6_100_000).contains(&g.mine_ut_per_s(&limit)));
         // Then nothing for half a second: the estimate falls, smoothly (not to 0).
         g.saw_meter(after, after, 1_000_000);
         assert!(
-            (2 * MICRO..5 * MICRO).contains(&g.others_demand_ut_per_s),
+            (2 * MICRO..6 * MICRO).contains(&g.others_demand_ut_per_s),
             "{}",
             g.others_demand_ut_per_s
         );
@@ -515,21 +541,35 @@ mod tests {
     fn a_share_is_starved_from_a_report_of_denials_until_it_is_sent_a_new_bucket() {
         let limit = Limit::new(40, Rate::per(10, 1_000_000).unwrap());
         let mut g: Group<u32> = Group::default();
+        // The global bucket full at the first answer: no other replica assumed.
+        g.saw_tokens(40 * MICRO, 40 * MICRO, 0, &limit);
         g.report(&1, 0, 1, 0, 0);
         // The first report (no time elapsed) says nothing of a bucket running dry.
         assert!(!g.shares[&1].starved);
         let p = g.plan(&limit, 0, &TERMS, None, None);
+        assert!(p.shares[0].fresh);
         g.commit(&p);
-        g.report(&1, 20, 30, 5_000_000, 5_000_000);
+        // Denials over the half second since: its bucket ran dry.
+        g.report(&1, 20, 30, 500_000, 500_000);
         assert!(g.shares[&1].starved);
-        // A renewal leaves it starved; a new bucket (here, a top-up of the full pool) starts
-        // full.
-        let p = g.plan(&limit, 5_000_000, &TERMS, None, None);
+        // The global bucket (full at the last answer) holds more than the renewal: a top-up,
+        // a new bucket, which starts full.
+        let p = g.plan(&limit, 500_000, &TERMS, None, None);
         assert!(p.shares[0].fresh, "{p:?}");
         g.commit(&p);
         assert!(!g.shares[&1].starved);
-        g.report(&1, 20, 0, 5_000_000, 10_000_000);
+        // A report whose window began before that new bucket does not say it ran dry.
+        g.report(&1, 20, 30, 500_000, 900_000);
         assert!(!g.shares[&1].starved);
+        // One that began after it does; with nothing left in the global bucket, a renewal,
+        // and the share stays starved.
+        g.report(&1, 20, 30, 400_000, 1_000_000);
+        assert!(g.shares[&1].starved);
+        g.saw_tokens(0, 0, 1_000_000, &limit);
+        let p = g.plan(&limit, 1_000_000, &TERMS, None, None);
+        assert!(!p.shares[0].fresh && p.shares[0].take_ut > 0, "{p:?}");
+        g.commit(&p);
+        assert!(g.shares[&1].starved);
     }
 
     #[test]

@@ -432,6 +432,49 @@ pub fn top_up(
     p
 }
 
+/// Whether share `i` of `p`, now holding `held`, is a *lump*: a new bucket paid its burst and a
+/// look-ahead's refill at once for a share that had none running, or at a rate above the one
+/// it ran (a raise, a top-up). A share brought down to a lower rate is not one: it makes room.
+pub fn is_lump(p: &GroupPlan, held: &[Held], i: usize, now_us: u64, terms: &Terms) -> bool {
+    let a = &p.shares[i];
+    let Action::Bucket(new) = a.action else {
+        return false;
+    };
+    if !a.fresh || a.take_ut == 0 {
+        return false;
+    }
+    match held[i] {
+        Held::Bucket { shape, sent_us, .. } if still_running(sent_us, now_us, terms) => {
+            new.rate_ut_per_s() >= shape.rate_ut_per_s()
+        }
+        _ => true,
+    }
+}
+
+/// Whether plan `p` (made for shares holding `held`) has a lump ([`is_lump`]).
+pub fn has_lumps(p: &GroupPlan, held: &[Held], now_us: u64, terms: &Terms) -> bool {
+    (0..p.shares.len()).any(|i| is_lump(p, held, i, now_us, terms))
+}
+
+/// Plan `p` without its lumps ([`is_lump`]): a share that would have been raised or topped up
+/// renews the bucket it runs, a share with none running is sent `DENY_ALL`; the rest as in
+/// `p`. What a replica pays when the global bucket holds its renewals but not, beyond them,
+/// what the others' renewals need.
+pub fn without_lumps(mut p: GroupPlan, held: &[Held], now_us: u64, terms: &Terms) -> GroupPlan {
+    for i in 0..p.shares.len() {
+        if !is_lump(&p, held, i, now_us, terms) {
+            continue;
+        }
+        p.shares[i] = match held[i] {
+            Held::Bucket { shape, sent_us, .. } if still_running(sent_us, now_us, terms) => {
+                assign(&held[i], shape, now_us, terms)
+            }
+            h => deny(&h, now_us, terms),
+        };
+    }
+    p
+}
+
 /// `DENY_ALL` to every share.
 pub fn deny_all(held: &[Held], now_us: u64, terms: &Terms) -> GroupPlan {
     GroupPlan {

@@ -160,24 +160,28 @@ impl<S: Store> Hub<S> {
             return self.settle(state, plan, 0).await.paid();
         }
         let keep = state.group.reserve_ut(&limit, &self.terms);
+        let held: Vec<plan::Held> = state.group.shares().map(|(_, s)| s.held).collect();
+        let lumps = |p: &GroupPlan| plan::has_lumps(p, &held, now, &self.terms);
         let full = state.group.plan(&limit, now, &self.terms, None, only);
         tracing::debug!(
             rule = %state.resolved.rule,
             shares = state.group.len(),
             split_per_s = state.group.split_ut_per_s(&limit) as f64 / 1e6,
-            pool = state.group.pool_ut(&limit, now) as f64 / 1e6,
+            pool = state.group.pool_left_ut(&limit, now) as f64 / 1e6,
             net = full.net_ut() as f64 / 1e6,
             fresh = full.shares.iter().filter(|s| s.fresh).count(),
             keep = keep as f64 / 1e6,
             "RLQS round"
         );
-        let (mut budget, mut wait) = match self.settle(state, full.clone(), keep).await {
+        let keep_full = if lumps(&full) { keep } else { 0 };
+        let (mut budget, mut wait) = match self.settle(state, full, keep_full).await {
             Settled::Paid(plan) => return Some(plan),
             Settled::Short { budget_ut, wait_us } => (budget_ut, wait_us),
             Settled::Failed => return None,
         };
         // Cut to what the bucket holds, lumps to what it holds beyond the others' renewals
-        // while every running bucket is still renewed; when others took some meanwhile (RLS
+        // while every running bucket is still renewed (else without lumps: renewals may take
+        // what is kept for the others, lumps never); when others took some meanwhile (RLS
         // clients, other replicas), cut again to what it then holds, a few times, before
         // denying.
         for _ in 0..CUT_ATTEMPTS {
@@ -185,11 +189,13 @@ impl<S: Store> Hub<S> {
             let within = state
                 .group
                 .plan(&limit, now, &self.terms, Some(budget.saturating_sub(keep)), only);
-            // (A cut that renews only by taking what is kept for the others takes it.)
-            let (cut, kept) = if keep > 0 && renews_all(&cut, &within) && !within.denies_all() {
-                (within, keep)
-            } else {
+            let (cut, kept) = if !lumps(&cut) {
                 (cut, 0)
+            } else if renews_all(&cut, &within) && !within.denies_all() {
+                let kept = if lumps(&within) { keep } else { 0 };
+                (within, kept)
+            } else {
+                (plan::without_lumps(cut, &held, now, &self.terms), 0)
             };
             tracing::debug!(
                 budget = budget as f64 / 1e6,
@@ -215,8 +221,8 @@ impl<S: Store> Hub<S> {
     }
 
     /// Asks the store for a plan's net take (a net give-back goes back once the plan's
-    /// messages are queued, in `run_group`); a plan with lumps ([`has_lumps`]) only if
-    /// `keep_ut` micro-tokens are left after it ([`Hub::pay`]).
+    /// messages are queued, in `run_group`), only if `keep_ut` micro-tokens are left after it
+    /// (for a plan with lumps, [`Hub::pay`]).
     async fn settle(&self, state: &mut GroupState, plan: GroupPlan, keep_ut: u64) -> Settled {
         let Ok(take) = u64::try_from(plan.net_ut()) else {
             return Settled::Paid(plan);
@@ -233,7 +239,7 @@ impl<S: Store> Hub<S> {
                 enforced: true,
             })
             .collect();
-        if keep_ut > 0 && has_lumps(&plan) {
+        if keep_ut > 0 {
             // Passes iff the bucket holds more than its depth: the take and what is kept.
             let depth_ut = take.saturating_add(keep_ut) - 1;
             demands.extend((0..n).map(|instance| Demand {
@@ -299,12 +305,6 @@ impl<S: Store> Hub<S> {
             }
         }
     }
-}
-
-/// Whether a plan hands out lumps: a new bucket (a new share, a raise, a top-up), paid its
-/// burst and a look-ahead's refill at once.
-fn has_lumps(plan: &GroupPlan) -> bool {
-    plan.shares.iter().any(|s| s.fresh && s.take_ut > 0)
 }
 
 /// Whether `within` renews every bucket that `cut` renews, as `cut` does.

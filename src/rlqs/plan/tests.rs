@@ -162,3 +162,36 @@ fn a_starved_share_is_topped_up_with_what_the_pool_holds_beyond_the_round() {
     );
     assert_eq!(p, renewals);
 }
+
+#[test]
+fn lumps_are_new_buckets_and_raises_and_can_be_left_out() {
+    let running = assign(&Held::Nothing, Shape::fit(5 * MICRO, 2), 0, &TERMS).held;
+    let held = [running, running, running, Held::Nothing];
+    // A second later: share 0 kept, 1 raised, 2 brought down, 3 new.
+    let p = plan(
+        &held,
+        &[5 * MICRO, 8 * MICRO, MICRO, 5 * MICRO],
+        100 * MICRO,
+        100 * MICRO,
+        1_000_000,
+        &TERMS,
+        None,
+        &|_| true,
+    );
+    let lumps: Vec<bool> = (0..4).map(|i| is_lump(&p, &held, i, 1_000_000, &TERMS)).collect();
+    assert_eq!(lumps, vec![false, true, false, true], "{p:?}");
+    assert!(has_lumps(&p, &held, 1_000_000, &TERMS));
+    // Without them: the raised share renews what it runs, the new one is denied; the others
+    // as planned, and the whole costs less.
+    let q = without_lumps(p.clone(), &held, 1_000_000, &TERMS);
+    assert_eq!(q.shares[0], p.shares[0]);
+    assert_eq!(q.shares[2], p.shares[2]);
+    assert_eq!(
+        q.shares[1],
+        assign(&running, Shape::fit(5 * MICRO, 2), 1_000_000, &TERMS)
+    );
+    assert!(!q.shares[1].fresh);
+    assert_eq!(q.shares[3].action, Action::DenyAll);
+    assert!(!has_lumps(&q, &held, 1_000_000, &TERMS));
+    assert!(q.net_ut() < p.net_ut());
+}
