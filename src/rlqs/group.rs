@@ -35,8 +35,11 @@ pub const METER_FIRST_SPAN_US: u64 = 200_000;
 
 /// The demand meter: a second bucket per global bucket, with no refill, from which every
 /// replica takes its Envoys' demand each round, so that each can read the others' (the meter's
-/// fall between its own calls). This many micro-tokens of it stand for one request.
-pub const METER_UT_PER_REQUEST: u64 = 1_000;
+/// fall between its own calls). Demand is measured in the global bucket's refill: a replica
+/// whose Envoys ask for the whole refill takes one micro-token a microsecond (one token a
+/// second). So a reload that changes the refill changes every replica's reading at once, not
+/// only after the old readings have aged out of the average.
+pub const METER_UT_PER_REFILL_SECOND: u64 = MICRO;
 
 /// The demand meter's capacity, in tokens: nine billion requests' worth. A replica that
 /// finds it under a tenth full fills it again.
@@ -82,15 +85,16 @@ pub struct Group<K> {
     /// Since when (microseconds) and how much (micro-tokens) others took in the window being
     /// summed.
     others_window: (u64, i128),
-    /// The demand meter ([`METER_UT_PER_REQUEST`]): its level after this replica's latest call
+    /// The demand meter ([`METER_UT_PER_REFILL_SECOND`]): its level after this replica's latest call
     /// and when that was, when this replica last added its demand to it, and what others added
     /// (meter micro-tokens) over how long (microseconds), both decayed by age
     /// ([`METER_WINDOW_US`]).
     meter_after: Option<(u64, u64)>,
     meter_at_us: Option<u64>,
     meter_sums: (f64, f64),
-    /// What the other replicas' Envoys of this bucket ask for, in micro-tokens a second.
-    others_demand_ut_per_s: u64,
+    /// What the other replicas' Envoys of this bucket ask for, in refills (1.0: the whole
+    /// refill).
+    others_refills: f64,
     /// Before a reading of the meter: the first store answer found the global bucket in use
     /// (under its capacity), so another replica may be splitting it too, and is counted as
     /// asking as much as this one ([`Group::split_ut_per_s`]).
@@ -108,7 +112,7 @@ impl<K> Default for Group<K> {
             meter_after: None,
             meter_at_us: None,
             meter_sums: (0.0, 0.0),
-            others_demand_ut_per_s: 0,
+            others_refills: 0.0,
             others_assumed: false,
         }
     }
@@ -231,11 +235,11 @@ impl<K: Hash + Eq + Clone> Group<K> {
     /// did, at `now_us` (0 the first time).
     pub fn meter_take_ut(&mut self, limit: &Limit, now_us: u64) -> u64 {
         let since = self.meter_at_us.replace(now_us).unwrap_or(now_us);
-        let requests_x_us =
-            u128::from(self.demand_ut_per_s(limit)) * u128::from(now_us.saturating_sub(since)) / u128::from(MICRO);
-        // Micro-requests times METER_UT_PER_REQUEST / MICRO (whole requests would drop up to
-        // one a period: a fifth of a share of 10 a second).
-        (requests_x_us * u128::from(METER_UT_PER_REQUEST) / u128::from(MICRO)).min(u128::from(u64::MAX)) as u64
+        let refill = split_rate_ut_per_s(limit).max(1);
+        // Refills asked for, times the microseconds since, times METER_UT_PER_REFILL_SECOND
+        // over a second's microseconds (1).
+        (u128::from(self.demand_ut_per_s(limit)) * u128::from(now_us.saturating_sub(since)) / u128::from(refill))
+            .min(u128::from(u64::MAX)) as u64
     }
 
     /// Whether the demand meter, as last seen, is under a tenth full: then this replica fills
@@ -256,9 +260,9 @@ impl<K: Hash + Eq + Clone> Group<K> {
             self.meter_sums = (sum * decay + added, time * decay + span);
             if self.meter_sums.1 >= METER_FIRST_SPAN_US as f64 {
                 self.others_assumed = false;
-                // Meter micro-tokens a microsecond, as micro-tokens of requests a second.
-                let per_s = self.meter_sums.0 / self.meter_sums.1 * (MICRO * MICRO / METER_UT_PER_REQUEST) as f64;
-                self.others_demand_ut_per_s = per_s.min(u64::MAX as f64) as u64;
+                // Meter micro-tokens a microsecond, as refills.
+                self.others_refills =
+                    self.meter_sums.0 / self.meter_sums.1 * (MICRO as f64 / METER_UT_PER_REFILL_SECOND as f64);
             }
         }
         self.meter_after = Some((after_ut, at_us));
@@ -282,7 +286,7 @@ impl<K: Hash + Eq + Clone> Group<K> {
         let others = if self.others_assumed {
             mine
         } else {
-            self.others_demand_ut_per_s
+            (self.others_refills * refill as f64).min(u64::MAX as f64) as u64
         };
         if others > 0 && mine > 0 {
             let all = u128::from(mine) + u128::from(others);
@@ -488,9 +492,12 @@ mod tests {
         let mut g: Group<u32> = Group::default();
         g.report(&1, 0, 1, 0, 0);
         assert_eq!(g.meter_take_ut(&limit, 1_000_000), 0);
-        // 0.4999 s of 10 a second: 4.999 requests, not 4 (whole requests dropped up to one a
-        // period, a fifth of this replica's demand as the others read it).
-        assert_eq!(g.meter_take_ut(&limit, 1_499_900), 4_999 * METER_UT_PER_REQUEST / 1_000);
+        // 0.4999 s of the whole refill: 0.4999 of a refill-second, not 0.4 (whole requests,
+        // as the meter once counted, dropped up to a fifth of this replica's demand).
+        assert_eq!(
+            g.meter_take_ut(&limit, 1_499_900),
+            499_900 * METER_UT_PER_REFILL_SECOND / MICRO
+        );
     }
 
     #[test]
@@ -505,29 +512,26 @@ mod tests {
         g.saw_tokens(30 * MICRO, 20 * MICRO, 0, &limit);
         assert_eq!(g.mine_ut_per_s(&limit), 5 * MICRO);
         assert_eq!(g.reserve_ut(&limit, &TERMS), 2_500_000);
-        // A reading a millisecond later (a cut's second call) is too short to go by: one
-        // request added meanwhile is not 1,000 a second.
-        g.saw_meter(full - 1_000, full - 1_000, 1_000);
-        assert_eq!((g.others_demand_ut_per_s, g.mine_ut_per_s(&limit)), (0, 5 * MICRO));
-        let full = full - 1_000;
-        // Half a second later the meter fell by 2.5 requests of another replica's: read at
-        // once, with the first millisecond's request (weighed a little less): about 7 a second.
-        let after = full - 2_500 * METER_UT_PER_REQUEST / 1_000;
+        // A reading a millisecond later (a cut's second call) is too short to go by: a tenth of
+        // a refill-second added meanwhile is not a hundred refills.
+        g.saw_meter(full - 100_000, full - 100_000, 1_000);
+        assert_eq!((g.others_refills, g.mine_ut_per_s(&limit)), (0.0, 5 * MICRO));
+        let full = full - 100_000;
+        // Half a second later the meter fell by a quarter of a refill-second (another replica
+        // asking for half the refill): read at once, with the first millisecond's tenth
+        // (weighed a little less): about 0.68 of a refill.
+        let after = full - 250_000 * METER_UT_PER_REFILL_SECOND / MICRO;
         g.saw_meter(after, after, 500_000);
-        assert!(
-            (6_500_000..7_000_000).contains(&g.others_demand_ut_per_s),
-            "{}",
-            g.others_demand_ut_per_s
-        );
+        assert!((0.65..0.7).contains(&g.others_refills), "{}", g.others_refills);
         // This replica asks 10, the other about 7: about 59% of the refill here.
         assert!((5_850_000..6_100_000).contains(&g.mine_ut_per_s(&limit)));
+        // A reload to a tenth of the refill: both replicas' demands are read in the new
+        // refill at once (this one asks for all of it, the other for 0.68 of it).
+        let reloaded = Limit::new(4, Rate::per(1, 1_000_000).unwrap());
+        assert!((585_000..610_000).contains(&g.mine_ut_per_s(&reloaded)));
         // Then nothing for half a second: the estimate falls, smoothly (not to 0).
         g.saw_meter(after, after, 1_000_000);
-        assert!(
-            (2 * MICRO..6 * MICRO).contains(&g.others_demand_ut_per_s),
-            "{}",
-            g.others_demand_ut_per_s
-        );
+        assert!((0.2..0.6).contains(&g.others_refills), "{}", g.others_refills);
         // Alone from the first answer (a full bucket): the whole refill.
         let mut alone: Group<u32> = Group::default();
         alone.report(&1, 0, 1, 0, 0);

@@ -84,7 +84,7 @@ struct GroupState {
     domain: String,
     resolved: Resolved,
     group: Group<ShareKey>,
-    /// The demand meter ([`super::group::METER_UT_PER_REQUEST`]).
+    /// The demand meter ([`super::group::METER_UT_PER_REFILL_SECOND`]).
     meter: BucketRef,
     /// The descriptor it was resolved from, to resolve it again after a reload.
     entries: Vec<Entry>,

@@ -161,6 +161,114 @@ fn tollgate_state(name: &str, tollgate: &Tollgate) -> String {
     )
 }
 
+/// Where the two Envoys' streams go: one tollgate on the memory store (both Envoys on it), or
+/// two replicas on one Redis (Envoy `i` on replica `i`), each with the same rules file.
+struct Fleet {
+    tollgates: Vec<Tollgate>,
+    rules: String,
+    settings: String,
+    /// The Redis URL and the key prefix to delete at the end.
+    redis: Option<(String, String)>,
+}
+
+impl Fleet {
+    /// One tollgate on the memory store with `rules` and `extra` settings.
+    fn memory(rules: &str, extra: &str) -> Fleet {
+        Fleet {
+            tollgates: vec![start_tollgate(rules, extra)],
+            rules: rules.to_owned(),
+            settings: extra.to_owned(),
+            redis: None,
+        }
+    }
+
+    /// Two replicas on the shared Redis (a key prefix of their own), or `None` where the test
+    /// is skipped for want of Redis.
+    fn redis(test: &str, rules: &str, extra: &str) -> Option<Fleet> {
+        let url = block_in_place(|| shared_redis(test))?;
+        let prefix = unique_prefix("rlqs_envoy");
+        // Generous timeouts: tests run side by side on a loaded machine.
+        let settings = format!(
+            "backend: redis\nredis:\n  urls: [{}]\n  key_prefix: {}\n  command_timeout_ms: 200\n  connect_timeout_ms: 5000\n{extra}\n",
+            yaml_str(&url),
+            yaml_str(&prefix)
+        );
+        let mut fleet = Fleet {
+            tollgates: Vec::new(),
+            rules: rules.to_owned(),
+            settings,
+            redis: Some((url, prefix)),
+        };
+        fleet.tollgates = vec![fleet.start(None), fleet.start(None)];
+        Some(fleet)
+    }
+
+    /// A tollgate of this fleet, on gRPC port `port` when given, ready (for Redis: `/readyz`).
+    fn start(&self, port: Option<u16>) -> Tollgate {
+        let mut builder = Tollgate::builder()
+            .rules_file("edge.yaml", &self.rules)
+            .settings(&self.settings);
+        if let Some(port) = port {
+            builder = builder.grpc_port(port);
+        }
+        let mut t = block_in_place(|| builder.start());
+        if self.redis.is_some() {
+            let http = t.http_addr;
+            block_in_place(|| {
+                wait_until(&mut t.process, || {
+                    http_get(http, "/readyz").filter(|(status, _)| *status == 200)
+                })
+            })
+            .unwrap_or_else(|why| panic!("tollgate not ready: {why}\n{}", t.process.log_tail(60)));
+        }
+        t
+    }
+
+    /// The tollgate Envoy `envoy` (0 or 1) streams to.
+    fn of(&self, envoy: usize) -> &Tollgate {
+        &self.tollgates[envoy.min(self.tollgates.len() - 1)]
+    }
+
+    /// The bootstraps of the two Envoys, with `fallback`.
+    fn bootstraps(&self, fallback: Fallback) -> [String; 2] {
+        [0, 1].map(|i| bootstrap(self.of(i).grpc_addr.port(), fallback))
+    }
+
+    /// Every tollgate's state, for failure messages.
+    fn state(&self) -> String {
+        self.tollgates
+            .iter()
+            .enumerate()
+            .map(|(i, t)| tollgate_state(&i.to_string(), t))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// Every tollgate's metrics.
+    fn scrapes(&self) -> Vec<Scrape> {
+        self.tollgates.iter().map(|t| Scrape::from(t.http_addr)).collect()
+    }
+
+    /// Kills every tollgate (SIGKILL: no goodbye on the streams) and returns their gRPC ports.
+    fn kill(&mut self) -> Vec<u16> {
+        self.tollgates.drain(..).map(|t| t.grpc_addr.port()).collect()
+    }
+
+    /// Starts the tollgates again on `ports`: on memory a fresh store, on Redis the same keys.
+    fn restart(&mut self, ports: &[u16]) {
+        self.tollgates = ports.iter().map(|p| self.start(Some(*p))).collect();
+    }
+}
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        self.tollgates.clear();
+        if let Some((url, prefix)) = &self.redis {
+            block_in_place(|| delete_prefix(url.as_str(), prefix));
+        }
+    }
+}
+
 // ---- clients --------------------------------------------------------------------------------
 
 /// One request and its answer.
@@ -435,45 +543,24 @@ async fn two_envoys_share_one_global_limit_on_memory() {
     let Some(envoy_bin) = envoy_or_skip(TEST) else {
         return;
     };
-    let tollgate = start_tollgate(&rules(SHARED_LIMIT), "");
-    two_envoys_share(TEST, &envoy_bin, [&tollgate, &tollgate], true, 0.8).await;
+    let fleet = Fleet::memory(&rules(SHARED_LIMIT), "");
+    two_envoys_share(TEST, &envoy_bin, [fleet.of(0), fleet.of(1)], true, 0.8).await;
 }
 
 /// Two Envoys, each on its own tollgate replica, the replicas on one Redis: the one global
-/// bucket is the Redis key both pay their shares from.
+/// bucket is the Redis key both pay their shares from. At least 80% here too: each replica
+/// reads the other's demand from the meter within a period or two, and lumps leave the other's
+/// next renewal in the bucket.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_envoys_share_one_global_limit_on_redis_with_two_replicas() {
     const TEST: &str = "two_envoys_share_one_global_limit_on_redis_with_two_replicas";
     let Some(envoy_bin) = envoy_or_skip(TEST) else {
         return;
     };
-    let Some(url) = block_in_place(|| shared_redis(TEST)) else {
+    let Some(fleet) = Fleet::redis(TEST, &rules(SHARED_LIMIT), "") else {
         return;
     };
-    let prefix = unique_prefix("rlqs_envoy");
-    // Generous timeouts: tests run side by side on a loaded machine.
-    let settings = format!(
-        "backend: redis\nredis:\n  urls: [{}]\n  key_prefix: {}\n  command_timeout_ms: 200\n  connect_timeout_ms: 5000\n",
-        yaml_str(&url),
-        yaml_str(&prefix)
-    );
-    let start = || {
-        let mut t = start_tollgate(&rules(SHARED_LIMIT), &settings);
-        let http = t.http_addr;
-        block_in_place(|| {
-            wait_until(&mut t.process, || {
-                http_get(http, "/readyz").filter(|(status, _)| *status == 200)
-            })
-        })
-        .unwrap_or_else(|why| panic!("tollgate not ready: {why}\n{}", t.process.log_tail(60)));
-        t
-    };
-    let (a, b) = (start(), start());
-    // At least 80% here too: each replica reads the other's demand from the meter within a
-    // period or two, and lumps leave the other's next renewal in the bucket.
-    two_envoys_share(TEST, &envoy_bin, [&a, &b], false, 0.8).await;
-    drop((a, b));
-    block_in_place(|| delete_prefix(url.as_str(), &prefix));
+    two_envoys_share(TEST, &envoy_bin, [fleet.of(0), fleet.of(1)], false, 0.8).await;
 }
 
 // ---- 3: a spent allowance ---------------------------------------------------------------------
@@ -492,14 +579,25 @@ async fn a_spent_allowance_denies_both_envoys_until_it_resets() {
     let Some(envoy_bin) = envoy_or_skip(TEST) else {
         return;
     };
-    let tollgate = start_tollgate(&rules(ALLOWANCE_LIMIT), "");
-    let port = tollgate.grpc_addr.port();
-    let envoys = block_in_place(|| {
-        start_envoys(
-            &envoy_bin,
-            &[bootstrap(port, Fallback::DenyAll), bootstrap(port, Fallback::DenyAll)],
-        )
-    });
+    spent_allowance(TEST, &envoy_bin, &Fleet::memory(&rules(ALLOWANCE_LIMIT), "")).await;
+}
+
+/// The same with each Envoy on its own replica, the replicas on one Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spent_allowance_denies_both_envoys_until_it_resets_on_redis_with_two_replicas() {
+    const TEST: &str = "a_spent_allowance_denies_both_envoys_until_it_resets_on_redis_with_two_replicas";
+    let Some(envoy_bin) = envoy_or_skip(TEST) else {
+        return;
+    };
+    let Some(fleet) = Fleet::redis(TEST, &rules(ALLOWANCE_LIMIT), "") else {
+        return;
+    };
+    spent_allowance(TEST, &envoy_bin, &fleet).await;
+}
+
+/// See [`a_spent_allowance_denies_both_envoys_until_it_resets`].
+async fn spent_allowance(test: &str, envoy_bin: &Path, fleet: &Fleet) {
+    let envoys = block_in_place(|| start_envoys(envoy_bin, &fleet.bootstraps(Fallback::DenyAll)));
     let traffic = Traffic::start(&envoys);
     tokio::time::sleep(ALLOWANCE_PERIOD + Duration::from_secs(6)).await;
     let answers = traffic.stop().await;
@@ -525,13 +623,13 @@ async fn a_spent_allowance_denies_both_envoys_until_it_resets() {
     let (qa, qb) = (tally(a, in_quiet), tally(b, in_quiet));
     let (aa, ab) = (tally(a, after), tally(b, after));
     eprintln!(
-        "{TEST}: before the reset (10 s from the first request): a {ba:?}, b {bb:?}, last 200 at \
+        "{test}: before the reset (10 s from the first request): a {ba:?}, b {bb:?}, last 200 at \
          {:?} s; quiet stretch 6..9.5 s: a {qa:?}, b {qb:?}; after: a {aa:?}, b {ab:?}, first 200 \
          at {:?} s",
         last_ok.map(|t| secs(t, first)),
         first_ok_after.map(|t| secs(t, first)),
     );
-    let state = || tollgate_state("", &tollgate);
+    let state = || fleet.state();
 
     // Never more than the allowance before it can have reset, and (both clients asking for
     // far more) at least a third of it used. Not all: an allowance is handed out in slices paid
@@ -585,16 +683,17 @@ async fn a_spent_allowance_denies_both_envoys_until_it_resets() {
         for (name, envoy, answers) in [("a", &envoys[0], a), ("b", &envoys[1], b)] {
             assert_envoy_counted(name, envoy, answers);
         }
-        let scrape = Scrape::from(tollgate.http_addr);
-        assert!(
-            scrape.counter("tollgate_rlqs_assignments_total", &[("strategy", "deny_all")]) > 0.0,
-            "a spent allowance is assigned DENY_ALL\n{}",
-            state()
-        );
-        assert_eq!(
-            scrape.counter("tollgate_rlqs_store_calls_total", &[("result", "error")]),
-            0.0
-        );
+        for scrape in fleet.scrapes() {
+            assert!(
+                scrape.counter("tollgate_rlqs_assignments_total", &[("strategy", "deny_all")]) > 0.0,
+                "a spent allowance is assigned DENY_ALL on every tollgate\n{}",
+                state()
+            );
+            assert_eq!(
+                scrape.counter("tollgate_rlqs_store_calls_total", &[("result", "error")]),
+                0.0
+            );
+        }
     });
 }
 
@@ -611,15 +710,30 @@ async fn envoys_follow_their_expiry_behaviour_while_tollgate_is_down_and_recover
     let Some(envoy_bin) = envoy_or_skip(TEST) else {
         return;
     };
-    let limit = rules("{capacity: 5, refill: 2/s}");
-    let tollgate = start_tollgate(&limit, "");
-    let port = tollgate.grpc_addr.port();
-    let envoys = block_in_place(|| {
-        start_envoys(
-            &envoy_bin,
-            &[bootstrap(port, Fallback::AllowAll), bootstrap(port, Fallback::AllowAll)],
-        )
-    });
+    down_and_back(TEST, &envoy_bin, Fleet::memory(&rules(DOWN_LIMIT), "")).await;
+}
+
+/// The same with each Envoy on its own replica, the replicas on one Redis, both killed and
+/// started again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoys_follow_their_expiry_behaviour_while_tollgate_is_down_and_recover_on_redis_with_two_replicas() {
+    const TEST: &str =
+        "envoys_follow_their_expiry_behaviour_while_tollgate_is_down_and_recover_on_redis_with_two_replicas";
+    let Some(envoy_bin) = envoy_or_skip(TEST) else {
+        return;
+    };
+    let Some(fleet) = Fleet::redis(TEST, &rules(DOWN_LIMIT), "") else {
+        return;
+    };
+    down_and_back(TEST, &envoy_bin, fleet).await;
+}
+
+/// A tight limit: every Envoy is limited at once.
+const DOWN_LIMIT: &str = "{capacity: 5, refill: 2/s}";
+
+/// See [`envoys_follow_their_expiry_behaviour_while_tollgate_is_down_and_recover`].
+async fn down_and_back(test: &str, envoy_bin: &Path, mut fleet: Fleet) {
+    let envoys = block_in_place(|| start_envoys(envoy_bin, &fleet.bootstraps(Fallback::AllowAll)));
     let traffic = Traffic::start(&envoys);
     let began = Instant::now();
 
@@ -630,15 +744,15 @@ async fn envoys_follow_their_expiry_behaviour_while_tollgate_is_down_and_recover
         Duration::from_secs(10),
         "both Envoys limited",
         || (0..2).all(|n| limited_since(&traffic, n, began)),
-        || tollgate_state("", &tollgate),
+        || fleet.state(),
     )
     .await;
     tokio::time::sleep(Duration::from_secs(3)).await;
 
     // Down: killed (SIGKILL, no goodbye on the streams).
-    let state_before_kill = tollgate_state("before the kill", &tollgate);
+    let state_before_kill = fleet.state();
     let killed = Instant::now();
-    drop(tollgate);
+    let ports = fleet.kill();
     // The TTL (1 s by default; 2 s allowed for) from the last assignment (sent before the
     // kill) and the delivery margin, plus a second for Envoy to notice; then everything passes
     // until the restart.
@@ -646,19 +760,14 @@ async fn envoys_follow_their_expiry_behaviour_while_tollgate_is_down_and_recover
     tokio::time::sleep(Duration::from_secs(7)).await;
     let restarted_at = Instant::now();
 
-    // Up again on the same port, a fresh memory store.
-    let tollgate = block_in_place(|| {
-        Tollgate::builder()
-            .grpc_port(port)
-            .rules_file("edge.yaml", &limit)
-            .start()
-    });
+    // Up again on the same ports: on memory a fresh store, on Redis the same keys.
+    fleet.restart(&ports);
     let ready = Instant::now();
     await_until(
         Duration::from_secs(12),
         "both Envoys limited again after the restart",
         || (0..2).all(|n| limited_since(&traffic, n, ready)),
-        || tollgate_state("restarted", &tollgate),
+        || fleet.state(),
     )
     .await;
     let back = Instant::now();
@@ -682,7 +791,7 @@ async fn envoys_follow_their_expiry_behaviour_while_tollgate_is_down_and_recover
             .map(|x| x.sent)
             .min();
         eprintln!(
-            "{TEST}: Envoy {name}: up {up:?}; killed at {:.2} s, last 429 {:?} s after the kill; \
+            "{test}: Envoy {name}: up {up:?}; killed at {:.2} s, last 429 {:?} s after the kill; \
              from {:.2} s after the kill to the restart {down:?}; restarted ({:.2} s to ready) at \
              {:.2} s, limited again {:?} s after ready; after the restart {again:?}",
             secs(killed, began),
@@ -707,7 +816,7 @@ async fn envoys_follow_their_expiry_behaviour_while_tollgate_is_down_and_recover
         );
     }
     eprintln!(
-        "{TEST}: both limited again {:.2} s after the restart was ready",
+        "{test}: both limited again {:.2} s after the restart was ready",
         secs(back, ready)
     );
     block_in_place(|| {
@@ -715,15 +824,19 @@ async fn envoys_follow_their_expiry_behaviour_while_tollgate_is_down_and_recover
             assert_envoy_counted(name, envoy, answers);
             // While tollgate was down, Envoy tried to open its stream again and could not.
             let failed = envoy.stat("cluster.tollgate_rlqs.upstream_cx_connect_fail");
-            eprintln!("{TEST}: Envoy {name}: tollgate_rlqs connect failures {failed}");
+            eprintln!("{test}: Envoy {name}: tollgate_rlqs connect failures {failed}");
             assert!(failed > 0, "Envoy {name} never retried while tollgate was down");
         }
-        let scrape = Scrape::from(tollgate.http_addr);
+        let streams: f64 = fleet
+            .scrapes()
+            .iter()
+            .map(|s| s.get("tollgate_rlqs_streams", &[]).unwrap_or(0.0))
+            .sum();
         assert_eq!(
-            scrape.get("tollgate_rlqs_streams", &[]),
-            Some(2.0),
-            "both Envoys are back on the restarted tollgate\n{}",
-            tollgate_state("restarted", &tollgate)
+            streams,
+            2.0,
+            "both Envoys are back on the restarted tollgates\n{}",
+            fleet.state()
         );
     });
 }
@@ -753,36 +866,54 @@ async fn a_reload_changes_both_envoys_assignments() {
     let Some(envoy_bin) = envoy_or_skip(TEST) else {
         return;
     };
-    let tollgate = start_tollgate(&rules(RELOAD_BEFORE), WATCH_ONLY);
-    let port = tollgate.grpc_addr.port();
-    let envoys = block_in_place(|| {
-        start_envoys(
-            &envoy_bin,
-            &[bootstrap(port, Fallback::DenyAll), bootstrap(port, Fallback::DenyAll)],
-        )
-    });
-    let state = || tollgate_state("", &tollgate);
+    reload(TEST, &envoy_bin, &Fleet::memory(&rules(RELOAD_BEFORE), WATCH_ONLY)).await;
+}
+
+/// The same with each Envoy on its own replica, the replicas on one Redis, each replica's rules
+/// file rewritten.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_changes_both_envoys_assignments_on_redis_with_two_replicas() {
+    const TEST: &str = "a_reload_changes_both_envoys_assignments_on_redis_with_two_replicas";
+    let Some(envoy_bin) = envoy_or_skip(TEST) else {
+        return;
+    };
+    let Some(fleet) = Fleet::redis(TEST, &rules(RELOAD_BEFORE), WATCH_ONLY) else {
+        return;
+    };
+    reload(TEST, &envoy_bin, &fleet).await;
+}
+
+/// See [`a_reload_changes_both_envoys_assignments`].
+async fn reload(test: &str, envoy_bin: &Path, fleet: &Fleet) {
+    let envoys = block_in_place(|| start_envoys(envoy_bin, &fleet.bootstraps(Fallback::DenyAll)));
+    let state = || fleet.state();
     let traffic = Traffic::start(&envoys);
     let began = Instant::now();
     // Settled (the first burst spent, every share measured), then the window before.
     let before = (began + Duration::from_secs(4), began + Duration::from_secs(12));
     tokio::time::sleep_until(before.1.into()).await;
 
-    // The new rules, renamed into place (as an editor or a ConfigMap update would).
-    let file: PathBuf = tollgate.dir.path().join("rules/edge.yaml");
-    let tmp = file.with_file_name(".edge.yaml.tmp");
-    std::fs::write(&tmp, rules(RELOAD_AFTER)).expect("write the new rules");
-    std::fs::rename(&tmp, &file).expect("rename the new rules into place");
+    // The new rules, renamed into place (as an editor or a ConfigMap update would), on every
+    // tollgate.
+    for tollgate in &fleet.tollgates {
+        let file: PathBuf = tollgate.dir.path().join("rules/edge.yaml");
+        let tmp = file.with_file_name(".edge.yaml.tmp");
+        std::fs::write(&tmp, rules(RELOAD_AFTER)).expect("write the new rules");
+        std::fs::rename(&tmp, &file).expect("rename the new rules into place");
+    }
     let written = Instant::now();
-    let generation = || {
-        Scrape::from(tollgate.http_addr)
-            .get("tollgate_rules_generation", &[])
-            .unwrap_or(0.0)
+    let in_force = || {
+        fleet.tollgates.iter().all(|t| {
+            Scrape::from(t.http_addr)
+                .get("tollgate_rules_generation", &[])
+                .unwrap_or(0.0)
+                == 2.0
+        })
     };
     await_until(
         Duration::from_secs(10),
         "the new rules in force",
-        || block_in_place(|| generation() == 2.0),
+        || block_in_place(in_force),
         state,
     )
     .await;
@@ -790,10 +921,15 @@ async fn a_reload_changes_both_envoys_assignments() {
     // Two assignment periods: every share assigned again under the new rules. Then what the
     // Envoys may still admit on what was paid for (the gauge is set at each period's end).
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let outstanding = block_in_place(|| {
-        Scrape::from(tollgate.http_addr)
-            .get("tollgate_rlqs_outstanding_tokens", &[])
-            .expect("tollgate_rlqs_outstanding_tokens")
+    let outstanding: f64 = block_in_place(|| {
+        fleet
+            .scrapes()
+            .iter()
+            .map(|s| {
+                s.get("tollgate_rlqs_outstanding_tokens", &[])
+                    .expect("tollgate_rlqs_outstanding_tokens")
+            })
+            .sum()
     });
     let after_from = Instant::now();
     tokio::time::sleep(Duration::from_secs(8)).await;
@@ -808,7 +944,7 @@ async fn a_reload_changes_both_envoys_assignments() {
     let before_rate = rate(ba, before) + rate(bb, before);
     let after_rate = rate(aa, after) + rate(ab, after);
     eprintln!(
-        "{TEST}: before ({:.1} s): a {ba:?}, b {bb:?}, {before_rate:.2}/s; in force {:.2} s after \
+        "{test}: before ({:.1} s): a {ba:?}, b {bb:?}, {before_rate:.2}/s; in force {:.2} s after \
          the rename; after ({:.1} s, from 2 s after that): a {aa:?}, b {ab:?}, {after_rate:.2}/s; \
          outstanding tokens at the start of the after window: {outstanding}",
         window(before),
