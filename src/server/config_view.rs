@@ -133,6 +133,9 @@ fn settings_json(settings: &Settings) -> Value {
     if shown.redis.password.is_some() {
         shown.redis.password = Some(REDACTED.to_owned());
     }
+    if shown.redis.sentinel.password.is_some() {
+        shown.redis.sentinel.password = Some(REDACTED.to_owned());
+    }
     shown.redis.urls = shown
         .redis
         .urls

@@ -31,7 +31,7 @@ pub use postgres::PostgresSettings;
 pub use postgres::PostgresStore;
 pub(crate) use queue::gather;
 pub use redis::RedisStore;
-pub use redis::{FallbackBackend, RedisSettings};
+pub use redis::{FallbackBackend, RedisSettings, SentinelSettings};
 pub use resilient::{Fallback, Guarded, Resilient};
 pub use settings::{redact_url, FailureMode, UnreachableAtStart};
 pub use shared::{start_shared, SharedBackend};

@@ -633,15 +633,19 @@ fn refused_variables_name_the_variable_why_and_what_instead() {
             vec![
                 ("REDIS_SOCKET_TYPE", "tcp".into()),
                 ("REDIS_URL", "127.0.0.1:1".into()),
-                ("REDIS_TYPE", "SENTINEL".into()),
+                ("REDIS_TYPE", "SHARDED".into()),
             ],
         ),
         (
             "REDIS_SOCKET_TYPE",
             vec![
                 ("REDIS_SOCKET_TYPE", "unix".into()),
-                ("REDIS_URL", "/var/run/redis.sock".into()),
+                ("REDIS_URL", "127.0.0.1:6379".into()),
             ],
+        ),
+        (
+            "REDIS_URL",
+            vec![("REDIS_TYPE", "SENTINEL".into()), ("REDIS_URL", "127.0.0.1:26379".into())],
         ),
         (
             "REDIS_URL",

@@ -35,6 +35,7 @@ mod redis_backend;
 mod redis_cluster_faults;
 mod redis_connect;
 mod redis_faults;
+mod redis_sentinel;
 mod redis_support;
 mod reload;
 mod resource_faults;

@@ -636,7 +636,7 @@ async fn a_paused_redis_costs_at_most_the_command_timeout() {
 
 /// Runs `tollgate serve` with `settings` (addresses and rules added) to its end, killing it
 /// after `limit`: exit status (`None` if killed), stdout, stderr, time taken.
-fn serve_to_exit(settings: &str, limit: Duration) -> (Option<ExitStatus>, String, String, Duration) {
+pub(crate) fn serve_to_exit(settings: &str, limit: Duration) -> (Option<ExitStatus>, String, String, Duration) {
     let dir = tempfile::tempdir().expect("a temporary directory");
     let rules = dir.path().join("rules");
     std::fs::create_dir(&rules).expect("create rules/");

@@ -86,7 +86,6 @@ const IGNORED: &[(&str, &str)] = &[
     ("REDIS_PERSECOND_CLUSTER_PIPELINE_PARALLELISM", "only read with REDIS_PERSECOND=true"),
     ("REDIS_PERSECOND_TIMEOUT", "only read with REDIS_PERSECOND=true"),
     ("REDIS_PERSECOND_POOL_ON_EMPTY_BEHAVIOR", "only read with REDIS_PERSECOND=true"),
-    ("REDIS_SENTINEL_AUTH", "only used with REDIS_TYPE=SENTINEL"),
     ("MEMCACHE_HOST_PORT", "only used with BACKEND_TYPE=memcache"),
     ("MEMCACHE_MAX_IDLE_CONNS", "only used with BACKEND_TYPE=memcache"),
     ("MEMCACHE_SRV", "only used with BACKEND_TYPE=memcache"),
@@ -141,6 +140,7 @@ const HANDLED: &[&str] = &[
     "REDIS_URL",
     "REDIS_POOL_SIZE",
     "REDIS_AUTH",
+    "REDIS_SENTINEL_AUTH",
     "REDIS_TLS",
     "REDIS_TLS_CLIENT_CERT",
     "REDIS_TLS_CLIENT_KEY",
@@ -159,6 +159,14 @@ const HANDLED: &[&str] = &[
 /// Whether `name` is one of envoyproxy/ratelimit's variables.
 pub fn is_theirs(name: &str) -> bool {
     HANDLED.contains(&name) || xds::VARIABLES.contains(&name) || IGNORED.iter().any(|(n, _)| *n == name)
+}
+
+/// Their `REDIS_TYPE`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RedisType {
+    Single,
+    Cluster,
+    Sentinel,
 }
 
 /// One refused variable: what, why, and what to use instead. Never holds a secret's value.
@@ -794,12 +802,17 @@ impl Reader<'_> {
         if !self.redis_backend() {
             return;
         }
-        let socket = self.redis_socket();
-        let cluster = self.redis_type();
+        let kind = self.redis_type();
+        let socket = self.redis_socket(kind);
         let tls = self.redis_tls();
-        self.redis_urls(&socket, tls, cluster);
+        if kind == RedisType::Sentinel {
+            self.redis_sentinel(tls);
+        } else {
+            self.redis_urls(&socket, tls, kind == RedisType::Cluster);
+        }
         self.redis_pool_size();
         self.redis_auth();
+        self.redis_sentinel_auth(kind);
         self.redis_timeout();
         self.redis_key_prefix();
         self.redis_pool_on_empty();
@@ -856,48 +869,121 @@ impl Reader<'_> {
         true
     }
 
-    /// `REDIS_SOCKET_TYPE`, lowercase (their default: `unix`); refused unless `tcp`.
-    fn redis_socket(&mut self) -> String {
+    /// `REDIS_SOCKET_TYPE`, lowercase (their default: `unix`): `tcp`, or `unix` with a single
+    /// Redis (`REDIS_URL` a socket path). Their Cluster and Sentinel clients dial TCP whatever it
+    /// says, so with `SENTINEL` it is not read; with `CLUSTER` only `tcp` is accepted.
+    fn redis_socket(&mut self, kind: RedisType) -> String {
         let socket = self.get("REDIS_SOCKET_TYPE").unwrap_or("unix").to_ascii_lowercase();
-        if socket != "tcp" {
-            let shown = self
-                .get("REDIS_SOCKET_TYPE")
-                .map_or("unix (their default)".to_owned(), |v| format!("{v:?}"));
-            self.refuse(
+        let shown = self
+            .get("REDIS_SOCKET_TYPE")
+            .map_or("unix (their default)".to_owned(), |v| format!("{v:?}"));
+        match (socket.as_str(), kind) {
+            (_, RedisType::Sentinel) | ("tcp", _) => {}
+            ("unix", RedisType::Single) => {
+                if self.get("REDIS_URL").is_some_and(|url| !url.starts_with('/')) {
+                    self.refuse(
+                        "REDIS_SOCKET_TYPE",
+                        format!("{shown} needs REDIS_URL to be a socket path (/var/run/redis/redis.sock); for host:port set REDIS_SOCKET_TYPE=tcp"),
+                    );
+                }
+            }
+            ("unix", _) => self.refuse(
                 "REDIS_SOCKET_TYPE",
-                format!(
-                    "{shown}: tollgate reaches Redis over TCP only; set REDIS_SOCKET_TYPE=tcp and REDIS_URL=host:port"
-                ),
-            );
+                format!("{shown}: a Redis Cluster is reached over TCP; set REDIS_SOCKET_TYPE=tcp and REDIS_URL=host:port,..."),
+            ),
+            _ => self.refuse(
+                "REDIS_SOCKET_TYPE",
+                format!("{shown} is not a socket type; use tcp (REDIS_URL=host:port) or unix (REDIS_URL=/path/to/redis.sock)"),
+            ),
         }
         socket
     }
 
-    /// Whether `REDIS_TYPE` is a Redis Cluster.
-    fn redis_type(&mut self) -> bool {
-        let cluster = match self.get("REDIS_TYPE").map(str::to_ascii_uppercase).as_deref() {
-            None | Some("SINGLE") => false,
-            Some("CLUSTER") => true,
-            Some("SENTINEL") => {
-                self.refuse(
-                    "REDIS_TYPE",
-                    "SENTINEL is not supported; point REDIS_URL at the master (REDIS_TYPE=SINGLE) or use a Redis Cluster (REDIS_TYPE=CLUSTER)",
-                );
-                false
-            }
+    /// `REDIS_TYPE` (their default: `SINGLE`).
+    fn redis_type(&mut self) -> RedisType {
+        let kind = match self.get("REDIS_TYPE").map(str::to_ascii_uppercase).as_deref() {
+            None | Some("SINGLE") => RedisType::Single,
+            Some("CLUSTER") => RedisType::Cluster,
+            Some("SENTINEL") => RedisType::Sentinel,
             Some(_) => {
                 let shown = self.shown("REDIS_TYPE");
                 self.refuse(
                     "REDIS_TYPE",
-                    format!("{shown} is not a Redis type; use SINGLE or CLUSTER"),
+                    format!("{shown} is not a Redis type; use SINGLE, CLUSTER or SENTINEL"),
                 );
-                false
+                RedisType::Single
             }
         };
         if self.get("REDIS_TYPE").is_some() {
-            self.set("redis.cluster", json!(cluster), "REDIS_TYPE");
+            self.set("redis.cluster", json!(kind == RedisType::Cluster), "REDIS_TYPE");
         }
-        cluster
+        kind
+    }
+
+    /// `REDIS_URL` with `REDIS_TYPE=SENTINEL`, as theirs reads it: the master's name, then the
+    /// sentinels' `host:port`s, comma-separated; TLS (`REDIS_TLS`) to the sentinels and the
+    /// master alike.
+    fn redis_sentinel(&mut self, tls: bool) {
+        let Some(url) = self.get("REDIS_URL").map(str::to_owned) else {
+            self.refuse(
+                "REDIS_URL",
+                "is not set; with REDIS_TYPE=SENTINEL use REDIS_URL=<master name>,<sentinel host:port>,...",
+            );
+            return;
+        };
+        let parts: Vec<&str> = url.split(',').map(str::trim).collect();
+        let [name, sentinels @ ..] = parts.as_slice() else {
+            return;
+        };
+        if sentinels.is_empty() || name.is_empty() || name.contains(':') {
+            self.refuse(
+                "REDIS_URL",
+                "with REDIS_TYPE=SENTINEL use <master name>,<sentinel host:port>,... (the master's name first, then at least one sentinel)",
+            );
+            return;
+        }
+        let scheme = if tls { "rediss" } else { "redis" };
+        let mut urls = Vec::new();
+        for sentinel in sentinels {
+            let has_port = sentinel
+                .rsplit_once(':')
+                .is_some_and(|(host, port)| !host.is_empty() && !host.contains('@') && port.parse::<u16>().is_ok());
+            if !has_port {
+                self.refuse(
+                    "REDIS_URL",
+                    format!(
+                        "sentinel {:?} is not host:port; use <master name>,<sentinel host:port>,...",
+                        crate::server::settings::redact_url(sentinel)
+                    ),
+                );
+                continue;
+            }
+            urls.push(format!("{scheme}://{sentinel}"));
+        }
+        self.set("redis.sentinel.master_name", json!(name), "REDIS_TYPE, REDIS_URL");
+        self.set("redis.sentinel.urls", json!(urls), "REDIS_URL");
+    }
+
+    /// `REDIS_SENTINEL_AUTH`: the sentinels' `password`, or `user:password`, as theirs reads it
+    /// (`REDIS_AUTH` stays the master's).
+    fn redis_sentinel_auth(&mut self, kind: RedisType) {
+        let Some(auth) = self.get("REDIS_SENTINEL_AUTH").map(str::to_owned) else {
+            return;
+        };
+        if kind != RedisType::Sentinel {
+            self.out.notes.push((
+                "REDIS_SENTINEL_AUTH".into(),
+                "only used with REDIS_TYPE=SENTINEL".into(),
+            ));
+            return;
+        }
+        match auth.split_once(':') {
+            Some((user, pass)) => {
+                self.set("redis.sentinel.username", json!(user), "REDIS_SENTINEL_AUTH");
+                self.set("redis.sentinel.password", json!(pass), "REDIS_SENTINEL_AUTH");
+            }
+            None => self.set("redis.sentinel.password", json!(auth), "REDIS_SENTINEL_AUTH"),
+        }
     }
 
     /// Whether `REDIS_TLS` is on; refuses the TLS options tollgate does not have.
@@ -925,9 +1011,19 @@ impl Reader<'_> {
         tls
     }
 
-    /// `REDIS_URL`'s nodes, over TCP (`socket`), with TLS or not, one node unless `cluster`.
+    /// `REDIS_URL`'s nodes, over TCP (`socket`), with TLS or not, one node unless `cluster`;
+    /// or, over a Unix socket, its path.
     fn redis_urls(&mut self, socket: &str, tls: bool, cluster: bool) {
         match self.get("REDIS_URL").map(str::to_owned) {
+            Some(path) if socket == "unix" && path.starts_with('/') && !cluster => {
+                if tls {
+                    self.refuse(
+                        "REDIS_TLS",
+                        "TLS is for TCP; with REDIS_SOCKET_TYPE=unix set REDIS_TLS=false",
+                    );
+                }
+                self.set("redis.urls", json!([format!("unix://{path}")]), "REDIS_SOCKET_TYPE, REDIS_URL");
+            }
             Some(url) if socket == "tcp" => {
                 let scheme = if tls { "rediss" } else { "redis" };
                 let mut urls = Vec::new();
@@ -973,7 +1069,7 @@ impl Reader<'_> {
             Some(_) => {}
             None => self.refuse(
                 "REDIS_URL",
-                "is not set, so their default (the Unix socket /var/run/nutcracker/ratelimit.sock) would apply, which tollgate cannot reach; set REDIS_URL=host:port",
+                "is not set, so their default (/var/run/nutcracker/ratelimit.sock, a twemproxy socket in their deployment) would apply; set REDIS_URL=host:port, or the path of Redis's own Unix socket",
             ),
         }
     }
@@ -1461,11 +1557,95 @@ mod tests {
     }
 
     #[test]
+    fn sentinel_as_theirs_master_name_first_then_the_sentinels() {
+        let env = read(&[
+            ("REDIS_TYPE", "SENTINEL"),
+            ("REDIS_URL", "mymaster, sentinel-0:26379,10.0.0.2:26380"),
+            ("REDIS_AUTH", "master-secret"),
+            ("REDIS_SENTINEL_AUTH", "watcher:sentinel-secret"),
+            ("REDIS_TLS", "true"),
+        ])
+        .unwrap();
+        let doc = env.document();
+        let sentinel = &doc["redis"]["sentinel"];
+        assert_eq!(sentinel["master_name"], "mymaster");
+        assert_eq!(
+            sentinel["urls"],
+            json!(["rediss://sentinel-0:26379", "rediss://10.0.0.2:26380"])
+        );
+        assert_eq!(sentinel["username"], "watcher");
+        assert_eq!(sentinel["password"], "sentinel-secret");
+        assert_eq!(doc["redis"]["password"], "master-secret");
+        assert_eq!(doc["redis"]["cluster"], false);
+        assert_eq!(doc["redis"].get("urls"), None, "the sentinels are not Redis nodes");
+        // Their Sentinel client dials TCP whatever REDIS_SOCKET_TYPE says (default unix).
+        assert!(env.notes.iter().all(|(v, _)| v != "REDIS_SENTINEL_AUTH"));
+
+        for url in [
+            "mymaster",
+            "sentinel-0:26379,sentinel-1:26379",
+            "mymaster,sentinel-0",
+            "mymaster,:1",
+        ] {
+            let err = read(&[
+                ("REDIS_TYPE", "SENTINEL"),
+                ("REDIS_URL", url),
+                ("REDIS_SENTINEL_AUTH", "hunter2-secret"),
+            ])
+            .unwrap_err();
+            assert!(err.0.iter().any(|e| e.variable == "REDIS_URL"), "{url}: {err}");
+            assert!(!err.to_string().contains("hunter2"), "{err}");
+        }
+        // Outside Sentinel their sentinel password is a note, not a setting.
+        let env = read(&[
+            ("REDIS_SOCKET_TYPE", "tcp"),
+            ("REDIS_URL", "redis:6379"),
+            ("REDIS_SENTINEL_AUTH", "x"),
+        ])
+        .unwrap();
+        assert!(env.notes.iter().any(|(v, _)| v == "REDIS_SENTINEL_AUTH"));
+        assert_eq!(env.document()["redis"].get("sentinel"), None);
+    }
+
+    #[test]
+    fn a_unix_socket_as_theirs_a_path_in_redis_url() {
+        for socket in [None, Some("unix")] {
+            let mut vars = vec![("REDIS_URL", "/var/run/redis/redis.sock"), ("REDIS_AUTH", "pw")];
+            vars.extend(socket.map(|s| ("REDIS_SOCKET_TYPE", s)));
+            let doc = read(&vars).unwrap().document();
+            assert_eq!(doc["redis"]["urls"], json!(["unix:///var/run/redis/redis.sock"]));
+            assert_eq!(doc["redis"]["password"], "pw");
+        }
+        let refused = |vars: &[(&str, &str)], variable: &str| {
+            let err = read(vars).unwrap_err();
+            assert!(err.0.iter().any(|e| e.variable == variable), "{vars:?}: {err}");
+        };
+        // Their default socket type with host:port: it would dial a socket named so.
+        refused(&[("REDIS_URL", "redis:6379")], "REDIS_SOCKET_TYPE");
+        refused(
+            &[
+                ("REDIS_SOCKET_TYPE", "unix"),
+                ("REDIS_TYPE", "CLUSTER"),
+                ("REDIS_URL", "/r.sock"),
+            ],
+            "REDIS_SOCKET_TYPE",
+        );
+        refused(
+            &[
+                ("REDIS_SOCKET_TYPE", "unix"),
+                ("REDIS_URL", "/r.sock"),
+                ("REDIS_TLS", "true"),
+            ],
+            "REDIS_TLS",
+        );
+    }
+
+    #[test]
     fn refusals_name_the_variable_and_never_a_secret() {
         let err = read(&[
-            ("REDIS_SOCKET_TYPE", "unix"),
+            ("REDIS_SOCKET_TYPE", "udp"),
             ("REDIS_URL", "/var/run/redis.sock"),
-            ("REDIS_TYPE", "SENTINEL"),
+            ("REDIS_TYPE", "SHARDED"),
             ("REDIS_AUTH", "hunter2-secret"),
             ("BACKEND_TYPE", "memcache"),
             ("USE_STATSD", "true"),

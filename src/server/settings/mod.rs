@@ -17,7 +17,7 @@ pub use crate::decision::{HeaderSettings, RequestLimits, ResponseSettings};
 pub use crate::server::tls::{ListenerTls, TlsSettings};
 pub use crate::store::{
     redact_url, FailureMode, FallbackBackend, LocalSettings, MemorySettings, PostgresSettings, RedisSettings,
-    UnreachableAtStart,
+    SentinelSettings, UnreachableAtStart,
 };
 pub use xds::{RulesSource, XdsSettings};
 
@@ -394,9 +394,10 @@ impl Settings {
 /// The settings whose values are secrets (or may hold one, as a URL's password does), by
 /// figment path. From the environment they are taken as the raw string, whatever it looks like,
 /// and no error message shows their value.
-pub const SECRET_SETTINGS: [&str; 6] = [
+pub const SECRET_SETTINGS: [&str; 7] = [
     "admin.token",
     "redis.password",
+    "redis.sentinel.password",
     "redis.urls",
     "postgres.url",
     "postgres.password",

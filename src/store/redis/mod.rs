@@ -27,11 +27,12 @@ pub(crate) mod batch;
 mod cluster;
 pub mod keys;
 pub mod script;
+mod sentinel;
 mod settings;
 mod slotted;
 
 pub use cluster::ClusterHealth;
-pub use settings::{FallbackBackend, RedisSettings};
+pub use settings::{FallbackBackend, RedisSettings, SentinelSettings};
 
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -41,7 +42,7 @@ use fred::bytes::Bytes;
 use fred::clients::Client;
 use fred::prelude::{
     Builder, ClientLike, Config, Error as FredError, ErrorKind, EventInterface, LuaInterface, Pool, ReconnectPolicy,
-    Server, TlsConnector,
+    Server, ServerConfig, TlsConnector,
 };
 use fred::types::{Key, Value};
 
@@ -177,6 +178,8 @@ struct Inner {
     fail_fast: bool,
     /// What `maxmemory-policy` showed at connect ([`RedisStore::eviction_warning`]).
     eviction: std::sync::Mutex<Option<String>>,
+    /// The sentinels that name the master, when there are (`redis.sentinel`).
+    sentinel: Option<SentinelSettings>,
     /// Whether the scripts have been loaded since start ([`RedisStore::is_warm`]).
     warm: std::sync::atomic::AtomicBool,
 }
@@ -290,7 +293,8 @@ impl Conn {
 }
 
 /// The client configuration for `settings`, whose first URL is `first`: that node (a Cluster's
-/// masters each get a copy, addressed to them), the credentials, TLS and whether to fail fast.
+/// masters each get a copy, addressed to them; a Unix socket; or the sentinels that name the
+/// master), the credentials, TLS and whether to fail fast.
 ///
 /// Errors: a URL that does not parse, or TLS that cannot be set up (made by `fail`).
 fn client_config(
@@ -298,7 +302,18 @@ fn client_config(
     first: &str,
     fail: &impl Fn(String) -> ConnectError,
 ) -> Result<Config, ConnectError> {
-    let mut config = Config::from_url(first).map_err(|e| fail(e.details().to_string()))?;
+    let mut config = match (sentinel::config(&settings.sentinel), settings::unix_socket(first)) {
+        (Some(config), _) => config.map_err(fail)?,
+        (None, Some(unix)) => {
+            let (path, database) = unix.map_err(fail)?;
+            Config {
+                server: ServerConfig::new_unix_socket(path),
+                database,
+                ..Config::default()
+            }
+        }
+        (None, None) => Config::from_url(first).map_err(|e| fail(e.details().to_string()))?,
+    };
     if settings.username.is_some() {
         config.username = settings.username.clone();
     }
@@ -340,9 +355,14 @@ impl RedisStore {
     /// Errors: a URL that does not parse, or TLS that cannot be set up.
     pub fn new(settings: &RedisSettings, clock: Arc<dyn Clock>) -> Result<RedisStore, ConnectError> {
         let first = settings.urls.first().map(String::as_str).unwrap_or_default();
+        let shown = if settings.sentinel.enabled() {
+            sentinel::describe(&settings.sentinel)
+        } else {
+            redact_url(first)
+        };
         let fail = |reason: String| ConnectError {
             backend: "Redis",
-            url: redact_url(first),
+            url: shown.clone(),
             reason,
         };
         let config = client_config(settings, first, &fail)?;
@@ -355,12 +375,16 @@ impl RedisStore {
             peek: sha(PEEK_LUA),
             reset: sha(RESET_LUA),
         };
-        let describe = settings
-            .urls
-            .iter()
-            .map(|u| redact_url(u))
-            .collect::<Vec<_>>()
-            .join(",");
+        let describe = if settings.sentinel.enabled() {
+            sentinel::describe(&settings.sentinel)
+        } else {
+            settings
+                .urls
+                .iter()
+                .map(|u| redact_url(u))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
         let call = CallSettings {
             ttl_margin_ms: TTL_MARGIN_MS,
             unknown_ttl_ms: UNKNOWN_TTL_MS,
@@ -402,6 +426,7 @@ impl RedisStore {
                 timeout,
                 fail_fast: config_fail_fast,
                 eviction: std::sync::Mutex::new(None),
+                sentinel: settings.sentinel.enabled().then(|| settings.sentinel.clone()),
                 warm: std::sync::atomic::AtomicBool::new(false),
             }),
         })
@@ -461,6 +486,16 @@ impl RedisStore {
                 return Ok(());
             }
         };
+        if self.inner.fail_fast {
+            // fred would say only "Failed to connect to all sentinel nodes" or "Missing primary
+            // address"; this names the master and the sentinels asked.
+            match self.check_sentinels(timeout).await {
+                Some(sentinel::MasterCheck::Unknown(why) | sentinel::MasterCheck::Unreachable(why)) => {
+                    return Err(fail(why))
+                }
+                Some(sentinel::MasterCheck::Known) | None => {}
+            }
+        }
         let pool = &conn.pool;
         let deadline = tokio::time::Instant::now() + timeout;
         // Every client's error stream is subscribed before its connection starts, so a
@@ -509,6 +544,29 @@ impl RedisStore {
         self.inner.warm.store(true, Ordering::Release);
         self.check_eviction(timeout).await;
         Ok(())
+    }
+
+    /// What the sentinels say of the master (`None` without Sentinel): see
+    /// [`sentinel::check_master`].
+    async fn check_sentinels(&self, timeout: Duration) -> Option<sentinel::MasterCheck> {
+        let settings = self.inner.sentinel.as_ref()?;
+        Some(sentinel::check_master(settings, timeout).await)
+    }
+
+    /// Fails when the sentinels of `redis.sentinel` answer but none knows the master's name: a
+    /// setting to fix, which stops start-up whatever `unreachable_at_start` says (retrying
+    /// cannot help). Sentinels that cannot be reached are an outage, not this error.
+    ///
+    /// Errors: the message names the master and the sentinels asked, never a password.
+    pub async fn check_sentinel_master(&self, timeout: Duration) -> Result<(), ConnectError> {
+        match self.check_sentinels(timeout).await {
+            Some(sentinel::MasterCheck::Unknown(reason)) => Err(ConnectError {
+                backend: "Redis",
+                url: self.inner.describe.clone(),
+                reason,
+            }),
+            _ => Ok(()),
+        }
     }
 
     /// Whether the store is ready for its first decisions: the scripts loaded (on every

@@ -13,11 +13,13 @@
 mod client;
 mod cluster;
 mod keys;
+mod sentinel;
 mod server;
 
 pub use client::*;
 pub use cluster::*;
 pub use keys::*;
+pub use sentinel::*;
 pub use server::*;
 
 use std::net::{SocketAddr, ToSocketAddrs};

@@ -109,6 +109,7 @@ pub struct RedisServerBuilder {
     password: Option<String>,
     maxmemory: Option<u64>,
     port: Option<u16>,
+    args: Vec<String>,
 }
 
 impl RedisServerBuilder {
@@ -121,6 +122,13 @@ impl RedisServerBuilder {
     /// At most `bytes` of data, refusing writes beyond (`maxmemory-policy noeviction`).
     pub fn maxmemory(mut self, bytes: u64) -> Self {
         self.maxmemory = Some(bytes);
+        self
+    }
+
+    /// More `redis-server` arguments (`--replicaof 127.0.0.1 PORT`, `--masterauth PW`), after
+    /// the builder's own.
+    pub fn args(mut self, args: &[&str]) -> Self {
+        self.args.extend(args.iter().map(|a| (*a).to_owned()));
         self
     }
 
@@ -316,6 +324,7 @@ impl RedisServer {
                 "noeviction".to_owned(),
             ]);
         }
+        args.extend(self.options.args.iter().cloned());
         let log = self.dir.path().join(format!("redis-{}.{}.log", self.port, self.starts));
         spawn_redis("redis-server", &args, self.dir.path(), &log, &self.target())
     }
