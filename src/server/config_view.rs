@@ -938,10 +938,12 @@ descriptors:
         let mut settings = Settings::default();
         settings.redis.password = Some(SECRET.to_owned());
         settings.redis.urls = vec![format!("redis://app:{SECRET}@127.0.0.1:6379/2")];
+        settings.redis.sentinel.password = Some(SECRET.to_owned());
         let v = config_json(&rules, &settings);
         let text = serde_json::to_string(&v).unwrap();
         assert!(!text.contains(SECRET), "the password leaked: {text}");
         assert_eq!(v["settings"]["redis"]["password"], REDACTED);
+        assert_eq!(v["settings"]["redis"]["sentinel"]["password"], REDACTED);
         assert_eq!(
             v["settings"]["redis"]["urls"][0],
             "redis://app:<redacted>@127.0.0.1:6379/2"

@@ -57,9 +57,7 @@ use crate::server::config_view::config_json;
 use crate::server::http::{router, HttpState, Readiness};
 use crate::server::rules_source::{RulesCheck, RulesSource};
 use crate::server::service::RateLimitGrpc;
-use crate::server::settings::{
-    Backend, FailureMode, FallbackBackend, RuntimeFlavor, Settings, ShutdownSettings, UnreachableAtStart,
-};
+use crate::server::settings::{Backend, FailureMode, FallbackBackend, RuntimeFlavor, Settings, ShutdownSettings};
 use crate::server::tls::{accept::Acceptor, Listener, Tls};
 use crate::server::wire::RateLimitServer;
 use crate::store::{
@@ -669,20 +667,14 @@ async fn redis_store(
 ) -> anyhow::Result<Resilient<RedisStore>> {
     let r = &settings.redis;
     let redis = RedisStore::new(r, clock)?;
-    let detail = if r.cluster {
-        "cluster"
-    } else if r.sentinel.enabled() {
-        "sentinel"
-    } else {
-        "single node"
+    let detail = match (r.cluster, r.sentinel.enabled()) {
+        (true, _) => "cluster",
+        (false, true) => "sentinel",
+        (false, false) => "single node",
     };
-    if r.unreachable_at_start == UnreachableAtStart::NotReady {
-        // A master name no sentinel knows is a setting to fix, not an outage to wait out.
-        redis
-            .check_sentinel_master(r.connect_timeout_ms.duration())
-            .await
-            .map_err(|e| anyhow::anyhow!("cannot use {e}"))?;
-    }
+    // A master name no sentinel knows is a setting to fix, not an outage to wait out.
+    let known = redis.check_sentinel_master(r.connect_timeout_ms.duration()).await;
+    known.map_err(|e| anyhow::anyhow!("cannot use {e}"))?;
     start_shared(&redis, r.unreachable_at_start, r.connect_timeout_ms.duration(), detail)
         .await
         .map_err(|e| anyhow::anyhow!("cannot use {e}"))?;

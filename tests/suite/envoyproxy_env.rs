@@ -645,7 +645,10 @@ fn refused_variables_name_the_variable_why_and_what_instead() {
         ),
         (
             "REDIS_URL",
-            vec![("REDIS_TYPE", "SENTINEL".into()), ("REDIS_URL", "127.0.0.1:26379".into())],
+            vec![
+                ("REDIS_TYPE", "SENTINEL".into()),
+                ("REDIS_URL", "127.0.0.1:26379".into()),
+            ],
         ),
         (
             "REDIS_URL",

@@ -860,9 +860,15 @@ mod tests {
                 jail.set_env("TOLLGATE_ADMIN__TOKEN", raw);
                 jail.set_env("TOLLGATE_REDIS__PASSWORD", raw);
                 jail.set_env("TOLLGATE_POSTGRES__PASSWORD", raw);
+                jail.set_env("TOLLGATE_REDIS__SENTINEL__PASSWORD", raw);
                 let s = Settings::load(None).map_err(|e| e.to_string())?;
                 assert_eq!(s.admin.token.as_deref(), Some(raw), "admin.token");
                 assert_eq!(s.redis.password.as_deref(), Some(raw), "redis.password");
+                assert_eq!(
+                    s.redis.sentinel.password.as_deref(),
+                    Some(raw),
+                    "redis.sentinel.password"
+                );
                 assert_eq!(s.postgres.password.as_deref(), Some(raw), "postgres.password");
                 Ok(())
             });
@@ -873,6 +879,17 @@ mod tests {
             let s = Settings::load(None).map_err(|e| e.to_string())?;
             assert_eq!(s.postgres.url, "postgres://u:8675309@db:5432/x");
             assert_eq!(s.redis.urls, ["redis://:[x]@cache:6379"]);
+            jail.set_env("TOLLGATE_REDIS__SENTINEL__MASTER_NAME", "mymaster");
+            jail.set_env(
+                "TOLLGATE_REDIS__SENTINEL__URLS",
+                "[redis://127.0.0.1:26379, redis://127.0.0.1:26380]",
+            );
+            let s = Settings::load(None).map_err(|e| e.to_string())?;
+            assert_eq!(s.redis.sentinel.master_name.as_deref(), Some("mymaster"));
+            assert_eq!(
+                s.redis.sentinel.urls,
+                ["redis://127.0.0.1:26379", "redis://127.0.0.1:26380"]
+            );
             for (given, urls) in [
                 ("[redis://a:1]", &["redis://a:1"][..]),
                 ("[\"redis://a:1\", 'redis://b:2']", &["redis://a:1", "redis://b:2"][..]),

@@ -555,10 +555,14 @@ impl RedisStore {
 
     /// Fails when the sentinels of `redis.sentinel` answer but none knows the master's name: a
     /// setting to fix, which stops start-up whatever `unreachable_at_start` says (retrying
-    /// cannot help). Sentinels that cannot be reached are an outage, not this error.
+    /// cannot help). Sentinels that cannot be reached are an outage, not this error. With
+    /// `unreachable_at_start: exit` this does nothing: [`RedisStore::connect`] asks them then.
     ///
     /// Errors: the message names the master and the sentinels asked, never a password.
     pub async fn check_sentinel_master(&self, timeout: Duration) -> Result<(), ConnectError> {
+        if self.inner.fail_fast {
+            return Ok(());
+        }
         match self.check_sentinels(timeout).await {
             Some(sentinel::MasterCheck::Unknown(reason)) => Err(ConnectError {
                 backend: "Redis",
