@@ -149,17 +149,17 @@ async fn rls_health_and_rlqs_are_served_on_a_unix_socket_removed_at_shutdown() {
     );
 }
 
-/// A `tollgate serve` on `socket` with the admin API off, run to its exit: its output.
-fn serve_to_exit(dir: &Path, socket: &Path) -> (Option<i32>, String) {
+/// A `tollgate serve` on `socket` and HTTP port `http_port` with the admin API off, run to
+/// its exit: its exit code and output.
+fn serve_to_exit(dir: &Path, socket: &Path, http_port: u16) -> (Option<i32>, String) {
     let rules = dir.join("rules.yaml");
     std::fs::write(&rules, RULES).unwrap();
     let settings = dir.join("second.yaml");
     std::fs::write(
         &settings,
         format!(
-            "grpc_addr: unix:{}\nhttp_addr: 127.0.0.1:{}\nadmin: {{enabled: false}}\nrules: {}\n",
+            "grpc_addr: unix:{}\nhttp_addr: 127.0.0.1:{http_port}\nadmin: {{enabled: false}}\nrules: {}\n",
             socket.display(),
-            free_port(),
             rules.display()
         ),
     )
@@ -217,7 +217,7 @@ async fn a_stale_socket_is_replaced_a_live_one_kept_and_a_regular_file_never_rem
     assert_eq!(ask(&channel, "carol").await, Code::Ok as i32);
 
     // A second process on the same path stops with a message and leaves the socket serving.
-    let (code, text) = tokio::task::block_in_place(|| serve_to_exit(dir.path(), &socket));
+    let (code, text) = tokio::task::block_in_place(|| serve_to_exit(dir.path(), &socket, free_port()));
     assert_eq!(code, Some(1), "{text}");
     assert!(text.contains("another process is accepting connections"), "{text}");
     assert!(text.contains(&socket.display().to_string()), "{text}");
@@ -232,10 +232,23 @@ async fn a_stale_socket_is_replaced_a_live_one_kept_and_a_regular_file_never_rem
     // A regular file at the path is never removed.
     let file = dir.path().join("not-a-socket");
     std::fs::write(&file, "keep me").unwrap();
-    let (code, text) = tokio::task::block_in_place(|| serve_to_exit(dir.path(), &file));
+    let (code, text) = tokio::task::block_in_place(|| serve_to_exit(dir.path(), &file, free_port()));
     assert_eq!(code, Some(1), "{text}");
     assert!(text.contains("exists and is not a socket"), "{text}");
     assert_eq!(std::fs::read_to_string(&file).unwrap(), "keep me");
+}
+
+/// A start-up that fails after the socket was bound (the HTTP port is taken) removes it again.
+#[test]
+fn a_failed_start_removes_the_socket_it_bound() {
+    let dir = short_dir();
+    let socket = dir.path().join("rls.sock");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let (code, text) = serve_to_exit(dir.path(), &socket, port);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(text.contains("cannot listen for HTTP"), "{text}");
+    assert!(!socket.exists(), "the socket bound before the failure is removed");
 }
 
 /// Envoy's bootstrap of `envoy_e2e`, its `ratelimit` cluster reaching tollgate on `socket`.
