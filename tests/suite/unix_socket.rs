@@ -364,3 +364,63 @@ async fn grpc_uds_from_their_environment_behind_envoy() {
     tokio::task::block_in_place(|| stop(&mut process));
     assert!(!socket.exists(), "removed at shutdown");
 }
+
+/// SIGTERM on the socket drains as on TCP: during `drain_seconds` new connections are still
+/// answered while health says `NOT_SERVING`; then the listener closes (a connect is refused)
+/// while an open connection is still answered; at the end the file is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_drains_the_socket_as_tcp() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    let dir = short_dir();
+    let socket = dir.path().join("rls.sock");
+    let mut tollgate = tokio::task::block_in_place(|| {
+        Tollgate::builder()
+            .rules_file("e2e.yaml", RULES)
+            .grpc_unix_socket(&socket)
+            .settings("shutdown: {drain_seconds: 2, timeout_seconds: 6}")
+            .start()
+    });
+    let open = unix_channel(&socket).await;
+    assert_eq!(ask(&open, "gina").await, Code::Ok as i32);
+    support::signal(tollgate.process.id(), "TERM");
+    let mut health = tonic_health::pb::health_client::HealthClient::new(open.clone());
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        let status = health
+            .check(tonic_health::pb::HealthCheckRequest { service: String::new() })
+            .await
+            .expect("health answers while draining")
+            .into_inner()
+            .status;
+        if status == ServingStatus::NotServing as i32 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "health still SERVING after the signal");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let during = unix_channel(&socket).await;
+    assert_eq!(
+        ask(&during, "gina").await,
+        Code::Ok as i32,
+        "a new connection during the drain"
+    );
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while std::os::unix::net::UnixStream::connect(&socket).is_ok() {
+        assert!(Instant::now() < deadline, "the listener did not close after the drain");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        ask(&open, "gina").await,
+        Code::Ok as i32,
+        "an open connection is still answered after the listener closed"
+    );
+    drop((health, open, during));
+    tokio::task::block_in_place(|| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while tollgate.process.exited().is_none() {
+            assert!(Instant::now() < deadline, "tollgate did not exit");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    });
+    assert!(!socket.exists(), "removed at the end");
+}
