@@ -160,6 +160,7 @@ pub fn limiter_options() -> LimiterOptions {
             x_ratelimit: true,
         },
         shadow_mode: false,
+        shadow_headers: Default::default(),
         overrides: true,
         refunds: true,
         near_limit_ratio: 0.8,

@@ -195,7 +195,7 @@ pub struct Resolved {
 }
 
 /// Limiter behaviour that is not rules.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct LimiterOptions {
     /// Request bounds.
     pub limits: RequestLimits,
@@ -203,6 +203,8 @@ pub struct LimiterOptions {
     pub headers: HeaderSettings,
     /// Global shadow mode.
     pub shadow_mode: bool,
+    /// The headers sent upstream when shadow mode let through a request it would have denied.
+    pub shadow_headers: crate::decision::ShadowHeaderSettings,
     /// Honour Envoy's per-descriptor `limit` override.
     pub overrides: bool,
     /// Honour `is_negative_hits` refunds from the gRPC port. When false, a refund descriptor
@@ -370,7 +372,12 @@ impl<S: Store> Limiter<S> {
             resp
         };
         if prepared.buckets.is_empty() {
-            let resp = build_response(&prepared.targets, None, &self.options.headers);
+            let resp = build_response(
+                &prepared.targets,
+                None,
+                &self.options.headers,
+                &self.options.shadow_headers,
+            );
             return Ok(finish(resp, &prepared.targets));
         }
         let applied = match self.apply(&mut prepared, denying).await {
@@ -381,7 +388,12 @@ impl<S: Store> Limiter<S> {
             }
         };
         count_decisions(&prepared.targets, &applied, self.options.near_limit_ratio);
-        let resp = build_response(&prepared.targets, Some(&applied), &self.options.headers);
+        let resp = build_response(
+            &prepared.targets,
+            Some(&applied),
+            &self.options.headers,
+            &self.options.shadow_headers,
+        );
         Ok(finish(resp, &prepared.targets))
     }
 

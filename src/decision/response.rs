@@ -8,7 +8,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{Code, 
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
 use envoy_types::pb::google::protobuf::Duration;
 
-use super::settings::HeaderSettings;
+use super::settings::{HeaderSettings, ShadowHeaderSettings};
 use crate::core::bucket::{DemandKind, Limit, MICRO};
 use crate::rules::{BucketPolicy, ReportedLimit};
 use crate::store::Applied;
@@ -84,6 +84,8 @@ struct Verdict<'a> {
     /// `current_limit` at the decision.
     reported: ReportedLimit,
     over: bool,
+    /// Over its limit, but in shadow mode: it would have denied.
+    would_deny: bool,
     remaining_ut: u64,
     until_full_us: Option<u64>,
     /// For a denied enforced descriptor: the wait until the same demand would pass.
@@ -118,22 +120,53 @@ pub(crate) fn failure_response(targets: &[Option<Target<'_>>], deny: bool) -> Ra
 
 /// Builds the response. `targets` has one entry per request descriptor (`None`: no limit
 /// applies); `applied` is the store's decision, absent when no descriptor matched a bucket.
+/// `shadow` says which headers go upstream when shadow mode let the request through.
 pub(crate) fn build_response(
     targets: &[Option<Target<'_>>],
     applied: Option<&Applied>,
     headers: &HeaderSettings,
+    shadow: &ShadowHeaderSettings,
 ) -> RateLimitResponse {
     let verdicts = verdicts(targets, applied);
     // The store's: with quota mode a descriptor can be over while the request passes.
     let denied = applied.is_some_and(|a| a.decision.denied);
     let statuses = statuses(targets, &verdicts);
     let response_headers_to_add = response_headers(targets, &verdicts, applied, headers, denied);
+    // Envoy forwards nothing of a denied request, so its would-be denials are not told.
+    let request_headers_to_add = match shadow.enabled && !denied {
+        true => shadow_headers(&verdicts, shadow),
+        false => Vec::new(),
+    };
     RateLimitResponse {
         overall_code: if denied { Code::OverLimit } else { Code::Ok } as i32,
         statuses,
         response_headers_to_add,
+        request_headers_to_add,
         ..Default::default()
     }
+}
+
+/// The upstream request's headers when a bucket in shadow mode would have denied: the verdict
+/// header `would-deny`, and the buckets header with the names of those buckets (each once,
+/// in request order; hidden buckets left out, and the header too when only hidden ones
+/// would have denied). None when no shadow bucket would have denied.
+fn shadow_headers(verdicts: &[Verdict<'_>], shadow: &ShadowHeaderSettings) -> Vec<HeaderValue> {
+    if !verdicts.iter().any(|v| v.would_deny) {
+        return Vec::new();
+    }
+    let mut out = vec![header(&shadow.verdict, "would-deny".to_owned())];
+    if !shadow.buckets.is_empty() {
+        let mut names: Vec<&str> = Vec::new();
+        for v in verdicts.iter().filter(|v| v.would_deny && !v.policy.hidden) {
+            if !names.contains(&v.policy.name.as_str()) {
+                names.push(&v.policy.name);
+            }
+        }
+        if !names.is_empty() {
+            out.push(header(&shadow.buckets, names.join(", ")));
+        }
+    }
+    out
 }
 
 /// Per bucket each matched descriptor of `targets` asks of, in the rule's order, its verdict
@@ -269,6 +302,7 @@ fn verdict<'a>(
         limit: policy.shown(plan.limit_at(now)),
         reported: policy.reported_at(now),
         over: !passed && !shadow,
+        would_deny: !passed && shadow,
         remaining_ut: policy.balance_ut(out.after.tokens_ut),
         until_full_us: plan.reset_in_us(kept, now),
         retry_after_us: if passed { None } else { plan.wait_us(kept, need, now) },

@@ -62,3 +62,61 @@ pub struct ResponseSettings {
     /// (their `RESPONSE_DYNAMIC_METADATA`).
     pub dynamic_metadata: bool,
 }
+
+/// Headers for the application behind Envoy when shadow mode let a request through that it
+/// would have denied: put in the response's `request_headers_to_add` (the RLS proto field
+/// Envoy adds to the request it forwards upstream on an `OK` answer), so the application can
+/// log it or try it out. Off by default. Nothing changes in the decision, its counting or its
+/// statuses (docs/rules.md, "Shadow mode").
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ShadowHeaderSettings {
+    /// Add the headers at all.
+    pub enabled: bool,
+    /// The header set to `would-deny` (a lowercase HTTP header name).
+    pub verdict: String,
+    /// The header listing the buckets that would have denied, comma-separated in request
+    /// order (a bucket's name once; `hidden` buckets left out); `""`: not sent.
+    pub buckets: String,
+}
+
+impl Default for ShadowHeaderSettings {
+    fn default() -> Self {
+        ShadowHeaderSettings {
+            enabled: false,
+            verdict: "x-ratelimit-shadow".into(),
+            buckets: "x-ratelimit-shadow-buckets".into(),
+        }
+    }
+}
+
+impl ShadowHeaderSettings {
+    /// What is wrong with the settings, each a sentence naming the setting: a header name
+    /// that is not a lowercase HTTP token (HTTP/2 carries names lowercase; Envoy refuses a
+    /// pseudo-header's `:`), or one header named twice.
+    pub fn problems(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        let token = |name: &str| {
+            !name.is_empty()
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"!#$%&'*+-.^_`|~".contains(&b))
+        };
+        if !token(&self.verdict) {
+            problems.push(format!(
+                "shadow_headers.verdict {:?} is not a lowercase HTTP header name (letters, digits, -)",
+                self.verdict
+            ));
+        }
+        if !self.buckets.is_empty() && !token(&self.buckets) {
+            problems.push(format!(
+                "shadow_headers.buckets {:?} is not a lowercase HTTP header name (letters, digits, -), or \"\" for none",
+                self.buckets
+            ));
+        }
+        if self.buckets == self.verdict {
+            problems.push("shadow_headers.buckets names the same header as shadow_headers.verdict".into());
+        }
+        problems
+    }
+}

@@ -11,7 +11,7 @@ use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_serv
     RateLimitQuotaService, RateLimitQuotaServiceServer,
 };
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, UnixListener};
 use tonic::transport::server::TcpIncoming;
 use tonic_health::pb::health_server::{Health, HealthServer};
 
@@ -122,7 +122,7 @@ pub async fn serve_rate_limit_service_draining<T: RateLimitService>(
     go_away: impl Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
     serve_draining_tls(
-        listener,
+        GrpcListener::Tcp(listener),
         None,
         service,
         None::<NoQuotaService>,
@@ -137,13 +137,46 @@ pub async fn serve_rate_limit_service_draining<T: RateLimitService>(
 /// The RLQS service's type where none is served.
 type NoQuotaService = crate::rlqs::QuotaService<crate::store::MemoryStore>;
 
-/// [`serve_rate_limit_service_draining`], over TLS with `tls` when given (`tls.grpc`): each
-/// connection is served once its handshake is done, and a failed handshake closes only its
-/// own connection. With `rlqs`, Envoy's Rate Limit Quota Service is served beside it, with the
-/// same message size limit.
+/// The gRPC listener `serve` binds: TCP, or a Unix domain socket (`grpc_addr: unix:<path>`).
+pub(crate) enum GrpcListener {
+    /// A TCP listener, plain or TLS.
+    Tcp(TcpListener),
+    /// A Unix socket listener, plain text only (settings refuse `tls.grpc` with it).
+    Unix(UnixListener),
+}
+
+/// Binds the gRPC listener at `addr`; a Unix socket's file gets the permission bits `mode` and
+/// comes back with it, to be removed when dropped.
+///
+/// Errors: the address cannot be bound (see [`crate::server::uds::bind`] for a Unix socket).
+pub(crate) async fn bind(
+    addr: &crate::server::uds::GrpcAddr,
+    mode: crate::server::uds::SocketMode,
+) -> anyhow::Result<(GrpcListener, Option<crate::server::uds::SocketFile>)> {
+    use crate::server::uds::GrpcAddr;
+    match addr {
+        GrpcAddr::Tcp(tcp) => {
+            let listener = TcpListener::bind(tcp)
+                .await
+                .with_context(|| format!("cannot listen for gRPC on {tcp}"))?;
+            Ok((GrpcListener::Tcp(listener), None))
+        }
+        GrpcAddr::Unix(path) => {
+            let (listener, file) = crate::server::uds::bind(path, mode)?;
+            Ok((GrpcListener::Unix(listener), Some(file)))
+        }
+    }
+}
+
+/// [`serve_rate_limit_service_draining`] on `listener`, over TLS with `tls` when given
+/// (`tls.grpc`, TCP only): each connection is served once its handshake is done, and a failed
+/// handshake closes only its own connection. With `rlqs`, Envoy's Rate Limit Quota Service is
+/// served beside it, with the same message size limit.
+///
+/// Errors: the server failed, or `tls` was given with a Unix socket.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn serve_draining_tls<T: RateLimitService, Q: RateLimitQuotaService>(
-    listener: TcpListener,
+    listener: GrpcListener,
     tls: Option<Acceptor>,
     service: T,
     rlqs: Option<Q>,
@@ -169,19 +202,26 @@ pub(crate) async fn serve_draining_tls<T: RateLimitService, Q: RateLimitQuotaSer
                 .max_encoding_message_size(limits.max_message_bytes)
         }));
     let close = Box::pin(close);
-    let served = match tls {
-        None => {
+    let served = match (listener, tls) {
+        (GrpcListener::Tcp(listener), None) => {
             let incoming = Some(TcpIncoming::from(listener).with_nodelay(Some(true)));
             server
                 .serve_with_incoming_shutdown(ClosableIncoming { incoming, close }, go_away)
                 .await
         }
-        Some(acceptor) => {
+        (GrpcListener::Tcp(listener), Some(acceptor)) => {
             let incoming = Some(TlsIncoming::new(listener, acceptor));
             server
                 .serve_with_incoming_shutdown(ClosableIncoming { incoming, close }, go_away)
                 .await
         }
+        (GrpcListener::Unix(listener), None) => {
+            let incoming = Some(crate::server::uds::UnixIncoming(listener));
+            server
+                .serve_with_incoming_shutdown(ClosableIncoming { incoming, close }, go_away)
+                .await
+        }
+        (GrpcListener::Unix(_), Some(_)) => anyhow::bail!("TLS is not served on a Unix socket (tls.grpc)"),
     };
     served.context("gRPC server failed")
 }

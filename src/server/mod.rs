@@ -12,6 +12,7 @@ pub(crate) mod rules_source;
 pub(crate) mod service;
 pub mod settings;
 pub mod tls;
+pub(crate) mod uds;
 pub(crate) mod wire;
 pub(crate) mod xds;
 
@@ -71,6 +72,7 @@ impl LimiterOptions {
             limits: settings.limits,
             headers: settings.headers,
             shadow_mode: settings.shadow_mode,
+            shadow_headers: settings.shadow_headers.clone(),
             overrides: settings.overrides,
             refunds: settings.refunds,
             near_limit_ratio: settings.metrics.near_limit_ratio,
@@ -141,7 +143,8 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
         LimiterOptions::from_settings(&settings),
     ));
     let (source, reload_task) = initial.start(&limiter, &settings);
-    let (grpc, http) = bind_listeners(&settings, &tls).await?;
+    // Held to the end: the socket file of a Unix listener is removed when it drops.
+    let (grpc, _socket_file, http) = bind_listeners(&settings, &tls).await?;
 
     let ready = Readiness::default();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -246,13 +249,14 @@ struct HttpListeners {
 }
 
 /// Binds every configured listener (gRPC, HTTP, metrics, admin, in that order) and logs where
-/// it listens; returns the gRPC listener and the others.
+/// it listens; returns the gRPC listener (with its socket file, on a Unix socket) and the others.
 ///
 /// Errors: a listener that cannot bind.
-async fn bind_listeners(settings: &Settings, tls: &Arc<Tls>) -> anyhow::Result<(TcpListener, HttpListeners)> {
-    let grpc = TcpListener::bind(settings.grpc_addr)
-        .await
-        .with_context(|| format!("cannot listen for gRPC on {}", settings.grpc_addr))?;
+async fn bind_listeners(
+    settings: &Settings,
+    tls: &Arc<Tls>,
+) -> anyhow::Result<(grpc::GrpcListener, Option<uds::SocketFile>, HttpListeners)> {
+    let (grpc, socket_file) = grpc::bind(&settings.grpc_addr, settings.grpc.unix_socket_mode).await?;
     let http = TcpListener::bind(settings.http_addr)
         .await
         .with_context(|| format!("cannot listen for HTTP on {}", settings.http_addr))?;
@@ -287,7 +291,7 @@ async fn bind_listeners(settings: &Settings, tls: &Arc<Tls>) -> anyhow::Result<(
         admin,
         tls: tls.clone(),
     };
-    Ok((grpc, listeners))
+    Ok((grpc, socket_file, listeners))
 }
 
 /// Completes once `stop` says so (or its sender is gone).
@@ -435,7 +439,7 @@ fn admin_router(
 #[allow(clippy::too_many_arguments)]
 async fn start_grpc(
     tasks: &mut Tasks,
-    listener: TcpListener,
+    listener: grpc::GrpcListener,
     limiter: &Arc<Limiter<AnyStore>>,
     settings: &Settings,
     stop: &tokio::sync::watch::Receiver<bool>,

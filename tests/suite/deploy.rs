@@ -278,7 +278,10 @@ fn compose_file_names_only_what_exists() {
     let (listener, clusters) = envoy_demo_ports();
     assert_eq!(
         clusters["ratelimit"],
-        ("127.0.0.1".to_owned(), settings.grpc_addr.port())
+        (
+            "127.0.0.1".to_owned(),
+            settings.grpc_addr.tcp().expect("a TCP gRPC address").port()
+        )
     );
     let upstream_port = clusters["upstream"].1;
     let upstream_command = strings(at(service(&compose, "upstream"), &["command"]));
@@ -313,7 +316,11 @@ fn compose_file_names_only_what_exists() {
         .collect();
     assert_eq!(
         published,
-        BTreeSet::from([listener, settings.grpc_addr.port(), settings.http_addr.port()])
+        BTreeSet::from([
+            listener,
+            settings.grpc_addr.tcp().expect("a TCP gRPC address").port(),
+            settings.http_addr.port()
+        ])
     );
 
     // The environment: real settings (checked by settings_with_env), Redis at the `redis` service.
@@ -796,7 +803,7 @@ fn network_policies_admit_only_envoys_prometheus_and_tollgate() {
     let (_, env) = container(&docs);
     let settings = settings_with_env(&env);
     let (grpc, http) = (
-        u64::from(settings.grpc_addr.port()),
+        u64::from(settings.grpc_addr.tcp().expect("a TCP gRPC address").port()),
         u64::from(settings.http_addr.port()),
     );
 
@@ -893,7 +900,10 @@ fn kubernetes_manifests_match_tollgate() {
     assert_eq!(
         ports,
         BTreeMap::from([
-            ("grpc".to_owned(), settings.grpc_addr.port()),
+            (
+                "grpc".to_owned(),
+                settings.grpc_addr.tcp().expect("a TCP gRPC address").port()
+            ),
             ("http".to_owned(), settings.http_addr.port()),
         ])
     );

@@ -19,7 +19,7 @@ use support::{envoy_or_skip, envoy_validate, Envoy, Tollgate};
 /// A request every few milliseconds empties it long before a token comes back, and 2.4 s is not
 /// a whole number of seconds, so a `retry-after` rounded down or to nearest (2) differs from one
 /// rounded up (3).
-const RULES: &str = r#"
+pub(crate) const RULES: &str = r#"
 domain: e2e
 buckets:
   per_key:
@@ -40,7 +40,7 @@ const FILL_US: u64 = CAPACITY * TOKEN_US;
 /// (a debug build on a busy machine): with `failure_mode_deny: false` a late answer would let
 /// the request through without tollgate's headers, and the assertions on headers and on Envoy's
 /// `ratelimit.error` counter would catch that.
-const BOOTSTRAP: &str = r#"
+pub(crate) const BOOTSTRAP: &str = r#"
 admin:
   address: { socket_address: { address: 127.0.0.1, port_value: 0 } }
 static_resources:

@@ -677,7 +677,15 @@ fn refused_variables_name_the_variable_why_and_what_instead() {
             ],
         ),
         ("GRPC_SERVER_USE_TLS", vec![("GRPC_SERVER_USE_TLS", "true".into())]),
-        ("GRPC_UDS", vec![("GRPC_UDS", "/tmp/ratelimit.sock".into())]),
+        (
+            "GRPC_UDS",
+            vec![
+                ("GRPC_UDS", "/tmp/ratelimit.sock".into()),
+                ("GRPC_SERVER_USE_TLS", "true".into()),
+                ("GRPC_SERVER_TLS_CERT", "/certs/tls.crt".into()),
+                ("GRPC_SERVER_TLS_KEY", "/certs/tls.key".into()),
+            ],
+        ),
         ("REDIS_PERSECOND", vec![("REDIS_PERSECOND", "true".into())]),
         ("QUOTA_MODE", vec![("QUOTA_MODE", "maybe".into())]),
         ("MERGE_DOMAIN_CONFIG", vec![("MERGE_DOMAIN_CONFIG", "true".into())]),

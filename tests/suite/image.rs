@@ -764,7 +764,13 @@ fn dockerfile_has_the_documented_layout() {
             tollgate::server::settings::Settings::load(Some(&inside(root, "/srv/tollgate/config/tollgate.yaml")))
                 .map_err(|e| e.to_string())?;
         settings.validate()?;
-        assert_eq!(exposed, [settings.grpc_addr.port(), settings.http_addr.port()]);
+        assert_eq!(
+            exposed,
+            [
+                settings.grpc_addr.tcp().expect("a TCP gRPC address").port(),
+                settings.http_addr.port()
+            ]
+        );
         assert!(
             settings.admin.addr.ip().is_loopback(),
             "the admin API must stay inside the container"

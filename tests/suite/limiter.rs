@@ -16,7 +16,7 @@ use tollgate::core::clock::ManualClock;
 use tollgate::decision::{Limiter, LimiterOptions};
 use tollgate::rules::load_rules;
 use tollgate::rules::OVERRIDE_BUCKET;
-use tollgate::server::settings::{HeaderSettings, RequestLimits};
+use tollgate::server::settings::{HeaderSettings, RequestLimits, ShadowHeaderSettings};
 use tollgate::store::MemoryStore;
 
 const T0: u64 = 1_700_000_000_000_000;
@@ -498,6 +498,136 @@ descriptors:
     h.advance_ms(30_000);
     let resp = h.ask(&one(&[("shadow", "x")])).await;
     assert_eq!(codes(&resp), vec![(OK, 0)]);
+}
+
+/// The headers of `resp` for the upstream request (`request_headers_to_add`).
+fn upstream_headers(resp: &RateLimitResponse) -> Vec<(&str, &str)> {
+    resp.request_headers_to_add
+        .iter()
+        .map(|h| (h.key.as_str(), h.value.as_str()))
+        .collect()
+}
+
+fn shadow_headers_on() -> LimiterOptions {
+    LimiterOptions {
+        shadow_headers: ShadowHeaderSettings {
+            enabled: true,
+            ..ShadowHeaderSettings::default()
+        },
+        ..options()
+    }
+}
+
+const SHADOW_BESIDE_ENFORCED: &str = "domain: d
+buckets:
+  secret: {capacity: 1, refill: 1/1m, hidden: true}
+descriptors:
+  - key: shadow
+    name: shadow
+    shadow_mode: true
+    token_bucket: {capacity: 1, refill: 1/1m}
+  - key: hidden_shadow
+    shadow_mode: true
+    bucket: secret
+  - key: enforced
+    name: enforced
+    token_bucket: {capacity: 2, refill: 2/1m}
+";
+
+/// A request a shadow rule would have denied tells the upstream so, when asked: the verdict
+/// header and the bucket's name in `request_headers_to_add`; statuses and codes as without.
+#[tokio::test]
+async fn a_shadow_denial_is_told_upstream_when_asked() {
+    let r = req("d", vec![desc(&[("shadow", "x")]), desc(&[("enforced", "x")])]);
+    let h = harness_with(SHADOW_BESIDE_ENFORCED, shadow_headers_on());
+    let first = h.ask(&r).await;
+    assert_eq!(first.overall_code, OK);
+    assert_eq!(
+        upstream_headers(&first),
+        [],
+        "admitted within every limit: nothing told"
+    );
+    let second = h.ask(&r).await;
+    assert_eq!(second.overall_code, OK);
+    assert_eq!(
+        codes(&second),
+        vec![(OK, 0), (OK, 0)],
+        "statuses as without the headers"
+    );
+    assert_eq!(
+        upstream_headers(&second),
+        [
+            ("x-ratelimit-shadow", "would-deny"),
+            ("x-ratelimit-shadow-buckets", "shadow")
+        ]
+    );
+    // The enforced bucket is empty now: a denied request goes nowhere, so nothing is told.
+    let denied = h.ask(&r).await;
+    assert_eq!(denied.overall_code, OVER);
+    assert_eq!(upstream_headers(&denied), []);
+
+    // Off by default: the same decisions, no header.
+    let off = harness(SHADOW_BESIDE_ENFORCED);
+    for _ in 0..2 {
+        assert_eq!(upstream_headers(&off.ask(&r).await), []);
+    }
+
+    // A hidden bucket is not named, but its would-be denial is told.
+    let hidden = harness_with(SHADOW_BESIDE_ENFORCED, shadow_headers_on());
+    let r = one(&[("hidden_shadow", "x")]);
+    hidden.ask(&r).await;
+    assert_eq!(
+        upstream_headers(&hidden.ask(&r).await),
+        [("x-ratelimit-shadow", "would-deny")]
+    );
+}
+
+/// Under global shadow mode every bucket that would have denied is named, each once, with the
+/// header names configured; `buckets: ""` leaves the second header out.
+#[tokio::test]
+async fn global_shadow_mode_tells_every_bucket_that_would_have_denied() {
+    let options = LimiterOptions {
+        shadow_mode: true,
+        shadow_headers: ShadowHeaderSettings {
+            enabled: true,
+            verdict: "x-shadow".into(),
+            buckets: "x-shadow-rules".into(),
+        },
+        ..options()
+    };
+    let h = harness_with(SHADOW_BESIDE_ENFORCED, options.clone());
+    let r = req(
+        "d",
+        vec![
+            desc(&[("enforced", "x")]),
+            desc(&[("shadow", "x")]),
+            desc(&[("enforced", "x")]),
+        ],
+    );
+    let first = h.ask(&r).await;
+    assert_eq!(first.overall_code, OK);
+    assert_eq!(upstream_headers(&first), [], "the two enforced hits fit its two tokens");
+    let second = h.ask(&r).await;
+    assert_eq!(
+        upstream_headers(&second),
+        [("x-shadow", "would-deny"), ("x-shadow-rules", "enforced, shadow")]
+    );
+    let verdict_only = harness_with(
+        SHADOW_BESIDE_ENFORCED,
+        LimiterOptions {
+            shadow_headers: ShadowHeaderSettings {
+                buckets: String::new(),
+                ..options.shadow_headers.clone()
+            },
+            ..options
+        },
+    );
+    let r = one(&[("shadow", "x")]);
+    verdict_only.ask(&r).await;
+    assert_eq!(
+        upstream_headers(&verdict_only.ask(&r).await),
+        [("x-shadow", "would-deny")]
+    );
 }
 
 #[tokio::test]

@@ -467,14 +467,36 @@ impl Reader<'_> {
 
     fn listeners(&mut self) {
         self.address("http_addr", "HOST", "PORT", 8080);
-        self.address("grpc_addr", "GRPC_HOST", "GRPC_PORT", 8081);
-        if self.get("GRPC_UDS").is_some() {
-            self.refuse(
-                "GRPC_UDS",
-                "tollgate does not serve gRPC on a Unix socket; unset it and point Envoy at GRPC_HOST:GRPC_PORT (TCP)",
-            );
+        match self.get("GRPC_UDS").filter(|path| !path.is_empty()).map(str::to_owned) {
+            // Theirs listens on the socket instead of GRPC_HOST:GRPC_PORT, which are then unused.
+            Some(path) => self.grpc_uds(&path),
+            None => self.address("grpc_addr", "GRPC_HOST", "GRPC_PORT", 8081),
         }
         self.grpc_tls();
+    }
+
+    /// `GRPC_UDS=<path>`: the gRPC listener on that Unix socket, `grpc_addr: unix:<path>`, in
+    /// place of `GRPC_HOST:GRPC_PORT`. tollgate serves TLS on TCP only, so with
+    /// `GRPC_SERVER_USE_TLS=true` it is refused.
+    fn grpc_uds(&mut self, path: &str) {
+        if self.bool("GRPC_SERVER_USE_TLS") == Some(true) {
+            self.refuse(
+                "GRPC_UDS",
+                "tollgate serves a Unix socket in plain text only (its file mode decides who connects), and \
+                 GRPC_SERVER_USE_TLS=true asks for TLS: unset one of them",
+            );
+            return;
+        }
+        match format!("unix:{path}").parse::<crate::server::uds::GrpcAddr>() {
+            Ok(addr) => self.set("grpc_addr", json!(addr.to_string()), "GRPC_UDS"),
+            Err(e) => self.refuse("GRPC_UDS", e),
+        }
+        for unused in ["GRPC_HOST", "GRPC_PORT"] {
+            if self.get(unused).is_some() {
+                let why = "unused with GRPC_UDS, which replaces the TCP listener, as theirs does";
+                self.out.notes.push((unused.to_owned(), why.to_owned()));
+            }
+        }
     }
 
     /// `GRPC_SERVER_USE_TLS=true` and its files: `tls.grpc`. Their CA for client certificates
@@ -1479,6 +1501,49 @@ mod tests {
         assert_eq!(env.origins["redis.urls"], "REDIS_URL");
         let noted: Vec<&str> = env.notes.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(noted, ["RUNTIME_IGNOREDOTFILES", "RUNTIME_WATCH_ROOT"]);
+    }
+
+    /// `GRPC_UDS` replaces the TCP listener with a Unix socket, as theirs does; with their TLS
+    /// switch on it is refused.
+    #[test]
+    fn grpc_uds_puts_the_grpc_listener_on_a_unix_socket() {
+        let env = read(&[
+            ("REDIS_SOCKET_TYPE", "tcp"),
+            ("REDIS_URL", "redis:6379"),
+            ("GRPC_UDS", "/var/run/ratelimit/ratelimit.sock"),
+            ("GRPC_PORT", "9000"),
+        ])
+        .unwrap();
+        let doc = env.document();
+        assert_eq!(doc["grpc_addr"], "unix:/var/run/ratelimit/ratelimit.sock");
+        assert_eq!(env.origins["grpc_addr"], "GRPC_UDS");
+        assert!(env
+            .notes
+            .iter()
+            .any(|(n, why)| n == "GRPC_PORT" && why.contains("GRPC_UDS")));
+        let empty = read(&[
+            ("REDIS_SOCKET_TYPE", "tcp"),
+            ("REDIS_URL", "redis:6379"),
+            ("GRPC_UDS", ""),
+        ])
+        .unwrap();
+        let tcp = std::net::SocketAddr::new(unspecified_ip(), 8081).to_string();
+        assert_eq!(
+            empty.document()["grpc_addr"],
+            tcp.as_str(),
+            "an empty GRPC_UDS is unset, as theirs"
+        );
+        let err = read(&[
+            ("REDIS_SOCKET_TYPE", "tcp"),
+            ("REDIS_URL", "redis:6379"),
+            ("GRPC_UDS", "/tmp/rl.sock"),
+            ("GRPC_SERVER_USE_TLS", "true"),
+            ("GRPC_SERVER_TLS_CERT", "/c.pem"),
+            ("GRPC_SERVER_TLS_KEY", "/k.pem"),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("GRPC_UDS") && err.contains("plain text only"), "{err}");
     }
 
     /// Their local cache's size: 0 turns tollgate's exact cache off, a size bounds it, unset

@@ -13,8 +13,9 @@ use figment::Figment;
 use serde::{Deserialize, Serialize};
 
 // The sections of the layers below, composed here (their types live beside their code).
-pub use crate::decision::{HeaderSettings, RequestLimits, ResponseSettings};
+pub use crate::decision::{HeaderSettings, RequestLimits, ResponseSettings, ShadowHeaderSettings};
 pub use crate::server::tls::{ListenerTls, TlsSettings};
+pub use crate::server::uds::{GrpcAddr, SocketMode};
 pub use crate::store::{
     redact_url, FailureMode, FallbackBackend, LocalSettings, MemorySettings, PostgresSettings, RedisSettings,
     SentinelSettings, UnreachableAtStart,
@@ -25,8 +26,9 @@ pub use xds::{RulesSource, XdsSettings};
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Settings {
-    /// gRPC listener for `RateLimitService` and `grpc.health.v1` (Envoy's convention: 8081).
-    pub grpc_addr: SocketAddr,
+    /// gRPC listener for `RateLimitService`, `grpc.health.v1` and RLQS (Envoy's convention:
+    /// 8081): a TCP address, or `unix:<path>` for a Unix domain socket (see [`GrpcAddr`]).
+    pub grpc_addr: GrpcAddr,
     /// HTTP listener for `/healthz`, `/readyz`, `/metrics` and `/config`.
     pub http_addr: SocketAddr,
     /// A rules file, or a directory of `*.yaml` rules files; relative to the working directory.
@@ -47,6 +49,8 @@ pub struct Settings {
     pub headers: HeaderSettings,
     /// Global shadow mode: evaluate and count every rule, never answer `OVER_LIMIT`.
     pub shadow_mode: bool,
+    /// Headers sent upstream when shadow mode let through a request it would have denied.
+    pub shadow_headers: ShadowHeaderSettings,
     /// envoyproxy/ratelimit's global quota mode and response dynamic metadata.
     pub response: ResponseSettings,
     /// Honour per-descriptor `limit` overrides sent by Envoy (`RateLimitOverride`).
@@ -212,12 +216,15 @@ pub struct GrpcSettings {
     pub keepalive_interval_seconds: Seconds,
     /// Seconds to wait for a PING's answer before closing the connection.
     pub keepalive_timeout_seconds: Seconds,
+    /// The permission bits of the socket file when `grpc_addr` is `unix:<path>`, as octal
+    /// digits (`"0660"`: owner and group may connect). Unused on TCP.
+    pub unix_socket_mode: SocketMode,
 }
 
 impl Default for Settings {
     fn default() -> Self {
         Settings {
-            grpc_addr: SocketAddr::from(([0, 0, 0, 0], 8081)),
+            grpc_addr: GrpcAddr::Tcp(SocketAddr::from(([0, 0, 0, 0], 8081))),
             http_addr: SocketAddr::from(([0, 0, 0, 0], 8080)),
             rules: PathBuf::from("config/rules"),
             rules_source: RulesSource::Files,
@@ -228,6 +235,7 @@ impl Default for Settings {
             grpc: GrpcSettings::default(),
             headers: HeaderSettings::default(),
             shadow_mode: false,
+            shadow_headers: ShadowHeaderSettings::default(),
             response: ResponseSettings::default(),
             overrides: true,
             refunds: true,
@@ -303,6 +311,7 @@ impl Default for GrpcSettings {
             max_concurrent_streams: 1024,
             keepalive_interval_seconds: Seconds(30),
             keepalive_timeout_seconds: Seconds(10),
+            unix_socket_mode: SocketMode(0o660),
         }
     }
 }
@@ -312,7 +321,7 @@ pub const DEFAULT_SETTINGS_FILE: &str = "config/tollgate.yaml";
 
 /// Top-level settings keys; only these are read from `TOLLGATE_*`, so unrelated variables
 /// with the same prefix are not mistaken for settings.
-const KEYS: [&str; 24] = [
+const KEYS: [&str; 25] = [
     "grpc_addr",
     "http_addr",
     "rules",
@@ -323,6 +332,7 @@ const KEYS: [&str; 24] = [
     "limits",
     "headers",
     "shadow_mode",
+    "shadow_headers",
     "response",
     "overrides",
     "refunds",
@@ -547,7 +557,7 @@ pub fn admin_clash(
     };
     let listeners = [
         ("http_addr", Some(settings.http_addr)),
-        ("grpc_addr", Some(settings.grpc_addr)),
+        ("grpc_addr", settings.grpc_addr.tcp()),
         ("metrics.addr", settings.metrics.addr),
     ];
     listeners.into_iter().find_map(|(key, addr)| {
@@ -646,6 +656,16 @@ impl Settings {
         if self.grpc.keepalive_interval_seconds.0 > 0 && self.grpc.keepalive_timeout_seconds.0 == 0 {
             problems.push("grpc.keepalive_timeout_seconds must be at least 1 when keep-alive is on".into());
         }
+        problems.extend(self.grpc_addr.problem());
+        problems.extend(self.shadow_headers.problems());
+        if self.grpc_addr.unix().is_some() && self.tls.grpc.is_some() {
+            problems.push(format!(
+                "tls.grpc is set but grpc_addr {} is a Unix socket, which tollgate serves in plain text only: \
+                 the socket file's mode (grpc.unix_socket_mode) decides who may connect; remove tls.grpc or \
+                 listen on a TCP address",
+                self.grpc_addr
+            ));
+        }
         if !self.metrics.path.starts_with('/') {
             problems.push(format!("metrics.path {:?} must start with /", self.metrics.path));
         }
@@ -697,7 +717,7 @@ mod tests {
                 "{unknown:?}"
             );
             let s = Settings::load(Some(Path::new("t.yaml"))).map_err(|e| e.to_string())?;
-            assert_eq!(s.grpc_addr, SocketAddr::from(([127, 0, 0, 1], 9000)));
+            assert_eq!(s.grpc_addr.tcp(), Some(SocketAddr::from(([127, 0, 0, 1], 9000))));
             assert!(s.headers.x_ratelimit);
             assert!(!s.headers.retry_after);
             assert!(s.headers.ratelimit);
@@ -773,8 +793,8 @@ mod tests {
             assert_eq!(s.redis.urls, ["redis://127.0.0.1:7000"]);
             assert_eq!(s.redis.key_prefix, "mine:", "TOLLGATE_* beats CACHE_KEY_PREFIX");
             assert_eq!(
-                s.grpc_addr,
-                SocketAddr::from(([127, 0, 0, 1], 9000)),
+                s.grpc_addr.tcp(),
+                Some(SocketAddr::from(([127, 0, 0, 1], 9000))),
                 "the file beats GRPC_PORT"
             );
             assert_eq!(
@@ -824,6 +844,38 @@ mod tests {
             assert!(e.contains(part), "{part} missing from: {e}");
         }
         assert_eq!(e.lines().count(), 6, "one line per problem: {e}");
+    }
+
+    #[test]
+    fn a_unix_socket_address_and_its_mode_load_from_the_file_and_the_environment() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file(
+                "t.yaml",
+                "grpc_addr: unix:/run/tollgate/rls.sock\ngrpc: {unix_socket_mode: 0600}\n",
+            )?;
+            let s = Settings::load(Some(Path::new("t.yaml"))).map_err(|e| e.to_string())?;
+            assert_eq!(s.grpc_addr, GrpcAddr::Unix("/run/tollgate/rls.sock".into()));
+            assert_eq!(s.grpc.unix_socket_mode, SocketMode(0o600));
+            jail.set_env("TOLLGATE_GRPC_ADDR", "unix:///tmp/other.sock");
+            jail.set_env("TOLLGATE_GRPC__UNIX_SOCKET_MODE", "0666");
+            let s = Settings::load(Some(Path::new("t.yaml"))).map_err(|e| e.to_string())?;
+            assert_eq!(s.grpc_addr.unix(), Some(Path::new("/tmp/other.sock")));
+            assert_eq!(s.grpc.unix_socket_mode, SocketMode(0o666));
+            jail.set_env("TOLLGATE_GRPC__UNIX_SOCKET_MODE", "0999");
+            let e = Settings::load(Some(Path::new("t.yaml"))).unwrap_err().to_string();
+            assert!(
+                e.contains("not a file mode") && e.to_lowercase().contains("unix_socket_mode"),
+                "{e}"
+            );
+            Ok(())
+        });
+        let mut s = Settings {
+            grpc_addr: "unix:/run/rls.sock".parse().unwrap(),
+            ..Settings::default()
+        };
+        s.tls.grpc = Some(ListenerTls::default());
+        let e = s.problems().join("\n");
+        assert!(e.contains("tls.grpc is set but grpc_addr unix:/run/rls.sock"), "{e}");
     }
 
     #[test]

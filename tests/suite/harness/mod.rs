@@ -33,6 +33,7 @@ pub fn options() -> LimiterOptions {
         limits: RequestLimits::default(),
         headers: HeaderSettings::default(),
         shadow_mode: false,
+        shadow_headers: Default::default(),
         overrides: true,
         refunds: true,
         near_limit_ratio: 0.8,

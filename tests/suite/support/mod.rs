@@ -208,7 +208,8 @@ pub fn wait_until<T>(process: &mut ChildGuard, mut ready: impl FnMut() -> Option
 pub struct Tollgate {
     // Declared first so it is dropped (killed) before the directory holding its log goes away.
     pub process: ChildGuard,
-    /// `RateLimitService` and `grpc.health.v1`.
+    /// `RateLimitService` and `grpc.health.v1` (a free port nothing listens on with
+    /// [`TollgateBuilder::grpc_unix_socket`]).
     pub grpc_addr: SocketAddr,
     /// `/healthz`, `/readyz`, `/metrics`.
     pub http_addr: SocketAddr,
@@ -229,6 +230,7 @@ pub struct TollgateBuilder {
     env: Vec<(String, String)>,
     ready: Option<ReadyProbe>,
     grpc_port: Option<u16>,
+    unix_socket: Option<PathBuf>,
 }
 
 /// A readiness check of a starting tollgate, given its gRPC, HTTP and admin addresses.
@@ -270,6 +272,13 @@ impl TollgateBuilder {
     /// times (a moment apart, for a process that is only just gone), then fails.
     pub fn grpc_port(mut self, port: u16) -> Self {
         self.grpc_port = Some(port);
+        self
+    }
+
+    /// Puts the gRPC listener on the Unix socket `path` (`grpc_addr: unix:<path>`) instead of
+    /// a loopback port.
+    pub fn grpc_unix_socket(mut self, path: impl Into<PathBuf>) -> Self {
+        self.unix_socket = Some(path.into());
         self
     }
 
@@ -323,8 +332,12 @@ impl TollgateBuilder {
                 Ok(r) if !self.settings.contains("runtime:") => format!("runtime: {r}\n"),
                 _ => String::new(),
             };
+            let grpc_listen = match &self.unix_socket {
+                Some(path) => format!("unix:{}", path.display()),
+                None => grpc_addr.to_string(),
+            };
             let settings = format!(
-                "grpc_addr: {grpc_addr}\nhttp_addr: {http_addr}\nadmin: {{addr: {admin_addr}}}\nrules: {}\n{runtime}{}",
+                "grpc_addr: {grpc_listen}\nhttp_addr: {http_addr}\nadmin: {{addr: {admin_addr}}}\nrules: {}\n{runtime}{}",
                 yaml_str(&rules.to_string_lossy()),
                 self.settings
             );
@@ -349,7 +362,7 @@ impl TollgateBuilder {
             // `/config` (on the admin listener) names the gRPC address, so an answer from
             // another process that holds the port (a test running alongside) is not taken for
             // this one's. With the admin API off, `/healthz` on the HTTP port has to do.
-            let ours = format!("{grpc_addr}");
+            let ours = grpc_listen.clone();
             let admin_token = self
                 .env
                 .iter()
