@@ -141,3 +141,48 @@ pub(super) async fn check_master(sentinel: &SentinelSettings, timeout: Duration)
     message.push_str("; set redis.sentinel.master_name to the name in the sentinels' `sentinel monitor` line");
     MasterCheck::Unknown(message)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(urls: &[&str]) -> SentinelSettings {
+        SentinelSettings {
+            master_name: Some("mymaster".into()),
+            urls: urls.iter().map(|u| (*u).to_owned()).collect(),
+            username: Some("watcher".into()),
+            password: Some("sentinel-secret".into()),
+        }
+    }
+
+    #[test]
+    fn the_sentinels_their_credentials_and_tls_reach_freds_configuration() {
+        let built = config(&settings(&["redis://10.0.0.1:26379", "redis://s-1:26380"]))
+            .expect("sentinel on")
+            .expect("a configuration");
+        let ServerConfig::Sentinel {
+            hosts,
+            service_name,
+            username,
+            password,
+        } = &built.server
+        else {
+            panic!("not a sentinel configuration: {:?}", built.server);
+        };
+        assert_eq!(service_name, "mymaster");
+        assert_eq!(hosts, &[Server::new("10.0.0.1", 26379), Server::new("s-1", 26380)]);
+        assert_eq!(username.as_deref(), Some("watcher"));
+        assert_eq!(password.as_deref(), Some("sentinel-secret"));
+        // The master's credentials are the caller's (redis.username, redis.password).
+        assert_eq!(built.password, None);
+        assert!(built.tls.is_none());
+        let tls = config(&settings(&["rediss://s-0:26379"])).unwrap().unwrap();
+        assert!(tls.tls.is_some(), "rediss:// sentinels: TLS");
+        assert!(
+            config(&SentinelSettings::default()).is_none(),
+            "off without a master name"
+        );
+        let shown = describe(&settings(&["redis://10.0.0.1:26379", "redis://s-1:26380"]));
+        assert_eq!(shown, "sentinel master \"mymaster\" via 10.0.0.1:26379,s-1:26380");
+    }
+}
