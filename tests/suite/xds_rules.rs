@@ -392,7 +392,7 @@ async fn snapshots_apply_an_invalid_one_is_nacked_and_a_dropped_stream_resumes()
     let tollgate = block_in_place(|| {
         Tollgate::builder()
             .settings(&format!(
-                "rules_source: xds\nxds:\n  server_url: {addr}\n  node_id: envoy-ratelimit\n  node_metadata: {{cluster: tollgate-test}}\n  headers: {{x-tenant: team-a, authorization: Bearer s3cr3t}}\n  backoff: {{initial_ms: 50, max_ms: 200}}\n"
+                "rules_source: xds\nxds:\n  server_url: {addr}\n  node_id: envoy-ratelimit\n  node_metadata: {{cluster: tollgate-test}}\n  headers: {{x-tenant: team-a, authorization: Bearer s3cr3t}}\n  backoff: {{initial_ms: 50, max_ms: 200}}\nmetrics: {{envoyproxy_names: true}}\n"
             ))
             .start()
     });
@@ -517,6 +517,17 @@ async fn snapshots_apply_an_invalid_one_is_nacked_and_a_dropped_stream_resumes()
     );
     assert_eq!(scrape.get("tollgate_rules_last_reload_successful", &[]), Some(0.0));
     assert_eq!(scrape.get("tollgate_rules_generation", &[]), Some(2.0));
+    // envoyproxy/ratelimit's config-load counters: the two updates put in force, the NACKed one.
+    let text = block_in_place(|| http_get(tollgate.http_addr, "/metrics")).unwrap().1;
+    for (series, count) in [
+        ("ratelimit_service_config_load_success", 2),
+        ("ratelimit_service_config_load_error", 1),
+    ] {
+        assert!(
+            text.lines().any(|l| l == format!("{series} {count}")),
+            "{series} {count}:\n{text}"
+        );
+    }
 
     // The stream drops: tollgate opens another and resumes from v2, enforcing v2 meanwhile.
     ads.drop_stream();
