@@ -202,7 +202,11 @@ pub fn count_envoyproxy_backend_error() {
     if envoyproxy_names() {
         counter!(ERL_SHOULD_RATE_LIMIT_ERROR, "err_type" => "redis_error").increment(1);
     }
-    statsd::add(statsd::REDIS_ERROR, 1);
+    // A handle kept, not looked up: during an outage every request comes here.
+    static REDIS_ERROR: OnceLock<statsd::StatsdCounter> = OnceLock::new();
+    if statsd::enabled() {
+        REDIS_ERROR.get_or_init(|| statsd::counter(statsd::REDIS_ERROR)).add(1);
+    }
 }
 
 /// Counts a rules load under their names ([`ERL_CONFIG_LOAD_SUCCESS`] or

@@ -202,6 +202,7 @@ fn expected_rule_stats() -> BTreeMap<String, u64> {
 /// valid one, the server has received exactly their stats: the per-rule counters, the calls'
 /// counter and one response-time sample per call, the config loads (the one at start, the
 /// valid edit; the invalid one as an error), and nothing else. Prometheus agrees on the loads.
+/// Then Redis goes away and the failed call is their `redis_error`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn udp_lines_carry_their_names_and_exact_counts() {
     let redis = tokio::task::block_in_place(RedisServer::start);
@@ -274,6 +275,34 @@ async fn udp_lines_carry_their_names_and_exact_counts() {
     let samples = &received.timers["ratelimit_server.ShouldRateLimit.response_time"];
     assert_eq!(samples.len(), 9, "one sample per call: {samples:?}");
     assert!(samples.iter().all(|ms| *ms < 5_000), "{samples:?}");
+
+    // Redis gone: the next call fails (UNAVAILABLE), counted as their redis_error.
+    drop(redis);
+    let failed = raw_call(&tollgate.grpc, request("rl", &[("client", "vip")], 0)).await;
+    assert_eq!(failed.map_err(|e| e.code()).err(), Some(tonic::Code::Unavailable));
+    let more = tokio::task::block_in_place(|| {
+        let mut more = Received::default();
+        let mut buf = [0u8; 65536];
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let error = "ratelimit.service.call.should_rate_limit.redis_error";
+        let calls = "ratelimit_server.ShouldRateLimit.total_requests";
+        while (more.counter(error) == 0 || more.counter(calls) == 0) && Instant::now() < deadline {
+            if let Ok(n) = server.recv(&mut buf) {
+                more.add(std::str::from_utf8(&buf[..n]).unwrap());
+            }
+        }
+        more
+    });
+    assert_eq!(
+        more.counter("ratelimit.service.call.should_rate_limit.redis_error"),
+        1,
+        "{more:?}"
+    );
+    assert_eq!(
+        more.counter("ratelimit_server.ShouldRateLimit.total_requests"),
+        1,
+        "{more:?}"
+    );
 }
 
 /// By default over TCP, as their stats library; `EXTRA_TAGS` suffix every name as theirs
