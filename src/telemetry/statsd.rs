@@ -5,7 +5,8 @@
 //!
 //! The names are theirs: `ratelimit.service.rate_limit.<stat key>.<stat>`,
 //! `ratelimit.service.call.should_rate_limit.redis_error`, `ratelimit.service.config_load_success`,
-//! `ratelimit.service.config_load_error`, `ratelimit_server.ShouldRateLimit.total_requests`.
+//! `ratelimit.service.config_load_error`, `ratelimit_server.ShouldRateLimit.total_requests`,
+//! `ratelimit.service.rate_limit.<domain>.domain_not_found`.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -19,6 +20,9 @@ pub const REDIS_ERROR: &str = "ratelimit.service.call.should_rate_limit.redis_er
 pub const CONFIG_LOAD_SUCCESS: &str = "ratelimit.service.config_load_success";
 /// Their counter of configuration loads refused (the configuration in force stays).
 pub const CONFIG_LOAD_ERROR: &str = "ratelimit.service.config_load_error";
+/// The suffix of their count of descriptors whose request named a domain no rules declare:
+/// `ratelimit.service.rate_limit.<domain>.domain_not_found`.
+pub const DOMAIN_NOT_FOUND: &str = "domain_not_found";
 /// Their gRPC server's counter of `ShouldRateLimit` calls.
 pub const TOTAL_REQUESTS: &str = "ratelimit_server.ShouldRateLimit.total_requests";
 /// Their gRPC server's timer of `ShouldRateLimit` calls, in whole milliseconds (one sample
@@ -82,6 +86,36 @@ pub fn drain(mut send: impl FnMut(&str, u64)) {
         if gained > 0 {
             send(name, gained);
         }
+    }
+}
+
+/// Most distinct unknown domains counted under their own names (their names come from
+/// requests); beyond it, a new one is not counted in statsd (`tollgate_unknown_domain_requests_total`
+/// still counts every request).
+pub const UNKNOWN_DOMAINS_MAX: usize = 1000;
+
+static UNKNOWN_DOMAINS: Mutex<BTreeMap<String, StatsdCounter>> = Mutex::new(BTreeMap::new());
+
+/// Counts `descriptors` descriptors of a request for `domain`, which no rules declare, as theirs
+/// does (one per descriptor): `ratelimit.service.rate_limit.<domain>.domain_not_found`, for at
+/// most [`UNKNOWN_DOMAINS_MAX`] distinct domains.
+pub fn count_domain_not_found(domain: &str, descriptors: usize) {
+    if !enabled() || descriptors == 0 {
+        return;
+    }
+    let mut seen = UNKNOWN_DOMAINS.lock().unwrap_or_else(PoisonError::into_inner);
+    if !seen.contains_key(domain) {
+        if seen.len() >= UNKNOWN_DOMAINS_MAX {
+            return;
+        }
+        let name = format!(
+            "{RATE_LIMIT_SCOPE}.{}.{DOMAIN_NOT_FOUND}",
+            crate::telemetry::sanitize_stat_key(domain)
+        );
+        seen.insert(domain.to_owned(), counter(&name));
+    }
+    if let Some(c) = seen.get(domain) {
+        c.add(descriptors as u64);
     }
 }
 

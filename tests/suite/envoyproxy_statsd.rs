@@ -200,7 +200,7 @@ fn expected_rule_stats() -> BTreeMap<String, u64> {
 
 /// Over UDP (`STATSD_PROTOCOL=udp`): after the known requests, an invalid rules edit and a
 /// valid one, the server has received exactly their stats: the per-rule counters, the calls'
-/// counter and one response-time sample per call, the config loads (the one at start, the
+/// counter and one response-time sample per call, an unknown domain's descriptors, the config loads (the one at start, the
 /// valid edit; the invalid one as an error), and nothing else. Prometheus agrees on the loads.
 /// Then Redis goes away and the failed call is their `redis_error`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -219,6 +219,13 @@ async fn udp_lines_carry_their_names_and_exact_counts() {
     ];
     let tollgate = tokio::task::block_in_place(|| start(&runtime, &redis, &env));
     send_known_requests(&tollgate.grpc).await;
+    // A domain no rules declare: theirs counts each of its descriptors under its name.
+    let unknown = envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest {
+        domain: "nope".into(),
+        descriptors: vec![support::descriptor(&[("a", "1")]), support::descriptor(&[("b", "2")])],
+        hits_addend: 0,
+    };
+    raw_call(&tollgate.grpc, unknown).await.unwrap();
 
     // A broken edit is refused (their config_load_error), then a valid one is loaded.
     runtime.write("domain: rl\ndescriptors: [\n");
@@ -238,14 +245,15 @@ async fn udp_lines_carry_their_names_and_exact_counts() {
     assert_eq!(tokio::task::block_in_place(load_error), Some(1.0));
 
     let mut expected = expected_rule_stats();
-    expected.insert("ratelimit_server.ShouldRateLimit.total_requests".into(), 9);
+    expected.insert("ratelimit_server.ShouldRateLimit.total_requests".into(), 10);
+    expected.insert("ratelimit.service.rate_limit.nope.domain_not_found".into(), 2);
     expected.insert("ratelimit.service.config_load_success".into(), 2);
     expected.insert("ratelimit.service.config_load_error".into(), 1);
     let received = tokio::task::block_in_place(|| {
         let mut received = Received::default();
         let mut buf = [0u8; 65536];
         let deadline = Instant::now() + Duration::from_secs(20);
-        while received.counters != expected || received.timers.values().map(Vec::len).sum::<usize>() < 9 {
+        while received.counters != expected || received.timers.values().map(Vec::len).sum::<usize>() < 10 {
             if Instant::now() > deadline {
                 break;
             }
@@ -273,7 +281,7 @@ async fn udp_lines_carry_their_names_and_exact_counts() {
     let times: Vec<&String> = received.timers.keys().collect();
     assert_eq!(times, ["ratelimit_server.ShouldRateLimit.response_time"]);
     let samples = &received.timers["ratelimit_server.ShouldRateLimit.response_time"];
-    assert_eq!(samples.len(), 9, "one sample per call: {samples:?}");
+    assert_eq!(samples.len(), 10, "one sample per call: {samples:?}");
     assert!(samples.iter().all(|ms| *ms < 5_000), "{samples:?}");
 
     // Redis gone: the next call fails (UNAVAILABLE), counted as their redis_error.
