@@ -13,6 +13,7 @@ pub mod decision;
 pub mod rlqs;
 pub mod rules;
 pub mod server;
+pub mod statsd;
 pub mod store;
 pub mod telemetry;
 

@@ -21,6 +21,8 @@ use metrics::{counter, gauge, Counter, Gauge, Histogram};
 
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 
+pub mod statsd;
+
 /// `RateLimitRequest`s answered, by `code`: `ok`, `over_limit` (the `overall_code`),
 /// `invalid_argument` (not a `RateLimitRequest` at all), `out_of_range` (a message over
 /// `grpc.max_message_bytes`), `unavailable` (the backend failed, or no rules from the xDS
@@ -166,6 +168,12 @@ pub const ERL_NEAR_LIMIT: &str = "ratelimit_service_rate_limit_near_limit";
 pub const ERL_WITHIN_LIMIT: &str = "ratelimit_service_rate_limit_within_limit";
 /// Their `_shadow_mode`: hits a rule with `shadow_mode: true` would have denied.
 pub const ERL_SHADOW_MODE: &str = "ratelimit_service_rate_limit_shadow_mode";
+/// Their `ratelimit_service_config_load_success`: rules loads that took effect, the one at start
+/// (or the first from the xDS server) included, as theirs counts its first configuration.
+pub const ERL_CONFIG_LOAD_SUCCESS: &str = "ratelimit_service_config_load_success";
+/// Their `ratelimit_service_config_load_error`: rules loads refused (files or an xDS update);
+/// the rules in force stay.
+pub const ERL_CONFIG_LOAD_ERROR: &str = "ratelimit_service_config_load_error";
 /// Their `ratelimit_service_should_rate_limit_error{err_type}`: requests answered with an
 /// error because the backend failed (`err_type="redis_error"`, whatever the backend).
 pub const ERL_SHOULD_RATE_LIMIT_ERROR: &str = "ratelimit_service_should_rate_limit_error";
@@ -178,6 +186,8 @@ pub fn set_envoyproxy_names(on: bool) {
     ENVOYPROXY_NAMES.store(on, Ordering::Relaxed);
     if on {
         counter!(ERL_SHOULD_RATE_LIMIT_ERROR, "err_type" => "redis_error").increment(0);
+        counter!(ERL_CONFIG_LOAD_SUCCESS).increment(0);
+        counter!(ERL_CONFIG_LOAD_ERROR).increment(0);
     }
 }
 
@@ -192,6 +202,38 @@ pub fn count_envoyproxy_backend_error() {
     if envoyproxy_names() {
         counter!(ERL_SHOULD_RATE_LIMIT_ERROR, "err_type" => "redis_error").increment(1);
     }
+    // A handle kept, not looked up: during an outage every request comes here.
+    static REDIS_ERROR: OnceLock<statsd::StatsdCounter> = OnceLock::new();
+    if statsd::enabled() {
+        REDIS_ERROR.get_or_init(|| statsd::counter(statsd::REDIS_ERROR)).add(1);
+    }
+}
+
+/// Counts a rules load under their names ([`ERL_CONFIG_LOAD_SUCCESS`] or
+/// [`ERL_CONFIG_LOAD_ERROR`], and the statsd ones when that sink is on).
+fn count_envoyproxy_config_load(success: bool) {
+    if envoyproxy_names() {
+        counter!(if success {
+            ERL_CONFIG_LOAD_SUCCESS
+        } else {
+            ERL_CONFIG_LOAD_ERROR
+        })
+        .increment(1);
+    }
+    statsd::add(
+        if success {
+            statsd::CONFIG_LOAD_SUCCESS
+        } else {
+            statsd::CONFIG_LOAD_ERROR
+        },
+        1,
+    );
+}
+
+/// `stat_key` as their stat-name sanitizer leaves it: `:` and `|` become `_`, and so do the
+/// dots of anything shaped like an IPv4 address (see [`envoyproxy_labels`]).
+pub fn sanitize_stat_key(stat_key: &str) -> String {
+    ipv4_dots_to_underscores(&stat_key.replace([':', '|'], "_"))
 }
 
 /// The labels their default Prometheus mapper gives a stat key (`domain.level1.level2...`):
@@ -201,7 +243,7 @@ pub fn count_envoyproxy_backend_error() {
 /// `remote_address_10.0.0.1` stays one level. Any other `.` inside a value splits it into
 /// levels, as it does in theirs.
 pub fn envoyproxy_labels(stat_key: &str) -> Vec<(&'static str, String)> {
-    let sanitized = ipv4_dots_to_underscores(&stat_key.replace([':', '|'], "_"));
+    let sanitized = sanitize_stat_key(stat_key);
     let parts: Vec<&str> = sanitized.split('.').collect();
     let mut labels = vec![("domain", parts[0].to_owned())];
     if let Some(k1) = parts.get(1) {
@@ -250,8 +292,10 @@ fn ipv4_dots_to_underscores(text: &str) -> String {
     String::from_utf8(out).expect("ASCII replacements keep UTF-8")
 }
 
-/// One rule's envoyproxy/ratelimit-named counters. Each series is registered on its first count;
-/// rules whose stat keys give the same labels (levels beyond the second) add up, as theirs do.
+/// One rule's envoyproxy/ratelimit-named counters: their Prometheus series (with
+/// `metrics.envoyproxy_names`) and their statsd counters (with `metrics.statsd`, [`statsd`]).
+/// Each series is registered on its first count; rules whose stat keys give the same labels
+/// (levels beyond the second) add up, as theirs do.
 #[derive(Debug, Default)]
 pub struct EnvoyproxyStats {
     inner: Option<Box<ErlLabelled>>,
@@ -266,7 +310,10 @@ struct ErlLabelled {
     labels: Vec<metrics::Label>,
     /// `shadow_mode: true` on the rule itself (their `_shadow_mode` ignores global shadow mode).
     rule_shadow: bool,
+    /// Their Prometheus series, with `metrics.envoyproxy_names`.
     series: [OnceLock<Counter>; 5],
+    /// Their statsd counters, with `metrics.statsd` (empty without).
+    statsd: Vec<statsd::StatsdCounter>,
 }
 
 /// Most distinct `detailed_metric` stat keys (request values in labels) a process exports;
@@ -295,6 +342,14 @@ impl EnvoyproxyStats {
             .into_iter()
             .map(|(k, v)| metrics::Label::new(k, v))
             .collect();
+        let statsd = if statsd::enabled() {
+            statsd::RULE_STATS
+                .iter()
+                .map(|stat| statsd::counter(&statsd::rule_stat_name(stat_key, stat)))
+                .collect()
+        } else {
+            Vec::new()
+        };
         EnvoyproxyStats {
             inner: Some(Box::new(ErlLabelled {
                 domain: domain.to_owned(),
@@ -302,6 +357,7 @@ impl EnvoyproxyStats {
                 labels,
                 rule_shadow,
                 series: Default::default(),
+                statsd,
             })),
         }
     }
@@ -342,9 +398,14 @@ impl EnvoyproxyStats {
 
     fn add(&self, which: usize, n: u64) {
         let Some(l) = &self.inner else { return };
-        l.series[which]
-            .get_or_init(|| metrics::counter!(ERL_NAMES[which], l.labels.clone()))
-            .increment(n);
+        if envoyproxy_names() {
+            l.series[which]
+                .get_or_init(|| metrics::counter!(ERL_NAMES[which], l.labels.clone()))
+                .increment(n);
+        }
+        if let Some(c) = l.statsd.get(which) {
+            c.add(n);
+        }
     }
 
     /// Counts one decision of `hits` hits as theirs would: `used_before` whole tokens of
@@ -644,8 +705,10 @@ pub fn xds_update(ack: bool) {
 }
 
 /// Records a rules load: `generation` is the generation now in force; `success` whether this
-/// attempt took effect. The load at start counts as a success but not as a reload.
+/// attempt took effect. The load at start counts as a success but not as a reload (in
+/// envoyproxy/ratelimit's `config_load_success` it counts, as theirs counts its first load).
 pub fn rules_loaded(generation: u64, success: bool, at_start: bool) {
+    count_envoyproxy_config_load(success);
     if !at_start {
         counter!(RELOADS, "result" => if success { "success" } else { "failure" }).increment(1);
     } else {

@@ -355,6 +355,7 @@ impl<S: Store> Limiter<S> {
         };
         if domain.is_none() && !screened.empty_domain {
             self.unknown_domain.increment(1);
+            crate::telemetry::statsd::count_domain_not_found(&req.domain, req.descriptors.len());
         }
         // Descriptors denied as malformed make the request denied: the others are then only
         // checked, so that, as for any denied request, nothing is consumed anywhere (global

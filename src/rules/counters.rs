@@ -1,9 +1,9 @@
 //! The counters the rules own: each bucket's decision counters and, with envoyproxy/ratelimit's
-//! names on, each rule's series under their stat key. Registered once per load, so the decision
+//! names or their statsd sink on, each rule's series under their stat key. Registered once per load, so the decision
 //! path counts with an atomic add and never builds labels.
 
 use super::{Domain, Rule, RuleSet, OVERRIDE_BUCKET};
-use crate::telemetry::{envoyproxy_names, DecisionCounters, EnvoyproxyStats};
+use crate::telemetry::{envoyproxy_names, statsd, DecisionCounters, EnvoyproxyStats};
 
 /// The stat key envoyproxy/ratelimit gives the rule on `node` of `domain`: the domain, then per
 /// level from the top `key`, or `key_value` for a node with a value (a wildcard's pattern as
@@ -71,7 +71,7 @@ pub(crate) fn register_rules(rules: &mut RuleSet) {
             .map(|b| DecisionCounters::new(&domain.name, &b.name))
             .collect();
         domain.override_counters = DecisionCounters::new(&domain.name, OVERRIDE_BUCKET);
-        domain.envoyproxy_stats = if envoyproxy_names() {
+        domain.envoyproxy_stats = if envoyproxy_names() || statsd::enabled() {
             let keys = envoyproxy_stat_keys(domain);
             (0..domain.nodes.len())
                 .map(|n| match &domain.nodes[n].rule {

@@ -186,6 +186,9 @@ pub async fn serve(settings: Settings) -> anyhow::Result<()> {
     // Leased tokens this replica did not spend go back to the shared store, so the other
     // replicas can spend them (docs/backends.md, token leases).
     limiter.store().return_leases(LEASE_RETURN_TIMEOUT).await;
+    // What the counters gained since the last flush is sent, not lost with the process (off
+    // the runtime's threads: it may wait on the network).
+    let _ = tokio::task::spawn_blocking(crate::statsd::stop).await;
     result
 }
 
@@ -198,8 +201,8 @@ type Tasks = JoinSet<anyhow::Result<()>>;
 /// How a listener task ended: `Err` when it panicked.
 type TaskResult = Result<anyhow::Result<()>, tokio::task::JoinError>;
 
-/// Installs the Prometheus recorder (and starts its upkeep) and the `metrics.envoyproxy_names`
-/// choice; returns the recorder's handle.
+/// Installs the Prometheus recorder (and starts its upkeep), the `metrics.envoyproxy_names`
+/// choice and the statsd sink (`metrics.statsd`); returns the recorder's handle.
 fn install_metrics(settings: &Settings) -> anyhow::Result<PrometheusHandle> {
     let prometheus = crate::server::metrics::install()?;
     tokio::spawn(crate::server::metrics::run_upkeep(
@@ -207,6 +210,8 @@ fn install_metrics(settings: &Settings) -> anyhow::Result<PrometheusHandle> {
         Duration::from_secs(5),
     ));
     crate::telemetry::set_envoyproxy_names(settings.metrics.envoyproxy_names);
+    crate::statsd::start(&settings.metrics.statsd)
+        .map_err(|e| anyhow::anyhow!("cannot start the statsd sink (metrics.statsd): {e}"))?;
     Ok(prometheus)
 }
 

@@ -14,7 +14,7 @@ use crate::store::Store;
 use crate::telemetry::RequestMetrics;
 
 /// `ShouldRateLimit` over a [`Limiter`], counted in [`crate::telemetry::REQUESTS`] and timed in
-/// [`crate::telemetry::REQUEST_DURATION`].
+/// [`crate::telemetry::REQUEST_DURATION`] (and in their statsd stats, [`crate::statsd::count_call`]).
 pub(crate) struct RateLimitGrpc<S> {
     limiter: Arc<Limiter<S>>,
     metrics: RequestMetrics,
@@ -78,6 +78,7 @@ impl<S: Store> RateLimitService for RateLimitGrpc<S> {
             self.metrics.unavailable.increment(1);
             self.log_unavailable(&"no rules received from the xDS server yet");
             self.metrics.duration.record(started.elapsed().as_secs_f64());
+            crate::statsd::count_call(started.elapsed());
             return Err(Status::unavailable("no rules received from the xDS server yet"));
         }
         let req = request.into_inner();
@@ -97,7 +98,9 @@ impl<S: Store> RateLimitService for RateLimitGrpc<S> {
                 Err(Status::unavailable(e.to_string()))
             }
         };
-        self.metrics.duration.record(started.elapsed().as_secs_f64());
+        let elapsed = started.elapsed();
+        self.metrics.duration.record(elapsed.as_secs_f64());
+        crate::statsd::count_call(elapsed);
         answer
     }
 }

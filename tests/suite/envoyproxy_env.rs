@@ -524,6 +524,9 @@ async fn envoy_gateway_environment_exports_their_metric_names() {
     }
     let error = "ratelimit_service_should_rate_limit_error";
     assert_eq!(exact(&samples, error, &[("err_type", "redis_error")]), Some(0.0));
+    // The load at start is their first config load; none failed (the series is there at 0).
+    assert_eq!(exact(&samples, "ratelimit_service_config_load_success", &[]), Some(1.0));
+    assert_eq!(exact(&samples, "ratelimit_service_config_load_error", &[]), Some(0.0));
 
     // Redis gone: one request fails (Envoy lets it through), counted; /healthcheck is 500.
     drop(redis);
@@ -625,8 +628,11 @@ fn refused_variables_name_the_variable_why_and_what_instead() {
     .unwrap();
     let secret = "Pa55-w0rd-never-shown";
     let cases: Vec<(&str, Vec<(&str, String)>)> = vec![
-        ("USE_STATSD", vec![("USE_STATSD", "true".into())]),
         ("USE_DOG_STATSD", vec![("USE_DOG_STATSD", "true".into())]),
+        (
+            "STATSD_PROTOCOL",
+            vec![("USE_STATSD", "true".into()), ("STATSD_PROTOCOL", "quic".into())],
+        ),
         ("BACKEND_TYPE", vec![("BACKEND_TYPE", "memcache".into())]),
         (
             "REDIS_TYPE",

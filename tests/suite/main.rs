@@ -17,6 +17,7 @@ mod envoy_e2e;
 mod envoyproxy_configs;
 mod envoyproxy_env;
 mod envoyproxy_names;
+mod envoyproxy_statsd;
 mod faults_under_load;
 mod fixed_allowances;
 mod grpc;

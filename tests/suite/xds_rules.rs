@@ -644,6 +644,24 @@ async fn envoy_gateways_environment_takes_rules_over_mutual_tls() {
     assert_eq!(shown["rules_source"]["tls"], true);
     assert_eq!(shown["settings"]["rules_source"], "xds");
 
+    // An invalid update is NACKed: envoyproxy/ratelimit's config-load counters (their names are
+    // on with their environment) count the update in force and the refused one.
+    let mut bad = listener(1);
+    bad.descriptors[0].descriptors[0].rate_limit.as_mut().unwrap().unit = RateLimitUnit::Unknown as i32;
+    ads.push("2", &[bad]);
+    let nack = ads.request(3).await.request;
+    assert!(nack.error_detail.is_some(), "{nack:?}");
+    let text = block_in_place(|| http_get(tollgate.http_addr, "/metrics")).unwrap().1;
+    for (series, count) in [
+        ("ratelimit_service_config_load_success", 1),
+        ("ratelimit_service_config_load_error", 1),
+    ] {
+        assert!(
+            text.lines().any(|l| l == format!("{series} {count}")),
+            "{series} {count}:\n{text}"
+        );
+    }
+
     // A client without the CA's certificate is refused by the server: the TLS is mutual.
     let mut refused = env.clone();
     refused.retain(|(k, _)| !k.starts_with("CONFIG_GRPC_XDS_CLIENT_TLS"));

@@ -23,6 +23,7 @@ use figment::value::{Dict, Map, Value};
 use figment::{Metadata, Profile, Provider};
 use serde_json::json;
 
+mod statsd;
 mod xds;
 
 /// The name a figment value from this environment carries as its source.
@@ -56,12 +57,7 @@ const IGNORED: &[(&str, &str)] = &[
     ("DEBUG_PORT", "tollgate has no debug listener; the rules in force are at /config on the HTTP port and the bucket admin API stays on loopback (admin.addr)"),
     ("GRPC_MAX_CONNECTION_AGE", "tollgate does not close gRPC connections by age; Envoy keeps its connections and decisions do not depend on them"),
     ("GRPC_MAX_CONNECTION_AGE_GRACE", "tollgate does not close gRPC connections by age"),
-    ("USE_DOG_STATSD_MOGRIFIERS", "tollgate sends no statsd"),
-    ("STATSD_HOST", "tollgate sends no statsd; it exports Prometheus metrics"),
-    ("STATSD_PORT", "tollgate sends no statsd; it exports Prometheus metrics"),
-    ("EXTRA_TAGS", "tollgate's metrics carry no extra tags; add labels in Prometheus (relabel_configs) instead"),
-    ("STATS_FLUSH_INTERVAL", "tollgate's counters are live at every scrape; nothing is flushed"),
-    ("DISABLE_STATS", "tollgate always counts; metrics cost an atomic add per decision"),
+    ("USE_DOG_STATSD_MOGRIFIERS", "tollgate sends no DogStatsD"),
     ("PROMETHEUS_RESPONSE_TIME_AS_MILLISECONDS", "tollgate exports tollgate_request_duration_seconds, in seconds, and not their response_time series"),
     ("RUNTIME_IGNOREDOTFILES", "tollgate always ignores files and folders whose names start with a dot (ConfigMap mounts' ..data and timestamped folders)"),
     ("RUNTIME_WATCH_ROOT", "tollgate watches the rules folder itself, which follows ConfigMap symlink swaps either way, and also polls it"),
@@ -158,7 +154,10 @@ const HANDLED: &[&str] = &[
 
 /// Whether `name` is one of envoyproxy/ratelimit's variables.
 pub fn is_theirs(name: &str) -> bool {
-    HANDLED.contains(&name) || xds::VARIABLES.contains(&name) || IGNORED.iter().any(|(n, _)| *n == name)
+    HANDLED.contains(&name)
+        || xds::VARIABLES.contains(&name)
+        || statsd::VARIABLES.contains(&name)
+        || IGNORED.iter().any(|(n, _)| *n == name)
 }
 
 /// Their `REDIS_TYPE`.
@@ -631,14 +630,13 @@ impl Reader<'_> {
     }
 
     fn stats(&mut self) {
-        for name in ["USE_STATSD", "USE_DOG_STATSD"] {
-            if self.bool(name) == Some(true) {
-                self.refuse(
-                    name,
-                    "tollgate sends no statsd; set it to false and scrape Prometheus metrics instead (USE_PROMETHEUS=true, or /metrics on the HTTP port)",
-                );
-            }
+        if self.bool("USE_DOG_STATSD") == Some(true) {
+            self.refuse(
+                "USE_DOG_STATSD",
+                "tollgate sends no DogStatsD; set it to false and use USE_STATSD=true (their statsd names) or scrape Prometheus metrics (USE_PROMETHEUS=true, or /metrics on the HTTP port)",
+            );
         }
+        self.statsd();
         // Theirs reads the mapper only for its Prometheus sink.
         let prometheus = self.bool("USE_PROMETHEUS") == Some(true);
         if let Some(path) = self.get("PROMETHEUS_MAPPER_YAML").map(str::to_owned) {
@@ -1713,7 +1711,7 @@ mod tests {
             ("REDIS_TYPE", "SHARDED"),
             ("REDIS_AUTH", "hunter2-secret"),
             ("BACKEND_TYPE", "memcache"),
-            ("USE_STATSD", "true"),
+            ("USE_DOG_STATSD", "true"),
             ("CONFIG_TYPE", "GRPC_XDS_DELTA"),
             ("GRPC_SERVER_USE_TLS", "true"),
         ])
@@ -1723,7 +1721,7 @@ mod tests {
             "REDIS_SOCKET_TYPE",
             "REDIS_TYPE",
             "BACKEND_TYPE",
-            "USE_STATSD",
+            "USE_DOG_STATSD",
             "CONFIG_TYPE",
             "GRPC_SERVER_USE_TLS",
         ] {

@@ -156,14 +156,17 @@ pub struct MetricsSettings {
     pub near_limit_ratio: f64,
     /// Also export envoyproxy/ratelimit's series (`ratelimit_service_rate_limit_total_hits`,
     /// `_over_limit`, `_near_limit`, `_within_limit`, `_shadow_mode` by `domain`, `key1`,
-    /// `key2`, and `ratelimit_service_should_rate_limit_error` by `err_type`), so dashboards
-    /// built for it keep working. On by default when their environment is in use.
+    /// `key2`, `ratelimit_service_should_rate_limit_error` by `err_type`, and
+    /// `ratelimit_service_config_load_success` and `_error`), so dashboards built for it keep
+    /// working. On by default when their environment is in use.
     pub envoyproxy_names: bool,
     /// A second listener that serves only the metrics, at `path` (their `PROMETHEUS_ADDR`);
     /// `null`: none (the metrics are on the HTTP port's `/metrics` either way).
     pub addr: Option<SocketAddr>,
     /// The URL path of the metrics on `addr` (their `PROMETHEUS_PATH`).
     pub path: String,
+    /// envoyproxy/ratelimit's stats sent to a statsd server too (their `USE_STATSD`).
+    pub statsd: crate::statsd::StatsdSettings,
 }
 
 /// The backend keeping bucket state.
@@ -291,6 +294,7 @@ impl Default for MetricsSettings {
             envoyproxy_names: false,
             addr: None,
             path: "/metrics".into(),
+            statsd: crate::statsd::StatsdSettings::default(),
         }
     }
 }
@@ -672,6 +676,7 @@ impl Settings {
         if self.shutdown.timeout_seconds.0 == 0 {
             problems.push("shutdown.timeout_seconds must be at least 1".into());
         }
+        problems.extend(self.metrics.statsd.problems());
         problems.extend(self.redis.problems());
         problems.extend(self.postgres.problems());
         problems.extend(self.local.problems());
