@@ -325,7 +325,7 @@ pub const DEFAULT_SETTINGS_FILE: &str = "config/tollgate.yaml";
 
 /// Top-level settings keys; only these are read from `TOLLGATE_*`, so unrelated variables
 /// with the same prefix are not mistaken for settings.
-const KEYS: [&str; 25] = [
+const KEYS: [&str; 26] = [
     "grpc_addr",
     "http_addr",
     "rules",
@@ -351,6 +351,7 @@ const KEYS: [&str; 25] = [
     "runtime",
     "grpc",
     "tls",
+    "rlqs",
 ];
 
 impl Settings {
@@ -707,6 +708,32 @@ pub fn unknown_env_vars() -> Vec<String> {
 #[allow(clippy::result_large_err)] // figment::Jail's closures return figment::Error
 mod tests {
     use super::*;
+
+    /// `KEYS` is what `TOLLGATE_*` variables may name: every top-level setting, so a section
+    /// added to `Settings` and forgotten there is never silently ignored from the environment
+    /// (`rlqs` was: `TOLLGATE_RLQS__*` did nothing).
+    #[test]
+    fn keys_name_every_top_level_setting() {
+        let serde_json::Value::Object(fields) = serde_json::to_value(Settings::default()).unwrap() else {
+            panic!("settings serialize to an object");
+        };
+        let mut fields: Vec<&str> = fields.keys().map(String::as_str).collect();
+        let mut keys = KEYS.to_vec();
+        fields.sort_unstable();
+        keys.sort_unstable();
+        assert_eq!(keys, fields);
+    }
+
+    #[test]
+    fn an_rlqs_setting_is_read_from_the_environment() {
+        figment::Jail::expect_with(|jail| {
+            jail.set_env("TOLLGATE_RLQS__ENABLED", "false");
+            let settings = Settings::load(None).expect("settings load");
+            assert!(!settings.rlqs.enabled);
+            assert!(!unknown_env_vars().iter().any(|v| v == "TOLLGATE_RLQS__ENABLED"));
+            Ok(())
+        });
+    }
 
     #[test]
     fn defaults_file_then_env() {
