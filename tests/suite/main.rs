@@ -51,6 +51,7 @@ mod soak;
 mod store_bounds;
 mod tidy;
 mod tls_listeners;
+mod traces;
 mod usage_budgets;
 mod usage_budgets_envoy;
 mod vectors;

@@ -7,14 +7,18 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// Each layer and the layers it may use, besides itself.
-const LAYERS: [(&str, &[&str]); 7] = [
+const LAYERS: [(&str, &[&str]); 8] = [
     ("core", &[]),
     ("telemetry", &[]),
     ("rules", &["core", "telemetry"]),
     ("store", &["core", "telemetry"]),
     ("decision", &["core", "telemetry", "rules", "store"]),
     ("rlqs", &["core", "telemetry", "rules", "store", "decision"]),
-    ("server", &["core", "telemetry", "rules", "store", "decision", "rlqs"]),
+    ("traces", &["core", "telemetry", "rules", "store", "decision"]),
+    (
+        "server",
+        &["core", "telemetry", "rules", "store", "decision", "rlqs", "traces"],
+    ),
 ];
 
 /// The items `lib.rs` defines itself (not re-exports of a module's).
