@@ -38,6 +38,8 @@ pub(crate) fn install() -> anyhow::Result<PrometheusHandle> {
     for answer in ["allow", "deny"] {
         counter!(BACKEND_FAILURE_ANSWERS, "answer" => answer).increment(0);
     }
+    counter!(TRACE_CONTEXT_INVALID).increment(0);
+    counter!(TRACE_SPANS_DROPPED).increment(0);
     Ok(HANDLE.get_or_init(|| handle).clone())
 }
 

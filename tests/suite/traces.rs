@@ -36,6 +36,9 @@ descriptors:
         bucket: per_key
 "#;
 
+/// The name of tollgate's server span.
+const SERVER_SPAN: &str = "envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
+
 /// A span as received, with the `service.name` of its resource.
 #[derive(Clone, Debug)]
 struct Received {
@@ -221,7 +224,7 @@ async fn calls_join_the_callers_w3c_and_b3_traces() {
         assert_eq!(answer.overall_code, Code::Ok as i32, "{name}");
         let span = receiver
             .wait_for(&format!("in trace {trace_id} ({name})"), |r| {
-                hex(&r.span.trace_id) == *trace_id
+                hex(&r.span.trace_id) == *trace_id && r.span.name == SERVER_SPAN
             })
             .await;
         assert_eq!(
@@ -231,10 +234,19 @@ async fn calls_join_the_callers_w3c_and_b3_traces() {
         );
         assert_eq!(span.service, "tollgate-under-test", "{name}");
         assert_eq!(span.span.kind, SpanKind::Server as i32, "{name}");
-        assert_eq!(
-            span.span.name, "envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
-            "{name}"
-        );
+        // Its children: rule matching and the store call.
+        let children: Vec<String> = receiver
+            .all()
+            .into_iter()
+            .filter(|r| r.span.parent_span_id == span.span.span_id)
+            .map(|r| r.span.name)
+            .collect();
+        for child in ["match_rules", "store"] {
+            assert!(
+                children.iter().any(|c| c == child),
+                "{name}: no {child} span in {children:?}"
+            );
+        }
         assert_eq!(span.attribute("ratelimit.domain").as_deref(), Some("traced"), "{name}");
         assert_eq!(span.attribute("ratelimit.code").as_deref(), Some("OK"), "{name}");
         assert_eq!(span.attribute("ratelimit.statuses").as_deref(), Some("OK"), "{name}");
@@ -349,7 +361,9 @@ async fn envoy_and_tollgate_spans_are_one_trace() {
     assert_eq!(reply.map(|(status, _)| status), Some(200));
 
     let ours = receiver
-        .wait_for("from tollgate", |r| r.service == "tollgate-under-test")
+        .wait_for("from tollgate", |r| {
+            r.service == "tollgate-under-test" && r.span.name == SERVER_SPAN
+        })
         .await;
     assert_eq!(ours.attribute("ratelimit.domain").as_deref(), Some("edge"));
     assert!(
@@ -376,4 +390,22 @@ async fn envoy_and_tollgate_spans_are_one_trace() {
         tokio::task::block_in_place(|| envoy.stat("cluster.upstream.ratelimit.ok")),
         1
     );
+}
+
+/// The Envoy tracing fragment docs/monitoring.md shows is the one `envoy/tracing.yaml` (the
+/// file the test above runs) holds, line for line in order, so the two cannot drift apart.
+#[test]
+fn the_documented_envoy_tracing_config_is_the_tested_one() {
+    let docs = std::fs::read_to_string(repo_path("docs/monitoring.md")).expect("read docs/monitoring.md");
+    let traces = &docs[docs.find("## Traces").expect("a Traces section")..];
+    let start = traces.find("```yaml envoy-fragment\n").expect("an Envoy fragment") + "```yaml envoy-fragment\n".len();
+    let fragment = &traces[start..start + traces[start..].find("```").expect("the fence's end")];
+    let shipped = std::fs::read_to_string(repo_path("envoy/tracing.yaml")).expect("read envoy/tracing.yaml");
+    let mut lines = shipped.lines().map(str::trim);
+    for wanted in fragment.lines().map(str::trim).filter(|l| !l.is_empty()) {
+        assert!(
+            lines.any(|l| l == wanted),
+            "docs/monitoring.md shows `{wanted}`, which envoy/tracing.yaml does not hold (in that order)"
+        );
+    }
 }

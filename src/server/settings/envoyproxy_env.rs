@@ -1442,6 +1442,57 @@ mod tests {
         assert_eq!(noted, ["RUNTIME_IGNOREDOTFILES", "RUNTIME_WATCH_ROOT"]);
     }
 
+    /// Their tracing variables map onto the `tracing` section with `TRACING_ENABLED=true`
+    /// (protocol HTTP by default, as theirs), are not read without it, and a bad protocol or
+    /// rate is refused naming the variable.
+    #[test]
+    fn tracing_variables_map_onto_the_tracing_section() {
+        let env = read(&[
+            ("REDIS_URL", "redis:6379"),
+            ("TRACING_ENABLED", "true"),
+            ("TRACING_SERVICE_NAME", "ratelimit-edge"),
+            ("TRACING_SERVICE_NAMESPACE", "edge"),
+            ("TRACING_SERVICE_INSTANCE_ID", "rl-0"),
+            ("TRACING_SAMPLING_RATE", "0.25"),
+        ])
+        .unwrap();
+        let doc = env.document();
+        assert_eq!(doc["tracing"]["enabled"], true);
+        assert_eq!(doc["tracing"]["protocol"], "http/protobuf");
+        assert_eq!(doc["tracing"]["service_name"], "ratelimit-edge");
+        assert_eq!(doc["tracing"]["sampling_ratio"], 0.25);
+        assert_eq!(
+            doc["tracing"]["resource_attributes"],
+            json!({"service.namespace": "edge", "service.instance.id": "rl-0"})
+        );
+        let settings: crate::traces::TracingSettings =
+            serde_json::from_value(doc["tracing"].clone()).expect("a tracing section");
+        assert_eq!(settings.protocol, Some(crate::traces::OtlpProtocol::HttpProtobuf));
+        settings.validate().unwrap();
+
+        let doc = read(&[
+            ("REDIS_URL", "redis:6379"),
+            ("TRACING_ENABLED", "true"),
+            ("TRACING_EXPORTER_PROTOCOL", "grpc"),
+        ])
+        .unwrap()
+        .document();
+        assert_eq!(doc["tracing"]["protocol"], "grpc");
+        let doc = read(&[("REDIS_URL", "redis:6379"), ("TRACING_SERVICE_NAME", "x")])
+            .unwrap()
+            .document();
+        assert!(
+            doc.get("tracing").is_none(),
+            "read only with TRACING_ENABLED=true: {doc}"
+        );
+
+        for (name, value) in [("TRACING_EXPORTER_PROTOCOL", "udp"), ("TRACING_SAMPLING_RATE", "2")] {
+            let errors =
+                read(&[("REDIS_URL", "redis:6379"), ("TRACING_ENABLED", "true"), (name, value)]).expect_err("refused");
+            assert!(errors.to_string().contains(name), "{errors}");
+        }
+    }
+
     /// Their local cache's size: 0 turns tollgate's exact cache off, a size bounds it, unset
     /// leaves tollgate's default (on), and a non-number is refused naming the variable.
     #[test]
