@@ -17,7 +17,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use opentelemetry::trace::{TraceContextExt, TracerProvider as _};
 use opentelemetry::KeyValue;
-use opentelemetry_otlp::{WithExportConfig, WithHttpConfig};
+use opentelemetry_otlp::WithExportConfig;
 use opentelemetry_sdk::trace::{BatchSpanProcessor, Sampler, SdkTracerProvider};
 use opentelemetry_sdk::Resource;
 use tonic::metadata::MetadataMap;
@@ -91,8 +91,7 @@ impl Traces {
                 // reqwest's blocking client, used on the batch processor's own thread.
                 let mut builder = opentelemetry_otlp::SpanExporter::builder()
                     .with_http()
-                    .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
-                    .with_headers(Default::default());
+                    .with_protocol(opentelemetry_otlp::Protocol::HttpBinary);
                 if let Some(endpoint) = &settings.endpoint {
                     builder = builder.with_endpoint(endpoint.clone());
                 }
@@ -313,7 +312,7 @@ fn describe(request: &RateLimitRequest, value_keys: &[String]) -> String {
                 out.push(',');
             }
             out.push_str(&entry.key);
-            if value_keys.iter().any(|k| *k == entry.key) {
+            if value_keys.contains(&entry.key) {
                 out.push('=');
                 out.push_str(&entry.value);
             }

@@ -36,6 +36,9 @@ descriptors:
         bucket: per_key
 "#;
 
+/// A call's propagation: its name, the trace and parent span ids it carries, its metadata.
+type Case = (&'static str, &'static str, &'static str, Vec<(&'static str, String)>);
+
 /// The name of tollgate's server span.
 const SERVER_SPAN: &str = "envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
 
@@ -188,7 +191,7 @@ async fn calls_join_the_callers_w3c_and_b3_traces() {
     });
     let request = || support::request("traced", &[("api_key", "secret-key-value"), ("tier", "gold")], 0);
 
-    let cases: [(&str, &str, &str, Vec<(&'static str, String)>); 3] = [
+    let cases: [Case; 3] = [
         (
             "w3c",
             "0af7651916cd43dd8448eb211c80319c",
@@ -296,6 +299,28 @@ async fn calls_join_the_callers_w3c_and_b3_traces() {
         Scrape::from(tollgate.http_addr).counter("tollgate_trace_context_invalid_total", &[])
     });
     assert_eq!(invalid, 1.0);
+
+    // A warning about a request (a malformed part: an empty key) carries its trace id and
+    // Envoy's x-request-id.
+    call(
+        &tollgate,
+        support::request("traced", &[("", "x")], 0),
+        &[
+            ("traceparent", "00-5bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
+            ("x-request-id", "req-with-a-warning"),
+        ],
+    )
+    .await;
+    let log = tollgate.process.log();
+    let warning = log
+        .lines()
+        .find(|l| l.contains("WARN") && l.contains("malformed request part"))
+        .unwrap_or_else(|| panic!("no warning logged:\n{log}"));
+    assert!(
+        warning.contains("trace_id=5bf92f3577b34da6a3ce929d0e0e4736")
+            && warning.contains("request_id=\"req-with-a-warning\""),
+        "{warning}"
+    );
 
     // By now the unsampled call's span would have been exported with the later ones.
     assert!(
