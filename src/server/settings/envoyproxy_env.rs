@@ -1448,6 +1448,7 @@ mod tests {
     #[test]
     fn tracing_variables_map_onto_the_tracing_section() {
         let env = read(&[
+            ("REDIS_SOCKET_TYPE", "tcp"),
             ("REDIS_URL", "redis:6379"),
             ("TRACING_ENABLED", "true"),
             ("TRACING_SERVICE_NAME", "ratelimit-edge"),
@@ -1471,6 +1472,7 @@ mod tests {
         settings.validate().unwrap();
 
         let doc = read(&[
+            ("REDIS_SOCKET_TYPE", "tcp"),
             ("REDIS_URL", "redis:6379"),
             ("TRACING_ENABLED", "true"),
             ("TRACING_EXPORTER_PROTOCOL", "grpc"),
@@ -1478,17 +1480,26 @@ mod tests {
         .unwrap()
         .document();
         assert_eq!(doc["tracing"]["protocol"], "grpc");
-        let doc = read(&[("REDIS_URL", "redis:6379"), ("TRACING_SERVICE_NAME", "x")])
-            .unwrap()
-            .document();
+        let doc = read(&[
+            ("REDIS_SOCKET_TYPE", "tcp"),
+            ("REDIS_URL", "redis:6379"),
+            ("TRACING_SERVICE_NAME", "x"),
+        ])
+        .unwrap()
+        .document();
         assert!(
             doc.get("tracing").is_none(),
             "read only with TRACING_ENABLED=true: {doc}"
         );
 
         for (name, value) in [("TRACING_EXPORTER_PROTOCOL", "udp"), ("TRACING_SAMPLING_RATE", "2")] {
-            let errors =
-                read(&[("REDIS_URL", "redis:6379"), ("TRACING_ENABLED", "true"), (name, value)]).expect_err("refused");
+            let errors = read(&[
+                ("REDIS_SOCKET_TYPE", "tcp"),
+                ("REDIS_URL", "redis:6379"),
+                ("TRACING_ENABLED", "true"),
+                (name, value),
+            ])
+            .expect_err("refused");
             assert!(errors.to_string().contains(name), "{errors}");
         }
     }
