@@ -16,6 +16,7 @@ pub mod server;
 pub mod statsd;
 pub mod store;
 pub mod telemetry;
+pub mod traces;
 
 /// An error and its sources, `: `-separated, each said once (a layer that only wraps another
 /// repeats its text): `transport error: tcp connect error: Connection refused (os error 111)`

@@ -15,7 +15,9 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use clap::{Args, Parser, Subcommand};
 use tollgate::server::admin::{BucketRequest, BucketsResponse, DescriptorEntry, ErrorResponse, Operation};
 use tollgate::server::settings::{LogFormat, Settings};
-use tracing_subscriber::EnvFilter;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer};
 
 #[derive(Parser)]
 #[command(
@@ -218,11 +220,8 @@ fn serve(config: Option<&std::path::Path>, rules: Option<PathBuf>, as_ratelimit:
     if let Some(rules) = rules {
         settings.rules = rules;
     }
-    init_logging(&settings);
-    theirs.log_sources(&figment);
-    for name in tollgate::server::settings::unknown_env_vars() {
-        tracing::warn!(variable = %name, "environment variable names no setting; ignored");
-    }
+    // The runtime first: the OTLP/gRPC exporter's connection lives on it, and the traces'
+    // layer goes into the subscriber with the logs.
     let runtime = match tollgate::server::runtime(settings.runtime) {
         Ok(rt) => rt,
         Err(e) => {
@@ -230,13 +229,38 @@ fn serve(config: Option<&std::path::Path>, rules: Option<PathBuf>, as_ratelimit:
             return ExitCode::FAILURE;
         }
     };
+    let backend = match settings.backend {
+        tollgate::server::settings::Backend::Memory => "memory",
+        tollgate::server::settings::Backend::Redis => "redis",
+        tollgate::server::settings::Backend::Postgres => "postgres",
+    };
+    let traces = match tollgate::traces::Traces::start(&settings.tracing, runtime.handle(), backend) {
+        Ok(traces) => traces,
+        Err(e) => {
+            eprintln!("cannot export traces: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    init_logging(&settings, traces.as_ref());
+    theirs.log_sources(&figment);
+    for name in tollgate::server::settings::unknown_env_vars() {
+        tracing::warn!(variable = %name, "environment variable names no setting; ignored");
+    }
+    if traces.is_some() {
+        tracing::info!("exporting traces over OTLP");
+    }
     let flavor = match runtime.handle().runtime_flavor() {
         tokio::runtime::RuntimeFlavor::CurrentThread => "current_thread",
         _ => "multi_thread",
     };
     let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
     tracing::info!(runtime = flavor, cpus, "runtime started");
-    match runtime.block_on(tollgate::server::serve(settings)) {
+    let served = runtime.block_on(tollgate::server::serve(settings));
+    // Off the runtime's threads: the exporter's last batch waits for the collector.
+    if let Some(traces) = traces {
+        traces.shutdown();
+    }
+    match served {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!("{e:#}");
@@ -439,7 +463,7 @@ fn root_cause(e: &dyn std::error::Error) -> String {
     e.to_string()
 }
 
-fn init_logging(settings: &Settings) {
+fn init_logging(settings: &Settings, traces: Option<&tollgate::traces::Traces>) {
     // sqlx logs the notices PostgreSQL sends ("relation ... already exists, skipping" at each
     // start, "there is no transaction in progress" after an abandoned transaction) and the
     // value of a connection parameter it does not know (which can be a password): kept out
@@ -451,12 +475,16 @@ fn init_logging(settings: &Settings) {
         ))
     });
     // Colours only on a terminal: a file or a log collector would get escape codes.
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    let fmt = tracing_subscriber::fmt::layer()
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
-    match settings.log.format {
-        LogFormat::Json => builder.json().init(),
-        LogFormat::Text => builder.init(),
-    }
+    let fmt = match settings.log.format {
+        LogFormat::Json => fmt.json().with_filter(filter).boxed(),
+        LogFormat::Text => fmt.with_filter(filter).boxed(),
+    };
+    // The log's filter is the fmt layer's own, so RUST_LOG never hides a span from the traces.
+    tracing_subscriber::registry()
+        .with(traces.map(|t| t.layer()))
+        .with(fmt)
+        .init();
 }

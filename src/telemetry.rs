@@ -116,6 +116,12 @@ pub const MEMORY_EVICTED_NOT_FULL: &str = "tollgate_memory_evicted_not_full_tota
 /// (`empty_domain`, `too_many_descriptors`), and one per message for `message_too_large`. None
 /// of them makes the request an error Envoy would let through.
 pub const MALFORMED: &str = "tollgate_malformed_total";
+/// Calls whose `traceparent` (or `b3`) header did not parse while tracing is on: each was
+/// served under a new root span instead of the caller's (docs/monitoring.md, "Traces").
+pub const TRACE_CONTEXT_INVALID: &str = "tollgate_trace_context_invalid_total";
+/// Finished spans dropped because the export queue (`OTEL_BSP_MAX_QUEUE_SIZE`) was full: the
+/// collector is slow or gone; decisions are never held up for it.
+pub const TRACE_SPANS_DROPPED: &str = "tollgate_trace_spans_dropped_total";
 /// Always 1, with the `version` label.
 pub const BUILD_INFO: &str = "tollgate_build_info";
 /// When the certificate a TLS listener serves expires (its notAfter), in Unix seconds, by

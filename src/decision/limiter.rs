@@ -22,6 +22,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_li
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::Struct;
 use smallvec::SmallVec;
+use tracing::Instrument;
 
 use super::counting::{count_decisions, count_failure_answer};
 use super::settings::{HeaderSettings, RequestLimits, ResponseSettings};
@@ -361,7 +362,11 @@ impl<S: Store> Limiter<S> {
         // checked, so that, as for any denied request, nothing is consumed anywhere (global
         // shadow mode denies nothing, so there they are decided as usual).
         let denying = screened.denies() && !self.options.shadow_mode;
-        let mut prepared = prepare(req, &screened, domain, &self.options, denying);
+        // Child spans of a traced request's server span (disabled, and next to free, otherwise).
+        let mut prepared = {
+            let _matching = tracing::debug_span!(target: "tollgate::decision", "match_rules").entered();
+            prepare(req, &screened, domain, &self.options, denying)
+        };
         let metadata = self.options.response.dynamic_metadata;
         let finish = |mut resp: RateLimitResponse, targets: &[Option<Target<'_>>]| {
             if denying {
@@ -381,7 +386,13 @@ impl<S: Store> Limiter<S> {
             );
             return Ok(finish(resp, &prepared.targets));
         }
-        let applied = match self.apply(&mut prepared, denying).await {
+        let store_span = tracing::debug_span!(
+            target: "tollgate::store",
+            "store",
+            ratelimit.buckets = prepared.buckets.len(),
+            ratelimit.decided_by = tracing::field::Empty,
+        );
+        let applied = match self.apply(&mut prepared, denying).instrument(store_span).await {
             Ok(applied) => applied,
             Err(e) => {
                 let answer = store_failure_answer(&prepared.targets, e, self.options.on_store_failure)?;

@@ -38,6 +38,8 @@ pub(crate) fn install() -> anyhow::Result<PrometheusHandle> {
     for answer in ["allow", "deny"] {
         counter!(BACKEND_FAILURE_ANSWERS, "answer" => answer).increment(0);
     }
+    counter!(TRACE_CONTEXT_INVALID).increment(0);
+    counter!(TRACE_SPANS_DROPPED).increment(0);
     Ok(HANDLE.get_or_init(|| handle).clone())
 }
 
@@ -56,6 +58,14 @@ fn describe() {
     describe_histogram!(REQUEST_DURATION, Unit::Seconds, "Time to decide one RateLimitRequest");
     describe_counter!(UNKNOWN_DOMAIN, "Requests for a domain no rules file declares");
     describe_counter!(MALFORMED, "Malformed parts of requests, by reason (none is an error)");
+    describe_counter!(
+        TRACE_CONTEXT_INVALID,
+        "Calls whose traceparent or b3 header did not parse (served under a new root span)"
+    );
+    describe_counter!(
+        TRACE_SPANS_DROPPED,
+        "Finished spans dropped because the trace export queue was full"
+    );
     describe_counter!(DECISIONS, "Bucket decisions, one per descriptor and bucket, by code");
     describe_counter!(HITS, "Hits (hits_addend) per bucket decision code");
     describe_counter!(DEBITED_TOKENS, "Tokens debited from debt buckets by usage reports");

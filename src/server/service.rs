@@ -8,6 +8,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 use crate::decision::limiter::{LimitError, Limiter};
 use crate::store::Store;
@@ -74,7 +75,10 @@ impl<S: Store> RateLimitService for RateLimitGrpc<S> {
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
         let started = Instant::now();
+        // A disabled span while tracing is off: then nothing is read from the metadata.
+        let span = crate::traces::server_span(request.metadata());
         if self.gate.as_ref().is_some_and(|waiting| waiting()) {
+            let _entered = span.enter();
             self.metrics.unavailable.increment(1);
             self.log_unavailable(&"no rules received from the xDS server yet");
             self.metrics.duration.record(started.elapsed().as_secs_f64());
@@ -82,7 +86,10 @@ impl<S: Store> RateLimitService for RateLimitGrpc<S> {
             return Err(Status::unavailable("no rules received from the xDS server yet"));
         }
         let req = request.into_inner();
-        let answer = match self.limiter.should_rate_limit(&req).await {
+        let decided = self.limiter.should_rate_limit(&req).instrument(span.clone()).await;
+        crate::traces::record_decision(&span, &req, decided.as_ref().map_err(|_| "backend failed"));
+        let _entered = span.enter();
+        let answer = match decided {
             Ok(resp) => {
                 if resp.overall_code == Code::OverLimit as i32 {
                     self.metrics.over_limit.increment(1);

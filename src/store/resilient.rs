@@ -332,6 +332,7 @@ impl<P: Store> Resilient<P> {
         match &self.fallback {
             Some(f) => {
                 self.fallbacks.increment(1);
+                tracing::Span::current().record("ratelimit.decided_by", "fallback");
                 fallback(f).await
             }
             None => Err(error),

@@ -1886,3 +1886,55 @@ fn kubernetes_redis_runs_with_the_manifest_args_and_tollgate_logs_in() {
         "ready without Redis's password: the password check proves nothing"
     );
 }
+
+/// `docker-compose.tracing.yml` over `docker-compose.yml`: Envoy runs `envoy/tracing.yaml` (the
+/// bootstrap `tests/suite/traces.rs` runs), and tollgate's OTLP endpoint is the collector
+/// address that bootstrap sends Envoy's spans to, a Jaeger in the same network namespace.
+#[test]
+fn compose_tracing_override_joins_envoy_and_tollgate_at_one_collector() {
+    let merged = compose_merge(&compose(), &yaml("docker-compose.tracing.yml"));
+    let envoy = service(&merged, "envoy");
+    let mounts = bind_mounts(envoy);
+    assert_eq!(
+        mounts,
+        [("./envoy/tracing.yaml".to_owned(), "/etc/envoy/envoy.yaml".to_owned())]
+    );
+    let bootstrap = yaml("envoy/tracing.yaml");
+    let collector = seq(at(&bootstrap, &["static_resources", "clusters"]))
+        .iter()
+        .find(|c| str_at(c, &["name"]) == "otel_collector")
+        .expect("an otel_collector cluster");
+    let socket = at(
+        collector,
+        &[
+            "load_assignment",
+            "endpoints",
+            "0",
+            "lb_endpoints",
+            "0",
+            "endpoint",
+            "address",
+            "socket_address",
+        ],
+    );
+    let envoy_sends_to = format!(
+        "http://{}:{}",
+        str_at(socket, &["address"]),
+        at(socket, &["port_value"]).as_u64().unwrap()
+    );
+    let env = compose_env(service(&merged, "tollgate"));
+    assert_eq!(env.get("OTEL_EXPORTER_OTLP_ENDPOINT"), Some(&envoy_sends_to));
+    // The rest of tollgate's environment is the base file's, and still loads.
+    settings_with_env(
+        &env.iter()
+            .filter(|(k, _)| k.starts_with("TOLLGATE_"))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect(),
+    );
+    let jaeger = service(&merged, "jaeger");
+    assert_eq!(str_at(jaeger, &["network_mode"]), "service:tollgate");
+    assert!(str_at(jaeger, &["image"]).starts_with("jaegertracing/jaeger:"));
+    assert!(strings(at(service(&merged, "tollgate"), &["ports"]))
+        .iter()
+        .any(|p| p == "127.0.0.1:16686:16686"));
+}

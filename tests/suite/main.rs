@@ -54,6 +54,7 @@ mod soak;
 mod store_bounds;
 mod tidy;
 mod tls_listeners;
+mod traces;
 mod unix_socket;
 mod usage_budgets;
 mod usage_budgets_envoy;

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// Each layer and the layers it may use, besides itself.
-const LAYERS: [(&str, &[&str]); 8] = [
+const LAYERS: [(&str, &[&str]); 9] = [
     ("core", &[]),
     ("telemetry", &[]),
     ("rules", &["core", "telemetry"]),
@@ -16,9 +16,10 @@ const LAYERS: [(&str, &[&str]); 8] = [
     ("rlqs", &["core", "telemetry", "rules", "store", "decision"]),
     // envoyproxy/ratelimit's stats over statsd: a surface of its own beside `server`.
     ("statsd", &["core", "telemetry"]),
+    ("traces", &["core", "telemetry", "rules", "store", "decision"]),
     (
         "server",
-        &["core", "telemetry", "rules", "store", "decision", "rlqs", "statsd"],
+        &["core", "telemetry", "rules", "store", "decision", "rlqs", "statsd", "traces"],
     ),
 ];
 

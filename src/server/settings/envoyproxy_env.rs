@@ -91,11 +91,6 @@ const IGNORED: &[(&str, &str)] = &[
     ("MEMCACHE_TLS_CLIENT_KEY", "only used with BACKEND_TYPE=memcache"),
     ("MEMCACHE_TLS_CACERT", "only used with BACKEND_TYPE=memcache"),
     ("MEMCACHE_TLS_SKIP_HOSTNAME_VERIFICATION", "only used with BACKEND_TYPE=memcache"),
-    ("TRACING_SERVICE_NAME", "tollgate exports no traces"),
-    ("TRACING_SERVICE_NAMESPACE", "tollgate exports no traces"),
-    ("TRACING_SERVICE_INSTANCE_ID", "tollgate exports no traces"),
-    ("TRACING_EXPORTER_PROTOCOL", "tollgate exports no traces"),
-    ("TRACING_SAMPLING_RATE", "tollgate exports no traces"),
 ];
 
 /// Variables tollgate reads into settings or checks (refusing some values).
@@ -150,6 +145,11 @@ const HANDLED: &[&str] = &[
     "RESPONSE_DYNAMIC_METADATA",
     "MERGE_DOMAIN_CONFIG",
     "TRACING_ENABLED",
+    "TRACING_SERVICE_NAME",
+    "TRACING_SERVICE_NAMESPACE",
+    "TRACING_SERVICE_INSTANCE_ID",
+    "TRACING_EXPORTER_PROTOCOL",
+    "TRACING_SAMPLING_RATE",
 ];
 
 /// Whether `name` is one of envoyproxy/ratelimit's variables.
@@ -1192,11 +1192,68 @@ impl Reader<'_> {
                 "merging one domain from several files is not supported; set it to false and keep each domain in one file",
             );
         }
-        if self.bool("TRACING_ENABLED") == Some(true) {
-            self.out.notes.push((
-                "TRACING_ENABLED".into(),
-                "tollgate exports no traces; decisions are unaffected".into(),
-            ));
+        self.tracing();
+    }
+
+    /// `TRACING_*`: their OpenTelemetry export, onto the `tracing` section. The collector is
+    /// the standard `OTEL_EXPORTER_OTLP_*ENDPOINT`, as theirs; their protocol defaults to
+    /// HTTP. The other `TRACING_*` are read only with `TRACING_ENABLED=true`, as theirs.
+    fn tracing(&mut self) {
+        if self.bool("TRACING_ENABLED") != Some(true) {
+            return;
+        }
+        self.set("tracing.enabled", json!(true), "TRACING_ENABLED");
+        let protocol = match self
+            .get("TRACING_EXPORTER_PROTOCOL")
+            .map(str::to_ascii_lowercase)
+            .as_deref()
+        {
+            None | Some("http") => Some("http/protobuf"),
+            Some("grpc") => Some("grpc"),
+            Some(_) => {
+                let shown = self.shown("TRACING_EXPORTER_PROTOCOL");
+                self.refuse(
+                    "TRACING_EXPORTER_PROTOCOL",
+                    format!("{shown} is not an exporter protocol; use http (their default) or grpc"),
+                );
+                None
+            }
+        };
+        if let Some(protocol) = protocol {
+            self.set("tracing.protocol", json!(protocol), "TRACING_EXPORTER_PROTOCOL");
+        }
+        if let Some(name) = self.get("TRACING_SERVICE_NAME").filter(|n| !n.is_empty()) {
+            let name = name.to_owned();
+            self.set("tracing.service_name", json!(name), "TRACING_SERVICE_NAME");
+        }
+        // One map: the attributes' names hold dots, which `set` would take for sections.
+        let mut attributes = serde_json::Map::new();
+        let mut from = Vec::new();
+        for (variable, attribute) in [
+            ("TRACING_SERVICE_NAMESPACE", "service.namespace"),
+            ("TRACING_SERVICE_INSTANCE_ID", "service.instance.id"),
+        ] {
+            if let Some(value) = self.get(variable).filter(|v| !v.is_empty()) {
+                attributes.insert(attribute.to_owned(), json!(value));
+                from.push(variable);
+            }
+        }
+        if !attributes.is_empty() {
+            self.set("tracing.resource_attributes", attributes.into(), &from.join(", "));
+        }
+        if let Some(rate) = self.get("TRACING_SAMPLING_RATE") {
+            match rate.parse::<f64>() {
+                Ok(r) if (0.0..=1.0).contains(&r) => {
+                    self.set("tracing.sampling_ratio", json!(r), "TRACING_SAMPLING_RATE")
+                }
+                _ => {
+                    let shown = self.shown("TRACING_SAMPLING_RATE");
+                    self.refuse(
+                        "TRACING_SAMPLING_RATE",
+                        format!("{shown} is not a sampling rate; use a number from 0 to 1 (their default: 1)"),
+                    );
+                }
+            }
         }
     }
 }
@@ -1542,6 +1599,68 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("GRPC_UDS") && err.contains("plain text only"), "{err}");
+    }
+
+    /// Their tracing variables map onto the `tracing` section with `TRACING_ENABLED=true`
+    /// (protocol HTTP by default, as theirs), are not read without it, and a bad protocol or
+    /// rate is refused naming the variable.
+    #[test]
+    fn tracing_variables_map_onto_the_tracing_section() {
+        let env = read(&[
+            ("REDIS_SOCKET_TYPE", "tcp"),
+            ("REDIS_URL", "redis:6379"),
+            ("TRACING_ENABLED", "true"),
+            ("TRACING_SERVICE_NAME", "ratelimit-edge"),
+            ("TRACING_SERVICE_NAMESPACE", "edge"),
+            ("TRACING_SERVICE_INSTANCE_ID", "rl-0"),
+            ("TRACING_SAMPLING_RATE", "0.25"),
+        ])
+        .unwrap();
+        let doc = env.document();
+        assert_eq!(doc["tracing"]["enabled"], true);
+        assert_eq!(doc["tracing"]["protocol"], "http/protobuf");
+        assert_eq!(doc["tracing"]["service_name"], "ratelimit-edge");
+        assert_eq!(doc["tracing"]["sampling_ratio"], 0.25);
+        assert_eq!(
+            doc["tracing"]["resource_attributes"],
+            json!({"service.namespace": "edge", "service.instance.id": "rl-0"})
+        );
+        let settings: crate::traces::TracingSettings =
+            serde_json::from_value(doc["tracing"].clone()).expect("a tracing section");
+        assert_eq!(settings.protocol, Some(crate::traces::OtlpProtocol::HttpProtobuf));
+        settings.validate().unwrap();
+
+        let doc = read(&[
+            ("REDIS_SOCKET_TYPE", "tcp"),
+            ("REDIS_URL", "redis:6379"),
+            ("TRACING_ENABLED", "true"),
+            ("TRACING_EXPORTER_PROTOCOL", "grpc"),
+        ])
+        .unwrap()
+        .document();
+        assert_eq!(doc["tracing"]["protocol"], "grpc");
+        let doc = read(&[
+            ("REDIS_SOCKET_TYPE", "tcp"),
+            ("REDIS_URL", "redis:6379"),
+            ("TRACING_SERVICE_NAME", "x"),
+        ])
+        .unwrap()
+        .document();
+        assert!(
+            doc.get("tracing").is_none(),
+            "read only with TRACING_ENABLED=true: {doc}"
+        );
+
+        for (name, value) in [("TRACING_EXPORTER_PROTOCOL", "udp"), ("TRACING_SAMPLING_RATE", "2")] {
+            let errors = read(&[
+                ("REDIS_SOCKET_TYPE", "tcp"),
+                ("REDIS_URL", "redis:6379"),
+                ("TRACING_ENABLED", "true"),
+                (name, value),
+            ])
+            .expect_err("refused");
+            assert!(errors.to_string().contains(name), "{errors}");
+        }
     }
 
     /// Their local cache's size: 0 turns tollgate's exact cache off, a size bounds it, unset

@@ -82,6 +82,8 @@ pub struct Settings {
     pub tls: TlsSettings,
     /// Envoy's Rate Limit Quota Service on the gRPC listener (docs/rlqs.md).
     pub rlqs: crate::rlqs::RlqsSettings,
+    /// OpenTelemetry traces over OTLP (docs/monitoring.md, "Traces").
+    pub tracing: crate::traces::TracingSettings,
 }
 
 /// Which tokio runtime `tollgate serve` runs on.
@@ -253,6 +255,7 @@ impl Default for Settings {
             runtime: RuntimeFlavor::Auto,
             tls: TlsSettings::default(),
             rlqs: crate::rlqs::RlqsSettings::default(),
+            tracing: crate::traces::TracingSettings::default(),
         }
     }
 }
@@ -325,7 +328,7 @@ pub const DEFAULT_SETTINGS_FILE: &str = "config/tollgate.yaml";
 
 /// Top-level settings keys; only these are read from `TOLLGATE_*`, so unrelated variables
 /// with the same prefix are not mistaken for settings.
-const KEYS: [&str; 26] = [
+const KEYS: [&str; 27] = [
     "grpc_addr",
     "http_addr",
     "rules",
@@ -352,6 +355,7 @@ const KEYS: [&str; 26] = [
     "grpc",
     "tls",
     "rlqs",
+    "tracing",
 ];
 
 impl Settings {
@@ -616,6 +620,9 @@ impl Settings {
         let ratio = self.metrics.near_limit_ratio;
         if !(ratio > 0.0 && ratio <= 1.0) {
             problems.push(format!("metrics.near_limit_ratio must be in (0, 1], not {ratio}"));
+        }
+        if let Err(e) = self.tracing.validate() {
+            problems.push(e);
         }
         if let Err(e) = tracing_subscriber::EnvFilter::try_new(&self.log.level) {
             problems.push(format!("log.level {:?} is not a tracing filter: {e}", self.log.level));

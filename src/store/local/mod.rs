@@ -160,6 +160,14 @@ impl<S: Store> Store for Local<S> {
         let now = self.inner.clock_estimate_us();
         let ask = match self.layer.route(buckets, demands, now) {
             Route::Local(applied) => {
+                // On the store span of a traced request (a no-op otherwise): the over-limit
+                // cache only denies, a lease only admits.
+                let by = if applied.decision.denied {
+                    "over_limit_cache"
+                } else {
+                    "lease"
+                };
+                tracing::Span::current().record("ratelimit.decided_by", by);
                 self.background();
                 return Ok(applied);
             }

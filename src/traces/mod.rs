@@ -1,0 +1,370 @@
+//! OpenTelemetry traces over OTLP (docs/monitoring.md, "Traces").
+//!
+//! The rest of the crate makes plain `tracing` spans; this room alone knows OpenTelemetry: it
+//! starts the SDK and its OTLP exporter, bridges `tracing` spans to it
+//! (`tracing-opentelemetry`), reads the caller's trace context from a call's gRPC metadata
+//! (W3C, B3 single and multi, baggage) and makes the one server span of each
+//! `ShouldRateLimit` call a child of the caller's span. While tracing is off nothing here runs
+//! on a request but one load of an empty cell: no span is made, no metadata read.
+
+mod export;
+mod propagation;
+pub mod settings;
+
+use std::sync::{Arc, OnceLock};
+
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use opentelemetry::trace::{TraceContextExt, TracerProvider as _};
+use opentelemetry::KeyValue;
+use opentelemetry_otlp::WithExportConfig;
+use opentelemetry_sdk::trace::{BatchSpanProcessor, Sampler, SdkTracerProvider};
+use opentelemetry_sdk::Resource;
+use tonic::metadata::MetadataMap;
+use tracing::field::Empty;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+use tracing_subscriber::filter::filter_fn;
+use tracing_subscriber::{Layer, Registry};
+
+use crate::telemetry::TRACE_CONTEXT_INVALID;
+use export::{Bounded, InFlight, Watched};
+use propagation::Propagation;
+pub use settings::{OtlpProtocol, TracingSettings};
+
+/// What a request needs while tracing is on; unset while it is off.
+static STATE: OnceLock<State> = OnceLock::new();
+
+struct State {
+    propagation: Propagation,
+    /// `tracing.value_keys`: the descriptor keys whose values may be attributes.
+    value_keys: Vec<String>,
+    /// The backend deciding (`memory`, `redis`, `postgres`), the `ratelimit.backend` attribute.
+    backend: &'static str,
+}
+
+/// The tracer provider while tracing is on: its layer goes into the process's subscriber, and
+/// [`Traces::shutdown`] exports what is still queued.
+pub struct Traces {
+    provider: SdkTracerProvider,
+}
+
+/// The target of the spans and events OpenTelemetry gets: the crate's own, so a dependency's
+/// spans never reach the collector.
+const OWN_TARGET: &str = "tollgate";
+
+impl Traces {
+    /// Starts exporting when `settings.enabled` or an `OTEL_EXPORTER_OTLP_*ENDPOINT` variable
+    /// says so (and `OTEL_SDK_DISABLED` is not `true`); `None` otherwise. `runtime` is the
+    /// runtime the gRPC exporter's connection lives on; `backend` names the backend in the
+    /// spans' attributes. Call it once, before any request.
+    ///
+    /// Errors: an unknown `OTEL_PROPAGATORS` name or `OTEL_EXPORTER_OTLP_*PROTOCOL`, or an
+    /// exporter that cannot be built (the message names the variable or setting; never an
+    /// endpoint, which can hold credentials).
+    pub fn start(
+        settings: &TracingSettings,
+        runtime: &tokio::runtime::Handle,
+        backend: &'static str,
+    ) -> Result<Option<Traces>, String> {
+        if !wanted(settings) {
+            return Ok(None);
+        }
+        settings.validate()?;
+        let propagators = propagator_names(settings)?;
+        let protocol = protocol(settings)?;
+        let in_flight = Arc::new(InFlight::default());
+        let bound = export::queue_bound();
+        let processor = match protocol {
+            OtlpProtocol::Grpc => {
+                // tonic's channel spawns its connection on the runtime it is made in.
+                let _entered = runtime.enter();
+                let mut builder = opentelemetry_otlp::SpanExporter::builder().with_tonic();
+                if let Some(endpoint) = &settings.endpoint {
+                    builder = builder.with_endpoint(endpoint.clone());
+                }
+                let exporter = builder
+                    .build()
+                    .map_err(|e| format!("cannot build the OTLP/gRPC trace exporter: {e}"))?;
+                BatchSpanProcessor::builder(Watched::new(exporter, in_flight.clone())).build()
+            }
+            OtlpProtocol::HttpProtobuf => {
+                // reqwest's blocking client, used on the batch processor's own thread.
+                let mut builder = opentelemetry_otlp::SpanExporter::builder()
+                    .with_http()
+                    .with_protocol(opentelemetry_otlp::Protocol::HttpBinary);
+                if let Some(endpoint) = &settings.endpoint {
+                    builder = builder.with_endpoint(endpoint.clone());
+                }
+                let exporter = builder
+                    .build()
+                    .map_err(|e| format!("cannot build the OTLP/HTTP trace exporter: {e}"))?;
+                BatchSpanProcessor::builder(Watched::new(exporter, in_flight.clone())).build()
+            }
+        };
+        let mut builder = SdkTracerProvider::builder()
+            .with_span_processor(Bounded {
+                inner: processor,
+                in_flight,
+                bound,
+            })
+            .with_resource(resource(settings));
+        if let Some(ratio) = settings.sampling_ratio {
+            builder = builder.with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(ratio))));
+        }
+        let provider = builder.build();
+        let state = State {
+            propagation: Propagation::new(&propagators),
+            value_keys: settings.value_keys.clone(),
+            backend,
+        };
+        if STATE.set(state).is_err() {
+            return Err("tracing was started twice".to_owned());
+        }
+        Ok(Some(Traces { provider }))
+    }
+
+    /// The layer that turns the crate's spans (and the warnings and errors logged in them,
+    /// as span events) into OpenTelemetry spans; the bottom layer of the subscriber.
+    pub fn layer(&self) -> Box<dyn Layer<Registry> + Send + Sync> {
+        let tracer = self.provider.tracer("tollgate");
+        tracing_opentelemetry::layer()
+            .with_tracer(tracer)
+            .with_location(false)
+            .with_threads(false)
+            .with_tracked_inactivity(false)
+            .with_filter(filter_fn(|meta| {
+                meta.target().starts_with(OWN_TARGET) && (meta.is_span() || *meta.level() <= tracing::Level::WARN)
+            }))
+            .boxed()
+    }
+
+    /// Exports what is still queued (for at most a few seconds) and stops the exporter.
+    pub fn shutdown(self) {
+        if let Err(e) = self.provider.shutdown() {
+            tracing::warn!("traces not all exported at shutdown: {e}");
+        }
+    }
+}
+
+/// Whether tracing is on: the setting, or a standard endpoint variable.
+fn wanted(settings: &TracingSettings) -> bool {
+    if env("OTEL_SDK_DISABLED").is_some_and(|v| v.eq_ignore_ascii_case("true")) {
+        return false;
+    }
+    settings.enabled
+        || env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT").is_some()
+        || env("OTEL_EXPORTER_OTLP_ENDPOINT").is_some()
+}
+
+/// A variable's value, `None` when unset or empty (OpenTelemetry treats both alike).
+fn env(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
+/// `tracing.propagators`, else `OTEL_PROPAGATORS`, else all four Envoy may send.
+fn propagator_names(settings: &TracingSettings) -> Result<Vec<String>, String> {
+    if let Some(names) = &settings.propagators {
+        return Ok(names.clone());
+    }
+    let Some(value) = env("OTEL_PROPAGATORS") else {
+        return Ok(["tracecontext", "baggage", "b3", "b3multi"].map(String::from).to_vec());
+    };
+    let names: Vec<String> = value.split(',').map(|n| n.trim().to_owned()).collect();
+    for name in &names {
+        if !settings::PROPAGATORS.contains(&name.as_str()) {
+            return Err(format!(
+                "OTEL_PROPAGATORS: unknown propagator {name:?} (known: {})",
+                settings::PROPAGATORS.join(", ")
+            ));
+        }
+    }
+    Ok(names)
+}
+
+/// `tracing.protocol`, else `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`, else
+/// `OTEL_EXPORTER_OTLP_PROTOCOL`, else gRPC.
+fn protocol(settings: &TracingSettings) -> Result<OtlpProtocol, String> {
+    if let Some(protocol) = settings.protocol {
+        return Ok(protocol);
+    }
+    for name in ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"] {
+        if let Some(value) = env(name) {
+            return OtlpProtocol::parse(&value)
+                .ok_or_else(|| format!("{name}: {value:?} is not offered (grpc or http/protobuf)"));
+        }
+    }
+    Ok(OtlpProtocol::Grpc)
+}
+
+/// The resource: OpenTelemetry's detectors (`OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`),
+/// the setting's service name over them, `tollgate` when none names one, and the version.
+fn resource(settings: &TracingSettings) -> Resource {
+    let named_by_env = env("OTEL_SERVICE_NAME").is_some()
+        || env("OTEL_RESOURCE_ATTRIBUTES").is_some_and(|attrs| {
+            attrs
+                .split(',')
+                .any(|pair| pair.split('=').next().is_some_and(|k| k.trim() == "service.name"))
+        });
+    let mut builder = Resource::builder()
+        .with_attribute(KeyValue::new("service.version", env!("CARGO_PKG_VERSION")))
+        .with_attributes(
+            settings
+                .resource_attributes
+                .iter()
+                .map(|(k, v)| KeyValue::new(k.clone(), v.clone())),
+        );
+    match &settings.service_name {
+        Some(name) => builder = builder.with_service_name(name.clone()),
+        None if !named_by_env => builder = builder.with_service_name("tollgate"),
+        None => {}
+    }
+    builder.build()
+}
+
+/// The server span of one `ShouldRateLimit` call, a child of the span the caller's metadata
+/// names (or a new root when it names none or one that does not parse, which is counted in
+/// [`TRACE_CONTEXT_INVALID`]). A disabled span while tracing is off. Its `trace_id` (and the
+/// caller's `x-request-id`) are fields, so warnings logged inside carry them.
+pub fn server_span(metadata: &MetadataMap) -> tracing::Span {
+    let Some(state) = STATE.get() else {
+        return tracing::Span::none();
+    };
+    let (parent, unreadable) = state.propagation.extract(metadata);
+    if unreadable {
+        metrics::counter!(TRACE_CONTEXT_INVALID).increment(1);
+    }
+    let span = tracing::info_span!(
+        target: "tollgate::traces",
+        "ShouldRateLimit",
+        otel.name = "envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+        otel.kind = "server",
+        rpc.system = "grpc",
+        rpc.service = "envoy.service.ratelimit.v3.RateLimitService",
+        rpc.method = "ShouldRateLimit",
+        trace_id = Empty,
+        request_id = Empty,
+        ratelimit.backend = state.backend,
+        ratelimit.domain = Empty,
+        ratelimit.descriptors = Empty,
+        ratelimit.code = Empty,
+        ratelimit.statuses = Empty,
+        ratelimit.buckets = Empty,
+        rpc.grpc.status_code = Empty,
+    );
+    if span.is_disabled() {
+        return span;
+    }
+    let _ = span.set_parent(parent);
+    let trace_id = span.context().span().span_context().trace_id();
+    span.record("trace_id", tracing::field::display(trace_id));
+    if let Some(id) = metadata.get("x-request-id").and_then(|v| v.to_str().ok()) {
+        span.record("request_id", id);
+    }
+    span
+}
+
+/// Records the request and its answer on `span` (from [`server_span`]): domain, descriptor
+/// keys (values only of `tracing.value_keys`), the overall and per-descriptor codes, the
+/// buckets that answered.
+pub fn record_decision(span: &tracing::Span, request: &RateLimitRequest, answer: Result<&RateLimitResponse, &str>) {
+    let Some(state) = STATE.get() else {
+        return;
+    };
+    if span.is_disabled() {
+        return;
+    }
+    span.record("ratelimit.domain", request.domain.as_str());
+    span.record("ratelimit.descriptors", describe(request, &state.value_keys).as_str());
+    match answer {
+        Ok(response) => {
+            span.record("ratelimit.code", code_name(response.overall_code));
+            let statuses: Vec<&str> = response.statuses.iter().map(|s| code_name(s.code)).collect();
+            span.record("ratelimit.statuses", statuses.join(",").as_str());
+            let buckets: Vec<&str> = response
+                .statuses
+                .iter()
+                .filter_map(|s| s.current_limit.as_ref())
+                .map(|l| l.name.as_str())
+                .filter(|n| !n.is_empty())
+                .collect();
+            if !buckets.is_empty() {
+                span.record("ratelimit.buckets", buckets.join(",").as_str());
+            }
+            span.record("rpc.grpc.status_code", 0);
+        }
+        Err(why) => {
+            span.record("rpc.grpc.status_code", tonic::Code::Unavailable as i32);
+            span.set_status(opentelemetry::trace::Status::error(why.to_owned()));
+        }
+    }
+}
+
+/// The descriptors' keys, `;` between descriptors and `,` between entries; an entry whose key
+/// `value_keys` names is `key=value`.
+fn describe(request: &RateLimitRequest, value_keys: &[String]) -> String {
+    let mut out = String::new();
+    for (i, descriptor) in request.descriptors.iter().enumerate() {
+        if i > 0 {
+            out.push(';');
+        }
+        for (j, entry) in descriptor.entries.iter().enumerate() {
+            if j > 0 {
+                out.push(',');
+            }
+            out.push_str(&entry.key);
+            if value_keys.contains(&entry.key) {
+                out.push('=');
+                out.push_str(&entry.value);
+            }
+        }
+    }
+    out
+}
+
+/// Envoy's name of a `RateLimitResponse.Code`.
+fn code_name(code: i32) -> &'static str {
+    match Code::try_from(code) {
+        Ok(Code::Ok) => "OK",
+        Ok(Code::OverLimit) => "OVER_LIMIT",
+        _ => "UNKNOWN",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+
+    #[test]
+    fn descriptor_values_are_attributes_only_for_the_named_keys() {
+        let request = RateLimitRequest {
+            domain: "d".into(),
+            descriptors: vec![
+                RateLimitDescriptor {
+                    entries: vec![
+                        Entry {
+                            key: "api_key".into(),
+                            value: "secret".into(),
+                        },
+                        Entry {
+                            key: "path".into(),
+                            value: "/a".into(),
+                        },
+                    ],
+                    ..Default::default()
+                },
+                RateLimitDescriptor {
+                    entries: vec![Entry {
+                        key: "tier".into(),
+                        value: "gold".into(),
+                    }],
+                    ..Default::default()
+                },
+            ],
+            ..Default::default()
+        };
+        assert_eq!(describe(&request, &[]), "api_key,path;tier");
+        assert_eq!(describe(&request, &["tier".to_owned()]), "api_key,path;tier=gold");
+    }
+}
