@@ -317,7 +317,8 @@ mod tests {
         let options =
             crate::decision::limiter::LimiterOptions::from_settings(&crate::server::settings::Settings::default());
         for store in stores {
-            let limiter = crate::decision::limiter::Limiter::new(crate::rules::RuleSet::default(), store, options);
+            let limiter =
+                crate::decision::limiter::Limiter::new(crate::rules::RuleSet::default(), store, options.clone());
             let size = std::mem::size_of_val(&limiter.should_rate_limit(&request));
             assert!(size < 2048, "the limiter's decision future is {size} bytes");
         }
