@@ -873,10 +873,12 @@ async fn their_merged_domains() {
 }
 
 /// Their service refuses an empty domain with an error; tollgate answers OK without limits
-/// (row: empty-domain). A descriptor no rule matches is OK with nothing left, in both.
+/// (row: empty-domain). A descriptor no rule matches is OK with nothing left, in both. A
+/// denied request says what is left (row: denied-remaining), and an override's bucket is named
+/// (row: override-name).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn their_empty_domain_and_unmatched_descriptors() {
-    let runtime = Runtime::new(&[("basic.yaml", BASIC)]);
+    let runtime = Runtime::new(&[("basic.yaml", BASIC), ("another.yaml", ANOTHER)]);
     let mut svc = serve(&runtime, &Backend::Memory, &[]).await;
     let resp = svc.ask("", &[&[("key1", "foo")]]).await;
     assert_eq!((resp.overall_code, shapes(&resp)), (OK, vec![(OK, None, 0)]));
@@ -885,4 +887,36 @@ async fn their_empty_domain_and_unmatched_descriptors() {
         (resp.overall_code, shapes(&resp)),
         (OK, vec![(OK, None, 0), (OK, Some((50, Unit::Second)), 49)])
     );
+
+    // Ten hours' worth of key3 (10 an hour) asked at once after 7 were used: denied, and the
+    // 3 tokens left are still there, where theirs would say 0 and count the 10.
+    let value = fresh("key3");
+    for _ in 0..7 {
+        svc.ask("another", &[&[("key3", &value)]]).await;
+    }
+    let resp = svc.send(support::request("another", &[("key3", &value)], 10)).await;
+    assert_eq!(
+        (resp.overall_code, shapes(&resp)),
+        (OVER, vec![(OVER, Some((10, Unit::Hour)), 3)])
+    );
+    let resp = svc.ask("another", &[&[("key3", &value)]]).await;
+    assert_eq!(shapes(&resp), vec![(OK, Some((10, Unit::Hour)), 2)]);
+
+    // Envoy's `limit` override: its bucket is named `override`; theirs leaves the name empty.
+    let mut d = support::descriptor(&[("key1", "override")]);
+    d.limit = Some(
+        envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride {
+            requests_per_unit: 5,
+            unit: envoy_types::pb::envoy::r#type::v3::RateLimitUnit::Minute as i32,
+        },
+    );
+    let resp = svc
+        .send(RateLimitRequest {
+            domain: "basic".into(),
+            descriptors: vec![d],
+            hits_addend: 0,
+        })
+        .await;
+    assert_eq!(shapes(&resp), vec![(OK, Some((5, Unit::Minute)), 4)]);
+    assert_eq!(resp.statuses[0].current_limit.as_ref().unwrap().name, "override");
 }
