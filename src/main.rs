@@ -50,6 +50,10 @@ enum Command {
         /// window did with it and where tollgate behaves differently (reads no clock).
         #[arg(long)]
         explain: bool,
+        /// Merge files that declare the same domain, as `serve` does with `merge_domains: true`
+        /// (envoyproxy/ratelimit's MERGE_DOMAIN_CONFIG).
+        #[arg(long)]
+        merge_domains: bool,
     },
     /// Create the Postgres schema and apply the migrations this build embeds, with the
     /// `postgres` settings `serve` would use (defaults, the settings file, TOLLGATE_POSTGRES__*);
@@ -153,7 +157,11 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Bucket { action } => bucket(action),
         Command::Probe { url, timeout_ms } => probe(&url, Duration::from_millis(timeout_ms)),
-        Command::Check { rules, explain } => check(&rules, explain),
+        Command::Check {
+            rules,
+            explain,
+            merge_domains,
+        } => check(&rules, explain, merge_domains),
         Command::Migrate { config } => match load_settings(config.as_deref()) {
             Some(settings) => migrate(&settings),
             None => ExitCode::FAILURE,
@@ -174,9 +182,10 @@ fn invoked_as_ratelimit() -> bool {
         .unwrap_or(false)
 }
 
-/// `tollgate check`: prints the rules at `rules` (`explain`: how each maps onto a bucket).
-fn check(rules: &std::path::Path, explain: bool) -> ExitCode {
-    match tollgate::rules::load_rules(rules) {
+/// `tollgate check`: prints the rules at `rules` (`explain`: how each maps onto a bucket;
+/// `merge_domains`: files declaring one domain merged).
+fn check(rules: &std::path::Path, explain: bool, merge_domains: bool) -> ExitCode {
+    match tollgate::rules::load_rules_merging(rules, merge_domains) {
         Ok(set) if set.is_empty() => {
             eprintln!("{}", tollgate::rules::ConfigError::no_rules_files(rules));
             ExitCode::FAILURE

@@ -7,7 +7,7 @@ use std::task::{Context, Poll, Waker};
 
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
-use tollgate::decision::LimiterOptions;
+use tollgate::decision::{LimitHeaders, LimiterOptions};
 use tollgate::server::settings::{FailureMode, HeaderSettings, RequestLimits};
 
 /// Runs a future that completes without waiting, as every memory-store decision does (it never
@@ -50,6 +50,8 @@ pub struct Headers {
     pub state: Vec<SfItem>,
     /// `x-ratelimit-limit`, `-remaining`, `-reset`.
     pub x: Option<(u64, u64, u64)>,
+    /// envoyproxy/ratelimit's `RateLimit-Limit`, `-Remaining`, `-Reset`.
+    pub theirs: Option<(u64, u64, u64)>,
 }
 
 fn number(key: &str, value: &str) -> u64 {
@@ -113,6 +115,7 @@ pub fn check_response(resp: &RateLimitResponse, descriptors: usize) -> Headers {
     let mut h = Headers::default();
     let mut seen: Vec<&str> = Vec::new();
     let mut x = (None, None, None);
+    let mut theirs = (None, None, None);
     for hv in &resp.response_headers_to_add {
         let (key, value) = (hv.key.as_str(), hv.value.as_str());
         assert!(!seen.contains(&key), "{key} twice");
@@ -128,6 +131,9 @@ pub fn check_response(resp: &RateLimitResponse, descriptors: usize) -> Headers {
             "x-ratelimit-limit" => x.0 = Some(number(key, value)),
             "x-ratelimit-remaining" => x.1 = Some(number(key, value)),
             "x-ratelimit-reset" => x.2 = Some(number(key, value)),
+            "RateLimit-Limit" => theirs.0 = Some(number(key, value)),
+            "RateLimit-Remaining" => theirs.1 = Some(number(key, value)),
+            "RateLimit-Reset" => theirs.2 = Some(number(key, value)),
             other => panic!("unexpected header {other}"),
         }
     }
@@ -139,6 +145,11 @@ pub fn check_response(resp: &RateLimitResponse, descriptors: usize) -> Headers {
         }
         (None, None, None) => None,
         partial => panic!("an incomplete X-RateLimit triple: {partial:?}"),
+    };
+    h.theirs = match theirs {
+        (Some(l), Some(r), Some(t)) => Some((l, r, t)),
+        (None, None, None) => None,
+        partial => panic!("an incomplete RateLimit-Limit triple: {partial:?}"),
     };
     assert_eq!(h.policy.len(), h.state.len(), "RateLimit and RateLimit-Policy differ");
     for (p, s) in h.policy.iter().zip(&h.state) {
@@ -158,6 +169,10 @@ pub fn limiter_options() -> LimiterOptions {
             retry_after: true,
             ratelimit: true,
             x_ratelimit: true,
+            limit_headers: LimitHeaders {
+                enabled: true,
+                ..LimitHeaders::default()
+            },
         },
         shadow_mode: false,
         shadow_headers: Default::default(),

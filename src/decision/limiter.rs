@@ -368,7 +368,15 @@ impl<S: Store> Limiter<S> {
             prepare(req, &screened, domain, &self.options, denying)
         };
         let metadata = self.options.response.dynamic_metadata;
+        let unlimited = prepared.unlimited;
         let finish = |mut resp: RateLimitResponse, targets: &[Option<Target<'_>>]| {
+            if unlimited != 0 {
+                for (i, s) in resp.statuses.iter_mut().enumerate().take(64) {
+                    if unlimited & (1 << i) != 0 {
+                        s.limit_remaining = u32::MAX;
+                    }
+                }
+            }
             if denying {
                 screened.deny(&mut resp);
             }
@@ -507,6 +515,13 @@ struct Prepared<'a> {
     buckets: SmallVec<[BucketRef; 4]>,
     demands: SmallVec<[Demand; 4]>,
     targets: Vec<Option<Target<'a>>>,
+    /// The descriptors that reached an `unlimited` rule, bit `i` for descriptor `i`: answered
+    /// `OK` with `limit_remaining` at the `uint32` maximum, as envoyproxy/ratelimit answers
+    /// them. A bit mask, not a list, because it is held across the store call and every byte
+    /// of the decision's future is copied per request; only the first 64 descriptors (the
+    /// default `limits.max_descriptors`) are marked, later ones answer 0 as a descriptor
+    /// without a rule does.
+    unlimited: u64,
 }
 
 /// Prepares the store's call for `req` (screened as `screened`, in `domain` when known): every
@@ -519,17 +534,22 @@ fn prepare<'a>(
     options: &LimiterOptions,
     denying: bool,
 ) -> Prepared<'a> {
-    let matched = match_descriptors(req, screened, domain, options);
-    demands_of(req, screened, matched, options, denying)
+    let mut unlimited = 0;
+    let matched = match_descriptors(req, screened, domain, options, &mut unlimited);
+    let mut prepared = demands_of(req, screened, matched, options, denying);
+    prepared.unlimited = unlimited;
+    prepared
 }
 
 /// Per descriptor of `req`, what decides it (`None`: nothing), the rules another matched rule
-/// `replaces` already dropped.
+/// `replaces` already dropped; the descriptors that reached an `unlimited` rule are marked in
+/// `unlimited` ([`Prepared::unlimited`]).
 fn match_descriptors<'a>(
     req: &'a RateLimitRequest,
     screened: &'a Screened,
     domain: Option<&'a Domain>,
     options: &LimiterOptions,
+    unlimited: &mut u64,
 ) -> Vec<Option<Matched<'a>>> {
     let mut matched: Vec<Option<Matched>> = Vec::with_capacity(req.descriptors.len());
     // Buckets named by the `replaces` of matched unlimited rules (they match nothing else).
@@ -553,6 +573,9 @@ fn match_descriptors<'a>(
                 let node = find_node(dom, entries)?;
                 if let Some(Rule::Unlimited { replaces }) = &dom.nodes[node].rule {
                     unlimited_replaces.extend_from_slice(replaces);
+                    if i < 64 {
+                        *unlimited |= 1 << i;
+                    }
                 }
                 Matched::at(dom, node, entries.len())
             })
@@ -658,6 +681,7 @@ fn demands_of<'a>(
             parts,
             kind,
             shadow,
+            global_shadow: options.shadow_mode && !m.shadow,
             quota,
             metadata: m.metadata,
             envoyproxy: m.envoyproxy,
@@ -669,6 +693,7 @@ fn demands_of<'a>(
         buckets,
         demands,
         targets,
+        unlimited: 0,
     }
 }
 

@@ -10,4 +10,4 @@ pub(crate) mod settings;
 
 pub use limiter::{LimitError, Limiter, LimiterOptions, ResolveError, Resolved};
 
-pub use settings::{HeaderSettings, RequestLimits, ResponseSettings, ShadowHeaderSettings};
+pub use settings::{HeaderSettings, LimitHeaders, RequestLimits, ResponseSettings, ShadowHeaderSettings};

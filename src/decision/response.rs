@@ -8,7 +8,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{Code, 
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
 use envoy_types::pb::google::protobuf::Duration;
 
-use super::settings::{HeaderSettings, ShadowHeaderSettings};
+use super::settings::{HeaderSettings, LimitHeaders, ShadowHeaderSettings};
 use crate::core::bucket::{DemandKind, Limit, MICRO};
 use crate::rules::{BucketPolicy, ReportedLimit};
 use crate::store::Applied;
@@ -24,6 +24,10 @@ pub(crate) struct Target<'r> {
     pub kind: DemandKind,
     /// Shadow mode (the rule's or the global switch).
     pub shadow: bool,
+    /// In shadow mode by the global switch alone: the descriptor's status still says what it
+    /// would have been (`OVER_LIMIT`) while the request passes, as envoyproxy/ratelimit's
+    /// `SHADOW_MODE` answers (a rule's own `shadow_mode` answers `OK`).
+    pub global_shadow: bool,
     /// Quota mode (the rule's or the global switch) on a descriptor that asks for tokens (not
     /// a refund): over its limit, it denies the request only when every quota-mode descriptor
     /// of the request is over ([`crate::decision::quota_mode`]).
@@ -131,7 +135,10 @@ pub(crate) fn build_response(
     // The store's: with quota mode a descriptor can be over while the request passes.
     let denied = applied.is_some_and(|a| a.decision.denied);
     let statuses = statuses(targets, &verdicts);
-    let response_headers_to_add = response_headers(targets, &verdicts, applied, headers, denied);
+    let mut response_headers_to_add = response_headers(targets, &verdicts, applied, headers, denied);
+    if headers.limit_headers.enabled {
+        push_limit_headers(&mut response_headers_to_add, targets, &statuses, &headers.limit_headers);
+    }
     // Envoy forwards nothing of a denied request, so its would-be denials are not told.
     let request_headers_to_add = match shadow.enabled && !denied {
         true => shadow_headers(&verdicts, shadow),
@@ -178,7 +185,13 @@ fn verdicts<'a>(targets: &'a [Option<Target<'_>>], applied: Option<&Applied>) ->
         let applied = applied.expect("a matched descriptor has a decision");
         for p in &t.parts {
             verdicts.push(verdict(
-                descriptor, &p.policy, p.instance, p.demand, t.kind, t.shadow, applied,
+                descriptor,
+                &p.policy,
+                p.instance,
+                p.demand,
+                t.kind,
+                t.shadow && !t.global_shadow,
+                applied,
             ));
         }
     }
@@ -275,6 +288,37 @@ fn push_x_ratelimit_headers(response_headers_to_add: &mut Vec<HeaderValue>, v: &
         "x-ratelimit-reset",
         decimal(v.until_full_us.map_or(0, ceil_seconds)),
     ));
+}
+
+/// Pushes envoyproxy/ratelimit's three headers ([`LimitHeaders`]) from the status they pick:
+/// the last `OVER_LIMIT` one outside quota mode, else the first with the fewest
+/// `limit_remaining` among those with a `current_limit`; none when no status has one.
+fn push_limit_headers(
+    response_headers_to_add: &mut Vec<HeaderValue>,
+    targets: &[Option<Target<'_>>],
+    statuses: &[DescriptorStatus],
+    names: &LimitHeaders,
+) {
+    let mut picked: Option<&DescriptorStatus> = None;
+    let mut fewest = u32::MAX;
+    for (s, t) in statuses.iter().zip(targets) {
+        if s.current_limit.is_some() && s.limit_remaining < fewest {
+            picked = Some(s);
+            fewest = s.limit_remaining;
+        }
+        let quota = t.as_ref().is_some_and(|t| t.quota);
+        if s.code == Code::OverLimit as i32 && !quota {
+            picked = Some(s);
+            fewest = 0;
+        }
+    }
+    let Some((s, limit)) = picked.and_then(|s| Some((s, s.current_limit.as_ref()?))) else {
+        return;
+    };
+    let reset = s.duration_until_reset.map_or(0, |d| d.seconds.max(0).unsigned_abs());
+    response_headers_to_add.push(header(&names.limit, decimal(limit.requests_per_unit.into())));
+    response_headers_to_add.push(header(&names.remaining, decimal(s.limit_remaining.into())));
+    response_headers_to_add.push(header(&names.reset, decimal(reset)));
 }
 
 /// One bucket's verdict for the descriptor `descriptor`, from the store's decision.
@@ -441,10 +485,14 @@ pub(crate) fn ceil_seconds(us: u64) -> u64 {
     us.div_ceil(1_000_000)
 }
 
+/// `duration_until_reset`: whole seconds, rounded up, as the headers give them. Envoy keeps only
+/// the whole seconds of this field for its `x-ratelimit-reset` header, so a sub-second wait
+/// passed with its nanoseconds would read `0` on a 429 (and theirs only ever sends whole
+/// seconds).
 fn duration(us: u64) -> Duration {
     Duration {
-        seconds: i64::try_from(us / 1_000_000).unwrap_or(i64::MAX),
-        nanos: ((us % 1_000_000) * 1000) as i32,
+        seconds: i64::try_from(ceil_seconds(us)).unwrap_or(i64::MAX),
+        nanos: 0,
     }
 }
 

@@ -17,7 +17,7 @@ pub struct RequestLimits {
 }
 
 /// Response headers tollgate asks Envoy to add (`response_headers_to_add`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct HeaderSettings {
     /// `Retry-After: <seconds>` on `OVER_LIMIT` (RFC 9110 section 10.2.3).
@@ -26,6 +26,56 @@ pub struct HeaderSettings {
     pub ratelimit: bool,
     /// The older `X-RateLimit-Limit`, `-Remaining`, `-Reset` triple.
     pub x_ratelimit: bool,
+    /// envoyproxy/ratelimit's three headers (their `LIMIT_RESPONSE_HEADERS_ENABLED`).
+    pub limit_headers: LimitHeaders,
+}
+
+/// envoyproxy/ratelimit's response headers (`LIMIT_RESPONSE_HEADERS_ENABLED`, with the names
+/// of `LIMIT_LIMIT_HEADER`, `LIMIT_REMAINING_HEADER`, `LIMIT_RESET_HEADER`), computed as
+/// theirs from one descriptor's status: the last one `OVER_LIMIT` outside quota mode, else the
+/// one with the fewest `limit_remaining` among those with a `current_limit` (the first on a
+/// tie). Its `requests_per_unit`, its `limit_remaining`, and its `duration_until_reset` in
+/// whole seconds.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitHeaders {
+    /// Whether the three headers are added (none when no descriptor has a `current_limit`).
+    pub enabled: bool,
+    /// The name of the header holding `requests_per_unit` (their default `RateLimit-Limit`).
+    pub limit: String,
+    /// The name of the header holding `limit_remaining` (their default `RateLimit-Remaining`).
+    pub remaining: String,
+    /// The name of the header holding the seconds until reset (their default
+    /// `RateLimit-Reset`).
+    pub reset: String,
+}
+
+impl Default for LimitHeaders {
+    fn default() -> Self {
+        LimitHeaders {
+            enabled: false,
+            limit: "RateLimit-Limit".into(),
+            remaining: "RateLimit-Remaining".into(),
+            reset: "RateLimit-Reset".into(),
+        }
+    }
+}
+
+impl LimitHeaders {
+    /// What is wrong with the names, one message per name that is not an HTTP field name
+    /// (RFC 9110 section 5.1: one or more token characters).
+    pub fn problems(&self) -> Vec<String> {
+        let is_tchar = |c: char| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c);
+        [
+            ("limit", &self.limit),
+            ("remaining", &self.remaining),
+            ("reset", &self.reset),
+        ]
+        .into_iter()
+        .filter(|(_, name)| name.is_empty() || !name.chars().all(is_tchar))
+        .map(|(field, name)| format!("headers.limit_headers.{field} must be an HTTP header name, not {name:?}"))
+        .collect()
+    }
 }
 
 impl Default for RequestLimits {
@@ -44,6 +94,7 @@ impl Default for HeaderSettings {
             retry_after: true,
             ratelimit: true,
             x_ratelimit: false,
+            limit_headers: LimitHeaders::default(),
         }
     }
 }
@@ -118,5 +169,25 @@ impl ShadowHeaderSettings {
             problems.push("shadow_headers.buckets names the same header as shadow_headers.verdict".into());
         }
         problems
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limit_header_names_must_be_header_names() {
+        assert!(LimitHeaders::default().problems().is_empty());
+        let bad = LimitHeaders {
+            enabled: true,
+            limit: String::new(),
+            remaining: "Rate Limit".into(),
+            reset: "X-Reset".into(),
+        };
+        let problems = bad.problems();
+        assert_eq!(problems.len(), 2, "{problems:?}");
+        assert!(problems[0].starts_with("headers.limit_headers.limit"), "{problems:?}");
+        assert!(problems[1].contains("\"Rate Limit\""), "{problems:?}");
     }
 }

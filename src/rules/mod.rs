@@ -7,7 +7,7 @@ pub(crate) mod matcher;
 pub(crate) mod wildcard;
 
 pub use counters::envoyproxy_stat_key;
-pub use file::{load_rules, load_rules_text, parse_refill, ConfigError, Refill};
+pub use file::{load_rules, load_rules_merging, load_rules_text, parse_refill, ConfigError, Refill};
 pub use matcher::{find_node, find_rule, instance_key};
 pub use wildcard::{Candidates, Pattern, WildcardIndex};
 

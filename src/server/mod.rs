@@ -69,7 +69,7 @@ impl LimiterOptions {
     pub fn from_settings(settings: &Settings) -> LimiterOptions {
         LimiterOptions {
             limits: settings.limits,
-            headers: settings.headers,
+            headers: settings.headers.clone(),
             shadow_mode: settings.shadow_mode,
             shadow_headers: settings.shadow_headers.clone(),
             overrides: settings.overrides,

@@ -27,7 +27,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use crate::decision::limiter::Limiter;
-use crate::rules::file::{load_rules, rule_files, ConfigError, ConfigErrors};
+use crate::rules::file::{load_rules_merging, rule_files, ConfigError, ConfigErrors};
 use crate::rules::RuleSet;
 use crate::server::settings::ReloadSettings;
 use crate::store::Store;
@@ -82,8 +82,17 @@ pub fn fingerprint(path: &Path) -> Fingerprint {
 /// Errors: every problem in the rules files (file, rule, reason). An empty rules directory is
 /// not an error here; the caller decides (the server warns and limits nothing).
 pub fn load_initial(path: &Path) -> Result<(RuleSet, Fingerprint), ConfigErrors> {
+    load_initial_merging(path, false)
+}
+
+/// As [`load_initial`], files declaring one domain merged when `merge_domains` (the setting
+/// `merge_domains`, envoyproxy/ratelimit's `MERGE_DOMAIN_CONFIG`; see
+/// [`crate::rules::load_rules_merging`]).
+///
+/// Errors: as [`load_initial`].
+pub fn load_initial_merging(path: &Path, merge_domains: bool) -> Result<(RuleSet, Fingerprint), ConfigErrors> {
     let print = fingerprint(path);
-    let mut rules = load_rules(path)?;
+    let mut rules = load_rules_merging(path, merge_domains)?;
     rules.generation = 1;
     crate::rules::counters::register_rules(&mut rules);
     telemetry::rules_loaded(1, true, true);
@@ -156,6 +165,8 @@ pub enum ReloadOutcome {
 pub struct Reloader<S> {
     limiter: Arc<Limiter<S>>,
     path: PathBuf,
+    /// Files declaring one domain are merged ([`load_initial_merging`]).
+    merge_domains: bool,
     /// The fingerprints of the last load attempted (successful or not) and of the rules in
     /// force. The lock also serialises reloads (and is held through one).
     last: Mutex<Attempts>,
@@ -173,9 +184,21 @@ impl<S: Store> Reloader<S> {
     /// A reloader for `limiter`'s rules, read from `path`; `loaded` is the fingerprint of the
     /// rules in force (from [`load_initial`]).
     pub fn new(limiter: Arc<Limiter<S>>, path: PathBuf, loaded: Fingerprint) -> Arc<Reloader<S>> {
+        Reloader::new_merging(limiter, path, loaded, false)
+    }
+
+    /// As [`Reloader::new`], merging files that declare one domain when `merge_domains`
+    /// ([`load_initial_merging`]).
+    pub fn new_merging(
+        limiter: Arc<Limiter<S>>,
+        path: PathBuf,
+        loaded: Fingerprint,
+        merge_domains: bool,
+    ) -> Arc<Reloader<S>> {
         Arc::new(Reloader {
             limiter,
             path,
+            merge_domains,
             last: Mutex::new(Attempts {
                 attempted: loaded.clone(),
                 in_force: loaded,
@@ -245,7 +268,7 @@ impl<S: Store> Reloader<S> {
         }
         last.attempted = print.clone();
         let current = self.generation();
-        let loaded = load_rules(&self.path).and_then(|rules| {
+        let loaded = load_rules_merging(&self.path, self.merge_domains).and_then(|rules| {
             if rules.is_empty() {
                 Err(ConfigErrors(vec![ConfigError::no_rules_files(&self.path)]))
             } else {

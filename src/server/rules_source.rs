@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use crate::decision::limiter::Limiter;
 use crate::rules::RuleSet;
-use crate::server::reload::{load_initial, Fingerprint, Reloader};
+use crate::server::reload::{load_initial_merging, Fingerprint, Reloader};
 use crate::server::settings::{RulesSource as Kind, Settings};
 use crate::server::xds::XdsState;
 use crate::store::AnyStore;
@@ -52,7 +52,8 @@ pub(crate) fn load(settings: &Settings) -> anyhow::Result<Initial> {
             fingerprint: None,
         });
     }
-    let (rules, fingerprint) = load_initial(&settings.rules).map_err(|e| anyhow::anyhow!("invalid rules:\n{e}"))?;
+    let (rules, fingerprint) = load_initial_merging(&settings.rules, settings.merge_domains)
+        .map_err(|e| anyhow::anyhow!("invalid rules:\n{e}"))?;
     if rules.is_empty() {
         tracing::warn!(
             path = %settings.rules.display(),
@@ -82,7 +83,12 @@ impl Initial {
     ) -> (RulesSource, tokio::task::JoinHandle<()>) {
         match self.fingerprint {
             Some(fingerprint) => {
-                let reloader = Reloader::new(limiter.clone(), settings.rules.clone(), fingerprint);
+                let reloader = Reloader::new_merging(
+                    limiter.clone(),
+                    settings.rules.clone(),
+                    fingerprint,
+                    settings.merge_domains,
+                );
                 let task = reloader.spawn(settings.reload);
                 let path = settings.rules.clone();
                 (RulesSource::Files { reloader, path }, task)

@@ -169,6 +169,8 @@ async fn unlimited_never_limits_and_the_other_callers_are_limited() {
     let probe = one("internal", &[("caller", "health-prober")]);
     assert_eq!(codes(&h, &probe, 200).await, vec![OK; 200]);
     assert_eq!(h.ask(&probe).await.statuses[0].current_limit, None);
+    // As theirs: the most a `uint32` holds, not 0 (which reads as "nothing left").
+    assert_eq!(h.ask(&probe).await.statuses[0].limit_remaining, u32::MAX);
     assert_eq!(h.limiter.store().len(), 0, "an unlimited rule touches no bucket");
     assert_eq!(
         codes(&h, &one("internal", &[("caller", "batch-job")]), 2).await,

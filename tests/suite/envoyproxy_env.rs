@@ -159,12 +159,12 @@ impl ConfigMapVolume {
 
 /// A `tollgate` process started with exactly `env` (nothing inherited but `NO_COLOR`), as
 /// `ratelimit` (a symlink of that name to the binary, no arguments) or as `tollgate serve`.
-struct Started {
-    process: ChildGuard,
-    http: SocketAddr,
-    grpc: SocketAddr,
+pub(crate) struct Started {
+    pub(crate) process: ChildGuard,
+    pub(crate) http: SocketAddr,
+    pub(crate) grpc: SocketAddr,
     /// The admin API and `/config`.
-    admin: SocketAddr,
+    pub(crate) admin: SocketAddr,
     _dir: tempfile::TempDir,
 }
 
@@ -184,7 +184,7 @@ fn command(as_ratelimit: bool, dir: &Path) -> Command {
 
 /// Starts tollgate with `env` plus free `PORT`, `GRPC_PORT` on 127.0.0.1 and a free admin
 /// port, and waits until `/healthcheck` answers 200 `OK`.
-fn start(as_ratelimit: bool, env: &[(&str, String)]) -> Started {
+pub(crate) fn start(as_ratelimit: bool, env: &[(&str, String)]) -> Started {
     let mut started = spawn(as_ratelimit, env);
     let http = started.http;
     support::wait_until(&mut started.process, || {
@@ -694,10 +694,13 @@ fn refused_variables_name_the_variable_why_and_what_instead() {
         ),
         ("REDIS_PERSECOND", vec![("REDIS_PERSECOND", "true".into())]),
         ("QUOTA_MODE", vec![("QUOTA_MODE", "maybe".into())]),
-        ("MERGE_DOMAIN_CONFIG", vec![("MERGE_DOMAIN_CONFIG", "true".into())]),
+        ("MERGE_DOMAIN_CONFIG", vec![("MERGE_DOMAIN_CONFIG", "perhaps".into())]),
         (
             "LIMIT_LIMIT_HEADER",
-            vec![("LIMIT_RESPONSE_HEADERS_ENABLED", "true".into())],
+            vec![
+                ("LIMIT_RESPONSE_HEADERS_ENABLED", "true".into()),
+                ("LIMIT_LIMIT_HEADER", "Rate Limit".into()),
+            ],
         ),
         (
             "PROMETHEUS_MAPPER_YAML",

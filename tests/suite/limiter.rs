@@ -39,10 +39,12 @@ fn with_override(pairs: &[(&str, &str)], requests_per_unit: u32, unit: i32) -> R
     }
 }
 
+/// `duration_until_reset` for a wait of `us` microseconds: whole seconds, rounded up, never
+/// nanoseconds (Envoy's `x-ratelimit-reset` keeps only whole seconds).
 fn dur(us: u64) -> Option<Duration> {
     Some(Duration {
-        seconds: (us / 1_000_000) as i64,
-        nanos: ((us % 1_000_000) * 1000) as i32,
+        seconds: us.div_ceil(1_000_000) as i64,
+        nanos: 0,
     })
 }
 
@@ -322,13 +324,15 @@ async fn unmatched_and_unlimited_descriptors_are_ok_in_request_order() {
         vec![desc(&[("free", "x")]), desc(&[("k", "b")]), desc(&[("k", "zzz")])],
     );
     let resp = h.ask(&r).await;
-    assert_eq!(codes(&resp), vec![(OK, 0), (OK, 0), (OK, 0)]);
+    // An unlimited descriptor has the most a `uint32` holds left, as envoyproxy/ratelimit
+    // answers it; an unmatched one 0.
+    assert_eq!(codes(&resp), vec![(OK, u32::MAX), (OK, 0), (OK, 0)]);
     assert_eq!(resp.statuses[0].current_limit, None);
     assert_eq!(limit_of(&resp.statuses[1]), Some(("b", 1, Unit::Minute)));
     assert_eq!(resp.statuses[2].current_limit, None);
     let resp = h.ask(&r).await;
     assert_eq!(resp.overall_code, OVER);
-    assert_eq!(codes(&resp), vec![(OK, 0), (OVER, 0), (OK, 0)]);
+    assert_eq!(codes(&resp), vec![(OK, u32::MAX), (OVER, 0), (OK, 0)]);
 }
 
 // ---- hits_addend ----------------------------------------------------------------------
@@ -630,6 +634,8 @@ async fn global_shadow_mode_tells_every_bucket_that_would_have_denied() {
     );
 }
 
+/// Global shadow mode denies nothing, but each descriptor's status says what it would have
+/// been, as envoyproxy/ratelimit's `SHADOW_MODE` answers: `OVER_LIMIT` under an overall `OK`.
 #[tokio::test]
 async fn global_shadow_mode_never_denies() {
     let h = harness_with(
@@ -644,12 +650,30 @@ async fn global_shadow_mode_never_denies() {
     for a_left in [3, 2] {
         let resp = h.ask(&r).await;
         assert_eq!(resp.overall_code, OK);
-        assert_eq!(codes(&resp), vec![(OK, 0), (OK, a_left)]);
+        assert_eq!(codes(&resp), vec![(OVER, 0), (OK, a_left)]);
         assert_eq!(header(&resp, "retry-after"), None);
     }
-    // Even a demand that can never pass is not denied.
+    // Even a demand that can never pass is not denied; it takes nothing.
     let resp = h.ask(&req("d", vec![hits(&[("k", "c")], 100)])).await;
-    assert_eq!(codes(&resp), vec![(OK, 3)]);
+    assert_eq!(resp.overall_code, OK);
+    assert_eq!(codes(&resp), vec![(OVER, 3)]);
+    // A rule's own shadow_mode still answers OK on its status.
+    let h = harness_with(
+        "domain: d
+descriptors:
+  - key: k
+    shadow_mode: true
+    token_bucket: {capacity: 1, refill: 1/1m}
+",
+        LimiterOptions {
+            shadow_mode: true,
+            ..options()
+        },
+    );
+    for left in [0, 0] {
+        let resp = h.ask(&one(&[("k", "x")])).await;
+        assert_eq!((resp.overall_code, codes(&resp)), (OK, vec![(OK, left)]));
+    }
 }
 
 // ---- refunds --------------------------------------------------------------------------
@@ -854,6 +878,32 @@ descriptors:
     assert_eq!(resp.statuses[0].duration_until_reset, dur(22_500_000));
 }
 
+/// A wait shorter than a second is announced as one whole second, not as 0 s and some
+/// nanoseconds: Envoy writes only the whole seconds of `duration_until_reset` into
+/// `x-ratelimit-reset`, so a 429 read `0` before.
+#[tokio::test]
+async fn a_sub_second_reset_is_one_whole_second() {
+    let h = harness(
+        "domain: d
+descriptors:
+  - key: fine
+    name: fine
+    token_bucket: {capacity: 2, refill: 1/250ms}
+",
+    );
+    for (code, remaining) in [(OK, 1), (OK, 0), (OVER, 0)] {
+        let resp = h.ask(&one(&[("fine", "x")])).await;
+        let s = &resp.statuses[0];
+        assert_eq!((s.code, s.limit_remaining), (code, remaining));
+        let reset = s.duration_until_reset.expect("a refilling bucket announces its reset");
+        assert_eq!((reset.seconds, reset.nanos), (1, 0), "{code:?}");
+    }
+    // 0.45 s until full: still one second.
+    h.advance_ms(50);
+    let resp = h.ask(&req("d", vec![hits(&[("fine", "x")], 0)])).await;
+    assert_eq!(resp.statuses[0].duration_until_reset, dur(1_000_000));
+}
+
 // ---- Retry-After ----------------------------------------------------------------------
 
 #[tokio::test]
@@ -958,6 +1008,7 @@ async fn retry_after_header_can_be_turned_off() {
                 retry_after: false,
                 ratelimit: false,
                 x_ratelimit: false,
+                ..HeaderSettings::default()
             },
             ..options()
         },

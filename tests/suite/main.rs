@@ -14,6 +14,7 @@ mod cold_start;
 mod deploy;
 mod docs_examples;
 mod envoy_e2e;
+mod envoyproxy_compat;
 mod envoyproxy_configs;
 mod envoyproxy_env;
 mod envoyproxy_names;

@@ -215,11 +215,11 @@ fn assert_limit_headers(reply: &Reply, limit: u64, remaining: u64, full_in_us: u
     let quota = format!("{limit}, {limit};w=60");
     assert_eq!(reply.required("x-ratelimit-limit"), quota, "{}", reply.dump());
     assert_eq!(reply.number("x-ratelimit-remaining"), remaining, "{}", reply.dump());
-    // Envoy writes the whole seconds of `duration_until_reset`, rounded down; the time since
-    // the first decision only shortens it.
+    // Envoy writes the whole seconds of `duration_until_reset`, which tollgate rounds up; the
+    // time since the first decision only shortens it.
     let reset = reply.number("x-ratelimit-reset");
     let elapsed_us = u64::try_from(reply.at.as_micros()).unwrap();
-    let expected = full_in_us.saturating_sub(elapsed_us) / 1_000_000..=full_in_us / 1_000_000;
+    let expected = full_in_us.saturating_sub(elapsed_us).div_ceil(1_000_000)..=full_in_us.div_ceil(1_000_000);
     assert!(
         expected.contains(&reset),
         "reset {reset}, expected {expected:?}:\n{}",

@@ -19,12 +19,20 @@ use envoy_types::pb::google::protobuf::Struct;
 /// reset time then stays far from saturating.
 const MAX_FILL_US: u64 = 10 * 365 * DAY_US;
 
-/// Compiles parsed files into one rule set, or every problem found.
-pub(super) fn compile(files: Vec<(PathBuf, RulesFile)>) -> Result<RuleSet, Vec<ConfigError>> {
+/// Compiles parsed files into one rule set, or every problem found. With `merge_domains`,
+/// files declaring the same domain become one (see [`merge_domains`]).
+pub(super) fn compile(files: Vec<(PathBuf, RulesFile)>, merge_domains: bool) -> Result<RuleSet, Vec<ConfigError>> {
     let mut errors = Vec::new();
-    let mut set = RuleSet::default();
+    let mut set = RuleSet {
+        files: files.iter().map(|(path, _)| path.clone()).collect(),
+        ..RuleSet::default()
+    };
+    let files = if merge_domains {
+        self::merge_domains(files, &mut errors)
+    } else {
+        files
+    };
     for (path, file) in files {
-        set.files.push(path.clone());
         if file.domain.trim().is_empty() {
             errors.push(ConfigError::file(&path, "`domain` must not be empty"));
             continue;
@@ -54,6 +62,42 @@ pub(super) fn compile(files: Vec<(PathBuf, RulesFile)>) -> Result<RuleSet, Vec<C
     } else {
         Err(errors)
     }
+}
+
+/// envoyproxy/ratelimit's `MERGE_DOMAIN_CONFIG`: the files that declare one domain become
+/// one, under the first file's name, in file order: the later files' top-level descriptors are
+/// added after the earlier ones', and their `buckets` beside them. As in theirs, nothing is
+/// merged below the top level: a top-level key and value declared by two files is the
+/// compiler's duplicate-descriptor error, and so is a bucket name declared by two files.
+fn merge_domains(files: Vec<(PathBuf, RulesFile)>, errors: &mut Vec<ConfigError>) -> Vec<(PathBuf, RulesFile)> {
+    let mut out: Vec<(PathBuf, RulesFile)> = Vec::with_capacity(files.len());
+    for (path, file) in files {
+        let first = out
+            .iter_mut()
+            .find(|(_, f)| !file.domain.trim().is_empty() && f.domain == file.domain);
+        let Some((first_path, merged)) = first else {
+            out.push((path, file));
+            continue;
+        };
+        for (name, spec) in file.buckets {
+            match merged.buckets.entry(name) {
+                std::collections::btree_map::Entry::Occupied(taken) => errors.push(ConfigError::file(
+                    &path,
+                    format!(
+                        "bucket `{}` of domain `{}` is already declared in {} (MERGE_DOMAIN_CONFIG merges descriptors, not buckets)",
+                        taken.key(),
+                        file.domain,
+                        first_path.display()
+                    ),
+                )),
+                std::collections::btree_map::Entry::Vacant(slot) => {
+                    slot.insert(spec);
+                }
+            }
+        }
+        merged.descriptors.extend(file.descriptors);
+    }
+    out
 }
 
 /// A bucket spec compiled: a token bucket (constant or scheduled), a quota, or both.

@@ -41,6 +41,16 @@ pub(crate) fn rule_files(path: &Path) -> Result<Vec<PathBuf>, ConfigError> {
 /// Errors: every problem found, each naming the file, the rule and the reason; one bad file
 /// rejects the whole set.
 pub fn load_rules(path: &Path) -> Result<RuleSet, ConfigErrors> {
+    load_rules_merging(path, false)
+}
+
+/// As [`load_rules`]; with `merge_domains`, files that declare the same domain are merged
+/// into one domain as envoyproxy/ratelimit's `MERGE_DOMAIN_CONFIG=true` merges them (their
+/// top-level descriptors side by side, a key and value declared twice an error), instead of
+/// the second being an error.
+///
+/// Errors: as [`load_rules`].
+pub fn load_rules_merging(path: &Path, merge_domains: bool) -> Result<RuleSet, ConfigErrors> {
     let files = rule_files(path).map_err(|e| ConfigErrors(vec![e]))?;
     let mut parsed = Vec::new();
     let mut errors = Vec::new();
@@ -53,7 +63,7 @@ pub fn load_rules(path: &Path) -> Result<RuleSet, ConfigErrors> {
             },
         }
     }
-    match compile(parsed) {
+    match compile(parsed, merge_domains) {
         Ok(set) if errors.is_empty() => Ok(set),
         Ok(_) => Err(ConfigErrors(errors)),
         Err(mut more) => {
@@ -70,7 +80,7 @@ pub fn load_rules(path: &Path) -> Result<RuleSet, ConfigErrors> {
 /// Errors: the file is empty, does not parse, or does not compile; each error names `file`.
 pub fn load_rules_text(file: &Path, text: &str) -> Result<RuleSet, ConfigErrors> {
     let rules = parse_one(file, text).map_err(|e| ConfigErrors(vec![e]))?;
-    compile(vec![(file.to_owned(), rules)]).map_err(ConfigErrors)
+    compile(vec![(file.to_owned(), rules)], false).map_err(ConfigErrors)
 }
 
 /// Compiles rules given in the rules model rather than as files (the `RateLimitConfig`s an
@@ -80,7 +90,7 @@ pub fn load_rules_text(file: &Path, text: &str) -> Result<RuleSet, ConfigErrors>
 ///
 /// Errors: every problem, each naming `name`, the rule and the reason.
 pub(crate) fn compile_models(models: Vec<(PathBuf, RulesFile)>) -> Result<RuleSet, ConfigErrors> {
-    compile(models).map_err(ConfigErrors)
+    compile(models, false).map_err(ConfigErrors)
 }
 
 /// One file's text parsed, or the error [`load_rules`] reports for it.

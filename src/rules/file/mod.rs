@@ -19,6 +19,6 @@ pub(crate) use error::ConfigErrors;
 pub(crate) use load::compile_models;
 pub(crate) use load::parse_file;
 pub(crate) use load::rule_files;
-pub use load::{load_rules, load_rules_text};
+pub use load::{load_rules, load_rules_merging, load_rules_text};
 pub(crate) use model::{DescriptorSpec, RateLimitSpec, ReplaceSpec, RulesFile};
 pub use refill::{parse_refill, Refill};

@@ -779,41 +779,44 @@ impl Reader<'_> {
         }
     }
 
+    /// `LIMIT_RESPONSE_HEADERS_ENABLED` and their three names become `headers.limit_headers`,
+    /// computed as theirs (`crate::decision::LimitHeaders`); a name that is no HTTP header
+    /// name is refused (Envoy would drop the header).
     fn headers(&mut self) {
         let names = [
-            ("LIMIT_LIMIT_HEADER", "RateLimit-Limit", "x-ratelimit-limit"),
-            ("LIMIT_REMAINING_HEADER", "RateLimit-Remaining", "x-ratelimit-remaining"),
-            ("LIMIT_RESET_HEADER", "RateLimit-Reset", "x-ratelimit-reset"),
+            ("LIMIT_LIMIT_HEADER", "limit"),
+            ("LIMIT_REMAINING_HEADER", "remaining"),
+            ("LIMIT_RESET_HEADER", "reset"),
         ];
         if self.bool("LIMIT_RESPONSE_HEADERS_ENABLED") != Some(true) {
+            for (var, _) in names {
+                if self.get(var).is_some() {
+                    self.out
+                        .notes
+                        .push((var.into(), "only read with LIMIT_RESPONSE_HEADERS_ENABLED=true".into()));
+                }
+            }
             return;
         }
-        let mut all_x = true;
-        for (var, theirs, ours) in names {
-            let name = self.get(var).unwrap_or(theirs).to_ascii_lowercase();
-            if name != ours {
-                all_x = false;
-                let shown = self
-                    .get(var)
-                    .map_or(format!("{theirs:?} (their default)"), |v| format!("{v:?}"));
+        self.set(
+            "headers.limit_headers.enabled",
+            json!(true),
+            "LIMIT_RESPONSE_HEADERS_ENABLED",
+        );
+        let is_tchar = |c: char| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c);
+        for (var, field) in names {
+            let Some(name) = self.get(var).map(str::to_owned) else {
+                continue;
+            };
+            if name.chars().all(is_tchar) {
+                self.set(&format!("headers.limit_headers.{field}"), json!(name), var);
+            } else {
+                let shown = self.shown(var);
                 self.refuse(
                     var,
-                    format!(
-                        "with LIMIT_RESPONSE_HEADERS_ENABLED=true the header {shown} is asked for; tollgate sends \
-                         X-RateLimit-Limit, -Remaining and -Reset under these names only: set {var}={}, \
-                         or unset LIMIT_RESPONSE_HEADERS_ENABLED and read the RateLimit-Policy and RateLimit \
-                         headers tollgate sends by default",
-                        canonical(ours)
-                    ),
+                    format!("{shown} is not an HTTP header name; use letters, digits and - (e.g. X-RateLimit-Limit)"),
                 );
             }
-        }
-        if all_x {
-            self.set(
-                "headers.x_ratelimit",
-                json!(true),
-                "LIMIT_RESPONSE_HEADERS_ENABLED, LIMIT_LIMIT_HEADER, LIMIT_REMAINING_HEADER, LIMIT_RESET_HEADER",
-            );
         }
     }
 
@@ -1186,11 +1189,8 @@ impl Reader<'_> {
         if let Some(v) = self.bool("RESPONSE_DYNAMIC_METADATA") {
             self.set("response.dynamic_metadata", json!(v), "RESPONSE_DYNAMIC_METADATA");
         }
-        if self.bool("MERGE_DOMAIN_CONFIG") == Some(true) {
-            self.refuse(
-                "MERGE_DOMAIN_CONFIG",
-                "merging one domain from several files is not supported; set it to false and keep each domain in one file",
-            );
+        if let Some(v) = self.bool("MERGE_DOMAIN_CONFIG") {
+            self.set("merge_domains", json!(v), "MERGE_DOMAIN_CONFIG");
         }
         self.tracing();
     }
@@ -1427,23 +1427,6 @@ pub fn files_not_loaded(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
         walk(dir, true, &mut out);
     }
     out
-}
-
-/// `X-RateLimit-Limit` from `x-ratelimit-limit`.
-fn canonical(name: &str) -> String {
-    name.split('-')
-        .map(|w| match w {
-            "x" => "X".to_owned(),
-            "ratelimit" => "RateLimit".to_owned(),
-            w => {
-                let mut c = w.chars();
-                c.next()
-                    .map(|f| f.to_ascii_uppercase().to_string() + c.as_str())
-                    .unwrap_or_default()
-            }
-        })
-        .collect::<Vec<_>>()
-        .join("-")
 }
 
 fn socket_addr(host: &str, port: u16) -> Option<std::net::SocketAddr> {
@@ -1872,7 +1855,50 @@ mod tests {
             Some(std::net::SocketAddr::from(([127, 0, 0, 1], 9)))
         );
         assert_eq!(listen_addr("nope"), None);
-        assert_eq!(canonical("x-ratelimit-remaining"), "X-RateLimit-Remaining");
+    }
+
+    /// `LIMIT_RESPONSE_HEADERS_ENABLED` turns their headers on under their default names or
+    /// the names given; the names alone are only noted; a name that is no header name is
+    /// refused.
+    #[test]
+    fn limit_headers_and_their_names() {
+        let env = read(&[("LIMIT_RESPONSE_HEADERS_ENABLED", "true")]).unwrap();
+        assert_eq!(env.document()["headers"], json!({"limit_headers": {"enabled": true}}));
+        let env = read(&[
+            ("LIMIT_RESPONSE_HEADERS_ENABLED", "true"),
+            ("LIMIT_LIMIT_HEADER", "A-Ratelimit-Limit"),
+            ("LIMIT_REMAINING_HEADER", "A-Ratelimit-Remaining"),
+            ("LIMIT_RESET_HEADER", "A-Ratelimit-Reset"),
+        ])
+        .unwrap();
+        assert_eq!(
+            env.document()["headers"]["limit_headers"],
+            json!({"enabled": true, "limit": "A-Ratelimit-Limit", "remaining": "A-Ratelimit-Remaining", "reset": "A-Ratelimit-Reset"})
+        );
+        assert_eq!(env.origins["headers.limit_headers.reset"], "LIMIT_RESET_HEADER");
+        let env = read(&[("LIMIT_LIMIT_HEADER", "A-Ratelimit-Limit")]).unwrap();
+        assert!(env.document().get("headers").is_none());
+        assert_eq!(
+            notes_of(&env, "LIMIT_LIMIT_HEADER"),
+            ["only read with LIMIT_RESPONSE_HEADERS_ENABLED=true"]
+        );
+        let err = read(&[
+            ("LIMIT_RESPONSE_HEADERS_ENABLED", "true"),
+            ("LIMIT_RESET_HEADER", "Reset: now"),
+        ])
+        .unwrap_err();
+        assert_eq!(err.0.len(), 1, "{err}");
+        assert_eq!(err.0[0].variable, "LIMIT_RESET_HEADER");
+    }
+
+    /// `MERGE_DOMAIN_CONFIG` and `SHADOW_MODE` become settings of the same meaning.
+    #[test]
+    fn merge_domain_config_and_shadow_mode() {
+        let env = read(&[("MERGE_DOMAIN_CONFIG", "true"), ("SHADOW_MODE", "1")]).unwrap();
+        assert_eq!(env.document()["merge_domains"], true);
+        assert_eq!(env.document()["shadow_mode"], true);
+        let env = read(&[("MERGE_DOMAIN_CONFIG", "false")]).unwrap();
+        assert_eq!(env.document()["merge_domains"], false);
     }
 
     /// Their filepath.Join keeps RUNTIME_ROOT when a part starts with `/`.

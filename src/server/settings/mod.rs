@@ -33,6 +33,10 @@ pub struct Settings {
     pub http_addr: SocketAddr,
     /// A rules file, or a directory of `*.yaml` rules files; relative to the working directory.
     pub rules: PathBuf,
+    /// Rules files that declare the same domain are merged into one domain, their top-level
+    /// descriptors side by side (envoyproxy/ratelimit's `MERGE_DOMAIN_CONFIG`); `false`: a
+    /// domain declared twice is an error.
+    pub merge_domains: bool,
     /// Where the rules come from: the files at `rules`, or an xDS server (`xds`).
     pub rules_source: RulesSource,
     /// The xDS client (used when `rules_source: xds`).
@@ -232,6 +236,7 @@ impl Default for Settings {
             grpc_addr: GrpcAddr::Tcp(SocketAddr::from(([0, 0, 0, 0], 8081))),
             http_addr: SocketAddr::from(([0, 0, 0, 0], 8080)),
             rules: PathBuf::from("config/rules"),
+            merge_domains: false,
             rules_source: RulesSource::Files,
             xds: XdsSettings::default(),
             backend: Backend::Memory,
@@ -654,6 +659,9 @@ impl Settings {
                         .into(),
                 );
             }
+        }
+        if self.headers.limit_headers.enabled {
+            problems.extend(self.headers.limit_headers.problems());
         }
         if self.limits.max_value_bytes == 0 {
             problems.push("limits.max_value_bytes must be at least 1".into());
