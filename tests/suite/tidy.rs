@@ -19,7 +19,16 @@ const LAYERS: [(&str, &[&str]); 9] = [
     ("traces", &["core", "telemetry", "rules", "store", "decision"]),
     (
         "server",
-        &["core", "telemetry", "rules", "store", "decision", "rlqs", "statsd", "traces"],
+        &[
+            "core",
+            "telemetry",
+            "rules",
+            "store",
+            "decision",
+            "rlqs",
+            "statsd",
+            "traces",
+        ],
     ),
 ];
 
