@@ -394,13 +394,13 @@ impl<S: Store> Limiter<S> {
             );
             return Ok(finish(resp, &prepared.targets));
         }
-        let store_span = tracing::debug_span!(
-            target: "tollgate::store",
-            "store",
-            ratelimit.buckets = prepared.buckets.len(),
-            ratelimit.decided_by = tracing::field::Empty,
-        );
-        let applied = match self.apply(&mut prepared, denying).instrument(store_span).await {
+        let applied = if tracing::enabled!(target: "tollgate::store", tracing::Level::DEBUG) {
+            let buckets = prepared.buckets.len();
+            in_store_span(self.apply(&mut prepared, denying), buckets).await
+        } else {
+            self.apply(&mut prepared, denying).await
+        };
+        let applied = match applied {
             Ok(applied) => applied,
             Err(e) => {
                 let answer = store_failure_answer(&prepared.targets, e, self.options.on_store_failure)?;
@@ -991,4 +991,20 @@ fn check_entries(entries: &[Entry], limits: &RequestLimits) -> Result<(), String
         return Err(format!("entry {j} has an empty key"));
     }
     Ok(())
+}
+
+/// `apply`, in a `store` span of the traced request's server span (docs/monitoring.md, "Traces"),
+/// boxed: the span then costs the untraced decision's future (boxed by tonic, kept under 2 KiB)
+/// nothing.
+fn in_store_span<'a, T>(
+    apply: impl std::future::Future<Output = T> + Send + 'a,
+    buckets: usize,
+) -> std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>> {
+    let span = tracing::debug_span!(
+        target: "tollgate::store",
+        "store",
+        ratelimit.buckets = buckets,
+        ratelimit.decided_by = tracing::field::Empty,
+    );
+    Box::pin(apply.instrument(span))
 }

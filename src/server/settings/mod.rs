@@ -333,7 +333,7 @@ pub const DEFAULT_SETTINGS_FILE: &str = "config/tollgate.yaml";
 
 /// Top-level settings keys; only these are read from `TOLLGATE_*`, so unrelated variables
 /// with the same prefix are not mistaken for settings.
-const KEYS: [&str; 27] = [
+const KEYS: [&str; 28] = [
     "grpc_addr",
     "http_addr",
     "rules",
@@ -360,6 +360,7 @@ const KEYS: [&str; 27] = [
     "grpc",
     "tls",
     "rlqs",
+    "merge_domains",
     "tracing",
 ];
 
