@@ -394,7 +394,8 @@ impl<S: Store> Limiter<S> {
             );
             return Ok(finish(resp, &prepared.targets));
         }
-        let applied = if tracing::enabled!(target: "tollgate::store", tracing::Level::DEBUG) {
+        let applied = if tracing::enabled!(kind: tracing::metadata::Kind::SPAN, target: "tollgate::store", tracing::Level::DEBUG)
+        {
             let buckets = prepared.buckets.len();
             in_store_span(self.apply(&mut prepared, denying), buckets).await
         } else {

@@ -190,7 +190,7 @@ fn verdicts<'a>(targets: &'a [Option<Target<'_>>], applied: Option<&Applied>) ->
                 p.instance,
                 p.demand,
                 t.kind,
-                t.shadow && !t.global_shadow,
+                (t.shadow, t.global_shadow),
                 applied,
             ));
         }
@@ -328,7 +328,7 @@ fn verdict<'a>(
     instance: usize,
     demand: usize,
     kind: DemandKind,
-    shadow: bool,
+    (shadow, global_shadow): (bool, bool),
     applied: &Applied,
 ) -> Verdict<'a> {
     let out = &applied.decision.instances[instance];
@@ -345,7 +345,9 @@ fn verdict<'a>(
         policy,
         limit: policy.shown(plan.limit_at(now)),
         reported: policy.reported_at(now),
-        over: !passed && !shadow,
+        // Global shadow mode shows the would-be denial in the status (as envoyproxy/ratelimit's
+        // `SHADOW_MODE`); a rule's own shadow mode answers `OK` there.
+        over: !passed && (!shadow || global_shadow),
         would_deny: !passed && shadow,
         remaining_ut: policy.balance_ut(out.after.tokens_ut),
         until_full_us: plan.reset_in_us(kept, now),
