@@ -368,13 +368,11 @@ impl<S: Store> Limiter<S> {
             prepare(req, &screened, domain, &self.options, denying)
         };
         let metadata = self.options.response.dynamic_metadata;
-        let unlimited = prepared.unlimited;
+        let unlimited = prepared.unlimited.take();
         let finish = |mut resp: RateLimitResponse, targets: &[Option<Target<'_>>]| {
-            if unlimited != 0 {
-                for (i, s) in resp.statuses.iter_mut().enumerate().take(64) {
-                    if unlimited & (1 << i) != 0 {
-                        s.limit_remaining = u32::MAX;
-                    }
+            for &i in unlimited.iter().flat_map(|list| list.iter()) {
+                if let Some(s) = resp.statuses.get_mut(i) {
+                    s.limit_remaining = u32::MAX;
                 }
             }
             if denying {
@@ -516,13 +514,12 @@ struct Prepared<'a> {
     buckets: SmallVec<[BucketRef; 4]>,
     demands: SmallVec<[Demand; 4]>,
     targets: Vec<Option<Target<'a>>>,
-    /// The descriptors that reached an `unlimited` rule, bit `i` for descriptor `i`: answered
-    /// `OK` with `limit_remaining` at the `uint32` maximum, as envoyproxy/ratelimit answers
-    /// them. A bit mask, not a list, because it is held across the store call and every byte
-    /// of the decision's future is copied per request; only the first 64 descriptors (the
-    /// default `limits.max_descriptors`) are marked, later ones answer 0 as a descriptor
-    /// without a rule does.
-    unlimited: u64,
+    /// The indices of the descriptors that reached an `unlimited` rule: answered `OK` with
+    /// `limit_remaining` at the `uint32` maximum, as envoyproxy/ratelimit answers them. Boxed
+    /// (8 bytes, and no allocation unless a descriptor is unlimited) because it is held across
+    /// the store call, and every byte of the decision's future is copied per request.
+    #[allow(clippy::box_collection)] // the box is the point: a pointer's width in the future
+    unlimited: Option<Box<Vec<usize>>>,
 }
 
 /// Prepares the store's call for `req` (screened as `screened`, in `domain` when known): every
@@ -535,7 +532,7 @@ fn prepare<'a>(
     options: &LimiterOptions,
     denying: bool,
 ) -> Prepared<'a> {
-    let mut unlimited = 0;
+    let mut unlimited = None;
     let matched = match_descriptors(req, screened, domain, options, &mut unlimited);
     let mut prepared = demands_of(req, screened, matched, options, denying);
     prepared.unlimited = unlimited;
@@ -545,12 +542,13 @@ fn prepare<'a>(
 /// Per descriptor of `req`, what decides it (`None`: nothing), the rules another matched rule
 /// `replaces` already dropped; the descriptors that reached an `unlimited` rule are marked in
 /// `unlimited` ([`Prepared::unlimited`]).
+#[allow(clippy::box_collection)] // see `Prepared::unlimited`
 fn match_descriptors<'a>(
     req: &'a RateLimitRequest,
     screened: &'a Screened,
     domain: Option<&'a Domain>,
     options: &LimiterOptions,
-    unlimited: &mut u64,
+    unlimited: &mut Option<Box<Vec<usize>>>,
 ) -> Vec<Option<Matched<'a>>> {
     let mut matched: Vec<Option<Matched>> = Vec::with_capacity(req.descriptors.len());
     // Buckets named by the `replaces` of matched unlimited rules (they match nothing else).
@@ -574,9 +572,7 @@ fn match_descriptors<'a>(
                 let node = find_node(dom, entries)?;
                 if let Some(Rule::Unlimited { replaces }) = &dom.nodes[node].rule {
                     unlimited_replaces.extend_from_slice(replaces);
-                    if i < 64 {
-                        *unlimited |= 1 << i;
-                    }
+                    unlimited.get_or_insert_with(Box::default).push(i);
                 }
                 Matched::at(dom, node, entries.len())
             })
@@ -694,7 +690,7 @@ fn demands_of<'a>(
         buckets,
         demands,
         targets,
-        unlimited: 0,
+        unlimited: None,
     }
 }
 

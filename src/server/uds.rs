@@ -139,19 +139,38 @@ impl Serialize for SocketMode {
 
 impl<'de> Deserialize<'de> for SocketMode {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        /// A YAML `0660` and a `TOLLGATE_GRPC__UNIX_SOCKET_MODE=0660` arrive as the number 660:
-        /// its decimal digits are the octal ones written.
         #[derive(Deserialize)]
         #[serde(untagged)]
         enum Written {
             Text(String),
             Number(u64),
         }
-        let text = match Written::deserialize(deserializer)? {
-            Written::Text(text) => text,
-            Written::Number(n) => n.to_string(),
-        };
-        text.parse().map_err(serde::de::Error::custom)
+        match Written::deserialize(deserializer)? {
+            Written::Text(text) => text.parse().map_err(serde::de::Error::custom),
+            Written::Number(n) => from_number(n).map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+/// The mode of an unquoted number. A YAML `0660` and a `TOLLGATE_GRPC__UNIX_SOCKET_MODE=0660`
+/// arrive as the number 660, whose decimal digits are the octal ones written; a YAML octal
+/// literal `0o660` arrives as its value, 432. Above 511 (`0o777`) a number can only be digits;
+/// at most 511, one with an 8 or a 9 can only be a value; any other (432: `0o660`, or digits
+/// meaning `0o432`?) is refused rather than guessed, since a wrong guess can open the socket
+/// to every local user.
+fn from_number(n: u64) -> Result<SocketMode, String> {
+    let digits = n.to_string();
+    let octal_digits = digits.bytes().all(|b| (b'0'..=b'7').contains(&b));
+    match n {
+        512.. if octal_digits => digits.parse(),
+        512.. => Err(format!(
+            "{n} is not a file mode: give up to three octal digits, quoted, as \"0660\""
+        )),
+        _ if !octal_digits => Ok(SocketMode(n as u32)),
+        _ => Err(format!(
+            "the unquoted mode {n} is ambiguous (the digits {n}, or a YAML octal literal's value, \
+             0o{n:o}?): quote it, as \"0660\""
+        )),
     }
 }
 
@@ -288,6 +307,23 @@ mod tests {
         assert_eq!(from_number, SocketMode(0o660));
         let from_text: SocketMode = serde_json::from_str("\"0600\"").unwrap();
         assert_eq!(from_text, SocketMode(0o600));
+    }
+
+    /// A YAML octal literal arrives as its value: `0o660` is 432, which was read as the digits
+    /// of `0o432` (others may write to the socket). Read right when only one reading exists,
+    /// refused when two do.
+    #[test]
+    fn a_yaml_octal_literal_is_read_right_or_refused() {
+        let read = |yaml: &str| serde_yaml::from_str::<SocketMode>(yaml).map_err(|e| e.to_string());
+        let ambiguous = read("0o660").unwrap_err();
+        assert!(
+            ambiguous.contains("ambiguous") && ambiguous.contains("0o660"),
+            "{ambiguous}"
+        );
+        assert_eq!(read("0o600"), Ok(SocketMode(0o600)), "384: only a value has an 8");
+        assert_eq!(read("0660"), Ok(SocketMode(0o660)), "the digits written");
+        assert_eq!(read("\"0o660\""), Ok(SocketMode(0o660)));
+        assert!(read("999").is_err());
     }
 
     #[tokio::test]

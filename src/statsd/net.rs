@@ -6,6 +6,7 @@
 
 use std::io::{self, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs, UdpSocket};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -36,8 +37,6 @@ struct State {
     /// No connection attempt before this instant (after a failed one).
     retry_at: Option<Instant>,
     last_warned: Option<Instant>,
-    /// Lines dropped since the last warning.
-    dropped: u64,
 }
 
 /// A statsd server at `addr` (`host:port`) over `protocol`; cheap to clone (shared).
@@ -48,6 +47,10 @@ struct Inner {
     addr: String,
     protocol: StatsdProtocol,
     state: Mutex<State>,
+    /// Lines dropped since the last warning: an atomic, not part of `state`, because the
+    /// decision path counts here when the queue is full, and must never wait for the lock a
+    /// flush holds while it connects or writes to a slow server.
+    dropped: AtomicU64,
 }
 
 impl NetSink {
@@ -60,14 +63,14 @@ impl NetSink {
                 buf: Vec::new(),
                 retry_at: None,
                 last_warned: None,
-                dropped: 0,
             }),
+            dropped: AtomicU64::new(0),
         }))
     }
 
     /// Counts `lines` lost (a full queue, a failed write) for the next warning.
     pub(crate) fn dropped(&self, lines: u64) {
-        self.0.state.lock().unwrap_or_else(PoisonError::into_inner).dropped += lines;
+        self.0.dropped.fetch_add(lines, Ordering::Relaxed);
     }
 
     fn limit(&self) -> usize {
@@ -115,16 +118,15 @@ impl NetSink {
         let result = self.write(state);
         state.buf.clear();
         if let Err(e) = &result {
-            state.dropped += lines;
+            self.0.dropped.fetch_add(lines, Ordering::Relaxed);
             let now = Instant::now();
             if state.last_warned.is_none_or(|at| now.duration_since(at) >= WARN_EVERY) {
                 state.last_warned = Some(now);
                 tracing::warn!(
                     addr = %self.0.addr,
-                    dropped_lines = state.dropped,
+                    dropped_lines = self.0.dropped.swap(0, Ordering::Relaxed),
                     "statsd server unreachable: {e}; its lines are dropped until it answers"
                 );
-                state.dropped = 0;
             }
         }
         result
@@ -151,7 +153,9 @@ impl NetSink {
             Some(Conn::Tcp(stream)) => stream.write_all(&state.buf),
             None => Ok(()),
         };
-        if written.is_err() && matches!(state.conn, Some(Conn::Tcp(_))) {
+        // Connected again (the name looked up again) after any failure: a UDP socket stays
+        // bound to the address first resolved, which a restarted statsd may no longer have.
+        if written.is_err() {
             state.conn = None;
         }
         written
@@ -202,6 +206,46 @@ mod tests {
             }
         }
         assert_eq!(got, 30);
+    }
+
+    /// The decision path counts a line its full queue dropped without waiting for a flush that
+    /// holds the sink while it writes to a slow server (it waited for the lock before).
+    #[test]
+    fn counting_a_drop_never_waits_for_a_flush() {
+        let sink = NetSink::new("127.0.0.1:9", StatsdProtocol::Tcp);
+        let flushing = sink.0.state.lock().unwrap();
+        let (done, counted) = std::sync::mpsc::channel();
+        let counter = sink.clone();
+        let _t = std::thread::spawn(move || {
+            counter.dropped(1);
+            let _ = done.send(());
+        });
+        let waited = counted.recv_timeout(Duration::from_secs(5));
+        drop(flushing);
+        assert!(waited.is_ok(), "dropped() waited for the flush's lock");
+        assert_eq!(sink.0.dropped.load(Ordering::Relaxed), 1);
+    }
+
+    /// After a failed send a UDP sink connects again (looking the name up again), as TCP does:
+    /// a restarted statsd at a new address gets the lines.
+    #[test]
+    fn udp_connects_again_after_a_failure() {
+        let gone = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let addr = gone.local_addr().unwrap();
+        drop(gone);
+        let sink = NetSink::new(&addr.to_string(), StatsdProtocol::Udp);
+        // The port refuses (ICMP), reported on a later send of the connected socket.
+        let mut failed = false;
+        for _ in 0..50 {
+            sink.emit("x:1|c").unwrap();
+            if sink.flush().is_err() {
+                failed = true;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(failed, "a send to a closed UDP port fails");
+        assert!(sink.0.state.lock().unwrap().conn.is_none(), "the socket is dropped");
     }
 
     #[test]

@@ -94,13 +94,18 @@ pub fn drain(mut send: impl FnMut(&str, u64)) {
 /// still counts every request).
 pub const UNKNOWN_DOMAINS_MAX: usize = 1000;
 
+/// Unknown domains longer than this (bytes) are not counted by name: a request's domain is the
+/// caller's to choose, and each counted one is held for the life of the process and sent at
+/// every flush.
+pub const UNKNOWN_DOMAIN_BYTES_MAX: usize = 256;
+
 static UNKNOWN_DOMAINS: Mutex<BTreeMap<String, StatsdCounter>> = Mutex::new(BTreeMap::new());
 
 /// Counts `descriptors` descriptors of a request for `domain`, which no rules declare, as theirs
 /// does (one per descriptor): `ratelimit.service.rate_limit.<domain>.domain_not_found`, for at
-/// most [`UNKNOWN_DOMAINS_MAX`] distinct domains.
+/// most [`UNKNOWN_DOMAINS_MAX`] distinct domains of at most [`UNKNOWN_DOMAIN_BYTES_MAX`] bytes.
 pub fn count_domain_not_found(domain: &str, descriptors: usize) {
-    if !enabled() || descriptors == 0 {
+    if !enabled() || descriptors == 0 || domain.len() > UNKNOWN_DOMAIN_BYTES_MAX {
         return;
     }
     let mut seen = UNKNOWN_DOMAINS.lock().unwrap_or_else(PoisonError::into_inner);
@@ -110,7 +115,7 @@ pub fn count_domain_not_found(domain: &str, descriptors: usize) {
         }
         let name = format!(
             "{RATE_LIMIT_SCOPE}.{}.{DOMAIN_NOT_FOUND}",
-            crate::telemetry::sanitize_stat_key(domain)
+            line_safe(&crate::telemetry::sanitize_stat_key(domain))
         );
         seen.insert(domain.to_owned(), counter(&name));
     }
@@ -125,8 +130,17 @@ pub fn count_domain_not_found(domain: &str, descriptors: usize) {
 pub fn rule_stat_name(stat_key: &str, stat: &str) -> String {
     format!(
         "{RATE_LIMIT_SCOPE}.{}.{stat}",
-        crate::telemetry::sanitize_stat_key(stat_key)
+        line_safe(&crate::telemetry::sanitize_stat_key(stat_key))
     )
+}
+
+/// `name` with control characters and whitespace as `_`: a stat name that holds a request's
+/// text (an unknown domain, a `detailed_metric` value) must stay one statsd line and one name
+/// (a `\n` would start a line of the caller's choosing).
+fn line_safe(name: &str) -> String {
+    name.chars()
+        .map(|c| if c.is_control() || c.is_whitespace() { '_' } else { c })
+        .collect()
 }
 
 #[cfg(test)]
@@ -143,6 +157,24 @@ mod tests {
             rule_stat_name("d.k_a:b|c.path_/api/*", "over_limit"),
             "ratelimit.service.rate_limit.d.k_a_b_c.path_/api/*.over_limit"
         );
+        // A request's text in a name cannot start a statsd line of its own.
+        assert_eq!(
+            rule_stat_name("d.k_a\nevil.metric:1000000|c", "total_hits"),
+            "ratelimit.service.rate_limit.d.k_a_evil.metric_1000000_c.total_hits"
+        );
+    }
+
+    /// An unknown domain over the byte bound is not counted, so a caller cannot make the
+    /// process hold (and send at every flush) megabytes per domain.
+    #[test]
+    fn an_overlong_unknown_domain_is_not_held() {
+        enable();
+        let long = "d".repeat(UNKNOWN_DOMAIN_BYTES_MAX + 1);
+        count_domain_not_found(&long, 1);
+        assert!(!UNKNOWN_DOMAINS.lock().unwrap().contains_key(&long));
+        let short = "unknown-short-domain";
+        count_domain_not_found(short, 2);
+        assert!(UNKNOWN_DOMAINS.lock().unwrap().contains_key(short));
     }
 
     #[test]

@@ -335,6 +335,21 @@ async fn unmatched_and_unlimited_descriptors_are_ok_in_request_order() {
     assert_eq!(codes(&resp), vec![(OK, u32::MAX), (OVER, 0), (OK, 0)]);
 }
 
+/// An unlimited descriptor answers the `uint32` maximum wherever it stands in the request, past
+/// the 64th too when `limits.max_descriptors` allows more (a 64-bit mask answered 0 there).
+#[tokio::test]
+async fn an_unlimited_descriptor_past_the_64th_has_the_most_left() {
+    let mut options = options();
+    options.limits.max_descriptors = 100;
+    let h = harness_with(BASIC, options);
+    let mut descriptors: Vec<_> = (0..69).map(|_| desc(&[("k", "zzz")])).collect();
+    descriptors.push(desc(&[("free", "x")]));
+    let resp = h.ask(&req("d", descriptors)).await;
+    assert_eq!(resp.statuses.len(), 70);
+    assert_eq!(resp.statuses[69].limit_remaining, u32::MAX);
+    assert!(resp.statuses[..69].iter().all(|s| s.limit_remaining == 0));
+}
+
 // ---- hits_addend ----------------------------------------------------------------------
 
 #[tokio::test]

@@ -180,6 +180,9 @@ struct Inner {
     eviction: std::sync::Mutex<Option<String>>,
     /// The sentinels that name the master, when there are (`redis.sentinel`).
     sentinel: Option<SentinelSettings>,
+    /// Whether the sentinels speak TLS: `rediss://` sentinel URLs, or `redis.tls`, which the
+    /// client applies to the sentinels and the master alike.
+    sentinel_tls: bool,
     /// Whether the scripts have been loaded since start ([`RedisStore::is_warm`]).
     warm: std::sync::atomic::AtomicBool,
 }
@@ -427,6 +430,7 @@ impl RedisStore {
                 fail_fast: config_fail_fast,
                 eviction: std::sync::Mutex::new(None),
                 sentinel: settings.sentinel.enabled().then(|| settings.sentinel.clone()),
+                sentinel_tls: settings.sentinel.tls() || settings.tls,
                 warm: std::sync::atomic::AtomicBool::new(false),
             }),
         })
@@ -550,7 +554,7 @@ impl RedisStore {
     /// [`sentinel::check_master`].
     async fn check_sentinels(&self, timeout: Duration) -> Option<sentinel::MasterCheck> {
         let settings = self.inner.sentinel.as_ref()?;
-        Some(sentinel::check_master(settings, timeout).await)
+        Some(sentinel::check_master(settings, self.inner.sentinel_tls, timeout).await)
     }
 
     /// Fails when the sentinels of `redis.sentinel` answer but none knows the master's name: a
@@ -1075,6 +1079,24 @@ impl super::SharedBackend for RedisStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `redis.tls` puts the sentinels on TLS for the client (fred applies one TLS setting to
+    /// sentinels and master) and so for the start-up check that asks them for the master too;
+    /// the check spoke plain text to them before, and start-up failed.
+    #[tokio::test]
+    async fn redis_tls_reaches_the_sentinels_start_up_check() {
+        let mut settings = RedisSettings {
+            tls: true,
+            ..RedisSettings::default()
+        };
+        settings.sentinel.master_name = Some("mymaster".into());
+        settings.sentinel.urls = vec!["redis://127.0.0.1:26379".into()];
+        let store = RedisStore::new(&settings, Arc::new(crate::core::clock::SystemClock)).expect("a store");
+        assert!(store.inner.sentinel_tls);
+        settings.tls = false;
+        let plain = RedisStore::new(&settings, Arc::new(crate::core::clock::SystemClock)).expect("a store");
+        assert!(!plain.inner.sentinel_tls);
+    }
 
     #[test]
     fn fred_errors_stay_the_source_of_store_errors() {

@@ -68,12 +68,13 @@ pub(super) enum MasterCheck {
 /// Asks every sentinel of `sentinel` (at once, each within `timeout`) for the master's address
 /// (`SENTINEL GET-MASTER-ADDR-BY-NAME`). The messages name the master and the sentinels asked,
 /// never a password.
-pub(super) async fn check_master(sentinel: &SentinelSettings, timeout: Duration) -> MasterCheck {
+/// `tls`: whether the sentinels speak TLS (their `rediss://` URLs or `redis.tls`).
+pub(super) async fn check_master(sentinel: &SentinelSettings, tls: bool, timeout: Duration) -> MasterCheck {
     let name = sentinel.master_name.clone().unwrap_or_default();
     let Ok(addresses) = sentinel.addresses() else {
         return MasterCheck::Unreachable("the sentinel URLs do not parse".into());
     };
-    let tls = if sentinel.tls() {
+    let tls = if tls {
         match TlsConnector::default_rustls() {
             Ok(tls) => Some(tls),
             Err(e) => return MasterCheck::Unreachable(format!("TLS: {}", e.details())),
