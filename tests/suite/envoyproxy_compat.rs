@@ -836,7 +836,15 @@ async fn their_merged_domains() {
         // A third file repeating key1=value1: refused, the merged rules stay in force.
         runtime.write("merge_domain_key1_again.yaml", FIRST);
         let deadline = Instant::now() + Duration::from_secs(30);
-        while !svc.started.process.log().contains("duplicate descriptor") {
+        // The error names the file that repeats it, and the one that declared it first.
+        let named = |log: &str| {
+            log.lines().any(|l| {
+                l.contains("duplicate descriptor")
+                    && l.contains("merge_domain_key1_again.yaml")
+                    && l.contains("merge_domain_key1.yaml")
+            })
+        };
+        while !named(&svc.started.process.log()) {
             assert!(
                 Instant::now() < deadline,
                 "the duplicate was not reported:\n{}",

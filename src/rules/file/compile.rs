@@ -95,7 +95,25 @@ fn merge_domains(files: Vec<(PathBuf, RulesFile)>, errors: &mut Vec<ConfigError>
                 }
             }
         }
-        merged.descriptors.extend(file.descriptors);
+        // A top-level key and value a file before declared: reported against this file, naming
+        // the one before (the merged domain's later errors can only name the first file).
+        for d in file.descriptors {
+            let taken = merged.descriptors.iter().any(|m| m.key == d.key && m.value == d.value);
+            if taken {
+                let value = d.value.as_deref().map_or(String::new(), |v| format!("={v}"));
+                errors.push(ConfigError::file(
+                    &path,
+                    format!(
+                        "duplicate descriptor `{}{value}` of domain `{}`: already declared in {} (MERGE_DOMAIN_CONFIG merges distinct top-level descriptors)",
+                        d.key,
+                        file.domain,
+                        first_path.display()
+                    ),
+                ));
+            } else {
+                merged.descriptors.push(d);
+            }
+        }
     }
     out
 }
