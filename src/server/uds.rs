@@ -182,6 +182,8 @@ pub(crate) struct SocketFile {
     /// Device, inode and change time of the file bound, so a successor's socket at the same
     /// path is never removed by this process (an inode number can be reused at once).
     id: FileId,
+    /// The lock on `<path>.lock` ([`bind`]), released after the file is removed.
+    _lock: std::fs::File,
 }
 
 impl Drop for SocketFile {
@@ -204,14 +206,22 @@ fn file_id(meta: &std::fs::Metadata) -> FileId {
 }
 
 /// Binds a Unix listener at `path` with the permission bits `mode`. A socket file already at
-/// `path` that nothing accepts on (connecting is refused: its process is gone) is removed and
-/// replaced, with a warning; one another process accepts on is left alone.
+/// `path` that nothing accepts on (connecting is refused: its process is gone) is replaced,
+/// with a warning; one another process accepts on is left alone.
 ///
-/// Errors, each naming the path: a process serves on it; a file there is not a socket (never
-/// removed); the file cannot be inspected, removed, bound (a missing directory, no permission)
-/// or given its mode.
+/// Two rules make this safe against a second tollgate starting at the same moment and against
+/// a client connecting early. The process holds an exclusive lock on `<path>.lock` from the
+/// check until it stops, so two starts cannot both find the old file stale and take turns
+/// replacing it (the lock file is left in place: removing it would race the next holder). And
+/// the socket is bound under a temporary name beside it, given its mode, then renamed over
+/// `path`: it is never reachable with the umask's mode.
+///
+/// Errors, each naming the path: a process serves on it (or holds its lock); a file there is
+/// not a socket (never removed); the file cannot be inspected, locked, bound (a missing
+/// directory, no permission), given its mode or renamed into place.
 pub(crate) fn bind(path: &Path, mode: SocketMode) -> anyhow::Result<(UnixListener, SocketFile)> {
     let shown = path.display();
+    let lock = lock(path)?;
     match std::fs::symlink_metadata(path) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => anyhow::bail!("cannot listen for gRPC on unix:{shown}: cannot inspect the path: {e}"),
@@ -226,8 +236,6 @@ pub(crate) fn bind(path: &Path, mode: SocketMode) -> anyhow::Result<(UnixListene
             ),
             Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
                 tracing::warn!(path = %shown, "replacing a stale gRPC socket file (nothing accepts on it)");
-                std::fs::remove_file(path)
-                    .map_err(|e| anyhow::anyhow!("cannot remove the stale socket file {shown}: {e}"))?;
             }
             Err(e) => anyhow::bail!(
                 "cannot listen for gRPC on unix:{shown}: a socket file is there and cannot be tried ({e}); \
@@ -235,21 +243,69 @@ pub(crate) fn bind(path: &Path, mode: SocketMode) -> anyhow::Result<(UnixListene
             ),
         },
     }
+    let temp = path.with_file_name(format!(".tollgate-{}.sock", std::process::id()));
+    // A leftover of an earlier start with this pid (only ever this process's name).
+    let _ = std::fs::remove_file(&temp);
     let listener =
-        UnixListener::bind(path).map_err(|e| anyhow::anyhow!("cannot listen for gRPC on unix:{shown}: {e}"))?;
-    let set_mode = std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode.0));
-    // Identified after the mode is set (which changes its change time): from here on the file
-    // is ours, and an error below removes it again.
+        UnixListener::bind(&temp).map_err(|e| anyhow::anyhow!("cannot listen for gRPC on unix:{shown}: {e}"))?;
+    let placed = std::fs::set_permissions(&temp, std::fs::Permissions::from_mode(mode.0))
+        .map_err(|e| {
+            anyhow::anyhow!("cannot set the mode {mode} (grpc.unix_socket_mode) on the socket file {shown}: {e}")
+        })
+        .and_then(|()| {
+            std::fs::rename(&temp, path)
+                .map_err(|e| anyhow::anyhow!("cannot put the socket file in place at {shown}: {e}"))
+        });
+    if let Err(e) = placed {
+        let _ = std::fs::remove_file(&temp);
+        return Err(e);
+    }
+    // From here on the file is ours: dropping `file` (an error, the end of `serve`) removes it.
     let meta = std::fs::symlink_metadata(path)
         .map_err(|e| anyhow::anyhow!("cannot listen for gRPC on unix:{shown}: the socket file vanished: {e}"))?;
     let file = SocketFile {
         path: path.to_owned(),
         id: file_id(&meta),
+        _lock: lock,
     };
-    set_mode.map_err(|e| {
-        anyhow::anyhow!("cannot set the mode {mode} (grpc.unix_socket_mode) on the socket file {shown}: {e}")
-    })?;
     Ok((listener, file))
+}
+
+/// The exclusive lock on `<path>.lock` (created if missing), held by this process while it
+/// serves on `path`.
+///
+/// Errors: another process holds it (starting or serving on `path`), or the file cannot be
+/// opened (the directory missing or not writable).
+fn lock(path: &Path) -> anyhow::Result<std::fs::File> {
+    let shown = path.display();
+    let mut name = path.as_os_str().to_owned();
+    name.push(".lock");
+    let lock_path = PathBuf::from(name);
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "cannot listen for gRPC on unix:{shown}: cannot open {}: {e}",
+                lock_path.display()
+            )
+        })?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => anyhow::bail!(
+            "cannot listen for gRPC on unix:{shown}: another process is accepting connections on this socket, or \
+             starting to (it holds {}); it is not taken over: stop that process or choose another grpc_addr",
+            lock_path.display()
+        ),
+        Err(std::fs::TryLockError::Error(e)) => {
+            anyhow::bail!(
+                "cannot listen for gRPC on unix:{shown}: cannot lock {}: {e}",
+                lock_path.display()
+            )
+        }
+    }
 }
 
 /// A Unix listener's accepted connections, as the stream tonic serves.
@@ -352,6 +408,40 @@ mod tests {
         assert!(path.exists(), "a live socket stays");
         drop(live);
         drop(file);
+    }
+
+    /// Two starts on one stale file at the same moment: one binds, the other is refused (both
+    /// found it stale before the lock, and the second replaced the first's socket).
+    #[tokio::test]
+    async fn two_starts_on_a_stale_file_bind_once() {
+        for _ in 0..20 {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("rls.sock");
+            drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
+            let barrier = std::sync::Arc::new(std::sync::Barrier::new(2));
+            let starts: Vec<_> = (0..2)
+                .map(|_| {
+                    let (path, barrier) = (path.clone(), barrier.clone());
+                    std::thread::spawn(move || {
+                        let rt = tokio::runtime::Builder::new_current_thread()
+                            .enable_all()
+                            .build()
+                            .unwrap();
+                        let _in = rt.enter();
+                        barrier.wait();
+                        bind(&path, SocketMode(0o600)).map(|(l, f)| (l.into_std().unwrap(), f))
+                    })
+                })
+                .collect();
+            let results: Vec<_> = starts.into_iter().map(|t| t.join().unwrap()).collect();
+            let bound: Vec<_> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
+            assert_eq!(bound.len(), 1, "exactly one start binds");
+            let (listener, _) = bound[0];
+            // The socket at the path is the winner's: a connection reaches its listener.
+            let _client = std::os::unix::net::UnixStream::connect(&path).unwrap();
+            listener.set_nonblocking(false).unwrap();
+            listener.accept().expect("the winner's listener is the one at the path");
+        }
     }
 
     #[tokio::test]
