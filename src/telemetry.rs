@@ -186,6 +186,21 @@ pub const ERL_SHOULD_RATE_LIMIT_ERROR: &str = "ratelimit_service_should_rate_lim
 
 static ENVOYPROXY_NAMES: AtomicBool = AtomicBool::new(false);
 
+static TRACES_ON: AtomicBool = AtomicBool::new(false);
+
+/// Whether OpenTelemetry traces are exported (docs/monitoring.md, "Traces"): set once at start
+/// by `traces::Traces::start`. The decision path and the stores make their spans only then, so
+/// that with tracing off a decision pays one relaxed load instead of a span's bookkeeping.
+#[inline]
+pub fn traces_on() -> bool {
+    TRACES_ON.load(Ordering::Relaxed)
+}
+
+/// Sets what [`traces_on`] answers.
+pub fn set_traces_on(on: bool) {
+    TRACES_ON.store(on, Ordering::Relaxed);
+}
+
 /// Turns envoyproxy/ratelimit's series on or off for rules registered from now on
 /// (`metrics.envoyproxy_names`); `serve` sets it before loading rules.
 pub fn set_envoyproxy_names(on: bool) {

@@ -363,10 +363,10 @@ impl<S: Store> Limiter<S> {
         // shadow mode denies nothing, so there they are decided as usual).
         let denying = screened.denies() && !self.options.shadow_mode;
         // Child spans of a traced request's server span (disabled, and next to free, otherwise).
-        let mut prepared = {
-            let _matching = tracing::debug_span!(target: "tollgate::decision", "match_rules").entered();
-            prepare(req, &screened, domain, &self.options, denying)
-        };
+        let matching = crate::telemetry::traces_on()
+            .then(|| tracing::debug_span!(target: "tollgate::decision", "match_rules").entered());
+        let mut prepared = prepare(req, &screened, domain, &self.options, denying);
+        drop(matching);
         let metadata = self.options.response.dynamic_metadata;
         let unlimited = prepared.unlimited.take();
         let finish = |mut resp: RateLimitResponse, targets: &[Option<Target<'_>>]| {
@@ -392,8 +392,7 @@ impl<S: Store> Limiter<S> {
             );
             return Ok(finish(resp, &prepared.targets));
         }
-        let applied = if tracing::enabled!(kind: tracing::metadata::Kind::SPAN, target: "tollgate::store", tracing::Level::DEBUG)
-        {
+        let applied = if crate::telemetry::traces_on() {
             let buckets = prepared.buckets.len();
             in_store_span(self.apply(&mut prepared, denying), buckets).await
         } else {
@@ -534,9 +533,9 @@ fn prepare<'a>(
 ) -> Prepared<'a> {
     let mut unlimited = None;
     let matched = match_descriptors(req, screened, domain, options, &mut unlimited);
-    let mut prepared = demands_of(req, screened, matched, options, denying);
-    prepared.unlimited = unlimited;
-    prepared
+    // Built in place: a `Prepared` moved after it is built is a copy of a few hundred bytes
+    // per request.
+    demands_of(req, screened, matched, options, denying, unlimited)
 }
 
 /// Per descriptor of `req`, what decides it (`None`: nothing), the rules another matched rule
@@ -629,12 +628,14 @@ fn override_matched<'a>(
 
 /// The instances and demands of the `matched` descriptors of `req`, and their targets; a
 /// consuming demand is only a check while `denying`.
+#[allow(clippy::box_collection)] // see `Prepared::unlimited`
 fn demands_of<'a>(
     req: &'a RateLimitRequest,
     screened: &'a Screened,
     matched: Vec<Option<Matched<'a>>>,
     options: &LimiterOptions,
     denying: bool,
+    unlimited: Option<Box<Vec<usize>>>,
 ) -> Prepared<'a> {
     let mut buckets: SmallVec<[BucketRef; 4]> = SmallVec::new();
     let mut targets: Vec<Option<Target>> = Vec::with_capacity(matched.len());
@@ -690,7 +691,7 @@ fn demands_of<'a>(
         buckets,
         demands,
         targets,
-        unlimited: None,
+        unlimited,
     }
 }
 

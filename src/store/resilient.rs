@@ -332,7 +332,9 @@ impl<P: Store> Resilient<P> {
         match &self.fallback {
             Some(f) => {
                 self.fallbacks.increment(1);
-                tracing::Span::current().record("ratelimit.decided_by", "fallback");
+                if crate::telemetry::traces_on() {
+                    tracing::Span::current().record("ratelimit.decided_by", "fallback");
+                }
                 fallback(f).await
             }
             None => Err(error),

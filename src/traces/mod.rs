@@ -120,6 +120,7 @@ impl Traces {
         if STATE.set(state).is_err() {
             return Err("tracing was started twice".to_owned());
         }
+        crate::telemetry::set_traces_on(true);
         Ok(Some(Traces { provider }))
     }
 

@@ -167,7 +167,9 @@ impl<S: Store> Store for Local<S> {
                 } else {
                     "lease"
                 };
-                tracing::Span::current().record("ratelimit.decided_by", by);
+                if crate::telemetry::traces_on() {
+                    tracing::Span::current().record("ratelimit.decided_by", by);
+                }
                 self.background();
                 return Ok(applied);
             }
