@@ -641,10 +641,23 @@ fn demands_of<'a>(
     let mut targets: Vec<Option<Target>> = Vec::with_capacity(matched.len());
     let mut demands: SmallVec<[Demand; 4]> = SmallVec::new();
     for (d, m) in req.descriptors.iter().zip(matched) {
-        let Some(m) = m else {
+        let Some(mut m) = m else {
             targets.push(None);
             continue;
         };
+        if d.hits_addend.is_some() {
+            // A descriptor with its own `hits_addend` (a check or a usage report) on a
+            // `rate_limit` of their schema is counted as envoyproxy/ratelimit counts it.
+            for (policy, _) in &mut m.parts {
+                if let PolicyRef::Rule(BucketPolicy {
+                    over_account: Some(account),
+                    ..
+                }) = policy
+                {
+                    *policy = PolicyRef::Rule(account);
+                }
+            }
+        }
         let entries = screened.entries(targets.len(), d);
         let kind = match demand_kind(d, req.hits_addend) {
             DemandKind::Consume(_) if denying => DemandKind::Check,

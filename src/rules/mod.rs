@@ -121,11 +121,16 @@ impl RuleSet {
             let Some(old_domain) = old.domains.get(name) else {
                 continue;
             };
-            let old_plans: HashMap<&str, &Plan> =
-                old_domain.buckets.iter().map(|b| (b.name.as_str(), &b.plan)).collect();
+            let old_buckets: HashMap<&str, &BucketPolicy> =
+                old_domain.buckets.iter().map(|b| (b.name.as_str(), b)).collect();
             for bucket in &mut domain.buckets {
-                if let Some(old_plan) = old_plans.get(bucket.name.as_str()) {
-                    bucket.plan = Plan::after_reload(old_plan, bucket.plan.clone(), at_us);
+                let Some(old) = old_buckets.get(bucket.name.as_str()) else {
+                    continue;
+                };
+                bucket.plan = Plan::after_reload(&old.plan, bucket.plan.clone(), at_us);
+                if let (Some(account), Some(old_account)) = (&mut bucket.over_account, &old.over_account) {
+                    let account = std::sync::Arc::make_mut(account);
+                    account.plan = Plan::after_reload(&old_account.plan, account.plan.clone(), at_us);
                 }
             }
         }
@@ -205,6 +210,15 @@ pub struct BucketPolicy {
     pub lease_ut: u64,
     /// For a scheduled policy, [`ReportedLimit::of`] each entry's limit, worked out once.
     entry_reported: Vec<ReportedLimit>,
+    /// On a `rate_limit` of the envoyproxy/ratelimit schema: the account that descriptors
+    /// carrying their own `hits_addend` (a check with 0, a usage report with N) are counted in,
+    /// as that server counts them ([`BucketPolicy::counts_over`]). `None` elsewhere, and where
+    /// the limit refills nothing.
+    pub over_account: Option<std::sync::Arc<BucketPolicy>>,
+    /// This policy is an [`BucketPolicy::over_account`]: a debt bucket whose floor lies one
+    /// capacity below zero, where a zero-hit check passes at the limit (a balance of 0) and a
+    /// usage report is counted whatever the decision. See [`BucketPolicy::demand_kind`].
+    pub counts_over: bool,
 }
 
 impl BucketPolicy {
@@ -227,6 +241,8 @@ impl BucketPolicy {
             debt_depth_ut: 0,
             lease_ut: 0,
             entry_reported,
+            over_account: None,
+            counts_over: false,
         }
     }
 
@@ -266,13 +282,43 @@ impl BucketPolicy {
     /// What a descriptor asking `kind` asks of this bucket: on a debt bucket a consume is a
     /// usage report ([`DemandKind::Debit`]) and a check asks whether the balance is positive
     /// ([`DemandKind::DebtCheck`]); otherwise `kind` itself.
+    ///
+    /// On an [`BucketPolicy::over_account`] ([`BucketPolicy::counts_over`]) the thresholds are
+    /// envoyproxy/ratelimit's, whose counter is over when the hits after the increase exceed
+    /// the limit: a check (`hits_addend` 0) passes while the balance is 0 or more, and N hits
+    /// pass while it is N or more, and are counted either way.
     pub fn demand_kind(&self, kind: DemandKind) -> DemandKind {
         let depth_ut = self.debt_depth_ut;
         match kind {
+            // The account's depth is at least a token (`with_over_account`), so never below 0.
+            DemandKind::Consume(amount_ut) if self.counts_over => DemandKind::Debit {
+                amount_ut,
+                depth_ut: depth_ut.saturating_add(amount_ut).saturating_sub(1),
+            },
+            DemandKind::Check if self.counts_over => DemandKind::DebtCheck {
+                depth_ut: depth_ut.saturating_sub(1),
+            },
             DemandKind::Consume(amount_ut) if self.debt => DemandKind::Debit { amount_ut, depth_ut },
             DemandKind::Check if self.debt => DemandKind::DebtCheck { depth_ut },
             kind => kind,
         }
+    }
+
+    /// This policy with its [`BucketPolicy::over_account`]: a copy following `raised` (the
+    /// plan with its capacities raised by `depth_ut`, at least one token), as a debt bucket of
+    /// that depth that [`BucketPolicy::counts_over`]. Its instances are keyed apart from this
+    /// policy's (a debt bucket's key carries its depth), so the two never share stored tokens.
+    pub fn with_over_account(mut self, raised: Plan, depth_ut: u64) -> BucketPolicy {
+        debug_assert!(depth_ut >= crate::core::bucket::MICRO);
+        let mut account = BucketPolicy {
+            plan: raised,
+            over_account: None,
+            ..self.clone()
+        }
+        .with_debt_depth(depth_ut);
+        account.counts_over = true;
+        self.over_account = Some(std::sync::Arc::new(account));
+        self
     }
 
     /// This policy with [`BucketPolicy::hidden`] set to `hidden`.
@@ -604,5 +650,41 @@ mod tests {
                 unit: Unit::Second
             }
         );
+    }
+
+    /// A `rate_limit` of their schema has an account for descriptors with their own
+    /// `hits_addend`, one capacity deep, whose demands have their thresholds; a limit that
+    /// refills nothing, and tollgate's own schema, have none.
+    #[test]
+    fn their_rate_limits_count_own_hits_in_an_over_account() {
+        use crate::core::bucket::MICRO;
+        let rules = crate::rules::file::load_rules_text(
+            std::path::Path::new("their.yaml"),
+            "domain: d
+descriptors:
+  - {key: a, rate_limit: {unit: minute, requests_per_unit: 2}}
+  - {key: z, rate_limit: {unit: minute, requests_per_unit: 0}}
+  - {key: own, token_bucket: {capacity: 2, refill: 2/1m}}
+",
+        )
+        .unwrap();
+        let dom = rules.domain("d").unwrap();
+        let named = |n: &str| dom.buckets.iter().find(|b| b.name == n).unwrap();
+        let a = named("a");
+        let account = a.over_account.as_deref().expect("their rate_limit has an account");
+        assert!(account.counts_over && account.debt && a.over_account.is_some());
+        assert_eq!(account.debt_depth_ut, 2 * MICRO);
+        assert_eq!(account.plan.base().capacity(), 4, "capacity raised by the depth");
+        assert_eq!(account.reported, a.reported, "reported as declared");
+        // A check passes at a balance of 0; two hits need a balance of 2.
+        assert_eq!(account.demand_kind(DemandKind::Check).need_ut(0), Some(2 * MICRO));
+        assert_eq!(account.demand_kind(DemandKind::Consume(2 * MICRO)).need_ut(0), Some(4 * MICRO));
+        assert!(matches!(
+            account.demand_kind(DemandKind::Consume(MICRO)),
+            DemandKind::Debit { amount_ut, .. } if amount_ut == MICRO
+        ));
+        assert!(named("z").over_account.is_none(), "nothing would repay it");
+        let own = dom.buckets.iter().find(|b| b.name != "a" && b.name != "z").unwrap();
+        assert!(own.over_account.is_none(), "tollgate's schema keeps its meaning: {own:?}");
     }
 }

@@ -681,37 +681,67 @@ async fn their_example_scripts() {
     }
 }
 
+/// A descriptor carrying its own `hits_addend` on `service_2` of their example (2 a minute).
+fn own_hits(hits: u64) -> RateLimitRequest {
+    let mut d = support::descriptor(&[("service", "service_2")]);
+    d.hits_addend = Some(envoy_types::pb::google::protobuf::UInt64Value { value: hits });
+    RateLimitRequest {
+        domain: "rl".into(),
+        descriptors: vec![d],
+        hits_addend: 0,
+    }
+}
+
 /// `token-quota.sh`: a check (`hits_addend` 0) on the request and a report of one hit when the
-/// stream ends, on a limit of 2 a minute. Theirs lets a third request through (its check at
-/// usage 2 of 2 is OK, its report takes usage to 3) and denies the fourth; tollgate admits
-/// exactly 2 (row: zero-hit-check).
+/// stream ends, on a limit of 2 a minute. As theirs: the check at usage 2 of 2 is `OK`, its
+/// report takes usage to 3 (and is itself over), and the fourth check is denied.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn their_token_quota_script() {
     for backend in backends("their_token_quota_script") {
         let runtime = Runtime::new(&[("example.yaml", EXAMPLE)]);
         let mut svc = serve(&runtime, &backend, &[]).await;
-        let with_hits = |hits: u64| {
-            let mut d = support::descriptor(&[("service", "service_2")]);
-            d.hits_addend = Some(envoy_types::pb::google::protobuf::UInt64Value { value: hits });
-            RateLimitRequest {
-                domain: "rl".into(),
-                descriptors: vec![d],
-                hits_addend: 0,
-            }
-        };
         let mut admitted = 0;
+        let mut reports = Vec::new();
         for _ in 0..4 {
-            let check = svc.send(with_hits(0)).await;
+            let check = svc.send(own_hits(0)).await;
             if check.overall_code == OK {
                 admitted += 1;
                 // The report after the response, whose answer Envoy ignores.
-                svc.send(with_hits(1)).await;
+                reports.push(svc.send(own_hits(1)).await.overall_code);
             }
         }
-        assert_eq!(admitted, 2, "{backend:?}");
-        // At the limit the check says so with nothing left; theirs says OK there.
-        let resp = svc.send(with_hits(0)).await;
+        assert_eq!(admitted, 3, "{backend:?}");
+        assert_eq!(reports, vec![OK, OK, OVER], "{backend:?}: the third report took usage past 2");
+        let resp = svc.send(own_hits(0)).await;
         assert_eq!(shapes(&resp), vec![(OVER, Some((2, Unit::Minute)), 0)], "{backend:?}");
+    }
+}
+
+/// Their counting of a descriptor's own `hits_addend`: a check at the limit is `OK` and over
+/// only once usage went past it; a report of N is over when it takes usage past the limit and
+/// counts all the same; a request's own hits (the request-level `hits_addend`) keep the token
+/// bucket's all-or-nothing in an account of their own (row: own-hits-account).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn their_counting_of_a_descriptors_own_hits() {
+    for backend in backends("their_counting_of_a_descriptors_own_hits") {
+        let runtime = Runtime::new(&[("example.yaml", EXAMPLE)]);
+        let mut svc = serve(&runtime, &backend, &[]).await;
+        // A report of 2 at 0 of 2 fits: remaining 0, and a check there is still OK.
+        assert_eq!(shapes(&svc.send(own_hits(2)).await), vec![(OK, Some((2, Unit::Minute)), 0)], "{backend:?}");
+        assert_eq!(shapes(&svc.send(own_hits(0)).await), vec![(OK, Some((2, Unit::Minute)), 0)], "{backend:?}");
+        // One more hit is over, and counted: the check is over from then on.
+        assert_eq!(shapes(&svc.send(own_hits(1)).await), vec![(OVER, Some((2, Unit::Minute)), 0)], "{backend:?}");
+        let check = svc.send(own_hits(0)).await;
+        assert_eq!(check.overall_code, OVER, "{backend:?}");
+        // Full again once the overshoot and the limit are refilled: 3 tokens at 2 a minute.
+        let reset = check.statuses[0].duration_until_reset.as_ref().map(|d| d.seconds);
+        assert!(matches!(reset, Some(89..=90)), "{backend:?}: {check:?}");
+        // The same descriptor without its own hits_addend is the ordinary token bucket, untouched.
+        assert_eq!(
+            shapes(&svc.ask("rl", &[&[("service", "service_2")]]).await),
+            vec![(OK, Some((2, Unit::Minute)), 1)],
+            "{backend:?}"
+        );
     }
 }
 

@@ -455,25 +455,8 @@ impl<'a> DomainBuilder<'a> {
             );
             return None;
         }
-        let highest = match &plan {
-            Plan::Scheduled(s) => (0..s.entries().len())
-                .filter_map(|i| s.entry_limit(i))
-                .chain(std::iter::once(s.base()))
-                .map(Limit::capacity)
-                .max()
-                .unwrap_or(0),
-            other => other.base().capacity(),
-        };
-        let depth = self.debt_depth(rule, debt, floor, plan.base().capacity(), highest)?;
-        let plan = match plan {
-            Plan::Fixed(l) => Plan::Fixed(Limit {
-                capacity_ut: l.capacity_ut + depth,
-                rate: l.rate,
-            }),
-            Plan::Scheduled(s) => Plan::Scheduled(Arc::new(Schedule::clone(&s).with_debt_depth(depth))),
-            other => other,
-        };
-        Some((plan, depth))
+        let depth = self.debt_depth(rule, debt, floor, plan.base().capacity(), highest_capacity(&plan))?;
+        Some((raised(plan, depth), depth))
     }
 
     /// A quota as a debt quota's: its capacity raised by the floor's depth, which is at most
@@ -1249,7 +1232,31 @@ impl<'a> DomainBuilder<'a> {
         if unnamed {
             self.mark_unnamed((bucket, quota));
         }
+        self.add_over_account(bucket);
         Some((bucket, quota))
+    }
+
+    /// Gives the `rate_limit` bucket `idx` its [`BucketPolicy::over_account`]: envoyproxy/ratelimit
+    /// counts every hit, those over the limit too, so a usage report that does not fit still
+    /// counts and a later zero-hit check is over only once usage went past the limit. The
+    /// account's floor lies one capacity below zero (less if that would leave the exact range),
+    /// so an overshoot is repaid within about one unit of the limit, as their window forgets it
+    /// at its end. A limit that refills nothing (`requests_per_unit: 0`) gets none: nothing
+    /// would repay it.
+    fn add_over_account(&mut self, idx: usize) {
+        let b = &self.buckets[idx];
+        let token_bucket = matches!(b.plan, Plan::Fixed(_) | Plan::Scheduled(_));
+        if b.over_account.is_some() || !token_bucket || b.plan.base().rate.is_zero() {
+            return;
+        }
+        let highest = highest_capacity(&b.plan);
+        let depth = b.plan.base().capacity().min(MAX_CAPACITY.saturating_sub(highest));
+        if depth == 0 {
+            return;
+        }
+        let depth_ut = depth * MICRO;
+        let plan = raised(b.plan.clone(), depth_ut);
+        self.buckets[idx] = self.buckets[idx].clone().with_over_account(plan, depth_ut);
     }
 
     /// Records the `replaces` of the node being built (the next in `nodes`), resolved once every
@@ -1432,6 +1439,32 @@ fn reported_base(plan: &Plan, debt_ut: u64) -> ReportedLimit {
         // An allowance per the Envoy unit nearest its period, as a quota's.
         Plan::Expiring(e) => ReportedLimit::quota(e.limit().capacity(), Some(e.expires_us())),
         _ => ReportedLimit::of(&shown(plan.base(), debt_ut)),
+    }
+}
+
+/// The highest capacity `plan` ever has, in tokens: a schedule window's may exceed the base's.
+fn highest_capacity(plan: &Plan) -> u64 {
+    match plan {
+        Plan::Scheduled(s) => (0..s.entries().len())
+            .filter_map(|i| s.entry_limit(i))
+            .chain(std::iter::once(s.base()))
+            .map(Limit::capacity)
+            .max()
+            .unwrap_or(0),
+        other => other.base().capacity(),
+    }
+}
+
+/// A token bucket's `plan` with its capacities raised by `depth_ut` micro-tokens: a debt
+/// bucket's, whose stored tokens are the balance plus the floor's depth.
+fn raised(plan: Plan, depth_ut: u64) -> Plan {
+    match plan {
+        Plan::Fixed(l) => Plan::Fixed(Limit {
+            capacity_ut: l.capacity_ut + depth_ut,
+            rate: l.rate,
+        }),
+        Plan::Scheduled(s) => Plan::Scheduled(Arc::new(Schedule::clone(&s).with_debt_depth(depth_ut))),
+        other => other,
     }
 }
 
