@@ -645,9 +645,10 @@ fn demands_of<'a>(
             targets.push(None);
             continue;
         };
-        if d.hits_addend.is_some() {
+        if d.hits_addend.is_some() && !d.is_negative_hits {
             // A descriptor with its own `hits_addend` (a check or a usage report) on a
-            // `rate_limit` of their schema is counted as envoyproxy/ratelimit counts it.
+            // `rate_limit` of their schema is counted as envoyproxy/ratelimit counts it. A
+            // refund gives back to the token bucket, which the request's own hits take from.
             for (policy, _) in &mut m.parts {
                 if let PolicyRef::Rule(BucketPolicy {
                     over_account: Some(account),

@@ -354,13 +354,13 @@ async fn a_name_is_reported_and_shared_by_rules_that_keep_their_own_limits() {
     assert_eq!(h.ask(&globex).await.overall_code, OVER);
 }
 
-/// Denied hits consume nothing and a request is all or nothing: a hits_addend larger than what
-/// is left is denied and the rest stays for a smaller request (envoyproxy/ratelimit would have
-/// added the hits to its window's counter).
+/// Denied hits consume nothing and a request is all or nothing: a request's hits_addend larger
+/// than what is left is denied and the rest stays for a smaller request (envoyproxy/ratelimit
+/// would have added the hits to its window's counter).
 #[tokio::test]
 async fn a_denied_request_consumes_nothing_in_any_of_its_descriptors() {
     let h = load("domains");
-    let big = req("checkout", vec![hits(&[("remote_address", "a")], 3)]);
+    let big = request_hits(req("checkout", vec![desc(&[("remote_address", "a")])]), 3);
     assert_eq!(h.ask(&big).await.overall_code, OVER, "3 hits against 2 tokens");
     let small = one("checkout", &[("remote_address", "a")]);
     assert_eq!(codes(&h, &small, 3).await, admits(2), "both tokens are still there");
@@ -458,7 +458,7 @@ async fn quota_mode_beside_a_descriptor_without_it() {
     assert_eq!(remaining(&resp)[0], 1, "and `user=a` is not charged");
     // `user=b` over alone: denied although a plan passes, and no plan is charged.
     let h = load("quota_mode.yaml");
-    let user_b = req("plans", vec![hits(&[("user", "b")], 3)]);
+    let user_b = request_hits(req("plans", vec![desc(&[("user", "b")])]), 3);
     assert_eq!(h.ask(&user_b).await.overall_code, OK, "spends `user=b`");
     let resp = h.ask(&mixed("b")).await;
     assert_eq!((resp.overall_code, status_codes(&resp)), (OVER, vec![OVER, OK, OK]));
@@ -474,7 +474,9 @@ async fn quota_mode_beside_a_descriptor_without_it() {
 async fn quota_mode_gives_a_refund_once() {
     let h = load("quota_mode.yaml");
     assert_eq!(
-        h.ask(&req("plans", vec![hits(&[("user", "r")], 3)])).await.overall_code,
+        h.ask(&request_hits(req("plans", vec![desc(&[("user", "r")])]), 3))
+            .await
+            .overall_code,
         OK
     );
     assert_eq!(
@@ -494,8 +496,12 @@ async fn quota_mode_gives_a_refund_once() {
         ))
         .await;
     assert_eq!((resp.overall_code, status_codes(&resp)), (OK, vec![OVER, OK, OK]));
-    let user = h.ask(&req("plans", vec![hits(&[("user", "r")], 0)])).await;
-    assert_eq!(user.statuses[0].limit_remaining, 1, "one token given back, not two");
+    let user = h.ask(&req("plans", vec![desc(&[("user", "r")])])).await;
+    assert_eq!(
+        (user.overall_code, user.statuses[0].limit_remaining),
+        (OK, 0),
+        "one token given back (and taken again), not two"
+    );
 }
 
 /// The global switch (their `QUOTA_MODE`, tollgate's `response.quota_mode`) puts every limited
@@ -631,4 +637,11 @@ fn every_fixture_is_tested() {
         count += 1;
     }
     assert!(count >= 10, "{count} fixtures");
+}
+
+/// `request` with the request-level `hits_addend` `n`: the request's own hits, all or nothing
+/// in the token bucket (a descriptor's own `hits_addend` is counted as theirs counts it).
+fn request_hits(mut request: RateLimitRequest, n: u32) -> RateLimitRequest {
+    request.hits_addend = n;
+    request
 }
