@@ -22,8 +22,9 @@ use opentelemetry_sdk::trace::{BatchSpanProcessor, Sampler, SdkTracerProvider};
 use opentelemetry_sdk::Resource;
 use tonic::metadata::MetadataMap;
 use tracing::field::Empty;
+use tracing::subscriber::Interest;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
-use tracing_subscriber::filter::filter_fn;
+use tracing_subscriber::filter::dynamic_filter_fn;
 use tracing_subscriber::{Layer, Registry};
 
 use crate::telemetry::TRACE_CONTEXT_INVALID;
@@ -133,9 +134,24 @@ impl Traces {
             .with_location(false)
             .with_threads(false)
             .with_tracked_inactivity(false)
-            .with_filter(filter_fn(|meta| {
-                meta.target().starts_with(OWN_TARGET) && (meta.is_span() || *meta.level() <= tracing::Level::WARN)
-            }))
+            .with_filter(
+                dynamic_filter_fn(|meta, _| {
+                    meta.target().starts_with(OWN_TARGET) && (meta.is_span() || *meta.level() <= tracing::Level::WARN)
+                })
+                // Our callsites ask every time (`sometimes`, never `always`). A per-layer
+                // filter's answer reaches the span it is about through a thread-local that the
+                // subscriber's `enabled` sets; a callsite cached as `always` skips that call, and
+                // its span is then judged by whatever was asked last on the thread: a
+                // dependency's `enabled!` answered no (sqlx after every statement did so) made
+                // the next call's server span invisible here.
+                .with_callsite_filter(|meta| {
+                    if meta.target().starts_with(OWN_TARGET) {
+                        Interest::sometimes()
+                    } else {
+                        Interest::never()
+                    }
+                }),
+            )
             .boxed()
     }
 
