@@ -9,6 +9,7 @@
 
 mod export;
 mod propagation;
+mod sampling;
 pub mod settings;
 
 use std::sync::{Arc, OnceLock};
@@ -18,7 +19,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimit
 use opentelemetry::trace::{TraceContextExt, TracerProvider as _};
 use opentelemetry::KeyValue;
 use opentelemetry_otlp::WithExportConfig;
-use opentelemetry_sdk::trace::{BatchSpanProcessor, Sampler, SdkTracerProvider};
+use opentelemetry_sdk::trace::{BatchSpanProcessor, Sampler, SdkTracerProvider, ShouldSample};
 use opentelemetry_sdk::Resource;
 use tonic::metadata::MetadataMap;
 use tracing::field::Empty;
@@ -30,6 +31,7 @@ use tracing_subscriber::{Layer, Registry};
 use crate::telemetry::TRACE_CONTEXT_INVALID;
 use export::{Bounded, InFlight, Watched};
 use propagation::Propagation;
+use sampling::FollowsLinks;
 pub use settings::{OtlpProtocol, TracingSettings};
 
 /// What a request needs while tracing is on; unset while it is off.
@@ -109,9 +111,12 @@ impl Traces {
                 bound,
             })
             .with_resource(resource(settings));
-        if let Some(ratio) = settings.sampling_ratio {
-            builder = builder.with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(ratio))));
-        }
+        let configured: Box<dyn ShouldSample> = match settings.sampling_ratio {
+            Some(ratio) => Box::new(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(ratio)))),
+            // What the SDK reads from `OTEL_TRACES_SAMPLER` and `OTEL_TRACES_SAMPLER_ARG`.
+            None => opentelemetry_sdk::trace::Config::default().sampler,
+        };
+        builder = builder.with_sampler(FollowsLinks::new(configured));
         let provider = builder.build();
         let state = State {
             propagation: Propagation::new(&propagators),
