@@ -15,6 +15,7 @@ mod postgres;
 mod queue;
 pub mod redis;
 mod resilient;
+mod round_trip;
 pub mod settings;
 mod shared;
 

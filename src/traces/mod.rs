@@ -9,6 +9,7 @@
 
 mod export;
 mod propagation;
+mod sampling;
 pub mod settings;
 
 use std::sync::{Arc, OnceLock};
@@ -18,17 +19,19 @@ use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimit
 use opentelemetry::trace::{TraceContextExt, TracerProvider as _};
 use opentelemetry::KeyValue;
 use opentelemetry_otlp::WithExportConfig;
-use opentelemetry_sdk::trace::{BatchSpanProcessor, Sampler, SdkTracerProvider};
+use opentelemetry_sdk::trace::{BatchSpanProcessor, Sampler, SdkTracerProvider, ShouldSample};
 use opentelemetry_sdk::Resource;
 use tonic::metadata::MetadataMap;
 use tracing::field::Empty;
+use tracing::subscriber::Interest;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
-use tracing_subscriber::filter::filter_fn;
+use tracing_subscriber::filter::dynamic_filter_fn;
 use tracing_subscriber::{Layer, Registry};
 
 use crate::telemetry::TRACE_CONTEXT_INVALID;
 use export::{Bounded, InFlight, Watched};
 use propagation::Propagation;
+use sampling::FollowsLinks;
 pub use settings::{OtlpProtocol, TracingSettings};
 
 /// What a request needs while tracing is on; unset while it is off.
@@ -108,9 +111,12 @@ impl Traces {
                 bound,
             })
             .with_resource(resource(settings));
-        if let Some(ratio) = settings.sampling_ratio {
-            builder = builder.with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(ratio))));
-        }
+        let configured: Box<dyn ShouldSample> = match settings.sampling_ratio {
+            Some(ratio) => Box::new(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(ratio)))),
+            // What the SDK reads from `OTEL_TRACES_SAMPLER` and `OTEL_TRACES_SAMPLER_ARG`.
+            None => opentelemetry_sdk::trace::Config::default().sampler,
+        };
+        builder = builder.with_sampler(FollowsLinks::new(configured));
         let provider = builder.build();
         let state = State {
             propagation: Propagation::new(&propagators),
@@ -133,9 +139,24 @@ impl Traces {
             .with_location(false)
             .with_threads(false)
             .with_tracked_inactivity(false)
-            .with_filter(filter_fn(|meta| {
-                meta.target().starts_with(OWN_TARGET) && (meta.is_span() || *meta.level() <= tracing::Level::WARN)
-            }))
+            .with_filter(
+                dynamic_filter_fn(|meta, _| {
+                    meta.target().starts_with(OWN_TARGET) && (meta.is_span() || *meta.level() <= tracing::Level::WARN)
+                })
+                // Our callsites ask every time (`sometimes`, never `always`). A per-layer
+                // filter's answer reaches the span it is about through a thread-local that the
+                // subscriber's `enabled` sets; a callsite cached as `always` skips that call, and
+                // its span is then judged by whatever was asked last on the thread: a
+                // dependency's `enabled!` answered no (sqlx after every statement did so) made
+                // the next call's server span invisible here.
+                .with_callsite_filter(|meta| {
+                    if meta.target().starts_with(OWN_TARGET) {
+                        Interest::sometimes()
+                    } else {
+                        Interest::never()
+                    }
+                }),
+            )
             .boxed()
     }
 

@@ -2,7 +2,9 @@
 //! OTLP/gRPC to a receiver in this test (the collector's `TraceService`), called with W3C and
 //! B3 (single and multi) trace contexts, an unsampled one and an unparsable one; then real
 //! Envoy 1.40 with its OpenTelemetry tracer, on `envoy/tracing.yaml`, in front of tollgate,
-//! both exporting to the same receiver: one trace.
+//! both exporting to the same receiver: one trace. On Redis (the shared server, and a Cluster
+//! of three private masters) and on Postgres, concurrent calls in traces of their own share a
+//! batched round trip, whose span is linked from each call's `store` span.
 
 use crate::support;
 
@@ -136,6 +138,24 @@ impl Receiver {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    /// The `store.round_trip` span linked from the `store` span in trace `trace_id` (hex),
+    /// waiting for both as [`Receiver::wait_for`] does.
+    async fn round_trip_of(&self, trace_id: &str) -> Received {
+        let store = self
+            .wait_for(&format!("store in trace {trace_id}"), |r| {
+                hex(&r.span.trace_id) == trace_id && r.span.name == "store"
+            })
+            .await;
+        self.wait_for(&format!("{ROUND_TRIP} linked from trace {trace_id}"), |r| {
+            r.span.name == ROUND_TRIP
+                && r.span
+                    .links
+                    .iter()
+                    .any(|l| l.trace_id == store.span.trace_id && l.span_id == store.span.span_id)
+        })
+        .await
     }
 
     fn all(&self) -> Vec<Received> {
@@ -334,6 +354,198 @@ async fn calls_join_the_callers_w3c_and_b3_traces() {
             assert!(!value.contains("secret-key-value"), "{}: {value}", kv.key);
         }
     }
+}
+
+/// The name of a batched round trip's span.
+const ROUND_TRIP: &str = "store.round_trip";
+
+/// `tollgate serve` on `backend` (a `backend: ...` settings document) with one lane, so that
+/// concurrent calls share round trips, exporting to `receiver`; ready (its backend connected).
+fn tollgate_on_one_lane(receiver: SocketAddr, settings: &str) -> Tollgate {
+    let mut tollgate = tollgate_tracing_to(
+        receiver,
+        Tollgate::builder().rules_file("traced.yaml", RULES).settings(settings),
+    );
+    let http = tollgate.http_addr;
+    support::wait_until(&mut tollgate.process, || {
+        support::http_get(http, "/readyz").filter(|(status, _)| *status == 200)
+    })
+    .unwrap_or_else(|why| panic!("tollgate not ready: {why}\n{}", tollgate.process.log_tail(60)));
+    tollgate
+}
+
+/// Sends rounds of 24 concurrent calls on one connection, each in a sampled trace of its own,
+/// until a round trip to `backend` served several of them (at most 10 rounds); then checks
+/// that each call's `store` span is linked from a round trip's span, a root of another trace,
+/// whose attributes count what it carried, and that a round trip serving only an unsampled
+/// call is not exported.
+async fn round_trips_are_linked_from_their_requests(
+    tollgate: &Tollgate,
+    receiver: &Receiver,
+    backend: &str,
+    calls: &[&str],
+) {
+    let client = RateLimitServiceClient::connect(format!("http://{}", tollgate.grpc_addr))
+        .await
+        .expect("connect to tollgate");
+    let traced = |trace_id: String, sampled: bool| {
+        let mut client = client.clone();
+        async move {
+            let mut request = tonic::Request::new(support::request(
+                "traced",
+                &[("api_key", &trace_id), ("tier", "gold")],
+                0,
+            ));
+            let flags = if sampled { "01" } else { "00" };
+            let parent = format!("00-{trace_id}-00f067aa0ba902b7-{flags}");
+            request
+                .metadata_mut()
+                .insert("traceparent", parent.parse().expect("metadata value"));
+            let answer = client.should_rate_limit(request).await.expect("ShouldRateLimit");
+            assert_eq!(answer.into_inner().overall_code, Code::Ok as i32);
+        }
+    };
+    // Distinct trace ids, none of them the round trips' (random, never this pattern).
+    let trace_id = |round: usize, i: usize| format!("{:08x}{:08x}feedfacefeedface", 0x5000_0000 + round, i + 1);
+    let mut sent: Vec<String> = Vec::new();
+    let mut shared = None;
+    for round in 0..10 {
+        let ids: Vec<String> = (0..24).map(|i| trace_id(round, i)).collect();
+        futures_util::future::join_all(ids.iter().map(|id| traced(id.clone(), true))).await;
+        sent.extend(ids);
+        // Every call's store span, and the round trip that links it.
+        for id in &sent[sent.len() - 24..] {
+            let linked_from = receiver.round_trip_of(id).await;
+            if linked_from.span.links.len() > 1 {
+                shared = Some(linked_from);
+            }
+        }
+        if shared.is_some() {
+            break;
+        }
+    }
+    let shared = shared.unwrap_or_else(|| panic!("no {backend} round trip served several of {} calls", sent.len()));
+    let links = shared.span.links.len();
+    assert!(links <= 24, "{shared:?}");
+    for round_trip in receiver.all().iter().filter(|r| r.span.name == ROUND_TRIP) {
+        let span = &round_trip.span;
+        assert!(span.parent_span_id.is_empty(), "a round trip is a root: {round_trip:?}");
+        assert!(
+            !sent.contains(&hex(&span.trace_id)),
+            "a round trip is a trace of its own: {round_trip:?}"
+        );
+        assert_eq!(round_trip.attribute("ratelimit.backend").as_deref(), Some(backend));
+        let call = round_trip.attribute("ratelimit.call").unwrap_or_default();
+        assert!(calls.contains(&call.as_str()), "{round_trip:?}");
+        // One job a call (one bucket each), every one of them traced here.
+        let requests = span.links.len().to_string();
+        assert_eq!(
+            round_trip.attribute("ratelimit.requests"),
+            Some(requests.clone()),
+            "{round_trip:?}"
+        );
+        assert_eq!(
+            round_trip.attribute("ratelimit.buckets"),
+            Some(requests),
+            "{round_trip:?}"
+        );
+        assert_eq!(span.status.as_ref().map_or(0, |s| s.code), 0, "{round_trip:?}");
+    }
+
+    // A call that its caller did not sample, alone: its round trip is not exported. A sampled
+    // call after it, and its round trip, come in the same or a later export.
+    let unsampled = trace_id(99, 0);
+    traced(unsampled.clone(), false).await;
+    let last = trace_id(99, 1);
+    traced(last.clone(), true).await;
+    receiver.round_trip_of(&last).await;
+    sent.push(last);
+    assert!(
+        !receiver
+            .all()
+            .iter()
+            .any(|r| hex(&r.span.trace_id) == unsampled || r.span.links.iter().any(|l| hex(&l.trace_id) == unsampled)),
+        "an unsampled call's span or round trip was exported"
+    );
+    // A call's spans are all in its caller's trace, none a root of its own. (After a burst on
+    // Postgres, sqlx's statement log once left calls without their server span, their
+    // `match_rules` and `store` spans exported as roots.)
+    for received in receiver.all() {
+        if [SERVER_SPAN, "match_rules", "store"].contains(&received.span.name.as_str()) {
+            assert!(sent.contains(&hex(&received.span.trace_id)), "{received:?}");
+            assert!(!received.span.parent_span_id.is_empty(), "{received:?}");
+        }
+    }
+}
+
+/// On Redis with one lane: concurrent calls share calls of the script, and each call is a span
+/// linked from the `store` span of every request it decided.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_round_trip_is_linked_from_each_request_it_served() {
+    let test = "a_redis_round_trip_is_linked_from_each_request_it_served";
+    let Some(url) = support::redis::shared_redis(test) else {
+        return;
+    };
+    let receiver = Receiver::default();
+    let addr = receiver.start().await;
+    let settings = format!(
+        "backend: redis\nredis: {{urls: [{}], key_prefix: {}, pool_size: 1, command_timeout_ms: 2000}}",
+        support::yaml_str(&url),
+        support::yaml_str(&support::redis::unique_prefix(test))
+    );
+    let tollgate = tokio::task::block_in_place(|| tollgate_on_one_lane(addr, &settings));
+    round_trips_are_linked_from_their_requests(&tollgate, &receiver, "redis", &["decide"]).await;
+}
+
+/// The same on a Redis Cluster of three masters, one lane each: a master's lane decides the
+/// requests of several slots in one call of the Cluster form, a span linked from each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_cluster_round_trip_is_linked_from_each_request_it_served() {
+    let test = "a_redis_cluster_round_trip_is_linked_from_each_request_it_served";
+    if !support::redis::redis_binaries_or_skip(test) {
+        return;
+    }
+    let cluster = tokio::task::block_in_place(support::redis::RedisCluster::start);
+    let receiver = Receiver::default();
+    let addr = receiver.start().await;
+    let urls: Vec<String> = cluster.urls().iter().map(|u| support::yaml_str(u)).collect();
+    let settings = format!(
+        "backend: redis\nredis: {{urls: [{}], cluster: true, key_prefix: {}, pool_size: 1, command_timeout_ms: 2000}}",
+        urls.join(", "),
+        support::yaml_str(&support::redis::unique_prefix(test))
+    );
+    let tollgate = tokio::task::block_in_place(|| tollgate_on_one_lane(addr, &settings));
+    // One bucket a call, so each is one job on one master: a call of several is the Cluster
+    // form (Redis 7), a call of one the plain script.
+    round_trips_are_linked_from_their_requests(&tollgate, &receiver, "redis", &["decide", "decide_cross_slot"]).await;
+    let calls: Vec<String> = receiver
+        .all()
+        .iter()
+        .filter(|r| r.span.name == ROUND_TRIP && r.span.links.len() > 1)
+        .filter_map(|r| r.attribute("ratelimit.call"))
+        .collect();
+    assert!(calls.iter().all(|c| c == "decide_cross_slot"), "{calls:?}");
+}
+
+/// The same on Postgres with one lane: a batch (one call of `tollgate_decide`) is one span.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_round_trip_is_linked_from_each_request_it_served() {
+    let test = "a_postgres_round_trip_is_linked_from_each_request_it_served";
+    let Some(url) = support::postgres::shared_postgres(test).await else {
+        return;
+    };
+    let schema = support::postgres::unique_schema();
+    let receiver = Receiver::default();
+    let addr = receiver.start().await;
+    let settings = format!(
+        "backend: postgres\npostgres: {{url: {}, schema: {schema}, pool_size: 1, command_timeout_ms: 2000, \
+         connect_timeout_ms: 10000}}",
+        support::yaml_str(&url)
+    );
+    let tollgate = tokio::task::block_in_place(|| tollgate_on_one_lane(addr, &settings));
+    round_trips_are_linked_from_their_requests(&tollgate, &receiver, "postgres", &["tollgate_decide"]).await;
+    drop(tollgate);
+    support::postgres::drop_schema(&url, &schema).await;
 }
 
 fn repo_path(relative: &str) -> PathBuf {

@@ -38,6 +38,10 @@ pub(crate) struct Job {
     pub start_by: Instant,
     /// Receives its decision.
     pub reply: oneshot::Sender<Result<Applied, StoreError>>,
+    /// The submitting request's span while traces are exported
+    /// ([`round_trip::origin`](crate::store::round_trip::origin)): the span of the batch that
+    /// decides the job links from it.
+    pub origin: Option<tracing::Span>,
 }
 
 /// What a batch found out about its lane's connection, worst last.
@@ -101,6 +105,10 @@ pub(super) async fn decide_jobs(
         .map(|(j, _)| *j)
         .collect();
     if !rest.is_empty() {
+        if crate::telemetry::traces_on() {
+            // The batch's span, entered around this call by the lane (a no-op without one).
+            tracing::Span::current().record("ratelimit.transaction", rest.len());
+        }
         let decided = match transact(conn, &rest, clock).await {
             Ok(decided) => decided,
             Err(Failure { refused: true, .. }) if rest.len() > 1 => {

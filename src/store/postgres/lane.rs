@@ -10,17 +10,23 @@
 //! nothing; a batch still running at the earliest deadline of its requests is abandoned and
 //! they are answered with a timeout (a transaction is rolled back; a function call that
 //! completes anyway may have spent tokens for them: an under-admission, never an over-admission).
+//!
+//! While traces are exported, a job carries its request's span and each batch is a span of its
+//! own (`crate::store::round_trip`), linked from those: its connection check, its function
+//! call and any transaction, with an error status when the whole batch failed or timed out.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::{mpsc, Mutex};
 use tokio::time::Instant;
+use tracing::{Instrument, Span};
 
 use super::batch::{decide_jobs, late, Broken, Job, MAX_BATCH};
 use super::connections::{back_off, renewed, Connections, Held, Renewal, IDLE_CHECK};
 use crate::core::clock::Clock;
-use crate::store::{batch_failure, gather, StoreError};
+use crate::store::round_trip::{self, Carried};
+use crate::store::{batch_failure, gather, Applied, StoreError};
 
 /// Hands requests to the lanes. Dropping it ends them once they have answered what they hold.
 pub(crate) struct Batcher {
@@ -120,6 +126,15 @@ async fn lane(
         let Some(deadline) = jobs.iter().map(|j| j.deadline).min() else {
             continue;
         };
+        let span = round_trip::span(
+            jobs.iter().map(|j| &j.origin),
+            Carried {
+                backend: "postgres",
+                call: "tollgate_decide",
+                requests: jobs.len(),
+                buckets: jobs.iter().map(|j| j.buckets.len()).sum(),
+            },
+        );
         let clock = time_override.as_deref();
         // Past the deadline, a batch whose function call or transaction already committed
         // spent tokens for requests answered with a timeout (never an over-admission).
@@ -153,6 +168,7 @@ async fn lane(
             let h = held.as_mut().expect("a connection was just got");
             Ok::<_, StoreError>(decide_jobs(&mut h.conn, &jobs, clock, &mut broken).await)
         };
+        let run = run.instrument(span.clone().unwrap_or_else(Span::none));
         let results = match tokio::time::timeout_at(deadline, run).await {
             Ok(Ok(results)) => results,
             Ok(Err(e)) => batch_failure(e, jobs.len()),
@@ -161,6 +177,10 @@ async fn lane(
                 batch_failure(late(), jobs.len())
             }
         };
+        if let Some(e) = span.as_ref().and_then(|_| failure(&results)) {
+            round_trip::failed(span.as_ref(), e);
+        }
+        drop(span);
         match broken {
             // Checked in the background before it serves again: kept if it answers (a slow
             // statement), else replaced, and then the other lanes check theirs.
@@ -185,6 +205,15 @@ async fn lane(
             let _ = job.reply.send(result);
         }
     }
+}
+
+/// What failed a whole batch: the first error when every request failed and not all of them
+/// were refused for their own data (a refusal is about a request, not the round trip).
+fn failure(results: &[Result<Applied, StoreError>]) -> Option<&StoreError> {
+    let mut errors = results.iter().map(|r| r.as_ref().err());
+    let all_failed = errors.clone().all(|e| e.is_some());
+    let first = errors.find_map(|e| e.filter(|e| !matches!(e.cause(), StoreError::Rejected(_))))?;
+    all_failed.then_some(first.cause())
 }
 
 /// Takes what a renewal got: the lane's connection, or the error of a failed attempt, which

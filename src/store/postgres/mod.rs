@@ -187,6 +187,14 @@ impl PostgresStore {
             Some(password) => options.password(password),
             None => options,
         };
+        // sqlx asks the subscriber whether its statement log is enabled after every statement
+        // and logs nothing when it is not; the answer stays behind in the per-layer filters'
+        // thread-local state, and the next span or event made on that thread from a callsite
+        // cached as always enabled is judged by it: calls lost their server span under load
+        // (the trace layer's callsites now ask every time, `crate::traces`), and the log
+        // layer's can still lose a line. Tollgate times its calls itself
+        // (`tollgate_backend_*`), so sqlx logs no statement.
+        let options = sqlx::ConnectOptions::disable_statement_logging(options);
         // The schema is a checked identifier, so it can go into the search path as it is.
         let setup = options.options([("search_path", format!("\"{}\"", settings.schema).as_str())]);
         let options = setup
@@ -710,6 +718,7 @@ impl Store for PostgresStore {
             deadline,
             start_by: tokio::time::Instant::now() + timeout / 2,
             reply,
+            origin: crate::store::round_trip::origin(),
         })?;
         let late =
             || StoreError::Timeout(format!("no decision from Postgres within {} ms", timeout.as_millis()).into());

@@ -26,6 +26,10 @@
 //! slot by slot, and a slot's call of several jobs answered `ASK` or `TRYAGAIN` (a migration
 //! half done) goes again one job at a time, so that an error about one slot or key never
 //! reaches another's request.
+//!
+//! **Traces.** While traces are exported, a job carries its request's span, and each call is a
+//! span of its own (`crate::store::round_trip`) linked from the spans of the requests it
+//! decided: a call sent again slot by slot, or one job at a time, is a span per call.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -34,11 +38,13 @@ use fred::clients::Client;
 use fred::types::{Key, Value};
 use futures_util::future::join_all;
 use tokio::sync::{mpsc, oneshot, Mutex};
+use tracing::{Instrument, Span};
 
 use super::cluster::nodes::{redirect_of, Redirect};
 use super::script::{encode_header, is_lean, split_answers, CallSettings};
 use super::{keys, Conn};
 use crate::core::clock::Clock;
+use crate::store::round_trip::{self, Carried};
 use crate::store::{batch_failure, gather, StoreError};
 
 /// The most requests one call decides. Bounds the script's run time (Redis serves nothing else
@@ -58,6 +64,10 @@ pub(crate) struct Job {
     /// Receives the request's answer, with the local clock's readings (µs) when the call was
     /// sent and when it was answered.
     pub reply: oneshot::Sender<Result<Answer, StoreError>>,
+    /// The submitting request's span while traces are exported
+    /// ([`round_trip::origin`](crate::store::round_trip::origin)): the span of the call that
+    /// decides the job links from it.
+    pub origin: Option<tracing::Span>,
 }
 
 /// One request's answer from a batched call.
@@ -212,7 +222,16 @@ async fn call_once(conn: &Conn, client: &Client, settings: &LaneSettings, jobs: 
 /// Sends one call of the decision script over `jobs` (their fields moved out).
 async fn send_jobs(conn: &Conn, client: &Client, settings: &LaneSettings, jobs: &mut [Job]) -> Sent {
     let (keys, argv, asking) = fields(settings, jobs);
-    send(
+    let span = round_trip::span(
+        jobs.iter().map(|j| &j.origin),
+        Carried {
+            backend: "redis",
+            call: "decide",
+            requests: jobs.len(),
+            buckets: keys.len(),
+        },
+    );
+    let sent = send(
         conn,
         client,
         settings,
@@ -222,7 +241,12 @@ async fn send_jobs(conn: &Conn, client: &Client, settings: &LaneSettings, jobs: 
         asking,
         jobs.len(),
     )
-    .await
+    .instrument(span.clone().unwrap_or_else(Span::none))
+    .await;
+    if let Err(e) = &sent {
+        round_trip::failed(span.as_ref(), e);
+    }
+    sent
 }
 
 /// The keys and ARGV of one call over `jobs` (their fields moved out), and whether it follows
@@ -258,6 +282,15 @@ async fn call_cross_slot(conn: &Conn, client: &Client, settings: &LaneSettings, 
     argv.extend(keys.iter().map(|k| Value::Bytes(k.clone().into_bytes())));
     argv.push(Value::Integer(count as i64));
     keys.truncate(1);
+    let span = round_trip::span(
+        jobs.iter().map(|j| &j.origin),
+        Carried {
+            backend: "redis",
+            call: "decide_cross_slot",
+            requests: jobs.len(),
+            buckets: count,
+        },
+    );
     let sent = send(
         conn,
         client,
@@ -268,7 +301,13 @@ async fn call_cross_slot(conn: &Conn, client: &Client, settings: &LaneSettings, 
         false,
         jobs.len(),
     )
+    .instrument(span.clone().unwrap_or_else(Span::none))
     .await;
+    if let Err(e) = &sent {
+        round_trip::failed(span.as_ref(), e);
+    }
+    // Closed here: the slot-by-slot calls that may follow are round trips of their own.
+    drop(span);
     match sent {
         Err(e) if !matches!(e.cause(), StoreError::Timeout(_)) => {
             tracing::debug!(redis = %conn.describe, error = %e, "a call across slots failed; its requests go again slot by slot");

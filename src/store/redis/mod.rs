@@ -767,6 +767,7 @@ impl RedisStore {
             args,
             asking: false,
             reply,
+            origin: crate::store::round_trip::origin(),
         })?;
         answer
             .await

@@ -169,6 +169,7 @@ impl Node {
             args,
             asking,
             reply,
+            origin: crate::store::round_trip::origin(),
         }) {
             Ok(()) => match tokio::time::timeout_at(deadline, answer).await {
                 Ok(Ok(answer)) => answer,
