@@ -94,12 +94,12 @@ fn main() -> ExitCode {
         return redis_client(decisions, slowdown);
     }
     // Kept until the end: the exporter's runtime and the tracer provider.
-    let _traces = match path.as_str() {
+    let started = match path.as_str() {
         "grpc-unsampled" => start_traces(None),
         "grpc-unsampled-root" => start_traces(Some(0.0)),
         _ => Ok(None),
     };
-    let _traces = match _traces {
+    let _traces = match started {
         Ok(traces) => traces,
         Err(e) => {
             eprintln!("cannot start traces: {e}");
