@@ -364,7 +364,7 @@ impl<S: Store> Limiter<S> {
         let denying = screened.denies() && !self.options.shadow_mode;
         // Child spans of a sampled call's server span; none otherwise (one relaxed load while
         // tracing is off).
-        let traced = crate::traces::in_sampled_call();
+        let traced = crate::telemetry::in_sampled_call();
         let matching = traced.then(|| tracing::debug_span!(target: "tollgate::decision", "match_rules").entered());
         let mut prepared = prepare(req, &screened, domain, &self.options, denying);
         drop(matching);

@@ -65,7 +65,7 @@ pub struct Traces {
 
 /// The target of the spans and events OpenTelemetry gets: the crate's own, so a dependency's
 /// spans never reach the collector.
-const OWN_TARGET: &str = "tollgate";
+const OWN_TARGET: &str = crate::telemetry::OWN_TARGET;
 
 impl Traces {
     /// Starts exporting when `settings.enabled` or an `OTEL_EXPORTER_OTLP_*ENDPOINT` variable
@@ -224,20 +224,6 @@ fn may_sample(state: &State, parent: &opentelemetry::Context) -> bool {
         != SamplingDecision::Drop
 }
 
-/// Whether the code running now is part of a sampled call, so that a child span it makes is
-/// exported: tracing is on and the current span is one of the crate's (a call makes its server
-/// span, [`server_span`], only when its trace is sampled). One relaxed load while tracing is off;
-/// then the current span's lookup.
-#[inline]
-pub fn in_sampled_call() -> bool {
-    crate::telemetry::traces_on()
-        && tracing::dispatcher::get_default(|d| {
-            d.current_span()
-                .metadata()
-                .is_some_and(|m| m.target().starts_with(OWN_TARGET))
-        })
-}
-
 /// Whether tracing is on: the setting, or a standard endpoint variable.
 fn wanted(settings: &TracingSettings) -> bool {
     if env("OTEL_SDK_DISABLED").is_some_and(|v| v.eq_ignore_ascii_case("true")) {
@@ -317,7 +303,7 @@ fn resource(settings: &TracingSettings) -> Resource {
 /// names (or a new root when it names none or one that does not parse, which is counted in
 /// [`TRACE_CONTEXT_INVALID`]). A disabled span while tracing is off, and when the call's trace
 /// is not sampled: then no span of the crate's exists while the call is decided, which
-/// [`in_sampled_call`] reads, so its child spans are not made either. Its `trace_id` (and the
+/// [`crate::telemetry::in_sampled_call`] reads, so its child spans are not made either. Its `trace_id` (and the
 /// caller's `x-request-id`) are fields, so warnings logged inside carry them.
 pub fn server_span(metadata: &MetadataMap) -> tracing::Span {
     let Some(state) = STATE.get() else {
