@@ -4,7 +4,7 @@
 //! so a regression shows on a noisy machine where time cannot.
 //!
 //! ```text
-//! instructions <memory|grpc|envoy|gateway10|gateway10000|redis-client> <decisions>
+//! instructions <memory|grpc|grpc-traceparent|grpc-unsampled|grpc-unsampled-root|envoy|gateway10|gateway10000|redis-client> <decisions>
 //! ```
 //!
 //! - `memory`: [`Limiter::should_rate_limit`] over the memory store, the decision path without
@@ -13,6 +13,17 @@
 //!   lenient codec ([`tollgate::server::decode_request`]), the service `serve` answers with
 //!   ([`tollgate::server::rate_limit_service`]: the decision, the response, the request
 //!   metrics), and the response encoded.
+//! - `grpc-traceparent`: the `grpc` path, each call carrying a W3C `traceparent` whose sampled
+//!   flag is off, as Envoy sends it for a request it does not sample; tracing off. What
+//!   `grpc-unsampled` is compared with: the same calls.
+//! - `grpc-unsampled`: the `grpc-traceparent` path with traces on as `serve` starts them for an OTLP
+//!   endpoint (the real OTLP/gRPC exporter, aimed at a loopback port nobody listens on, under
+//!   the subscriber `serve` installs: the OpenTelemetry layer and the log's): the parent-based
+//!   sampler drops every call, as it does for every call Envoy decided not to sample. What
+//!   tracing costs a call that is not traced.
+//! - `grpc-unsampled-root`: the `grpc` path (no caller's context) with traces on as above, the
+//!   sampler set to sample no new trace (`tracing.sampling_ratio: 0`, parent-based on a
+//!   trace-id ratio of 0).
 //! - `envoy`: the memory path on the Envoy shape of the load benchmark
 //!   (`benches/rules/envoy-shape.yaml`: four descriptors a request, two of them nested, one
 //!   bucket every request shares), for 1,000 clients in turn.
@@ -53,6 +64,7 @@ use tollgate::core::clock::ManualClock;
 use tollgate::decision::{Limiter, LimiterOptions};
 use tollgate::rules::load_rules;
 use tollgate::store::MemoryStore;
+use tonic::metadata::MetadataMap;
 
 /// Distinct descriptor values, as in the load benchmark's default.
 const KEYS: usize = 1_000;
@@ -64,7 +76,10 @@ const START_US: u64 = 1_796_212_800_000_000;
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
     let (Some(path), Some(Ok(decisions))) = (args.get(1), args.get(2).map(|n| n.parse::<usize>())) else {
-        eprintln!("usage: instructions <memory|grpc|envoy|gateway10|gateway10000|redis-client> <decisions>");
+        eprintln!(
+            "usage: instructions <memory|grpc|grpc-traceparent|grpc-unsampled|grpc-unsampled-root|envoy|gateway10|\
+             gateway10000|redis-client> <decisions>"
+        );
         return ExitCode::from(2);
     };
     let slowdown: u64 = std::env::var("TOLLGATE_INSTRUCTIONS_SLOWDOWN")
@@ -78,6 +93,19 @@ fn main() -> ExitCode {
     if path == "redis-client" {
         return redis_client(decisions, slowdown);
     }
+    // Kept until the end: the exporter's runtime and the tracer provider.
+    let started = match path.as_str() {
+        "grpc-unsampled" => start_traces(None),
+        "grpc-unsampled-root" => start_traces(Some(0.0)),
+        _ => Ok(None),
+    };
+    let _traces = match started {
+        Ok(traces) => traces,
+        Err(e) => {
+            eprintln!("cannot start traces: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     let routes = match path.as_str() {
         "gateway10" => Some(10),
         "gateway10000" => Some(10_000),
@@ -121,14 +149,34 @@ fn main() -> ExitCode {
                 r.overall_code == Code::Ok as i32 && r.statuses.first().is_some_and(|s| s.current_limit.is_some())
             })
         }),
-        "grpc" => {
+        "grpc" | "grpc-traceparent" | "grpc-unsampled" | "grpc-unsampled-root" => {
             let service = tollgate::server::rate_limit_service(limiter.clone());
             let wire: Vec<Vec<u8>> = requests.iter().map(Message::encode_to_vec).collect();
+            // Each call's metadata made before the measured decisions: tonic moves it out of
+            // the HTTP/2 headers, the network's part, not counted (`grpc` has none). Dropping it
+            // is counted, as tonic drops it with the request.
+            let traceparent = matches!(path.as_str(), "grpc-traceparent" | "grpc-unsampled");
+            let mut metadata: Vec<MetadataMap> = if traceparent {
+                (0..WARMUP + decisions).map(unsampled_parent).collect()
+            } else {
+                vec![MetadataMap::new()]
+            };
+            if path.starts_with("grpc-unsampled") {
+                if let Err(e) = check_unsampled(&metadata[0]) {
+                    eprintln!("{e}: the measured path is not the one intended");
+                    return ExitCode::FAILURE;
+                }
+            }
             run(decisions, slowdown, &clock, |i| {
                 let Ok(request) = tollgate::server::decode_request(wire[i % KEYS].as_slice()) else {
                     return false;
                 };
-                let response = block_on(service.should_rate_limit(tonic::Request::new(request)));
+                let request = if traceparent {
+                    tonic::Request::from_parts(std::mem::take(&mut metadata[i]), tonic::Extensions::new(), request)
+                } else {
+                    tonic::Request::new(request)
+                };
+                let response = block_on(service.should_rate_limit(request));
                 response.is_ok_and(|r| {
                     let r = r.into_inner();
                     black_box(r.encode_to_vec());
@@ -137,7 +185,10 @@ fn main() -> ExitCode {
             })
         }
         other => {
-            eprintln!("unknown path {other:?}: memory, grpc, envoy, gateway10, gateway10000 or redis-client");
+            eprintln!(
+                "unknown path {other:?}: memory, grpc, grpc-traceparent, grpc-unsampled, grpc-unsampled-root, envoy, \
+                 gateway10, gateway10000 or redis-client"
+            );
             return ExitCode::from(2);
         }
     };
@@ -187,6 +238,82 @@ fn measured_decisions(
         black_box(x);
     }
     admitted
+}
+
+/// An OTLP endpoint on loopback where nothing listens (the discard port): nothing is sampled,
+/// so nothing is ever sent.
+const NOWHERE: &str = "http://127.0.0.1:9";
+
+/// Starts traces as `tollgate serve` does when an OTLP endpoint is set (`Traces::start`, then
+/// its `init_logging`: the OpenTelemetry layer under the log's fmt layer at `info`, here
+/// writing nowhere), exporting over OTLP/gRPC to [`NOWHERE`]; `root_ratio` is
+/// `tracing.sampling_ratio`. Returns the runtime the exporter's channel lives on and the
+/// tracer provider, both to be kept.
+fn start_traces(
+    root_ratio: Option<f64>,
+) -> Result<Option<(tokio::runtime::Runtime, tollgate::traces::Traces)>, String> {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::Layer;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    let settings = tollgate::traces::TracingSettings {
+        enabled: true,
+        endpoint: Some(NOWHERE.to_owned()),
+        protocol: Some(tollgate::traces::OtlpProtocol::Grpc),
+        sampling_ratio: root_ratio,
+        ..Default::default()
+    };
+    let traces = tollgate::traces::Traces::start(&settings, runtime.handle(), "memory")?
+        .ok_or("tracing is off (OTEL_SDK_DISABLED?)")?;
+    let filter = tracing_subscriber::EnvFilter::new("info,sqlx::postgres::notice=error,sqlx_postgres::options=error");
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_ansi(false)
+        .with_writer(std::io::sink)
+        .with_filter(filter)
+        .boxed();
+    tracing_subscriber::registry()
+        .with(Some(traces.layer()))
+        .with(fmt)
+        .try_init()
+        .map_err(|e| e.to_string())?;
+    Ok(Some((runtime, traces)))
+}
+
+/// Call `i`'s metadata from a caller that did not sample its trace: a W3C `traceparent` with
+/// the sampled flag off, a trace and parent span of its own.
+fn unsampled_parent(i: usize) -> MetadataMap {
+    let mut metadata = MetadataMap::new();
+    let value = format!(
+        "00-{:032x}-{:016x}-00",
+        0x4bf9_2f35_77b3_4da6_u128 << 64 | (i as u128 + 1),
+        i + 1
+    );
+    metadata.insert("traceparent", value.parse().expect("an ASCII value"));
+    metadata
+}
+
+/// Checks that tracing is on and that a call with `metadata` is not sampled: it makes no server
+/// span, or one in a trace that is not sampled (so the path measures what it says).
+fn check_unsampled(metadata: &MetadataMap) -> Result<(), String> {
+    use opentelemetry::trace::TraceContextExt;
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    if !tollgate::telemetry::traces_on() {
+        return Err("tracing is off".to_owned());
+    }
+    let span = tollgate::traces::server_span(metadata);
+    if span.is_disabled() {
+        return Ok(());
+    }
+    let cx = span.context();
+    let context = cx.span().span_context().clone();
+    if context.is_sampled() {
+        return Err(format!("the call is sampled: {context:?}"));
+    }
+    Ok(())
 }
 
 /// One token of the value `i` of the bench rules' descriptor `k`.

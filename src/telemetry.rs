@@ -196,6 +196,23 @@ pub fn traces_on() -> bool {
     TRACES_ON.load(Ordering::Relaxed)
 }
 
+/// The target prefix of the crate's spans, the only ones OpenTelemetry gets.
+pub(crate) const OWN_TARGET: &str = "tollgate";
+
+/// Whether the code running now is part of a sampled call, so that a child span it makes is
+/// exported: traces are on and the current span is one of the crate's (a call makes its server
+/// span, `traces::server_span`, only when its trace is sampled). One relaxed load while traces
+/// are off; then the current span's lookup.
+#[inline]
+pub fn in_sampled_call() -> bool {
+    traces_on()
+        && tracing::dispatcher::get_default(|d| {
+            d.current_span()
+                .metadata()
+                .is_some_and(|m| m.target().starts_with(OWN_TARGET))
+        })
+}
+
 /// Sets what [`traces_on`] answers.
 pub fn set_traces_on(on: bool) {
     TRACES_ON.store(on, Ordering::Relaxed);

@@ -149,6 +149,10 @@ struct RunArgs {
     /// The request's hits_addend (0 means 1 to the server).
     #[arg(long, default_value_t = 0)]
     hits_addend: u32,
+    /// gRPC metadata every call carries, `KEY=VALUE` (repeatable): a trace context, say
+    /// `traceparent=00-<trace id>-<span id>-00`, as Envoy sends for a request it does not sample.
+    #[arg(long = "metadata", value_parser = parse_metadata)]
+    metadata: Vec<(String, String)>,
     /// A server process whose CPU time in the measured window is reported (repeatable).
     #[arg(long = "server-pid")]
     server_pids: Vec<u32>,
@@ -457,6 +461,8 @@ struct Shape {
     /// `--routes` (`gateway`).
     routes: usize,
     hits_addend: u32,
+    /// `--metadata`, sent with every call.
+    metadata: tonic::metadata::MetadataMap,
 }
 
 /// A descriptor of `entries`.
@@ -555,7 +561,11 @@ async fn request_loop(
         if p == STOP || (p == MEASURE && budget.sent.fetch_add(1, Ordering::Relaxed) >= budget.limit) {
             return stats;
         }
-        let req = shape.request(&mut draw, sent);
+        let req = Request::from_parts(
+            shape.metadata.clone(),
+            tonic::Extensions::new(),
+            shape.request(&mut draw, sent),
+        );
         sent += 1;
         let started = Instant::now();
         let result = client.should_rate_limit(req).await;
@@ -693,6 +703,28 @@ fn read_cpu(pids: &[u32], trees: &[u32]) -> Result<Vec<CpuReading>, String> {
     Ok(out)
 }
 
+/// A `--metadata` argument, `KEY=VALUE`.
+fn parse_metadata(arg: &str) -> Result<(String, String), String> {
+    let (key, value) = arg.split_once('=').ok_or("expected KEY=VALUE")?;
+    Ok((key.trim().to_ascii_lowercase(), value.to_owned()))
+}
+
+/// The `--metadata` pairs as gRPC metadata (ASCII entries).
+///
+/// Errors: a key or value gRPC metadata cannot carry.
+fn metadata_map(pairs: &[(String, String)]) -> Result<tonic::metadata::MetadataMap, BoxError> {
+    let mut map = tonic::metadata::MetadataMap::new();
+    for (key, value) in pairs {
+        let name: tonic::metadata::AsciiMetadataKey =
+            key.parse().map_err(|_| format!("--metadata: bad key {key:?}"))?;
+        map.insert(
+            name,
+            value.parse().map_err(|_| format!("--metadata: bad value for {key}"))?,
+        );
+    }
+    Ok(map)
+}
+
 async fn run(args: RunArgs) -> Result<(), BoxError> {
     check_run_args(&args)?;
     let clk_tck = clock_ticks();
@@ -714,6 +746,7 @@ async fn run(args: RunArgs) -> Result<(), BoxError> {
         descriptors: args.shape_descriptors(),
         routes: args.routes,
         hits_addend: args.hits_addend,
+        metadata: metadata_map(&args.metadata)?,
     });
     let next = Arc::new(AtomicUsize::new(0));
     let draws = (0..args.concurrency)

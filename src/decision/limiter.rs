@@ -362,9 +362,10 @@ impl<S: Store> Limiter<S> {
         // checked, so that, as for any denied request, nothing is consumed anywhere (global
         // shadow mode denies nothing, so there they are decided as usual).
         let denying = screened.denies() && !self.options.shadow_mode;
-        // Child spans of a traced request's server span (disabled, and next to free, otherwise).
-        let matching = crate::telemetry::traces_on()
-            .then(|| tracing::debug_span!(target: "tollgate::decision", "match_rules").entered());
+        // Child spans of a sampled call's server span; none otherwise (one relaxed load while
+        // tracing is off).
+        let traced = crate::telemetry::in_sampled_call();
+        let matching = traced.then(|| tracing::debug_span!(target: "tollgate::decision", "match_rules").entered());
         let mut prepared = prepare(req, &screened, domain, &self.options, denying);
         drop(matching);
         let metadata = self.options.response.dynamic_metadata;
@@ -392,7 +393,7 @@ impl<S: Store> Limiter<S> {
             );
             return Ok(finish(resp, &prepared.targets));
         }
-        let applied = if crate::telemetry::traces_on() {
+        let applied = if traced {
             let buckets = prepared.buckets.len();
             in_store_span(self.apply(&mut prepared, denying), buckets).await
         } else {

@@ -678,13 +678,19 @@ descriptors:
         assert_eq!(account.reported, a.reported, "reported as declared");
         // A check passes at a balance of 0; two hits need a balance of 2.
         assert_eq!(account.demand_kind(DemandKind::Check).need_ut(0), Some(2 * MICRO));
-        assert_eq!(account.demand_kind(DemandKind::Consume(2 * MICRO)).need_ut(0), Some(4 * MICRO));
+        assert_eq!(
+            account.demand_kind(DemandKind::Consume(2 * MICRO)).need_ut(0),
+            Some(4 * MICRO)
+        );
         assert!(matches!(
             account.demand_kind(DemandKind::Consume(MICRO)),
             DemandKind::Debit { amount_ut, .. } if amount_ut == MICRO
         ));
         assert!(named("z").over_account.is_none(), "nothing would repay it");
         let own = dom.buckets.iter().find(|b| b.name != "a" && b.name != "z").unwrap();
-        assert!(own.over_account.is_none(), "tollgate's schema keeps its meaning: {own:?}");
+        assert!(
+            own.over_account.is_none(),
+            "tollgate's schema keeps its meaning: {own:?}"
+        );
     }
 }

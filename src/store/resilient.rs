@@ -332,7 +332,7 @@ impl<P: Store> Resilient<P> {
         match &self.fallback {
             Some(f) => {
                 self.fallbacks.increment(1);
-                if crate::telemetry::traces_on() {
+                if crate::telemetry::in_sampled_call() {
                     tracing::Span::current().record("ratelimit.decided_by", "fallback");
                 }
                 fallback(f).await

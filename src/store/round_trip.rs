@@ -13,14 +13,11 @@ use tracing::Span;
 use super::StoreError;
 
 /// The span of the request submitting a job to a lane (its `store` span), while traces are
-/// exported and the request has one; `None` otherwise, for the cost of one relaxed load.
+/// exported and the request is part of a sampled call; `None` otherwise, for the cost of one
+/// relaxed load while traces are off.
 #[inline]
 pub(crate) fn origin() -> Option<Span> {
-    if !crate::telemetry::traces_on() {
-        return None;
-    }
-    let span = Span::current();
-    (!span.is_disabled()).then_some(span)
+    crate::telemetry::in_sampled_call().then(Span::current)
 }
 
 /// What a round trip carried, for its span's attributes.

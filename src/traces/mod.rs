@@ -5,7 +5,11 @@
 //! (`tracing-opentelemetry`), reads the caller's trace context from a call's gRPC metadata
 //! (W3C, B3 single and multi, baggage) and makes the one server span of each
 //! `ShouldRateLimit` call a child of the caller's span. While tracing is off nothing here runs
-//! on a request but one load of an empty cell: no span is made, no metadata read.
+//! on a request but one load of an empty cell: no span is made, no metadata read. A call whose
+//! trace is not sampled (the caller's decision, or the sampler's for a trace that starts here)
+//! is decided before any span is made, and then makes none: it costs a glance at its metadata
+//! (or, for a context the glance does not read, the context's extraction and the sampler's
+//! answer), not a span's bookkeeping in `tracing` and OpenTelemetry.
 
 mod export;
 mod propagation;
@@ -16,10 +20,10 @@ use std::sync::{Arc, OnceLock};
 
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
-use opentelemetry::trace::{TraceContextExt, TracerProvider as _};
+use opentelemetry::trace::{SpanKind, TraceContextExt, TraceId, TracerProvider as _};
 use opentelemetry::KeyValue;
 use opentelemetry_otlp::WithExportConfig;
-use opentelemetry_sdk::trace::{BatchSpanProcessor, Sampler, SdkTracerProvider, ShouldSample};
+use opentelemetry_sdk::trace::{BatchSpanProcessor, Sampler, SamplingDecision, SdkTracerProvider, ShouldSample};
 use opentelemetry_sdk::Resource;
 use tonic::metadata::MetadataMap;
 use tracing::field::Empty;
@@ -30,7 +34,7 @@ use tracing_subscriber::{Layer, Registry};
 
 use crate::telemetry::TRACE_CONTEXT_INVALID;
 use export::{Bounded, InFlight, Watched};
-use propagation::Propagation;
+use propagation::{Glance, Propagation};
 use sampling::FollowsLinks;
 pub use settings::{OtlpProtocol, TracingSettings};
 
@@ -43,7 +47,18 @@ struct State {
     value_keys: Vec<String>,
     /// The backend deciding (`memory`, `redis`, `postgres`), the `ratelimit.backend` attribute.
     backend: &'static str,
+    /// The tracer provider's sampler, asked before a call's span is made.
+    sampler: Box<dyn ShouldSample>,
+    /// The sampler's decision on every trace that starts here (no caller's context), when it
+    /// does not depend on the trace id: `Some(false)` for a ratio of 0 or `always_off`.
+    roots: Option<bool>,
+    /// The sampler's decision on a call whose caller's span is not sampled (`[0]`) or is
+    /// (`[1]`), when nothing else changes it: a parent-based sampler follows the caller.
+    parents: [Option<bool>; 2],
 }
+
+/// The name of the server span in OpenTelemetry, as the sampler sees it.
+const SERVER_SPAN: &str = "envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
 
 /// The tracer provider while tracing is on: its layer goes into the process's subscriber, and
 /// [`Traces::shutdown`] exports what is still queued.
@@ -53,7 +68,7 @@ pub struct Traces {
 
 /// The target of the spans and events OpenTelemetry gets: the crate's own, so a dependency's
 /// spans never reach the collector.
-const OWN_TARGET: &str = "tollgate";
+const OWN_TARGET: &str = crate::telemetry::OWN_TARGET;
 
 impl Traces {
     /// Starts exporting when `settings.enabled` or an `OTEL_EXPORTER_OTLP_*ENDPOINT` variable
@@ -104,24 +119,29 @@ impl Traces {
                 BatchSpanProcessor::builder(Watched::new(exporter, in_flight.clone())).build()
             }
         };
-        let mut builder = SdkTracerProvider::builder()
+        // The setting, else the SDK's own choice (OTEL_TRACES_SAMPLER and its argument), kept
+        // to decide a call's sampling before its span is made.
+        let sampler: Box<dyn ShouldSample> = match settings.sampling_ratio {
+            Some(ratio) => Box::new(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(ratio)))),
+            None => opentelemetry_sdk::trace::Config::default().sampler,
+        };
+        let provider = SdkTracerProvider::builder()
             .with_span_processor(Bounded {
                 inner: processor,
                 in_flight,
                 bound,
             })
-            .with_resource(resource(settings));
-        let configured: Box<dyn ShouldSample> = match settings.sampling_ratio {
-            Some(ratio) => Box::new(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(ratio)))),
-            // What the SDK reads from `OTEL_TRACES_SAMPLER` and `OTEL_TRACES_SAMPLER_ARG`.
-            None => opentelemetry_sdk::trace::Config::default().sampler,
-        };
-        builder = builder.with_sampler(FollowsLinks::new(configured));
-        let provider = builder.build();
+            .with_resource(resource(settings))
+            // A batched round trip's span (a root with links) follows the calls it served.
+            .with_sampler(FollowsLinks::new(sampler.clone()))
+            .build();
         let state = State {
             propagation: Propagation::new(&propagators),
             value_keys: settings.value_keys.clone(),
             backend,
+            roots: fixed_decision(sampler.as_ref(), None),
+            parents: [false, true].map(|sampled| fixed_decision(sampler.as_ref(), Some(sampled))),
+            sampler,
         };
         if STATE.set(state).is_err() {
             return Err("tracing was started twice".to_owned());
@@ -166,6 +186,61 @@ impl Traces {
             tracing::warn!("traces not all exported at shutdown: {e}");
         }
     }
+}
+
+/// `sampler`'s decision on every new trace (`parent` `None`), or on every call whose caller's
+/// remote span is sampled or not (`Some(flag)`), when the trace id does not change it. The
+/// samplers the settings and `OTEL_TRACES_SAMPLER` make follow the caller's flag (parent-based)
+/// or decide by the trace id alone, a ratio sampling the ids below a bound: so the lowest and
+/// the highest id agree exactly when every id would.
+fn fixed_decision(sampler: &dyn ShouldSample, parent: Option<bool>) -> Option<bool> {
+    use opentelemetry::trace::{SpanContext, SpanId, TraceFlags, TraceState};
+    let sampled = |id: u128| {
+        let cx = parent.map(|flag| {
+            let flags = if flag {
+                TraceFlags::SAMPLED
+            } else {
+                TraceFlags::default()
+            };
+            opentelemetry::Context::new().with_remote_span_context(SpanContext::new(
+                TraceId::from(id),
+                SpanId::from(1),
+                flags,
+                true,
+                TraceState::NONE,
+            ))
+        });
+        sampler
+            .should_sample(cx.as_ref(), TraceId::from(id), SERVER_SPAN, &SpanKind::Server, &[], &[])
+            .decision
+            != SamplingDecision::Drop
+    };
+    let (low, high) = (sampled(1), sampled(u128::MAX));
+    (low == high).then_some(low)
+}
+
+/// Whether a call with the caller's context `parent` may be sampled: the sampler's answer for
+/// a valid context (for a parent-based one, the caller's decision), exactly what the SDK will
+/// decide for the span; for a new trace, [`State::roots`], or `true` when a ratio between 0
+/// and 1 leaves it to the trace id the SDK draws.
+fn may_sample(state: &State, parent: &opentelemetry::Context) -> bool {
+    let span = parent.span();
+    let context = span.span_context();
+    if !context.is_valid() {
+        return state.roots.unwrap_or(true);
+    }
+    state
+        .sampler
+        .should_sample(
+            Some(parent),
+            context.trace_id(),
+            SERVER_SPAN,
+            &SpanKind::Server,
+            &[],
+            &[],
+        )
+        .decision
+        != SamplingDecision::Drop
 }
 
 /// Whether tracing is on: the setting, or a standard endpoint variable.
@@ -245,20 +320,35 @@ fn resource(settings: &TracingSettings) -> Resource {
 
 /// The server span of one `ShouldRateLimit` call, a child of the span the caller's metadata
 /// names (or a new root when it names none or one that does not parse, which is counted in
-/// [`TRACE_CONTEXT_INVALID`]). A disabled span while tracing is off. Its `trace_id` (and the
+/// [`TRACE_CONTEXT_INVALID`]). A disabled span while tracing is off, and when the call's trace
+/// is not sampled: then no span of the crate's exists while the call is decided, which
+/// [`crate::telemetry::in_sampled_call`] reads, so its child spans are not made either. Its `trace_id` (and the
 /// caller's `x-request-id`) are fields, so warnings logged inside carry them.
 pub fn server_span(metadata: &MetadataMap) -> tracing::Span {
     let Some(state) = STATE.get() else {
         return tracing::Span::none();
     };
+    // Most calls a sampler drops are seen at a glance (Envoy's unsampled `traceparent`, or no
+    // context under a sampler that starts no trace): dropped before a context is built.
+    let fixed = match state.propagation.glance(metadata) {
+        Glance::Parent { sampled } => state.parents[usize::from(sampled)],
+        Glance::Root => state.roots,
+        Glance::Unknown => None,
+    };
+    if fixed == Some(false) {
+        return tracing::Span::none();
+    }
     let (parent, unreadable) = state.propagation.extract(metadata);
     if unreadable {
         metrics::counter!(TRACE_CONTEXT_INVALID).increment(1);
     }
+    if !may_sample(state, &parent) {
+        return tracing::Span::none();
+    }
     let span = tracing::info_span!(
         target: "tollgate::traces",
         "ShouldRateLimit",
-        otel.name = "envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+        otel.name = SERVER_SPAN,
         otel.kind = "server",
         rpc.system = "grpc",
         rpc.service = "envoy.service.ratelimit.v3.RateLimitService",
@@ -277,8 +367,13 @@ pub fn server_span(metadata: &MetadataMap) -> tracing::Span {
         return span;
     }
     let _ = span.set_parent(parent);
-    let trace_id = span.context().span().span_context().trace_id();
-    span.record("trace_id", tracing::field::display(trace_id));
+    // The SDK's decision, made now: a new trace's id drawn by a ratio sampler may lose.
+    let cx = span.context();
+    let context = cx.span().span_context().clone();
+    if !context.is_sampled() {
+        return tracing::Span::none();
+    }
+    span.record("trace_id", tracing::field::display(context.trace_id()));
     if let Some(id) = metadata.get("x-request-id").and_then(|v| v.to_str().ok()) {
         span.record("request_id", id);
     }
@@ -357,6 +452,41 @@ mod tests {
     use super::*;
     use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
     use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+
+    #[test]
+    fn a_decision_the_trace_id_does_not_change_is_made_once() {
+        let parent_based = |root: Sampler| Sampler::ParentBased(Box::new(root));
+        // (sampler, a new trace, a caller's unsampled span, a caller's sampled span)
+        let cases = [
+            (parent_based(Sampler::AlwaysOn), Some(true), Some(false), Some(true)),
+            (
+                parent_based(Sampler::TraceIdRatioBased(0.0)),
+                Some(false),
+                Some(false),
+                Some(true),
+            ),
+            (
+                parent_based(Sampler::TraceIdRatioBased(0.25)),
+                None,
+                Some(false),
+                Some(true),
+            ),
+            (
+                parent_based(Sampler::TraceIdRatioBased(1.0)),
+                Some(true),
+                Some(false),
+                Some(true),
+            ),
+            (Sampler::AlwaysOff, Some(false), Some(false), Some(false)),
+            // Not parent-based: the caller's flag does not decide, the trace id does.
+            (Sampler::TraceIdRatioBased(0.25), None, None, None),
+        ];
+        for (sampler, root, unsampled, sampled) in cases {
+            assert_eq!(fixed_decision(&sampler, None), root, "{sampler:?}");
+            assert_eq!(fixed_decision(&sampler, Some(false)), unsampled, "{sampler:?}");
+            assert_eq!(fixed_decision(&sampler, Some(true)), sampled, "{sampler:?}");
+        }
+    }
 
     #[test]
     fn descriptor_values_are_attributes_only_for_the_named_keys() {

@@ -8,7 +8,7 @@ use opentelemetry_sdk::propagation::{BaggagePropagator, TraceContextPropagator};
 // OpenTelemetry's own and has no other home yet.
 #[allow(deprecated)]
 use opentelemetry_zipkin::{B3Encoding, Propagator as B3Propagator};
-use tonic::metadata::{KeyRef, MetadataMap};
+use tonic::metadata::{AsciiMetadataKey, KeyRef, MetadataMap};
 
 /// The configured propagators, each tried in turn; the last one that finds a valid context
 /// wins (OpenTelemetry's composite), so a call carrying both W3C and B3 headers follows W3C
@@ -19,6 +19,26 @@ pub(crate) struct Propagation {
     w3c: bool,
     /// Whether `b3` single headers are read: only then is an unreadable one counted.
     b3: bool,
+    /// Whether B3 is read at all (single or multi): its propagator tries both forms.
+    b3_any: bool,
+    /// The headers [`Propagation::glance`] looks for, parsed once.
+    traceparent: AsciiMetadataKey,
+    b3_single: AsciiMetadataKey,
+    b3_trace_id: AsciiMetadataKey,
+}
+
+/// What a call's metadata says of its trace at a glance, without building a context: enough to
+/// drop a call that is not sampled before anything else is done for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Glance {
+    /// A W3C `traceparent` in its canonical version-00 form, read exactly as the full
+    /// extraction reads it, and which wins over any B3 header there: the caller's sampled flag.
+    Parent { sampled: bool },
+    /// No header a configured propagator reads a span context from: a new trace.
+    Root,
+    /// Anything else (B3 headers, a `traceparent` in another form or one that does not parse):
+    /// for [`Propagation::extract`].
+    Unknown,
 }
 
 impl Propagation {
@@ -52,7 +72,29 @@ impl Propagation {
             composite: TextMapCompositePropagator::new(propagators),
             w3c,
             b3,
+            b3_any: b3 || b3multi,
+            traceparent: AsciiMetadataKey::from_static("traceparent"),
+            b3_single: AsciiMetadataKey::from_static("b3"),
+            b3_trace_id: AsciiMetadataKey::from_static("x-b3-traceid"),
         }
+    }
+
+    /// A glance at `metadata`: two or three header lookups and, for a `traceparent`, a scan
+    /// of its 55 bytes; no allocation.
+    pub(crate) fn glance(&self, metadata: &MetadataMap) -> Glance {
+        if self.w3c {
+            if let Some(value) = metadata.get(&self.traceparent) {
+                return match canonical_traceparent(value.as_bytes()) {
+                    Some(sampled) => Glance::Parent { sampled },
+                    None => Glance::Unknown,
+                };
+            }
+        }
+        // The B3 propagator reads the single header, else the multi ones, which need a trace id.
+        if self.b3_any && (metadata.contains_key(&self.b3_single) || metadata.contains_key(&self.b3_trace_id)) {
+            return Glance::Unknown;
+        }
+        Glance::Root
     }
 
     /// The caller's context from `metadata` (an empty one when it sent none or none that
@@ -66,6 +108,44 @@ impl Propagation {
         (cx, unreadable)
     }
 }
+
+/// The sampled flag of a W3C `traceparent` in exactly the form
+/// `00-<32 lowercase hex, not all 0>-<16 lowercase hex, not all 0>-<2 lowercase hex>`; `None`
+/// for any other value. OpenTelemetry's W3C propagator reads every such value as a valid
+/// remote context with that flag (and more values besides, which are left to it).
+fn canonical_traceparent(value: &[u8]) -> Option<bool> {
+    if value.len() != 55 || !value.starts_with(b"00-") || value[35] != b'-' || value[52] != b'-' {
+        return None;
+    }
+    // One table lookup a byte (this runs on every call): the digits' values OR-ed together, so
+    // that a byte that is no lowercase hex digit sets NOT_HEX and an all-zero id leaves 0.
+    let digits = |s: &[u8]| s.iter().fold(0u8, |acc, &c| acc | LOWER_HEX[usize::from(c)]);
+    let (trace_id, span_id, flags) = (digits(&value[3..35]), digits(&value[36..52]), digits(&value[53..55]));
+    if (trace_id | span_id | flags) & NOT_HEX != 0 || trace_id == 0 || span_id == 0 {
+        return None;
+    }
+    // The sampled flag is the flags byte's lowest bit: the second hex digit's.
+    Some(LOWER_HEX[usize::from(value[54])] & 1 == 1)
+}
+
+/// Set in [`LOWER_HEX`] for a byte that is not a lowercase hex digit.
+const NOT_HEX: u8 = 0x10;
+
+/// Each byte's value as a lowercase hex digit, or [`NOT_HEX`].
+static LOWER_HEX: [u8; 256] = {
+    let mut table = [NOT_HEX; 256];
+    let mut i = 0;
+    while i < 10 {
+        table[b'0' as usize + i] = i as u8;
+        i += 1;
+    }
+    let mut i = 0;
+    while i < 6 {
+        table[b'a' as usize + i] = 10 + i as u8;
+        i += 1;
+    }
+    table
+};
 
 /// gRPC metadata read as a text map: ASCII entries only (binary `-bin` ones carry no trace
 /// context).
@@ -139,6 +219,74 @@ mod tests {
             cx.span().span_context().trace_id(),
             TraceId::from_hex("463ac35c9f6413ad48485a3953bb6124").unwrap()
         );
+    }
+
+    #[test]
+    fn a_glance_reads_what_the_full_extraction_reads() {
+        let p = all();
+        let cases: [(&[(&'static str, &'static str)], Glance); 11] = [
+            (&[], Glance::Root),
+            (&[("x-request-id", "r1")], Glance::Root),
+            (
+                &[("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00")],
+                Glance::Parent { sampled: false },
+            ),
+            (
+                &[("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-03")],
+                Glance::Parent { sampled: true },
+            ),
+            (
+                &[("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-fe")],
+                Glance::Parent { sampled: false },
+            ),
+            // W3C wins over B3 in the full extraction too.
+            (
+                &[
+                    ("b3", "80f198ee56343ba864fe8b2a57d3eff7-e457b5a2e4d86bd1-1"),
+                    ("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"),
+                ],
+                Glance::Parent { sampled: false },
+            ),
+            // Upper case, an all-zero id, another version, spaces: left to the full extraction.
+            (
+                &[("traceparent", "00-0AF7651916CD43DD8448EB211C80319C-b7ad6b7169203331-00")],
+                Glance::Unknown,
+            ),
+            (
+                &[("traceparent", "00-00000000000000000000000000000000-b7ad6b7169203331-00")],
+                Glance::Unknown,
+            ),
+            (
+                &[("traceparent", "01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00")],
+                Glance::Unknown,
+            ),
+            (
+                &[("b3", "80f198ee56343ba864fe8b2a57d3eff7-e457b5a2e4d86bd1-0")],
+                Glance::Unknown,
+            ),
+            (&[("x-b3-traceid", "463ac35c9f6413ad48485a3953bb6124")], Glance::Unknown),
+        ];
+        for (headers, glance) in cases {
+            let map = metadata(headers);
+            assert_eq!(p.glance(&map), glance, "{headers:?}");
+            // Whatever the glance reads, the full extraction reads the same way.
+            let (cx, _) = p.extract(&map);
+            let span = cx.span();
+            let context = span.span_context();
+            match glance {
+                Glance::Parent { sampled } => {
+                    assert!(context.is_valid() && context.is_remote(), "{headers:?}");
+                    assert_eq!(context.is_sampled(), sampled, "{headers:?}");
+                }
+                Glance::Root => assert!(!context.is_valid(), "{headers:?}"),
+                Glance::Unknown => {}
+            }
+        }
+        // Without W3C among the propagators a traceparent is not read: a new trace.
+        let b3_only = Propagation::new(&["b3".to_owned()]);
+        let map = metadata(&[("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00")]);
+        assert_eq!(b3_only.glance(&map), Glance::Root);
+        assert!(!b3_only.extract(&map).0.span().span_context().is_valid());
     }
 
     #[test]

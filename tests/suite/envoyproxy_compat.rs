@@ -711,7 +711,11 @@ async fn their_token_quota_script() {
             }
         }
         assert_eq!(admitted, 3, "{backend:?}");
-        assert_eq!(reports, vec![OK, OK, OVER], "{backend:?}: the third report took usage past 2");
+        assert_eq!(
+            reports,
+            vec![OK, OK, OVER],
+            "{backend:?}: the third report took usage past 2"
+        );
         let resp = svc.send(own_hits(0)).await;
         assert_eq!(shapes(&resp), vec![(OVER, Some((2, Unit::Minute)), 0)], "{backend:?}");
     }
@@ -727,10 +731,22 @@ async fn their_counting_of_a_descriptors_own_hits() {
         let runtime = Runtime::new(&[("example.yaml", EXAMPLE)]);
         let mut svc = serve(&runtime, &backend, &[]).await;
         // A report of 2 at 0 of 2 fits: remaining 0, and a check there is still OK.
-        assert_eq!(shapes(&svc.send(own_hits(2)).await), vec![(OK, Some((2, Unit::Minute)), 0)], "{backend:?}");
-        assert_eq!(shapes(&svc.send(own_hits(0)).await), vec![(OK, Some((2, Unit::Minute)), 0)], "{backend:?}");
+        assert_eq!(
+            shapes(&svc.send(own_hits(2)).await),
+            vec![(OK, Some((2, Unit::Minute)), 0)],
+            "{backend:?}"
+        );
+        assert_eq!(
+            shapes(&svc.send(own_hits(0)).await),
+            vec![(OK, Some((2, Unit::Minute)), 0)],
+            "{backend:?}"
+        );
         // One more hit is over, and counted: the check is over from then on.
-        assert_eq!(shapes(&svc.send(own_hits(1)).await), vec![(OVER, Some((2, Unit::Minute)), 0)], "{backend:?}");
+        assert_eq!(
+            shapes(&svc.send(own_hits(1)).await),
+            vec![(OVER, Some((2, Unit::Minute)), 0)],
+            "{backend:?}"
+        );
         let check = svc.send(own_hits(0)).await;
         assert_eq!(check.overall_code, OVER, "{backend:?}");
         // Full again once the overshoot and the limit are refilled: 3 tokens at 2 a minute.

@@ -167,7 +167,7 @@ impl<S: Store> Store for Local<S> {
                 } else {
                     "lease"
                 };
-                if crate::telemetry::traces_on() {
+                if crate::telemetry::in_sampled_call() {
                     tracing::Span::current().record("ratelimit.decided_by", by);
                 }
                 self.background();
