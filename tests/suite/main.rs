@@ -56,6 +56,7 @@ mod store_bounds;
 mod tidy;
 mod tls_listeners;
 mod traces;
+mod traces_export;
 mod unix_socket;
 mod usage_budgets;
 mod usage_budgets_envoy;
