@@ -75,6 +75,11 @@ pub(crate) fn count_decisions(targets: &[Option<Target<'_>>], applied: &Applied,
             let hits = match kind {
                 // A refund beyond the capacity gives back nothing more: the bucket is full.
                 DemandKind::Refund(_) => (hits_ut / MICRO).min(capacity),
+                // An over account's report past the floor counts as a denial does: no more than
+                // the least that cannot pass.
+                DemandKind::Debit { .. } if policy.own_hits != crate::rules::OwnHits::Plain => {
+                    counted_hits(hits_ut / MICRO, capacity + policy.debt_depth_ut / MICRO, passed)
+                }
                 // Usage is recorded whatever the decision: every hit of it counts.
                 DemandKind::Debit { .. } => hits_ut / MICRO,
                 _ => counted_hits(hits_ut / MICRO, capacity, passed),

@@ -648,17 +648,21 @@ fn demands_of<'a>(
         };
         if d.hits_addend.is_some() && !d.is_negative_hits {
             // A descriptor with its own `hits_addend` (a check or a usage report) on a
-            // `rate_limit` of their schema is counted as envoyproxy/ratelimit counts it. A
-            // refund gives back to the token bucket, which the request's own hits take from.
+            // `rate_limit` of their schema is counted as envoyproxy/ratelimit counts it: on the
+            // bucket and on its account (counted once, on the bucket). A refund gives back to
+            // the bucket alone, as the request's own hits take from it.
+            let mut accounts: SmallVec<[(PolicyRef<'_>, &DecisionCounters); 2]> = SmallVec::new();
             for (policy, _) in &mut m.parts {
                 if let PolicyRef::Rule(BucketPolicy {
-                    over_account: Some(account),
+                    over_account: Some(own),
                     ..
                 }) = policy
                 {
-                    *policy = PolicyRef::Rule(account);
+                    *policy = PolicyRef::Rule(&own.bucket);
+                    accounts.push((PolicyRef::Rule(&own.account), DecisionCounters::noop()));
                 }
             }
+            m.parts.extend(accounts);
         }
         let entries = screened.entries(targets.len(), d);
         let kind = match demand_kind(d, req.hits_addend) {

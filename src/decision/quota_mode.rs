@@ -96,13 +96,19 @@ impl QuotaGroup {
 }
 
 /// Makes every refund and usage report of `demands` give and take nothing: a store applies
-/// both whatever it decides, and a request's were applied on its first call. (A report keeps
-/// its debt threshold, so it is still answered by the balance.)
+/// both whatever it decides, and a request's were applied on its first call. A report is still
+/// answered by the balance before it: the one its first call took from, so its threshold is
+/// lowered by what that call debited.
 pub(crate) fn spend_refunds(demands: &mut [Demand]) {
     for d in demands {
         match d.kind {
             DemandKind::Refund(_) => d.kind = DemandKind::Refund(0),
-            DemandKind::Debit { depth_ut, .. } => d.kind = DemandKind::Debit { amount_ut: 0, depth_ut },
+            DemandKind::Debit { amount_ut, depth_ut } => {
+                d.kind = DemandKind::Debit {
+                    amount_ut: 0,
+                    depth_ut: depth_ut.saturating_sub(amount_ut),
+                }
+            }
             _ => {}
         }
     }

@@ -10,6 +10,7 @@ use envoy_types::pb::google::protobuf::Duration;
 
 use super::settings::{HeaderSettings, LimitHeaders, ShadowHeaderSettings};
 use crate::core::bucket::{DemandKind, Limit, MICRO};
+use crate::core::schedule::Plan;
 use crate::rules::{BucketPolicy, ReportedLimit};
 use crate::store::Applied;
 use crate::telemetry::DecisionCounters;
@@ -424,7 +425,16 @@ fn push_policy_item(out: &mut String, v: &Verdict<'_>, now_us: u64) {
     push_sf_string(out, &v.policy.name);
     out.push_str(";q=");
     out.push_str(itoa::Buffer::new().format(v.limit.capacity()));
-    if let Some(fill) = v.policy.plan.window_us(now_us) {
+    // A debt bucket's plan holds its floor's depth too; the window is the declared limit's.
+    let token_bucket = !matches!(v.policy.plan.current(), Plan::Quota(_) | Plan::Expiring(_));
+    let fill = if token_bucket && v.policy.debt_depth_ut > 0 {
+        (!v.limit.rate.is_zero() && v.limit.capacity_ut > 0)
+            .then(|| v.limit.time_to_fill_us())
+            .flatten()
+    } else {
+        v.policy.plan.window_us(now_us)
+    };
+    if let Some(fill) = fill {
         out.push_str(";w=");
         out.push_str(itoa::Buffer::new().format(ceil_seconds(fill)));
     }

@@ -128,9 +128,10 @@ impl RuleSet {
                     continue;
                 };
                 bucket.plan = Plan::after_reload(&old.plan, bucket.plan.clone(), at_us);
-                if let (Some(account), Some(old_account)) = (&mut bucket.over_account, &old.over_account) {
-                    let account = std::sync::Arc::make_mut(account);
-                    account.plan = Plan::after_reload(&old_account.plan, account.plan.clone(), at_us);
+                if let (Some(own), Some(old_own)) = (&mut bucket.over_account, &old.over_account) {
+                    let own = std::sync::Arc::make_mut(own);
+                    own.bucket.plan = bucket.plan.clone();
+                    own.account.plan = Plan::after_reload(&old_own.account.plan, own.account.plan.clone(), at_us);
                 }
             }
         }
@@ -210,15 +211,39 @@ pub struct BucketPolicy {
     pub lease_ut: u64,
     /// For a scheduled policy, [`ReportedLimit::of`] each entry's limit, worked out once.
     entry_reported: Vec<ReportedLimit>,
-    /// On a `rate_limit` of the envoyproxy/ratelimit schema: the account that descriptors
-    /// carrying their own `hits_addend` (a check with 0, a usage report with N) are counted in,
-    /// as that server counts them ([`BucketPolicy::counts_over`]). `None` elsewhere, and where
-    /// the limit refills nothing.
-    pub over_account: Option<std::sync::Arc<BucketPolicy>>,
-    /// This policy is an [`BucketPolicy::over_account`]: a debt bucket whose floor lies one
-    /// capacity below zero, where a zero-hit check passes at the limit (a balance of 0) and a
-    /// usage report is counted whatever the decision. See [`BucketPolicy::demand_kind`].
-    pub counts_over: bool,
+    /// On a `rate_limit` of the envoyproxy/ratelimit schema: how descriptors carrying their own
+    /// `hits_addend` (a check with 0, a usage report with N) are counted, as that server counts
+    /// them. `None` elsewhere, and where the limit refills nothing or has a schedule.
+    pub over_account: Option<std::sync::Arc<OverAccount>>,
+    /// What a descriptor's own `hits_addend` asks of this policy ([`BucketPolicy::demand_kind`]).
+    pub own_hits: OwnHits,
+}
+
+/// The two policies a descriptor carrying its own `hits_addend` is decided by, on a
+/// `rate_limit` of the envoyproxy/ratelimit schema, whose fixed-window counter counts every
+/// hit, over the limit too, and is over when the hits after the increase exceed the limit.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OverAccount {
+    /// The rule's token bucket itself ([`OwnHits::Bucket`]): what the request's own hits take
+    /// from, so a check sees them and a report takes from it.
+    pub bucket: BucketPolicy,
+    /// The account ([`OwnHits::Account`]): the bucket as a hidden debt bucket one capacity
+    /// deep, keyed apart, which remembers usage that went past the limit.
+    pub account: BucketPolicy,
+}
+
+/// What a descriptor's own `hits_addend` asks of a policy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum OwnHits {
+    /// As the request's own hits do.
+    #[default]
+    Plain,
+    /// [`OverAccount::bucket`]: a check (0) never fails (at the limit is not over), N hits pass
+    /// while the bucket holds N and take what it holds, up to N, whatever the decision.
+    Bucket,
+    /// [`OverAccount::account`]: a check passes while the balance is 0 or more, N hits while it
+    /// is N or more, and are debited whatever the decision, down to the floor.
+    Account,
 }
 
 impl BucketPolicy {
@@ -242,7 +267,7 @@ impl BucketPolicy {
             lease_ut: 0,
             entry_reported,
             over_account: None,
-            counts_over: false,
+            own_hits: OwnHits::Plain,
         }
     }
 
@@ -283,41 +308,62 @@ impl BucketPolicy {
     /// usage report ([`DemandKind::Debit`]) and a check asks whether the balance is positive
     /// ([`DemandKind::DebtCheck`]); otherwise `kind` itself.
     ///
-    /// On an [`BucketPolicy::over_account`] ([`BucketPolicy::counts_over`]) the thresholds are
-    /// envoyproxy/ratelimit's, whose counter is over when the hits after the increase exceed
-    /// the limit: a check (`hits_addend` 0) passes while the balance is 0 or more, and N hits
-    /// pass while it is N or more, and are counted either way.
+    /// The two policies of an [`OverAccount`] have envoyproxy/ratelimit's thresholds
+    /// ([`OwnHits`]), whose counter is over when the hits after the increase exceed the limit.
     pub fn demand_kind(&self, kind: DemandKind) -> DemandKind {
         let depth_ut = self.debt_depth_ut;
-        match kind {
-            // The account's depth is at least a token (`with_over_account`), so never below 0.
-            DemandKind::Consume(amount_ut) if self.counts_over => DemandKind::Debit {
+        match (self.own_hits, kind) {
+            // Hits are at least a token, and the account's depth too (`with_over_account`),
+            // so no threshold goes below 0.
+            (OwnHits::Bucket, DemandKind::Consume(amount_ut)) => DemandKind::Debit {
+                amount_ut,
+                depth_ut: amount_ut.saturating_sub(1),
+            },
+            (OwnHits::Bucket, DemandKind::Check) => DemandKind::Consume(0),
+            (OwnHits::Account, DemandKind::Consume(amount_ut)) => DemandKind::Debit {
                 amount_ut,
                 depth_ut: depth_ut.saturating_add(amount_ut).saturating_sub(1),
             },
-            DemandKind::Check if self.counts_over => DemandKind::DebtCheck {
+            (OwnHits::Account, DemandKind::Check) => DemandKind::DebtCheck {
                 depth_ut: depth_ut.saturating_sub(1),
             },
+            _ => self.plain_demand_kind(kind),
+        }
+    }
+
+    /// [`BucketPolicy::demand_kind`] outside an [`OverAccount`].
+    fn plain_demand_kind(&self, kind: DemandKind) -> DemandKind {
+        let depth_ut = self.debt_depth_ut;
+        match kind {
             DemandKind::Consume(amount_ut) if self.debt => DemandKind::Debit { amount_ut, depth_ut },
             DemandKind::Check if self.debt => DemandKind::DebtCheck { depth_ut },
             kind => kind,
         }
     }
 
-    /// This policy with its [`BucketPolicy::over_account`]: a copy following `raised` (the
-    /// plan with its capacities raised by `depth_ut`, at least one token), as a debt bucket of
-    /// that depth that [`BucketPolicy::counts_over`]. Its instances are keyed apart from this
-    /// policy's (a debt bucket's key carries its depth), so the two never share stored tokens.
+    /// This policy with its [`BucketPolicy::over_account`]: itself as [`OwnHits::Bucket`], and
+    /// as the account a hidden copy following `raised` (the plan with its capacities raised by
+    /// `depth_ut`, at least one token), a debt bucket of that depth. The account's instances are
+    /// keyed apart from the bucket's (a debt bucket's key carries its depth), so the two never
+    /// share stored tokens.
     pub fn with_over_account(mut self, raised: Plan, depth_ut: u64) -> BucketPolicy {
         debug_assert!(depth_ut >= crate::core::bucket::MICRO);
-        let mut account = BucketPolicy {
-            plan: raised,
+        let plain = BucketPolicy {
             over_account: None,
             ..self.clone()
+        };
+        let mut account = BucketPolicy {
+            plan: raised,
+            hidden: true,
+            ..plain.clone()
         }
         .with_debt_depth(depth_ut);
-        account.counts_over = true;
-        self.over_account = Some(std::sync::Arc::new(account));
+        account.own_hits = OwnHits::Account;
+        let bucket = BucketPolicy {
+            own_hits: OwnHits::Bucket,
+            ..plain
+        };
+        self.over_account = Some(std::sync::Arc::new(OverAccount { bucket, account }));
         self
     }
 
@@ -665,14 +711,30 @@ descriptors:
   - {key: a, rate_limit: {unit: minute, requests_per_unit: 2}}
   - {key: z, rate_limit: {unit: minute, requests_per_unit: 0}}
   - {key: own, token_bucket: {capacity: 2, refill: 2/1m}}
+  - key: night
+    rate_limit: {unit: minute, requests_per_unit: 10}
+    schedule: [{cron: \"* 0-5 * * *\", capacity: 0}]
 ",
         )
         .unwrap();
         let dom = rules.domain("d").unwrap();
         let named = |n: &str| dom.buckets.iter().find(|b| b.name == n).unwrap();
         let a = named("a");
-        let account = a.over_account.as_deref().expect("their rate_limit has an account");
-        assert!(account.counts_over && account.debt && a.over_account.is_some());
+        let own = a.over_account.as_deref().expect("their rate_limit has an account");
+        let account = &own.account;
+        assert!(account.own_hits == OwnHits::Account && account.debt && account.hidden);
+        assert_eq!(own.bucket.own_hits, OwnHits::Bucket);
+        assert_eq!(
+            (&own.bucket.plan, own.bucket.debt),
+            (&a.plan, false),
+            "the bucket itself"
+        );
+        // On the bucket a check never fails, and N hits need N there.
+        assert_eq!(own.bucket.demand_kind(DemandKind::Check), DemandKind::Consume(0));
+        assert_eq!(
+            own.bucket.demand_kind(DemandKind::Consume(2 * MICRO)).need_ut(0),
+            Some(2 * MICRO)
+        );
         assert_eq!(account.debt_depth_ut, 2 * MICRO);
         assert_eq!(account.plan.base().capacity(), 4, "capacity raised by the depth");
         assert_eq!(account.reported, a.reported, "reported as declared");
@@ -687,7 +749,16 @@ descriptors:
             DemandKind::Debit { amount_ut, .. } if amount_ut == MICRO
         ));
         assert!(named("z").over_account.is_none(), "nothing would repay it");
-        let own = dom.buckets.iter().find(|b| b.name != "a" && b.name != "z").unwrap();
+        // A window of capacity 0 blocks; an account one base capacity deep would not.
+        assert!(
+            named("night").over_account.is_none(),
+            "a schedule keeps the token bucket's meaning"
+        );
+        let own = dom
+            .buckets
+            .iter()
+            .find(|b| !["a", "z", "night"].contains(&b.name.as_str()))
+            .unwrap();
         assert!(
             own.over_account.is_none(),
             "tollgate's schema keeps its meaning: {own:?}"

@@ -723,8 +723,8 @@ async fn their_token_quota_script() {
 
 /// Their counting of a descriptor's own `hits_addend`: a check at the limit is `OK` and over
 /// only once usage went past it; a report of N is over when it takes usage past the limit and
-/// counts all the same; a request's own hits (the request-level `hits_addend`) keep the token
-/// bucket's all-or-nothing in an account of their own (row: own-hits-account).
+/// counts all the same, in the rule's token bucket and in an account that remembers what went
+/// past the limit (row: own-hits-account).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn their_counting_of_a_descriptors_own_hits() {
     for backend in backends("their_counting_of_a_descriptors_own_hits") {
@@ -749,14 +749,71 @@ async fn their_counting_of_a_descriptors_own_hits() {
         );
         let check = svc.send(own_hits(0)).await;
         assert_eq!(check.overall_code, OVER, "{backend:?}");
-        // Full again once the overshoot and the limit are refilled: 3 tokens at 2 a minute.
+        // The reset is the bucket's: the report took its last token, full again in a minute.
         let reset = check.statuses[0].duration_until_reset.as_ref().map(|d| d.seconds);
-        assert!(matches!(reset, Some(89..=90)), "{backend:?}: {check:?}");
-        // The same descriptor without its own hits_addend is the ordinary token bucket, untouched.
+        assert!(matches!(reset, Some(59..=60)), "{backend:?}: {check:?}");
+        // The policy header gives the declared window, the floor below zero aside.
+        let policy: Vec<_> = check
+            .response_headers_to_add
+            .iter()
+            .filter(|h| h.key.eq_ignore_ascii_case("ratelimit-policy"))
+            .map(|h| h.value.clone())
+            .collect();
+        assert!(
+            policy.len() == 1 && policy[0].ends_with(";q=2;w=60"),
+            "{backend:?}: {policy:?}"
+        );
+        // One count, as theirs: a request's own hit finds the limit spent too.
         assert_eq!(
             shapes(&svc.ask("rl", &[&[("service", "service_2")]]).await),
-            vec![(OK, Some((2, Unit::Minute)), 1)],
+            vec![(OVER, Some((2, Unit::Minute)), 0)],
             "{backend:?}"
+        );
+    }
+}
+
+/// A check sees the request's own hits: at the limit they spent it is `OK`, and a report past
+/// it is over. The account remembers only a descriptor's own hits past the limit, so the check
+/// after it is still `OK`, where theirs, one count, is over (row: own-hits-account).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn their_check_sees_the_requests_own_hits() {
+    for backend in backends("their_check_sees_the_requests_own_hits") {
+        let runtime = Runtime::new(&[("example.yaml", EXAMPLE)]);
+        let mut svc = serve(&runtime, &backend, &[]).await;
+        for _ in 0..2 {
+            assert_eq!(svc.ask("rl", &[&[("service", "service_2")]]).await.overall_code, OK);
+        }
+        assert_eq!(
+            shapes(&svc.send(own_hits(0)).await),
+            vec![(OK, Some((2, Unit::Minute)), 0)],
+            "{backend:?}"
+        );
+        assert_eq!(svc.send(own_hits(1)).await.overall_code, OVER, "{backend:?}");
+        assert_eq!(svc.send(own_hits(0)).await.overall_code, OK, "{backend:?}");
+    }
+}
+
+/// In quota mode a request stands on its second descriptor when the first is over: a report
+/// there is judged by the usage before it, as on the first try, not after it was counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn their_quota_mode_judges_a_report_once() {
+    for backend in backends("their_quota_mode_judges_a_report_once") {
+        let runtime = Runtime::new(&[("example.yaml", EXAMPLE)]);
+        let mut svc = serve(&runtime, &backend, &[]).await;
+        // service_1 (1 a minute) spent; service_2 (2 a minute) at 1 of 2.
+        assert_eq!(svc.ask("rl", &[&[("service", "service_1")]]).await.overall_code, OK);
+        assert_eq!(svc.send(own_hits(1)).await.overall_code, OK, "{backend:?}");
+        let mut both = own_hits(1);
+        both.descriptors
+            .insert(0, support::descriptor(&[("service", "service_1")]));
+        let resp = svc.send(both).await;
+        assert_eq!(
+            (
+                resp.overall_code,
+                resp.statuses.iter().map(|s| s.code).collect::<Vec<_>>()
+            ),
+            (OK, vec![OVER, OK]),
+            "{backend:?}: service_2 at 2 of 2 after the report passes, so the request does"
         );
     }
 }

@@ -1061,7 +1061,9 @@ descriptors:
     );
     // 3 s later per_key holds 9.5 tokens; taking 9 leaves 0.5, full again in 57 s.
     h.advance_ms(3_000);
-    let resp = h.ask(&req("d", vec![hits(&[("api_key", "k")], 9)])).await;
+    let mut nine = req("d", vec![desc(&[("api_key", "k")])]);
+    nine.hits_addend = 9;
+    let resp = h.ask(&nine).await;
     assert_eq!(header(&resp, "ratelimit"), Some("\"per_key\";r=0;t=57"));
     // On a 429 as well; `t` counts down, and one more token comes in 3 s.
     h.advance_ms(1_000);

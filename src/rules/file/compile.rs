@@ -1241,12 +1241,14 @@ impl<'a> DomainBuilder<'a> {
     /// counts and a later zero-hit check is over only once usage went past the limit. The
     /// account's floor lies one capacity below zero (less if that would leave the exact range),
     /// so an overshoot is repaid within about one unit of the limit, as their window forgets it
-    /// at its end. A limit that refills nothing (`requests_per_unit: 0`) gets none: nothing
-    /// would repay it.
+    /// at its end. A limit that refills nothing (`requests_per_unit: 0`) gets none (nothing
+    /// would repay it), nor one with a `schedule`.
     fn add_over_account(&mut self, idx: usize) {
         let b = &self.buckets[idx];
-        let token_bucket = matches!(b.plan, Plan::Fixed(_) | Plan::Scheduled(_));
-        if b.over_account.is_some() || !token_bucket || b.plan.base().rate.is_zero() {
+        // A schedule's windows may hold less than the base (`capacity: 0` to block): an
+        // account one base capacity deep would let checks pass through them. Their schema has
+        // no schedules; tollgate's extension keeps the token bucket's meaning.
+        if b.over_account.is_some() || !matches!(b.plan, Plan::Fixed(_)) || b.plan.base().rate.is_zero() {
             return;
         }
         let highest = highest_capacity(&b.plan);

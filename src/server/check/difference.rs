@@ -60,8 +60,10 @@ impl Difference {
                  descriptor is over its limit, no bucket of the request is charged. envoyproxy/ratelimit \
                  adds every hit to the window's counter, admitted or not (unless its \
                  STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT is set), and charges the other descriptors of a \
-                 denied request too; a hits_addend larger than what is left is denied there and still \
-                 added, here denied and the remaining tokens stay for smaller requests."
+                 denied request too; a request's hits_addend larger than what is left is denied there and \
+                 still added, here denied and the remaining tokens stay for smaller requests. A \
+                 descriptor's own hits_addend (a check with 0, a usage report) is counted here as there, \
+                 in an account of its own."
             }
             Difference::EpochWindow => {
                 "envoyproxy/ratelimit aligns windows to the Unix epoch in UTC: DAY starts at 00:00 UTC, \
