@@ -169,8 +169,12 @@ impl Traces {
                 // its span is then judged by whatever was asked last on the thread: a
                 // dependency's `enabled!` answered no (sqlx after every statement did so) made
                 // the next call's server span invisible here.
+                // Only the callsites this layer takes: a debug event asking every time would
+                // cost an unsampled call its check too.
                 .with_callsite_filter(|meta| {
-                    if meta.target().starts_with(OWN_TARGET) {
+                    if meta.target().starts_with(OWN_TARGET)
+                        && (meta.is_span() || *meta.level() <= tracing::Level::WARN)
+                    {
                         Interest::sometimes()
                     } else {
                         Interest::never()
