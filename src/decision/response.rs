@@ -428,9 +428,7 @@ fn push_policy_item(out: &mut String, v: &Verdict<'_>, now_us: u64) {
     // A debt bucket's plan holds its floor's depth too; the window is the declared limit's.
     let token_bucket = !matches!(v.policy.plan.current(), Plan::Quota(_) | Plan::Expiring(_));
     let fill = if token_bucket && v.policy.debt_depth_ut > 0 {
-        (!v.limit.rate.is_zero() && v.limit.capacity_ut > 0)
-            .then(|| v.limit.time_to_fill_us())
-            .flatten()
+        v.limit.window_us()
     } else {
         v.policy.plan.window_us(now_us)
     };

@@ -4,6 +4,7 @@
 //! `tollgate_trace_spans_dropped_total`, and the failure logged once (at most once a minute).
 
 use crate::support;
+use crate::traces::hex;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -65,10 +66,6 @@ impl HttpReceiver {
         tokio::spawn(async move { axum::serve(listener, app).await });
         addr
     }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

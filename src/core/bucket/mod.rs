@@ -56,6 +56,14 @@ impl Limit {
     pub fn time_to_fill_us(&self) -> Option<u64> {
         self.rate.time_to_earn(self.capacity_ut)
     }
+
+    /// The window the `RateLimit-Policy` header gives the limit: microseconds to fill from
+    /// empty; `None` for a limit that never refills or holds nothing.
+    pub fn window_us(&self) -> Option<u64> {
+        (!self.rate.is_zero() && self.capacity_ut > 0)
+            .then(|| self.time_to_fill_us())
+            .flatten()
+    }
 }
 
 /// How a bucket's limit acts over time: [`decide`] brings each state forward with it and caps

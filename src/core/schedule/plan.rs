@@ -156,12 +156,7 @@ impl Plan {
             Plan::Expiring(e) => Some(e.expires_us()),
             Plan::Reloaded(r) if now_us < r.at_us() => r.before().window_us(now_us),
             Plan::Reloaded(r) => r.after().window_us(now_us),
-            _ => {
-                let limit = self.limit_at(now_us);
-                (!limit.rate.is_zero() && limit.capacity_ut > 0)
-                    .then(|| limit.time_to_fill_us())
-                    .flatten()
-            }
+            _ => self.limit_at(now_us).window_us(),
         }
     }
 }
