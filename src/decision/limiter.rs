@@ -170,7 +170,7 @@ fn report(reason: Malformed, domain: &str, detail: impl FnOnce() -> String) {
     if let Some(also) = LOG_GATE.admit(reason) {
         // The domain is the client's too: a prefix is enough to find the route.
         let domain: String = domain.chars().take(64).collect();
-        tracing::warn!(
+        crate::telemetry::call::warn_about_call!(
             reason = reason.as_str(),
             %domain,
             also_unlogged = also,

@@ -7,11 +7,13 @@ use std::time::Instant;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
 use crate::decision::limiter::{LimitError, Limiter};
 use crate::store::Store;
+use crate::telemetry::call::{CallIds, Deciding};
 use crate::telemetry::RequestMetrics;
 
 /// `ShouldRateLimit` over a [`Limiter`], counted in [`crate::telemetry::REQUESTS`] and timed in
@@ -50,8 +52,8 @@ impl<S> RateLimitGrpc<S> {
     }
 
     /// Logs why a request is answered `UNAVAILABLE`, about once a second at most (with how many
-    /// went unlogged since).
-    fn log_unavailable(&self, why: &dyn std::fmt::Display) {
+    /// went unlogged since), with the ids `metadata` (the call's) carries.
+    fn log_unavailable(&self, why: &dyn std::fmt::Display, metadata: &MetadataMap) {
         let now_ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
         let last = self.last_logged_ms.load(Ordering::Relaxed);
         if (last == 0 || now_ms.saturating_sub(last) >= 1_000)
@@ -61,7 +63,13 @@ impl<S> RateLimitGrpc<S> {
                 .is_ok()
         {
             let also = self.unlogged.swap(0, Ordering::Relaxed);
-            tracing::warn!(also_unlogged = also, "{why}: answering UNAVAILABLE");
+            let ids = CallIds::for_line(metadata);
+            tracing::warn!(
+                trace_id = ids.trace_id(),
+                request_id = ids.request_id(),
+                also_unlogged = also,
+                "{why}: answering UNAVAILABLE"
+            );
         } else {
             self.unlogged.fetch_add(1, Ordering::Relaxed);
         }
@@ -77,19 +85,22 @@ impl<S: Store> RateLimitService for RateLimitGrpc<S> {
         let started = Instant::now();
         // A disabled span while tracing is off: then nothing is read from the metadata.
         let span = crate::traces::server_span(request.metadata());
+        // Kept for the warnings logged about this call (telemetry::call).
+        let (metadata, _, req) = request.into_parts();
         if self.gate.as_ref().is_some_and(|waiting| waiting()) {
             let _entered = span.enter();
             self.metrics.unavailable.increment(1);
-            self.log_unavailable(&"no rules received from the xDS server yet");
+            self.log_unavailable(&"no rules received from the xDS server yet", &metadata);
             self.metrics.duration.record(started.elapsed().as_secs_f64());
             crate::statsd::count_call(started.elapsed());
             return Err(Status::unavailable("no rules received from the xDS server yet"));
         }
-        let req = request.into_inner();
+        let decide = std::pin::pin!(self.limiter.should_rate_limit(&req));
+        let deciding = Deciding::new(&metadata, decide);
         let decided = if span.is_disabled() {
-            self.limiter.should_rate_limit(&req).await
+            deciding.await
         } else {
-            self.limiter.should_rate_limit(&req).instrument(span.clone()).await
+            deciding.instrument(span.clone()).await
         };
         crate::traces::record_decision(&span, &req, decided.as_ref().map_err(|_| "backend failed"));
         let _entered = span.enter();
@@ -105,7 +116,7 @@ impl<S: Store> RateLimitService for RateLimitGrpc<S> {
             Err(LimitError::Store(e)) => {
                 self.metrics.unavailable.increment(1);
                 crate::telemetry::count_envoyproxy_backend_error();
-                self.log_unavailable(&format_args!("backend failed: {e}"));
+                self.log_unavailable(&format_args!("backend failed: {e}"), &metadata);
                 Err(Status::unavailable(e.to_string()))
             }
         };

@@ -144,7 +144,7 @@ impl<P: Store> Guarded<P> {
         let now = self.mono_us();
         if self.breaker.record(now, permit, Outcome::Failure) == Transition::Opened {
             self.primary.metrics().circuit_open.set(1.0);
-            tracing::error!(
+            crate::telemetry::call::error_about_call!(
                 backend = self.backend,
                 %error,
                 fallback = self.has_fallback,
@@ -159,7 +159,7 @@ impl<P: Store> Guarded<P> {
                 .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
                 .is_ok()
         {
-            tracing::warn!(backend = self.backend, %error, "backend call failed");
+            crate::telemetry::call::warn_about_call!(backend = self.backend, %error, "backend call failed");
         }
     }
 
@@ -188,7 +188,7 @@ impl<P: Store> Guarded<P> {
             Err(e @ StoreError::InFailedBatch(_)) => {
                 if self.breaker.record(self.mono_us(), permit, Outcome::FailedInBatch) == Transition::Opened {
                     self.primary.metrics().circuit_open.set(1.0);
-                    tracing::error!(
+                    crate::telemetry::call::error_about_call!(
                         backend = self.backend,
                         error = %e,
                         fallback = self.has_fallback,

@@ -261,6 +261,13 @@ async fn error_mode_answers_unavailable_while_postgres_is_down_then_recovers() {
         "{lines} UNAVAILABLE lines for {} answers",
         outage.len()
     );
+    // Each names the request it answered (its x-request-id).
+    for line in log.lines().filter(|l| l.contains("answering UNAVAILABLE")) {
+        assert!(
+            line.contains(&format!("request_id=\"{}", support::faults::REQUEST_ID)),
+            "{line}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -228,6 +228,14 @@ impl Outage {
             warnings <= 5,
             "{warnings} 'backend call failed' lines: not rate limited\n{log}"
         );
+        // Each names the request whose call failed (its x-request-id), as the circuit's
+        // opening does.
+        for line in log
+            .lines()
+            .filter(|l| l.contains("backend call failed") || l.contains("backend failing: circuit open"))
+        {
+            assert!(line.contains(&format!("request_id=\"{}", faults::REQUEST_ID)), "{line}");
+        }
 
         assert!(self.recovered_in < RECOVERY);
         assert_eq!(gauge_circuit_open(&self.tollgate), 0.0);

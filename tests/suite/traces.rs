@@ -331,20 +331,38 @@ async fn calls_join_the_callers_w3c_and_b3_traces() {
         ],
     )
     .await;
-    let log = tollgate.process.log();
-    let warning = log
-        .lines()
-        .find(|l| l.contains("WARN") && l.contains("malformed request part"))
-        .unwrap_or_else(|| panic!("no warning logged:\n{log}"));
+    let warning = warning_line(&tollgate, "malformed request part");
     assert!(
         warning.contains("trace_id=5bf92f3577b34da6a3ce929d0e0e4736")
             && warning.contains("request_id=\"req-with-a-warning\""),
         "{warning}"
     );
 
-    // By now the unsampled call's span would have been exported with the later ones.
+    // A call the caller did not sample makes no span, yet a warning about it (a descriptor
+    // without entries: a reason of its own, as each reason's warnings are rate-limited) still
+    // carries its trace id and x-request-id.
+    let quiet = "6e0c63257de34c926f9efcd03899b7e2";
+    call(
+        &tollgate,
+        support::request("traced", &[], 0),
+        &[
+            ("traceparent", &format!("00-{quiet}-00f067aa0ba902b7-00")),
+            ("x-request-id", "req-unsampled-warning"),
+        ],
+    )
+    .await;
+    let warning = warning_line(&tollgate, "no_entries");
     assert!(
-        !receiver.all().iter().any(|r| hex(&r.span.trace_id) == unsampled),
+        warning.contains(&format!("trace_id={quiet}")) && warning.contains("request_id=\"req-unsampled-warning\""),
+        "{warning}"
+    );
+
+    // By now the unsampled calls' spans would have been exported with the later ones.
+    assert!(
+        !receiver
+            .all()
+            .iter()
+            .any(|r| [unsampled, quiet].contains(&hex(&r.span.trace_id).as_str())),
         "an unsampled caller's trace was exported"
     );
     // Descriptor values other than `tier`'s are in no attribute.
@@ -353,6 +371,62 @@ async fn calls_join_the_callers_w3c_and_b3_traces() {
             let value = attribute(std::slice::from_ref(kv), &kv.key).unwrap_or_default();
             assert!(!value.contains("secret-key-value"), "{}: {value}", kv.key);
         }
+    }
+}
+
+/// The first warning `tollgate` logged that contains `marker`.
+fn warning_line(tollgate: &Tollgate, marker: &str) -> String {
+    let log = tollgate.process.log();
+    log.lines()
+        .find(|l| l.contains("WARN") && l.contains(marker))
+        .unwrap_or_else(|| panic!("no warning with {marker:?} logged:\n{log}"))
+        .to_owned()
+}
+
+/// With traces off, a warning about a call still carries the trace id it came with (W3C, else
+/// B3) and its x-request-id, as fields of the line (text and JSON logs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn warnings_carry_the_calls_ids_with_traces_off() {
+    for (format, trace_id, request_id) in [
+        (
+            "text",
+            "trace_id=80f198ee56343ba864fe8b2a57d3eff7",
+            "request_id=\"req-text\"",
+        ),
+        (
+            "json",
+            "\"trace_id\":\"80f198ee56343ba864fe8b2a57d3eff7\"",
+            "\"request_id\":\"req-json\"",
+        ),
+    ] {
+        let tollgate = tokio::task::block_in_place(|| {
+            Tollgate::builder()
+                .rules_file("traced.yaml", RULES)
+                .env("TOLLGATE_LOG__FORMAT", format)
+                .start()
+        });
+        let id = format!("req-{format}");
+        call(
+            &tollgate,
+            support::request("traced", &[("", "x")], 0),
+            &[
+                ("b3", "80f198ee56343ba864fe8b2a57d3eff7-e457b5a2e4d86bd1-1"),
+                ("x-request-id", &id),
+            ],
+        )
+        .await;
+        let warning = warning_line(&tollgate, "malformed request part");
+        assert!(
+            warning.contains(trace_id) && warning.contains(request_id),
+            "{format}: {warning}"
+        );
+        // A call that carries neither logs neither.
+        call(&tollgate, support::request("traced", &[], 0), &[]).await;
+        let bare = warning_line(&tollgate, "no_entries");
+        assert!(
+            !bare.contains("trace_id") && !bare.contains("request_id"),
+            "{format}: {bare}"
+        );
     }
 }
 

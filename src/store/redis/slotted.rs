@@ -118,7 +118,7 @@ impl RedisStore {
             let refunded = join_all(refunds).await;
             for r in &refunded {
                 if let Err(e) = r {
-                    tracing::error!(error = %e, "could not refund a slot after another slot denied: tokens are held until they refill");
+                    crate::telemetry::call::error_about_call!(error = %e, "could not refund a slot after another slot denied: tokens are held until they refill");
                 }
             }
         }

@@ -64,19 +64,25 @@ pub fn retry_after(resp: &RateLimitResponse) -> bool {
         .any(|h| h.key.eq_ignore_ascii_case("retry-after"))
 }
 
+/// The start of the `x-request-id` of every [`call`].
+pub const REQUEST_ID: &str = "faults-";
+
 /// One request for user `user`, timed; a call that takes over 10 s is a failure of its own.
+/// It carries Envoy's `x-request-id` as [`REQUEST_ID`] followed by the user, which the
+/// warnings logged about it repeat.
 pub async fn call(
     client: &mut RateLimitServiceClient<Channel>,
     user: &str,
 ) -> (Duration, Result<RateLimitResponse, tonic::Status>) {
     let started = Instant::now();
-    let result = tokio::time::timeout(
-        Duration::from_secs(10),
-        client.should_rate_limit(request(DOMAIN, &[("user", user)], 0)),
-    )
-    .await
-    .unwrap_or_else(|_| Err(tonic::Status::deadline_exceeded("no answer within 10 s (test bound)")))
-    .map(tonic::Response::into_inner);
+    let mut call = tonic::Request::new(request(DOMAIN, &[("user", user)], 0));
+    if let Ok(id) = format!("{REQUEST_ID}{user}").parse() {
+        call.metadata_mut().insert("x-request-id", id);
+    }
+    let result = tokio::time::timeout(Duration::from_secs(10), client.should_rate_limit(call))
+        .await
+        .unwrap_or_else(|_| Err(tonic::Status::deadline_exceeded("no answer within 10 s (test bound)")))
+        .map(tonic::Response::into_inner);
     (started.elapsed(), result)
 }
 
