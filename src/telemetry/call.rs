@@ -7,8 +7,7 @@
 //! than the 3 % tracing may add to such a call). So the gRPC service polls each decision
 //! inside [`Deciding`], which lends the call's metadata to the thread while the decision runs,
 //! and the sites that log about a request read the two ids from it only when they log
-//! ([`CallIds::current`], through [`warn_about_call!`](crate::telemetry::call::warn_about_call)
-//! and [`error_about_call!`](crate::telemetry::call::error_about_call)).
+//! ([`CallIds::current`], through the crate's `warn_about_call!` and `error_about_call!`).
 //!
 //! Not `tokio::task_local!`: its scope owns the future it runs, and moving the decision's
 //! future (several KiB) into it cost about 500 instructions a call in copies (the
