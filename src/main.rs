@@ -1,5 +1,6 @@
 //! The `tollgate` command line: `serve`, `check`, `bucket` (a client of a running
-//! server's admin API) and `probe` (an HTTP health check for images without curl).
+//! server's admin API), `explain` (why a request would be limited, through the same API) and
+//! `probe` (an HTTP health check for images without curl).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -13,7 +14,10 @@ use std::time::Duration;
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use clap::{Args, Parser, Subcommand};
-use tollgate::server::admin::{BucketRequest, BucketsResponse, DescriptorEntry, ErrorResponse, Operation};
+use tollgate::server::admin::explain::{ExplainDescriptor, ExplainRequest, ExplainResponse};
+use tollgate::server::admin::{
+    BucketRequest, BucketsResponse, DescriptorEntry, ErrorResponse, Operation, EXPLAIN_PATH,
+};
 use tollgate::server::settings::{LogFormat, Settings};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
@@ -70,6 +74,30 @@ enum Command {
         #[command(subcommand)]
         action: BucketAction,
     },
+    /// What ShouldRateLimit would answer for a request now, and why, consuming nothing: the
+    /// verdict, each descriptor's rule and buckets, the bucket that decides and when the
+    /// request would pass; through a running server's admin API (POST /v1/explain).
+    Explain {
+        /// The rate-limit domain.
+        #[arg(long)]
+        domain: String,
+        /// An entry of the first descriptor, in order; repeat for each entry. The value may
+        /// contain `=`.
+        #[arg(long = "entry", value_name = "KEY=VALUE", value_parser = parse_entry)]
+        entries: Vec<DescriptorEntry>,
+        /// A further descriptor, its entries separated by commas (`tenant=a,path=/x`); repeat
+        /// for each. A value with a comma needs the JSON API.
+        #[arg(long = "descriptor", value_name = "KEY=VALUE[,KEY=VALUE...]", value_parser = parse_descriptor)]
+        descriptors: Vec<Vec<DescriptorEntry>>,
+        /// The request's hits_addend [default: 1].
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+        hits: Option<u32>,
+        /// Print the server's JSON answer instead of the summary.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        admin: AdminAddress,
+    },
     /// GET a URL; exit 0 on a 2xx answer, else 1 with the status or why it could not connect.
     /// A health check for container images that carry no curl (the distroless image).
     Probe {
@@ -115,6 +143,13 @@ struct BucketTarget {
     /// A descriptor entry, in order; repeat for each entry. The value may contain `=`.
     #[arg(long = "entry", value_name = "KEY=VALUE", required = true, value_parser = parse_entry)]
     entries: Vec<DescriptorEntry>,
+    #[command(flatten)]
+    admin: AdminAddress,
+}
+
+/// Where the admin API is.
+#[derive(Args)]
+struct AdminAddress {
     /// The admin API: host:port or http://host:port.
     #[arg(
         long,
@@ -126,6 +161,23 @@ struct BucketTarget {
     /// The admin bearer token, if the server requires one.
     #[arg(long, env = "TOLLGATE_ADMIN__TOKEN", hide_env_values = true)]
     token: Option<String>,
+}
+
+impl AdminAddress {
+    /// The URL of `path` on the admin API.
+    fn url(&self, path: &str) -> String {
+        let base = if self.admin.contains("://") {
+            self.admin.trim_end_matches('/').to_owned()
+        } else {
+            format!("http://{}", self.admin)
+        };
+        format!("{base}{path}")
+    }
+}
+
+/// `key=value[,key=value...]`: one descriptor's entries.
+fn parse_descriptor(text: &str) -> Result<Vec<DescriptorEntry>, String> {
+    text.split(',').map(parse_entry).collect()
 }
 
 /// `key=value`, split at the first `=`.
@@ -156,6 +208,14 @@ fn main() -> ExitCode {
     };
     match cli.command {
         Command::Bucket { action } => bucket(action),
+        Command::Explain {
+            domain,
+            entries,
+            descriptors,
+            hits,
+            json,
+            admin,
+        } => explain(domain, entries, descriptors, hits, json, &admin),
         Command::Probe { url, timeout_ms } => probe(&url, Duration::from_millis(timeout_ms)),
         Command::Check {
             rules,
@@ -385,33 +445,74 @@ fn bucket(action: BucketAction) -> ExitCode {
         hits,
         tokens,
     };
-    let base = if target.admin.contains("://") {
-        target.admin.trim_end_matches('/').to_owned()
-    } else {
-        format!("http://{}", target.admin)
-    };
-    let url = format!("{base}{}", op.path());
-    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("cannot start the runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    match runtime.block_on(admin_call(&url, &request, target.token.as_deref())) {
+    let url = target.admin.url(op.path());
+    let answer = admin_call(&url, &request, target.admin.token.as_deref()).and_then(|text| pretty_buckets(&text));
+    print_answer(answer, &format!("tollgate bucket {}", op.name()))
+}
+
+/// Prints `answer`, or its error under `command`'s name (exit 1).
+fn print_answer(answer: Result<String, String>, command: &str) -> ExitCode {
+    match answer {
         Ok(answer) => {
             println!("{answer}");
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("tollgate bucket {}: {e}", op.name());
+            eprintln!("{command}: {e}");
             ExitCode::FAILURE
         }
     }
 }
 
-/// POSTs `request` to `url`; the answer pretty-printed, or what went wrong.
-async fn admin_call(url: &str, request: &BucketRequest, token: Option<&str>) -> Result<String, String> {
+/// `tollgate explain ...`: one request to the admin API's explain endpoint.
+fn explain(
+    domain: String,
+    first: Vec<DescriptorEntry>,
+    more: Vec<Vec<DescriptorEntry>>,
+    hits: Option<u32>,
+    json: bool,
+    admin: &AdminAddress,
+) -> ExitCode {
+    let descriptors: Vec<ExplainDescriptor> = std::iter::once(first)
+        .filter(|entries| !entries.is_empty())
+        .chain(more)
+        .map(|entries| ExplainDescriptor {
+            entries,
+            ..Default::default()
+        })
+        .collect();
+    if descriptors.is_empty() {
+        eprintln!("tollgate explain: give the request's entries (--entry KEY=VALUE, --descriptor KEY=VALUE,...)");
+        return ExitCode::FAILURE;
+    }
+    let request = ExplainRequest {
+        domain,
+        descriptors,
+        hits_addend: hits.unwrap_or(0),
+    };
+    let answer = admin_call(&admin.url(EXPLAIN_PATH), &request, admin.token.as_deref()).and_then(|text| {
+        let not_json = |e| format!("the admin API answered something other than an explanation: {e}: {text}");
+        let explained: ExplainResponse = serde_json::from_str(&text).map_err(not_json)?;
+        if json {
+            serde_json::to_string_pretty(&explained).map_err(|e| e.to_string())
+        } else {
+            Ok(explained.summary())
+        }
+    });
+    print_answer(answer, "tollgate explain")
+}
+
+/// POSTs `request` to `url` and waits for the answer: its body, or what went wrong.
+fn admin_call(url: &str, request: &impl serde::Serialize, token: Option<&str>) -> Result<String, String> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the runtime: {e}"))?;
+    runtime.block_on(admin_post(url, request, token))
+}
+
+/// POSTs `request` to `url`; the answer's body, or what went wrong.
+async fn admin_post(url: &str, request: &impl serde::Serialize, token: Option<&str>) -> Result<String, String> {
     let client = reqwest::Client::builder()
         .no_proxy()
         .connect_timeout(Duration::from_secs(5))
@@ -449,8 +550,13 @@ async fn admin_call(url: &str, request: &BucketRequest, token: Option<&str>) -> 
             .unwrap_or_else(|_| text.trim().to_owned());
         return Err(format!("{message} (HTTP {status})"));
     }
-    let not_json = |_| format!("the admin API answered {status} with something other than JSON: {text}");
-    let json: serde_json::Value = serde_json::from_str(&text).map_err(not_json)?;
+    Ok(text)
+}
+
+/// A bucket endpoint's answer, pretty-printed.
+fn pretty_buckets(text: &str) -> Result<String, String> {
+    let not_json = |_| format!("the admin API answered something other than JSON: {text}");
+    let json: serde_json::Value = serde_json::from_str(text).map_err(not_json)?;
     // In the documented field order when the answer is exactly a `BucketsResponse`; any other
     // JSON (a newer server may answer more fields) as it is, keys sorted.
     let typed = serde_json::from_value::<BucketsResponse>(json.clone())

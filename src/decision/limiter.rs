@@ -163,9 +163,41 @@ impl LogGate {
     }
 }
 
+thread_local! {
+    /// While [`noting`] runs: the malformed parts found, instead of counting and logging them.
+    static NOTES: std::cell::RefCell<Option<Vec<(Malformed, String)>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `f` (screening or preparing a request that is only explained) with the malformed
+/// parts it finds added to `notes` rather than counted in [`crate::telemetry::MALFORMED`] and
+/// logged: explaining a request is not serving one.
+pub(super) fn noting<T>(notes: &mut Vec<(Malformed, String)>, f: impl FnOnce() -> T) -> T {
+    /// Puts back what was there, even when `f` panics: a later request on this thread must
+    /// be counted.
+    struct Restore<'n> {
+        notes: &'n mut Vec<(Malformed, String)>,
+        before: Option<Vec<(Malformed, String)>>,
+    }
+    impl Drop for Restore<'_> {
+        fn drop(&mut self) {
+            let noted = NOTES.with(|n| n.replace(self.before.take()));
+            *self.notes = noted.unwrap_or_default();
+        }
+    }
+    let before = NOTES.with(|n| n.replace(Some(std::mem::take(notes))));
+    let _restore = Restore { notes, before };
+    f()
+}
+
 /// Counts a malformed part of a request and logs it, rate-limited. `detail` never holds a
-/// descriptor value (values carry API keys and addresses) and is only built when logged.
+/// descriptor value (values carry API keys and addresses) and is only built when logged (or
+/// noted, while [`noting`]).
 fn report(reason: Malformed, domain: &str, detail: impl FnOnce() -> String) {
+    if NOTES.with(|n| n.borrow().is_some()) {
+        let note = detail();
+        NOTES.with(|n| n.borrow_mut().as_mut().map(|notes| notes.push((reason, note))));
+        return;
+    }
     metrics::counter!(crate::telemetry::MALFORMED, "reason" => reason.as_str()).increment(1);
     if let Some(also) = LOG_GATE.admit(reason) {
         // The domain is the client's too: a prefix is enough to find the route.
@@ -317,6 +349,11 @@ impl<S: Store> Limiter<S> {
         &self.store
     }
 
+    /// The options it decides with.
+    pub fn options(&self) -> &LimiterOptions {
+        &self.options
+    }
+
     /// The rules in force.
     pub fn rules(&self) -> Arc<RuleSet> {
         self.rules.load_full()
@@ -370,19 +407,9 @@ impl<S: Store> Limiter<S> {
         drop(matching);
         let metadata = self.options.response.dynamic_metadata;
         let unlimited = prepared.unlimited.take();
-        let finish = |mut resp: RateLimitResponse, targets: &[Option<Target<'_>>]| {
-            for &i in unlimited.iter().flat_map(|list| list.iter()) {
-                if let Some(s) = resp.statuses.get_mut(i) {
-                    s.limit_remaining = u32::MAX;
-                }
-            }
-            if denying {
-                screened.deny(&mut resp);
-            }
-            if metadata {
-                resp.dynamic_metadata = Some(dynamic_metadata(req, targets, &resp.statuses));
-            }
-            resp
+        let finish = |resp: RateLimitResponse, targets: &[Option<Target<'_>>]| {
+            let unlimited = unlimited.as_deref().map_or(&[][..], Vec::as_slice);
+            finish(resp, req, &screened, denying, unlimited, metadata, targets)
         };
         if prepared.buckets.is_empty() {
             let resp = build_response(
@@ -506,26 +533,52 @@ impl<S: Store> Limiter<S> {
     }
 }
 
+/// The last touches of the response to `req` (screened as `screened`, `denying` when a
+/// malformed part denies it): `limit_remaining` at the `uint32` maximum for the `unlimited`
+/// descriptors, the malformed descriptors denied, and the dynamic metadata when `metadata`.
+pub(super) fn finish(
+    mut resp: RateLimitResponse,
+    req: &RateLimitRequest,
+    screened: &Screened,
+    denying: bool,
+    unlimited: &[usize],
+    metadata: bool,
+    targets: &[Option<Target<'_>>],
+) -> RateLimitResponse {
+    for &i in unlimited {
+        if let Some(s) = resp.statuses.get_mut(i) {
+            s.limit_remaining = u32::MAX;
+        }
+    }
+    if denying {
+        screened.deny(&mut resp);
+    }
+    if metadata {
+        resp.dynamic_metadata = Some(dynamic_metadata(req, targets, &resp.statuses));
+    }
+    resp
+}
+
 /// A request's call on the store, prepared from the request and the rules alone: the
 /// distinct bucket instances, the demands on them, and per descriptor its target (`None`: no
 /// limit applies). It is alive across the store's await, so part of the future tonic boxes and
 /// moves: the inline buffers are kept to what the store is handed.
-struct Prepared<'a> {
-    buckets: SmallVec<[BucketRef; 4]>,
-    demands: SmallVec<[Demand; 4]>,
-    targets: Vec<Option<Target<'a>>>,
+pub(super) struct Prepared<'a> {
+    pub(super) buckets: SmallVec<[BucketRef; 4]>,
+    pub(super) demands: SmallVec<[Demand; 4]>,
+    pub(super) targets: Vec<Option<Target<'a>>>,
     /// The indices of the descriptors that reached an `unlimited` rule: answered `OK` with
     /// `limit_remaining` at the `uint32` maximum, as envoyproxy/ratelimit answers them. Boxed
     /// (8 bytes, and no allocation unless a descriptor is unlimited) because it is held across
     /// the store call, and every byte of the decision's future is copied per request.
     #[allow(clippy::box_collection)] // the box is the point: a pointer's width in the future
-    unlimited: Option<Box<Vec<usize>>>,
+    pub(super) unlimited: Option<Box<Vec<usize>>>,
 }
 
 /// Prepares the store's call for `req` (screened as `screened`, in `domain` when known): every
 /// descriptor matched, replaced rules dropped, demands only checked while `denying`. Touches
 /// no bucket.
-fn prepare<'a>(
+pub(super) fn prepare<'a>(
     req: &'a RateLimitRequest,
     screened: &'a Screened,
     domain: Option<&'a Domain>,
@@ -847,8 +900,8 @@ fn drop_replaced(matched: &mut [Option<Matched>], by_unlimited: &[usize]) {
 
 /// What [`screen`] found malformed in a request, beyond what matching handles by itself.
 /// Empty (and allocation-free) for a well-formed request.
-struct Screened {
-    empty_domain: bool,
+pub(super) struct Screened {
+    pub(super) empty_domain: bool,
     /// The descriptors from this index on are beyond `limits.max_descriptors`.
     decided: usize,
     /// Descriptors (below `decided`) denied as malformed.
@@ -861,18 +914,18 @@ struct Screened {
 
 impl Screened {
     /// Whether the request has descriptors denied as malformed.
-    fn denies(&self) -> bool {
+    pub(super) fn denies(&self) -> bool {
         !self.denied.is_empty() || self.decided < usize::MAX
     }
 
     /// Whether descriptor `i` matches nothing: the whole request (an empty domain), or the
     /// descriptor, is malformed beyond deciding on a rule.
-    fn skipped(&self, i: usize) -> bool {
+    pub(super) fn skipped(&self, i: usize) -> bool {
         self.empty_domain || i >= self.decided || self.denied.contains(&i) || self.no_entries.contains(&i)
     }
 
     /// The entries descriptor `i` (`d`) is decided with.
-    fn entries<'a>(&'a self, i: usize, d: &'a RateLimitDescriptor) -> &'a [Entry] {
+    pub(super) fn entries<'a>(&'a self, i: usize, d: &'a RateLimitDescriptor) -> &'a [Entry] {
         match self.cut.iter().find(|(j, _)| *j == i) {
             Some((_, cut)) => cut,
             None => &d.entries,
@@ -899,7 +952,7 @@ impl Screened {
 
 /// Screens a request against `limits` (see [`Malformed`] for what each finding means),
 /// reporting each malformed part. Reads every entry once; allocates only for a cut value.
-fn screen(req: &RateLimitRequest, limits: &RequestLimits) -> Screened {
+pub(super) fn screen(req: &RateLimitRequest, limits: &RequestLimits) -> Screened {
     let mut s = Screened {
         empty_domain: req.domain.is_empty(),
         decided: usize::MAX,

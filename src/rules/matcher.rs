@@ -24,6 +24,23 @@ pub fn find_node(domain: &Domain, entries: &[Entry]) -> Option<usize> {
     node
 }
 
+/// How far a descriptor's entries go down `domain`'s tree, for explaining one that reaches no
+/// rule: the deepest node its entries reach in order (`None`: not even the first) and how many
+/// of them matched. When fewer than all matched, entry number `matched` is the one no node of
+/// that level takes; when all matched, the node itself has no rule (or `unlimited`).
+pub(crate) fn deepest_node(domain: &Domain, entries: &[Entry]) -> (Option<usize>, usize) {
+    let mut level = &domain.root;
+    let mut node = None;
+    for (i, entry) in entries.iter().enumerate() {
+        let Some(id) = level.find(&entry.key, &entry.value) else {
+            return (node, i);
+        };
+        level = &domain.nodes[id].children;
+        node = Some(id);
+    }
+    (node, entries.len())
+}
+
 /// Per entry of a descriptor that reached `last` (a node `depth` levels down), the wildcard
 /// pattern that stands for its value in the instance key when the node on that level has
 /// `share_threshold: true` (envoyproxy/ratelimit), else `None`. Empty when the domain shares

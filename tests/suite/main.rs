@@ -19,6 +19,7 @@ mod envoyproxy_configs;
 mod envoyproxy_env;
 mod envoyproxy_names;
 mod envoyproxy_statsd;
+mod explain;
 mod faults_under_load;
 mod fixed_allowances;
 mod grpc;

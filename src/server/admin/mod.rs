@@ -64,6 +64,8 @@ use crate::decision::response::ceil_seconds;
 use crate::rules::BucketPolicy;
 use crate::store::{Store, StoreError};
 
+pub mod explain;
+
 /// The largest request body accepted, in bytes; a larger one is answered `413`.
 pub const MAX_BODY_BYTES: usize = 64 * 1024;
 
@@ -301,6 +303,7 @@ pub fn router<S: Store>(limiter: Arc<Limiter<S>>, options: AdminOptions) -> Rout
         .route(Operation::Peek.path(), post(peek::<S>).fallback(method_not_allowed))
         .route(Operation::Refund.path(), post(refund::<S>).fallback(method_not_allowed))
         .route(Operation::Reset.path(), post(reset::<S>).fallback(method_not_allowed))
+        .route(EXPLAIN_PATH, post(explain::<S>).fallback(method_not_allowed))
         .with_state(admin);
     if let Some(view) = options.config {
         app = app.route(CONFIG_PATH, get(move || config(view.clone())).fallback(get_only));
@@ -319,6 +322,9 @@ pub fn router<S: Store>(limiter: Arc<Limiter<S>>, options: AdminOptions) -> Rout
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(axum::middleware::from_fn_with_state(gate, admit))
 }
+
+/// The path of the explain endpoint on the admin listener ([`explain`]).
+pub const EXPLAIN_PATH: &str = "/v1/explain";
 
 /// The path of the rules-and-settings document on the admin listener.
 pub const CONFIG_PATH: &str = "/config";
@@ -479,6 +485,13 @@ async fn reset<S: Store>(State(admin): State<Arc<Admin<S>>>, headers: HeaderMap,
     answer(admin.handle(Operation::Reset, &headers, body).await)
 }
 
+async fn explain<S: Store>(State(admin): State<Arc<Admin<S>>>, headers: HeaderMap, body: Body) -> Response {
+    match explain::answer(&admin.limiter, &headers, body).await {
+        Ok(answer) => Json(answer).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
 async fn not_found() -> Response {
     ApiError::new(
         StatusCode::NOT_FOUND,
@@ -502,17 +515,22 @@ fn answer(result: Result<BucketsResponse, ApiError>) -> Response {
     }
 }
 
+/// The JSON body of a `POST`: `415` unless it is sent as `application/json` (see [`admit`]),
+/// the body's own error (`413` over [`MAX_BODY_BYTES`]), `400` when it is not a `T`.
+fn json_body<T: serde::de::DeserializeOwned>(headers: &HeaderMap, body: Body) -> Result<T, ApiError> {
+    if !is_json(headers) {
+        return Err(ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "the body must be sent with Content-Type: application/json",
+        ));
+    }
+    let body = body.map_err(|e| ApiError::new(e.status(), e.body_text()))?;
+    serde_json::from_slice(&body).map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
+}
+
 impl<S: Store> Admin<S> {
     async fn handle(&self, op: Operation, headers: &HeaderMap, body: Body) -> Result<BucketsResponse, ApiError> {
-        if !is_json(headers) {
-            return Err(ApiError::new(
-                StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                "the body must be sent with Content-Type: application/json",
-            ));
-        }
-        let body = body.map_err(|e| ApiError::new(e.status(), e.body_text()))?;
-        let req: BucketRequest =
-            serde_json::from_slice(&body).map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))?;
+        let req: BucketRequest = json_body(headers, body)?;
         let unexpected = |field: &str| ApiError::bad_request(format!("{} takes no `{field}`", op.name()));
         let hits = match op {
             Operation::Peek if req.tokens.is_some() => return Err(unexpected("tokens")),

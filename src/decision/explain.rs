@@ -1,0 +1,352 @@
+//! Why a request would be limited: [`Limiter::explain`] answers what
+//! [`Limiter::should_rate_limit`] would answer for a request now, and why, consuming nothing
+//! (docs/admin-api.md, "Explain").
+//!
+//! It runs the decision path itself up to the store (screening, matching, overrides,
+//! `replaces`, the demands), then reads the buckets with [`Store::peek`] (one instant of the
+//! store's clock, nothing written) and decides on what it read with the pure core
+//! ([`decide`], as the memory store does and as the Redis and Postgres stores' arithmetic
+//! agrees with), walking quota mode as a decision does; the response is then built by the same
+//! code as a real answer's. So the verdict, the statuses and the headers are the ones a request
+//! sent at that instant would get. What it cannot see: tokens a replica holds in a lease (they
+//! are out of the store until given back), and requests decided between the explanation and
+//! the next request.
+
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+
+use super::limiter::{finish, noting, prepare, screen, LimitError, Limiter, Prepared};
+use super::quota_mode::{spend_refunds, QuotaGroup};
+use super::response::build_response;
+use crate::core::bucket::{decide, BucketState, Decision, DemandKind};
+use crate::core::schedule::Plan;
+use crate::rules::matcher::deepest_node;
+use crate::rules::{BucketPolicy, Domain, Rule};
+use crate::store::{Applied, Store};
+
+/// What [`Limiter::explain`] found: the answer, and per descriptor why.
+#[derive(Clone, Debug)]
+pub struct Explanation {
+    /// The instant it was decided at: microseconds since the Unix epoch, by the store's clock
+    /// (the process's when no bucket was read).
+    pub now_us: u64,
+    /// Exactly what `ShouldRateLimit` would answer: `overall_code`, the `DescriptorStatus`es,
+    /// the headers for the client and for the upstream.
+    pub response: RateLimitResponse,
+    /// Per descriptor of the request, in order.
+    pub descriptors: Vec<DescriptorExplained>,
+    /// The request's malformed parts, as decided (docs/rules.md, "Malformed requests"): the
+    /// reason (`tollgate_malformed_total`'s label) and what was done. Explaining counts and
+    /// logs none of them.
+    pub malformed: Vec<(&'static str, String)>,
+    /// Microseconds until the same request would pass: 0 when it passes now; `None` when no
+    /// wait makes it pass (a malformed part denies it, it asks more than a capacity, or its
+    /// buckets do not refill within the horizon schedules and quotas are walked to).
+    pub passes_in_us: Option<u64>,
+}
+
+/// How one descriptor was decided.
+#[derive(Clone, Debug)]
+pub struct DescriptorExplained {
+    /// What the descriptor reached.
+    pub found: Found,
+    /// Shadow mode (the rule's or the global switch): its buckets count but never deny.
+    pub shadow: bool,
+    /// Quota mode (the rule's or the global switch; docs/rules.md, "Quota mode").
+    pub quota_mode: bool,
+    /// The bucket instances it asked of, in the rule's order.
+    pub buckets: Vec<BucketExplained>,
+    /// The index in [`Self::buckets`] of the bucket that decides it: of those that deny, the
+    /// one with the longest wait; when none denies, the one its status names
+    /// (`current_limit`: the nearest to denying). `None` without buckets.
+    pub deciding: Option<usize>,
+}
+
+/// What a descriptor's entries reached.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Found {
+    /// A rule: its path in the domain's descriptor tree (`api_key`, `tenant.path=/upload`).
+    Rule(String),
+    /// Envoy's `limit` override on the descriptor (`RateLimitDescriptor.limit`).
+    Override,
+    /// A rule with `unlimited: true` (its path): `OK`, `limit_remaining` the `uint32` maximum.
+    Unlimited(String),
+    /// No rule. `nearest` is the path of the deepest node the entries reached (`None`: not
+    /// even the first entry matched); `failed_entry` the index of the first entry no node
+    /// took (`None`: they all matched, and that node has no rule).
+    NoRule {
+        /// The deepest node reached.
+        nearest: Option<String>,
+        /// The first entry that matched nothing.
+        failed_entry: Option<usize>,
+    },
+    /// The domain is not declared: the request is answered `OK`.
+    UnknownDomain,
+    /// Replaced by another matched rule's `replaces`.
+    Replaced(String),
+    /// A refund (`is_negative_hits`) refused by `refunds: false`: `OK`, nothing given back.
+    RefundRefused,
+    /// Malformed beyond deciding on a rule (see [`Explanation::malformed`]).
+    Malformed,
+}
+
+/// One bucket instance a descriptor asked of, at [`Explanation::now_us`].
+#[derive(Clone, Debug)]
+pub struct BucketExplained {
+    /// Its policy: name, plan, how it is reported.
+    pub policy: BucketPolicy,
+    /// Its state brought forward to now (refilled, trimmed to the capacity in force).
+    pub state: BucketState,
+    /// Its state as the store keeps it, which waits are measured from.
+    pub kept: BucketState,
+    /// What the descriptor asks of it (`hits_addend` in micro-tokens, a check, a refund, a
+    /// usage report on a debt bucket).
+    pub demand: DemandKind,
+    /// Micro-tokens it must hold for the demand to pass (the request's other consuming
+    /// demands on the same instance included); `None` for a refund.
+    pub need_ut: Option<u64>,
+    /// Whether the demand passes.
+    pub passed: bool,
+    /// Whether a failure denies the request (not shadow, and not a quota-mode descriptor the
+    /// request does not stand on).
+    pub enforced: bool,
+    /// Microseconds until it holds `need_ut` (0 now); `None` when it never does within the
+    /// horizon, or for a refund.
+    pub wait_us: Option<u64>,
+    /// The schedule window in force, when its plan follows schedule windows: the entry's index
+    /// in the bucket's `schedule` and its cron pattern and time zone.
+    pub window: Option<(usize, String, String)>,
+}
+
+impl<S: Store> Limiter<S> {
+    /// What [`Limiter::should_rate_limit`] would answer for `req` now, and why; consumes
+    /// nothing, counts no decision, logs no malformed part (they are in
+    /// [`Explanation::malformed`]).
+    ///
+    /// Errors: [`LimitError::Store`] when reading the buckets fails (whatever
+    /// `on_store_failure` says: an explanation of a failure mode is not one).
+    pub async fn explain(&self, req: &RateLimitRequest) -> Result<Explanation, LimitError> {
+        let options = self.options();
+        let mut notes = Vec::new();
+        let screened = noting(&mut notes, || screen(req, &options.limits));
+        let rules = self.rules();
+        let domain = if screened.empty_domain {
+            None
+        } else {
+            rules.domain(&req.domain)
+        };
+        let denying = screened.denies() && !options.shadow_mode;
+        let mut prepared = noting(&mut notes, || prepare(req, &screened, domain, options, denying));
+        let unlimited = prepared.unlimited.take();
+        let unlimited = unlimited.as_deref().map_or(&[][..], Vec::as_slice);
+        let metadata = options.response.dynamic_metadata;
+        let (now_us, applied, states) = if prepared.buckets.is_empty() {
+            (self.store().clock_estimate_us(), None, None)
+        } else {
+            let peeked = self.store().peek(&prepared.buckets).await?;
+            let plans: Vec<&Plan> = prepared.buckets.iter().map(|b| &b.plan).collect();
+            let group = if denying {
+                QuotaGroup::default()
+            } else {
+                QuotaGroup::of(&prepared.targets)
+            };
+            let decide_now = |demands: &[_]| decide(peeked.now_us, &peeked.kept, &plans, demands);
+            // Quota mode as the limiter walks it: nothing is written, so each try decides on
+            // the same states, as a denied call leaves them.
+            let decision = match group.first() {
+                None => decide_now(&prepared.demands),
+                Some(mut standing) => {
+                    let mut tries = 0;
+                    loop {
+                        group.stand_on(standing, &prepared.targets, &mut prepared.demands);
+                        let decision = decide_now(&prepared.demands);
+                        tries += 1;
+                        match group.next(standing, &prepared.targets, &prepared.demands, &decision) {
+                            Some(next) if tries < group.len() => {
+                                standing = next;
+                                spend_refunds(&mut prepared.demands);
+                            }
+                            _ => break decision,
+                        }
+                    }
+                }
+            };
+            let applied = Applied {
+                now_us: peeked.now_us,
+                decision,
+            };
+            (peeked.now_us, Some(applied), Some(peeked))
+        };
+        let resp = build_response(
+            &prepared.targets,
+            applied.as_ref(),
+            &options.headers,
+            &options.shadow_headers,
+        );
+        let response = finish(resp, req, &screened, denying, unlimited, metadata, &prepared.targets);
+        let mut descriptors = Vec::with_capacity(req.descriptors.len());
+        for (i, d) in req.descriptors.iter().enumerate() {
+            let entries = screened.entries(i, d);
+            let found = if screened.skipped(i) {
+                Found::Malformed
+            } else if d.is_negative_hits && !options.refunds {
+                Found::RefundRefused
+            } else if is_override(&prepared, i) {
+                Found::Override
+            } else {
+                match domain {
+                    None => Found::UnknownDomain,
+                    Some(dom) => found_in(dom, entries, prepared.targets[i].is_some()),
+                }
+            };
+            let target = prepared.targets[i].as_ref();
+            let buckets: Vec<BucketExplained> = match (target, &applied, &states) {
+                (Some(t), Some(applied), Some(peeked)) => t
+                    .parts
+                    .iter()
+                    .map(|part| {
+                        let demand = prepared.demands[part.demand];
+                        let outcome = &applied.decision.instances[part.instance];
+                        let kept = peeked.kept[part.instance];
+                        let plan = &prepared.buckets[part.instance].plan;
+                        let need_ut = demand.kind.need_ut(outcome.consumed_ut);
+                        BucketExplained {
+                            policy: BucketPolicy::clone(&part.policy),
+                            state: peeked.states[part.instance],
+                            kept,
+                            demand: demand.kind,
+                            need_ut,
+                            passed: applied.decision.passed[part.demand],
+                            enforced: demand.enforced,
+                            wait_us: need_ut.and_then(|need| plan.wait_us(kept, need, now_us)),
+                            window: window_of(plan, now_us),
+                        }
+                    })
+                    .collect(),
+                _ => Vec::new(),
+            };
+            let named = response
+                .statuses
+                .get(i)
+                .and_then(|s| s.current_limit.as_ref())
+                .map(|l| l.name.as_str());
+            let deciding = deciding(&buckets, named);
+            descriptors.push(DescriptorExplained {
+                found,
+                shadow: target.is_some_and(|t| t.shadow),
+                quota_mode: target.is_some_and(|t| t.quota),
+                buckets,
+                deciding,
+            });
+        }
+        let passes_in_us = passes_in(&response, &descriptors, applied.as_ref().map(|a| &a.decision), denying);
+        Ok(Explanation {
+            now_us,
+            response,
+            descriptors,
+            malformed: notes.into_iter().map(|(m, note)| (m.as_str(), note)).collect(),
+            passes_in_us,
+        })
+    }
+}
+
+/// Whether descriptor `i` is decided by Envoy's `limit` override (one whose unit is unknown
+/// is ignored, and the descriptor decided on its rule).
+fn is_override(prepared: &Prepared<'_>, i: usize) -> bool {
+    prepared.targets[i].as_ref().is_some_and(|t| {
+        t.parts
+            .iter()
+            .any(|p| matches!(p.policy, super::response::PolicyRef::Override(_)))
+    })
+}
+
+/// What `entries` reach in `dom`; `decided`: whether a rule's buckets decide them (else a
+/// rule they reach was dropped by another's `replaces`).
+fn found_in(dom: &Domain, entries: &[Entry], decided: bool) -> Found {
+    let path = |node: usize| dom.nodes[node].path.clone();
+    match deepest_node(dom, entries) {
+        (Some(node), n) if n == entries.len() => match &dom.nodes[node].rule {
+            Some(Rule::Unlimited { .. }) => Found::Unlimited(path(node)),
+            Some(Rule::Limited { .. }) if decided => Found::Rule(path(node)),
+            Some(Rule::Limited { .. }) => Found::Replaced(path(node)),
+            None => Found::NoRule {
+                nearest: Some(path(node)),
+                failed_entry: None,
+            },
+        },
+        (node, n) => Found::NoRule {
+            nearest: node.map(path),
+            failed_entry: Some(n),
+        },
+    }
+}
+
+/// The bucket that decides a descriptor: of the enforced demands that fail, the longest wait
+/// (`None`, never, is longest); else the one its status names.
+fn deciding(buckets: &[BucketExplained], named: Option<&str>) -> Option<usize> {
+    let failing = buckets
+        .iter()
+        .enumerate()
+        .filter(|(_, b)| b.enforced && !b.passed)
+        .max_by_key(|(_, b)| b.wait_us.map_or(u128::MAX, u128::from))
+        .map(|(i, _)| i);
+    failing.or_else(|| named.and_then(|name| buckets.iter().position(|b| b.policy.name == name)))
+}
+
+/// When the request passes: now when it does; else when every enforced demand that fails can
+/// pass (each instance's wait for what the request asks of it). A malformed denial never
+/// passes. In quota mode the request stands on one quota-mode descriptor at a time, so the
+/// earliest of theirs is enough.
+fn passes_in(
+    response: &RateLimitResponse,
+    descriptors: &[DescriptorExplained],
+    decision: Option<&Decision>,
+    denying: bool,
+) -> Option<u64> {
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+    if response.overall_code != Code::OverLimit as i32 {
+        return Some(0);
+    }
+    if denying || decision.is_none() {
+        return None;
+    }
+    let wait = |d: &DescriptorExplained| -> Option<u64> {
+        d.buckets
+            .iter()
+            .filter(|b| !b.passed && (b.enforced || d.quota_mode) && !d.shadow)
+            .try_fold(0, |most, b| b.wait_us.map(|w| most.max(w)))
+    };
+    let mut overall = Some(0u64);
+    let mut quota: Option<Option<u64>> = None;
+    for d in descriptors {
+        if d.quota_mode {
+            let w = wait(d);
+            quota = Some(match quota {
+                None => w,
+                Some(earliest) => match (earliest, w) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                },
+            });
+        } else {
+            overall = overall.zip(wait(d)).map(|(a, b)| a.max(b));
+        }
+    }
+    match quota {
+        Some(q) => overall.zip(q).map(|(a, b)| a.max(b)),
+        None => overall,
+    }
+}
+
+/// The schedule window in force on `plan` at `now_us`: the active entry's index, pattern and
+/// time zone.
+fn window_of(plan: &Plan, now_us: u64) -> Option<(usize, String, String)> {
+    match plan {
+        Plan::Scheduled(schedule) => schedule.active_entry(now_us).map(|i| {
+            let entry = &schedule.entries()[i];
+            (i, entry.pattern().to_owned(), entry.timezone().name().to_owned())
+        }),
+        Plan::Reloaded(reloaded) => window_of(reloaded.after(), now_us),
+        _ => None,
+    }
+}
