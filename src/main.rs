@@ -85,8 +85,9 @@ enum Command {
         /// contain `=`.
         #[arg(long = "entry", value_name = "KEY=VALUE", value_parser = parse_entry)]
         entries: Vec<DescriptorEntry>,
-        /// A further descriptor, its entries separated by commas (`tenant=a,path=/x`); repeat
-        /// for each. A value with a comma needs the JSON API.
+        /// A descriptor, its entries separated by commas (`tenant=a,path=/x`), after the one the
+        /// --entry options make (if any); repeat for each. A value with a comma, an override, a
+        /// refund or a descriptor's own hits_addend need the JSON API (POST /v1/explain).
         #[arg(long = "descriptor", value_name = "KEY=VALUE[,KEY=VALUE...]", value_parser = parse_descriptor)]
         descriptors: Vec<Vec<DescriptorEntry>>,
         /// The request's hits_addend [default: 1].
@@ -548,6 +549,11 @@ async fn admin_post(url: &str, request: &impl serde::Serialize, token: Option<&s
         let message = serde_json::from_str::<ErrorResponse>(&text)
             .map(|e| e.error)
             .unwrap_or_else(|_| text.trim().to_owned());
+        if message.is_empty() {
+            return Err(format!(
+                "{url} answered HTTP {status} with no message: is it the admin listener (admin.addr)?"
+            ));
+        }
         return Err(format!("{message} (HTTP {status})"));
     }
     Ok(text)

@@ -1,12 +1,14 @@
 //! Why a request would be limited: [`Limiter::explain`] answers what
 //! [`Limiter::should_rate_limit`] would answer for a request now, and why, consuming nothing
-//! (docs/admin-api.md, "Explain").
+//! (docs/operations.md, "Why was this request limited?").
 //!
 //! It runs the decision path itself up to the store (screening, matching, overrides,
 //! `replaces`, the demands), then reads the buckets with [`Store::peek`] (one instant of the
 //! store's clock, nothing written) and decides on what it read with the pure core
-//! ([`decide`], as the memory store does and as the Redis and Postgres stores' arithmetic
-//! agrees with), walking quota mode as a decision does; the response is then built by the same
+//! ([`decide`]: the memory store's own decision, and the arithmetic the Redis script and the
+//! Postgres function are held to by the shared test vectors), walking quota mode as a decision
+//! does (a denied try's refunds and usage reports carried into the next, as the store keeps
+//! them); the response is then built by the same
 //! code as a real answer's. So the verdict, the statuses and the headers are the ones a request
 //! sent at that instant would get. What it cannot see: tokens a replica holds in a lease (they
 //! are out of the store until given back), and requests decided between the explanation and
@@ -18,7 +20,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimit
 use super::limiter::{finish, noting, prepare, screen, LimitError, Limiter, Prepared};
 use super::quota_mode::{spend_refunds, QuotaGroup};
 use super::response::build_response;
-use crate::core::bucket::{decide, BucketState, Decision, DemandKind};
+use crate::core::bucket::{decide, BucketState, Decision, DemandKind, Refilling};
 use crate::core::schedule::Plan;
 use crate::rules::matcher::deepest_node;
 use crate::rules::{BucketPolicy, Domain, Rule};
@@ -57,8 +59,9 @@ pub struct DescriptorExplained {
     /// The bucket instances it asked of, in the rule's order.
     pub buckets: Vec<BucketExplained>,
     /// The index in [`Self::buckets`] of the bucket that decides it: of those that deny, the
-    /// one with the longest wait; when none denies, the one its status names
-    /// (`current_limit`: the nearest to denying). `None` without buckets.
+    /// one with the longest wait; when none denies, the one nearest to denying as its status
+    /// picks it (fewest tokens left, the first on a tie, a hidden bucket only when all are).
+    /// `None` without buckets.
     pub deciding: Option<usize>,
 }
 
@@ -113,6 +116,9 @@ pub struct BucketExplained {
     /// Microseconds until it holds `need_ut` (0 now); `None` when it never does within the
     /// horizon, or for a refund.
     pub wait_us: Option<u64>,
+    /// Micro-tokens left after the decision, as `limit_remaining` counts them (a debt
+    /// bucket's balance, 0 while in debt).
+    pub remaining_ut: u64,
     /// The schedule window in force, when its plan follows schedule windows: the entry's index
     /// in the bucket's `schedule` and its cron pattern and time zone.
     pub window: Option<(usize, String, String)>,
@@ -140,8 +146,11 @@ impl<S: Store> Limiter<S> {
         let unlimited = prepared.unlimited.take();
         let unlimited = unlimited.as_deref().map_or(&[][..], Vec::as_slice);
         let metadata = options.response.dynamic_metadata;
-        let (now_us, applied, states) = if prepared.buckets.is_empty() {
-            (self.store().clock_estimate_us(), None, None)
+        // The demands as the request makes them: a quota-mode walk spends its refunds and
+        // reports on the first try.
+        let asked = prepared.demands.clone();
+        let (now_us, applied, kept) = if prepared.buckets.is_empty() {
+            (self.store().clock_estimate_us(), None, Vec::new())
         } else {
             let peeked = self.store().peek(&prepared.buckets).await?;
             let plans: Vec<&Plan> = prepared.buckets.iter().map(|b| &b.plan).collect();
@@ -150,20 +159,22 @@ impl<S: Store> Limiter<S> {
             } else {
                 QuotaGroup::of(&prepared.targets)
             };
-            let decide_now = |demands: &[_]| decide(peeked.now_us, &peeked.kept, &plans, demands);
-            // Quota mode as the limiter walks it: nothing is written, so each try decides on
-            // the same states, as a denied call leaves them.
+            let mut kept = peeked.kept;
             let decision = match group.first() {
-                None => decide_now(&prepared.demands),
+                None => decide(peeked.now_us, &kept, &plans, &prepared.demands),
                 Some(mut standing) => {
+                    // Quota mode as the limiter walks it. A denied try writes its refunds and
+                    // usage reports all the same (`decide`), so the next try decides on the
+                    // states the store would then hold.
                     let mut tries = 0;
                     loop {
                         group.stand_on(standing, &prepared.targets, &mut prepared.demands);
-                        let decision = decide_now(&prepared.demands);
+                        let decision = decide(peeked.now_us, &kept, &plans, &prepared.demands);
                         tries += 1;
                         match group.next(standing, &prepared.targets, &prepared.demands, &decision) {
                             Some(next) if tries < group.len() => {
                                 standing = next;
+                                kept = decision.instances.iter().map(|o| o.kept()).collect();
                                 spend_refunds(&mut prepared.demands);
                             }
                             _ => break decision,
@@ -175,7 +186,7 @@ impl<S: Store> Limiter<S> {
                 now_us: peeked.now_us,
                 decision,
             };
-            (peeked.now_us, Some(applied), Some(peeked))
+            (peeked.now_us, Some(applied), kept)
         };
         let resp = build_response(
             &prepared.targets,
@@ -187,7 +198,10 @@ impl<S: Store> Limiter<S> {
         let mut descriptors = Vec::with_capacity(req.descriptors.len());
         for (i, d) in req.descriptors.iter().enumerate() {
             let entries = screened.entries(i, d);
-            let found = if screened.skipped(i) {
+            let found = if screened.empty_domain {
+                // No rules file can declare it: answered as an unknown domain (docs/rules.md).
+                Found::UnknownDomain
+            } else if screened.skipped(i) {
                 Found::Malformed
             } else if d.is_negative_hits && !options.refunds {
                 Found::RefundRefused
@@ -200,37 +214,33 @@ impl<S: Store> Limiter<S> {
                 }
             };
             let target = prepared.targets[i].as_ref();
-            let buckets: Vec<BucketExplained> = match (target, &applied, &states) {
-                (Some(t), Some(applied), Some(peeked)) => t
+            let buckets: Vec<BucketExplained> = match (target, &applied) {
+                (Some(t), Some(applied)) => t
                     .parts
                     .iter()
                     .map(|part| {
                         let demand = prepared.demands[part.demand];
                         let outcome = &applied.decision.instances[part.instance];
-                        let kept = peeked.kept[part.instance];
+                        let kept = kept[part.instance];
                         let plan = &prepared.buckets[part.instance].plan;
                         let need_ut = demand.kind.need_ut(outcome.consumed_ut);
                         BucketExplained {
                             policy: BucketPolicy::clone(&part.policy),
-                            state: peeked.states[part.instance],
+                            state: plan.refill_to(kept, now_us),
                             kept,
-                            demand: demand.kind,
+                            demand: asked[part.demand].kind,
                             need_ut,
                             passed: applied.decision.passed[part.demand],
                             enforced: demand.enforced,
                             wait_us: need_ut.and_then(|need| plan.wait_us(kept, need, now_us)),
+                            remaining_ut: part.policy.balance_ut(outcome.after.tokens_ut),
                             window: window_of(plan, now_us),
                         }
                     })
                     .collect(),
                 _ => Vec::new(),
             };
-            let named = response
-                .statuses
-                .get(i)
-                .and_then(|s| s.current_limit.as_ref())
-                .map(|l| l.name.as_str());
-            let deciding = deciding(&buckets, named);
+            let deciding = deciding(&buckets);
             descriptors.push(DescriptorExplained {
                 found,
                 shadow: target.is_some_and(|t| t.shadow),
@@ -282,15 +292,24 @@ fn found_in(dom: &Domain, entries: &[Entry], decided: bool) -> Found {
 }
 
 /// The bucket that decides a descriptor: of the enforced demands that fail, the longest wait
-/// (`None`, never, is longest); else the one its status names.
-fn deciding(buckets: &[BucketExplained], named: Option<&str>) -> Option<usize> {
+/// (`None`, never, is longest); else the one its status reports (`status_verdict`'s rule:
+/// among the buckets not hidden, or all when all are, the fewest tokens left, the first on a
+/// tie).
+fn deciding(buckets: &[BucketExplained]) -> Option<usize> {
     let failing = buckets
         .iter()
         .enumerate()
         .filter(|(_, b)| b.enforced && !b.passed)
         .max_by_key(|(_, b)| b.wait_us.map_or(u128::MAX, u128::from))
         .map(|(i, _)| i);
-    failing.or_else(|| named.and_then(|name| buckets.iter().position(|b| b.policy.name == name)))
+    let all_hidden = buckets.iter().all(|b| b.policy.hidden);
+    let nearest = buckets
+        .iter()
+        .enumerate()
+        .filter(|(_, b)| all_hidden || !b.policy.hidden)
+        .min_by_key(|(i, b)| (b.remaining_ut, *i))
+        .map(|(i, _)| i);
+    failing.or(nearest)
 }
 
 /// When the request passes: now when it does; else when every enforced demand that fails can

@@ -223,10 +223,15 @@ const SHAPES: &[&[(&str, &str)]] = &[
 /// One drawn descriptor: its shape, its own hits (`None`, a check, 1 or 2), a refund, an
 /// override.
 fn drawn_descriptor() -> impl Strategy<Value = RateLimitDescriptor> {
+    descriptor_of(0..SHAPES.len())
+}
+
+/// A drawn descriptor of one of the shapes `shapes` picks.
+fn descriptor_of(shapes: impl Strategy<Value = usize>) -> impl Strategy<Value = RateLimitDescriptor> {
     (
-        0..SHAPES.len(),
+        shapes,
         prop_oneof![Just(None), Just(Some(0u64)), Just(Some(1)), Just(Some(2))],
-        prop::bool::weighted(0.1),
+        prop::bool::weighted(0.2),
         prop::bool::weighted(0.1),
     )
         .prop_map(|(shape, hits, refund, overridden)| {
@@ -241,6 +246,16 @@ fn drawn_descriptor() -> impl Strategy<Value = RateLimitDescriptor> {
             }
             d
         })
+}
+
+/// A request of quota-mode descriptors and a plain one (`soft`, `soft2`, `user`): a denied
+/// try of the quota-mode walk, its refunds and reports, then another try.
+fn quota_mode_request() -> impl Strategy<Value = RateLimitRequest> {
+    (
+        prop::collection::vec(descriptor_of(prop_oneof![Just(5usize), Just(6), Just(0)]), 2..=4),
+        0u32..=2,
+    )
+        .prop_map(|(descriptors, hits)| request("ex", descriptors, hits))
 }
 
 /// A request of one to three drawn descriptors, with request-level hits 0 to 2.
@@ -273,13 +288,13 @@ fn verdict(r: &RateLimitResponse) -> Value {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
 
     /// Memory, manual clock: the explanation is the decision, exactly (headers included), and
     /// explaining changes nothing (a second explanation is the first).
     #[test]
     fn on_memory_the_explanation_is_the_decision(
-        steps in prop::collection::vec((drawn_request(), 0u64..=200_000), 1..24)
+        steps in prop::collection::vec((prop_oneof![drawn_request(), quota_mode_request()], 0u64..=200_000), 1..24)
     ) {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         let clock = ManualClock::new(1_767_225_600_000_000);
@@ -314,7 +329,7 @@ async fn on_redis_the_explanation_is_the_decision() {
         cases: 12,
         ..ProptestConfig::default()
     });
-    let steps = prop::collection::vec(drawn_request(), 1..16);
+    let steps = prop::collection::vec(prop_oneof![drawn_request(), quota_mode_request()], 1..16);
     let handle = tokio::runtime::Handle::current();
     let outcome = tokio::task::block_in_place(|| {
         runner.run(&steps, |requests| {
@@ -336,5 +351,78 @@ async fn on_redis_the_explanation_is_the_decision() {
     });
     if let Err(e) = outcome {
         panic!("{e}");
+    }
+}
+
+/// A request on the memory store and a manual clock, explained then decided.
+fn explained_then_decided(
+    rules_limiter: &Limiter<MemoryStore>,
+    req: &RateLimitRequest,
+) -> (tollgate::decision::Explanation, RateLimitResponse) {
+    let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let explained = runtime.block_on(rules_limiter.explain(req)).unwrap();
+    let decided = runtime.block_on(rules_limiter.should_rate_limit(req)).unwrap();
+    (explained, decided)
+}
+
+/// Quota mode: the limiter's first try is denied, yet writes the request's refund, and the next
+/// try decides on the refilled bucket; the explanation walks the same way (it once decided every
+/// try on the states before the first, and said OVER_LIMIT where the request got OK).
+#[test]
+fn a_quota_mode_walk_carries_a_denied_trys_refund() {
+    let clock = ManualClock::new(1_767_225_600_000_000);
+    let limiter = limiter(MemoryStore::new(4, 1_000, Arc::new(clock)));
+    let drain = request("ex", vec![support::descriptor(&[("soft", "x")])], 1);
+    explained_then_decided(&limiter, &drain);
+    let mut refund = support::descriptor(&[("soft", "x")]);
+    refund.is_negative_hits = true;
+    refund.hits_addend = Some(UInt64Value { value: 1 });
+    let req = request(
+        "ex",
+        vec![
+            support::descriptor(&[("soft", "x")]),
+            support::descriptor(&[("soft2", "y")]),
+            refund,
+        ],
+        1,
+    );
+    let (explained, decided) = explained_then_decided(&limiter, &req);
+    assert_eq!(decided.statuses[0].code, Code::Ok as i32, "{decided:?}");
+    assert_eq!(explained.response, decided);
+    // The refund is shown as the request asks it, not as the walk spent it.
+    let refunded = &explained.descriptors[2].buckets[0];
+    assert_eq!(refunded.demand, tollgate::core::bucket::DemandKind::Refund(1_000_000));
+}
+
+/// A `rate_limit` of envoyproxy/ratelimit's schema without a name reports no bucket name in its
+/// status; the deciding bucket is still named (it was once looked up by that name, and missed).
+#[test]
+fn an_unnamed_rate_limit_still_has_a_deciding_bucket() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("gw.yaml");
+    std::fs::write(
+        &file,
+        "domain: gw\ndescriptors:\n  - key: route\n    rate_limit: {unit: hour, requests_per_unit: 10}\n",
+    )
+    .unwrap();
+    let rules = tollgate::rules::load_rules(&file).unwrap();
+    let clock = ManualClock::new(1_767_225_600_000_000);
+    let limiter = Limiter::new(
+        rules,
+        MemoryStore::new(4, 1_000, Arc::new(clock)),
+        LimiterOptions::from_settings(&Settings::default()),
+    );
+    let mut own = support::descriptor(&[("route", "r1")]);
+    own.hits_addend = Some(UInt64Value { value: 2 });
+    for req in [
+        request("gw", vec![support::descriptor(&[("route", "r1")])], 1),
+        request("gw", vec![own], 1),
+    ] {
+        let (explained, decided) = explained_then_decided(&limiter, &req);
+        assert_eq!(explained.response, decided);
+        let d = &explained.descriptors[0];
+        let deciding = d.deciding.map(|i| &d.buckets[i]).expect("a deciding bucket");
+        // Not the hidden over-limit account, while the visible bucket is there to report.
+        assert!(!deciding.policy.hidden, "{d:?}");
     }
 }

@@ -1,5 +1,6 @@
 //! `POST /v1/explain`: what `ShouldRateLimit` would answer for a whole request now, and why,
-//! consuming nothing ([`Limiter::explain`]; docs/admin-api.md, "Explain").
+//! consuming nothing ([`Limiter::explain`]; docs/operations.md, "Why was this request
+//! limited?").
 //!
 //! The body is a `RateLimitRequest` in JSON, with the proto's field names:
 //!
@@ -64,7 +65,7 @@ pub struct ExplainDescriptor {
 }
 
 /// `RateLimitOverride`: `requests_per_unit` per `unit` (`SECOND`, `MINUTE`, `HOUR`, `DAY`,
-/// `WEEK`, `MONTH`, `YEAR`).
+/// `WEEK`, `MONTH`, `YEAR`, in any case).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ExplainOverride {
@@ -178,6 +179,11 @@ pub struct ExplainedBucket {
     pub passed: bool,
     /// Whether its failure denies the request.
     pub enforced: bool,
+    /// A hidden bucket (`hidden: true`, or the over-limit account a `rate_limit` of
+    /// envoyproxy/ratelimit's schema keeps for a descriptor's own hits): it decides, but stays
+    /// out of the statuses and headers.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub hidden: bool,
     /// Seconds until it would pass, rounded up (0: now); `null`: never within the horizon,
     /// or a refund.
     pub passes_in_seconds: Option<u64>,
@@ -222,7 +228,7 @@ impl ExplainRequest {
             let limit = match &d.limit {
                 None => None,
                 Some(o) => {
-                    let unit = Unit::from_str_name(&o.unit).ok_or_else(|| {
+                    let unit = Unit::from_str_name(&o.unit.to_ascii_uppercase()).ok_or_else(|| {
                         format!(
                             "descriptor {i}: unit {:?} is not one of SECOND, MINUTE, HOUR, DAY, WEEK, MONTH, YEAR",
                             o.unit
@@ -335,6 +341,7 @@ impl ExplainResponse {
                                 asked: asked_ut / crate::core::bucket::MICRO,
                                 passed: b.passed,
                                 enforced: b.enforced,
+                                hidden: b.policy.hidden,
                                 passes_in_seconds: b.wait_us.map(ceil_seconds),
                                 passes_in_us: b.wait_us,
                                 window: b.window.as_ref().map(|(entry, cron, timezone)| WindowView {
@@ -450,9 +457,10 @@ impl ExplainResponse {
                     .window
                     .as_ref()
                     .map_or(String::new(), |w| format!(", window `{}` ({})", w.cron, w.timezone));
+                let hidden = if b.hidden { " (hidden)" } else { "" };
                 let _ = writeln!(
                     out,
-                    "  {}: {} of {} tokens, {}, asks {} ({}): {verdict}{when}{window}",
+                    "  {}{hidden}: {} of {} tokens, {}, asks {} ({}): {verdict}{when}{window}",
                     b.bucket.name,
                     b.bucket.tokens,
                     b.bucket.capacity,

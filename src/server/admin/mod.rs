@@ -32,6 +32,7 @@
 //! | `/v1/buckets/peek` | `{"domain":"api","descriptor":[{"key":"user","value":"alice"}],"hits":1}` (`hits` optional, default 1) | nothing: reads the buckets as a decision would, and when `hits` tokens would be there |
 //! | `/v1/buckets/refund` | `{"domain":..., "descriptor":..., "tokens":5}` (required, at least 1) | gives `tokens` back to every instance, never above its capacity in force (as `is_negative_hits` does) |
 //! | `/v1/buckets/reset` | `{"domain":..., "descriptor":...}` | makes every instance full again, as if never used |
+//! | `/v1/explain` | a whole `RateLimitRequest` in JSON ([`explain`]) | nothing: what `ShouldRateLimit` would answer now, and why |
 //!
 //! Errors are `{"error": "<message>"}` ([`ErrorResponse`]): `400` for a body that is not
 //! such JSON (unknown or missing fields, `tokens` or `hits` of 0, an empty domain or key),
