@@ -110,11 +110,12 @@ pub struct BucketExplained {
     pub need_ut: Option<u64>,
     /// Whether the demand passes.
     pub passed: bool,
-    /// Whether a failure denies the request (not shadow, and not a quota-mode descriptor the
-    /// request does not stand on).
+    /// Whether a failure counts against the request: not in shadow mode. In quota mode it
+    /// denies only when every quota-mode descriptor of the request is over.
     pub enforced: bool,
-    /// Microseconds until it holds `need_ut` (0 now); `None` when it never does within the
-    /// horizon, or for a refund.
+    /// Microseconds until it passes (0: it passes now, as a refund always does); `None` when
+    /// no wait makes it pass (more than the capacity, or no refill within the horizon
+    /// schedules and quotas are walked to).
     pub wait_us: Option<u64>,
     /// Micro-tokens left after the decision, as `limit_remaining` counts them (a debt
     /// bucket's balance, 0 while in debt).
@@ -224,15 +225,22 @@ impl<S: Store> Limiter<S> {
                         let kept = kept[part.instance];
                         let plan = &prepared.buckets[part.instance].plan;
                         let need_ut = demand.kind.need_ut(outcome.consumed_ut);
+                        let passed = applied.decision.passed[part.demand];
                         BucketExplained {
                             policy: BucketPolicy::clone(&part.policy),
                             state: plan.refill_to(kept, now_us),
                             kept,
                             demand: asked[part.demand].kind,
                             need_ut,
-                            passed: applied.decision.passed[part.demand],
-                            enforced: demand.enforced,
-                            wait_us: need_ut.and_then(|need| plan.wait_us(kept, need, now_us)),
+                            passed,
+                            // A quota-mode descriptor counts against the request with the others
+                            // of its group, whichever the limiter's last try stood on.
+                            enforced: demand.enforced || (t.quota && !t.shadow),
+                            wait_us: if passed {
+                                Some(0)
+                            } else {
+                                need_ut.and_then(|need| plan.wait_us(kept, need, now_us))
+                            },
                             remaining_ut: part.policy.balance_ut(outcome.after.tokens_ut),
                             window: window_of(plan, now_us),
                         }

@@ -308,6 +308,14 @@ proptest! {
             prop_assert_eq!(&explained.response, &decided, "{:?}", req);
             let over = decided.overall_code == Code::OverLimit as i32;
             prop_assert_eq!(explained.passes_in_us == Some(0), !over);
+            for why in &explained.descriptors {
+                for b in &why.buckets {
+                    // A bucket that passes (a refund always does) passes now.
+                    prop_assert!(!b.passed || b.wait_us == Some(0), "{:?}", b);
+                    // Quota mode counts against the request, whichever try stood on it.
+                    prop_assert_eq!(b.enforced, !why.shadow, "{:?}", why);
+                }
+            }
             for (d, why) in req.descriptors.iter().zip(&explained.descriptors) {
                 if d.entries.first().is_some_and(|e| e.key == "nobody") {
                     let nothing = Found::NoRule { nearest: None, failed_entry: Some(0) };

@@ -40,7 +40,8 @@ use crate::store::Store;
 pub struct ExplainRequest {
     /// `domain`.
     pub domain: String,
-    /// `descriptors`, in order.
+    /// `descriptors`, in order (absent: none, as proto JSON reads it).
+    #[serde(default)]
     pub descriptors: Vec<ExplainDescriptor>,
     /// `hits_addend`: the hits of every descriptor without its own; 0 or absent means 1.
     #[serde(default, skip_serializing_if = "is_zero")]
@@ -177,7 +178,8 @@ pub struct ExplainedBucket {
     pub asked: u64,
     /// Whether the demand passes.
     pub passed: bool,
-    /// Whether its failure denies the request.
+    /// Whether its failure counts against the request (not in shadow mode; in quota mode,
+    /// the request is denied when every quota-mode descriptor is over).
     pub enforced: bool,
     /// A hidden bucket (`hidden: true`, or the over-limit account a `rate_limit` of
     /// envoyproxy/ratelimit's schema keeps for a descriptor's own hits): it decides, but stays
@@ -443,15 +445,16 @@ impl ExplainResponse {
                 .map_or(String::new(), |b| format!(", decided by {b}"));
             let _ = writeln!(out, "descriptor {i}: {} ({reached}{mode}){by}", status.code);
             for b in &d.buckets {
-                let verdict = match (b.passed, b.enforced) {
-                    (true, _) => "passes".to_owned(),
-                    (false, true) => "denies".to_owned(),
-                    (false, false) => "would deny (not enforced)".to_owned(),
+                let verdict = match (b.passed, b.enforced, d.quota_mode) {
+                    (true, ..) => "passes",
+                    (false, true, true) => "over (quota mode: denies when every quota-mode descriptor is over)",
+                    (false, true, false) => "denies",
+                    (false, false, _) => "over (shadow mode: never denies)",
                 };
                 let when = match (b.passed, b.passes_in_seconds) {
                     (true, _) => String::new(),
                     (false, Some(s)) => format!(", passes in {s} s"),
-                    (false, None) => ", never within the horizon".to_owned(),
+                    (false, None) => ", and no wait lets it pass".to_owned(),
                 };
                 let window = b
                     .window
