@@ -18,7 +18,7 @@ use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descri
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 
 use super::limiter::{finish, noting, prepare, screen, LimitError, Limiter, Prepared};
-use super::quota_mode::{spend_refunds, QuotaGroup};
+use super::quota_mode::QuotaWalk;
 use super::response::build_response;
 use crate::core::bucket::{decide, BucketState, Decision, DemandKind, Refilling};
 use crate::core::schedule::Plan;
@@ -155,33 +155,18 @@ impl<S: Store> Limiter<S> {
         } else {
             let peeked = self.store().peek(&prepared.buckets).await?;
             let plans: Vec<&Plan> = prepared.buckets.iter().map(|b| &b.plan).collect();
-            let group = if denying {
-                QuotaGroup::default()
-            } else {
-                QuotaGroup::of(&prepared.targets)
-            };
             let mut kept = peeked.kept;
-            let decision = match group.first() {
-                None => decide(peeked.now_us, &kept, &plans, &prepared.demands),
-                Some(mut standing) => {
-                    // Quota mode as the limiter walks it. A denied try writes its refunds and
-                    // usage reports all the same (`decide`), so the next try decides on the
-                    // states the store would then hold.
-                    let mut tries = 0;
-                    loop {
-                        group.stand_on(standing, &prepared.targets, &mut prepared.demands);
-                        let decision = decide(peeked.now_us, &kept, &plans, &prepared.demands);
-                        tries += 1;
-                        match group.next(standing, &prepared.targets, &prepared.demands, &decision) {
-                            Some(next) if tries < group.len() => {
-                                standing = next;
-                                kept = decision.instances.iter().map(|o| o.kept()).collect();
-                                spend_refunds(&mut prepared.demands);
-                            }
-                            _ => break decision,
-                        }
-                    }
+            // Quota mode as the limiter walks it.
+            let mut walk = QuotaWalk::start(&prepared.targets, &mut prepared.demands, denying);
+            let decision = loop {
+                let decision = decide(peeked.now_us, &kept, &plans, &prepared.demands);
+                let again = walk.as_mut();
+                if !again.is_some_and(|w| w.again(&prepared.targets, &mut prepared.demands, &decision)) {
+                    break decision;
                 }
+                // A denied try writes its refunds and usage reports all the same (`decide`):
+                // the next try decides on the states the store would then hold.
+                kept = decision.instances.iter().map(|o| o.kept()).collect();
             };
             let applied = Applied {
                 now_us: peeked.now_us,

@@ -30,7 +30,7 @@ use crate::core::bucket::{Demand, DemandKind, Limit, Rate, MAX_CAPACITY, MICRO};
 use crate::core::schedule::Plan;
 use crate::core::units::envoy_unit_us;
 use crate::decision::metadata::dynamic_metadata;
-use crate::decision::quota_mode::{spend_refunds, QuotaGroup};
+use crate::decision::quota_mode::QuotaWalk;
 use crate::decision::response::{build_response, failure_response, Part, PolicyRef, Target};
 use crate::rules::matcher::{find_node, find_rule, instance_key, shared_patterns};
 use crate::rules::{BucketPolicy, Domain, ReportedLimit, Rule, RuleSet, OVERRIDE_BUCKET};
@@ -449,26 +449,14 @@ impl<S: Store> Limiter<S> {
     /// quota-mode descriptor that passes costs another call, never a refund; refunds are
     /// given on the first call only.
     async fn apply(&self, prepared: &mut Prepared<'_>, denying: bool) -> Result<Applied, StoreError> {
-        let group = if denying {
-            QuotaGroup::default()
-        } else {
-            QuotaGroup::of(&prepared.targets)
-        };
-        let Some(mut standing) = group.first() else {
+        let Some(mut walk) = QuotaWalk::start(&prepared.targets, &mut prepared.demands, denying) else {
             return self.store.apply(&prepared.buckets, &prepared.demands).await;
         };
         // At most one call per quota-mode descriptor, so contention cannot keep a request going.
-        let mut calls = 0;
         loop {
-            group.stand_on(standing, &prepared.targets, &mut prepared.demands);
             let applied = self.store.apply(&prepared.buckets, &prepared.demands).await?;
-            calls += 1;
-            match group.next(standing, &prepared.targets, &prepared.demands, &applied.decision) {
-                Some(next) if calls < group.len() => {
-                    standing = next;
-                    spend_refunds(&mut prepared.demands);
-                }
-                _ => return Ok(applied),
+            if !walk.again(&prepared.targets, &mut prepared.demands, &applied.decision) {
+                return Ok(applied);
             }
         }
     }

@@ -95,11 +95,63 @@ impl QuotaGroup {
     }
 }
 
+/// One request's walk over its quota-mode descriptors: the descriptor it stands on, and how
+/// many tries it made. The limiter walks it with store calls, `explain` with the pure core,
+/// so both stand on the same descriptors in the same order.
+pub(crate) struct QuotaWalk {
+    group: QuotaGroup,
+    /// The descriptor stood on, and the tries made: `u32`s, as this is held across the
+    /// limiter's store call, and every byte of that future is copied per request.
+    standing: u32,
+    tries: u32,
+}
+
+impl QuotaWalk {
+    /// The walk of a request with `targets`, with `demands` set for its first try; `None`
+    /// when it has no quota-mode group (or is `denying`: a malformed part denies it anyway),
+    /// so that its one try keeps nothing of this.
+    pub(crate) fn start(targets: &[Option<Target<'_>>], demands: &mut [Demand], denying: bool) -> Option<QuotaWalk> {
+        if denying {
+            return None;
+        }
+        let group = QuotaGroup::of(targets);
+        let standing = group.first()?;
+        group.stand_on(standing, targets, demands);
+        Some(QuotaWalk {
+            group,
+            standing: u32::try_from(standing).ok()?,
+            tries: 0,
+        })
+    }
+
+    /// After a try decided `decision`: whether the request tries again, at most once per
+    /// quota-mode descriptor; then `demands` are set for that try (standing on the next
+    /// descriptor, refunds and reports spent: the try before applied them).
+    pub(crate) fn again(
+        &mut self,
+        targets: &[Option<Target<'_>>],
+        demands: &mut [Demand],
+        decision: &Decision,
+    ) -> bool {
+        self.tries += 1;
+        let next = self.group.next(self.standing as usize, targets, demands, decision);
+        match next.and_then(|n| u32::try_from(n).ok()) {
+            Some(next) if (self.tries as usize) < self.group.len() => {
+                self.standing = next;
+                self.group.stand_on(next as usize, targets, demands);
+                spend_refunds(demands);
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
 /// Makes every refund and usage report of `demands` give and take nothing: a store applies
 /// both whatever it decides, and a request's were applied on its first call. A report is still
 /// answered by the balance before it: the one its first call took from, so its threshold is
 /// lowered by what that call debited.
-pub(crate) fn spend_refunds(demands: &mut [Demand]) {
+fn spend_refunds(demands: &mut [Demand]) {
     for d in demands {
         match d.kind {
             DemandKind::Refund(_) => d.kind = DemandKind::Refund(0),
