@@ -8,6 +8,8 @@
 
 // The layers, lowest first; each module's documentation says what it offers. What the binaries,
 // benches, fuzz targets and integration tests use is public; the rest is `pub(crate)`.
+pub mod admin;
+pub mod console;
 pub mod core;
 pub mod decision;
 pub mod rlqs;

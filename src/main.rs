@@ -14,10 +14,8 @@ use std::time::Duration;
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use clap::{Args, Parser, Subcommand};
-use tollgate::server::admin::explain::{ExplainDescriptor, ExplainRequest, ExplainResponse};
-use tollgate::server::admin::{
-    BucketRequest, BucketsResponse, DescriptorEntry, ErrorResponse, Operation, EXPLAIN_PATH,
-};
+use tollgate::admin::explain::{ExplainDescriptor, ExplainRequest, ExplainResponse};
+use tollgate::admin::{BucketRequest, BucketsResponse, DescriptorEntry, ErrorResponse, Operation, EXPLAIN_PATH};
 use tollgate::server::settings::{LogFormat, Settings};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;

@@ -22,6 +22,7 @@ use metrics::{counter, gauge, Counter, Gauge, Histogram};
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 
 pub mod call;
+pub mod denials;
 pub mod statsd;
 
 /// `RateLimitRequest`s answered, by `code`: `ok`, `over_limit` (the `overall_code`),

@@ -11,7 +11,7 @@
 //! 6. turn the decision into statuses and headers ([`crate::decision::response`]).
 //!
 //! [`Limiter::resolve`] runs steps 2 and 4 alone, for one descriptor, so that the admin API
-//! ([`crate::server::admin`]) addresses exactly the bucket instances a request would.
+//! ([`crate::admin`]) addresses exactly the bucket instances a request would.
 
 use std::sync::Arc;
 

@@ -5,7 +5,7 @@
 //! tells more than health: anyone who reaches the port (every Envoy, every pod a NetworkPolicy
 //! lets in) reads it, so `/readyz` gives a short reason without hosts or URLs (the log has the
 //! details) and `/config`, which shows rule values (they can be API keys) and backend hosts, is
-//! on the admin listener ([`crate::server::admin`]).
+//! on the admin listener ([`crate::admin`]).
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -1,7 +1,6 @@
 //! Wiring for `tollgate serve`: load settings and rules, build the store and limiter, and run
 //! the gRPC and HTTP listeners until a shutdown signal.
 
-pub mod admin;
 pub(crate) mod backend;
 pub mod check;
 pub(crate) mod config_view;
@@ -379,9 +378,9 @@ fn admin_router(
     tls: &Arc<Tls>,
     rlqs: Option<Arc<crate::rlqs::Hub<AnyStore>>>,
 ) -> axum::Router {
-    let rlqs = rlqs.map(crate::server::admin::rlqs_probe);
+    let rlqs = rlqs.map(crate::admin::rlqs_probe);
     let config_rlqs = rlqs.clone();
-    let config_view: crate::server::admin::ConfigView = {
+    let config_view: crate::admin::ConfigView = {
         let config_limiter = limiter.clone();
         let config_settings = settings.clone();
         let config_source = source.clone();
@@ -399,13 +398,23 @@ fn admin_router(
             config
         })
     };
-    let options = crate::server::admin::AdminOptions {
+    let pages = settings.admin.console.enabled.then(|| {
+        let options = crate::console::ConsoleOptions {
+            config: config_view.clone(),
+            show_values: settings.admin.console.show_values,
+            token_required: settings.admin.token.is_some(),
+        };
+        crate::console::pages(limiter.clone(), options)
+    });
+    let options = crate::admin::AdminOptions {
         token: settings.admin.token.clone(),
         allowed_hosts: settings.admin.allowed_hosts.clone(),
         config: Some(config_view),
         rlqs,
+        secure_cookies: tls.acceptor(Listener::Admin).is_some(),
+        pages,
     };
-    crate::server::admin::router(limiter.clone(), options)
+    crate::admin::router(limiter.clone(), options)
 }
 
 /// Sets gRPC health as the rules and the backend are now, and starts the gRPC server on

@@ -106,8 +106,11 @@ impl<S: Store> RateLimitService for RateLimitGrpc<S> {
         let _entered = span.enter();
         let answer = match decided {
             Ok(resp) => {
-                if resp.overall_code == Code::OverLimit as i32 {
+                let over_limit = resp.overall_code == Code::OverLimit as i32;
+                crate::telemetry::denials::ANSWERS.count(over_limit);
+                if over_limit {
                     self.metrics.over_limit.increment(1);
+                    count_denied_instances(&req, &resp);
                 } else {
                     self.metrics.ok.increment(1);
                 }
@@ -124,5 +127,29 @@ impl<S: Store> RateLimitService for RateLimitGrpc<S> {
         self.metrics.duration.record(elapsed.as_secs_f64());
         crate::statsd::count_call(elapsed);
         answer
+    }
+}
+
+/// Counts each descriptor an `OVER_LIMIT` answer denied in the console's most-denied sketch
+/// ([`crate::telemetry::denials::TOP_DENIED`]).
+fn count_denied_instances(req: &RateLimitRequest, resp: &RateLimitResponse) {
+    use crate::telemetry::denials::{kept_value, DeniedInstance, TOP_DENIED};
+    for (descriptor, status) in req.descriptors.iter().zip(&resp.statuses) {
+        if status.code != Code::OverLimit as i32 {
+            continue;
+        }
+        TOP_DENIED.count(DeniedInstance {
+            domain: req.domain.clone(),
+            bucket: status
+                .current_limit
+                .as_ref()
+                .map(|l| l.name.clone())
+                .unwrap_or_default(),
+            entries: descriptor
+                .entries
+                .iter()
+                .map(|e| (kept_value(&e.key), kept_value(&e.value)))
+                .collect(),
+        });
     }
 }

@@ -3,7 +3,7 @@
 //! The acceptance tests run a real `tollgate serve` (decisions over gRPC, the admin API on its
 //! own listener, the `tollgate bucket` binary); on the system clock with slow refills (10 per
 //! hour: a token every 360 s), so whole-token figures do not move while a test runs. The
-//! in-process tests serve [`tollgate::server::admin::router`] over a limiter on a manual clock, for
+//! in-process tests serve [`tollgate::admin::router`] over a limiter on a manual clock, for
 //! exact figures and for a failing store.
 
 use crate::support;
@@ -19,10 +19,10 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::R
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use serde_json::{json, Value};
 use support::Tollgate;
+use tollgate::admin::{AdminOptions, BucketView, BucketsResponse, PlanKind};
 use tollgate::core::bucket::{Demand, MICRO};
 use tollgate::core::clock::ManualClock;
 use tollgate::decision::{Limiter, LimiterOptions};
-use tollgate::server::admin::{AdminOptions, BucketView, BucketsResponse, PlanKind};
 use tollgate::server::settings::Settings;
 use tollgate::store::{Applied, BucketRef, MemoryStore, Peeked, Store, StoreError};
 use tonic::transport::Channel;
@@ -404,7 +404,7 @@ async fn what_addresses_no_bucket_is_404_and_bad_requests_are_400() {
         .unwrap();
     assert_eq!(response.status().as_u16(), 405);
     // Bodies over the limit.
-    let huge = "x".repeat(tollgate::server::admin::MAX_BODY_BYTES + 1);
+    let huge = "x".repeat(tollgate::admin::MAX_BODY_BYTES + 1);
     error(addr, peek, &huge, None, 413).await;
 }
 
@@ -553,7 +553,7 @@ async fn serve_with<S: Store>(store: S, options: AdminOptions) -> (SocketAddr, A
 async fn serve_limiter<S: Store>(limiter: Arc<Limiter<S>>, options: AdminOptions) -> (SocketAddr, Arc<Limiter<S>>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let app = tollgate::server::admin::router(limiter.clone(), options);
+    let app = tollgate::admin::router(limiter.clone(), options);
     tokio::spawn(async move { axum::serve(listener, app).await });
     (addr, limiter)
 }

@@ -11,6 +11,7 @@ mod support;
 mod admin;
 mod check_cli;
 mod cold_start;
+mod console;
 mod deploy;
 mod docs_examples;
 mod envoy_e2e;

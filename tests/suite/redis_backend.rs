@@ -29,9 +29,9 @@ use support::redis::{
     info_commandstats, scan_keys_raw, shared_redis, unique_prefix, RedisCluster, RedisServer, RedisTarget, RespValue,
 };
 use support::{descriptor, http_get, wait_until, yaml_str, Scrape, Tollgate};
+use tollgate::admin::BucketsResponse;
 use tollgate::core::bucket::MICRO;
 use tollgate::rules::instance_key;
-use tollgate::server::admin::BucketsResponse;
 use tollgate::store::redis::keys::{bucket_key, slot};
 use tonic::transport::Channel;
 

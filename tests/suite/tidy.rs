@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// Each layer and the layers it may use, besides itself.
-const LAYERS: [(&str, &[&str]); 9] = [
+const LAYERS: [(&str, &[&str]); 11] = [
     ("core", &[]),
     ("telemetry", &[]),
     ("rules", &["core", "telemetry"]),
@@ -17,6 +17,10 @@ const LAYERS: [(&str, &[&str]); 9] = [
     // envoyproxy/ratelimit's stats over statsd: a surface of its own beside `server`.
     ("statsd", &["core", "telemetry"]),
     ("traces", &["core", "telemetry", "rules", "store", "decision"]),
+    // The admin API (buckets, explain, /config) on its own listener.
+    ("admin", &["core", "telemetry", "rules", "store", "decision", "rlqs"]),
+    // The operator console: pages on the admin listener over the admin API.
+    ("console", &["core", "telemetry", "rules", "store", "decision", "admin"]),
     (
         "server",
         &[
@@ -28,6 +32,8 @@ const LAYERS: [(&str, &[&str]); 9] = [
             "rlqs",
             "statsd",
             "traces",
+            "admin",
+            "console",
         ],
     ),
 ];

@@ -21,7 +21,7 @@ use axum::http::{HeaderMap, Response};
 use support::{envoy_or_skip, Envoy, Scrape, Tollgate};
 use tokio::sync::Notify;
 use tokio::task::block_in_place;
-use tollgate::server::admin::{BucketView, BucketsResponse};
+use tollgate::admin::{BucketView, BucketsResponse};
 
 /// The acceptance budget, [`support::LLM_BUDGET_RULES`].
 const RULES: &str = support::LLM_BUDGET_RULES;

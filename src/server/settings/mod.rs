@@ -124,6 +124,8 @@ pub struct AdminSettings {
     /// any other name is refused (`403`), so a page in an operator's browser cannot reach the
     /// listener under a name of its own (DNS rebinding).
     pub allowed_hosts: Vec<String>,
+    /// The operator console at `/` on this listener (docs/console.md).
+    pub console: crate::console::ConsoleSettings,
 }
 
 /// Watching the rules path.
@@ -272,6 +274,7 @@ impl Default for AdminSettings {
             addr: SocketAddr::from(([127, 0, 0, 1], 8082)),
             token: None,
             allowed_hosts: Vec::new(),
+            console: crate::console::ConsoleSettings::default(),
         }
     }
 }

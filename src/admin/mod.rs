@@ -33,6 +33,13 @@
 //! | `/v1/buckets/refund` | `{"domain":..., "descriptor":..., "tokens":5}` (required, at least 1) | gives `tokens` back to every instance, never above its capacity in force (as `is_negative_hits` does) |
 //! | `/v1/buckets/reset` | `{"domain":..., "descriptor":...}` | makes every instance full again, as if never used |
 //! | `/v1/explain` | a whole `RateLimitRequest` in JSON ([`explain`]) | nothing: what `ShouldRateLimit` would answer now, and why |
+//! | `/v1/login` | `{"token": "<admin.token>"}` | opens a browser session: `204` and an `HttpOnly`, `SameSite=Strict` cookie accepted like the bearer token ([`session`]) |
+//! | `/v1/logout` | `{}` | ends the caller's session (`204`) |
+//!
+//! **Pages.** With [`AdminOptions::pages`] (the operator console, `crate::console`), the same
+//! gate also guards a router of pages: a `GET` for HTML without the token or a session is sent
+//! to their login page, and their login page and assets are served without either. Every
+//! answer of the listener carries a strict `Content-Security-Policy` (`gate.rs`).
 //!
 //! Errors are `{"error": "<message>"}` ([`ErrorResponse`]): `400` for a body that is not
 //! such JSON (unknown or missing fields, `tokens` or `hits` of 0, an empty domain or key),
@@ -49,9 +56,8 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
-use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -66,6 +72,11 @@ use crate::rules::BucketPolicy;
 use crate::store::{Store, StoreError};
 
 pub mod explain;
+mod gate;
+pub mod session;
+
+use gate::{admit, is_json, normalise_host, secure, Gate};
+use session::{login, logout, Sessions, LOGIN_PATH, LOGOUT_PATH};
 
 /// The largest request body accepted, in bytes; a larger one is answered `413`.
 pub const MAX_BODY_BYTES: usize = 64 * 1024;
@@ -274,6 +285,23 @@ pub struct AdminOptions {
     pub config: Option<ConfigView>,
     /// `GET /rlqs` when given (else it is 404): the RLQS streams and shares of this replica.
     pub rlqs: Option<RlqsProbe>,
+    /// Mark the session cookie `Secure` (the listener speaks TLS).
+    pub secure_cookies: bool,
+    /// Pages served behind the same gate (the operator console, `crate::console`).
+    pub pages: Option<Pages>,
+}
+
+/// Pages served on the admin listener behind its gate: every rule of `admit` holds for them,
+/// but for `open_paths`, which need no token (a login page and its assets: they show nothing
+/// of the rules or buckets), and a `GET` for HTML without the token is sent to `login_page`.
+#[derive(Clone)]
+pub struct Pages {
+    /// The pages' routes.
+    pub router: Router,
+    /// Paths served without the token: exact, or a prefix when ending in `/`.
+    pub open_paths: &'static [&'static str],
+    /// Where a browser without the token is sent (`303 See Other`).
+    pub login_page: &'static str,
 }
 
 /// Builds the `/rlqs` document ([`crate::rlqs::RlqsView`] as JSON) on each call.
@@ -295,12 +323,28 @@ pub fn router<S: Store>(limiter: Arc<Limiter<S>>, options: AdminOptions) -> Rout
     if options.token.as_deref() == Some("") {
         tracing::warn!("admin.token is set but empty: every admin request will be refused");
     }
+    let sessions = Arc::new(Sessions::new(options.token, options.secure_cookies));
     let gate = Arc::new(Gate {
-        token: options.token.map(String::into_bytes),
+        sessions: sessions.clone(),
         allowed_hosts: options.allowed_hosts.iter().map(|h| normalise_host(h)).collect(),
+        open_paths: options.pages.as_ref().map_or(&[][..], |p| p.open_paths),
+        login_page: options.pages.as_ref().map(|p| p.login_page),
     });
     let admin = Arc::new(Admin { limiter });
     let mut app = Router::new()
+        .route(
+            LOGIN_PATH,
+            post({
+                let sessions = sessions.clone();
+                move |headers: HeaderMap, body: Body| login(sessions.clone(), headers, body)
+            })
+            .fallback(method_not_allowed),
+        )
+        .route(
+            LOGOUT_PATH,
+            post(move |headers: HeaderMap, body: Body| logout(sessions.clone(), headers, body))
+                .fallback(method_not_allowed),
+        )
         .route(Operation::Peek.path(), post(peek::<S>).fallback(method_not_allowed))
         .route(Operation::Refund.path(), post(refund::<S>).fallback(method_not_allowed))
         .route(Operation::Reset.path(), post(reset::<S>).fallback(method_not_allowed))
@@ -319,9 +363,13 @@ pub fn router<S: Store>(limiter: Arc<Limiter<S>>, options: AdminOptions) -> Rout
             .fallback(get_only),
         );
     }
+    if let Some(pages) = options.pages {
+        app = app.merge(pages.router);
+    }
     app.fallback(not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(axum::middleware::from_fn_with_state(gate, admit))
+        .layer(axum::middleware::from_fn(secure))
 }
 
 /// The path of the explain endpoint on the admin listener ([`explain`]).
@@ -335,125 +383,6 @@ pub const RLQS_PATH: &str = "/rlqs";
 
 struct Admin<S> {
     limiter: Arc<Limiter<S>>,
-}
-
-/// What every request to the admin listener must pass before its endpoint runs.
-struct Gate {
-    token: Option<Vec<u8>>,
-    /// Lower case, without a trailing dot.
-    allowed_hosts: Vec<String>,
-}
-
-/// Refuses, before any endpoint, what a browser page could send on an operator's behalf and
-/// what lacks the token: a `Host` that is not one of the listener's names (a DNS-rebinding
-/// page reaches a loopback listener under its own name, and could read the answers), an
-/// `Origin` other than the request's own host (a cross-site page), and, with a token set, a
-/// request without it. `POST`s must also be `Content-Type: application/json` ([`Admin::handle`]):
-/// a cross-site page can send a form or `text/plain` without asking, JSON only after a CORS
-/// preflight, which this listener never grants.
-async fn admit(State(gate): State<Arc<Gate>>, request: Request, next: Next) -> Response {
-    let headers = request.headers();
-    let host = headers
-        .get(header::HOST)
-        .and_then(|h| h.to_str().ok())
-        .map(str::to_owned)
-        .or_else(|| request.uri().authority().map(|a| a.as_str().to_owned()));
-    let Some(host) = host.filter(|h| gate.host_allowed(h)) else {
-        return ApiError::new(
-            StatusCode::FORBIDDEN,
-            "the Host header is not one of the admin listener's names: use an IP address or localhost, \
-             or add the name to admin.allowed_hosts",
-        )
-        .into_response();
-    };
-    if let Some(origin) = headers.get(header::ORIGIN) {
-        let same = origin
-            .to_str()
-            .ok()
-            .and_then(|o| o.split_once("://"))
-            .is_some_and(|(_, authority)| authority.eq_ignore_ascii_case(&host));
-        if !same {
-            return ApiError::new(
-                StatusCode::FORBIDDEN,
-                "cross-origin requests are refused (the Origin header is not this listener)",
-            )
-            .into_response();
-        }
-    }
-    if !gate.authorized(headers) {
-        return ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "missing or wrong bearer token (Authorization: Bearer <admin.token>)",
-        )
-        .into_response();
-    }
-    next.run(request).await
-}
-
-impl Gate {
-    /// Whether `authority` (a `Host` value: `name`, `name:port`, `[v6]:port`) names this
-    /// listener: an IP address (no DNS name is involved, so no rebinding), `localhost`, or an
-    /// [`AdminOptions::allowed_hosts`] name. The port is not compared: a port-forward picks
-    /// its own, and a rebinding page controls the name, not the port.
-    fn host_allowed(&self, authority: &str) -> bool {
-        let Some(name) = host_of(authority) else {
-            return false;
-        };
-        let name = normalise_host(name);
-        let ip = name
-            .strip_prefix('[')
-            .and_then(|n| n.strip_suffix(']'))
-            .unwrap_or(&name);
-        ip.parse::<std::net::IpAddr>().is_ok() || name == "localhost" || self.allowed_hosts.contains(&name)
-    }
-
-    /// Whether `headers` carry the configured token (always, when none is configured).
-    fn authorized(&self, headers: &HeaderMap) -> bool {
-        let Some(expected) = &self.token else {
-            return true;
-        };
-        let given = headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| bearer_token(v.as_bytes()));
-        match given {
-            Some(given) => !expected.is_empty() && constant_time_eq(given, expected),
-            None => false,
-        }
-    }
-}
-
-/// The host of a `Host` value without its port (`[::1]:8082` -> `[::1]`, `a:1` -> `a`); `None`
-/// for an empty one or one with a port that is not a number.
-fn host_of(authority: &str) -> Option<&str> {
-    let authority = authority.trim();
-    let (host, port) = if authority.starts_with('[') {
-        let end = authority.find(']')?;
-        let (host, rest) = authority.split_at(end + 1);
-        (host, rest.strip_prefix(':'))
-    } else {
-        match authority.rsplit_once(':') {
-            Some((host, port)) => (host, Some(port)),
-            None => (authority, None),
-        }
-    };
-    if host.is_empty() || port.is_some_and(|p| p.parse::<u16>().is_err()) {
-        return None;
-    }
-    Some(host)
-}
-
-/// A host name as compared: lower case, without a trailing dot.
-fn normalise_host(name: &str) -> String {
-    name.trim().trim_end_matches('.').to_ascii_lowercase()
-}
-
-/// Whether `headers` say the body is JSON (`application/json`, parameters allowed).
-fn is_json(headers: &HeaderMap) -> bool {
-    headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.split(';').next())
-        .is_some_and(|media| media.trim().eq_ignore_ascii_case("application/json"))
 }
 
 async fn config(view: ConfigView) -> Response {
@@ -496,7 +425,7 @@ async fn explain<S: Store>(State(admin): State<Arc<Admin<S>>>, headers: HeaderMa
 async fn not_found() -> Response {
     ApiError::new(
         StatusCode::NOT_FOUND,
-        "no such endpoint: POST /v1/buckets/peek, /v1/buckets/refund or /v1/buckets/reset, GET /config",
+        "no such endpoint: POST /v1/buckets/peek, /v1/buckets/refund, /v1/buckets/reset or /v1/explain, GET /config",
     )
     .into_response()
 }
@@ -516,7 +445,7 @@ fn answer(result: Result<BucketsResponse, ApiError>) -> Response {
     }
 }
 
-/// The JSON body of a `POST`: `415` unless it is sent as `application/json` (see [`admit`]),
+/// The JSON body of a `POST`: `415` unless it is sent as `application/json` (see the gate),
 /// the body's own error (`413` over [`MAX_BODY_BYTES`]), `400` when it is not a `T`.
 fn json_body<T: serde::de::DeserializeOwned>(headers: &HeaderMap, body: Body) -> Result<T, ApiError> {
     if !is_json(headers) {
@@ -531,95 +460,81 @@ fn json_body<T: serde::de::DeserializeOwned>(headers: &HeaderMap, body: Body) ->
 
 impl<S: Store> Admin<S> {
     async fn handle(&self, op: Operation, headers: &HeaderMap, body: Body) -> Result<BucketsResponse, ApiError> {
-        let req: BucketRequest = json_body(headers, body)?;
-        let unexpected = |field: &str| ApiError::bad_request(format!("{} takes no `{field}`", op.name()));
-        let hits = match op {
-            Operation::Peek if req.tokens.is_some() => return Err(unexpected("tokens")),
-            Operation::Peek => Some(req.hits.unwrap_or(1)),
-            Operation::Refund | Operation::Reset if req.hits.is_some() => return Err(unexpected("hits")),
-            Operation::Refund if req.tokens.is_none() => return Err(ApiError::bad_request("refund needs `tokens`")),
-            Operation::Reset if req.tokens.is_some() => return Err(unexpected("tokens")),
-            Operation::Refund | Operation::Reset => None,
-        };
-        if hits == Some(0) || req.tokens == Some(0) {
-            return Err(ApiError::bad_request("`hits` and `tokens` must be at least 1"));
-        }
-        let entries: Vec<Entry> = req
-            .descriptor
-            .iter()
-            .map(|e| Entry {
-                key: e.key.clone(),
-                value: e.value.clone(),
-            })
-            .collect();
-        let resolved = self.limiter.resolve(&req.domain, &entries).map_err(ApiError::from)?;
-        let store = self.limiter.store();
-        let (now_us, states): (u64, Vec<(BucketState, BucketState)>) = match op {
-            Operation::Peek | Operation::Reset => {
-                let read = if op == Operation::Peek {
-                    store.peek(&resolved.buckets).await
-                } else {
-                    store.reset(&resolved.buckets).await
-                };
-                let read = read.map_err(ApiError::from)?;
-                (read.now_us, read.states.into_iter().zip(read.kept).collect())
-            }
-            Operation::Refund => {
-                let give = req.tokens.unwrap_or(0).saturating_mul(MICRO);
-                let demands: Vec<Demand> = (0..resolved.buckets.len())
-                    .map(|instance| Demand {
-                        instance,
-                        kind: DemandKind::Refund(give),
-                        enforced: true,
-                    })
-                    .collect();
-                let applied = store.apply(&resolved.buckets, &demands).await.map_err(ApiError::from)?;
-                let outs = applied.decision.instances.iter().map(|o| (o.after, o.kept()));
-                (applied.now_us, outs.collect())
-            }
-        };
-        if op != Operation::Peek {
-            log_change(op, &req, &resolved);
-        }
-        let buckets = resolved
-            .policies
-            .iter()
-            .zip(states)
-            .map(|(policy, (state, kept))| view(policy, state, kept, now_us, hits))
-            .collect();
-        Ok(BucketsResponse {
-            domain: req.domain,
-            descriptor: req.descriptor,
-            rule: resolved.rule,
-            shadow: resolved.shadow,
-            now_us,
-            hits,
-            buckets,
+        buckets(&self.limiter, op, json_body(headers, body)?).await
+    }
+}
+
+/// Does `op` on the buckets `req` addresses, as its endpoint does (the console's bucket page
+/// peeks through it).
+pub(crate) async fn buckets<S: Store>(
+    limiter: &Limiter<S>,
+    op: Operation,
+    req: BucketRequest,
+) -> Result<BucketsResponse, ApiError> {
+    let unexpected = |field: &str| ApiError::bad_request(format!("{} takes no `{field}`", op.name()));
+    let hits = match op {
+        Operation::Peek if req.tokens.is_some() => return Err(unexpected("tokens")),
+        Operation::Peek => Some(req.hits.unwrap_or(1)),
+        Operation::Refund | Operation::Reset if req.hits.is_some() => return Err(unexpected("hits")),
+        Operation::Refund if req.tokens.is_none() => return Err(ApiError::bad_request("refund needs `tokens`")),
+        Operation::Reset if req.tokens.is_some() => return Err(unexpected("tokens")),
+        Operation::Refund | Operation::Reset => None,
+    };
+    if hits == Some(0) || req.tokens == Some(0) {
+        return Err(ApiError::bad_request("`hits` and `tokens` must be at least 1"));
+    }
+    let entries: Vec<Entry> = req
+        .descriptor
+        .iter()
+        .map(|e| Entry {
+            key: e.key.clone(),
+            value: e.value.clone(),
         })
+        .collect();
+    let resolved = limiter.resolve(&req.domain, &entries).map_err(ApiError::from)?;
+    let store = limiter.store();
+    let (now_us, states): (u64, Vec<(BucketState, BucketState)>) = match op {
+        Operation::Peek | Operation::Reset => {
+            let read = if op == Operation::Peek {
+                store.peek(&resolved.buckets).await
+            } else {
+                store.reset(&resolved.buckets).await
+            };
+            let read = read.map_err(ApiError::from)?;
+            (read.now_us, read.states.into_iter().zip(read.kept).collect())
+        }
+        Operation::Refund => {
+            let give = req.tokens.unwrap_or(0).saturating_mul(MICRO);
+            let demands: Vec<Demand> = (0..resolved.buckets.len())
+                .map(|instance| Demand {
+                    instance,
+                    kind: DemandKind::Refund(give),
+                    enforced: true,
+                })
+                .collect();
+            let applied = store.apply(&resolved.buckets, &demands).await.map_err(ApiError::from)?;
+            let outs = applied.decision.instances.iter().map(|o| (o.after, o.kept()));
+            (applied.now_us, outs.collect())
+        }
+    };
+    if op != Operation::Peek {
+        log_change(op, &req, &resolved);
     }
-}
-
-/// The token of an `Authorization: Bearer <token>` value (the scheme is case-insensitive).
-fn bearer_token(value: &[u8]) -> Option<&[u8]> {
-    const SCHEME: &[u8] = b"bearer ";
-    if value.len() < SCHEME.len() || !value[..SCHEME.len()].eq_ignore_ascii_case(SCHEME) {
-        return None;
-    }
-    let token = value[SCHEME.len()..].trim_ascii();
-    (!token.is_empty()).then_some(token)
-}
-
-/// Whether `given` equals `expected`, in a time that depends on the length of `given` alone
-/// (which the client knows anyway): every byte is compared, and nothing tells how many
-/// matched or how long `expected` is.
-fn constant_time_eq(given: &[u8], expected: &[u8]) -> bool {
-    let mut diff = given.len() ^ expected.len();
-    let n = expected.len().max(1);
-    for (i, g) in given.iter().enumerate() {
-        let e = expected.get(i % n).copied().unwrap_or(0);
-        diff |= usize::from(g ^ e);
-    }
-    std::hint::black_box(diff) == 0
+    let buckets = resolved
+        .policies
+        .iter()
+        .zip(states)
+        .map(|(policy, (state, kept))| view(policy, state, kept, now_us, hits))
+        .collect();
+    Ok(BucketsResponse {
+        domain: req.domain,
+        descriptor: req.descriptor,
+        rule: resolved.rule,
+        shadow: resolved.shadow,
+        now_us,
+        hits,
+        buckets,
+    })
 }
 
 /// One bucket instance as the admin API shows it, from the state brought forward to `now_us`
@@ -681,12 +596,22 @@ fn log_change(op: Operation, req: &BucketRequest, resolved: &Resolved) {
 
 /// An error answer: a status and `{"error": message}`.
 #[derive(Debug)]
-struct ApiError {
+pub(crate) struct ApiError {
     status: StatusCode,
     message: String,
 }
 
 impl ApiError {
+    /// The answer's status.
+    pub(crate) fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// What went wrong, for a person.
+    pub(crate) fn message(&self) -> &str {
+        &self.message
+    }
+
     fn new(status: StatusCode, message: impl Into<String>) -> ApiError {
         ApiError {
             status,
@@ -726,35 +651,5 @@ impl IntoResponse for ApiError {
                 .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
         response
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn bearer_tokens() {
-        assert_eq!(bearer_token(b"Bearer abc"), Some(&b"abc"[..]));
-        assert_eq!(bearer_token(b"bearer  abc "), Some(&b"abc"[..]));
-        assert_eq!(bearer_token(b"Basic abc"), None);
-        assert_eq!(bearer_token(b"Bearer "), None);
-        assert_eq!(bearer_token(b"Bearer"), None);
-        assert_eq!(bearer_token(b""), None);
-    }
-
-    #[test]
-    fn constant_time_comparison() {
-        assert!(constant_time_eq(b"secret", b"secret"));
-        assert!(!constant_time_eq(b"secreT", b"secret"));
-        assert!(!constant_time_eq(b"secret2", b"secret"));
-        assert!(!constant_time_eq(b"secre", b"secret"));
-        assert!(
-            !constant_time_eq(b"secretsecret", b"secret"),
-            "a repeat is not the token"
-        );
-        assert!(!constant_time_eq(b"", b"secret"));
-        assert!(constant_time_eq(b"", b""));
-        assert!(!constant_time_eq(b"x", b""));
     }
 }

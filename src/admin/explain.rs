@@ -272,7 +272,15 @@ pub(super) async fn answer<S: Store>(
     headers: &HeaderMap,
     body: Body,
 ) -> Result<ExplainResponse, ApiError> {
-    let asked: ExplainRequest = json_body(headers, body)?;
+    explain(limiter, json_body(headers, body)?).await
+}
+
+/// What `ShouldRateLimit` would answer for `asked` now, and why, as `POST /v1/explain`
+/// answers it (the console's explain page asks through it).
+pub(crate) async fn explain<S: Store>(
+    limiter: &Limiter<S>,
+    asked: ExplainRequest,
+) -> Result<ExplainResponse, ApiError> {
     let request = asked.to_request().map_err(ApiError::bad_request)?;
     let explained = limiter.explain(&request).await.map_err(|e| match e {
         LimitError::Store(e) => ApiError::from(e),
@@ -380,7 +388,7 @@ impl ExplainResponse {
 }
 
 /// A refill rate for a person: `5 per s`, or `1 per 360 s` below a token a second.
-fn refill_text(per_second: f64) -> String {
+pub(crate) fn refill_text(per_second: f64) -> String {
     if per_second <= 0.0 {
         "no refill".to_owned()
     } else if per_second >= 1.0 {
