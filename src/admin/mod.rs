@@ -425,7 +425,8 @@ async fn explain<S: Store>(State(admin): State<Arc<Admin<S>>>, headers: HeaderMa
 async fn not_found() -> Response {
     ApiError::new(
         StatusCode::NOT_FOUND,
-        "no such endpoint: POST /v1/buckets/peek, /v1/buckets/refund, /v1/buckets/reset or /v1/explain, GET /config",
+        "no such endpoint: POST /v1/buckets/peek, /v1/buckets/refund, /v1/buckets/reset, /v1/explain, /v1/login or \
+         /v1/logout; GET /config, /rlqs, or the console's pages at / (unless admin.console.enabled is false)",
     )
     .into_response()
 }

@@ -24,8 +24,10 @@ use super::{json_body, ApiError, Body};
 pub const LOGIN_PATH: &str = "/v1/login";
 /// The path that ends the caller's session: `POST` `{}`.
 pub const LOGOUT_PATH: &str = "/v1/logout";
-/// The session cookie's name.
+/// The session cookie's name, followed by `_<port>` (the port in `Host`) when there is one.
 pub const COOKIE: &str = "tollgate_admin_session";
+/// How long after a failed login the next one is refused (`429`).
+const LOGIN_BACKOFF: Duration = Duration::from_secs(1);
 /// How long a session lasts, in hours.
 pub const SESSION_HOURS: u64 = 12;
 /// Sessions kept at once; the oldest goes when one more opens.
@@ -36,6 +38,8 @@ pub(crate) struct Sessions {
     token: Option<Vec<u8>>,
     secure: bool,
     open: Mutex<HashMap<String, Instant>>,
+    /// When a login last failed.
+    last_failure: Mutex<Option<Instant>>,
 }
 
 impl Sessions {
@@ -46,6 +50,7 @@ impl Sessions {
             token: token.map(String::into_bytes),
             secure,
             open: Mutex::new(HashMap::new()),
+            last_failure: Mutex::new(None),
         }
     }
 
@@ -73,7 +78,7 @@ impl Sessions {
         if bearer.is_some_and(|given| self.is_token(given)) {
             return true;
         }
-        session_id(headers).is_some_and(|id| self.is_live(id))
+        session_ids(headers).any(|id| self.is_live(id))
     }
 
     fn is_live(&self, id: &str) -> bool {
@@ -88,9 +93,9 @@ impl Sessions {
         }
     }
 
-    /// Opens a session and returns its `Set-Cookie` value; `None` when the system's random
-    /// source fails.
-    pub(crate) fn open(&self) -> Option<HeaderValue> {
+    /// Opens a session for a browser that reached the listener as `headers` say, and returns
+    /// its `Set-Cookie` value; `None` when the system's random source fails.
+    pub(crate) fn open(&self, headers: &HeaderMap) -> Option<HeaderValue> {
         let mut bytes = [0u8; 32];
         getrandom::fill(&mut bytes).ok()?;
         let id: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
@@ -107,7 +112,8 @@ impl Sessions {
         drop(open);
         let secure = if self.secure { "; Secure" } else { "" };
         HeaderValue::try_from(format!(
-            "{COOKIE}={id}; HttpOnly; SameSite=Strict; Path=/; Max-Age={}{secure}",
+            "{}={id}; HttpOnly; SameSite=Strict; Path=/; Max-Age={}{secure}",
+            cookie_name(headers),
             lifetime.as_secs()
         ))
         .ok()
@@ -116,28 +122,61 @@ impl Sessions {
     /// Ends the session `headers` carry, if any, and returns the `Set-Cookie` value that
     /// clears it in the browser.
     pub(crate) fn close(&self, headers: &HeaderMap) -> HeaderValue {
-        if let Some(id) = session_id(headers) {
-            self.open.lock().unwrap_or_else(PoisonError::into_inner).remove(id);
+        let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
+        for id in session_ids(headers) {
+            open.remove(id);
         }
+        drop(open);
         let secure = if self.secure { "; Secure" } else { "" };
         HeaderValue::try_from(format!(
-            "{COOKIE}=; HttpOnly; SameSite=Strict; Path=/; Max-Age=0{secure}"
+            "{}=; HttpOnly; SameSite=Strict; Path=/; Max-Age=0{secure}",
+            cookie_name(headers)
         ))
         .unwrap_or_else(|_| HeaderValue::from_static("tollgate_admin_session=; Max-Age=0"))
     }
+
+    /// Whether a login may be tried now: not within a second of a failed one, so the token
+    /// cannot be guessed faster than once a second, and failures log at most a line a second.
+    fn may_try(&self) -> bool {
+        let last = self.last_failure.lock().unwrap_or_else(PoisonError::into_inner);
+        !last.is_some_and(|at| at.elapsed() < LOGIN_BACKOFF)
+    }
+
+    /// Notes a failed login.
+    fn failed(&self) {
+        *self.last_failure.lock().unwrap_or_else(PoisonError::into_inner) = Some(Instant::now());
+    }
 }
 
-/// The session id of the request's cookie, if it has one.
-fn session_id(headers: &HeaderMap) -> Option<&str> {
+/// The ids of every session cookie the request carries. Every one is tried: a browser sends
+/// the cookies of all the host's ports, and a page on another port can plant one of the same
+/// name on a longer path, which the browser then sends first.
+fn session_ids(headers: &HeaderMap) -> impl Iterator<Item = &str> {
     headers
         .get_all(header::COOKIE)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(';'))
         .filter_map(|pair| pair.trim().split_once('='))
-        .find(|(name, _)| *name == COOKIE)
+        .filter(|(name, _)| name.starts_with(COOKIE))
         .map(|(_, id)| id)
         .filter(|id| !id.is_empty())
+}
+
+/// The cookie's name for a browser that reached the listener as `headers` say:
+/// `tollgate_admin_session_<port>` with the port of `Host`, so the sessions of two listeners a
+/// browser reaches on one host (two port-forwards) do not replace each other's cookie.
+fn cookie_name(headers: &HeaderMap) -> String {
+    let port = headers
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .and_then(|h| h.rsplit_once(':'))
+        .map(|(_, port)| port)
+        .filter(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
+    match port {
+        Some(port) => format!("{COOKIE}_{port}"),
+        None => COOKIE.to_owned(),
+    }
 }
 
 /// The body of `POST /v1/login`.
@@ -159,11 +198,19 @@ pub(super) async fn login(sessions: Arc<Sessions>, headers: HeaderMap, body: Bod
         return ApiError::bad_request("no admin.token is set: the listener admits every request without one")
             .into_response();
     }
+    if !sessions.may_try() {
+        return ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "a login failed less than a second ago: try again in a second",
+        )
+        .into_response();
+    }
     if !sessions.is_token(asked.token.as_bytes()) {
+        sessions.failed();
         tracing::warn!("admin login refused: wrong token");
         return ApiError::new(StatusCode::UNAUTHORIZED, "wrong token").into_response();
     }
-    match sessions.open() {
+    match sessions.open(&headers) {
         Some(cookie) => {
             tracing::info!("admin session opened");
             (StatusCode::NO_CONTENT, [(header::SET_COOKIE, cookie)]).into_response()
@@ -217,7 +264,7 @@ mod tests {
     fn a_session_admits_until_it_is_closed() {
         let sessions = Sessions::new(Some("secret".into()), false);
         assert!(!sessions.admits(&HeaderMap::new()));
-        let cookie = sessions.open().unwrap();
+        let cookie = sessions.open(&HeaderMap::new()).unwrap();
         let cookie = cookie.to_str().unwrap();
         assert!(cookie.contains("HttpOnly") && cookie.contains("SameSite=Strict") && !cookie.contains("Secure"));
         let id = cookie.split(';').next().unwrap();
@@ -238,19 +285,54 @@ mod tests {
         let mut headers = HeaderMap::new();
         headers.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer secret"));
         assert!(sessions.admits(&headers));
-        assert!(sessions.open().unwrap().to_str().unwrap().ends_with("; Secure"));
+        assert!(sessions
+            .open(&HeaderMap::new())
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .ends_with("; Secure"));
         let nobody = Sessions::new(Some(String::new()), false);
         assert!(!nobody.is_token(b""));
         assert!(Sessions::new(None, false).admits(&HeaderMap::new()));
     }
 
     #[test]
+    fn a_planted_cookie_does_not_hide_the_live_one() {
+        let sessions = Sessions::new(Some("secret".into()), false);
+        let mut host = HeaderMap::new();
+        host.insert(header::HOST, HeaderValue::from_static("127.0.0.1:8082"));
+        let cookie = sessions.open(&host).unwrap();
+        let pair = cookie.to_str().unwrap().split(';').next().unwrap().to_owned();
+        assert!(pair.starts_with("tollgate_admin_session_8082="), "{pair}");
+        // What a page on another port of the host can set, sent first by the browser.
+        let mut headers = with_cookie(&format!("{COOKIE}_8082=junk; {COOKIE}=other; {pair}"));
+        headers.insert(header::HOST, HeaderValue::from_static("127.0.0.1:8082"));
+        assert!(sessions.admits(&headers));
+        assert!(sessions
+            .close(&headers)
+            .to_str()
+            .unwrap()
+            .starts_with("tollgate_admin_session_8082=;"));
+        assert!(!sessions.admits(&headers), "closed, whichever cookie came first");
+    }
+
+    #[test]
+    fn a_failed_login_holds_the_next_one_off_for_a_second() {
+        let sessions = Sessions::new(Some("secret".into()), false);
+        assert!(sessions.may_try());
+        sessions.failed();
+        assert!(!sessions.may_try());
+        *sessions.last_failure.lock().unwrap() = Instant::now().checked_sub(LOGIN_BACKOFF);
+        assert!(sessions.may_try());
+    }
+
+    #[test]
     fn sessions_are_bounded() {
         let sessions = Sessions::new(Some("secret".into()), false);
-        let first = sessions.open().unwrap();
+        let first = sessions.open(&HeaderMap::new()).unwrap();
         let first = with_cookie(first.to_str().unwrap().split(';').next().unwrap());
         for _ in 0..MAX_SESSIONS {
-            sessions.open().unwrap();
+            sessions.open(&HeaderMap::new()).unwrap();
         }
         assert_eq!(sessions.open.lock().unwrap().len(), MAX_SESSIONS);
         assert!(!sessions.admits(&first), "the oldest went");

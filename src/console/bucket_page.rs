@@ -1,6 +1,7 @@
 //! One descriptor's buckets, as `POST /v1/buckets/peek` reads them, with refund and reset: the
 //! buttons send JSON to `/v1/buckets/refund` and `/v1/buckets/reset` after a confirmation.
 
+use axum::http::StatusCode;
 use axum::response::Response;
 use maud::{html, Markup};
 
@@ -11,12 +12,16 @@ use crate::store::Store;
 
 pub(super) async fn page<S: Store>(console: &Console<S>, query: Option<&str>) -> Response {
     let pairs = query_pairs(query);
-    let domain = first(&pairs, "domain").unwrap_or_default().to_owned();
+    let domain = first(&pairs, "domain").unwrap_or_default().trim().to_owned();
     let given = first(&pairs, "descriptor").unwrap_or_default().to_owned();
     let read = if domain.is_empty() || given.is_empty() {
         None
     } else {
         Some(peek(console, &domain, &given).await)
+    };
+    let status = match &read {
+        Some(Err((status, _))) => *status,
+        _ => StatusCode::OK,
     };
     let body = html! {
         section.card {
@@ -28,33 +33,40 @@ pub(super) async fn page<S: Store>(console: &Console<S>, query: Option<&str>) ->
         }
         @match read {
             Some(Ok(read)) => (buckets_card(&read)),
-            Some(Err(message)) => section.card { p.error #bucket-error { (message) } },
+            Some(Err((_, message))) => section.card { p.error #bucket-error { (message) } },
             None => "",
         }
     };
-    frame(Section::Bucket, "Bucket actions", console.logout, body)
+    frame(Section::Bucket, "Bucket actions", console.logout, status, body)
 }
 
-async fn peek<S: Store>(console: &Console<S>, domain: &str, given: &str) -> Result<BucketsResponse, String> {
+async fn peek<S: Store>(
+    console: &Console<S>,
+    domain: &str,
+    given: &str,
+) -> Result<BucketsResponse, (StatusCode, String)> {
     let request = BucketRequest {
         domain: domain.to_owned(),
-        descriptor: descriptor(given)?,
+        descriptor: descriptor(given).map_err(|e| (StatusCode::BAD_REQUEST, e))?,
         hits: Some(1),
         tokens: None,
     };
     buckets(&console.limiter, Operation::Peek, request)
         .await
-        .map_err(|e| format!("{} ({})", e.message(), e.status()))
+        .map_err(|e| (e.status(), e.message().to_owned()))
 }
 
 fn buckets_card(read: &BucketsResponse) -> Markup {
     let address = serde_json::json!({ "domain": read.domain, "descriptor": read.descriptor }).to_string();
-    let text = descriptor_text(&read.descriptor);
+    let explain = descriptor_text(&read.descriptor)
+        .map(|text| link("/explain", &[("domain", &read.domain), ("descriptor", &text)]));
     html! {
         section.card #buckets {
+            p #flash.fine hidden {}
             p {
                 "Rule " code { (read.rule) } @if read.shadow { " " span.tag { "shadow mode" } }
-                ". " a href=(link("/explain", &[("domain", &read.domain), ("descriptor", &text)])) { "Explain a request" }
+                "."
+                @if let Some(href) = explain { " " a href=(href) { "Explain a request" } }
             }
             table.buckets {
                 thead { tr { th { "Bucket" } th { "Kind" } th { "Tokens" } th { "Refill" } th { "Full in" } th { "A hit passes in" } } }
@@ -72,7 +84,7 @@ fn buckets_card(read: &BucketsResponse) -> Markup {
                 }
             }
             h3 { "Refund" }
-            form.action #refund data-post=(Operation::Refund.path()) data-body=(address) data-then="reload" {
+            form.action #refund data-post=(Operation::Refund.path()) data-body=(address) data-then="reload" data-done="Refunded" {
                 label { "Tokens to give back to each bucket" input name="tokens" type="number" min="1" value="1" data-field="tokens"; }
                 button.ask type="button" { "Refund…" }
                 div.confirm hidden {
@@ -83,7 +95,7 @@ fn buckets_card(read: &BucketsResponse) -> Markup {
                 output {}
             }
             h3 { "Reset" }
-            form.action #reset data-post=(Operation::Reset.path()) data-body=(address) data-then="reload" {
+            form.action #reset data-post=(Operation::Reset.path()) data-body=(address) data-then="reload" data-done="Reset" {
                 button.ask.danger type="button" { "Reset…" }
                 div.confirm hidden {
                     "Make every bucket above full again, as if never used?"

@@ -6,7 +6,7 @@ use maud::{html, Markup};
 const WIDTH: f64 = 720.0;
 const HEIGHT: f64 = 180.0;
 const LEFT: f64 = 56.0;
-const RIGHT: f64 = 12.0;
+const RIGHT: f64 = 28.0;
 const TOP: f64 = 22.0;
 const BOTTOM: f64 = 24.0;
 

@@ -1,6 +1,7 @@
 //! The explain page: a form, and the answer of `POST /v1/explain` for the request it (or a
 //! deep link, `/explain?domain=edge&descriptor=api_key=demo`) describes, as a person reads it.
 
+use axum::http::StatusCode;
 use axum::response::Response;
 use maud::{html, Markup};
 
@@ -12,17 +13,21 @@ use crate::store::Store;
 
 pub(super) async fn page<S: Store>(console: &Console<S>, query: Option<&str>) -> Response {
     let pairs = query_pairs(query);
-    let domain = first(&pairs, "domain").unwrap_or_default().to_owned();
-    let hits = first(&pairs, "hits").unwrap_or("1").to_owned();
+    let domain = first(&pairs, "domain").unwrap_or_default().trim().to_owned();
+    let hits = first(&pairs, "hits").unwrap_or("1").trim().to_owned();
     let given: Vec<String> = pairs
         .iter()
         .filter(|(k, _)| k == "descriptor")
-        .flat_map(|(_, v)| v.lines().map(str::trim).filter(|l| !l.is_empty()).map(str::to_owned))
+        .flat_map(|(_, v)| v.lines().filter(|l| !l.trim().is_empty()).map(str::to_owned))
         .collect();
     let answer = if domain.is_empty() {
         None
     } else {
         Some(ask(console, &domain, &pairs, &hits).await)
+    };
+    let status = match &answer {
+        Some(Err((status, _))) => *status,
+        _ => StatusCode::OK,
     };
     let body = html! {
         section.card {
@@ -40,11 +45,11 @@ pub(super) async fn page<S: Store>(console: &Console<S>, query: Option<&str>) ->
         }
         @match answer {
             Some(Ok((answer, asked))) => (result(&answer, &asked)),
-            Some(Err(message)) => section.card { p.error #explain-error { (message) } },
+            Some(Err((_, message))) => section.card { p.error #explain-error { (message) } },
             None => "",
         }
     };
-    frame(Section::Explain, "Explain a request", console.logout, body)
+    frame(Section::Explain, "Explain a request", console.logout, status, body)
 }
 
 async fn ask<S: Store>(
@@ -52,11 +57,12 @@ async fn ask<S: Store>(
     domain: &str,
     pairs: &[(String, String)],
     hits: &str,
-) -> Result<(ExplainResponse, Vec<Vec<DescriptorEntry>>), String> {
+) -> Result<(ExplainResponse, Vec<Vec<DescriptorEntry>>), (StatusCode, String)> {
+    let bad = |message: String| (StatusCode::BAD_REQUEST, message);
     let hits: u32 = hits
         .parse()
-        .map_err(|_| format!("hits `{hits}` is not a whole number of at most {}", u32::MAX))?;
-    let asked = descriptors(pairs)?;
+        .map_err(|_| bad(format!("hits `{hits}` is not a whole number of at most {}", u32::MAX)))?;
+    let asked = descriptors(pairs).map_err(bad)?;
     let descriptors = asked
         .iter()
         .map(|entries| ExplainDescriptor {
@@ -71,7 +77,7 @@ async fn ask<S: Store>(
     };
     let answer = explain(&console.limiter, request)
         .await
-        .map_err(|e| format!("{} ({})", e.message(), e.status()))?;
+        .map_err(|e| (e.status(), e.message().to_owned()))?;
     Ok((answer, asked))
 }
 
@@ -173,8 +179,8 @@ fn descriptor_section(
                     }
                 }
             }
-            @if let Some(entries) = entries {
-                p { a.bucket-actions href=(link("/bucket", &[("domain", &answer.domain), ("descriptor", &descriptor_text(entries))])) { "Bucket actions: peek, refund, reset" } }
+            @if let Some(text) = entries.and_then(|e| descriptor_text(e)) {
+                p { a.bucket-actions href=(link("/bucket", &[("domain", &answer.domain), ("descriptor", &text)])) { "Bucket actions: peek, refund, reset" } }
             }
         }
     }

@@ -28,5 +28,5 @@ pub(super) fn page(token_required: bool) -> Response {
             }
         }
     };
-    frame(Section::Login, "Log in", false, body)
+    frame(Section::Login, "Log in", false, axum::http::StatusCode::OK, body)
 }

@@ -23,6 +23,10 @@ const TOP: usize = 10;
 /// Rules shown per domain; the rest are counted (`/config` has them all).
 const RULES_SHOWN: usize = 200;
 
+/// Domains shown with their buckets and rules; the rest by name, so a page stays readable
+/// (and quick to render) with thousands of domains.
+const DOMAINS_SHOWN: usize = 50;
+
 pub(super) async fn page<S>(console: &Console<S>) -> Response {
     let config = console.config().await;
     let body = html! {
@@ -36,12 +40,18 @@ pub(super) async fn page<S>(console: &Console<S>) -> Response {
             @if domains.is_empty() {
                 section.card { p { "No rules are in force." } }
             }
-            @for (name, domain) in domains {
+            @for (name, domain) in domains.iter().take(DOMAINS_SHOWN) {
                 (domain_card(name, domain))
+            }
+            @if domains.len() > DOMAINS_SHOWN {
+                section.card #more-domains {
+                    p { (domains.len() - DOMAINS_SHOWN) " more domains, by name (" code { "GET /config" } " has their rules):" }
+                    p.mono { @for name in domains.keys().skip(DOMAINS_SHOWN) { (name) " " } }
+                }
             }
         }
     };
-    frame(Section::Overview, "Overview", console.logout, body)
+    frame(Section::Overview, "Overview", console.logout, StatusCode::OK, body)
 }
 
 /// The traffic chart alone, for the page's script to redraw.
@@ -170,24 +180,23 @@ fn denied_row<S>(console: &Console<S>, instance: &DeniedInstance, tally: Tally) 
         .collect();
     let shown = entries.join(", ");
     let explain = console.show_values.then(|| {
-        let text = super::page::descriptor_text(
-            &instance
-                .entries
-                .iter()
-                .map(|(key, value)| crate::admin::DescriptorEntry {
-                    key: key.clone(),
-                    value: value.clone(),
-                })
-                .collect::<Vec<_>>(),
-        );
-        link("/explain", &[("domain", &instance.domain), ("descriptor", &text)])
+        let entries: Vec<_> = instance
+            .entries
+            .iter()
+            .map(|(key, value)| crate::admin::DescriptorEntry {
+                key: key.clone(),
+                value: value.clone(),
+            })
+            .collect();
+        let text = super::page::descriptor_text(&entries)?;
+        Some(link("/explain", &[("domain", &instance.domain), ("descriptor", &text)]))
     });
     html! {
         tr {
             td { (instance.domain) }
             td { code { (instance.bucket) } }
             td.mono {
-                @match explain {
+                @match explain.flatten() {
                     Some(href) => a href=(href) { (shown) },
                     None => (shown),
                 }

@@ -18,8 +18,9 @@ pub(crate) enum Section {
 }
 
 /// A whole page: the navigation (and the logout button when a token guards the listener),
-/// the title and `body`.
-pub(crate) fn frame(section: Section, title: &str, logout: bool, body: Markup) -> Response {
+/// the title and `body`, answered with `status` (a page that reports bad input or an unknown
+/// domain says so in its status too, as the JSON API does).
+pub(crate) fn frame(section: Section, title: &str, logout: bool, status: StatusCode, body: Markup) -> Response {
     let nav = [
         (Section::Overview, "/", "Overview"),
         (Section::Explain, "/explain", "Explain"),
@@ -48,6 +49,7 @@ pub(crate) fn frame(section: Section, title: &str, logout: bool, body: Markup) -
                         @if logout {
                             form.action.logout data-post=(crate::admin::session::LOGOUT_PATH) data-body="{}" data-then="/login" {
                                 button type="submit" { "Log out" }
+                                output {}
                             }
                         }
                     }
@@ -59,7 +61,7 @@ pub(crate) fn frame(section: Section, title: &str, logout: bool, body: Markup) -
             }
         }
     };
-    html_response(StatusCode::OK, markup)
+    html_response(status, markup)
 }
 
 /// `markup` as a `text/html` answer with `status`.
@@ -72,10 +74,24 @@ pub(crate) fn html_response(status: StatusCode, markup: Markup) -> Response {
     response
 }
 
-/// A refill rate for a column headed "Refill": `5 per s`, `1 per 360 s`, `no refill`.
+/// A refill rate as the rules files write it, in the first unit it is a whole number of
+/// tokens in (`10/s`, `5/m` for `1/12s`, `100/m`, `3/h`), else per second rounded
+/// (`0.3/s`); `none` for none. The same text whichever page shows the rate.
 pub(crate) fn refill(per_second: f64) -> String {
-    let text = crate::admin::explain::refill_text(per_second);
-    text.strip_prefix("refill ").map_or(text.clone(), str::to_owned)
+    if per_second.is_nan() || per_second <= 0.0 {
+        return "none".to_owned();
+    }
+    for (unit, seconds) in [("s", 1.0), ("m", 60.0), ("h", 3_600.0), ("d", 86_400.0)] {
+        let per_unit = per_second * seconds;
+        if (per_unit - per_unit.round()).abs() < 1e-6 * per_unit.max(1.0) && per_unit.round() >= 1.0 {
+            return format!("{}/{unit}", per_unit.round());
+        }
+    }
+    if per_second >= 0.001 {
+        format!("{}/s", super::chart::number((per_second * 1000.0).round() / 1000.0))
+    } else {
+        format!("1 per {} s", super::chart::number((1.0 / per_second).round()))
+    }
 }
 
 /// The pairs of a query string, decoded, in order.
@@ -85,12 +101,13 @@ pub(crate) fn query_pairs(query: Option<&str>) -> Vec<(String, String)> {
         .collect()
 }
 
-/// The first value of `name` in `pairs`, if given and not blank.
+/// The first value of `name` in `pairs`, if given and not blank, as given: a descriptor
+/// value's spaces are part of it (`api_key=demo ` is not `api_key=demo`).
 pub(crate) fn first<'a>(pairs: &'a [(String, String)], name: &str) -> Option<&'a str> {
     pairs
         .iter()
         .find(|(k, v)| k == name && !v.trim().is_empty())
-        .map(|(_, v)| v.trim())
+        .map(|(_, v)| v.as_str())
 }
 
 /// The descriptors of a query: each `descriptor` value, and each line of one (the form's
@@ -100,35 +117,68 @@ pub(crate) fn first<'a>(pairs: &'a [(String, String)], name: &str) -> Option<&'a
 pub(crate) fn descriptors(pairs: &[(String, String)]) -> Result<Vec<Vec<DescriptorEntry>>, String> {
     let mut out = Vec::new();
     for (_, given) in pairs.iter().filter(|(k, _)| k == "descriptor") {
-        for line in given.lines().map(str::trim).filter(|l| !l.is_empty()) {
+        // Only line ends are taken off: a value's own spaces are part of it.
+        for line in given.lines().filter(|l| !l.trim().is_empty()) {
             out.push(descriptor(line)?);
         }
     }
     Ok(out)
 }
 
-/// One descriptor, `tenant=a,path=/x`.
+/// One descriptor, `tenant=a,path=/x`: entries separated by commas, each a key, `=` and a
+/// value; a backslash takes the next character as it is (`note=a\,b` is the value `a,b`).
 pub(crate) fn descriptor(text: &str) -> Result<Vec<DescriptorEntry>, String> {
-    text.split(',')
-        .map(|entry| match entry.split_once('=') {
-            Some((key, value)) if !key.trim().is_empty() => Ok(DescriptorEntry {
+    let mut entries = Vec::new();
+    let (mut key, mut value, mut in_value) = (String::new(), String::new(), false);
+    let mut chars = text.chars();
+    let finish = |key: &mut String, value: &mut String, in_value: &mut bool| {
+        let entry = if *in_value && !key.trim().is_empty() {
+            Ok(DescriptorEntry {
                 key: key.trim().to_owned(),
-                value: value.to_owned(),
-            }),
-            _ => Err(format!(
-                "descriptor `{text}`: entry `{entry}` is not key=value (entries are separated by commas)"
-            )),
-        })
-        .collect()
+                value: std::mem::take(value),
+            })
+        } else {
+            Err(format!(
+                "descriptor `{text}`: entry `{key}` is not key=value (entries are separated by commas; \\, is a comma in a value)"
+            ))
+        };
+        key.clear();
+        *in_value = false;
+        entry
+    };
+    while let Some(c) = chars.next() {
+        let c = match c {
+            '\\' => chars.next().unwrap_or('\\'),
+            ',' => {
+                entries.push(finish(&mut key, &mut value, &mut in_value)?);
+                continue;
+            }
+            '=' if !in_value => {
+                in_value = true;
+                continue;
+            }
+            c => c,
+        };
+        if in_value {
+            value.push(c)
+        } else {
+            key.push(c)
+        }
+    }
+    entries.push(finish(&mut key, &mut value, &mut in_value)?);
+    Ok(entries)
 }
 
-/// A descriptor as the deep link writes it.
-pub(crate) fn descriptor_text(entries: &[DescriptorEntry]) -> String {
-    entries
+/// A descriptor as the deep link writes it, read back by [`descriptor`]; `None` for one a
+/// link cannot carry (a line break in a key or value).
+pub(crate) fn descriptor_text(entries: &[DescriptorEntry]) -> Option<String> {
+    let escape = |s: &str| s.replace('\\', "\\\\").replace(',', "\\,").replace('=', "\\=");
+    let text = entries
         .iter()
-        .map(|e| format!("{}={}", e.key, e.value))
+        .map(|e| format!("{}={}", escape(&e.key), escape(&e.value)))
         .collect::<Vec<_>>()
-        .join(",")
+        .join(",");
+    (!text.contains(['\n', '\r'])).then_some(text)
 }
 
 /// `path?name=value&...`, each pair encoded.
@@ -150,14 +200,50 @@ mod tests {
             "domain=edge&descriptor=api_key%3Ddemo&descriptor=tenant=a,path=/x%3Dy",
         ));
         let got = descriptors(&pairs).unwrap();
-        assert_eq!(descriptor_text(&got[0]), "api_key=demo");
+        assert_eq!(descriptor_text(&got[0]).unwrap(), "api_key=demo");
         assert_eq!(got[1].len(), 2);
         assert_eq!((got[1][1].key.as_str(), got[1][1].value.as_str()), ("path", "/x=y"));
+        let spaced = descriptors(&query_pairs(Some("descriptor=api_key=victim%20"))).unwrap();
+        assert_eq!(spaced[0][0].value, "victim ", "a value's spaces are its own");
+        assert_eq!(
+            first(&query_pairs(Some("descriptor=k=v%20")), "descriptor"),
+            Some("k=v ")
+        );
         let lines = query_pairs(Some("descriptor=a%3D1%0D%0Ab%3D2"));
         assert_eq!(descriptors(&lines).unwrap().len(), 2, "one a line");
         let err = descriptors(&query_pairs(Some("descriptor=a=1,oops"))).unwrap_err();
         assert!(err.contains("`oops`"), "{err}");
         assert!(descriptor("=x").is_err(), "a key is needed");
+        assert!(descriptor("a=1,").is_err(), "an empty entry");
+    }
+
+    #[test]
+    fn any_value_survives_the_deep_link() {
+        for value in ["a,b", "x=y", r"back\slash", "", "é,=\\,"] {
+            let entries = vec![DescriptorEntry {
+                key: "k,=".into(),
+                value: value.into(),
+            }];
+            let text = descriptor_text(&entries).unwrap();
+            assert_eq!(descriptor(&text).unwrap(), entries, "{text}");
+        }
+        let broken = vec![DescriptorEntry {
+            key: "k".into(),
+            value: "a\nb".into(),
+        }];
+        assert_eq!(descriptor_text(&broken), None);
+    }
+
+    #[test]
+    fn refills_read_as_the_rules_write_them() {
+        assert_eq!(refill(10.0), "10/s");
+        assert_eq!(refill(1.0 / 12.0), "5/m");
+        assert_eq!(refill(100.0 / 60.0), "100/m");
+        assert_eq!(refill(3.0 / 3600.0), "3/h");
+        assert_eq!(refill(0.0), "none");
+        assert_eq!(refill(1.0 / 7.0 / 86_400.0), "1 per 604800 s");
+        assert_eq!(refill(0.3), "18/m");
+        assert_eq!(refill(1.0 / 7.0), "0.143/s");
     }
 
     #[test]

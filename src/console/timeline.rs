@@ -2,6 +2,7 @@
 //! windows (cron patterns read in their time zones, DST included) and a quota's resets make
 //! them. The walk is the decision path's own: [`Plan::limit_at`] and [`Plan::next_change_us`].
 
+use axum::http::StatusCode;
 use axum::response::Response;
 use chrono_tz::Tz;
 use maud::{html, Markup};
@@ -101,15 +102,18 @@ fn zone(plan: &Plan) -> Option<Tz> {
 
 pub(super) async fn page<S: crate::store::Store>(console: &Console<S>, query: Option<&str>) -> Response {
     let pairs = query_pairs(query);
-    let domain = first(&pairs, "domain").unwrap_or_default().to_owned();
+    let domain = first(&pairs, "domain").unwrap_or_default().trim().to_owned();
     let rule = first(&pairs, "rule").map(str::to_owned);
     let bucket = first(&pairs, "bucket").map(str::to_owned);
     let config = console.config().await;
     let rules = console.limiter.rules();
     let now_us = crate::core::clock::Clock::now_us(&crate::core::clock::SystemClock);
-    let picked: Result<Vec<&BucketPolicy>, String> = match (rules.domain(&domain), &rule, &bucket) {
-        _ if domain.is_empty() => Ok(Vec::new()),
-        (None, ..) => Err(format!("no domain `{domain}` in the rules in force")),
+    let not_found = |message: String| (StatusCode::NOT_FOUND, message);
+    // A rule's buckets are looked up by name in the rules read here: the `/config` document
+    // read a moment before may be of another generation, so its indices are not used.
+    let picked: Result<Picked<'_>, (StatusCode, String)> = match (rules.domain(&domain), &rule, &bucket) {
+        _ if domain.is_empty() => Ok(Picked::Index),
+        (None, ..) => Err(not_found(format!("no domain `{domain}` in the rules in force"))),
         (Some(d), Some(path), _) => {
             let found = config["domains"][&domain]["rules"]
                 .as_array()
@@ -117,21 +121,45 @@ pub(super) async fn page<S: crate::store::Store>(console: &Console<S>, query: Op
                 .flatten()
                 .find(|r| r["path"].as_str() == Some(path.as_str()));
             match found {
-                None => Err(format!("no rule `{path}` in domain `{domain}`")),
-                Some(r) => Ok(r["bucket_indices"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .filter_map(|i| d.buckets.get(usize::try_from(i.as_u64()?).ok()?))
-                    .collect()),
+                None => Err(not_found(format!("no rule `{path}` in domain `{domain}`"))),
+                Some(r) if r["unlimited"].as_bool() == Some(true) => {
+                    Ok(Picked::Nothing("The rule is unlimited: no bucket."))
+                }
+                Some(r) => {
+                    let names: Vec<&str> = r["buckets"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .filter_map(|n| n.as_str())
+                        .collect();
+                    let policies: Vec<&BucketPolicy> = names
+                        .iter()
+                        .filter_map(|n| d.buckets.iter().find(|b| b.name == *n))
+                        .collect();
+                    if names.is_empty() {
+                        Ok(Picked::Nothing(
+                            "This node of the descriptor tree has no limit of its own: its deeper rules do.",
+                        ))
+                    } else if policies.len() < names.len() {
+                        Err(not_found(format!(
+                            "the rules changed while reading rule `{path}`: reload the page"
+                        )))
+                    } else {
+                        Ok(Picked::Buckets(policies))
+                    }
+                }
             }
         }
         (Some(d), None, Some(name)) => match d.buckets.iter().find(|b| &b.name == name) {
-            Some(b) => Ok(vec![b]),
-            None => Err(format!("no bucket `{name}` in domain `{domain}`")),
+            Some(b) => Ok(Picked::Buckets(vec![b])),
+            None => Err(not_found(format!("no bucket `{name}` in domain `{domain}`"))),
         },
-        (Some(_), None, None) => Err("name a rule (rule=PATH) or a bucket (bucket=NAME)".to_owned()),
+        (Some(_), None, None) => Err((
+            StatusCode::BAD_REQUEST,
+            "name a rule (rule=PATH) or a bucket (bucket=NAME)".to_owned(),
+        )),
     };
+    let status = picked.as_ref().err().map_or(StatusCode::OK, |(status, _)| *status);
     let title = match (&rule, &bucket) {
         (Some(r), _) => format!("Timeline of rule {r}"),
         (None, Some(b)) => format!("Timeline of bucket {b}"),
@@ -139,18 +167,28 @@ pub(super) async fn page<S: crate::store::Store>(console: &Console<S>, query: Op
     };
     let body = html! {
         @match picked {
-            Err(message) => section.card { p.error #timeline-error { (message) } },
-            Ok(policies) if policies.is_empty() && !domain.is_empty() => section.card { p { "The rule has no bucket (unlimited)." } },
-            Ok(policies) if policies.is_empty() => (index(&config)),
-            Ok(policies) => {
-                p.muted { "The next 7 days from " (utc(now_us)) ", as the rules in force say; times in UTC and in the bucket's time zone." }
+            Err((_, message)) => section.card { p.error #timeline-error { (message) } },
+            Ok(Picked::Nothing(message)) => section.card { p { (message) } },
+            Ok(Picked::Index) => (index(&config)),
+            Ok(Picked::Buckets(policies)) => {
+                p.muted { "The next 7 days from " (utc(now_us)) " UTC, as the rules in force say; changes in UTC, and in local time for a bucket whose windows or resets have a time zone." }
                 @for policy in policies {
                     (bucket_timeline(&domain, policy, now_us))
                 }
             },
         }
     };
-    frame(Section::Timeline, &title, console.logout, body)
+    frame(Section::Timeline, &title, console.logout, status, body)
+}
+
+/// What the timeline page shows.
+enum Picked<'a> {
+    /// Every domain's rules, to pick from.
+    Index,
+    /// A rule or bucket that has no bucket to plot, and why.
+    Nothing(&'static str),
+    /// These buckets.
+    Buckets(Vec<&'a BucketPolicy>),
 }
 
 /// Without a rule: each domain's rules, linked.
@@ -160,7 +198,7 @@ fn index(config: &serde_json::Value) -> Markup {
             section.card {
                 h2 { "Domain " code { (domain) } }
                 ul {
-                    @for r in d["rules"].as_array().into_iter().flatten().filter(|r| r["unlimited"].as_bool() != Some(true)) {
+                    @for r in d["rules"].as_array().into_iter().flatten().filter(|r| r["buckets"].as_array().is_some_and(|b| !b.is_empty())) {
                         @if let Some(path) = r["path"].as_str() {
                             li { a href=(link("/timeline", &[("domain", domain), ("rule", path)])) { code { (path) } } }
                         }
@@ -183,12 +221,14 @@ fn bucket_timeline(domain: &str, policy: &BucketPolicy, now_us: u64) -> Markup {
             .map(|s| (hours(s.from_us), pick(s)))
             .collect::<Vec<_>>()
     };
-    let x_ticks: Vec<(f64, String)> = (0..=7)
+    let x_ticks: Vec<(f64, String)> = (0u32..=7)
         .map(|d| {
-            (
-                f64::from(d) * 24.0,
-                if d == 0 { "now".to_owned() } else { format!("+{d} d") },
-            )
+            let label = if d == 0 {
+                "now".to_owned()
+            } else {
+                day(now_us + u64::from(d) * 86_400_000_000)
+            };
+            (f64::from(d) * 24.0, label)
         })
         .collect();
     let markers: Vec<f64> = line.resets.iter().map(|t| hours(*t)).collect();
@@ -232,7 +272,7 @@ fn bucket_timeline(domain: &str, policy: &BucketPolicy, now_us: u64) -> Markup {
                             td { (utc(s.from_us)) }
                             @if let Some(tz) = tz { td { (local(s.from_us, tz)) } }
                             td { (number(s.capacity)) }
-                            td { (number(s.refill_per_second)) "/s" }
+                            td { (super::page::refill(s.refill_per_second)) }
                         }
                     }
                 }
@@ -249,6 +289,12 @@ fn bucket_timeline(domain: &str, policy: &BucketPolicy, now_us: u64) -> Markup {
             }
         }
     }
+}
+
+/// A day for an axis: `Tue 08` (UTC).
+fn day(t_us: u64) -> String {
+    chrono::DateTime::from_timestamp_micros(i64::try_from(t_us).unwrap_or(i64::MAX))
+        .map_or_else(String::new, |t| t.format("%a %d").to_string())
 }
 
 fn utc(t_us: u64) -> String {

@@ -134,22 +134,23 @@ impl<S: Store> RateLimitService for RateLimitGrpc<S> {
 /// ([`crate::telemetry::denials::TOP_DENIED`]).
 fn count_denied_instances(req: &RateLimitRequest, resp: &RateLimitResponse) {
     use crate::telemetry::denials::{kept_value, DeniedInstance, TOP_DENIED};
-    for (descriptor, status) in req.descriptors.iter().zip(&resp.statuses) {
-        if status.code != Code::OverLimit as i32 {
-            continue;
-        }
-        TOP_DENIED.count(DeniedInstance {
-            domain: req.domain.clone(),
-            bucket: status
-                .current_limit
-                .as_ref()
-                .map(|l| l.name.clone())
-                .unwrap_or_default(),
-            entries: descriptor
-                .entries
-                .iter()
-                .map(|e| (kept_value(&e.key), kept_value(&e.value)))
-                .collect(),
-        });
-    }
+    TOP_DENIED.offer(|| {
+        req.descriptors
+            .iter()
+            .zip(&resp.statuses)
+            .filter(|(_, status)| status.code == Code::OverLimit as i32)
+            .map(|(descriptor, status)| DeniedInstance {
+                domain: req.domain.clone(),
+                bucket: status
+                    .current_limit
+                    .as_ref()
+                    .map(|l| l.name.clone())
+                    .unwrap_or_default(),
+                entries: descriptor
+                    .entries
+                    .iter()
+                    .map(|e| (kept_value(&e.key), kept_value(&e.value)))
+                    .collect(),
+            })
+    });
 }

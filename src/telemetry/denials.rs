@@ -1,8 +1,10 @@
 //! What the operator console (`crate::console`) shows of the traffic, counted in process: how
 //! many requests were answered and denied, and which buckets deny most.
 //!
-//! Both are fed by the gRPC service once per answer, and cost nothing on a decision but one
-//! relaxed atomic add; the sketch is touched only for an `OVER_LIMIT` answer.
+//! Both are fed by the gRPC service once per answer: an answer costs one relaxed atomic add;
+//! an `OVER_LIMIT` one also offers its denied descriptors to the sketch, which never makes a
+//! request wait: while another thread holds it, the denial is not counted there
+//! ([`TopDenied::offer`]).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -79,10 +81,31 @@ impl TopDenied {
         }
     }
 
-    /// Counts one denial of `instance`: one more for it if it is kept; else it takes the place
-    /// of the least counted instance once the sketch is full, with that one's count plus one.
+    /// Counts the denials `instances` yields, unless another thread holds the sketch: then
+    /// nothing is counted and nothing is built (a flood of denials on every core must not
+    /// queue the requests behind one lock; the sketch then undercounts, as it says it may).
+    /// Returns whether they were counted.
+    pub fn offer<I: IntoIterator<Item = DeniedInstance>>(&self, instances: impl FnOnce() -> I) -> bool {
+        let mut counted = match self.counted.try_lock() {
+            Ok(counted) => counted,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return false,
+        };
+        for instance in instances() {
+            Self::count_in(&mut counted, instance);
+        }
+        true
+    }
+
+    /// Counts one denial of `instance`, waiting for the sketch if another thread holds it.
     pub fn count(&self, instance: DeniedInstance) {
         let mut counted = self.counted.lock().unwrap_or_else(PoisonError::into_inner);
+        Self::count_in(&mut counted, instance);
+    }
+
+    /// One more for `instance` if it is kept; else it takes the place of the least counted
+    /// instance once the sketch is full, with that one's count plus one.
+    fn count_in(counted: &mut HashMap<DeniedInstance, Tally>, instance: DeniedInstance) {
         if let Some(tally) = counted.get_mut(&instance) {
             tally.count += 1;
             return;
@@ -174,6 +197,21 @@ mod tests {
             (instance("a"), Tally { count: 3, error: 0 })
         );
         assert_eq!(top[1].1, Tally { count: 1, error: 0 });
+    }
+
+    #[test]
+    fn an_offer_never_waits_for_the_sketch() {
+        let sketch = TopDenied::new();
+        assert!(sketch.offer(|| [instance("a"), instance("a")]));
+        let held = sketch.counted.lock().unwrap();
+        let mut built = false;
+        assert!(!sketch.offer(|| {
+            built = true;
+            [instance("b")]
+        }));
+        assert!(!built, "nothing is built while another thread holds it");
+        drop(held);
+        assert_eq!(sketch.top(1)[0].1.count, 2);
     }
 
     #[test]

@@ -60,9 +60,13 @@ def token_flow(page):
     check(page.url.startswith(ADMIN + "/login"), "a wrong token opens no session", page.url)
     page.fill("#token", TOKEN)
     page.click("form.login button[type=submit]")
+    page.wait_for_selector("form.login output:has-text('less than a second ago')")
+    check(page.url.startswith(ADMIN + "/login"), "right after a failure, even the token waits a second")
+    page.wait_for_timeout(1100)
+    page.click("form.login button[type=submit]")
     page.wait_for_url(ADMIN + "/")
     check(page.locator("h1").inner_text() == "Overview", "the right token opens the overview")
-    cookies = [c for c in page.context.cookies() if c["name"] == "tollgate_admin_session"]
+    cookies = [c for c in page.context.cookies() if c["name"].startswith("tollgate_admin_session")]
     check(len(cookies) == 1, "a session cookie is set", cookies)
     check(cookies[0]["httpOnly"] and cookies[0]["sameSite"] == "Strict", "it is HttpOnly and SameSite=Strict", cookies)
     check(TOKEN not in cookies[0]["value"], "it is not the token")
@@ -118,6 +122,8 @@ def bucket_actions(page):
     with page.expect_navigation():
         page.click("#refund button.yes")
     check(peek_tokens() == 2, "the confirmed refund gives 2 tokens back", peek_tokens())
+    flash = page.locator("#flash").inner_text()
+    check(flash == "Refunded: per_key 2 of 3 tokens.", "and the page says what the API answered", flash)
     page.click("#reset button.ask")
     with page.expect_navigation():
         page.click("#reset button.yes")

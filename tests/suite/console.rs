@@ -49,8 +49,21 @@ descriptors:
   - {key: path, value: "<img src=x onerror=alert(1)>", bucket: per_key}
 "#;
 
+/// The first three rules of [`RULES`], for the browser test (its screenshots are the docs').
+fn browser_rules() -> String {
+    RULES
+        .lines()
+        .filter(|l| !l.contains("<img"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 fn start(token: bool, extra_env: &[(&str, &str)]) -> Tollgate {
-    let mut builder = Tollgate::builder().rules_file("edge.yaml", RULES);
+    start_with(RULES, token, extra_env)
+}
+
+fn start_with(rules: &str, token: bool, extra_env: &[(&str, &str)]) -> Tollgate {
+    let mut builder = Tollgate::builder().rules_file("edge.yaml", rules);
     if token {
         builder = builder.env("TOLLGATE_ADMIN__TOKEN", TOKEN);
     }
@@ -150,6 +163,13 @@ async fn pages_are_guarded_and_carry_a_strict_policy() {
     assert_eq!(foreign.status(), 403, "another origin cannot log in");
     assert!(foreign.headers().get("set-cookie").is_none());
 
+    // Right after a failure, even the token waits a second (guessing is once a second).
+    let held = login(r#"{"token":"console-test-token"}"#, "application/json", None)
+        .await
+        .unwrap();
+    assert_eq!(held.status(), 429);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+
     // The right token: a session cookie, HttpOnly and SameSite=Strict, not the token.
     let ok = login(r#"{"token":"console-test-token"}"#, "application/json", None)
         .await
@@ -161,6 +181,11 @@ async fn pages_are_guarded_and_carry_a_strict_policy() {
         "{cookie}"
     );
     assert!(!cookie.contains(TOKEN), "{cookie}");
+    let port = tollgate.admin_addr.port();
+    assert!(
+        cookie.starts_with(&format!("tollgate_admin_session_{port}=")),
+        "named for the port: {cookie}"
+    );
     let session = cookie.split(';').next().unwrap().to_owned();
 
     let overview = http
@@ -351,7 +376,7 @@ async fn the_console_in_a_real_browser() {
     let Some((python, chromium)) = browser_or_skip("the_console_in_a_real_browser") else {
         return;
     };
-    let tollgate = tokio::task::block_in_place(|| start(true, &[]));
+    let tollgate = tokio::task::block_in_place(|| start_with(&browser_rules(), true, &[]));
     drain(&tollgate).await;
     // The traffic chart draws a line once two per-second rates are there.
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -388,4 +413,27 @@ async fn the_console_in_a_real_browser() {
         let size = std::fs::metadata(shots.join(shot)).map(|m| m.len()).unwrap_or(0);
         assert!(size > 10_000, "{shot}: {size} bytes");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_overview_stays_bounded_with_many_domains() {
+    let mut builder = Tollgate::builder();
+    for i in 0..55 {
+        let rules = format!(
+            "domain: d{i:02}\ndescriptors:\n  - {{key: k, name: b{i}, token_bucket: {{capacity: 1, refill: 1/s}}}}\n"
+        );
+        builder = builder.rules_file(&format!("d{i:02}.yaml"), &rules);
+    }
+    let tollgate = tokio::task::block_in_place(|| builder.start());
+    let html = client()
+        .get(format!("http://{}/", tollgate.admin_addr))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(html.matches(r#"<section class="card domain""#).count(), 50, "{html}");
+    assert!(html.contains("5 more domains"), "{html}");
+    assert!(html.contains("d54"), "the rest by name: {html}");
 }

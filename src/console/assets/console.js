@@ -30,6 +30,16 @@ async function send(form) {
   if (response.ok) {
     const then = form.dataset.then;
     if (then === 'reload') {
+      // What the admin API answered (the buckets after the change), shown after the reload.
+      let note = form.dataset.done || 'Done';
+      try {
+        const answer = await response.json();
+        const states = (answer.buckets || []).map((b) => `${b.name} ${b.tokens} of ${b.capacity} tokens`);
+        if (states.length) note += ': ' + states.join(', ') + '.';
+      } catch (_) {
+        // No JSON: the note alone.
+      }
+      sessionStorage.setItem('tollgate-flash', note);
       location.reload();
     } else if (then) {
       location.assign(then);
@@ -48,6 +58,13 @@ async function send(form) {
 }
 
 document.addEventListener('DOMContentLoaded', () => {
+  const flash = document.getElementById('flash');
+  const note = sessionStorage.getItem('tollgate-flash');
+  if (flash && note) {
+    flash.textContent = note;
+    flash.hidden = false;
+  }
+  sessionStorage.removeItem('tollgate-flash');
   for (const form of document.querySelectorAll('form[data-post]')) {
     const confirmation = form.querySelector('.confirm');
     const ask = form.querySelector('.ask');
