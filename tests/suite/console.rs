@@ -81,6 +81,12 @@ fn client() -> reqwest::Client {
         .unwrap()
 }
 
+/// The text of `path` on the admin listener `admin` (no token).
+async fn page_text(admin: std::net::SocketAddr, path: &str) -> String {
+    let answer = client().get(format!("http://{admin}{path}")).send().await.unwrap();
+    answer.text().await.unwrap()
+}
+
 async fn drain(tollgate: &Tollgate) {
     let mut grpc = RateLimitServiceClient::connect(format!("http://{}", tollgate.grpc_addr))
         .await
@@ -327,14 +333,7 @@ async fn the_console_can_be_turned_off_and_values_shown() {
     assert_eq!(root.status(), 404, "no pages");
     let shown = tokio::task::block_in_place(|| start(false, &[("TOLLGATE_ADMIN__CONSOLE__SHOW_VALUES", "true")]));
     drain(&shown).await;
-    let overview = http
-        .get(format!("http://{}/", shown.admin_addr))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let overview = page_text(shown.admin_addr, "/").await;
     let denied = &overview[overview.find(r#"id="denied""#).unwrap()..];
     assert!(denied.contains("api_key=demo"), "{denied}");
     assert!(
@@ -425,14 +424,7 @@ async fn the_overview_stays_bounded_with_many_domains() {
         builder = builder.rules_file(&format!("d{i:02}.yaml"), &rules);
     }
     let tollgate = tokio::task::block_in_place(|| builder.start());
-    let html = client()
-        .get(format!("http://{}/", tollgate.admin_addr))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let html = page_text(tollgate.admin_addr, "/").await;
     assert_eq!(html.matches(r#"<section class="card domain""#).count(), 50, "{html}");
     assert!(html.contains("5 more domains"), "{html}");
     assert!(html.contains("d54"), "the rest by name: {html}");
