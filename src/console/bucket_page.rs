@@ -1,11 +1,10 @@
 //! One descriptor's buckets, as `POST /v1/buckets/peek` reads them, with refund and reset: the
 //! buttons send JSON to `/v1/buckets/refund` and `/v1/buckets/reset` after a confirmation.
 
-use axum::http::StatusCode;
 use axum::response::Response;
 use maud::{html, Markup};
 
-use super::page::{descriptor, descriptor_text, first, frame, link, query_pairs, Section};
+use super::page::{descriptor, descriptor_text, first, frame, link, query_pairs, PageError, Section};
 use super::Console;
 use crate::admin::{buckets, BucketRequest, BucketsResponse, Operation};
 use crate::store::Store;
@@ -19,10 +18,7 @@ pub(super) async fn page<S: Store>(console: &Console<S>, query: Option<&str>) ->
     } else {
         Some(peek(console, &domain, &given).await)
     };
-    let status = match &read {
-        Some(Err((status, _))) => *status,
-        _ => StatusCode::OK,
-    };
+    let status = PageError::status_of(read.as_ref());
     let body = html! {
         section.card {
             form.query method="get" action="/bucket" {
@@ -33,27 +29,23 @@ pub(super) async fn page<S: Store>(console: &Console<S>, query: Option<&str>) ->
         }
         @match read {
             Some(Ok(read)) => (buckets_card(&read)),
-            Some(Err((_, message))) => section.card { p.error #bucket-error { (message) } },
+            Some(Err(e)) => (e.card("bucket-error")),
             None => "",
         }
     };
     frame(Section::Bucket, "Bucket actions", console.logout, status, body)
 }
 
-async fn peek<S: Store>(
-    console: &Console<S>,
-    domain: &str,
-    given: &str,
-) -> Result<BucketsResponse, (StatusCode, String)> {
+async fn peek<S: Store>(console: &Console<S>, domain: &str, given: &str) -> Result<BucketsResponse, PageError> {
     let request = BucketRequest {
         domain: domain.to_owned(),
-        descriptor: descriptor(given).map_err(|e| (StatusCode::BAD_REQUEST, e))?,
+        descriptor: descriptor(given).map_err(PageError::bad_request)?,
         hits: Some(1),
         tokens: None,
     };
     buckets(&console.limiter, Operation::Peek, request)
         .await
-        .map_err(|e| (e.status(), e.message().to_owned()))
+        .map_err(PageError::from)
 }
 
 fn buckets_card(read: &BucketsResponse) -> Markup {

@@ -1,11 +1,10 @@
 //! The explain page: a form, and the answer of `POST /v1/explain` for the request it (or a
 //! deep link, `/explain?domain=edge&descriptor=api_key=demo`) describes, as a person reads it.
 
-use axum::http::StatusCode;
 use axum::response::Response;
 use maud::{html, Markup};
 
-use super::page::{descriptor_text, descriptors, first, frame, link, query_pairs, Section};
+use super::page::{descriptor_text, descriptors, first, frame, link, query_pairs, PageError, Section};
 use super::Console;
 use crate::admin::explain::{explain, DescriptorView, ExplainDescriptor, ExplainRequest, ExplainResponse};
 use crate::admin::DescriptorEntry;
@@ -25,10 +24,7 @@ pub(super) async fn page<S: Store>(console: &Console<S>, query: Option<&str>) ->
     } else {
         Some(ask(console, &domain, &pairs, &hits).await)
     };
-    let status = match &answer {
-        Some(Err((status, _))) => *status,
-        _ => StatusCode::OK,
-    };
+    let status = PageError::status_of(answer.as_ref());
     let body = html! {
         section.card {
             form.query method="get" action="/explain" {
@@ -45,7 +41,7 @@ pub(super) async fn page<S: Store>(console: &Console<S>, query: Option<&str>) ->
         }
         @match answer {
             Some(Ok((answer, asked))) => (result(&answer, &asked)),
-            Some(Err((_, message))) => section.card { p.error #explain-error { (message) } },
+            Some(Err(e)) => (e.card("explain-error")),
             None => "",
         }
     };
@@ -57,12 +53,11 @@ async fn ask<S: Store>(
     domain: &str,
     pairs: &[(String, String)],
     hits: &str,
-) -> Result<(ExplainResponse, Vec<Vec<DescriptorEntry>>), (StatusCode, String)> {
-    let bad = |message: String| (StatusCode::BAD_REQUEST, message);
+) -> Result<(ExplainResponse, Vec<Vec<DescriptorEntry>>), PageError> {
     let hits: u32 = hits
         .parse()
-        .map_err(|_| bad(format!("hits `{hits}` is not a whole number of at most {}", u32::MAX)))?;
-    let asked = descriptors(pairs).map_err(bad)?;
+        .map_err(|_| PageError::bad_request(format!("hits `{hits}` is not a whole number of at most {}", u32::MAX)))?;
+    let asked = descriptors(pairs).map_err(PageError::bad_request)?;
     let descriptors = asked
         .iter()
         .map(|entries| ExplainDescriptor {
@@ -75,9 +70,7 @@ async fn ask<S: Store>(
         descriptors,
         hits_addend: hits,
     };
-    let answer = explain(&console.limiter, request)
-        .await
-        .map_err(|e| (e.status(), e.message().to_owned()))?;
+    let answer = explain(&console.limiter, request).await.map_err(PageError::from)?;
     Ok((answer, asked))
 }
 

@@ -64,6 +64,53 @@ pub(crate) fn frame(section: Section, title: &str, logout: bool, status: StatusC
     html_response(status, markup)
 }
 
+/// Why a page could not show what it was asked: the status it answers with (as the JSON API
+/// would), and the message it shows.
+pub(crate) struct PageError {
+    pub(crate) status: StatusCode,
+    pub(crate) message: String,
+}
+
+impl PageError {
+    /// `400`: the query is not what the page takes.
+    pub(crate) fn bad_request(message: String) -> PageError {
+        PageError {
+            status: StatusCode::BAD_REQUEST,
+            message,
+        }
+    }
+
+    /// `404`: no such domain, rule or bucket.
+    pub(crate) fn not_found(message: String) -> PageError {
+        PageError {
+            status: StatusCode::NOT_FOUND,
+            message,
+        }
+    }
+
+    /// The status a page answers with when it may show this error: its own, or `200`.
+    pub(crate) fn status_of<T>(outcome: Option<&Result<T, PageError>>) -> StatusCode {
+        match outcome {
+            Some(Err(e)) => e.status,
+            _ => StatusCode::OK,
+        }
+    }
+
+    /// The error as the page shows it, in a card with `id`.
+    pub(crate) fn card(&self, id: &str) -> Markup {
+        html! { section.card { p.error id=(id) { (self.message) } } }
+    }
+}
+
+impl From<crate::admin::ApiError> for PageError {
+    fn from(e: crate::admin::ApiError) -> PageError {
+        PageError {
+            status: e.status(),
+            message: e.message().to_owned(),
+        }
+    }
+}
+
 /// `markup` as a `text/html` answer with `status`.
 pub(crate) fn html_response(status: StatusCode, markup: Markup) -> Response {
     let mut response = (status, markup.into_string()).into_response();

@@ -97,12 +97,6 @@ impl TopDenied {
         true
     }
 
-    /// Counts one denial of `instance`, waiting for the sketch if another thread holds it.
-    pub fn count(&self, instance: DeniedInstance) {
-        let mut counted = self.counted.lock().unwrap_or_else(PoisonError::into_inner);
-        Self::count_in(&mut counted, instance);
-    }
-
     /// One more for `instance` if it is kept; else it takes the place of the least counted
     /// instance once the sketch is full, with that one's count plus one.
     fn count_in(counted: &mut HashMap<DeniedInstance, Tally>, instance: DeniedInstance) {
@@ -172,9 +166,9 @@ mod tests {
         let sketch = TopDenied::new();
         for i in 0..10_000 {
             if i % 4 == 0 {
-                sketch.count(instance("heavy"));
+                sketch.offer(|| [instance("heavy")]);
             }
-            sketch.count(instance(&format!("client-{i}")));
+            sketch.offer(|| [instance(&format!("client-{i}"))]);
         }
         assert_eq!(sketch.counted.lock().unwrap().len(), TopDenied::CAPACITY, "bounded");
         let top = sketch.top(3);
@@ -187,9 +181,9 @@ mod tests {
     fn counts_are_exact_below_the_capacity() {
         let sketch = TopDenied::new();
         for _ in 0..3 {
-            sketch.count(instance("a"));
+            sketch.offer(|| [instance("a")]);
         }
-        sketch.count(instance("b"));
+        sketch.offer(|| [instance("b")]);
         let top = sketch.top(10);
         assert_eq!(top.len(), 2);
         assert_eq!(

@@ -193,13 +193,17 @@ async fn pages_are_guarded_and_carry_a_strict_policy() {
         "named for the port: {cookie}"
     );
     let session = cookie.split(';').next().unwrap().to_owned();
+    // A GET, or a JSON POST of `body`, carrying the session cookie.
+    let get = |path: &str| http.get(format!("{admin}{path}")).header("Cookie", &session).send();
+    let post = |path: &str, body: &'static str| {
+        http.post(format!("{admin}{path}"))
+            .header("Cookie", &session)
+            .header("Content-Type", "application/json")
+            .body(body)
+            .send()
+    };
 
-    let overview = http
-        .get(format!("{admin}/"))
-        .header("Cookie", &session)
-        .send()
-        .await
-        .unwrap();
+    let overview = get("/").await.unwrap();
     assert_eq!(overview.status(), 200);
     let csp = overview.headers()["content-security-policy"]
         .to_str()
@@ -217,23 +221,16 @@ async fn pages_are_guarded_and_carry_a_strict_policy() {
     );
 
     // The cookie admits the JSON API too (what the page's buttons send).
-    let peek = http
-        .post(format!("{admin}/v1/buckets/peek"))
-        .header("Cookie", &session)
-        .header("Content-Type", "application/json")
-        .body(r#"{"domain":"edge","descriptor":[{"key":"api_key","value":"demo"}]}"#)
-        .send()
-        .await
-        .unwrap();
+    let peek = post(
+        "/v1/buckets/peek",
+        r#"{"domain":"edge","descriptor":[{"key":"api_key","value":"demo"}]}"#,
+    )
+    .await
+    .unwrap();
     assert_eq!(peek.status(), 200);
 
     // Deep-link values are escaped.
-    let xss = http
-        .get(format!(
-            "{admin}/explain?domain=edge&descriptor=api_key=%3Cscript%3Ealert(1)%3C/script%3E"
-        ))
-        .header("Cookie", &session)
-        .send()
+    let xss = get("/explain?domain=edge&descriptor=api_key=%3Cscript%3Ealert(1)%3C/script%3E")
         .await
         .unwrap()
         .text()
@@ -243,22 +240,10 @@ async fn pages_are_guarded_and_carry_a_strict_policy() {
     assert!(xss.contains("&lt;script&gt;alert(1)&lt;/script&gt;"), "{xss}");
 
     // Logout ends the session on the server.
-    let out = http
-        .post(format!("{admin}/v1/logout"))
-        .header("Cookie", &session)
-        .header("Content-Type", "application/json")
-        .body("{}")
-        .send()
-        .await
-        .unwrap();
+    let out = post("/v1/logout", "{}").await.unwrap();
     assert_eq!(out.status(), 204);
     assert!(out.headers()["set-cookie"].to_str().unwrap().contains("Max-Age=0"));
-    let after = http
-        .get(format!("{admin}/explain"))
-        .header("Cookie", &session)
-        .send()
-        .await
-        .unwrap();
+    let after = get("/explain").await.unwrap();
     assert_eq!(after.status(), 401, "the old cookie no longer admits");
 }
 
